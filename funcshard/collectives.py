@@ -1,0 +1,126 @@
+"""The collectives funcshard issues, and the byte accounting tests and benchmarks read.
+
+Bytes are counted per rank as the size of the collective's full buffer: the output of an
+all-gather, the input of a reduce-scatter, the tensor of an all-reduce. A collective over a
+group of one rank is skipped and counts nothing. Scalar reductions for metrics are counted
+under "metrics", apart from the formula of the strategies (see ``funcshard.plan`` / README).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommStats", "comm_stats", "all_gather", "reduce_scatter", "all_reduce"]
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Counts filled in while a ``comm_stats()`` block is active.
+
+    Attributes:
+      bytes: bytes per kind ("all_gather", "reduce_scatter", "all_reduce", "metrics").
+      calls: collective calls per kind.
+      gathered_live: bytes of gathered (unsharded) ZeRO-3 params alive right now.
+      gathered_peak: the most bytes of gathered ZeRO-3 params alive at one moment.
+    """
+
+    bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    gathered_live: int = 0
+    gathered_peak: int = 0
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+        self.calls[kind] += 1
+
+
+_ACTIVE: list[CommStats] = []
+
+
+@contextlib.contextmanager
+def comm_stats() -> Iterator[CommStats]:
+    """Counts collective bytes and gathered-param memory inside the block.
+
+    >>> with comm_stats() as stats:  # doctest: +SKIP
+    ...     state, _ = fs.train_step(state, batch, loss_fn)
+    >>> stats.bytes["all_gather"]  # doctest: +SKIP
+    """
+    stats = CommStats()
+    _ACTIVE.append(stats)
+    try:
+        yield stats
+    finally:
+        _ACTIVE.remove(stats)
+
+
+def _record(kind: str, tensor: torch.Tensor) -> None:
+    for stats in _ACTIVE:
+        stats.record(kind, tensor.numel() * tensor.element_size())
+
+
+def track_gathered(buffer: torch.Tensor) -> None:
+    """Accounts a gathered-params buffer as live until it is freed."""
+    nbytes = buffer.numel() * buffer.element_size()
+    watchers = list(_ACTIVE)
+    for stats in watchers:
+        stats.gathered_live += nbytes
+        stats.gathered_peak = max(stats.gathered_peak, stats.gathered_live)
+
+    def _release() -> None:
+        for stats in watchers:
+            stats.gathered_live -= nbytes
+
+    weakref.finalize(buffer, _release)
+
+
+class Pending:
+    """An in-flight collective; ``wait()`` returns its result."""
+
+    def __init__(self, work: dist.Work | None, result: torch.Tensor) -> None:
+        self._work = work
+        self._result = result
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._result
+
+
+def all_gather(local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    """Concatenates every rank's 1-D ``local`` in group rank order."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return Pending(None, local) if async_op else local
+    out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
+    _record("all_gather", out)
+    work = dist.all_gather_single(out, local.contiguous(), group=group, async_op=async_op)
+    return Pending(work, out) if async_op else out
+
+
+def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sums 1-D ``full`` over the group and returns this rank's contiguous 1/size of it."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return full
+    out = torch.empty(full.numel() // size, dtype=full.dtype, device=full.device)
+    _record("reduce_scatter", full)
+    dist.reduce_scatter_single(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_reduce"):
+    """Sums ``tensor`` over the group into a new tensor (the input is left untouched)."""
+    if dist.get_world_size(group) == 1:
+        return tensor
+    out = tensor.clone()
+    _record(kind, out)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out

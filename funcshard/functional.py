@@ -1,0 +1,225 @@
+"""``functional_call``, and ZeRO-3 per-unit gathering as a differentiable function.
+
+Under ``optim_grads_params`` the params handed to ``loss_fn`` are a :class:`GatheredParams`:
+shards plus the recipe to gather them. ``functional_call`` then runs the model with
+
+* the root unit gathered before the model runs (kept to the end of forward);
+* every other unit gathered just before it runs, freed when it returns, the next unit's
+  gather already in flight (prefetch);
+* the gather an autograd function whose transpose is the reduce-scatter: its backward sums the
+  unit's gradient over the shard axis, in ``grad_comm_dtype`` on the wire, and returns this
+  rank's shard in ``main_grads_dtype``;
+* saved-tensor hooks that store a gathered param saved for backward as a token and re-gather
+  the unit when backward unpacks it (previous unit prefetched), so full params are not kept
+  alive between forward and backward and the unit is not recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import stateless
+
+from funcshard import collectives
+from funcshard import reduce as reduce_lib
+from funcshard import sharding as shard_lib
+from funcshard.layout import ROOT_UNIT, Layout
+
+__all__ = ["functional_call", "GatheredParams"]
+
+
+def functional_call(
+    model: nn.Module,
+    params: Any,
+    args: Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    strict: bool = False,
+) -> Any:
+    """Calls ``model`` with ``params`` in place of its parameters.
+
+    Like ``torch.func.functional_call``; ``params`` may also be the :class:`GatheredParams`
+    that ``train_step`` hands to ``loss_fn`` under ``optim_grads_params``.
+    """
+    if not isinstance(args, tuple):
+        args = (args,)
+    if isinstance(params, GatheredParams):
+        with params._running(model) as root:
+            return torch.func.functional_call(model, root, args, kwargs, strict=False)
+    return torch.func.functional_call(model, params, args, kwargs, strict=strict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Token:
+    """A gathered param saved for backward, as a recipe to re-gather it."""
+
+    bucket: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: all-gather a bucket (full layout). Backward: reduce-scatter its gradient."""
+
+    @staticmethod
+    def forward(ctx, carrier: torch.Tensor, gp: GatheredParams, bucket: int):  # noqa: ARG004
+        ctx.gp, ctx.bucket = gp, bucket
+        full = gp._full(bucket)
+        specs = gp.layout.bucket_leaves(gp.layout.buckets[bucket])
+        return tuple(shard_lib.full_view(full, s, gp.layout.shard_size) for s in specs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return ctx.gp._reduce(ctx.bucket, grads), None, None
+
+
+class GatheredParams:
+    """ZeRO-3 params for one forward/backward: local compute shards and gradient carriers.
+
+    ``torch.autograd.grad(loss, gp.carriers)`` returns, per bucket, this rank's shard of the
+    gradient reduced over the shard axis (``reduce.reduce_shard_axis``), in the bucket's
+    main-grads dtype.
+    """
+
+    def __init__(self, layout: Layout, shards: list[torch.Tensor]) -> None:
+        self.layout = layout
+        self.shards = shards
+        self.carriers = tuple(
+            torch.zeros(1, dtype=b.dtypes.grad, device=layout.device).expand(b.numel)
+            .detach().requires_grad_()
+            for b in layout.buckets
+        )
+        self._by_unit: dict[int, list[int]] = {}
+        for b in layout.buckets:
+            self._by_unit.setdefault(b.unit, []).append(b.index)
+        self._order: list[int] = []  # units in the order forward ran them
+        self._pending: dict[int, collectives.Pending] = {}
+        self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
+        self._saved_refs: dict[int, int] = {}
+        self._regathered: dict[int, torch.Tensor] = {}
+
+    # --- gathering --------------------------------------------------------------------------
+    def _prefetch(self, unit: int) -> None:
+        for b in self._by_unit.get(unit, ()):
+            if b not in self._pending:
+                self._pending[b] = collectives.all_gather(
+                    self.shards[b], self.layout.shard_group, async_op=True
+                )
+
+    def _full(self, bucket: int) -> torch.Tensor:
+        """The bucket's full buffer, from a prefetch if one is in flight."""
+        pending = self._pending.pop(bucket, None)
+        if pending is None:
+            pending = collectives.all_gather(self.shards[bucket], self.layout.shard_group,
+                                             async_op=True)
+        specs = self.layout.bucket_leaves(self.layout.buckets[bucket])
+        full = shard_lib.from_rank_sections(pending.wait(), specs, self.layout.shard_size)
+        del pending
+        collectives.track_gathered(full)
+        self._storages[full.untyped_storage().data_ptr()] = (bucket, weakref.ref(full))
+        return full
+
+    def _unit_params(self, unit: int, prefix: str) -> dict[str, torch.Tensor]:
+        strip = len(prefix) + 1 if prefix else 0
+        params = {}
+        for b in self._by_unit.get(unit, ()):
+            specs = self.layout.bucket_leaves(self.layout.buckets[b])
+            views = _Gather.apply(self.carriers[b], self, b)
+            params.update({s.name[strip:]: v for s, v in zip(specs, views, strict=True)})
+        return params
+
+    def _reduce(self, bucket: int, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        b = self.layout.buckets[bucket]
+        specs = self.layout.bucket_leaves(b)
+        sections = shard_lib.to_rank_sections(list(grads), specs, self.layout.shard_size,
+                                              b.dtypes.comm)
+        return reduce_lib.reduce_shard_axis(self.layout, b, sections)
+
+    # --- saved tensors ------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t
+        entry = self._storages.get(ptr)
+        if entry is None or entry[1]() is None:
+            return t
+        bucket = entry[0]
+        self._saved_refs[bucket] = self._saved_refs.get(bucket, 0) + 1
+        return _Token(bucket, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _Token):
+            return x
+        full = self._regathered.get(x.bucket)
+        if full is None:
+            unit = self.layout.buckets[x.bucket].unit
+            for b in self._by_unit[unit]:
+                if b not in self._regathered and self._saved_refs.get(b, 0) > 0:
+                    self._regathered[b] = self._full(b)
+            self._prefetch_backward(unit)
+            full = self._regathered[x.bucket]
+        self._saved_refs[x.bucket] -= 1
+        if self._saved_refs[x.bucket] <= 0:
+            self._regathered.pop(x.bucket, None)
+        return full.as_strided(x.size, x.stride, x.offset)
+
+    def _prefetch_backward(self, unit: int) -> None:
+        """Starts gathering the unit that ran before ``unit`` in forward, if backward needs it."""
+        i = self._order.index(unit) if unit in self._order else 0
+        if i == 0:
+            return
+        for b in self._by_unit.get(self._order[i - 1], ()):
+            needed = self._saved_refs.get(b, 0) > 0 and b not in self._regathered
+            if needed and b not in self._pending:
+                self._pending[b] = collectives.all_gather(
+                    self.shards[b], self.layout.shard_group, async_op=True)
+
+    # --- running the model ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _running(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+        units = self.layout.units
+        modules = [model.get_submodule(prefix) if prefix else model for prefix in units]
+        patched = []
+        for unit in range(1, len(units)):
+            module = modules[unit]
+            if "forward" in module.__dict__:
+                raise RuntimeError(f"unit {units[unit]!r} already has an instance forward")
+            module.forward = self._unit_forward(unit, units[unit], module)
+            patched.append(module)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                self._order.append(ROOT_UNIT)
+                root = self._unit_params(ROOT_UNIT, "")
+                # Unit params stand in as meta tensors: a unit that ran without being gathered
+                # fails loudly instead of silently using the module's stale weights.
+                for spec in self.layout.leaves:
+                    if spec.unit != ROOT_UNIT:
+                        root[spec.name] = torch.empty(spec.shape, dtype=spec.dtypes.compute,
+                                                      device="meta")
+                self._prefetch(1)
+                yield root
+        finally:
+            for module in patched:
+                del module.forward
+            self._pending.clear()
+
+    def _unit_forward(self, unit: int, prefix: str, module: nn.Module):
+        original = type(module).forward.__get__(module)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self._order.append(unit)
+            params = self._unit_params(unit, prefix)
+            if unit + 1 < len(self.layout.units):
+                self._prefetch(unit + 1)
+            with stateless._reparametrize_module(module, params, strict=False):
+                return original(*args, **kwargs)
+
+        return forward

@@ -1,0 +1,82 @@
+"""Local multi-process launch over torch.distributed (gloo on CPU, NCCL one process per GPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["launch", "free_port", "init_process_group"]
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, port: int, backend: str | None = None) -> None:
+    """Joins a local process group on 127.0.0.1:port and sets the usual torchrun variables."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    try:
+        init_process_group(rank, world_size, port)
+        result = fn(*args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
+        queue.put((rank, False, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
+    """Runs ``fn(*args)`` on ``nproc`` local ranks and returns each rank's result (rank order).
+
+    ``fn`` must be importable (a module-level function). Raises RuntimeError carrying the first
+    failing rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = mp.start_processes(
+        _entry, args=(nproc, port, fn, args, queue), nprocs=nproc, join=False, start_method="spawn"
+    )
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    for _ in range(nproc):
+        rank, ok, value = queue.get()
+        if ok:
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+            break
+    if errors:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+        raise RuntimeError("fs.launch: a rank failed\n" + "\n".join(errors))
+    procs.join()
+    return [results[r] for r in range(nproc)]

@@ -1,0 +1,245 @@
+"""Static shard layout: which rows of which parameter each rank owns, and how leaves bucket.
+
+Every parameter is sharded on dim 0 over the "shard" axis, FSDP2 style: ``rows`` is padded to
+``shard_size * rows_per_shard`` and shard rank ``r`` owns rows ``[r * rps, (r + 1) * rps)``,
+of which only the ones below ``rows`` are real. A 0-d parameter counts as one row. ``no_shard``
+is the same layout with a shard size of 1 (everything is replicated over the whole world).
+
+Leaves of one gather unit with the same dtypes and placement form a bucket: one flat buffer,
+one collective, one fused optimizer call. The layout is computed locally from parameter shapes
+and the mesh shape alone, so every rank derives the same one without communicating.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from funcshard import mesh as mesh_lib
+from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
+
+__all__ = ["STRATEGIES", "LeafSpec", "Bucket", "Layout", "build_layout", "default_units"]
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+ROOT_UNIT = 0
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafSpec:
+    """Where one parameter lives. ``offset`` is into its bucket's local flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtypes: LeafDtypes
+    unit: int
+    rows: int
+    rows_per_shard: int
+    row_numel: int
+    bucket: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one padded shard."""
+        return self.rows_per_shard * self.row_numel
+
+    def row_range(self, shard_rank: int) -> tuple[int, int]:
+        """The real rows ``[start, stop)`` owned by ``shard_rank`` (may be empty)."""
+        start = min(shard_rank * self.rows_per_shard, self.rows)
+        return start, min(start + self.rows_per_shard, self.rows)
+
+    def shard_shape(self, shard_rank: int) -> tuple[int, ...]:
+        start, stop = self.row_range(shard_rank)
+        return (stop - start, *self.shape[1:]) if self.shape else ((stop - start),)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bucket:
+    """Leaves that move and step together: one unit, one set of dtypes, one placement."""
+
+    index: int
+    unit: int
+    dtypes: LeafDtypes
+    offload: bool
+    leaves: tuple[int, ...]
+    numel: int  # local (per-shard) flat elements, padding included
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """Static metadata of a TrainState: never a pytree leaf, identical on every rank."""
+
+    mesh: DeviceMesh
+    policy: MixedPrecisionPolicy
+    strategy: str
+    leaves: tuple[LeafSpec, ...]
+    buckets: tuple[Bucket, ...]
+    units: tuple[str, ...]  # module prefix per unit; "" is the root unit
+    device: torch.device
+    offload_fraction: float
+
+    @property
+    def shard_size(self) -> int:
+        return 1 if self.strategy == "no_shard" else mesh_lib.axis_size(self.mesh, "shard")
+
+    @property
+    def shard_rank(self) -> int:
+        return 0 if self.strategy == "no_shard" else mesh_lib.axis_rank(self.mesh, "shard")
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def shard_group(self):
+        return mesh_lib.axis_group(self.mesh, "shard")
+
+    @property
+    def replicate_group(self):
+        """The group gradient shards are all-reduced over (the world when nothing is sharded)."""
+        if self.strategy == "no_shard":
+            return mesh_lib.world_group(self.mesh)
+        return mesh_lib.axis_group(self.mesh, "replicate")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(leaf.name for leaf in self.leaves)
+
+    def leaf(self, name: str) -> LeafSpec:
+        for spec in self.leaves:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"no parameter named {name!r} in this state")
+
+    def bucket_leaves(self, bucket: Bucket) -> list[LeafSpec]:
+        return [self.leaves[i] for i in bucket.leaves]
+
+    def achieved_offload_fraction(self) -> float:
+        total = sum(b.numel for b in self.buckets)
+        return sum(b.numel for b in self.buckets if b.offload) / total if total else 0.0
+
+
+UnitsArg = Sequence[str] | Callable[[str, nn.Module], bool] | None
+
+
+def default_units(model: nn.Module) -> list[str]:
+    """The repeated blocks: each child of an ``nn.ModuleList`` that holds parameters.
+
+    A ModuleList nested inside a unit does not split that unit further.
+    """
+    units: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        if any(name == u or name.startswith(u + ".") for u in units):
+            continue
+        for child_name, child in module.named_children():
+            if any(True for _ in child.parameters()):
+                units.append(f"{name}.{child_name}" if name else child_name)
+    return units
+
+
+def _resolve_units(model: nn.Module, units: UnitsArg) -> list[str]:
+    if units is None:
+        return default_units(model)
+    if callable(units):
+        return [name for name, m in model.named_modules() if name and units(name, m)]
+    modules = dict(model.named_modules())
+    missing = [u for u in units if u not in modules or not u]
+    if missing:
+        raise ValueError(f"units: no submodule named {missing} in {type(model).__name__}")
+    return list(units)
+
+
+def _unit_of(name: str, prefixes: list[str]) -> int:
+    for i, prefix in enumerate(prefixes):
+        if name.startswith(prefix + "."):
+            return i + 1
+    return ROOT_UNIT
+
+
+def _pick_offloaded(sizes: list[int], fraction: float) -> set[int]:
+    """Whole leaves whose summed size is closest to ``fraction`` of the total, deterministically.
+
+    Greedy over leaves from largest to smallest (ties broken by position), taking a leaf when it
+    brings the running sum closer to the target.
+    """
+    if fraction <= 0:
+        return set()
+    if fraction >= 1:
+        return set(range(len(sizes)))
+    target = fraction * sum(sizes)
+    chosen: set[int] = set()
+    acc = 0
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        if abs(acc + sizes[i] - target) < abs(acc - target):
+            chosen.add(i)
+            acc += sizes[i]
+    return chosen
+
+
+def build_layout(
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    *,
+    model: nn.Module | None,
+    mesh: DeviceMesh,
+    policy: MixedPrecisionPolicy,
+    strategy: str,
+    offload_fraction: float = 0.0,
+    units: UnitsArg = None,
+) -> Layout:
+    """Computes the layout from ``{name: (shape, dtype)}`` in ``named_parameters`` order."""
+    check_strategy(strategy)
+    if not 0.0 <= offload_fraction <= 1.0:
+        raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
+    prefixes = _resolve_units(model, units) if model is not None else list(units or [])
+    shard_size = 1 if strategy == "no_shard" else mesh_lib.axis_size(mesh, "shard")
+
+    raw = []
+    for name, (shape, dtype) in params.items():
+        if not dtype.is_floating_point:
+            raise TypeError(f"parameter {name!r}: expected a floating dtype, got {dtype}")
+        rows = shape[0] if shape else 1
+        row_numel = math.prod(shape[1:]) if shape else 1
+        rps = -(-rows // shard_size)
+        raw.append((name, tuple(shape), policy.resolve(dtype), _unit_of(name, prefixes), rows,
+                    rps, row_numel))
+    offloaded = _pick_offloaded([r[5] * r[6] for r in raw], offload_fraction)
+
+    # Buckets in order of first appearance of (unit, dtypes, placement), leaves in model order.
+    keys: dict[tuple, list[int]] = {}
+    for i, (_, _, dtypes, unit, *_rest) in enumerate(raw):
+        keys.setdefault((unit, dtypes, i in offloaded), []).append(i)
+    leaves: list[LeafSpec | None] = [None] * len(raw)
+    buckets = []
+    for b, ((unit, dtypes, off), members) in enumerate(sorted(keys.items(), key=lambda kv: kv[1][0])):
+        offset = 0
+        for i in members:
+            name, shape, _, _, rows, rps, row_numel = raw[i]
+            leaves[i] = LeafSpec(name, shape, dtypes, unit, rows, rps, row_numel, b, offset)
+            offset += rps * row_numel
+        buckets.append(Bucket(b, unit, dtypes, off, tuple(members), offset))
+    return Layout(
+        mesh=mesh,
+        policy=policy,
+        strategy=strategy,
+        leaves=tuple(leaves),
+        buckets=tuple(buckets),
+        units=("", *prefixes),
+        device=mesh_lib.local_device(mesh),
+        offload_fraction=offload_fraction,
+    )

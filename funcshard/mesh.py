@@ -1,0 +1,79 @@
+"""Device meshes: a torch DeviceMesh with axes ("replicate", "shard")."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["make_mesh", "local_device", "axis_size", "axis_rank", "axis_group", "world_group"]
+
+AXES = ("replicate", "shard")
+
+
+def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = None) -> DeviceMesh:
+    """Builds the ("replicate", "shard") mesh over all ranks.
+
+    Args:
+      shard: ranks per shard group; -1 means world_size // replicate.
+      replicate: number of replicas (HSDP when > 1).
+      device_type: "cuda" or "cpu"; None picks "cuda" when available.
+
+    Raises:
+      RuntimeError: torch.distributed is not initialized.
+      ValueError: shard x replicate does not equal the world size.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "make_mesh: torch.distributed is not initialized; run under torchrun or fs.launch"
+        )
+    world = dist.get_world_size()
+    if replicate < 1:
+        raise ValueError(f"make_mesh: replicate must be >= 1, got {replicate}")
+    if shard == -1:
+        if world % replicate:
+            raise ValueError(f"make_mesh: world size {world} is not divisible by replicate={replicate}")
+        shard = world // replicate
+    if shard < 1 or shard * replicate != world:
+        raise ValueError(
+            f"make_mesh: shard ({shard}) x replicate ({replicate}) must equal the world size {world}"
+        )
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
+
+
+def local_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's shards live on."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    return mesh.size(AXES.index(axis))
+
+
+def axis_rank(mesh: DeviceMesh, axis: str) -> int:
+    return mesh.get_local_rank(axis)
+
+
+def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
+    return mesh.get_group(axis)
+
+
+_FLAT_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A group over every rank of the mesh (the data-parallel world)."""
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    key = id(mesh)
+    if key not in _FLAT_GROUPS:
+        _FLAT_GROUPS[key] = mesh._flatten("dp").get_group()
+    return _FLAT_GROUPS[key]

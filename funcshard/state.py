@@ -1,0 +1,300 @@
+"""TrainState: the immutable training state, and ``init`` which builds it.
+
+The one source of truth per weight is the master flat buffer of its bucket (on the device, or
+on the CPU for an offloaded bucket). Everything else is derived from it by
+:func:`derive_compute`: the full compute params of ZeRO 0-2, the device compute shard of an
+offloaded ZeRO-3 bucket. ZeRO-3 buckets on the device keep no compute copy at all: their shard
+is cast from the master at gather time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from funcshard import sharding as shard_lib
+from funcshard.layout import Layout, UnitsArg, build_layout
+from funcshard.optim import Optimizer
+from funcshard.policy import MixedPrecisionPolicy
+
+__all__ = ["TrainState", "LossScale", "init", "derive_compute", "describe", "tree"]
+
+NAMESPACE = "funcshard"
+tree = optree.pytree.reexport(namespace=NAMESPACE, module="funcshard.tree")
+
+
+class ConsumedStateError(RuntimeError):
+    """A TrainState was used after a function consumed it."""
+
+
+class LossScale(NamedTuple):
+    """Dynamic loss scale for fp16 compute: the scale and finite steps since it last changed."""
+
+    scale: float
+    good_steps: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+    layout: Layout
+    optimizer: Optimizer
+
+
+class _Liveness:
+    __slots__ = ("consumed_by",)
+
+    def __init__(self) -> None:
+        self.consumed_by: str | None = None
+
+
+class TrainState:
+    """Params (master shards), optimizer state, step and loss scale, as an optree pytree.
+
+    Leaves: ``master`` (one flat buffer per bucket), ``compute`` (derived, per bucket, None
+    where not kept), ``opt_state`` (the optimizer's state over the master buffers), ``step``,
+    ``loss_scale``. Static (off the leaves): layout (mesh, policy, strategy, shard layout) and
+    the optimizer. A consumed state raises on any use.
+    """
+
+    __slots__ = ("_master", "_compute", "_opt_state", "_step", "_loss_scale", "_static", "_live")
+
+    def __init__(
+        self,
+        master: tuple[torch.Tensor, ...],
+        compute: tuple[torch.Tensor | None, ...],
+        opt_state: Any,
+        step: int,
+        loss_scale: LossScale | None,
+        static: _Static,
+    ) -> None:
+        for name, value in (("_master", tuple(master)), ("_compute", tuple(compute)),
+                            ("_opt_state", opt_state), ("_step", int(step)),
+                            ("_loss_scale", loss_scale), ("_static", static),
+                            ("_live", _Liveness())):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("TrainState is immutable; functions return a new one")
+
+    def _check(self) -> None:
+        by = self._live.consumed_by
+        if by is not None:
+            raise ConsumedStateError(
+                f"this TrainState was consumed by {by} (its buffers may have been reused); "
+                "use the state that call returned"
+            )
+
+    def _consume(self, by: str) -> None:
+        self._check()
+        self._live.consumed_by = by
+
+    @property
+    def consumed(self) -> bool:
+        return self._live.consumed_by is not None
+
+    # --- leaves -------------------------------------------------------------------------
+    @property
+    def master(self) -> tuple[torch.Tensor, ...]:
+        self._check()
+        return self._master
+
+    @property
+    def compute(self) -> tuple[torch.Tensor | None, ...]:
+        self._check()
+        return self._compute
+
+    @property
+    def opt_state(self) -> Any:
+        self._check()
+        return self._opt_state
+
+    @property
+    def step(self) -> int:
+        self._check()
+        return self._step
+
+    @property
+    def loss_scale(self) -> LossScale | None:
+        self._check()
+        return self._loss_scale
+
+    # --- static -------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return self._static.layout
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self._static.optimizer
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.layout.mesh
+
+    @property
+    def policy(self) -> MixedPrecisionPolicy:
+        return self.layout.policy
+
+    @property
+    def strategy(self) -> str:
+        return self.layout.strategy
+
+    # --- views by parameter name ----------------------------------------------------------
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """This rank's master weights by parameter name (real rows only, no padding)."""
+        return self._by_name(self.master)
+
+    def _by_name(self, flats: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        layout, r = self.layout, self.layout.shard_rank
+        views = {}
+        for bucket, flat in zip(layout.buckets, flats, strict=True):
+            for spec in layout.bucket_leaves(bucket):
+                views[spec.name] = shard_lib.local_view(flat, spec, r)
+        return {n: views[n] for n in layout.names}
+
+    def opt_state_by_name(self) -> Any:
+        """The optimizer state with every per-bucket tuple of buffers keyed by parameter name."""
+        n_buckets = len(self.layout.buckets)
+
+        def is_bucket_tuple(x: Any) -> bool:
+            return (isinstance(x, tuple) and not hasattr(x, "_fields") and len(x) == n_buckets
+                    and all(isinstance(t, torch.Tensor) for t in x))
+
+        return optree.tree_map(
+            lambda x: self._by_name(x) if is_bucket_tuple(x) else x,
+            self.opt_state,
+            is_leaf=is_bucket_tuple,
+            none_is_leaf=True,
+        )
+
+    @property
+    def filled(self) -> bool:
+        """False for a state built from a meta-device model and not yet restored."""
+        return not any(t.is_meta for t in self.master)
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A new state with some leaves changed; this one stays valid (nothing is donated)."""
+        fields = dict(master=self.master, compute=self.compute, opt_state=self.opt_state,
+                      step=self.step, loss_scale=self.loss_scale)
+        fields.update(changes)
+        return TrainState(**fields, static=self._static)
+
+    def __repr__(self) -> str:
+        if self.consumed:
+            return "TrainState(<consumed>)"
+        return (f"TrainState(step={self._step}, strategy={self.strategy!r}, "
+                f"params={len(self.layout.leaves)}, buckets={len(self.layout.buckets)})")
+
+
+def _flatten(state: TrainState):
+    state._check()
+    children = (state._master, state._compute, state._opt_state, state._step, state._loss_scale)
+    return children, state._static, ("master", "compute", "opt_state", "step", "loss_scale")
+
+
+def _unflatten(static: _Static, children) -> TrainState:
+    return TrainState(*children, static=static)
+
+
+tree.register_node(TrainState, _flatten, _unflatten)
+
+
+def derive_compute(layout: Layout, master: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The compute copies implied by the master buffers (a collective under ZeRO 1-2).
+
+    ZeRO 0-2: per bucket the full compute params (full layout, compute dtype, on the device),
+    the master itself when no cast or move is needed. ZeRO-3: only offloaded buckets keep a
+    device compute shard; the others are cast at gather time.
+    """
+    out = []
+    for bucket, m in zip(layout.buckets, master, strict=True):
+        dtype = bucket.dtypes.compute
+        if m.is_meta:
+            size = m.numel() * (1 if layout.strategy == "optim_grads_params" else layout.shard_size)
+            out.append(None if layout.strategy == "optim_grads_params" and not bucket.offload
+                       else torch.empty(size, dtype=dtype, device="meta"))
+            continue
+        local = m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
+        if layout.strategy == "optim_grads_params":
+            out.append(local if bucket.offload else None)
+        else:
+            out.append(shard_lib.gather_full(layout, bucket, local))
+    return tuple(out)
+
+
+def init(
+    model: nn.Module,
+    opt: Optimizer,
+    *,
+    mesh: DeviceMesh,
+    policy: MixedPrecisionPolicy | None = None,
+    strategy: str = "optim_grads_params",
+    offload_fraction: float = 0.0,
+    units: UnitsArg = None,
+) -> TrainState:
+    """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
+
+    Args:
+      model: holds the initial weights, identical on every rank; a meta-device model gives a
+        state without values that ``restore`` must fill.
+      opt: a pure optimizer from ``funcshard.optim``.
+      mesh: from ``make_mesh``.
+      policy: mixed precision; default fp32 masters and grads, the model's compute dtype.
+      strategy: "no_shard" | "optim" | "optim_grads" | "optim_grads_params".
+      offload_fraction: share of this rank's optimizer numel stepped on the CPU.
+      units: gather units: submodule names or a predicate ``(name, module) -> bool``; None =
+        the children of every ``nn.ModuleList``. The remaining params form the root unit.
+    """
+    policy = policy or MixedPrecisionPolicy()
+    named = dict(model.named_parameters())
+    layout = build_layout(
+        {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
+        model=model,
+        mesh=mesh,
+        policy=policy,
+        strategy=strategy,
+        offload_fraction=offload_fraction,
+        units=units,
+    )
+    master = []
+    for bucket in layout.buckets:
+        specs = layout.bucket_leaves(bucket)
+        device = "cpu" if bucket.offload else layout.device
+        flat = shard_lib.pack_local([named[s.name] for s in specs], specs, layout.shard_rank,
+                                    dtype=bucket.dtypes.master, device=device)
+        if bucket.offload and flat.device.type == "cpu" and layout.device.type == "cuda":
+            flat = flat.pin_memory()
+        master.append(flat)
+    master = tuple(master)
+    fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
+    loss_scale = LossScale(float(policy.loss_scale_init), 0) if fp16 else None
+    return TrainState(
+        master=master,
+        compute=derive_compute(layout, master),
+        opt_state=opt.init(master),
+        step=0,
+        loss_scale=loss_scale,
+        static=_Static(layout, opt),
+    )
+
+
+def describe(state: TrainState) -> str:
+    """A short human-readable summary of a state's layout and memory on this rank."""
+    layout = state.layout
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
+    opt_leaves = [t for t in optree.tree_leaves(state.opt_state) if isinstance(t, torch.Tensor)]
+    lines = [
+        f"strategy={layout.strategy} mesh={tuple(layout.mesh.shape)} shard_size={layout.shard_size}",
+        f"params={len(layout.leaves)} buckets={len(layout.buckets)} units={len(layout.units)}",
+        f"offload_fraction requested={layout.offload_fraction:.3f} "
+        f"achieved={layout.achieved_offload_fraction():.3f}",
+        f"bytes: master={nbytes(state.master)} compute={nbytes(state.compute)} "
+        f"opt_state={nbytes(opt_leaves)}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""``train_step``: gather, grad, ``reduce_scatter_grads``, ``offload_step``, in that order."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from funcshard import collectives
+from funcshard import mesh as mesh_lib
+from funcshard import offload as offload_lib
+from funcshard import reduce as reduce_lib
+from funcshard import sharding as shard_lib
+from funcshard.functional import GatheredParams
+from funcshard.layout import Layout
+from funcshard.state import LossScale, TrainState
+
+__all__ = ["train_step", "full_params", "split_microbatches"]
+
+LossFn = Callable[[Any, Any], Any]
+
+
+def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
+    """Splits every tensor of ``batch`` on dim 0 into ``microbatches`` nearly equal parts."""
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    leaves, treedef = optree.tree_flatten(batch)
+    for path, leaf in zip(optree.tree_paths(batch), leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            raise TypeError(f"batch leaf {path}: expected a tensor with a batch dim, got {leaf!r}")
+        if leaf.shape[0] < microbatches:
+            raise ValueError(
+                f"batch leaf {path}: {leaf.shape[0]} rows cannot split into {microbatches} microbatches"
+            )
+    parts = [torch.tensor_split(leaf, microbatches) for leaf in leaves]
+    return [optree.tree_unflatten(treedef, [p[i] for p in parts]) for i in range(microbatches)]
+
+
+def _loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
+    loss, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"loss_fn must return a scalar tensor or (loss, aux); got {type(loss)}")
+    return loss.reshape(()), aux
+
+
+def _zero3_grads(layout: Layout, state: TrainState, batch: Any, loss_fn: LossFn, scale: float):
+    """Per bucket: this rank's gradient shard, already reduced over "shard"."""
+    shards = [c if c is not None else m.to(layout.device, b.dtypes.compute)
+              for b, m, c in zip(layout.buckets, state.master, state.compute, strict=True)]
+    gp = GatheredParams(layout, shards)
+    loss, aux = _loss_and_aux(loss_fn(gp, batch))
+    grads = torch.autograd.grad(loss * scale, gp.carriers, allow_unused=True)
+    out = [g if g is not None else torch.zeros(b.numel, dtype=b.dtypes.grad, device=layout.device)
+           for g, b in zip(grads, layout.buckets, strict=True)]
+    return loss.detach(), aux, out
+
+
+def _replicated_grads(layout: Layout, state: TrainState, batch: Any, loss_fn: LossFn, scale: float):
+    """Per bucket: this rank's unreduced full gradient in the rank-section layout."""
+    S = layout.shard_size
+    params, order = {}, []
+    for bucket, full in zip(layout.buckets, state.compute, strict=True):
+        for spec in layout.bucket_leaves(bucket):
+            params[spec.name] = shard_lib.full_view(full, spec, S).detach().requires_grad_()
+            order.append(spec.name)
+    loss, aux = _loss_and_aux(loss_fn({n: params[n] for n in layout.names}, batch))
+    grads = dict(zip(order, torch.autograd.grad(loss * scale, [params[n] for n in order],
+                                                allow_unused=True), strict=True))
+    out = []
+    for bucket in layout.buckets:
+        specs = layout.bucket_leaves(bucket)
+        out.append(shard_lib.to_rank_sections([grads[s.name] for s in specs], specs, S,
+                                              bucket.dtypes.grad))
+    return loss.detach(), aux, out
+
+
+def _accumulate(acc: list[torch.Tensor] | None, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    if acc is None:
+        return grads
+    torch._foreach_add_(acc, grads)
+    return acc
+
+
+def _global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of the averaged gradient over all ranks; padding holds zeros and adds nothing."""
+    sq = torch.zeros((), dtype=torch.float64, device=layout.device)
+    for g in grads:
+        sq += g.double().square().sum().to(layout.device)
+    if layout.shard_size > 1:
+        sq = collectives.all_reduce(sq, layout.shard_group, kind="metrics")
+    return sq.sqrt()
+
+
+def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
+    """Names of the params whose reduced gradient holds a NaN or Inf on any rank."""
+    flags = torch.zeros(len(layout.leaves), dtype=torch.float32, device=layout.device)
+    for bucket, g in zip(layout.buckets, grads, strict=True):
+        for index in bucket.leaves:
+            spec = layout.leaves[index]
+            part = g[spec.offset : spec.offset + spec.shard_numel]
+            flags[index] = float(not bool(torch.isfinite(part).all()))
+    if layout.shard_size > 1:
+        flags = collectives.all_reduce(flags, layout.shard_group, kind="metrics")
+    return [spec.name for spec, f in zip(layout.leaves, flags.tolist(), strict=True) if f > 0]
+
+
+def _next_loss_scale(ls: LossScale | None, finite: bool, interval: int) -> LossScale | None:
+    if ls is None:
+        return None
+    if not finite:
+        return LossScale(ls.scale / 2, 0)
+    if ls.good_steps + 1 >= interval:
+        return LossScale(ls.scale * 2, 0)
+    return LossScale(ls.scale, ls.good_steps + 1)
+
+
+def train_step(
+    state: TrainState, batch: Any, loss_fn: LossFn, microbatches: int = 1
+) -> tuple[TrainState, dict[str, Any]]:
+    """One optimizer step on this rank's ``batch``; consumes ``state``.
+
+    The update uses the mean over data-parallel ranks and microbatches of the gradients of
+    ``loss_fn(params, microbatch)``. A step whose gradient is not finite changes nothing but
+    the fp16 loss scale.
+
+    Returns:
+      ``(new_state, metrics)`` with "loss" (global mean), "grad_norm" (global L2 norm of the
+      averaged gradient), "nonfinite" (0 or 1), "nonfinite_params" (names, when nonfinite),
+      "loss_scale" (fp16 only) and "aux" (the last microbatch's aux, if ``loss_fn`` gives one).
+    """
+    layout = state.layout
+    state._check()
+    if not state.filled:
+        raise RuntimeError("train_step: the state holds no values (built from a meta-device "
+                           "model); fill it with fs.restore(..., model_only=True) first")
+    zero3 = layout.strategy == "optim_grads_params"
+    per_microbatch_reduce = layout.strategy in ("optim_grads", "optim_grads_params")
+    ls = state.loss_scale
+    scale = (ls.scale if ls is not None else 1.0) / microbatches
+    grads_fn = _zero3_grads if zero3 else _replicated_grads
+
+    acc, loss_sum, aux = None, torch.zeros((), dtype=torch.float64, device=layout.device), None
+    for mb in split_microbatches(batch, microbatches):
+        loss, aux, grads = grads_fn(layout, state, mb, loss_fn, scale)
+        if per_microbatch_reduce and not zero3:
+            grads = [reduce_lib.reduce_shard_axis(layout, b, g)
+                     for b, g in zip(layout.buckets, grads, strict=True)]
+        acc = _accumulate(acc, grads)
+        loss_sum += loss.double()
+    if not per_microbatch_reduce:
+        acc = [reduce_lib.reduce_shard_axis(layout, b, g) for b, g in zip(layout.buckets, acc, strict=True)]
+    acc = [reduce_lib.reduce_replicate_axis(layout, b, g) for b, g in zip(layout.buckets, acc, strict=True)]
+    if ls is not None:
+        torch._foreach_mul_(acc, 1.0 / ls.scale)
+
+    norm = float(_global_norm(layout, acc))
+    finite = math.isfinite(norm)
+    loss_mean = collectives.all_reduce(loss_sum, mesh_lib.world_group(layout.mesh), kind="metrics")
+    metrics: dict[str, Any] = {
+        "loss": float(loss_mean) / (microbatches * layout.dp_size),
+        "grad_norm": norm,
+        "nonfinite": int(not finite),
+    }
+    new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
+    if new_ls is not None:
+        metrics["loss_scale"] = new_ls.scale
+    if aux is not None:
+        metrics["aux"] = aux
+    if not finite:
+        metrics["nonfinite_params"] = _nonfinite_leaves(layout, acc)
+        new_state = state.replace(loss_scale=new_ls)
+        state._consume("train_step")
+        return new_state, metrics
+    new_state = offload_lib.offload_step(state, tuple(acc), _consumer="train_step")
+    return new_state.replace(loss_scale=new_ls), metrics
+
+
+def full_params(state: TrainState) -> dict[str, torch.Tensor]:
+    """Every parameter's full tensor in the model's dtype, on every rank (a collective)."""
+    layout = state.layout
+    if not state.filled:
+        raise RuntimeError("full_params: the state holds no values; restore it first")
+    out = {}
+    for bucket, m in zip(layout.buckets, state.master, strict=True):
+        local = m.to(layout.device, bucket.dtypes.model)
+        if local.data_ptr() == m.data_ptr():
+            local = local.clone()
+        full = shard_lib.gather_full(layout, bucket, local)
+        for spec in layout.bucket_leaves(bucket):
+            out[spec.name] = shard_lib.full_view(full, spec, layout.shard_size)
+    return {n: out[n] for n in layout.names}
