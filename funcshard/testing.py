@@ -44,7 +44,10 @@ class RankPool:
     def __init__(self, nproc: int, timeout: float = 600.0) -> None:
         self.nproc = nproc
         self.timeout = timeout
-        ctx = mp.get_context("spawn")
+        self._start()
+
+    def _start(self) -> None:
+        ctx, nproc = mp.get_context("spawn"), self.nproc
         self._inboxes = [ctx.Queue() for _ in range(nproc)]
         self._outbox = ctx.Queue()
         port = free_port()
@@ -62,10 +65,11 @@ class RankPool:
 
         Raises:
           RuntimeError: a rank raised (its traceback is in the message) or timed out; the
-            pool is then closed, since the ranks may disagree on the collectives they ran.
+            ranks are then stopped (they may disagree on the collectives they ran) and the
+            next call starts fresh ones.
         """
-        if self._broken:
-            raise RuntimeError("RankPool: an earlier call failed; the pool is closed")
+        if self._broken:  # an earlier call failed: the ranks may disagree, start afresh
+            self._start()
         for q in self._inboxes:
             q.put((fn, args, kwargs))
         results: dict[int, Any] = {}

@@ -1,0 +1,32 @@
+"""Session-wide pools of gloo CPU ranks: spawning costs seconds, so each size starts once."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from funcshard.testing import RankPool  # noqa: E402
+
+
+def _pool(n: int):
+    with RankPool(n) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def pool2():
+    yield from _pool(2)
+
+
+@pytest.fixture(scope="session")
+def pool3():
+    yield from _pool(3)
+
+
+@pytest.fixture(scope="session")
+def pool4():
+    yield from _pool(4)
