@@ -31,10 +31,10 @@ class MLP(nn.Module):
         self.scale = nn.Parameter(torch.tensor(1.5))  # a 0-d parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
+        h = self.inp(x.to(self.inp.weight.dtype))
         for block in self.blocks:
             h = block(h)
-        return self.head(h) * self.scale
+        return (self.head(h) * self.scale).float()
 
 
 def make_model(seed: int = 0, **kw) -> MLP:

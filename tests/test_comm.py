@@ -1,0 +1,111 @@
+"""Bytes on the wire equal the per-strategy formula; ZeRO-3 keeps at most two units gathered."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import funcshard as fs
+import models
+
+BF16 = torch.bfloat16
+
+
+def expected_bytes(layout, microbatches: int) -> dict:
+    """The formula of the README, per rank and step (groups of one rank move nothing)."""
+    S, W = layout.shard_size, layout.dp_size
+    R = W // S if layout.strategy != "no_shard" else W
+    out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for b in layout.buckets:
+        padded = b.numel * S  # full padded numel of the bucket
+        w = torch.empty((), dtype=b.dtypes.comm).element_size()
+        c = torch.empty((), dtype=b.dtypes.compute).element_size()
+        if R > 1:
+            out["all_reduce"] += b.numel * w
+        if S == 1:
+            continue
+        if layout.strategy == "optim":
+            out["reduce_scatter"] += padded * w
+            out["all_gather"] += padded * c
+        elif layout.strategy == "optim_grads":
+            out["reduce_scatter"] += microbatches * padded * w
+            out["all_gather"] += padded * c
+        else:  # optim_grads_params: gather in forward and again in backward
+            out["reduce_scatter"] += microbatches * padded * w
+            out["all_gather"] += 2 * microbatches * padded * c
+    return out
+
+
+def comm_worker(strategy: str, shard: int, replicate: int, microbatches: int) -> tuple:
+    mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
+    model = models.make_model()
+    policy = fs.MixedPrecisionPolicy(param_dtype=BF16, grad_comm_dtype=BF16)
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, policy=policy, strategy=strategy)
+    world = dist.get_world_size()
+    batch = models.local_batch(models.global_batch(0, 6 * world), dist.get_rank(), world)
+    with fs.comm_stats() as stats:
+        state, _ = fs.train_step(state, batch, models.make_loss_fn(model), microbatches)
+    measured = {k: stats.bytes[k] for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    return measured, expected_bytes(state.layout, microbatches)
+
+
+@pytest.mark.parametrize("strategy", fs.STRATEGIES)
+@pytest.mark.parametrize("mesh", ["3", "2x2"])
+def test_bytes_communicated_equal_the_formula(request, strategy: str, mesh: str) -> None:
+    shard, replicate = {"3": (3, 1), "2x2": (2, 2)}[mesh]
+    pool = request.getfixturevalue(f"pool{shard * replicate}")
+    for measured, expected in pool.run(comm_worker, strategy, shard, replicate, 3):
+        assert measured == expected
+        assert sum(measured.values()) > 0
+
+
+class Deep(nn.Module):
+    def __init__(self, n_blocks: int = 8, dim: int = 64) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, dim)
+        self.blocks = nn.ModuleList(models.Block(dim) for _ in range(n_blocks))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def gathered_worker() -> dict:
+    mesh = fs.make_mesh(device_type="cpu")
+    torch.manual_seed(0)
+    model = Deep()
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy="optim_grads_params")
+    layout = state.layout
+    full_bytes = {b.unit: b.numel * layout.shard_size * 4 for b in layout.buckets}
+    after_forward = []
+
+    def loss_fn(params, x):
+        y = fs.functional_call(model, params, (x,))
+        after_forward.append(stats.gathered_live)  # nothing may stay gathered for backward
+        return y.square().mean()
+
+    with fs.comm_stats() as stats:
+        state, _ = fs.train_step(state, torch.randn(4, 3), loss_fn)
+    return {
+        "peak": stats.gathered_peak,
+        "bound": 2 * full_bytes[1] + full_bytes[0],
+        "one_unit": full_bytes[1],
+        "after_forward": after_forward,
+        "gathers": stats.calls["all_gather"],
+        "units": len(layout.units),
+        "live_at_end": stats.gathered_live,
+    }
+
+
+def test_zero3_gathered_bytes_stay_within_two_units_plus_root(pool2) -> None:
+    r = pool2.run(gathered_worker)[0]
+    assert r["units"] == 9
+    assert r["one_unit"] < r["peak"] <= r["bound"], r
+    assert r["after_forward"] == [0], "full params kept alive between forward and backward"
+    assert r["gathers"] == 2 * r["units"], "backward must re-gather every unit"
+    assert r["live_at_end"] == 0
