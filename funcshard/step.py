@@ -29,11 +29,12 @@ def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     leaves, treedef = optree.tree_flatten(batch)
     for path, leaf in zip(optree.tree_paths(batch), leaves, strict=True):
+        path = "/".join(map(str, path)) or "<batch>"
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
-            raise TypeError(f"batch leaf {path}: expected a tensor with a batch dim, got {leaf!r}")
+            raise TypeError(f"batch leaf {path!r}: expected a tensor with a batch dim, got {leaf!r}")
         if leaf.shape[0] < microbatches:
             raise ValueError(
-                f"batch leaf {path}: {leaf.shape[0]} rows cannot split into {microbatches} microbatches"
+                f"batch leaf {path!r}: {leaf.shape[0]} rows cannot split into {microbatches} microbatches"
             )
     parts = [torch.tensor_split(leaf, microbatches) for leaf in leaves]
     return [optree.tree_unflatten(treedef, [p[i] for p in parts]) for i in range(microbatches)]

@@ -13,7 +13,7 @@ from funcshard.testing import RankPool  # noqa: E402
 
 
 def _pool(n: int):
-    with RankPool(n) as pool:
+    with RankPool(n, timeout=240.0) as pool:
         yield pool
 
 
