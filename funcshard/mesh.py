@@ -34,16 +34,20 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
         raise ValueError(f"make_mesh: replicate must be >= 1, got {replicate}")
     if shard == -1:
         if world % replicate:
-            raise ValueError(f"make_mesh: world size {world} is not divisible by replicate={replicate}")
+            raise ValueError(
+                f"make_mesh: world size {world} is not divisible by replicate={replicate}"
+            )
         shard = world // replicate
     if shard < 1 or shard * replicate != world:
         raise ValueError(
-            f"make_mesh: shard ({shard}) x replicate ({replicate}) must equal the world size {world}"
+            f"make_mesh: shard ({shard}) x replicate ({replicate}) must equal the world "
+            f"size {world}"
         )
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        local_rank = os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(int(local_rank))
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
 
 

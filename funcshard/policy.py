@@ -17,8 +17,8 @@ Examples (model in fp32 unless noted)::
     bf16   fp32         fp32        bf16  | bf16     fp32    fp32        bf16
     bf16   None         None        None  | bf16     bf16    bf16        bf16
     bf16   None         fp32        bf16  | bf16     bf16    fp32        bf16
-    fp16   fp32         fp32        None  | fp16     fp32    fp32        fp32  (+ dynamic loss scale)
-    None   None         None        None  | m        m       m           m     (bf16 model: all bf16)
+    fp16   fp32         fp32        None  | fp16     fp32    fp32        fp32  (+ loss scaling)
+    None   None         None        None  | m        m       m           m     (bf16 model: bf16)
 
 Gradients are cast to ``w`` only on the wire; the reduced result is cast to ``g`` and added to
 the accumulator exactly once per microbatch, then cast to ``p`` for the optimizer step.

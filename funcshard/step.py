@@ -31,10 +31,13 @@ def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
     for path, leaf in zip(optree.tree_paths(batch), leaves, strict=True):
         path = "/".join(map(str, path)) or "<batch>"
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
-            raise TypeError(f"batch leaf {path!r}: expected a tensor with a batch dim, got {leaf!r}")
+            raise TypeError(
+                f"batch leaf {path!r}: expected a tensor with a batch dim, got {leaf!r}"
+            )
         if leaf.shape[0] < microbatches:
             raise ValueError(
-                f"batch leaf {path!r}: {leaf.shape[0]} rows cannot split into {microbatches} microbatches"
+                f"batch leaf {path!r}: {leaf.shape[0]} rows cannot split into "
+                f"{microbatches} microbatches"
             )
     parts = [torch.tensor_split(leaf, microbatches) for leaf in leaves]
     return [optree.tree_unflatten(treedef, [p[i] for p in parts]) for i in range(microbatches)]
@@ -47,10 +50,15 @@ def _loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
     return loss.reshape(()), aux
 
 
-def _zero3_grads(layout: Layout, state: TrainState, batch: Any, loss_fn: LossFn, scale: float):
+def _compute_shards(layout: Layout, state: TrainState) -> list[torch.Tensor]:
+    """ZeRO-3: the compute-dtype shards to gather, cast from the masters once per step."""
+    return [c if c is not None else m.to(layout.device, b.dtypes.compute)
+            for b, m, c in zip(layout.buckets, state.master, state.compute, strict=True)]
+
+
+def _zero3_grads(layout: Layout, shards: list[torch.Tensor], batch: Any, loss_fn: LossFn,
+                 scale: float):
     """Per bucket: this rank's gradient shard, already reduced over "shard"."""
-    shards = [c if c is not None else m.to(layout.device, b.dtypes.compute)
-              for b, m, c in zip(layout.buckets, state.master, state.compute, strict=True)]
     gp = GatheredParams(layout, shards)
     loss, aux = _loss_and_aux(loss_fn(gp, batch))
     grads = torch.autograd.grad(loss * scale, gp.carriers, allow_unused=True)
@@ -59,11 +67,12 @@ def _zero3_grads(layout: Layout, state: TrainState, batch: Any, loss_fn: LossFn,
     return loss.detach(), aux, out
 
 
-def _replicated_grads(layout: Layout, state: TrainState, batch: Any, loss_fn: LossFn, scale: float):
+def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
+                      loss_fn: LossFn, scale: float):
     """Per bucket: this rank's unreduced full gradient in the rank-section layout."""
     S = layout.shard_size
     params, order = {}, []
-    for bucket, full in zip(layout.buckets, state.compute, strict=True):
+    for bucket, full in zip(layout.buckets, compute, strict=True):
         for spec in layout.bucket_leaves(bucket):
             params[spec.name] = shard_lib.full_view(full, spec, S).detach().requires_grad_()
             order.append(spec.name)
@@ -142,18 +151,21 @@ def train_step(
     ls = state.loss_scale
     scale = (ls.scale if ls is not None else 1.0) / microbatches
     grads_fn = _zero3_grads if zero3 else _replicated_grads
+    params = _compute_shards(layout, state) if zero3 else state.compute
 
     acc, loss_sum, aux = None, torch.zeros((), dtype=torch.float64, device=layout.device), None
     for mb in split_microbatches(batch, microbatches):
-        loss, aux, grads = grads_fn(layout, state, mb, loss_fn, scale)
+        loss, aux, grads = grads_fn(layout, params, mb, loss_fn, scale)
         if per_microbatch_reduce and not zero3:
             grads = [reduce_lib.reduce_shard_axis(layout, b, g)
                      for b, g in zip(layout.buckets, grads, strict=True)]
         acc = _accumulate(acc, grads)
         loss_sum += loss.double()
     if not per_microbatch_reduce:
-        acc = [reduce_lib.reduce_shard_axis(layout, b, g) for b, g in zip(layout.buckets, acc, strict=True)]
-    acc = [reduce_lib.reduce_replicate_axis(layout, b, g) for b, g in zip(layout.buckets, acc, strict=True)]
+        acc = [reduce_lib.reduce_shard_axis(layout, b, g)
+               for b, g in zip(layout.buckets, acc, strict=True)]
+    acc = [reduce_lib.reduce_replicate_axis(layout, b, g)
+           for b, g in zip(layout.buckets, acc, strict=True)]
     if ls is not None:
         torch._foreach_mul_(acc, 1.0 / ls.scale)
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
+
 import models
 
 BF16 = torch.bfloat16

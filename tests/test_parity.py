@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
+
 import models
 
 STEPS = 4
@@ -41,7 +42,8 @@ def parity_worker(strategy: str, shard: int, replicate: int) -> dict:
             ref = models.reference_run(model, theirs, STEPS, rows)
             key = f"{opt_name}/mb{microbatches}"
             errors[key + "/params"] = models.max_rel_err(fs.full_params(state), ref["params"])
-            errors[key + "/loss"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
+            pairs = zip(losses, ref["losses"], strict=True)
+            errors[key + "/loss"] = max(abs(a - b) / abs(b) for a, b in pairs)
     return errors
 
 

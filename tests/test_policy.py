@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
+
 import models
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16

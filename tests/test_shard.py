@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
+
 import models
 
 

@@ -1,0 +1,80 @@
+"""A training job that saves every step, for the kill -9 tests of test_reliability.py.
+
+``python _kill_job.py ROOT NPROC STEPS`` trains the small MLP on NPROC gloo ranks, resuming
+from ``CheckpointManager(ROOT/ckpt).latest_step()`` if there is one, and saves every step
+asynchronously. Before saving step ``s`` rank 0 records the hash of ``fs.full_params`` as
+``ROOT/records/<s>`` (so every checkpoint that can ever be listed has its record), and after
+the save is known to be committed it appends ``s`` to ``ROOT/done``. It prints ``ready`` once
+training starts. The test kills it at random moments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import models  # noqa: E402
+
+import funcshard as fs  # noqa: E402
+
+ROWS = 8
+
+
+def params_hash(params: dict[str, torch.Tensor]) -> str:
+    """A hash of every parameter's name, shape, dtype and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        t = params[name].detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def job(root: str, steps: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=0)
+    state = fs.init(model, fs.optim.adamw(1e-2), mesh=mesh, strategy="optim_grads_params")
+    mgr = fs.CheckpointManager(os.path.join(root, "ckpt"), max_to_keep=2)
+    start = mgr.latest_step()
+    if start is not None:
+        state = mgr.restore(like=state)
+    start = start or 0
+    os.makedirs(os.path.join(root, "records"), exist_ok=True)
+    loss_fn = models.make_loss_fn(model)
+    if rank == 0:
+        print("ready", flush=True)
+    for step in range(start + 1, start + 1 + steps):
+        batch = models.local_batch(models.global_batch(step, ROWS), rank, world)
+        state, _ = fs.train_step(state, batch, loss_fn)
+        digest = params_hash(fs.full_params(state))
+        if rank == 0:
+            _write_atomic(os.path.join(root, "records", str(step)), digest)
+        dist.barrier()  # the record exists before any rank can commit the checkpoint
+        mgr.save(step, state)
+        if step > start + 1 and rank == 0:  # the previous save was awaited by this one
+            with open(os.path.join(root, "done"), "a") as f:
+                f.write(f"{step - 1}\n")
+                f.flush()
+                os.fsync(f.fileno())
+    mgr.close()
+
+
+if __name__ == "__main__":
+    root_dir, nproc, n_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    fs.launch(job, root_dir, n_steps, nproc=nproc)
