@@ -1,21 +1,23 @@
 """funcshard: functional fully-sharded data parallel training on torch.func."""
 
 from funcshard import optim
+from funcshard.checkpoint import CheckpointManager, restore, save
 from funcshard.collectives import CommStats, comm_stats
 from funcshard.functional import GatheredParams, functional_call
 from funcshard.launch import launch
 from funcshard.layout import STRATEGIES
 from funcshard.mesh import make_mesh
 from funcshard.offload import offload_step
+from funcshard.plan import plan
 from funcshard.policy import MixedPrecisionPolicy
 from funcshard.reduce import reduce_scatter_grads
 from funcshard.sharding import shard
-from funcshard.state import LossScale, TrainState, describe, init, tree
-from funcshard.state import ConsumedStateError
+from funcshard.state import ConsumedStateError, LossScale, TrainState, describe, init, tree
 from funcshard.step import full_params, train_step
 
 __all__ = [
     "STRATEGIES",
+    "CheckpointManager",
     "CommStats",
     "ConsumedStateError",
     "GatheredParams",
@@ -31,7 +33,10 @@ __all__ = [
     "make_mesh",
     "offload_step",
     "optim",
+    "plan",
     "reduce_scatter_grads",
+    "restore",
+    "save",
     "shard",
     "train_step",
     "tree",

@@ -122,7 +122,8 @@ class GatheredParams:
         specs = self.layout.bucket_leaves(self.layout.buckets[bucket])
         full = shard_lib.from_rank_sections(pending.wait(), specs, self.layout.shard_size)
         del pending
-        collectives.track_gathered(full)
+        if self.layout.shard_size > 1:  # with one shard the "full" buffer is the shard itself
+            collectives.track_gathered(full)
         self._storages[full.untyped_storage().data_ptr()] = (bucket, weakref.ref(full))
         return full
 
@@ -172,11 +173,16 @@ class GatheredParams:
         return full.as_strided(x.size, x.stride, x.offset)
 
     def _prefetch_backward(self, unit: int) -> None:
-        """Starts gathering the unit that ran before ``unit`` in forward, if backward needs it."""
+        """Starts gathering the unit that ran before ``unit`` in forward, if backward needs it.
+
+        The root unit spans the whole forward; backward reaches it first (the head), so after
+        the root comes the unit that ran last.
+        """
         i = self._order.index(unit) if unit in self._order else 0
-        if i == 0:
+        previous = self._order[-1] if i == 0 else self._order[i - 1]
+        if previous == unit:
             return
-        for b in self._by_unit.get(self._order[i - 1], ()):
+        for b in self._by_unit.get(previous, ()):
             needed = self._saved_refs.get(b, 0) > 0 and b not in self._regathered
             if needed and b not in self._pending:
                 self._pending[b] = collectives.all_gather(

@@ -173,10 +173,11 @@ def _unit_of(name: str, prefixes: list[str]) -> int:
 
 
 def _pick_offloaded(sizes: list[int], fraction: float) -> set[int]:
-    """Whole leaves whose summed size is closest to ``fraction`` of the total, deterministically.
+    """Whole leaves whose summed size is close to ``fraction`` of the total, deterministically.
 
-    Greedy over leaves from largest to smallest (ties broken by position), taking a leaf when it
-    brings the running sum closer to the target.
+    Largest leaves first (ties broken by position), a leaf is taken while it still fits under
+    the target; then the smallest leaf left out is added if that lands closer. The result is
+    within half a leaf of the target: ``|sum - target| <= min(left out) / 2``.
     """
     if fraction <= 0:
         return set()
@@ -186,9 +187,14 @@ def _pick_offloaded(sizes: list[int], fraction: float) -> set[int]:
     chosen: set[int] = set()
     acc = 0
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        if abs(acc + sizes[i] - target) < abs(acc - target):
+        if acc + sizes[i] <= target:
             chosen.add(i)
             acc += sizes[i]
+    left = [i for i in range(len(sizes)) if i not in chosen and sizes[i] > 0]
+    if left:
+        smallest = min(left, key=lambda i: (sizes[i], i))
+        if abs(acc + sizes[smallest] - target) < abs(acc - target):
+            chosen.add(smallest)
     return chosen
 
 
@@ -226,7 +232,8 @@ def build_layout(
         keys.setdefault((unit, dtypes, i in offloaded), []).append(i)
     leaves: list[LeafSpec | None] = [None] * len(raw)
     buckets = []
-    for b, ((unit, dtypes, off), members) in enumerate(sorted(keys.items(), key=lambda kv: kv[1][0])):
+    ordered = sorted(keys.items(), key=lambda kv: kv[1][0])
+    for b, ((unit, dtypes, off), members) in enumerate(ordered):
         offset = 0
         for i in members:
             name, shape, _, _, rows, rps, row_numel = raw[i]

@@ -1,33 +1,66 @@
 """``offload_step``: the optimizer step with some buckets' masters and state on the CPU.
 
-An offloaded bucket's CPU master is its one source of truth; the device keeps only what
-``derive_compute`` makes from it. The step moves each gradient shard to its master's device,
-runs the optimizer's fused kernels per device (CPU buckets with torch's fused CPU kernel), and
-derives the compute copies from the updated masters.
+An offloaded bucket's CPU master is its one source of truth; the device keeps only the compute
+copy that :func:`funcshard.state.derive_compute` makes from it. One step:
+
+1. the device buckets step on the device, launched first (asynchronous on CUDA);
+2. the offloaded buckets' gradient shards go device -> host in ``main_grads_dtype`` (pinned
+   buffers, a side stream, all copies queued at once so bucket i+1 arrives while bucket i
+   steps);
+3. each offloaded bucket steps on the CPU with the optimizer's fused CPU kernel (torch's fused
+   AdamW runs at the memory-bandwidth bound), in cache-sized blocks that also write the compute
+   dtype copy while the updated master is still in cache;
+4. that compute copy goes host -> device on another side stream, and the compute params are
+   derived from it (gathered for ZeRO 0-2).
+
+Elementwise kernels on the same bytes give bitwise the same result whatever the blocking and
+placement, so trajectories equal those of ``offload_fraction=0``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
+import optree
 import torch
 
 from funcshard import sharding as shard_lib
+from funcshard.layout import Bucket
+from funcshard.optim import Optimizer
 from funcshard.state import TrainState, derive_compute
 
-__all__ = ["offload_step", "offload_threads"]
+__all__ = ["offload_step", "offload_threads", "default_threads", "step_and_cast", "BLOCK_NUMEL"]
+
+THREADS_ENV = "FUNCSHARD_OFFLOAD_THREADS"
+# Elements per block of the blocked step: p, g, m, v of one block (16 MiB in fp32) stay in the
+# last-level cache when the cast re-reads p, and the per-block cost (a Python update call, two
+# parallel regions) stays a few percent of the block's step. experiments/bench_offload.py:
+# 1Mi beat 64Ki, 256Ki and 4Mi. A multiple of 64 keeps the fused kernels' vector tails where
+# the unblocked step has them.
+BLOCK_NUMEL = 1 << 20
 
 
-def _default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+def default_threads() -> int:
+    """CPU threads for the offloaded step of one rank.
+
+    ``$FUNCSHARD_OFFLOAD_THREADS`` if set; else the cores this process may run on divided by
+    the local ranks sharing them (``$LOCAL_WORLD_SIZE``, set by torchrun, which also sets
+    OMP_NUM_THREADS=1 and so would leave the CPU step on one core).
+    """
+    if os.environ.get(THREADS_ENV):
+        return max(1, int(os.environ[THREADS_ENV]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, (cores or 1) // max(1, local_ranks))
 
 
 @contextlib.contextmanager
 def offload_threads(n: int | None) -> Iterator[None]:
-    """Runs the block with ``n`` intra-op CPU threads (torchrun sets OMP_NUM_THREADS=1)."""
-    if n is None:
+    """Runs the block with ``n`` intra-op CPU threads; None leaves the setting alone."""
+    if n is None or n == torch.get_num_threads():
         yield
         return
     before = torch.get_num_threads()
@@ -38,7 +71,113 @@ def offload_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _as_bucket_flats(state: TrainState, grads) -> tuple[torch.Tensor, ...]:
+# --- the optimizer state of a subset of buckets ------------------------------------------------
+def _bucket_tuple_test(n: int):
+    """The per-bucket tuples of an optimizer state built by ``opt.init(master_tuple)``."""
+
+    def is_bucket_tuple(x: Any) -> bool:
+        return (type(x) is tuple and len(x) == n
+                and all(isinstance(t, torch.Tensor) for t in x))
+
+    return is_bucket_tuple
+
+
+def _split_opt_state(opt_state: Any, n: int):
+    """``(leaves, treedef, is_bucket)``: the state flattened down to its per-bucket tuples."""
+    is_bucket = _bucket_tuple_test(n)
+    leaves, treedef = optree.tree_flatten(opt_state, is_leaf=is_bucket, none_is_leaf=True)
+    return leaves, treedef, [is_bucket(x) for x in leaves]
+
+
+def _select(split, index: Sequence[int]) -> Any:
+    """The optimizer state of buckets ``index`` only (same tree, shorter bucket tuples)."""
+    leaves, treedef, is_bucket = split
+    return treedef.unflatten([tuple(x[i] for i in index) if b else x
+                              for x, b in zip(leaves, is_bucket, strict=True)])
+
+
+def _merge(split, parts: list[tuple[Sequence[int], Any]]) -> Any:
+    """Reassembles the full optimizer state from the new states of disjoint bucket subsets."""
+    leaves, treedef, is_bucket = split
+    n = next((len(x) for x, b in zip(leaves, is_bucket, strict=True) if b), 0)
+    flat_parts = [(index, treedef.flatten_up_to(sub)) for index, sub in parts]
+    out = []
+    for j, (x, b) in enumerate(zip(leaves, is_bucket, strict=True)):
+        if b:
+            slots: list[torch.Tensor | None] = [None] * n
+            for index, sub in flat_parts:
+                for k, i in enumerate(index):
+                    slots[i] = sub[j][k]
+            assert all(t is not None for t in slots), "bucket subsets must cover every bucket"
+            out.append(tuple(slots))
+        else:
+            values = [sub[j] for _, sub in flat_parts]
+            if any(v != values[0] for v in values[1:]):
+                raise RuntimeError(f"offload_step: optimizer state leaf {j} differs between "
+                                   f"device and CPU buckets after the step: {values}")
+            out.append(values[0] if values else x)
+    return treedef.unflatten(out)
+
+
+# --- the CPU step --------------------------------------------------------------------------------
+def step_and_cast(
+    optimizer: Optimizer,
+    opt_state: Any,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    compute_out: torch.Tensor | None = None,
+    *,
+    block: int = BLOCK_NUMEL,
+) -> Any:
+    """Steps one flat master in place; optionally writes its cast into ``compute_out``.
+
+    With ``compute_out`` the step runs in blocks of ``block`` elements, each followed by the
+    cast of that block while the updated master is still in cache: one pass over memory
+    instead of a fused step plus a separate cast pass. The update is elementwise, so the result
+    is bitwise that of one unblocked call.
+
+    Args:
+      optimizer: a pure optimizer whose state per bucket is elementwise (same numel as master).
+      opt_state: its state over the one-tuple ``(master,)`` (donated, updated in place).
+      master: the flat master buffer (donated, updated in place).
+      grad: the flat gradient, any floating dtype (cast to the master dtype per block).
+      compute_out: a flat buffer of the master's numel for the compute dtype copy, or None.
+      block: elements per block (a multiple of 64).
+
+    Returns:
+      The new optimizer state.
+    """
+    if compute_out is None:
+        _, new_state = optimizer.update((grad,), opt_state, (master,), donate=True)
+        return new_state
+    numel = master.numel()
+    leaves, treedef, is_bucket = _split_opt_state(opt_state, 1)
+    if grad.numel() != numel or compute_out.numel() != numel or any(
+            b and x[0].numel() != numel for x, b in zip(leaves, is_bucket, strict=True)):
+        raise ValueError(f"step_and_cast: master numel {numel}, grad {grad.numel()}, "
+                         f"compute_out {compute_out.numel()}: expected equal sizes")
+    if block % 64:
+        raise ValueError(f"step_and_cast: block must be a multiple of 64, got {block}")
+    new_state = opt_state
+    for start in range(0, max(numel, 1), block):
+        stop = min(start + block, numel)
+        chunk = treedef.unflatten([(x[0][start:stop],) if b else x
+                                   for x, b in zip(leaves, is_bucket, strict=True)])
+        _, new_state = optimizer.update((grad[start:stop],), chunk, (master[start:stop],),
+                                        donate=True)
+        compute_out[start:stop].copy_(master[start:stop])
+    # The blocks updated the state's buffers in place; keep them, take the scalars (count).
+    new_leaves = treedef.flatten_up_to(new_state)
+    return treedef.unflatten([x if b else y
+                              for x, y, b in zip(leaves, new_leaves, is_bucket, strict=True)])
+
+
+def _needs_cast(bucket: Bucket) -> bool:
+    return bucket.dtypes.compute != bucket.dtypes.master
+
+
+# --- inputs ---------------------------------------------------------------------------------
+def _as_bucket_flats(state: TrainState, grads: Any) -> tuple[torch.Tensor, ...]:
     """Accepts per-bucket flats, or ``{name: shard}`` as ``reduce_scatter_grads`` returns."""
     layout = state.layout
     if isinstance(grads, dict):
@@ -51,42 +190,161 @@ def _as_bucket_flats(state: TrainState, grads) -> tuple[torch.Tensor, ...]:
             for spec in layout.bucket_leaves(bucket):
                 view = shard_lib.local_view(flat, spec, layout.shard_rank)
                 if grads[spec.name].shape != view.shape:
-                    raise ValueError(f"offload_step: gradient {spec.name!r} has shape "
-                                     f"{tuple(grads[spec.name].shape)}, expected {tuple(view.shape)}")
+                    raise ValueError(
+                        f"offload_step: gradient {spec.name!r} has shape "
+                        f"{tuple(grads[spec.name].shape)}, expected {tuple(view.shape)}")
                 view.copy_(grads[spec.name])
             flats.append(flat)
         return tuple(flats)
     grads = tuple(grads)
     if len(grads) != len(layout.buckets):
         raise ValueError(f"offload_step: {len(grads)} gradient buckets for {len(layout.buckets)}")
+    for bucket, g in zip(layout.buckets, grads, strict=True):
+        if g.dim() != 1 or g.numel() != bucket.numel:
+            names = [s.name for s in layout.bucket_leaves(bucket)]
+            raise ValueError(f"offload_step: gradient of bucket {bucket.index} ({names}) has "
+                             f"shape {tuple(g.shape)}, expected ({bucket.numel},)")
     return grads
 
 
-def offload_step(state: TrainState, grads, *, threads: int | None = None,
+# --- the step ------------------------------------------------------------------------------------
+def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
                  _consumer: str = "offload_step") -> TrainState:
     """Applies reduced gradient shards with the state's optimizer; consumes ``state``.
 
     Args:
       state: the current state (consumed: its buffers are updated in place).
-      grads: per-bucket local gradient flats, or ``{name: reduced shard}``.
-      threads: CPU threads for the offloaded part of the step; None = all cores of this process.
+      grads: per-bucket local gradient flats (as ``train_step`` accumulates them, in
+        ``main_grads_dtype``), or ``{name: reduced shard}``.
+      threads: CPU threads for the offloaded part of the step; None = :func:`default_threads`
+        when the device is an accelerator, the current setting when the device is the CPU
+        (its ranks already share the cores).
 
     Returns:
       The new state: masters and optimizer state stepped, compute copies derived from them.
+
+    Raises:
+      ValueError / KeyError: a gradient is missing or has the wrong size.
     """
     layout = state.layout
+    state._check()
     grads = _as_bucket_flats(state, grads)
-    master = state.master
-    moved = tuple(g.to(m.device, m.dtype, non_blocking=True) for g, m in zip(grads, master, strict=True))
-    any_cpu = any(b.offload for b in layout.buckets) and layout.device.type != "cpu"
-    with offload_threads(threads if threads is not None else (_default_threads() if any_cpu else None)):
-        new_master, new_opt = state.optimizer.update(moved, state.opt_state, master, donate=True)
+    master, n = state.master, len(layout.buckets)
+    split = _split_opt_state(state.opt_state, n)
+    device_idx = [b.index for b in layout.buckets if not b.offload]
+    cpu_idx = [b.index for b in layout.buckets if b.offload]
+    if threads is None and cpu_idx and layout.device.type != "cpu":
+        threads = default_threads()
+
+    if layout.device.type == "cuda" and cpu_idx:
+        new_master, parts, local = _cuda_step(state, grads, split, device_idx, cpu_idx, threads)
+    else:
+        new_master, parts, local = _host_step(state, grads, split, device_idx, cpu_idx, threads)
+    new_opt = _merge(split, parts)
+    assert all(m is master[i] for i, m in enumerate(new_master)), "masters step in place"
     state._consume(_consumer)
     return TrainState(
-        master=new_master,
-        compute=derive_compute(layout, new_master),
+        master=tuple(new_master),
+        compute=derive_compute(layout, tuple(new_master), local),
         opt_state=new_opt,
         step=state._step + 1,
         loss_scale=state._loss_scale,
         static=state._static,
     )
+
+
+def _device_step(state: TrainState, grads, split, device_idx: list[int]):
+    """One fused update over every device bucket (asynchronous on CUDA)."""
+    if not device_idx:
+        return []
+    master = state.master
+    moved = tuple(grads[i].to(master[i].dtype) for i in device_idx)
+    _, new = state.optimizer.update(moved, _select(split, device_idx),
+                                    tuple(master[i] for i in device_idx), donate=True)
+    return [(device_idx, new)]
+
+
+def _host_step(state: TrainState, grads, split, device_idx, cpu_idx, threads):
+    """The step when the device is the CPU (or nothing is offloaded): no copies to overlap.
+
+    Offloaded buckets that need a cast step blocked and write their compute shard directly.
+    """
+    layout, master = state.layout, state.master
+    parts = _device_step(state, grads, split, device_idx)
+    local: list[torch.Tensor | None] = [None] * len(master)
+    with offload_threads(threads if cpu_idx else None):
+        for i in cpu_idx:
+            bucket, m = layout.buckets[i], master[i]
+            g = grads[i].to("cpu")
+            out = None
+            if _needs_cast(bucket) and layout.device.type == "cpu":
+                out = torch.empty(m.numel(), dtype=bucket.dtypes.compute)
+            parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m, g, out)))
+            local[i] = out
+    return list(master), parts, local
+
+
+def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads):
+    """The overlapped step: GPU buckets on the GPU while the CPU steps offloaded ones.
+
+    Streams: ``main`` (the current one) runs the device step and later the gathers; ``d2h``
+    brings every offloaded gradient into pinned host memory, one event per bucket, queued at
+    once so the CPU steps bucket i while bucket i+1 is in flight; ``h2d`` sends each bucket's
+    compute copy back as soon as the CPU has written it.
+    """
+    layout, master = state.layout, state.master
+    device = layout.device
+    main = torch.cuda.current_stream(device)
+    d2h, h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    grads_ready = torch.cuda.Event()
+    grads_ready.record(main)
+    parts = _device_step(state, grads, split, device_idx)  # async on main, launched first
+
+    # Device buffers for the compute shards, allocated on main; h2d writes them after main
+    # is done with whatever they held before.
+    old = state.compute
+    dst: dict[int, torch.Tensor] = {}
+    for i in cpu_idx:
+        bucket = layout.buckets[i]
+        prev = old[i]
+        reuse = (layout.strategy == "optim_grads_params" and prev is not None
+                 and prev.device == device and prev.numel() == bucket.numel
+                 and prev.dtype == bucket.dtypes.compute)
+        dst[i] = prev if reuse else torch.empty(bucket.numel, dtype=bucket.dtypes.compute,
+                                                device=device)
+    dst_free = torch.cuda.Event()
+    dst_free.record(main)
+
+    host_grads, arrived = {}, {}
+    d2h.wait_event(grads_ready)
+    with torch.cuda.stream(d2h):
+        for i in cpu_idx:
+            g = grads[i]
+            host = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+            host.copy_(g, non_blocking=True)
+            g.record_stream(d2h)  # g may be freed on main while the copy is in flight
+            arrived[i] = torch.cuda.Event()
+            arrived[i].record(d2h)
+            host_grads[i] = host
+
+    h2d.wait_event(dst_free)
+    with offload_threads(threads):
+        for i in cpu_idx:
+            bucket, m = layout.buckets[i], master[i]
+            cast = _needs_cast(bucket)
+            out = None
+            if cast:
+                out = torch.empty(m.numel(), dtype=bucket.dtypes.compute, pin_memory=True)
+            arrived[i].synchronize()
+            parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m,
+                                             host_grads[i], out)))
+            with torch.cuda.stream(h2d):
+                # A pinned source records the copy on the host allocator, so it outlives it.
+                dst[i].copy_(out if cast else m, non_blocking=True)
+                dst[i].record_stream(h2d)
+    main.wait_stream(h2d)
+    local: list[torch.Tensor | None] = [None] * len(master)
+    for i in cpu_idx:
+        local[i] = dst[i]
+    return list(master), parts, local

@@ -59,11 +59,22 @@ def to_rank_sections(
     grads: list[torch.Tensor | None], specs: list[LeafSpec], shard_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Full per-leaf tensors (None = zero) into the reduce-scatter input layout, cast to dtype."""
-    parts = []
     ref = next((g for g in grads if g is not None), None)
+    device = ref.device if ref is not None else "cpu"
+    numel = shard_size * sum(s.shard_numel for s in specs)
+    if ref is None:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    if all(s.numel > 0 for s in specs):
+        # One kernel pads every leaf's rows to a multiple of shard_size, cuts them into
+        # shard_size chunks and writes chunk r of every leaf into section r, casting on the way.
+        parts = [g.reshape(s.rows, s.row_numel) if g is not None
+                 else ref.new_zeros(s.rows, s.row_numel) for g, s in zip(grads, specs, strict=True)]
+        out = torch.empty(numel, dtype=dtype, device=device)
+        torch._chunk_cat(parts, dim=0, num_chunks=shard_size, out=out.view(shard_size, -1))
+        return out
+    parts = []
     for g, spec in zip(grads, specs, strict=True):
         if g is None:
-            device = ref.device if ref is not None else "cpu"
             parts.append(torch.zeros(shard_size, spec.shard_numel, dtype=dtype, device=device))
             continue
         rows = g.reshape(spec.rows, spec.row_numel)

@@ -10,6 +10,7 @@ is cast from the master at gather time.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -205,26 +206,40 @@ def _unflatten(static: _Static, children) -> TrainState:
 tree.register_node(TrainState, _flatten, _unflatten)
 
 
-def derive_compute(layout: Layout, master: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+def derive_compute(
+    layout: Layout,
+    master: tuple[torch.Tensor, ...],
+    local: Sequence[torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor | None, ...]:
     """The compute copies implied by the master buffers (a collective under ZeRO 1-2).
 
     ZeRO 0-2: per bucket the full compute params (full layout, compute dtype, on the device),
     the master itself when no cast or move is needed. ZeRO-3: only offloaded buckets keep a
     device compute shard; the others are cast at gather time.
+
+    Args:
+      layout: the state's layout.
+      master: one master flat per bucket.
+      local: optional, per bucket, the master already cast to the compute dtype on the device
+        (``offload_step`` writes it during the CPU step); None entries are cast here.
     """
     out = []
-    for bucket, m in zip(layout.buckets, master, strict=True):
+    for i, (bucket, m) in enumerate(zip(layout.buckets, master, strict=True)):
         dtype = bucket.dtypes.compute
         if m.is_meta:
             size = m.numel() * (1 if layout.strategy == "optim_grads_params" else layout.shard_size)
             out.append(None if layout.strategy == "optim_grads_params" and not bucket.offload
                        else torch.empty(size, dtype=dtype, device="meta"))
             continue
-        local = m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
+        given = local[i] if local is not None else None
+        if given is not None:
+            assert given.dtype == dtype and given.numel() == m.numel(), "a derived shard"
+        local_i = given if given is not None else m.to(device=layout.device, dtype=dtype,
+                                                        non_blocking=bucket.offload)
         if layout.strategy == "optim_grads_params":
-            out.append(local if bucket.offload else None)
+            out.append(local_i if bucket.offload else None)
         else:
-            out.append(shard_lib.gather_full(layout, bucket, local))
+            out.append(shard_lib.gather_full(layout, bucket, local_i))
     return tuple(out)
 
 
@@ -290,10 +305,12 @@ def describe(state: TrainState) -> str:
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
     opt_leaves = [t for t in optree.tree_leaves(state.opt_state) if isinstance(t, torch.Tensor)]
     lines = [
-        f"strategy={layout.strategy} mesh={tuple(layout.mesh.shape)} shard_size={layout.shard_size}",
+        f"strategy={layout.strategy} mesh={tuple(layout.mesh.shape)} "
+        f"shard_size={layout.shard_size}",
         f"params={len(layout.leaves)} buckets={len(layout.buckets)} units={len(layout.units)}",
         f"offload_fraction requested={layout.offload_fraction:.3f} "
-        f"achieved={layout.achieved_offload_fraction():.3f}",
+        f"achieved={layout.achieved_offload_fraction():.3f} "
+        f"(buckets on cpu: {sum(b.offload for b in layout.buckets)}/{len(layout.buckets)})",
         f"bytes: master={nbytes(state.master)} compute={nbytes(state.compute)} "
         f"opt_state={nbytes(opt_leaves)}",
     ]

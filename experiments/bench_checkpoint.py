@@ -1,0 +1,190 @@
+"""Checkpoint save/restore time: funcshard (Orbax layout, tensorstore) beside torch DCP.
+
+On gloo CPU ranks, one AdamW ZeRO-3 state (masters + mu + nu, fp32):
+
+* save and same-layout restore at 2 ranks, funcshard vs ``torch.distributed.checkpoint``
+  (DCP, DTensor shards, ``sync_files=True``), best of ``--reps``;
+* the 2 -> 3 resharding restore vs a 3 -> 3 same-layout restore (both at 3 ranks);
+* funcshard's durable write bandwidth vs this disk's ``fdatasync`` bandwidth, measured in the
+  same run by every rank writing and syncing its share of bytes at once.
+
+Restores read what was just written, so they mostly measure the page cache; both sides alike.
+
+    python experiments/bench_checkpoint.py --dim=1536 --layers=8
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from absl import app, flags
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+import funcshard as fs
+from funcshard import checkpoint as ckpt_lib
+
+DIM = flags.DEFINE_integer("dim", 1536, "width of the square Linear layers")
+LAYERS = flags.DEFINE_integer("layers", 8, "number of Linear layers")
+REPS = flags.DEFINE_integer("reps", 2, "repetitions; the best time is reported")
+CHUNK_MIB = flags.DEFINE_float("chunk_mib", None, "override funcshard's zarr chunk target (MiB)")
+DIR = flags.DEFINE_string("dir", None, "scratch directory (default: a fresh temporary one)")
+
+
+def _model(dim: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers)))
+
+
+def _state(dim: int, layers: int, chunk_mib: float | None) -> tuple[fs.TrainState, nn.Module]:
+    if chunk_mib is not None:
+        ckpt_lib.CHUNK_BYTES = int(chunk_mib * (1 << 20))
+    model = _model(dim, layers)
+    mesh = fs.make_mesh(device_type="cpu")
+    state = fs.init(model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads_params")
+    x = torch.randn(2, dim)
+
+    def loss_fn(params, batch):
+        return fs.functional_call(model, params, (batch,)).square().mean()
+
+    state, _ = fs.train_step(state, x, loss_fn)  # non-trivial optimizer state
+    return state, model
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _best(fn, reps: int, setup=None) -> float:
+    times = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        times.append(_timed(fn))
+    return min(times)
+
+
+def _rm(path: str) -> None:
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def _dcp_state(state: fs.TrainState) -> dict:
+    """The same shards as DTensors (uneven splits need the global shape and stride)."""
+    mesh = state.mesh["shard"]
+    layout = state.layout
+
+    def dt(local: dict) -> dict:
+        out = {}
+        for spec in layout.leaves:
+            shape = torch.Size(spec.shape)
+            out[spec.name] = DTensor.from_local(local[spec.name], mesh, [Shard(0)],
+                                                shape=shape, stride=torch.empty(shape).stride())
+        return out
+
+    opt = state.opt_state_by_name()
+    return {"params": dt(state.params), "mu": dt(opt.mu), "nu": dt(opt.nu),
+            "step": state.step}
+
+
+def _fdatasync_seconds(path: str, nbytes: int) -> float:
+    """Every rank writes and fdatasyncs ``nbytes`` at once; the time of the slowest."""
+    block = os.urandom(1 << 20) * 16
+    fname = f"{path}.rank{dist.get_rank()}"
+
+    def write() -> None:
+        fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            left = nbytes
+            while left > 0:
+                left -= os.write(fd, block[: min(left, len(block))])
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    t = _timed(write)
+    os.remove(fname)
+    return t
+
+
+def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | None) -> dict:
+    state, _ = _state(dim, layers, chunk_mib)
+    n_params = sum(s.numel for s in state.layout.leaves)
+    total = 3 * 4 * n_params  # bytes in the files: masters, mu, nu (fp32, no padding)
+    ours, theirs = os.path.join(root, "fs2"), os.path.join(root, "dcp2")
+    out = {"params": n_params, "bytes": total}
+    out["fs_save"] = _best(lambda: fs.save(ours, state), reps, setup=lambda: _rm(ours))
+    like = [state]
+
+    def restore_ours() -> None:
+        like[0] = fs.restore(ours, like=like[0])
+
+    out["fs_restore"] = _best(restore_ours, reps)
+    sd = _dcp_state(like[0])
+    out["dcp_save"] = _best(lambda: dcp.save(sd, checkpoint_id=theirs), reps,
+                            setup=lambda: _rm(theirs))
+    out["dcp_restore"] = _best(lambda: dcp.load(sd, checkpoint_id=theirs), reps)
+    out["fdatasync"] = min(_fdatasync_seconds(os.path.join(root, "sync"), total // 2)
+                           for _ in range(reps))
+    return out
+
+
+def bench_three(root: str, dim: int, layers: int, reps: int,
+                chunk_mib: float | None) -> dict:
+    state, _ = _state(dim, layers, chunk_mib)
+    same = os.path.join(root, "fs3")
+    _rm(same)
+    fs.save(same, state)
+    like = [state]
+
+    def restore(path: str):
+        def run() -> None:
+            like[0] = fs.restore(path, like=like[0])
+        return run
+
+    return {"reshard": _best(restore(os.path.join(root, "fs2")), reps),
+            "same": _best(restore(same), reps)}
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    root = DIR.value or tempfile.mkdtemp(prefix="bench_checkpoint_")
+    os.makedirs(root, exist_ok=True)
+    try:
+        two = fs.launch(bench_two, root, DIM.value, LAYERS.value, REPS.value, CHUNK_MIB.value,
+                        nproc=2)[0]
+        three = fs.launch(bench_three, root, DIM.value, LAYERS.value, REPS.value, CHUNK_MIB.value,
+                          nproc=3)[0]
+    finally:
+        if DIR.value is None:
+            shutil.rmtree(root, ignore_errors=True)
+    mb = two["bytes"] / 1e6
+    print(f"model: {two['params'] / 1e6:.1f}M params; AdamW state in files {mb:.0f} MB; "
+          f"2 gloo ranks (reshard at 3), best of {REPS.value}")
+    print(f"{'operation':<34}{'funcshard s':>12}{'DCP s':>10}{'ratio':>8}")
+    for op in ("save", "restore"):
+        a, b = two[f"fs_{op}"], two[f"dcp_{op}"]
+        print(f"{op + ' (2 ranks, same layout)':<34}{a:>12.3f}{b:>10.3f}{a / b:>8.2f}")
+    print(f"{'restore 2 -> 3 (reshard)':<34}{three['reshard']:>12.3f}")
+    print(f"{'restore 3 -> 3 (same layout)':<34}{three['same']:>12.3f}")
+    print(f"reshard / same-layout restore: {three['reshard'] / three['same']:.2f}x (target <= 1.2)")
+    print(f"funcshard / DCP save time: {two['fs_save'] / two['dcp_save']:.2f}x, "
+          f"restore time: {two['fs_restore'] / two['dcp_restore']:.2f}x (target <= 1)")
+    bw_ours, bw_disk = mb / two["fs_save"], mb / two["fdatasync"]
+    print(f"durable write bandwidth: funcshard {bw_ours:.0f} MB/s, fdatasync {bw_disk:.0f} MB/s "
+          f"({bw_ours / bw_disk:.2f} of the disk)")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,258 @@
+"""The training loop behind ``experiments/train.py``: one function, ``run(cfg)``, on every rank.
+
+The loss is the mean cross-entropy of predicting token ``t`` from tokens ``< t`` for ``t >= 2``:
+under the default Markov source those predictions have the chain's entropy rate as their exact
+floor (tokens 0 and 1 have no full context, so they are inputs only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from absl import logging
+
+import funcshard as fs
+from experiments import data as data_lib
+from experiments.gpt import GPT, GPTConfig
+from funcshard.mesh import local_device
+
+__all__ = ["Config", "run", "lr_schedule", "final_line"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything a run depends on (picklable: it travels to the spawned ranks)."""
+
+    shard: int = -1
+    replicate: int = 1
+    strategy: str = "optim_grads_params"
+    param_dtype: torch.dtype | None = torch.bfloat16
+    main_params_dtype: torch.dtype | None = torch.float32
+    main_grads_dtype: torch.dtype | None = torch.float32
+    grad_comm_dtype: torch.dtype | None = None
+    offload_fraction: float = 0.0
+    microbatches: int = 1
+    batch_size: int = 64
+    seq_len: int = 32
+    steps: int = 500
+    stop_at: int = 0
+    lr: float = 1e-2
+    warmup: int = 25
+    weight_decay: float = 0.0
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    tied: bool = True
+    vocab: int = 16
+    concentration: float = 0.1
+    data: str = ""
+    eval_batches: int = 16
+    checkpoint_dir: str = ""
+    save_every: int = 0
+    resume: bool = False
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 0
+    out_dir: str = "out/train"
+    log_every: int = 0
+
+
+def lr_schedule(cfg: Config):
+    """Linear warmup over ``cfg.warmup`` steps, then cosine decay to a tenth of ``cfg.lr``."""
+
+    def lr(step: int) -> float:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    return lr
+
+
+def make_source(cfg: Config) -> data_lib.MarkovSource | data_lib.TextSource:
+    if cfg.data:
+        return data_lib.TextSource.from_file(cfg.data, seed=cfg.seed)
+    return data_lib.make_markov(cfg.vocab, cfg.concentration, seed=cfg.seed)
+
+
+def final_line(loss: float, floor: float | None) -> str:
+    """The run's last line: the loss against the source's entropy rate."""
+    if floor is None:
+        return f"final loss {loss:.4f} nats/token, floor unknown (text data), gap n/a"
+    gap = 100 * (loss / floor - 1)
+    return f"final loss {loss:.4f} nats/token, floor {floor:.4f}, gap {gap:.2f}%"
+
+
+def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of predicting tokens[:, 2:] (logits come from tokens[:, :-1])."""
+    return F.cross_entropy(logits[:, 1:].float().flatten(0, 1), tokens[:, 2:].flatten())
+
+
+class Progress:
+    """Rank 0's view of the run: a ``\\r`` bar on a terminal, absl log lines otherwise."""
+
+    def __init__(self, start: int, total: int, tokens_per_step: int, every: int) -> None:
+        self.start, self.total, self.tokens_per_step = start, total, tokens_per_step
+        self.every = every or max(1, (total - start) // 20)
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float) -> float:
+        """Reports step ``step`` (1-based count of finished steps); returns tokens/s so far."""
+        done = step - self.start
+        elapsed = time.perf_counter() - self.t0
+        tps = done * self.tokens_per_step / max(elapsed, 1e-9)
+        eta = elapsed / max(done, 1) * (self.total - step)
+        line = (f"step {step}/{self.total}  loss {loss:.4f}  {tps / 1e3:.1f}k tok/s  "
+                f"ETA {int(eta) // 60}:{int(eta) % 60:02d}")
+        if self.tty:
+            sys.stderr.write("\r" + line + " " * 4)
+            sys.stderr.flush()
+            if step == self.total:
+                sys.stderr.write("\n")
+        elif step % self.every == 0 or step == self.total:
+            logging.info(line)
+        return tps
+
+
+def _init_logging(rank: int) -> None:
+    """Spawned ranks never parse flags: turn absl's INFO lines on for rank 0 only."""
+    logging.use_absl_handler()
+    logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def _set_threads(cfg: Config, device: torch.device) -> None:
+    if device.type != "cpu":
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
+
+
+def _load_rows(path: Path, before: int) -> list[dict[str, Any]]:
+    """The step rows of an earlier run's metrics.jsonl, up to the step a resumed run starts at."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "step" in r and r["step"] <= before]
+
+
+def evaluate(model: GPT, state: fs.TrainState, source, cfg: Config, device: torch.device) -> float:
+    """Mean loss of the master weights on ``cfg.eval_batches`` held-out global batches."""
+    params = fs.full_params(state)  # collective: every rank gathers the full model
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for i in range(cfg.eval_batches):
+            x = source.batch(i, batch_size=cfg.batch_size, seq_len=cfg.seq_len, rank=rank,
+                             world=world, stream=data_lib.EVAL).to(device)
+            logits = torch.func.functional_call(model, params, (x[:, :-1],))
+            total[0] += _loss(logits, x).double() * x[:, 2:].numel()
+            total[1] += x[:, 2:].numel()
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def _plot(rows: list[dict[str, Any]], floor: float | None, final: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, label="train loss")
+    if rows:
+        ax.scatter([rows[-1]["step"]], [final], color="C1", zorder=3, label="held-out loss")
+    if floor is not None:
+        ax.axhline(floor, color="k", ls="--", lw=1, label=f"entropy rate {floor:.4f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Trains on every rank of the initialized process group; rank 0 writes ``cfg.out_dir``.
+
+    Returns:
+      {"final_loss", "floor", "steps", "start_step"} (the same on every rank).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _init_logging(rank)
+    device_type = None if cfg.device == "auto" else cfg.device
+    mesh = fs.make_mesh(shard=cfg.shard, replicate=cfg.replicate, device_type=device_type)
+    device = local_device(mesh)
+    _set_threads(cfg, device)
+
+    source = make_source(cfg)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = GPT(GPTConfig(vocab=source.vocab, seq_len=cfg.seq_len, n_layer=cfg.n_layer,
+                          n_head=cfg.n_head, d_model=cfg.d_model, tied=cfg.tied)).to(device)
+    policy = fs.MixedPrecisionPolicy(
+        param_dtype=cfg.param_dtype, main_params_dtype=cfg.main_params_dtype,
+        main_grads_dtype=cfg.main_grads_dtype, grad_comm_dtype=cfg.grad_comm_dtype)
+    opt = fs.optim.adamw(lr=lr_schedule(cfg), betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    state = fs.init(model, opt, mesh=mesh, policy=policy, strategy=cfg.strategy,
+                    offload_fraction=cfg.offload_fraction)
+
+    mgr = fs.CheckpointManager(cfg.checkpoint_dir, max_to_keep=3) if cfg.checkpoint_dir else None
+    if cfg.resume and mgr is not None and mgr.latest_step() is not None:
+        state = mgr.restore(mgr.latest_step(), like=state)
+    start = state.step
+
+    out = Path(cfg.out_dir)
+    rows = _load_rows(out / "metrics.jsonl", start) if start else []
+    n_params = sum(p.numel() for p in model.parameters())
+    log = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        log = open(out / "metrics.jsonl", "w")  # noqa: SIM115 - closed at the end of the run
+        log.writelines(json.dumps(row) + "\n" for row in rows)
+        logging.info("%s; model %d params; %d ranks, strategy %s, mesh %s%s",
+                     data_lib.describe(source), n_params, world, cfg.strategy,
+                     tuple(mesh.shape), f"; resumed at step {start}" if start else "")
+
+    def loss_fn(params, batch):
+        x = batch["x"]
+        return _loss(fs.functional_call(model, params, (x[:, :-1],)), x)
+
+    schedule = lr_schedule(cfg)
+    end = min(cfg.stop_at or cfg.steps, cfg.steps)
+    progress = Progress(start, end, cfg.batch_size * (cfg.seq_len - 1), cfg.log_every)
+    for step in range(start, end):
+        x = source.batch(step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, rank=rank,
+                         world=world).to(device)
+        state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=cfg.microbatches)
+        if mgr is not None and cfg.save_every and (state.step % cfg.save_every == 0
+                                                   or state.step == end):
+            mgr.save(state.step, state)
+        if log is not None:
+            row = {"step": state.step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                   "nonfinite": metrics["nonfinite"], "lr": schedule(step),
+                   "tokens_per_s": progress.update(state.step, metrics["loss"])}
+            rows.append(row)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+    if mgr is not None:
+        mgr.wait()
+
+    final = evaluate(model, state, source, cfg, device)
+    if log is not None:
+        summary = {"final_loss": final, "floor": source.floor, "steps": state.step,
+                   "gap_pct": None if source.floor is None else 100 * (final / source.floor - 1)}
+        log.write(json.dumps(summary) + "\n")
+        log.close()
+        _plot(rows, source.floor, final, out / "loss.png")
+        print(final_line(final, source.floor), flush=True)
+    return {"final_loss": final, "floor": source.floor, "steps": state.step, "start_step": start}

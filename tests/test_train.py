@@ -1,0 +1,165 @@
+"""experiments/train.py: the Markov floor, the data order, flag checks, a run and its resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import funcshard as fs
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments import data as data_lib  # noqa: E402
+
+SCRIPT = ROOT / "experiments" / "train.py"
+TINY = ["--n_layer=1", "--d_model=16", "--n_head=2", "--batch_size=4", "--seq_len=8",
+        "--eval_batches=1", "--threads=1", "--warmup=2", "--log_every=1"]
+FINAL = re.compile(r"^final loss (\d+\.\d+) nats/token, floor (\d+\.\d+), gap (-?\d+\.\d+)%$", re.M)
+
+
+def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+# --- the floor -------------------------------------------------------------------------------
+
+def test_entropy_rate_of_a_deterministic_chain_is_zero():
+    V = 5
+    P = np.zeros((V, V, V))
+    for a in range(V):
+        for b in range(V):
+            P[a, b, (a + 2 * b + 1) % V] = 1.0
+    assert data_lib.entropy_rate(P) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_entropy_rate_of_a_uniform_chain_is_log_vocab():
+    V = 7
+    uniform = np.full((V, V, V), 1.0 / V)
+    assert data_lib.entropy_rate(uniform) == pytest.approx(math.log(V), rel=1e-12)
+
+
+def test_entropy_rate_of_an_order_1_chain_matches_the_closed_form():
+    # x_t depends on x_{t-1} only: a two-state chain with flip probabilities p and q has
+    # stationary (q, p) / (p + q) and entropy rate (q H(p) + p H(q)) / (p + q).
+    p, q = 0.1, 0.3
+    T = np.array([[1 - p, p], [q, 1 - q]])
+    P = np.broadcast_to(T, (2, 2, 2)).copy()
+    H = lambda x: -x * math.log(x) - (1 - x) * math.log(1 - x)
+    assert data_lib.entropy_rate(P) == pytest.approx((q * H(p) + p * H(q)) / (p + q), rel=1e-10)
+
+
+def test_stationary_pairs_is_invariant_under_the_pair_chain():
+    src = data_lib.make_markov(6, 0.2)
+    pi = data_lib.stationary_pairs(src.transitions)
+    np.testing.assert_allclose(np.einsum("ab,abc->bc", pi, src.transitions), pi, atol=1e-12)
+    assert pi.sum() == pytest.approx(1.0)
+
+
+def test_floor_matches_the_empirical_loss_of_the_true_model():
+    src = data_lib.make_markov(8, 0.3)
+    x = src.sample(np.random.default_rng(0), 400, 101)
+    nll = -np.log(src.transitions[x[:, :-2], x[:, 1:-1], x[:, 2:]])
+    stderr = nll.std() / math.sqrt(nll.size)
+    assert abs(nll.mean() - src.floor) < 4 * stderr + 1e-3, (nll.mean(), src.floor, stderr)
+
+
+# --- the data order --------------------------------------------------------------------------
+
+def test_batches_are_a_function_of_seed_step_and_rank():
+    src = data_lib.make_markov(16, 0.1, seed=3)
+    full = src.batch(5, batch_size=8, seq_len=10)
+    parts = [src.batch(5, batch_size=8, seq_len=10, rank=r, world=4) for r in range(4)]
+    torch.testing.assert_close(torch.cat(parts), full)
+    torch.testing.assert_close(data_lib.make_markov(16, 0.1, seed=3).batch(5, batch_size=8,
+                                                                           seq_len=10), full)
+    assert not torch.equal(src.batch(6, batch_size=8, seq_len=10), full)
+    assert not torch.equal(data_lib.make_markov(16, 0.1, seed=4).batch(5, batch_size=8,
+                                                                       seq_len=10), full)
+    held_out = src.batch(5, batch_size=8, seq_len=10, stream=data_lib.EVAL)
+    assert not torch.equal(held_out, full)
+
+
+def test_text_source_windows_come_from_the_file(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("abcdefghij" * 20)
+    src = data_lib.TextSource.from_file(path, seed=0)
+    assert src.vocab == 10 and src.floor is None
+    x = src.batch(0, batch_size=4, seq_len=5)
+    assert x.shape == (4, 6)
+    assert ((x[:, 1:] - x[:, :-1]) % 10 == 1).all()  # consecutive characters of the file
+
+
+# --- flags -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, flag", [
+    (["--strategy=zero9"], "--strategy"),
+    (["--shard=3", "--replicate=1"], "--shard"),
+    (["--offload_fraction=1.5"], "--offload_fraction"),
+    (["--param_dtype=bf17"], "--param_dtype"),
+])
+def test_bad_flags_fail_before_launching_and_name_the_flag(args, flag):
+    out = _train("--nproc=2", *args, timeout=120)
+    assert out.returncode != 0
+    assert flag in out.stderr, out.stderr[-2000:]
+    assert not re.search(r"step \d+/", out.stderr)  # no rank trained
+
+
+# --- a run, and a resumed run ----------------------------------------------------------------
+
+def _rows(out_dir: Path) -> tuple[list[dict], dict]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "step" in r], next(r for r in rows if "final_loss" in r)
+
+
+def _checkpoint(path: Path) -> dict:
+    import orbax.checkpoint as ocp
+
+    return ocp.PyTreeCheckpointer().restore(str(path))
+
+
+def test_train_runs_and_resumes_bit_identically(tmp_path):
+    if not hasattr(fs, "CheckpointManager"):
+        pytest.skip("fs.CheckpointManager does not exist yet (funcshard/checkpoint.py)")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = ["--nproc=2", "--steps=6", "--save_every=3", *TINY]
+
+    a = _train(*common, f"--checkpoint_dir={whole / 'ckpt'}", f"--out_dir={whole}")
+    assert a.returncode == 0, a.stderr[-4000:]
+    # The smoke test: the final line, the metrics and the plot.
+    final = FINAL.search(a.stdout)
+    assert final, a.stdout
+    rows, summary = _rows(whole)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert float(final.group(1)) == pytest.approx(summary["final_loss"], abs=1e-4)
+    assert (whole / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    b1 = _train(*common, "--stop_at=3", f"--checkpoint_dir={split / 'ckpt'}", f"--out_dir={split}")
+    assert b1.returncode == 0, b1.stderr[-4000:]
+    b2 = _train(*common, "--resume", f"--checkpoint_dir={split / 'ckpt'}", f"--out_dir={split}")
+    assert b2.returncode == 0, b2.stderr[-4000:]
+    assert "resumed at step 3" in b2.stderr
+
+    rows_b, summary_b = _rows(split)
+    assert len(rows_b) == len(rows)
+    for r, rb in zip(rows, rows_b, strict=True):  # the same steps, up to their speed
+        assert dict(r, tokens_per_s=None) == dict(rb, tokens_per_s=None)
+    assert summary_b == summary
+    assert FINAL.search(b2.stdout).group(0) == final.group(0)
+    ckpt_a, ckpt_b = _checkpoint(whole / "ckpt" / "6"), _checkpoint(split / "ckpt" / "6")
+    assert ckpt_a["step"] == ckpt_b["step"] == 6
+    assert set(ckpt_a["params"]) == set(ckpt_b["params"])
+    for name, value in ckpt_a["params"].items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(ckpt_b["params"][name]),
+                                      err_msg=name)
