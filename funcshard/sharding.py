@@ -85,14 +85,18 @@ def to_rank_sections(
     return torch.cat(parts, dim=1).reshape(-1)
 
 
-def from_rank_sections(sections: torch.Tensor, specs: list[LeafSpec], shard_size: int) -> torch.Tensor:
+def from_rank_sections(
+    sections: torch.Tensor, specs: list[LeafSpec], shard_size: int
+) -> torch.Tensor:
     """All-gather output layout into the full layout (a leaf becomes one contiguous range)."""
     if shard_size == 1:
         return sections
     sizes = [s.shard_numel for s in specs]
     full = torch.empty_like(sections)
-    outs = [full[shard_size * s.offset : shard_size * (s.offset + s.shard_numel)].view(shard_size, -1)
-            for s in specs]
+    outs = [
+        full[shard_size * s.offset : shard_size * (s.offset + s.shard_numel)].view(shard_size, -1)
+        for s in specs
+    ]
     torch.split_with_sizes_copy(sections.view(shard_size, -1), sizes, dim=1, out=outs)
     return full
 

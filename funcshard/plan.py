@@ -1,0 +1,361 @@
+"""``plan``: per-rank memory and per-step communication of a configuration, from shapes alone.
+
+The prediction runs the same :func:`funcshard.layout.build_layout` that ``fs.init`` runs (same
+padding, buckets, units and offload choice) on a mesh described by its shape, so it needs no
+process group, allocates nothing, and answers for a 70B model on 1024 ranks at once.
+
+Bytes communicated follow the accounting of :mod:`funcshard.collectives`: per rank, the size of
+the collective's full buffer (all-gather output, reduce-scatter input, all-reduce tensor); a
+group of one rank counts nothing; the scalar reductions of the metrics count under "metrics".
+Per step, with ``M`` microbatches, ``Pp`` the padded numel (rows padded to a multiple of the
+shard size ``S``), ``R`` the replicate size, ``W`` the world size, ``w`` the bytes of the wire
+dtype and ``c`` those of the compute dtype::
+
+    no_shard            all_reduce Pp*w (W > 1)
+    optim               reduce_scatter Pp*w, all_reduce Pp/S*w (R > 1), all_gather Pp*c
+    optim_grads         reduce_scatter M*Pp*w, all_reduce Pp/S*w (R > 1), all_gather Pp*c
+    optim_grads_params  all_gather 2*M*Pp*c, reduce_scatter M*Pp*w, all_reduce Pp/S*w (R > 1)
+
+(reduce-scatter and all-gather only when ``S > 1``). The ZeRO-3 all-gather counts a forward
+gather and a backward re-gather of every bucket: exact when every unit saves one of its params
+for backward (a Linear weight does), an upper bound otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import optree
+import torch
+from torch import nn
+
+from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout, check_strategy
+from funcshard.optim import Optimizer
+from funcshard.policy import MixedPrecisionPolicy
+
+__all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "metrics")
+_OPTIMIZER_STATES = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}
+_METRIC_BYTES = 8  # one float64 scalar per reduction (loss sum, squared grad norm)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Bytes per rank.
+
+    Attributes:
+      master: master weight shards on the device.
+      compute: compute copies the state keeps (``derive_compute``): ZeRO 0-2 the full compute
+        params per bucket (0 where the master itself serves), ZeRO-3 only the device shard of
+        offloaded buckets.
+      compute_shard: ZeRO-3, the compute-dtype shards cast from the masters at step time
+        (0 where no cast is needed).
+      grads: the gradient accumulator during a step: the full unreduced gradient under
+        ``no_shard`` / ``optim``, the reduced shard under ``optim_grads`` / ``_params``.
+      opt_state: optimizer state on the device.
+      gathered_peak: ZeRO-3, most full (gathered) params alive at once: the root unit plus the
+        largest other unit.
+      host: offloaded master shards and their optimizer state, in host memory.
+    """
+
+    master: int
+    compute: int
+    compute_shard: int
+    grads: int
+    opt_state: int
+    gathered_peak: int
+    host: int
+
+    @property
+    def state(self) -> int:
+        """The TrainState's own buffers: masters, kept compute copies, optimizer state."""
+        return self.master + self.compute + self.opt_state + self.host
+
+    @property
+    def model_states(self) -> int:
+        """The ZeRO paper's "model states": params, gradients and optimizer state (with masters)."""
+        return self.state + self.compute_shard + self.grads
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """What one configuration costs per rank (see :func:`plan`)."""
+
+    strategy: str
+    world_size: int
+    shard: int
+    replicate: int
+    microbatches: int
+    numel: int
+    padded_numel: int
+    buckets: int
+    units: int
+    memory: MemoryPlan
+    comm: dict[str, int]
+    calls: dict[str, int]
+
+    def table(self) -> str:
+        """A readable summary."""
+        m = self.memory
+        rows = [
+            (f"strategy={self.strategy} world={self.world_size} mesh=(replicate={self.replicate}, "
+             f"shard={self.shard}) microbatches={self.microbatches}"),
+            (f"params={self.numel:,} padded={self.padded_numel:,} buckets={self.buckets} "
+             f"units={self.units}"),
+            "memory per rank:",
+        ]
+        for name in ("master", "compute", "compute_shard", "grads", "opt_state", "gathered_peak",
+                     "host"):
+            rows.append(f"  {name:<14}{format_bytes(getattr(m, name)):>12}")
+        rows.append(f"  {'model states':<14}{format_bytes(m.model_states):>12}")
+        rows.append("communicated per rank per step:")
+        for kind in KINDS:
+            rows.append(f"  {kind:<14}{format_bytes(self.comm[kind]):>12}  "
+                        f"({self.calls[kind]} calls)")
+        return "\n".join(rows)
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units (GB = 1e9 bytes), as the ZeRO paper counts."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+class _ShapeMesh:
+    """A mesh known only by its shape: enough for ``build_layout`` (no process group)."""
+
+    device_type = "meta"
+
+    def __init__(self, replicate: int, shard: int) -> None:
+        self.shape = (replicate, shard)
+
+    def size(self, dim: int | None = None) -> int:
+        return math.prod(self.shape) if dim is None else self.shape[dim]
+
+
+ShapesArg = Mapping[str, Sequence[int] | tuple[Sequence[int], torch.dtype]] | nn.Module
+
+
+def _param_table(
+    params: ShapesArg, dtype: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if isinstance(params, nn.Module):
+        return {n: (tuple(p.shape), p.dtype) for n, p in params.named_parameters()}
+    out = {}
+    for name, entry in params.items():
+        if len(entry) == 2 and isinstance(entry[1], torch.dtype):
+            out[name] = (tuple(entry[0]), entry[1])
+        else:
+            out[name] = (tuple(entry), dtype)
+        if any(not isinstance(d, int) or d < 0 for d in out[name][0]):
+            raise ValueError(f"plan: parameter {name!r}: expected a shape of ints >= 0, "
+                             f"got {entry!r}")
+    return out
+
+
+def _units_from_names(names: Sequence[str]) -> list[str]:
+    """Units as ``default_units`` would find them: a prefix ending in a numeric component."""
+    units: dict[str, None] = {}
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                units[".".join(parts[: i + 1])] = None
+                break
+    return list(units)
+
+
+def _optimizer_states(optimizer: str | Optimizer) -> int:
+    if isinstance(optimizer, str):
+        if optimizer not in _OPTIMIZER_STATES:
+            raise ValueError(f"plan: unknown optimizer {optimizer!r}; expected one of "
+                             f"{sorted(_OPTIMIZER_STATES)} or an fs.optim optimizer")
+        return _OPTIMIZER_STATES[optimizer]
+    # One fresh state over one tiny buffer: its tensor leaves are the states per param.
+    state = optimizer.init((torch.zeros(1),))
+    return sum(isinstance(t, torch.Tensor) for t in optree.tree_leaves(state))
+
+
+def _size(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _memory(layout: Layout, n_states: int, device_type: str) -> MemoryPlan:
+    S = layout.shard_size
+    zero3 = layout.strategy == "optim_grads_params"
+    sharded_grads = layout.strategy in ("optim_grads", "optim_grads_params")
+    master = compute = compute_shard = grads = opt = host = 0
+    unit_full: dict[int, int] = {}
+    for b in layout.buckets:
+        d = b.dtypes
+        p_bytes, c_bytes = b.numel * _size(d.master), b.numel * _size(d.compute)
+        g_bytes = b.numel * _size(d.grad)
+        on_device = not b.offload or device_type == "cpu"
+        same = d.compute == d.master and on_device  # m.to(device, compute) returns m itself
+        if b.offload:
+            host += p_bytes * (1 + n_states)
+        else:
+            master += p_bytes
+            opt += p_bytes * n_states
+        if zero3:
+            if b.offload:
+                compute += 0 if same else c_bytes
+            else:
+                compute_shard += 0 if same else c_bytes
+            unit_full[b.unit] = unit_full.get(b.unit, 0) + S * c_bytes
+        else:
+            compute += 0 if (same and S == 1) else S * c_bytes
+        grads += g_bytes if sharded_grads else S * g_bytes
+    gathered = 0
+    if zero3 and S > 1:
+        others = [v for u, v in unit_full.items() if u != ROOT_UNIT]
+        gathered = unit_full.get(ROOT_UNIT, 0) + max(others, default=0)
+    return MemoryPlan(master, compute, compute_shard, grads, opt, gathered, host)
+
+
+def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
+    S, M = layout.shard_size, microbatches
+    strategy = layout.strategy
+    nbytes = dict.fromkeys(KINDS, 0)
+    calls = dict.fromkeys(KINDS, 0)
+
+    def add(kind: str, count: int, size: int) -> None:
+        nbytes[kind] += count * size
+        calls[kind] += count
+
+    for b in layout.buckets:
+        full = S * b.numel
+        w, c = _size(b.dtypes.comm), _size(b.dtypes.compute)
+        if strategy == "no_shard":
+            if world > 1:
+                add("all_reduce", 1, full * w)
+            continue
+        if S > 1:
+            per_mb = strategy in ("optim_grads", "optim_grads_params")
+            add("reduce_scatter", M if per_mb else 1, full * w)
+            add("all_gather", 2 * M if strategy == "optim_grads_params" else 1, full * c)
+        if replicate > 1:
+            add("all_reduce", 1, b.numel * w)
+    if world > 1:
+        add("metrics", 1, _METRIC_BYTES)  # the loss
+    if S > 1:
+        add("metrics", 1, _METRIC_BYTES)  # the squared gradient norm
+    return nbytes, calls
+
+
+def plan(
+    params: ShapesArg,
+    /,
+    *,
+    world_size: int,
+    shard: int = -1,
+    replicate: int = 1,
+    strategy: str = "optim_grads_params",
+    policy: MixedPrecisionPolicy | None = None,
+    offload_fraction: float = 0.0,
+    microbatches: int = 1,
+    optimizer: str | Optimizer = "adamw",
+    units: UnitsArg = None,
+    dtype: torch.dtype = torch.float32,
+    device_type: str = "cuda",
+) -> Plan:
+    """Predicts per-rank bytes and per-step communication without running anything.
+
+    Args:
+      params: ``{name: shape}`` or ``{name: (shape, dtype)}`` in ``named_parameters`` order,
+        or a model (a meta-device one is fine).
+      world_size: ranks in the data-parallel world.
+      shard: ranks per shard group; -1 means ``world_size // replicate`` (as ``make_mesh``).
+      replicate: replicas (HSDP when > 1).
+      strategy: as in ``fs.init``.
+      policy: as in ``fs.init``; None = the default policy.
+      offload_fraction: as in ``fs.init``.
+      microbatches: as in ``fs.train_step``.
+      optimizer: "adamw" (2 states), "sgd_momentum" (1), "sgd" (0), or an ``fs.optim``
+        optimizer (its states are counted).
+      units: as in ``fs.init``; None = the model's default units, or for a shape dict every
+        name prefix that ends in a number ("layers.3").
+      dtype: the model dtype of shape-only entries.
+      device_type: where the state lives; on "cpu" an offloaded master is also the device's.
+
+    Returns:
+      A :class:`Plan`.
+
+    >>> p = plan({"w": (10, 4)}, world_size=4, strategy="optim", optimizer="sgd")
+    >>> p.padded_numel, p.memory.master, p.comm["reduce_scatter"]
+    (48, 48, 192)
+    """
+    check_strategy(strategy)
+    if world_size < 1 or replicate < 1 or microbatches < 1:
+        raise ValueError(f"plan: world_size ({world_size}), replicate ({replicate}) and "
+                         f"microbatches ({microbatches}) must be >= 1")
+    if shard == -1:
+        if world_size % replicate:
+            raise ValueError(f"plan: world size {world_size} is not divisible by "
+                             f"replicate={replicate}")
+        shard = world_size // replicate
+    if shard * replicate != world_size:
+        raise ValueError(f"plan: shard ({shard}) x replicate ({replicate}) must equal the world "
+                         f"size {world_size}")
+    table = _param_table(params, dtype)
+    model = params if isinstance(params, nn.Module) else None
+    if model is None and units is None:
+        units = _units_from_names(list(table))
+    layout = build_layout(table, model=model, mesh=_ShapeMesh(replicate, shard),  # type: ignore[arg-type]
+                          policy=policy or MixedPrecisionPolicy(), strategy=strategy,
+                          offload_fraction=offload_fraction, units=units)
+    comm, calls = _comm(layout, microbatches, replicate, world_size)
+    return Plan(
+        strategy=strategy,
+        world_size=world_size,
+        shard=shard,
+        replicate=replicate,
+        microbatches=microbatches,
+        numel=sum(math.prod(s.shape) for s in layout.leaves),
+        padded_numel=layout.shard_size * sum(b.numel for b in layout.buckets),
+        buckets=len(layout.buckets),
+        units=len(layout.units),
+        memory=_memory(layout, _optimizer_states(optimizer), device_type),
+        comm=comm,
+        calls=calls,
+    )
+
+
+def transformer_shapes(
+    *,
+    n_layers: int = 80,
+    dim: int = 8192,
+    ffn_dim: int = 28672,
+    n_heads: int = 64,
+    n_kv_heads: int = 8,
+    vocab: int = 32000,
+) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a Llama-style decoder (defaults: Llama-2-70B, 69.0B params).
+
+    >>> round(sum(math.prod(s) for s in transformer_shapes().values()) / 1e9, 2)
+    68.98
+    """
+    kv = dim // n_heads * n_kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, dim)}
+    for i in range(n_layers):
+        p = f"layers.{i}"
+        shapes.update({
+            f"{p}.attention.wq.weight": (dim, dim),
+            f"{p}.attention.wk.weight": (kv, dim),
+            f"{p}.attention.wv.weight": (kv, dim),
+            f"{p}.attention.wo.weight": (dim, dim),
+            f"{p}.feed_forward.w1.weight": (ffn_dim, dim),
+            f"{p}.feed_forward.w2.weight": (dim, ffn_dim),
+            f"{p}.feed_forward.w3.weight": (ffn_dim, dim),
+            f"{p}.attention_norm.weight": (dim,),
+            f"{p}.ffn_norm.weight": (dim,),
+        })
+    shapes["norm.weight"] = (dim,)
+    shapes["output.weight"] = (vocab, dim)
+    return shapes
+
