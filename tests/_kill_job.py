@@ -1,17 +1,24 @@
 """A training job that saves every step, for the kill -9 tests of test_reliability.py.
 
-``python _kill_job.py ROOT NPROC STEPS`` trains the small MLP on NPROC gloo ranks, resuming
+``python _kill_job.py ROOT NPROC STEPS`` trains the small MLP on NPROC gloo ranks (NPROC 1:
+a 1-rank group in this process, else ``fs.launch``), resuming
 from ``CheckpointManager(ROOT/ckpt).latest_step()`` if there is one, and saves every step
 asynchronously. Before saving step ``s`` rank 0 records the hash of ``fs.full_params`` as
 ``ROOT/records/<s>`` (so every checkpoint that can ever be listed has its record), and after
 the save is known to be committed it appends ``s`` to ``ROOT/done``. It prints ``ready`` once
 training starts. The test kills it at random moments.
+
+``torchrun --max-restarts=1 ... _kill_job.py ROOT torchrun UNTIL KILL_AT`` trains up to step
+UNTIL; in the first attempt rank 1 kills itself (SIGKILL) once step KILL_AT is committed, and
+torchrun restarts the job, which resumes from the latest checkpoint. Rank 0 appends the
+attempt number to ``ROOT/attempts`` and writes the final params' hash to ``ROOT/final``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 
 import torch
@@ -19,9 +26,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import models  # noqa: E402
-
 import funcshard as fs  # noqa: E402
+
+import models  # noqa: E402
 
 ROWS = 8
 
@@ -30,7 +37,7 @@ def params_hash(params: dict[str, torch.Tensor]) -> str:
     """A hash of every parameter's name, shape, dtype and bytes, in name order."""
     h = hashlib.sha256()
     for name in sorted(params):
-        t = params[name].detach().cpu().contiguous()
+        t = params[name].detach().cpu().contiguous().reshape(-1)
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
@@ -45,7 +52,7 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def job(root: str, steps: int) -> None:
+def job(root: str, steps: int, until: int | None = None, kill_at: int | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model(seed=0)
@@ -59,7 +66,8 @@ def job(root: str, steps: int) -> None:
     loss_fn = models.make_loss_fn(model)
     if rank == 0:
         print("ready", flush=True)
-    for step in range(start + 1, start + 1 + steps):
+    stop = until if until is not None else start + steps
+    for step in range(start + 1, stop + 1):
         batch = models.local_batch(models.global_batch(step, ROWS), rank, world)
         state, _ = fs.train_step(state, batch, loss_fn)
         digest = params_hash(fs.full_params(state))
@@ -72,9 +80,44 @@ def job(root: str, steps: int) -> None:
                 f.write(f"{step - 1}\n")
                 f.flush()
                 os.fsync(f.fileno())
+        if step == kill_at and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            mgr.wait()  # step KILL_AT is committed
+            os.kill(os.getpid(), signal.SIGKILL)
     mgr.close()
+    digest = params_hash(fs.full_params(state))
+    if rank == 0 and until is not None:
+        _write_atomic(os.path.join(root, "final"), digest)
+
+
+def torchrun_main(root: str, until: int, kill_at: int) -> None:
+    """The entry point under torchrun (the group comes from its environment).
+
+    The keys of each attempt get a prefix of their own in torchrun's store: gloo would
+    otherwise find the addresses of the previous attempt's ranks there.
+    """
+    env = os.environ
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False)
+    store = dist.PrefixStore(f"kill_job/{env['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group("gloo", store=store, rank=int(env["RANK"]),
+                            world_size=int(env["WORLD_SIZE"]))
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, "attempts"), "a") as f:
+            f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "?") + "\n")
+    job(root, 0, until=until, kill_at=kill_at)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    if sys.argv[2] == "torchrun":
+        torchrun_main(sys.argv[1], int(sys.argv[3]), int(sys.argv[4]))
+        sys.exit(0)
     root_dir, nproc, n_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    fs.launch(job, root_dir, n_steps, nproc=nproc)
+    if nproc == 1:  # a 1-rank gloo group in this very process: no spawn to wait for
+        from funcshard.launch import free_port, init_process_group
+
+        init_process_group(0, 1, free_port(), backend="gloo")
+        job(root_dir, n_steps)
+        dist.destroy_process_group()
+    else:
+        fs.launch(job, root_dir, n_steps, nproc=nproc)
