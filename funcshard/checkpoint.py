@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -330,11 +331,37 @@ def _plan(state: TrainState, stage: bool) -> tuple[list[_ArrayWrite], dict[Keys,
     return arrays, scalars
 
 
+def _settle(futures: list[Any]) -> list[Any]:
+    """Waits for every future, then raises the first error: nothing is still writing after."""
+    results, error = [], None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - raised once all have finished
+            results.append(None)
+            error = error or e
+    if error is not None:
+        raise error
+    return results
+
+
+def _scalar_spec(path: str, value: int | float) -> dict:
+    dtype = "<i8" if isinstance(value, int) else "<f8"
+    return {"driver": "zarr", "create": True, "kvstore": {"driver": "file", "path": path},
+            "metadata": {"zarr_format": 2, "shape": [], "chunks": [], "dtype": dtype,
+                         "compressor": None, "fill_value": None, "filters": None,
+                         "order": "C", "dimension_separator": "."}}
+
+
 def _write_arrays(tmp: str, arrays: list[_ArrayWrite], scalars: dict[Keys, Any],
                   is_first: bool) -> None:
-    """Writes this rank's rows (and, on the first rank, array metadata and scalars) durably."""
+    """Writes this rank's rows (and, on the first rank, array metadata and scalars) durably.
+
+    Returns or raises only once every write it started has finished, so that a failed save's
+    directory can be removed without a late write recreating files in it.
+    """
     ctx = ts.Context()
-    opens = []
+    specs, sources = [], []
     for a in arrays:
         if a.data is None and not is_first:
             continue
@@ -343,28 +370,24 @@ def _write_arrays(tmp: str, arrays: list[_ArrayWrite], scalars: dict[Keys, Any],
                 "metadata": _zarr_metadata(a.shape, a.dtype, a.chunk_rows)}
         # one rank writes each .zarray; the others only write their chunks
         spec.update({"create": True} if is_first else {"open": True, "assume_metadata": True})
-        opens.append((a, ts.open(spec, context=ctx)))
-    writes = []
-    for a, fut in opens:
-        arr = fut.result()
-        if a.data is None:
-            continue
-        src = _to_numpy(a.data)
-        target = arr[a.start : a.stop] if a.shape else arr
-        writes.append(target.write(src.reshape(target.shape)))
-        _count(False, src.nbytes)
+        specs.append(spec)
+        sources.append(a)
     if is_first:
         for keys, value in scalars.items():
-            dtype = "<i8" if isinstance(value, int) else "<f8"
-            spec = {"driver": "zarr", "create": True,
-                    "kvstore": {"driver": "file", "path": os.path.join(tmp, _param_dir(keys))},
-                    "metadata": {"zarr_format": 2, "shape": [], "chunks": [], "dtype": dtype,
-                                 "compressor": None, "fill_value": None, "filters": None,
-                                 "order": "C", "dimension_separator": "."}}
-            arr = ts.open(spec, context=ctx).result()
-            writes.append(arr.write(np.asarray(value, dtype=np.dtype(dtype))))
-    for w in writes:
-        w.result()
+            spec = _scalar_spec(os.path.join(tmp, _param_dir(keys)), value)
+            specs.append(spec)
+            sources.append(np.asarray(value, dtype=np.dtype(spec["metadata"]["dtype"])))
+    opened = _settle([ts.open(spec, context=ctx) for spec in specs])
+    writes = []
+    for source, arr in zip(sources, opened, strict=True):
+        if isinstance(source, np.ndarray):
+            writes.append(arr.write(source))
+        elif source.data is not None:
+            src = _to_numpy(source.data)
+            target = arr[source.start : source.stop] if source.shape else arr
+            writes.append(target.write(src.reshape(target.shape)))
+            _count(False, src.nbytes)
+    _settle(writes)
 
 
 def _leaf_metadata(keys: Keys, value_type: str) -> dict:
@@ -419,11 +442,31 @@ def _info(state: TrainState) -> dict:
     }
 
 
+def _remove_tree(path: str) -> None:
+    """Removes ``path`` if it exists; a failure to remove is logged, never raised over the
+    error that made the removal necessary."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logging.warning("funcshard.checkpoint: could not remove %s: %s", path, e)
+
+
+def _is_leftover(name: str, base: str | None = None) -> bool:
+    """A save's temporary or a removal's doomed directory (of step ``base``, or of any)."""
+    for mark in (TMP_MARK, DELETE_MARK):
+        head, sep, _ = name.partition(mark)
+        if sep and (head == base if base is not None else True):
+            return True
+    return False
+
+
 def _remove_stale(final: str) -> None:
     parent, base = os.path.split(final)
     for name in os.listdir(parent):
-        if name.startswith(base + TMP_MARK) or name.startswith(base + DELETE_MARK):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        if _is_leftover(name, base):
+            _remove_tree(os.path.join(parent, name))
 
 
 def _start(final: str, group: dist.ProcessGroup) -> str:
@@ -469,7 +512,7 @@ class _Job:
         failed = _failed_ranks(error is None, group)
         if failed:
             if first:  # nothing of a failed save stays behind
-                shutil.rmtree(self.tmp, ignore_errors=True)
+                _remove_tree(self.tmp)
             raise error or RuntimeError(f"save to {self.final}: writing failed on rank(s) "
                                         f"{failed}; see their errors")
         error = None
@@ -483,6 +526,8 @@ class _Job:
                     self.after_commit()
             except BaseException as e:  # noqa: BLE001
                 error = e
+                if not os.path.exists(os.path.join(self.final, COMMIT_FILE)):
+                    _remove_tree(self.tmp)  # not committed: nothing of it stays behind
         _raise_if_failed(f"save to {self.final}: commit", error, group)
 
 
@@ -581,7 +626,16 @@ class _Source(Protocol):
 
 def _read_json(path: str) -> dict:
     with open(path) as f:
-        return json.load(f)
+        text = f.read()
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"restore: {path} is not valid JSON ({e}); the checkpoint is "
+                         "damaged") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"restore: {path} holds a JSON {type(obj).__name__}, expected an "
+                         "object; the checkpoint is damaged")
+    return obj
 
 
 class _TensorstoreSource:
@@ -612,7 +666,11 @@ class _TensorstoreSource:
             kv = {"driver": "ocdbt", "base": f"file://{self.directory}/", "path": name}
         else:
             kv = {"driver": "file", "path": os.path.join(self.directory, name)}
-        return {"driver": self.driver, "kvstore": kv, "open": True}
+        spec = {"driver": self.driver, "kvstore": kv, "open": True}
+        if self.info is not None:
+            # funcshard writes every chunk, so a missing one is damage, not the fill value
+            spec["fill_missing_data_reads"] = False
+        return spec
 
     def open_many(self, keys: Sequence[Keys]) -> None:
         todo = [k for k in keys if k not in self._open]
@@ -960,7 +1018,15 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def _sweep(self) -> None:
+        """Removes what killed saves and removals left behind (rank 0, between saves: the
+        save in flight, if any, has just been committed)."""
+        for name in os.listdir(self.root):
+            if _is_leftover(name) and _STEP_DIR.match(name.split(".", 1)[0]):
+                _remove_tree(os.path.join(self.root, name))
+
     def _retain(self, just_saved: int) -> None:
+        self._sweep()
         if self.max_to_keep is None:
             return
         steps = self._complete_steps()
@@ -972,7 +1038,7 @@ class CheckpointManager:
                 path = self._dir(step)
                 doomed = f"{path}{DELETE_MARK}{time.time_ns()}"
                 os.rename(path, doomed)  # unlisted at once, even if the removal is cut short
-                shutil.rmtree(doomed, ignore_errors=True)
+                _remove_tree(doomed)
 
     def save(self, step: int, state: TrainState) -> None:
         """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``."""

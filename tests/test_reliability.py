@@ -134,8 +134,6 @@ def leftovers_worker(root: str) -> list[str]:
     return sorted(os.listdir(root))
 
 
-@pytest.mark.xfail(strict=True, reason="leftovers of a killed removal or save of another step "
-                   "are never cleaned up; see the report of issue 7")
 def test_leftovers_of_killed_saves_and_removals_are_cleaned(pool2, tmp_path):
     for listing in pool2.run(leftovers_worker, str(tmp_path / "run")):
         assert listing == ["6", "7"]
@@ -157,6 +155,22 @@ def reference_hash(until: int) -> str:
         return params_hash(fs.full_params(state))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_rank_from_the_latest_checkpoint(pool2, tmp_path):
+    root, until, kill_at = str(tmp_path / "job"), 6, 3
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--max-restarts=1", os.path.join(HERE, "_kill_job.py"), root, "torchrun",
+           str(until), str(kill_at)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(root, "attempts")) as f:
+        assert f.read().split() == ["0", "1"], "the rank was not killed and restarted"
+    with open(os.path.join(root, "final")) as f:
+        final = f.read()
+    assert final == pool2.run(reference_hash, until)[0], "resuming changed the trajectory"
 
 
 def save_small(directory: str) -> None:
@@ -227,16 +241,11 @@ def test_corruption_raises_on_every_rank_naming_the_leaf(pool2, saved, tmp_path,
         assert needle in e or "failed on rank(s)" in e, e
 
 
-_ZERO_D_LOST = pytest.mark.xfail(strict=True, reason="a deleted chunk of a 0-d array restores "
-                                 "as the fill value 0 instead of raising; see the report of "
-                                 "issue 7")
-
-
 @pytest.mark.parametrize("chunk", [
     f"{LEAF}/1.0",  # only rank 1 reads it
-    pytest.param("params.scale/0", marks=_ZERO_D_LOST),  # a 0-d parameter
-    pytest.param("opt_state.count/0", marks=_ZERO_D_LOST),
-    pytest.param("step/0", marks=_ZERO_D_LOST),
+    "params.scale/0",  # a 0-d parameter
+    "opt_state.count/0",
+    "step/0",
 ])
 def test_deleted_chunk_file_raises(pool2, saved, tmp_path, chunk):
     directory = str(tmp_path / "ckpt")
@@ -250,8 +259,6 @@ def test_deleted_chunk_file_raises(pool2, saved, tmp_path, chunk):
         assert leaf in e or "failed on rank(s)" in e, e
 
 
-@pytest.mark.xfail(strict=True, reason="a garbled _METADATA raises a bare JSONDecodeError "
-                   "that does not name the file; see the report of issue 7")
 def test_garbled_metadata_names_the_file(pool2, saved, tmp_path):
     directory = str(tmp_path / "ckpt")
     shutil.copytree(saved, directory)
@@ -349,8 +356,6 @@ def test_write_failure_keeps_the_previous_checkpoint(pool2, tmp_path, stage):
         assert sorted(os.listdir(root)) == ["1", "3"]
 
 
-@pytest.mark.xfail(strict=True, reason="a failed commit (metadata write) leaves its temporary "
-                   "directory behind; see the report of issue 7")
 def test_failed_commit_leaves_no_debris(pool2, tmp_path):
     root = tmp_path / "run"
     pool2.run(write_failure_worker, str(root), "metadata")
