@@ -83,14 +83,22 @@ def track_gathered(buffer: torch.Tensor) -> None:
 class Pending:
     """An in-flight collective; ``wait()`` returns its result."""
 
-    def __init__(self, work: dist.Work | None, result: torch.Tensor) -> None:
+    def __init__(self, work: dist.Work | None, result: torch.Tensor,
+                 keep: torch.Tensor | None = None) -> None:
         self._work = work
         self._result = result
+        self._keep = keep  # the input, alive until the collective is done
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The result's buffer; its values are valid only after ``wait()``."""
+        return self._result
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
+            self._keep = None
         return self._result
 
 
@@ -105,15 +113,17 @@ def all_gather(local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool 
     return Pending(work, out) if async_op else out
 
 
-def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
     """Sums 1-D ``full`` over the group and returns this rank's contiguous 1/size of it."""
     size = dist.get_world_size(group)
     if size == 1:
-        return full
+        return Pending(None, full) if async_op else full
     out = torch.empty(full.numel() // size, dtype=full.dtype, device=full.device)
     _record("reduce_scatter", full)
-    dist.reduce_scatter_single(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
-    return out
+    full = full.contiguous()
+    work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group,
+                                      async_op=async_op)
+    return Pending(work, out, keep=full) if async_op else out
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_reduce"):

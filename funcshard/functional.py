@@ -104,6 +104,8 @@ class GatheredParams:
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
         self._saved_refs: dict[int, int] = {}
         self._regathered: dict[int, torch.Tensor] = {}
+        self._gathers = [0] * len(layout.buckets)  # _Gather applications per bucket
+        self._reductions: list[collectives.Pending] = []
 
     # --- gathering --------------------------------------------------------------------------
     def _prefetch(self, unit: int) -> None:
@@ -133,6 +135,7 @@ class GatheredParams:
         for b in self._by_unit.get(unit, ()):
             specs = self.layout.bucket_leaves(self.layout.buckets[b])
             views = _Gather.apply(self.carriers[b], self, b)
+            self._gathers[b] += 1
             params.update({s.name[strip:]: v for s, v in zip(specs, views, strict=True)})
         return params
 
@@ -141,7 +144,25 @@ class GatheredParams:
         specs = self.layout.bucket_leaves(b)
         sections = shard_lib.to_rank_sections(list(grads), specs, self.layout.shard_size,
                                               b.dtypes.comm)
+        overlap = (b.dtypes.comm == b.dtypes.grad and self._gathers[bucket] == 1
+                   and not torch.is_anomaly_enabled())
+        if overlap:
+            # Overlap the reduce-scatter with the rest of backward: autograd hands this buffer
+            # on untouched (it is the only gradient of the carrier, no cast is due, anomaly
+            # mode would scan it), and ``finish_reductions`` waits before anything reads it.
+            # One reduction in flight at a time, so at most one unit's unreduced gradient
+            # waits beside the one being computed.
+            self.finish_reductions()
+            pending = reduce_lib.start_reduce_shard_axis(self.layout, b, sections)
+            self._reductions.append(pending)
+            return pending.buffer
         return reduce_lib.reduce_shard_axis(self.layout, b, sections)
+
+    def finish_reductions(self) -> None:
+        """Waits for the reduce-scatters backward started; call before reading any gradient."""
+        for pending in self._reductions:
+            pending.wait()
+        self._reductions.clear()
 
     # --- saved tensors ------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:

@@ -32,6 +32,22 @@ def reduce_shard_axis(layout: Layout, bucket: Bucket, sections: torch.Tensor) ->
     return local.to(bucket.dtypes.grad)
 
 
+def start_reduce_shard_axis(
+    layout: Layout, bucket: Bucket, sections: torch.Tensor
+) -> collectives.Pending:
+    """``reduce_shard_axis`` without waiting, for buckets whose wire dtype is the grads dtype.
+
+    The pending result's ``buffer`` is the gradient shard; it holds its values after ``wait()``.
+    """
+    if bucket.dtypes.comm != bucket.dtypes.grad:
+        raise ValueError("start_reduce_shard_axis: the result would need a cast after the wait "
+                         f"({bucket.dtypes.comm} on the wire, {bucket.dtypes.grad} grads)")
+    wire = sections.to(bucket.dtypes.comm).div_(layout.dp_size)
+    if layout.shard_size == 1:
+        return collectives.Pending(None, wire)
+    return collectives.reduce_scatter(wire, layout.shard_group, async_op=True)
+
+
 def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
     """Sums a gradient shard over the replicas (the whole world under ``no_shard``)."""
     group = layout.replicate_group

@@ -62,6 +62,7 @@ def _zero3_grads(layout: Layout, shards: list[torch.Tensor], batch: Any, loss_fn
     gp = GatheredParams(layout, shards)
     loss, aux = _loss_and_aux(loss_fn(gp, batch))
     grads = torch.autograd.grad(loss * scale, gp.carriers, allow_unused=True)
+    gp.finish_reductions()
     out = [g if g is not None else torch.zeros(b.numel, dtype=b.dtypes.grad, device=layout.device)
            for g, b in zip(grads, layout.buckets, strict=True)]
     return loss.detach(), aux, out
