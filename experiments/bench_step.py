@@ -1,0 +1,296 @@
+"""Step time and memory of funcshard beside PyTorch FSDP2, same GPT, data, mesh and policy.
+
+    python experiments/bench_step.py                      # 2 gloo CPU ranks, short
+    python experiments/bench_step.py --steps=20 --d_model=768 --n_layer=8
+
+Each configuration builds both from one initial model and alternates their steps (funcshard,
+FSDP2, FSDP2, funcshard, ...) so that both see the same machine load. ZeRO-3
+(``optim_grads_params``) runs beside ``fully_shard(reshard_after_forward=True)``, ZeRO-2
+(``optim_grads``) beside ``reshard_after_forward=False``; per block, then the root. Printed per
+strategy and policy: median step time (wall, and CPU time of the rank's process, which a
+machine shared with other jobs disturbs less), the ratio funcshard / FSDP2 (below 1: funcshard
+is faster), peak tensor
+bytes per rank (persistent state + the profiler's peak of CPU allocations in one step),
+bytes communicated in one step (measured, and predicted by ``fs.plan``), and the final losses.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from absl import app, flags
+from torch.distributed.fsdp import MixedPrecisionPolicy as FsdpPolicy
+from torch.distributed.fsdp import fully_shard
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpt import GPT, GPTConfig  # noqa: E402
+
+import funcshard as fs  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("nproc", 2, "Local gloo ranks.")
+flags.DEFINE_integer("steps", 6, "Timed steps per framework and configuration.")
+flags.DEFINE_integer("warmup", 1, "Untimed steps first.")
+flags.DEFINE_integer("microbatches", 2, "Microbatches per step.")
+flags.DEFINE_integer("batch", 4, "Sequences per rank per step.")
+flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
+flags.DEFINE_integer("vocab", 8192, "Vocabulary size.")
+flags.DEFINE_integer("d_model", 512, "Model width.")
+flags.DEFINE_integer("n_layer", 6, "Transformer blocks.")
+flags.DEFINE_list("strategies", ["optim_grads_params", "optim_grads"], "funcshard strategies.")
+flags.DEFINE_list("policies", ["fp32", "bf16"], "fp32 | bf16 (bf16 compute, fp32 master/wire).")
+flags.DEFINE_integer("threads", 1, "Intra-op threads per rank.")
+
+RESHARD = {"optim_grads_params": True, "optim_grads": False}
+LR = 3e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    steps: int
+    warmup: int
+    microbatches: int
+    batch: int
+    seq_len: int
+    vocab: int
+    d_model: int
+    n_layer: int
+    strategies: tuple[str, ...]
+    policies: tuple[str, ...]
+    threads: int
+
+
+def _policies(name: str) -> tuple[fs.MixedPrecisionPolicy, FsdpPolicy | None]:
+    if name == "fp32":
+        return fs.MixedPrecisionPolicy(), None
+    if name == "bf16":
+        return (fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                FsdpPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    raise ValueError(f"unknown policy {name!r}; expected fp32 or bf16")
+
+
+def _batch(cfg: Config, step: int) -> dict[str, torch.Tensor]:
+    """This rank's rows of the global batch of ``step`` (random tokens, next-token targets)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch * world, cfg.seq_len + 1), generator=g)
+    rows = tokens[rank * cfg.batch : (rank + 1) * cfg.batch]
+    return {"x": rows[:, :-1].contiguous(), "y": rows[:, 1:].contiguous()}
+
+
+def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+class _FsdpComm:
+    """Counts FSDP2's collective bytes with funcshard's accounting (full buffer per rank)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> _FsdpComm:
+        def wrap(name: str, kind: str, arg: int, key: str):
+            original = getattr(dist, name)
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                t = args[arg] if len(args) > arg else kwargs[key]
+                self.bytes[kind] += t.numel() * t.element_size()
+                return original(*args, **kwargs)
+
+            self._saved[name] = original
+            setattr(dist, name, counted)
+
+        wrap("all_gather_single", "all_gather", 0, "output_tensor")
+        wrap("reduce_scatter_single", "reduce_scatter", 1, "input")
+        wrap("all_reduce", "all_reduce", 0, "tensor")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = getattr(t, "_local_tensor", t)
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _peak_bytes(runner, batches) -> int:
+    """Peak bytes of CPU tensors during the second of two steps: what lives at its start (the
+    state) plus the profiler's highest count of bytes allocated above that during the step.
+    The first step runs inside the profiler too, so that frees of what it allocated are seen."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        runner.step(batches[0])
+        persistent = runner.persistent_bytes()
+        with record_function("measured_step"):
+            runner.step(batches[1])
+    events = prof.profiler.kineto_results.events()
+    mark = next(e for e in events if e.name() == "measured_step")
+    start, stop = mark.start_ns(), mark.start_ns() + mark.duration_ns()
+    live = base = peak = 0
+    for t, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        if t > stop:
+            break
+        live += nbytes
+        if t < start:
+            base = peak = live
+        peak = max(peak, live)
+    return persistent + peak - base
+
+
+class _Funcshard:
+    def __init__(self, model: GPT, mesh, strategy: str, policy: fs.MixedPrecisionPolicy,
+                 cfg: Config) -> None:
+        self.model, self.cfg = model, cfg
+        opt = fs.optim.adamw(LR, weight_decay=0.1)
+        self.state = fs.init(model, opt, mesh=mesh, policy=policy, strategy=strategy)
+
+        def loss_fn(params, batch):
+            return _ce(fs.functional_call(model, params, (batch["x"],)), batch["y"])
+
+        self.loss_fn = loss_fn
+
+    def step(self, batch) -> float:
+        self.state, metrics = fs.train_step(self.state, batch, self.loss_fn,
+                                            microbatches=self.cfg.microbatches)
+        return metrics["loss"]
+
+    def persistent_bytes(self) -> int:
+        return _storage_bytes(fs.tree.leaves(self.state))
+
+
+class _Fsdp2:
+    def __init__(self, model: GPT, mesh, strategy: str, policy: FsdpPolicy | None,
+                 cfg: Config) -> None:
+        self.cfg = cfg
+        kw = dict(mesh=mesh["shard"], reshard_after_forward=RESHARD[strategy])
+        if policy is not None:
+            kw["mp_policy"] = policy
+        for block in model.blocks:
+            fully_shard(block, **kw)
+        self.model = fully_shard(model, **kw)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
+
+    def step(self, batch) -> float:
+        M = self.cfg.microbatches
+        total = torch.zeros((), dtype=torch.float64)
+        for x, y in zip(torch.tensor_split(batch["x"], M), torch.tensor_split(batch["y"], M),
+                        strict=True):
+            loss = _ce(self.model(x), y) / M
+            loss.backward()
+            total += loss.detach().double()
+        # The global gradient norm, as funcshard computes it every step for its metrics.
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"), foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        return float(total) / dist.get_world_size()
+
+    def persistent_bytes(self) -> int:
+        states = [t for s in self.opt.state.values() for t in s.values()]
+        return _storage_bytes([*self.model.parameters(), *states])
+
+
+def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    gpt_cfg = GPTConfig(vocab=cfg.vocab, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=8,
+                        d_model=cfg.d_model, tied=True)
+    model = GPT(gpt_cfg)
+    fs_policy, fsdp_policy = _policies(policy_name)
+    runners = {"funcshard": _Funcshard(model, mesh, strategy, fs_policy, cfg),
+               "fsdp2": _Fsdp2(copy.deepcopy(model), mesh, strategy, fsdp_policy, cfg)}
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
+    losses: dict[str, list[float]] = {k: [] for k in runners}
+    for step in range(cfg.warmup + cfg.steps):
+        batch = _batch(cfg, step)
+        order = list(runners) if step % 2 == 0 else list(reversed(runners))  # no one goes first
+        for name in order:
+            runner = runners[name]
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            losses[name].append(runner.step(batch))
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            if step >= cfg.warmup:
+                times[name].append(elapsed)
+                cpu[name].append(elapsed_cpu)
+    step = cfg.warmup + cfg.steps
+    batches = [_batch(cfg, step), _batch(cfg, step + 1)]
+    with fs.comm_stats() as stats:
+        runners["funcshard"].step(batches[0])
+    with _FsdpComm() as fsdp_comm:
+        runners["fsdp2"].step(batches[0])
+    peak = {k: _peak_bytes(r, batches) for k, r in runners.items()}
+    predicted = fs.plan(model, world_size=dist.get_world_size(), strategy=strategy,
+                        policy=fs_policy, microbatches=cfg.microbatches, optimizer="adamw",
+                        device_type="cpu")
+    comm_keys = ("all_gather", "reduce_scatter", "all_reduce")
+    return {
+        "strategy": strategy,
+        "policy": policy_name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "time": {k: statistics.median(v) for k, v in times.items()},
+        "cpu": {k: statistics.median(v) for k, v in cpu.items()},
+        "loss": {k: v[-1] for k, v in losses.items()},
+        "peak": peak,
+        "comm": {"funcshard": sum(stats.bytes[k] for k in comm_keys),
+                 "fsdp2": sum(fsdp_comm.bytes.values()),
+                 "plan": sum(predicted.comm[k] for k in comm_keys)},
+    }
+
+
+def worker(cfg: Config) -> list[dict[str, Any]]:
+    torch.set_num_threads(cfg.threads)
+    mesh = fs.make_mesh(device_type="cpu")
+    return [_run_pair(cfg, mesh, s, p) for s in cfg.strategies for p in cfg.policies]
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f}"
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    cfg = Config(FLAGS.steps, FLAGS.warmup, FLAGS.microbatches, FLAGS.batch, FLAGS.seq_len,
+                 FLAGS.vocab, FLAGS.d_model, FLAGS.n_layer, tuple(FLAGS.strategies),
+                 tuple(FLAGS.policies), FLAGS.threads)
+    results = fs.launch(worker, cfg, nproc=FLAGS.nproc)
+    first = results[0][0]
+    print(f"GPT {first['params'] / 1e6:.1f}M params, {FLAGS.nproc} gloo ranks, batch "
+          f"{cfg.batch}x{cfg.seq_len} per rank, {cfg.microbatches} microbatches, AdamW, "
+          f"median of {cfg.steps} steps (slowest rank); FSDP2 also computes the grad norm")
+    head = (f"{'strategy':<19}{'policy':<7}{'fs s':>8}{'fsdp2 s':>9}{'ratio':>7}"
+            f"{'fs cpu s':>9}{'fsdp2 cpu':>10}{'ratio':>7}"
+            f"{'fs peak MB':>12}{'fsdp2 MB':>10}{'fs comm MB':>12}{'plan MB':>9}{'fsdp2 MB':>10}"
+            f"{'fs loss':>9}{'fsdp2 loss':>11}")
+    print(head)
+    for i, r in enumerate(results[0]):
+        t = {k: max(rank[i]["time"][k] for rank in results) for k in ("funcshard", "fsdp2")}
+        peak = {k: max(rank[i]["peak"][k] for rank in results) for k in ("funcshard", "fsdp2")}
+        u = {k: max(rank[i]["cpu"][k] for rank in results) for k in ("funcshard", "fsdp2")}
+        c = r["comm"]
+        print(f"{r['strategy']:<19}{r['policy']:<7}{t['funcshard']:>8.3f}{t['fsdp2']:>9.3f}"
+              f"{t['funcshard'] / t['fsdp2']:>7.2f}{u['funcshard']:>9.3f}{u['fsdp2']:>10.3f}"
+              f"{u['funcshard'] / u['fsdp2']:>7.2f}{_mb(peak['funcshard']):>12}"
+              f"{_mb(peak['fsdp2']):>10}{_mb(c['funcshard']):>12}{_mb(c['plan']):>9}"
+              f"{_mb(c['fsdp2']):>10}{r['loss']['funcshard']:>9.4f}{r['loss']['fsdp2']:>11.4f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
