@@ -12,6 +12,12 @@ shards plus the recipe to gather them. ``functional_call`` then runs the model w
 * saved-tensor hooks that store a gathered param saved for backward as a token and re-gather
   the unit when backward unpacks it (previous unit prefetched), so full params are not kept
   alive between forward and backward and the unit is not recomputed.
+
+Under ``optim_grads`` (ZeRO-2) the same :class:`GatheredParams` hands out the replicated full
+buffers unit by unit, with no gathering and no hooks: what it adds is that each unit's params
+enter the autograd graph when the unit runs, so that backward starts the unit's reduce-scatter
+as soon as it is done with it (autograd runs later-created nodes first) and the full gradients
+of only about one unit are alive at a time.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ class _Token:
 
 
 class _Gather(torch.autograd.Function):
-    """Forward: all-gather a bucket (full layout). Backward: reduce-scatter its gradient."""
+    """Forward: a bucket's full params (all-gathered under ZeRO-3, the replicated buffer under
+    ZeRO-2). Backward: reduce-scatter its gradient."""
 
     @staticmethod
     def forward(ctx, carrier: torch.Tensor, gp: GatheredParams, bucket: int):  # noqa: ARG004
@@ -77,25 +84,76 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        return ctx.gp._reduce(ctx.bucket, grads), None, None
+        return ctx.gp.reducer.reduce(ctx.bucket, grads), None, None
 
 
-class GatheredParams:
-    """ZeRO-3 params for one forward/backward: local compute shards and gradient carriers.
+class Reducer:
+    """The backward half of a bucket's params: its gradient, reduced over "shard".
 
-    ``torch.autograd.grad(loss, gp.carriers)`` returns, per bucket, this rank's shard of the
-    gradient reduced over the shard axis (``reduce.reduce_shard_axis``), in the bucket's
-    main-grads dtype.
+    Each bucket's gradient is the carrier's only gradient when the bucket entered the graph
+    once; its reduce-scatter then starts at once and overlaps the rest of backward (at most one
+    in flight, so at most one unit's unreduced gradient waits beside the one being computed).
+    ``finish`` waits for it before anything reads a gradient.
     """
 
-    def __init__(self, layout: Layout, shards: list[torch.Tensor]) -> None:
+    def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self.shards = shards
         self.carriers = tuple(
             torch.zeros(1, dtype=b.dtypes.grad, device=layout.device).expand(b.numel)
             .detach().requires_grad_()
             for b in layout.buckets
         )
+        self.applications = [0] * len(layout.buckets)  # times each bucket entered the graph
+        self._in_flight: list[collectives.Pending] = []
+
+    def reduce(self, bucket: int, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        b = self.layout.buckets[bucket]
+        specs = self.layout.bucket_leaves(b)
+        sections = shard_lib.to_rank_sections(list(grads), specs, self.layout.shard_size,
+                                              b.dtypes.comm)
+        # Overlap only where autograd hands the buffer on untouched: no other gradient of the
+        # carrier to add, no cast due after the wait, no anomaly mode scanning it.
+        overlap = (b.dtypes.comm == b.dtypes.grad and self.applications[bucket] == 1
+                   and not torch.is_anomaly_enabled())
+        if not overlap:
+            return reduce_lib.reduce_shard_axis(self.layout, b, sections)
+        self.finish()
+        pending = reduce_lib.start_reduce_shard_axis(self.layout, b, sections)
+        self._in_flight.append(pending)
+        return pending.buffer
+
+    def finish(self) -> None:
+        """Waits for the reductions backward started; call before reading any gradient."""
+        for pending in self._in_flight:
+            pending.wait()
+        self._in_flight.clear()
+
+    def grads(self, loss: torch.Tensor) -> list[torch.Tensor]:
+        """Per bucket: this rank's shard of d(loss)/d(params), reduced over "shard"."""
+        grads = torch.autograd.grad(loss, self.carriers, allow_unused=True)
+        self.finish()
+        return [g if g is not None else torch.zeros(b.numel, dtype=b.dtypes.grad,
+                                                    device=self.layout.device)
+                for g, b in zip(grads, self.layout.buckets, strict=True)]
+
+
+class GatheredParams:
+    """Params for one forward/backward, entering the graph unit by unit as the model runs.
+
+    ZeRO-3 (``optim_grads_params``): ``buffers`` are this rank's compute shards, each unit is
+    gathered just before it runs. ZeRO-2 (``optim_grads``, ``replicated=True``): ``buffers``
+    are the replicated full compute buffers, used as they are. Either way the unit's params
+    enter the autograd graph when it runs, so backward reaches their reduce-scatter as soon as
+    it is done with the unit; ``gp.reducer.grads(loss)`` returns, per bucket, this rank's shard
+    of the gradient reduced over the shard axis, in the bucket's main-grads dtype.
+    """
+
+    def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                 *, replicated: bool = False) -> None:
+        self.layout = layout
+        self.shards = buffers
+        self.replicated = replicated
+        self.reducer = Reducer(layout)
         self._by_unit: dict[int, list[int]] = {}
         for b in layout.buckets:
             self._by_unit.setdefault(b.unit, []).append(b.index)
@@ -104,11 +162,11 @@ class GatheredParams:
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
         self._saved_refs: dict[int, int] = {}
         self._regathered: dict[int, torch.Tensor] = {}
-        self._gathers = [0] * len(layout.buckets)  # _Gather applications per bucket
-        self._reductions: list[collectives.Pending] = []
 
     # --- gathering --------------------------------------------------------------------------
     def _prefetch(self, unit: int) -> None:
+        if self.replicated:
+            return
         for b in self._by_unit.get(unit, ()):
             if b not in self._pending:
                 self._pending[b] = collectives.all_gather(
@@ -117,6 +175,8 @@ class GatheredParams:
 
     def _full(self, bucket: int) -> torch.Tensor:
         """The bucket's full buffer, from a prefetch if one is in flight."""
+        if self.replicated:
+            return self.shards[bucket].detach()  # outputs alias it, not autograd views of it
         pending = self._pending.pop(bucket, None)
         if pending is None:
             pending = collectives.all_gather(self.shards[bucket], self.layout.shard_group,
@@ -134,35 +194,10 @@ class GatheredParams:
         params = {}
         for b in self._by_unit.get(unit, ()):
             specs = self.layout.bucket_leaves(self.layout.buckets[b])
-            views = _Gather.apply(self.carriers[b], self, b)
-            self._gathers[b] += 1
+            views = _Gather.apply(self.reducer.carriers[b], self, b)
+            self.reducer.applications[b] += 1
             params.update({s.name[strip:]: v for s, v in zip(specs, views, strict=True)})
         return params
-
-    def _reduce(self, bucket: int, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-        b = self.layout.buckets[bucket]
-        specs = self.layout.bucket_leaves(b)
-        sections = shard_lib.to_rank_sections(list(grads), specs, self.layout.shard_size,
-                                              b.dtypes.comm)
-        overlap = (b.dtypes.comm == b.dtypes.grad and self._gathers[bucket] == 1
-                   and not torch.is_anomaly_enabled())
-        if overlap:
-            # Overlap the reduce-scatter with the rest of backward: autograd hands this buffer
-            # on untouched (it is the only gradient of the carrier, no cast is due, anomaly
-            # mode would scan it), and ``finish_reductions`` waits before anything reads it.
-            # One reduction in flight at a time, so at most one unit's unreduced gradient
-            # waits beside the one being computed.
-            self.finish_reductions()
-            pending = reduce_lib.start_reduce_shard_axis(self.layout, b, sections)
-            self._reductions.append(pending)
-            return pending.buffer
-        return reduce_lib.reduce_shard_axis(self.layout, b, sections)
-
-    def finish_reductions(self) -> None:
-        """Waits for the reduce-scatters backward started; call before reading any gradient."""
-        for pending in self._reductions:
-            pending.wait()
-        self._reductions.clear()
 
     # --- saved tensors ------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -222,7 +257,9 @@ class GatheredParams:
             module.forward = self._unit_forward(unit, units[unit], module)
             patched.append(module)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            hooks = (contextlib.nullcontext() if self.replicated else
+                     torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            with hooks:
                 self._order.append(ROOT_UNIT)
                 root = self._unit_params(ROOT_UNIT, "")
                 # Unit params stand in as meta tensors: a unit that ran without being gathered

@@ -61,11 +61,15 @@ def _zero3_grads(layout: Layout, shards: list[torch.Tensor], batch: Any, loss_fn
     """Per bucket: this rank's gradient shard, already reduced over "shard"."""
     gp = GatheredParams(layout, shards)
     loss, aux = _loss_and_aux(loss_fn(gp, batch))
-    grads = torch.autograd.grad(loss * scale, gp.carriers, allow_unused=True)
-    gp.finish_reductions()
-    out = [g if g is not None else torch.zeros(b.numel, dtype=b.dtypes.grad, device=layout.device)
-           for g, b in zip(grads, layout.buckets, strict=True)]
-    return loss.detach(), aux, out
+    return loss.detach(), aux, gp.reducer.grads(loss * scale)
+
+
+def _zero2_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
+                 loss_fn: LossFn, scale: float):
+    """Per bucket: this rank's gradient shard, reduced over "shard" as backward goes."""
+    gp = GatheredParams(layout, compute, replicated=True)
+    loss, aux = _loss_and_aux(loss_fn(gp, batch))
+    return loss.detach(), aux, gp.reducer.grads(loss * scale)
 
 
 def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
@@ -96,10 +100,23 @@ def _accumulate(acc: list[torch.Tensor] | None, grads: list[torch.Tensor]) -> li
 
 
 def _global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of the averaged gradient over all ranks; padding holds zeros and adds nothing."""
-    sq = torch.zeros((), dtype=torch.float64, device=layout.device)
+    """L2 norm of the averaged gradient over all ranks; padding holds zeros and adds nothing.
+
+    One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite gradients of
+    norm above ~1e19) or is not finite are the norms redone in fp64, so that a large but
+    finite gradient is never mistaken for an overflow.
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
-        sq += g.double().square().sum().to(layout.device)
+        by_device.setdefault(g.device, []).append(g)
+    norms = torch.stack([n.to(layout.device, torch.float64) for gs in by_device.values()
+                         for n in torch._foreach_norm(gs, 2, dtype=torch.float32)])
+    if not bool(torch.isfinite(norms).all()):
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device)
+                             for g in grads])
+    sq = norms.square().sum().to(layout.device)
     if layout.shard_size > 1:
         sq = collectives.all_reduce(sq, layout.shard_group, kind="metrics")
     return sq.sqrt()
@@ -151,15 +168,16 @@ def train_step(
     per_microbatch_reduce = layout.strategy in ("optim_grads", "optim_grads_params")
     ls = state.loss_scale
     scale = (ls.scale if ls is not None else 1.0) / microbatches
-    grads_fn = _zero3_grads if zero3 else _replicated_grads
-    params = _compute_shards(layout, state) if zero3 else state.compute
+    if zero3:
+        grads_fn, params = _zero3_grads, _compute_shards(layout, state)
+    elif per_microbatch_reduce:
+        grads_fn, params = _zero2_grads, state.compute
+    else:
+        grads_fn, params = _replicated_grads, state.compute
 
     acc, loss_sum, aux = None, torch.zeros((), dtype=torch.float64, device=layout.device), None
     for mb in split_microbatches(batch, microbatches):
         loss, aux, grads = grads_fn(layout, params, mb, loss_fn, scale)
-        if per_microbatch_reduce and not zero3:
-            grads = [reduce_lib.reduce_shard_axis(layout, b, g)
-                     for b, g in zip(layout.buckets, grads, strict=True)]
         acc = _accumulate(acc, grads)
         loss_sum += loss.double()
     if not per_microbatch_reduce:

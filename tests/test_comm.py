@@ -110,3 +110,44 @@ def test_zero3_gathered_bytes_stay_within_two_units_plus_root(pool2) -> None:
     assert r["after_forward"] == [0], "full params kept alive between forward and backward"
     assert r["gathers"] == 2 * r["units"], "backward must re-gather every unit"
     assert r["live_at_end"] == 0
+
+
+class Probed(Deep):
+    """``Deep`` that calls ``probe`` when backward reaches the first block's input."""
+
+    def __init__(self, probe) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def forward(self, x):
+        h = self.inp(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: self.probe())
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def reduce_in_backward_worker(strategy: str) -> dict:
+    mesh = fs.make_mesh(device_type="cpu")
+    torch.manual_seed(0)
+    seen = []
+    model = Probed(lambda: seen.append(stats.calls["reduce_scatter"]))
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy=strategy)
+
+    def loss_fn(params, x):
+        return fs.functional_call(model, params, (x,)).square().mean()
+
+    with fs.comm_stats() as stats:
+        state, _ = fs.train_step(state, torch.randn(4, 3), loss_fn)
+    return {"before_first_block": seen, "total": stats.calls["reduce_scatter"],
+            "units": len(state.layout.units)}
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_gradients_leave_for_the_wire_during_backward(pool2, strategy: str) -> None:
+    """Each block's reduce-scatter starts as soon as backward is done with the block: by the
+    time backward reaches the first block, the seven after it are already on the wire."""
+    r = pool2.run(reduce_in_backward_worker, strategy)[0]
+    assert r["total"] == r["units"], r  # one reduce-scatter per unit and microbatch
+    assert len(r["before_first_block"]) == 1 and r["before_first_block"][0] >= 7, r

@@ -26,7 +26,7 @@ def nonfinite_worker(strategy: str) -> dict:
     before = _tensors(state)
 
     def poisoned(params, b):
-        if rank == 1 and not isinstance(params, dict):  # ZeRO-3: poison the input on rank 1
+        if rank == 1 and not isinstance(params, dict):  # ZeRO-2/3: poison the input on rank 1
             b = {"x": b["x"] * float("nan"), "y": b["y"]}
         loss = base(params, b)
         if rank == 1 and isinstance(params, dict):  # NaN gradient for head.bias, rank 1 only
@@ -43,7 +43,7 @@ def nonfinite_worker(strategy: str) -> dict:
 def test_nonfinite_step_changes_nothing_and_names_the_leaves(pool2, strategy: str) -> None:
     for r in pool2.run(nonfinite_worker, strategy):
         assert r["nonfinite"] == 1 and r["unchanged"] and r["step"] == 1
-        if strategy == "optim_grads_params":
+        if strategy in ("optim_grads", "optim_grads_params"):  # params handed unit by unit
             assert "inp.weight" in r["names"]
         else:
             assert r["names"] == ["head.bias"]
@@ -122,3 +122,24 @@ def test_microbatch_split_errors_name_the_leaf() -> None:
         split_microbatches({"x": torch.zeros(3, 2)}, 4)
     parts = split_microbatches({"x": torch.arange(6)}, 3)
     assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+
+
+def huge_gradient_worker(strategy: str) -> dict:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model()
+    base = models.make_loss_fn(model)
+    batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
+    norms = {}
+    for factor in (1.0, 1e22):  # 1e22: finite gradients whose squares overflow fp32
+        state = fs.init(model, fs.optim.sgd(0.0), mesh=mesh, strategy=strategy)
+        _, metrics = fs.train_step(state, batch, lambda p, b, f=factor: base(p, b) * f)
+        norms[factor] = (metrics["grad_norm"], metrics["nonfinite"])
+    return norms
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_huge_finite_gradient_is_not_an_overflow(pool2, strategy: str) -> None:
+    for r in pool2.run(huge_gradient_worker, strategy):
+        (small, bad_small), (huge, bad_huge) = r[1.0], r[1e22]
+        assert bad_small == 0 and bad_huge == 0
+        assert huge == pytest.approx(small * 1e22, rel=1e-5)
