@@ -88,53 +88,55 @@ class _Gather(torch.autograd.Function):
 
 
 class Reducer:
-    """The backward half of a bucket's params: its gradient, reduced over "shard".
+    """The backward half of the params: each bucket's gradient, reduced over "shard" and
+    accumulated into ``acc`` (this rank's shards, in main-grads dtype) as backward goes.
 
-    Each bucket's gradient is the carrier's only gradient when the bucket entered the graph
-    once; its reduce-scatter then starts at once and overlaps the rest of backward (at most one
-    in flight, so at most one unit's unreduced gradient waits beside the one being computed).
-    ``finish`` waits for it before anything reads a gradient.
+    A bucket's reduce-scatter starts as soon as backward has its gradient and overlaps the
+    rest of backward; at most one is in flight, so about one unit's unreduced gradient waits
+    beside the one being computed. The result goes straight into the accumulator, not through
+    autograd: the carrier only receives a zero-stride zero, so no second copy of the gradients
+    is alive at the end of a microbatch, and a bucket that entered the graph twice is simply
+    reduced twice (the reduction is linear). ``backward`` waits for everything it started.
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, acc: list[torch.Tensor | None] | None = None) -> None:
         self.layout = layout
-        self.carriers = tuple(
-            torch.zeros(1, dtype=b.dtypes.grad, device=layout.device).expand(b.numel)
-            .detach().requires_grad_()
-            for b in layout.buckets
-        )
-        self.applications = [0] * len(layout.buckets)  # times each bucket entered the graph
-        self._in_flight: list[collectives.Pending] = []
+        self.acc: list[torch.Tensor | None] = acc if acc is not None else [None] * len(
+            layout.buckets)
+        zero = {b.dtypes.grad: torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
+                for b in layout.buckets}
+        self._zeros = [zero[b.dtypes.grad].expand(b.numel) for b in layout.buckets]
+        self.carriers = tuple(z.detach().requires_grad_() for z in self._zeros)
+        self._in_flight: list[tuple[int, collectives.Pending]] = []
 
     def reduce(self, bucket: int, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """Starts reducing a bucket's full gradients; returns the carrier's (dummy) gradient."""
         b = self.layout.buckets[bucket]
         specs = self.layout.bucket_leaves(b)
         sections = shard_lib.to_rank_sections(list(grads), specs, self.layout.shard_size,
                                               b.dtypes.comm)
-        # Overlap only where autograd hands the buffer on untouched: no other gradient of the
-        # carrier to add, no cast due after the wait, no anomaly mode scanning it.
-        overlap = (b.dtypes.comm == b.dtypes.grad and self.applications[bucket] == 1
-                   and not torch.is_anomaly_enabled())
-        if not overlap:
-            return reduce_lib.reduce_shard_axis(self.layout, b, sections)
         self.finish()
-        pending = reduce_lib.start_reduce_shard_axis(self.layout, b, sections)
-        self._in_flight.append(pending)
-        return pending.buffer
+        self._in_flight.append((bucket, reduce_lib.start_reduce_shard_axis(self.layout, b,
+                                                                           sections)))
+        return self._zeros[bucket]
 
     def finish(self) -> None:
-        """Waits for the reductions backward started; call before reading any gradient."""
-        for pending in self._in_flight:
-            pending.wait()
+        """Waits for the reductions started so far and adds them to the accumulator."""
+        for bucket, pending in self._in_flight:
+            shard = pending.wait()
+            if self.acc[bucket] is None:
+                self.acc[bucket] = shard.to(self.layout.buckets[bucket].dtypes.grad)
+            else:
+                self.acc[bucket].add_(shard)
         self._in_flight.clear()
 
-    def grads(self, loss: torch.Tensor) -> list[torch.Tensor]:
-        """Per bucket: this rank's shard of d(loss)/d(params), reduced over "shard"."""
-        grads = torch.autograd.grad(loss, self.carriers, allow_unused=True)
-        self.finish()
-        return [g if g is not None else torch.zeros(b.numel, dtype=b.dtypes.grad,
-                                                    device=self.layout.device)
-                for g, b in zip(grads, self.layout.buckets, strict=True)]
+    def backward(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
+        """Backpropagates ``loss``; returns the accumulator (None: no gradient reached yet)."""
+        try:
+            torch.autograd.grad(loss, self.carriers, allow_unused=True)
+        finally:
+            self.finish()
+        return self.acc
 
 
 class GatheredParams:
@@ -144,16 +146,17 @@ class GatheredParams:
     gathered just before it runs. ZeRO-2 (``optim_grads``, ``replicated=True``): ``buffers``
     are the replicated full compute buffers, used as they are. Either way the unit's params
     enter the autograd graph when it runs, so backward reaches their reduce-scatter as soon as
-    it is done with the unit; ``gp.reducer.grads(loss)`` returns, per bucket, this rank's shard
-    of the gradient reduced over the shard axis, in the bucket's main-grads dtype.
+    it is done with the unit; ``gp.reducer.backward(loss)`` adds, per bucket, this rank's shard
+    of the gradient reduced over the shard axis to ``acc``, in the bucket's main-grads dtype.
     """
 
     def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
-                 *, replicated: bool = False) -> None:
+                 *, replicated: bool = False, acc: list[torch.Tensor | None] | None = None
+                 ) -> None:
         self.layout = layout
         self.shards = buffers
         self.replicated = replicated
-        self.reducer = Reducer(layout)
+        self.reducer = Reducer(layout, acc)
         self._by_unit: dict[int, list[int]] = {}
         for b in layout.buckets:
             self._by_unit.setdefault(b.unit, []).append(b.index)
@@ -195,7 +198,6 @@ class GatheredParams:
         for b in self._by_unit.get(unit, ()):
             specs = self.layout.bucket_leaves(self.layout.buckets[b])
             views = _Gather.apply(self.reducer.carriers[b], self, b)
-            self.reducer.applications[b] += 1
             params.update({s.name[strip:]: v for s, v in zip(specs, views, strict=True)})
         return params
 

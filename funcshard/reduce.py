@@ -35,13 +35,8 @@ def reduce_shard_axis(layout: Layout, bucket: Bucket, sections: torch.Tensor) ->
 def start_reduce_shard_axis(
     layout: Layout, bucket: Bucket, sections: torch.Tensor
 ) -> collectives.Pending:
-    """``reduce_shard_axis`` without waiting, for buckets whose wire dtype is the grads dtype.
-
-    The pending result's ``buffer`` is the gradient shard; it holds its values after ``wait()``.
-    """
-    if bucket.dtypes.comm != bucket.dtypes.grad:
-        raise ValueError("start_reduce_shard_axis: the result would need a cast after the wait "
-                         f"({bucket.dtypes.comm} on the wire, {bucket.dtypes.grad} grads)")
+    """``reduce_shard_axis`` without waiting and without the final cast: ``wait()`` gives this
+    rank's shard of the mean in ``grad_comm_dtype``."""
     wire = sections.to(bucket.dtypes.comm).div_(layout.dp_size)
     if layout.shard_size == 1:
         return collectives.Pending(None, wire)

@@ -56,20 +56,12 @@ def _compute_shards(layout: Layout, state: TrainState) -> list[torch.Tensor]:
             for b, m, c in zip(layout.buckets, state.master, state.compute, strict=True)]
 
 
-def _zero3_grads(layout: Layout, shards: list[torch.Tensor], batch: Any, loss_fn: LossFn,
-                 scale: float):
-    """Per bucket: this rank's gradient shard, already reduced over "shard"."""
-    gp = GatheredParams(layout, shards)
+def _sharded_grads(layout: Layout, buffers: Any, batch: Any, loss_fn: LossFn, scale: float,
+                   acc: list[torch.Tensor | None] | None):
+    """ZeRO-2/3: adds this rank's gradient shards, reduced over "shard", into ``acc``."""
+    gp = GatheredParams(layout, buffers, replicated=layout.strategy == "optim_grads", acc=acc)
     loss, aux = _loss_and_aux(loss_fn(gp, batch))
-    return loss.detach(), aux, gp.reducer.grads(loss * scale)
-
-
-def _zero2_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
-                 loss_fn: LossFn, scale: float):
-    """Per bucket: this rank's gradient shard, reduced over "shard" as backward goes."""
-    gp = GatheredParams(layout, compute, replicated=True)
-    loss, aux = _loss_and_aux(loss_fn(gp, batch))
-    return loss.detach(), aux, gp.reducer.grads(loss * scale)
+    return loss.detach(), aux, gp.reducer.backward(loss * scale)
 
 
 def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
@@ -92,11 +84,15 @@ def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: 
     return loss.detach(), aux, out
 
 
-def _accumulate(acc: list[torch.Tensor] | None, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _replicated_grads_into(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
+                           loss_fn: LossFn, scale: float,
+                           acc: list[torch.Tensor | None] | None):
+    """ZeRO-0/1: adds this rank's unreduced full gradients (rank sections) into ``acc``."""
+    loss, aux, grads = _replicated_grads(layout, compute, batch, loss_fn, scale)
     if acc is None:
-        return grads
+        return loss, aux, grads
     torch._foreach_add_(acc, grads)
-    return acc
+    return loss, aux, acc
 
 
 def _global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -168,18 +164,19 @@ def train_step(
     per_microbatch_reduce = layout.strategy in ("optim_grads", "optim_grads_params")
     ls = state.loss_scale
     scale = (ls.scale if ls is not None else 1.0) / microbatches
-    if zero3:
-        grads_fn, params = _zero3_grads, _compute_shards(layout, state)
-    elif per_microbatch_reduce:
-        grads_fn, params = _zero2_grads, state.compute
+    if per_microbatch_reduce:
+        grads_fn = _sharded_grads
+        params = _compute_shards(layout, state) if zero3 else state.compute
     else:
-        grads_fn, params = _replicated_grads, state.compute
+        grads_fn, params = _replicated_grads_into, state.compute
 
     acc, loss_sum, aux = None, torch.zeros((), dtype=torch.float64, device=layout.device), None
     for mb in split_microbatches(batch, microbatches):
-        loss, aux, grads = grads_fn(layout, params, mb, loss_fn, scale)
-        acc = _accumulate(acc, grads)
+        loss, aux, acc = grads_fn(layout, params, mb, loss_fn, scale, acc)
         loss_sum += loss.double()
+    acc = [g if g is not None else  # no gradient reached the bucket
+           torch.zeros(b.numel, dtype=b.dtypes.grad, device=layout.device)
+           for g, b in zip(acc, layout.buckets, strict=True)]
     if not per_microbatch_reduce:
         acc = [reduce_lib.reduce_shard_axis(layout, b, g)
                for b, g in zip(layout.buckets, acc, strict=True)]
