@@ -312,7 +312,7 @@ def _plan(state: TrainState, stage: bool) -> tuple[list[_ArrayWrite], dict[Keys,
                 data = None
                 if stop > start:
                     lo = spec.row_range(r)[0]
-                    view = shard_lib.local_view(flat, spec, r)[start - lo : stop - lo]
+                    view = shard_lib.rows_view(flat, spec, r)[start - lo : stop - lo]
                     data = view.detach().to("cpu", copy=True) if stage else view.detach()
                 out.append(_ArrayWrite((*prefix, spec.name), spec.shape, flat.dtype, chunk,
                                        start, stop, data))

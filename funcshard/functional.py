@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -139,7 +139,7 @@ class Reducer:
         return self.acc
 
 
-class GatheredParams:
+class GatheredParams(Mapping):
     """Params for one forward/backward, entering the graph unit by unit as the model runs.
 
     ZeRO-3 (``optim_grads_params``): ``buffers`` are this rank's compute shards, each unit is
@@ -148,6 +148,12 @@ class GatheredParams:
     enter the autograd graph when it runs, so backward reaches their reduce-scatter as soon as
     it is done with the unit; ``gp.reducer.backward(loss)`` adds, per bucket, this rank's shard
     of the gradient reduced over the shard axis to ``acc``, in the bucket's main-grads dtype.
+
+    It is also a read-only mapping from parameter name to the full parameter, for a
+    ``loss_fn`` that uses a parameter outside the model call (a penalty, a tied head):
+    ``params[name]`` brings in its bucket (gathering it under ZeRO-3) as one more use in the
+    graph, and its gradient is reduced and accumulated like the model's. Every rank must take
+    the same params by name: each one is a collective (the reduce-scatter in backward).
     """
 
     def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
@@ -161,10 +167,27 @@ class GatheredParams:
         for b in layout.buckets:
             self._by_unit.setdefault(b.unit, []).append(b.index)
         self._order: list[int] = []  # units in the order forward ran them
+        self._outside: dict[int, tuple[torch.Tensor, ...]] = {}  # buckets taken by name
         self._pending: dict[int, collectives.Pending] = {}
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
         self._saved_refs: dict[int, int] = {}
         self._regathered: dict[int, torch.Tensor] = {}
+
+    # --- mapping ----------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> torch.Tensor:
+        spec = self.layout.leaf(name)  # KeyError naming the param when unknown
+        views = self._outside.get(spec.bucket)
+        if views is None:
+            views = _Gather.apply(self.reducer.carriers[spec.bucket], self, spec.bucket)
+            self._outside[spec.bucket] = views
+        specs = self.layout.bucket_leaves(self.layout.buckets[spec.bucket])
+        return views[[s.name for s in specs].index(name)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names)
+
+    def __len__(self) -> int:
+        return len(self.layout.names)
 
     # --- gathering --------------------------------------------------------------------------
     def _prefetch(self, unit: int) -> None:

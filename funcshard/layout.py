@@ -64,7 +64,9 @@ class LeafSpec:
 
     def shard_shape(self, shard_rank: int) -> tuple[int, ...]:
         start, stop = self.row_range(shard_rank)
-        return (stop - start, *self.shape[1:]) if self.shape else ((stop - start),)
+        if not self.shape:  # a 0-d leaf is one row, held whole by the first rank
+            return () if stop > start else (0,)
+        return (stop - start, *self.shape[1:])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

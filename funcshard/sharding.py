@@ -29,10 +29,16 @@ def full_view(full: torch.Tensor, spec: LeafSpec, shard_size: int) -> torch.Tens
 
 
 def local_view(flat: torch.Tensor, spec: LeafSpec, shard_rank: int) -> torch.Tensor:
-    """This rank's real rows of leaf ``spec`` inside a bucket's local flat buffer."""
+    """This rank's real rows of leaf ``spec`` inside a bucket's local flat buffer (a 0-d leaf:
+    shape ``()`` on the rank that holds it, ``(0,)`` elsewhere)."""
+    return rows_view(flat, spec, shard_rank).view(spec.shard_shape(shard_rank))
+
+
+def rows_view(flat: torch.Tensor, spec: LeafSpec, shard_rank: int) -> torch.Tensor:
+    """``local_view`` with a leading row dimension even for a 0-d leaf (one row)."""
     start, stop = spec.row_range(shard_rank)
     n = (stop - start) * spec.row_numel
-    return flat[spec.offset : spec.offset + n].view(spec.shard_shape(shard_rank))
+    return flat[spec.offset : spec.offset + n].view(stop - start, *spec.shape[1:])
 
 
 def pack_local(

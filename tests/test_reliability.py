@@ -419,7 +419,7 @@ def inf_worker(strategy: str) -> dict:
 
     def poisoned(params, b):  # +Inf in head.bias's gradient, on rank 1 only
         loss = base(params, b)
-        return loss + params["head.bias"].sum() * float("inf") if rank == 1 else loss
+        return loss + params["head.bias"].sum() * (float("inf") if rank == 1 else 0.0)
 
     runs = {}
     for name, losses in (("skip", (base, poisoned, base, base)), ("clean", (base, base, base))):
@@ -518,8 +518,9 @@ def shard_gather_property(seed: int, n_trees: int) -> int:
         shapes = {n: tuple(p.shape) for n, p in full.items()}
         strategy = fs.STRATEGIES[int(torch.randint(4, (), generator=gen))]
         local = fs.shard(full, _mesh(1), strategy=strategy)
-        if strategy == "no_shard":  # a 0-d param comes back as 1 row, shape (1,)
-            back = {n: t.reshape(shapes[n]) for n, t in local.items()}
+        if strategy == "no_shard":  # every rank holds every param whole, 0-d ones included
+            assert all(tuple(t.shape) == shapes[n] for n, t in local.items())
+            back = local
         else:
             back = _gather_rows(local, shapes)
         for n in full:

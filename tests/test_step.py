@@ -26,12 +26,10 @@ def nonfinite_worker(strategy: str) -> dict:
     before = _tensors(state)
 
     def poisoned(params, b):
-        if rank == 1 and not isinstance(params, dict):  # ZeRO-2/3: poison the input on rank 1
-            b = {"x": b["x"] * float("nan"), "y": b["y"]}
         loss = base(params, b)
-        if rank == 1 and isinstance(params, dict):  # NaN gradient for head.bias, rank 1 only
-            loss = loss + (params["head.bias"] * float("nan")).sum() * 0
-        return loss
+        # NaN gradient for head.bias on rank 1 only; every rank takes the param (a collective)
+        poison = float("nan") if rank == 1 else 1.0
+        return loss + (params["head.bias"] * poison).sum() * 0
 
     state, metrics = fs.train_step(state, batch, poisoned)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, _tensors(state), strict=True))
@@ -43,10 +41,7 @@ def nonfinite_worker(strategy: str) -> dict:
 def test_nonfinite_step_changes_nothing_and_names_the_leaves(pool2, strategy: str) -> None:
     for r in pool2.run(nonfinite_worker, strategy):
         assert r["nonfinite"] == 1 and r["unchanged"] and r["step"] == 1
-        if strategy in ("optim_grads", "optim_grads_params"):  # params handed unit by unit
-            assert "inp.weight" in r["names"]
-        else:
-            assert r["names"] == ["head.bias"]
+        assert r["names"] == ["head.bias"]
 
 
 def fp16_worker(strategy: str) -> list:
@@ -143,3 +138,37 @@ def test_huge_finite_gradient_is_not_an_overflow(pool2, strategy: str) -> None:
         (small, bad_small), (huge, bad_huge) = r[1.0], r[1e22]
         assert bad_small == 0 and bad_huge == 0
         assert huge == pytest.approx(small * 1e22, rel=1e-5)
+
+
+def penalty_worker(strategy: str) -> dict:
+    """A loss that uses params by name beside the model call: an L2 penalty on two leaves."""
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model()
+    base = models.make_loss_fn(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
+
+    def loss_fn(params, b):
+        return base(params, b) + 0.3 * (params["head.weight"].square().sum()
+                                        + params["scale"].square())
+
+    ref = models.make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        glob = models.global_batch(step, 4 * world)
+        state, _ = fs.train_step(state, models.local_batch(glob, rank, world), loss_fn, 2)
+        opt.zero_grad()
+        out = ref(glob["x"])
+        loss = torch.nn.functional.cross_entropy(out, glob["y"]) + 0.3 * (
+            ref.head.weight.square().sum() + ref.scale.square())
+        loss.backward()
+        opt.step()
+    got = fs.full_params(state)
+    return {n: float((got[n] - p.detach()).abs().max() / p.detach().abs().max().clamp_min(1e-12))
+            for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy", fs.STRATEGIES)
+def test_params_by_name_in_the_loss_get_exact_gradients(pool2, strategy: str) -> None:
+    for errors in pool2.run(penalty_worker, strategy):
+        assert max(errors.values()) < 1e-5, errors
