@@ -6,6 +6,12 @@ alternately on 1 rank (in the job's own process) and 2 ranks (``fs.launch``), or
 ``FUNCSHARD_KILL_NPROC`` ranks when that is set. The full count::
 
     FUNCSHARD_KILL_TRIALS=50 python -m pytest -q tests/test_reliability.py -k kill_during_save
+
+The property tests draw parameter trees with hypothesis (0-d leaves, single rows, prime sizes,
+bf16), ``FUNCSHARD_PROPERTY_EXAMPLES`` per world size (8 by default, derandomized so CI sees
+the same cases every run)::
+
+    FUNCSHARD_PROPERTY_EXAMPLES=200 python -m pytest -q tests/test_reliability.py -k identity
 """
 
 from __future__ import annotations
@@ -18,12 +24,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from _kill_job import ROWS, params_hash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import funcshard as fs
@@ -469,17 +478,24 @@ class TreeModel(nn.Module):
         return sum((p.float() ** 2).sum() for p in self.parameters()) * x.mean()
 
 
-def _random_tree(gen: torch.Generator) -> TreeModel:
-    def pick(options):
-        return options[int(torch.randint(len(options), (), generator=gen))]
+ROWS_CHOICES = (1, 2, *PRIMES, 37)
+_rows = st.sampled_from(ROWS_CHOICES)
+_prime = st.sampled_from(PRIMES)
+_shape = st.one_of(st.just(()), st.tuples(_rows), st.tuples(_rows, _prime),
+                   st.tuples(st.just(1), _prime),
+                   st.tuples(_rows, st.just(1), st.sampled_from((2, 3))))
+TREES = st.lists(st.tuples(_shape, st.sampled_from(("float32", "float32", "bfloat16"))),
+                 min_size=1, max_size=5)
+PROPERTY_SETTINGS = settings(max_examples=int(os.environ.get("FUNCSHARD_PROPERTY_EXAMPLES", "8")),
+                             deadline=None, derandomize=True, database=None,
+                             suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                    HealthCheck.too_slow])
 
-    shapes = []
-    for _ in range(int(torch.randint(1, 6, (), generator=gen))):
-        rows = pick((1, 2, *PRIMES, 37))
-        shapes.append(pick(((), (rows,), (rows, pick(PRIMES)), (1, pick(PRIMES)),
-                            (rows, 1, pick((2, 3))))))
-    dtypes = [pick((torch.float32, torch.float32, torch.bfloat16)) for _ in shapes]
-    return TreeModel(shapes, dtypes, gen)
+
+def _tree_model(leaves: list[tuple[tuple[int, ...], str]], seed: int) -> TreeModel:
+    gen = torch.Generator().manual_seed(seed)
+    return TreeModel([shape for shape, _ in leaves],
+                     [getattr(torch, dtype) for _, dtype in leaves], gen)
 
 
 _MESHES: dict[int, object] = {}
@@ -508,78 +524,77 @@ def _rows_of(full: torch.Tensor, spec, shard_rank: int) -> torch.Tensor:
     return full.reshape(max(spec.rows, 1), -1)[lo:hi].reshape(-1)
 
 
-def shard_gather_property(seed: int, n_trees: int) -> int:
+def shard_gather_case(leaves: list, seed: int, strategy: str) -> bool:
     """fs.shard then gather, and fs.init then fs.full_params, are the identity."""
-    gen = torch.Generator().manual_seed(seed)  # same seed on every rank: same trees
-    checked = 0
-    for _ in range(n_trees):
-        model = _random_tree(gen)
-        full = {n: p.detach() for n, p in model.named_parameters()}
-        shapes = {n: tuple(p.shape) for n, p in full.items()}
-        strategy = fs.STRATEGIES[int(torch.randint(4, (), generator=gen))]
-        local = fs.shard(full, _mesh(1), strategy=strategy)
-        if strategy == "no_shard":  # every rank holds every param whole, 0-d ones included
-            assert all(tuple(t.shape) == shapes[n] for n, t in local.items())
-            back = local
-        else:
-            back = _gather_rows(local, shapes)
-        for n in full:
-            assert torch.equal(back[n], full[n]), f"shard/gather changed {n} {shapes[n]}"
-        state = fs.init(model, fs.optim.sgd(0.1), mesh=_mesh(1), strategy=strategy)
-        for n, t in fs.full_params(state).items():
-            assert t.dtype == full[n].dtype and torch.equal(t, full[n]), f"init changed {n}"
-        checked += 1
-    return checked
+    model = _tree_model(leaves, seed)
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in full.items()}
+    local = fs.shard(full, _mesh(1), strategy=strategy)
+    if strategy == "no_shard":  # every rank holds every param whole, 0-d ones included
+        assert all(tuple(t.shape) == shapes[n] for n, t in local.items())
+        back = local
+    else:
+        back = _gather_rows(local, shapes)
+    for n in full:
+        assert torch.equal(back[n], full[n]), f"shard/gather changed {n} {shapes[n]}"
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=_mesh(1), strategy=strategy)
+    for n, t in fs.full_params(state).items():
+        assert t.dtype == full[n].dtype and torch.equal(t, full[n]), f"init changed {n}"
+    return True
 
 
-def roundtrip_property(seed: int, n_trees: int, directory: str) -> int:
+def roundtrip_case(leaves: list, seed: int, a: str, b: str, replicate: int, offload: float,
+                   path: str) -> bool:
     """Save on one layout, restore on another: params, optimizer state and step survive."""
-    gen = torch.Generator().manual_seed(seed)
     world = dist.get_world_size()
-    replicas = [r for r in (1, 2) if world % r == 0 and world // r > 0]
-    checked = 0
-    for i in range(n_trees):
-        model = _random_tree(gen)
-        draw = lambda k: int(torch.randint(k, (), generator=gen))  # noqa: E731
-        a, b = fs.STRATEGIES[draw(4)], fs.STRATEGIES[draw(4)]
-        replicate, offload = replicas[draw(len(replicas))], (0.0, 0.5, 1.0)[draw(3)]
-        state = fs.init(model, fs.optim.adamw(1e-2), mesh=_mesh(1), strategy=a)
-        batch = {"x": torch.ones(2)}
-        loss_fn = lambda p, bt, m=model: fs.functional_call(m, p, (bt["x"],))  # noqa: E731
-        state, _ = fs.train_step(state, batch, loss_fn)
-        shapes = {s.name: s.shape for s in state.layout.leaves}
-        full = _cpu(fs.full_params(state))
-        opt = state.opt_state_by_name()
-        moments = {k: ({n: t.reshape(shapes[n]) for n, t in getattr(opt, k).items()}
-                       if a == "no_shard" else _gather_rows(getattr(opt, k), shapes))
-                   for k in ("mu", "nu")}
-        path = os.path.join(directory, f"{seed}-{i}")
-        fs.save(path, state)
-        like = fs.init(model, fs.optim.adamw(1e-2), mesh=_mesh(replicate), strategy=b,
-                       offload_fraction=offload)
-        restored = fs.restore(path, like=like)
-        assert restored.step == state.step == 1
-        for n, t in fs.full_params(restored).items():
-            assert torch.equal(t, full[n]), f"{a} -> {b}: {n} {shapes[n]} changed"
-        ropt = restored.opt_state_by_name()
-        assert ropt.count == opt.count
-        for spec in restored.layout.leaves:
-            for k in ("mu", "nu"):
-                got = getattr(ropt, k)[spec.name].cpu().reshape(-1)
-                want = _rows_of(moments[k][spec.name], spec, restored.layout.shard_rank)
-                want = want.to(got.dtype)
-                assert torch.equal(got, want), f"{a} -> {b}: {k}.{spec.name} changed"
-        checked += 1
-    return checked
+    replicate = replicate if world % replicate == 0 else 1
+    model = _tree_model(leaves, seed)
+    state = fs.init(model, fs.optim.adamw(1e-2), mesh=_mesh(1), strategy=a)
+    batch = {"x": torch.ones(2)}
+    loss_fn = lambda p, bt, m=model: fs.functional_call(m, p, (bt["x"],))  # noqa: E731
+    state, _ = fs.train_step(state, batch, loss_fn)
+    shapes = {s.name: s.shape for s in state.layout.leaves}
+    full = _cpu(fs.full_params(state))
+    opt = state.opt_state_by_name()
+    moments = {k: (dict(getattr(opt, k)) if a == "no_shard" else
+                   _gather_rows(getattr(opt, k), shapes))
+               for k in ("mu", "nu")}
+    fs.save(path, state)
+    like = fs.init(model, fs.optim.adamw(1e-2), mesh=_mesh(replicate), strategy=b,
+                   offload_fraction=offload)
+    restored = fs.restore(path, like=like)
+    assert restored.step == state.step == 1
+    for n, t in fs.full_params(restored).items():
+        assert torch.equal(t, full[n]), f"{a} -> {b}: {n} {shapes[n]} changed"
+    ropt = restored.opt_state_by_name()
+    assert ropt.count == opt.count
+    for spec in restored.layout.leaves:
+        for k in ("mu", "nu"):
+            got = getattr(ropt, k)[spec.name].cpu().reshape(-1)
+            want = _rows_of(moments[k][spec.name], spec, restored.layout.shard_rank)
+            assert torch.equal(got, want.to(got.dtype)), f"{a} -> {b}: {k}.{spec.name} changed"
+    return True
 
 
 @pytest.mark.parametrize("pool_name", ["pool2", "pool3", "pool4"])
-def test_shard_then_gather_is_the_identity(request, pool_name):
+@PROPERTY_SETTINGS
+@given(leaves=TREES, seed=st.integers(0, 2**16), strategy=st.sampled_from(fs.STRATEGIES))
+def test_shard_then_gather_is_the_identity(request, pool_name, leaves, seed, strategy):
     pool = request.getfixturevalue(pool_name)
-    assert pool.run(shard_gather_property, 7, 12) == [12] * pool.nproc
+    assert pool.run(shard_gather_case, leaves, seed, strategy) == [True] * pool.nproc
 
 
 @pytest.mark.parametrize("pool_name", ["pool2", "pool3", "pool4"])
-def test_save_then_restore_on_another_layout_is_the_identity(request, pool_name, tmp_path):
+@PROPERTY_SETTINGS
+@given(leaves=TREES, seed=st.integers(0, 2**16), a=st.sampled_from(fs.STRATEGIES),
+       b=st.sampled_from(fs.STRATEGIES), replicate=st.sampled_from((1, 2)),
+       offload=st.sampled_from((0.0, 0.5, 1.0)))
+def test_save_then_restore_on_another_layout_is_the_identity(request, pool_name, leaves, seed,
+                                                              a, b, replicate, offload):
     pool = request.getfixturevalue(pool_name)
-    assert pool.run(roundtrip_property, 11, 8, str(tmp_path)) == [8] * pool.nproc
+    path = os.path.join(tempfile.mkdtemp(prefix="funcshard-prop-"), "ckpt")
+    try:
+        assert pool.run(roundtrip_case, leaves, seed, a, b, replicate, offload,
+                        path) == [True] * pool.nproc
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
