@@ -125,9 +125,7 @@ def _config() -> Config:
 
 def _torchrun_main(cfg: Config) -> None:
     backend = "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    fs.init_from_env(backend)  # restart-safe under torchrun --max-restarts
     try:
         run(cfg)
     finally:

@@ -4,7 +4,7 @@ from funcshard import optim
 from funcshard.checkpoint import CheckpointManager, restore, save
 from funcshard.collectives import CommStats, comm_stats
 from funcshard.functional import GatheredParams, functional_call
-from funcshard.launch import launch
+from funcshard.launch import init_from_env, launch
 from funcshard.layout import STRATEGIES
 from funcshard.mesh import make_mesh
 from funcshard.offload import offload_step
@@ -30,6 +30,7 @@ __all__ = [
     "functional_call",
     "init",
     "launch",
+    "init_from_env",
     "make_mesh",
     "offload_step",
     "optim",

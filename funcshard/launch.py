@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["launch", "free_port", "init_process_group"]
+__all__ = ["launch", "free_port", "init_process_group", "init_from_env"]
 
 
 def free_port() -> int:
@@ -37,6 +37,36 @@ def init_process_group(rank: int, world_size: int, port: int, backend: str | Non
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+def init_from_env(backend: str | None = None) -> None:
+    """Joins the process group that torchrun (or any launcher setting ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) describes; restart-safe under torchrun.
+
+    After ``torchrun --max-restarts`` restarts a job, its store still holds the keys of the
+    failed attempt, and a plain ``dist.init_process_group("gloo")`` connects to the dead
+    ranks' addresses ("Connection refused"). Here each attempt
+    (``TORCHELASTIC_RESTART_COUNT``) gets its own key space. ``backend`` defaults to NCCL with
+    CUDA (one GPU per ``LOCAL_RANK``) and gloo otherwise.
+    """
+    env = os.environ
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]
+    if missing:
+        raise RuntimeError(f"init_from_env: {', '.join(missing)} not set; run under torchrun "
+                           "or use fs.launch")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        return
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
+                          is_master=False)
+    store = dist.PrefixStore(f"funcshard/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:

@@ -92,14 +92,10 @@ def job(root: str, steps: int, until: int | None = None, kill_at: int | None = N
 def torchrun_main(root: str, until: int, kill_at: int) -> None:
     """The entry point under torchrun (the group comes from its environment).
 
-    The keys of each attempt get a prefix of their own in torchrun's store: gloo would
-    otherwise find the addresses of the previous attempt's ranks there.
+    ``fs.init_from_env`` gives each attempt its own keys in torchrun's store: a plain
+    ``dist.init_process_group("gloo")`` would find the previous attempt's ranks there.
     """
-    env = os.environ
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False)
-    store = dist.PrefixStore(f"kill_job/{env['TORCHELASTIC_RESTART_COUNT']}", store)
-    dist.init_process_group("gloo", store=store, rank=int(env["RANK"]),
-                            world_size=int(env["WORLD_SIZE"]))
+    fs.init_from_env("gloo")
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         with open(os.path.join(root, "attempts"), "a") as f:

@@ -182,6 +182,13 @@ def test_torchrun_restarts_a_killed_rank_from_the_latest_checkpoint(pool2, tmp_p
     assert final == pool2.run(reference_hash, until)[0], "resuming changed the trajectory"
 
 
+def test_init_from_env_names_what_is_missing(monkeypatch):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE not set"):
+        fs.init_from_env()
+
+
 def save_small(directory: str) -> None:
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model(seed=0)
