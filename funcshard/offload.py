@@ -278,10 +278,26 @@ def _host_step(state: TrainState, grads, split, device_idx, cpu_idx, threads):
             g = grads[i].to("cpu")
             out = None
             if _needs_cast(bucket) and layout.device.type == "cpu":
-                out = torch.empty(m.numel(), dtype=bucket.dtypes.compute)
+                out = _reusable(state.compute[i], m, bucket)
+                if out is None:
+                    out = torch.empty(m.numel(), dtype=bucket.dtypes.compute)
             parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m, g, out)))
             local[i] = out
     return list(master), parts, local
+
+
+def _reusable(prev: torch.Tensor | None, master: torch.Tensor,
+              bucket: Bucket) -> torch.Tensor | None:
+    """The consumed state's compute copy of a bucket, when the new one can be written into it.
+
+    It is derived from the master being stepped, so nothing else reads it; writing it in place
+    spares a fresh allocation whose pages the cast would fault in on every step (as much time
+    again as the cast itself on a CPU).
+    """
+    if (prev is None or prev.numel() != master.numel() or prev.dtype != bucket.dtypes.compute
+            or prev.device != master.device or prev.data_ptr() == master.data_ptr()):
+        return None
+    return prev
 
 
 def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads):
