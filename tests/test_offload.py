@@ -303,3 +303,30 @@ def test_cuda_offload_matches_device_step(strategy: str) -> None:
     assert not result["problems"], result["problems"]
     assert result["pinned"]
     assert result["error"] < 1e-6, result
+
+
+def reuse_worker() -> dict:
+    """A CPU step with a bf16 compute copy writes the new copy into the consumed one."""
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model()
+    policy = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy="optim_grads_params",
+                    policy=policy, offload_fraction=1.0)
+    before = [c.data_ptr() for c in state.compute if c is not None]
+    grads = tuple(torch.randn(b.numel) for b in state.layout.buckets)
+    new = fs.offload_step(state, grads)
+    after = [c.data_ptr() for c in new.compute if c is not None]
+    derived = all(torch.equal(c, m.to(c.dtype)) for c, m in zip(new.compute, new.master,
+                                                                  strict=True))
+    try:
+        _ = state.compute
+        stale_readable = True
+    except fs.ConsumedStateError:
+        stale_readable = False
+    return {"reused": before == after and len(after) > 0, "derived": derived,
+            "stale_readable": stale_readable}
+
+
+def test_cpu_step_rewrites_the_consumed_compute_copy(pool2) -> None:
+    for r in pool2.run(reuse_worker):
+        assert r == {"reused": True, "derived": True, "stale_readable": False}
