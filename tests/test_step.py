@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import funcshard as fs
 
@@ -212,3 +215,63 @@ def routed_worker(strategy: str) -> float:
 def test_a_unit_that_only_some_ranks_run(pool2, strategy: str) -> None:
     """ZeRO-0/1 reduce after backward in a fixed order: data-dependent routing is fine."""
     assert max(pool2.run(routed_worker, strategy)) < 1e-6
+
+
+class SharedBlocks(nn.Module):
+    """One Linear used twice: the same module is both children of the ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([block, block])
+        self.out = nn.Linear(8, 11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.out(x)
+
+
+class TiedAcrossUnits(nn.Module):
+    """The last unit's output projection is the root's embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 11, bias=False)])
+        self.blocks[1].weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](torch.tanh(self.blocks[0](self.emb(x))))
+
+
+def sharing_worker(kind: str, strategy: str) -> float:
+    torch.manual_seed(0)
+    model = SharedBlocks() if kind == "shared" else TiedAcrossUnits()
+    ref = copy.deepcopy(model)
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=fs.make_mesh(device_type="cpu"),
+                    strategy=strategy)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = (torch.randn(6 * world, 8, generator=g) if kind == "shared"
+             else torch.randint(0, 11, (6 * world, 3), generator=g))
+        y = torch.randint(0, 11, x.shape[:1] if kind == "shared" else x.shape, generator=g)
+
+        def loss_fn(params, b, m=model):
+            logits = fs.functional_call(m, params, (b[0],))
+            return nn.functional.cross_entropy(logits.reshape(-1, 11), b[1].reshape(-1))
+
+        state, _ = fs.train_step(state, (x.chunk(world)[rank], y.chunk(world)[rank]), loss_fn, 2)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x).reshape(-1, 11), y.reshape(-1)).backward()
+        opt.step()
+    got = fs.full_params(state)
+    return max(float((got[n] - p.detach()).abs().max()) for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("kind", ["shared", "tied"])
+@pytest.mark.parametrize("strategy", fs.STRATEGIES)
+def test_shared_modules_and_weights_tied_across_units(pool2, kind: str, strategy: str) -> None:
+    assert max(pool2.run(sharing_worker, kind, strategy)) < 1e-6
