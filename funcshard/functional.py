@@ -168,6 +168,7 @@ class GatheredParams(Mapping):
             self._by_unit.setdefault(b.unit, []).append(b.index)
         self._order: list[int] = []  # units in the order forward ran them
         self._outside: dict[int, tuple[torch.Tensor, ...]] = {}  # buckets taken by name
+        self._names = frozenset(layout.names)
         self._pending: dict[int, collectives.Pending] = {}
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
         self._saved_refs: dict[int, int] = {}
@@ -185,6 +186,9 @@ class GatheredParams(Mapping):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.layout.names)
+
+    def __contains__(self, name: object) -> bool:  # a membership test gathers nothing
+        return name in self._names
 
     def __len__(self) -> int:
         return len(self.layout.names)

@@ -152,6 +152,7 @@ def penalty_worker(strategy: str) -> dict:
     state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
 
     def loss_fn(params, b):
+        assert "head.weight" in params and "nope" not in params and len(params) == 17
         return base(params, b) + 0.3 * (params["head.weight"].square().sum()
                                         + params["scale"].square())
 
