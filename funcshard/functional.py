@@ -31,13 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import stateless
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from funcshard import collectives
 from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
 from funcshard.layout import ROOT_UNIT, Layout
 
-__all__ = ["functional_call", "GatheredParams"]
+__all__ = ["functional_call", "GatheredParams", "StepParams"]
 
 
 def functional_call(
@@ -50,15 +51,55 @@ def functional_call(
 ) -> Any:
     """Calls ``model`` with ``params`` in place of its parameters.
 
-    Like ``torch.func.functional_call``; ``params`` may also be the :class:`GatheredParams`
-    that ``train_step`` hands to ``loss_fn`` under ``optim_grads_params``.
+    Like ``torch.func.functional_call``; ``params`` may also be what ``train_step`` hands to
+    ``loss_fn`` (a :class:`StepParams` dict, or :class:`GatheredParams` under ZeRO-2/3). The
+    model then keeps those params until the step's backward is over, so that activation
+    checkpointing (``torch.utils.checkpoint``, non-reentrant) recomputes with the weights of
+    this step, not with the module's own stale ones.
     """
     if not isinstance(args, tuple):
         args = (args,)
+    kwargs = kwargs or {}
     if isinstance(params, GatheredParams):
-        with params._running(model) as root:
-            return torch.func.functional_call(model, root, args, kwargs, strict=False)
+        return params._call(model, args, kwargs)
+    if isinstance(params, StepParams):
+        params.stack.enter_context(
+            stateless._reparametrize_module(model, params, tie_weights=True, strict=strict))
+        return model(*args, **kwargs)
     return torch.func.functional_call(model, params, args, kwargs, strict=strict)
+
+
+class _Swap:
+    """The model's tensors swapped for given ones (tied names included) until ``restore``."""
+
+    def __init__(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        self._module = module
+        self._accessor = NamedMemberAccessor(module)
+        self._orig, _ = self._accessor.swap_tensors_dict(
+            stateless._untie_named_tensors_map(module, tensors), allow_missing=True)
+
+    def replace(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Swaps in other tensors, dropping the current ones (the originals stay kept)."""
+        self._accessor.swap_tensors_dict(
+            stateless._untie_named_tensors_map(self._module, tensors), allow_missing=True)
+
+    def restore(self) -> None:
+        self._accessor.swap_tensors_dict(self._orig, allow_missing=True)
+
+
+class StepParams(dict):
+    """``{name: param}`` that ``train_step`` hands to ``loss_fn`` under ZeRO-0/1.
+
+    ``functional_call`` swaps them into the model until ``close()``, which ``train_step``
+    calls after backward.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stack = contextlib.ExitStack()
+
+    def close(self) -> None:
+        self.stack.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +209,7 @@ class GatheredParams(Mapping):
             self._by_unit.setdefault(b.unit, []).append(b.index)
         self._order: list[int] = []  # units in the order forward ran them
         self._outside: dict[int, tuple[torch.Tensor, ...]] = {}  # buckets taken by name
+        self._stack = contextlib.ExitStack()  # what stays until backward is over
         self._names = frozenset(layout.names)
         self._pending: dict[int, collectives.Pending] = {}
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
@@ -274,6 +316,31 @@ class GatheredParams(Mapping):
                     self.shards[b], self.layout.shard_group, async_op=True)
 
     # --- running the model ----------------------------------------------------------------
+    def _call(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Runs the model with the units patched to bring their params in; the patches and
+        the root's params stay until ``close()`` (after backward), for recomputation."""
+        hooks = (contextlib.nullcontext() if self.replicated else
+                 torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        with hooks:
+            root = self._stack.enter_context(self._running(model))
+            swap = _Swap(model, root)
+            self._stack.callback(swap.restore)
+            try:
+                out = model(*args, **kwargs)
+            finally:
+                self._pending.clear()  # a prefetch of a unit forward did not run
+        if not self.replicated:
+            # The gathered root goes with forward (backward re-gathers what it saved); a later
+            # use, such as a recomputation inside a unit, finds meta tensors and fails loudly.
+            swap.replace({n: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                          for n, t in root.items()})
+            root.clear()
+        return out
+
+    def close(self) -> None:
+        """Gives the model its own parameters back (after backward)."""
+        self._stack.close()
+
     @contextlib.contextmanager
     def _running(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         units = self.layout.units
@@ -286,19 +353,16 @@ class GatheredParams(Mapping):
             module.forward = self._unit_forward(unit, units[unit], module)
             patched.append(module)
         try:
-            hooks = (contextlib.nullcontext() if self.replicated else
-                     torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-            with hooks:
-                self._order.append(ROOT_UNIT)
-                root = self._unit_params(ROOT_UNIT, "")
-                # Unit params stand in as meta tensors: a unit that ran without being gathered
-                # fails loudly instead of silently using the module's stale weights.
-                for spec in self.layout.leaves:
-                    if spec.unit != ROOT_UNIT:
-                        root[spec.name] = torch.empty(spec.shape, dtype=spec.dtypes.compute,
-                                                      device="meta")
-                self._prefetch(1)
-                yield root
+            self._order.append(ROOT_UNIT)
+            root = self._unit_params(ROOT_UNIT, "")
+            # Unit params stand in as meta tensors until the unit runs: a use outside of it
+            # fails loudly instead of silently taking the module's stale weights.
+            for spec in self.layout.leaves:
+                if spec.unit != ROOT_UNIT:
+                    root[spec.name] = torch.empty(spec.shape, dtype=spec.dtypes.compute,
+                                                  device="meta")
+            self._prefetch(1)
+            yield root
         finally:
             for module in patched:
                 del module.forward
@@ -308,11 +372,21 @@ class GatheredParams(Mapping):
         original = type(module).forward.__get__(module)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            self._order.append(unit)
+            # in backward this is a recomputation (activation checkpointing): no prefetch
+            recompute = torch._C._current_graph_task_id() != -1
+            if not recompute:
+                self._order.append(unit)
             params = self._unit_params(unit, prefix)
-            if unit + 1 < len(self.layout.units):
+            if unit + 1 < len(self.layout.units) and not recompute:
                 self._prefetch(unit + 1)
-            with stateless._reparametrize_module(module, params, strict=False):
+            swap = stateless._reparametrize_module(module, params, strict=False)
+            if self.replicated:
+                # ZeRO-2 params are views of persistent buffers: the unit keeps them until
+                # backward is over, so a recomputation inside the unit sees this step's
+                # weights, and they are the very tensors of the graph.
+                self._stack.enter_context(swap)
+                return original(*args, **kwargs)
+            with swap:  # ZeRO-3: the gathered params go when the unit returns
                 return original(*args, **kwargs)
 
         return forward

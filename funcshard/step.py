@@ -14,7 +14,7 @@ from funcshard import mesh as mesh_lib
 from funcshard import offload as offload_lib
 from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
-from funcshard.functional import GatheredParams
+from funcshard.functional import GatheredParams, StepParams
 from funcshard.layout import Layout
 from funcshard.state import LossScale, TrainState
 
@@ -60,8 +60,22 @@ def _sharded_grads(layout: Layout, buffers: Any, batch: Any, loss_fn: LossFn, sc
                    acc: list[torch.Tensor | None] | None):
     """ZeRO-2/3: adds this rank's gradient shards, reduced over "shard", into ``acc``."""
     gp = GatheredParams(layout, buffers, replicated=layout.strategy == "optim_grads", acc=acc)
-    loss, aux = _loss_and_aux(loss_fn(gp, batch))
-    return loss.detach(), aux, gp.reducer.backward(loss * scale)
+    try:
+        loss, aux = _loss_and_aux(loss_fn(gp, batch))
+        return loss.detach(), aux, gp.reducer.backward(loss * scale)
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+        raise RuntimeError(
+            f"train_step ({layout.strategy}): a unit's parameters were used where the unit was "
+            "not running, so they were not there (meta tensors). Under optim_grads and "
+            "optim_grads_params a unit's params exist only inside its forward (units: "
+            f"{', '.join(layout.units[1:]) or 'none'}). Use them from the root only through "
+            "params[name] in loss_fn; for activation checkpointing under optim_grads_params, "
+            "checkpoint whole units, torch.utils.checkpoint.checkpoint(block, x, "
+            "use_reentrant=False), not code inside one.") from e
+    finally:
+        gp.close()
 
 
 def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
@@ -73,9 +87,13 @@ def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: 
         for spec in layout.bucket_leaves(bucket):
             params[spec.name] = shard_lib.full_view(full, spec, S).detach().requires_grad_()
             order.append(spec.name)
-    loss, aux = _loss_and_aux(loss_fn({n: params[n] for n in layout.names}, batch))
-    grads = dict(zip(order, torch.autograd.grad(loss * scale, [params[n] for n in order],
-                                                allow_unused=True), strict=True))
+    step_params = StepParams((n, params[n]) for n in layout.names)
+    try:
+        loss, aux = _loss_and_aux(loss_fn(step_params, batch))
+        grads = dict(zip(order, torch.autograd.grad(loss * scale, [params[n] for n in order],
+                                                    allow_unused=True), strict=True))
+    finally:
+        step_params.close()
     out = []
     for bucket in layout.buckets:
         specs = layout.bucket_leaves(bucket)
