@@ -60,6 +60,9 @@ def functional_call(
     if not isinstance(args, tuple):
         args = (args,)
     kwargs = kwargs or {}
+    if isinstance(params, (GatheredParams, StepParams)) and params.closed:
+        raise RuntimeError("functional_call: these params belong to a train_step that has "
+                           "finished; use them only inside loss_fn")
     if isinstance(params, GatheredParams):
         return params._call(model, args, kwargs)
     if isinstance(params, StepParams):
@@ -97,8 +100,10 @@ class StepParams(dict):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stack = contextlib.ExitStack()
+        self.closed = False
 
     def close(self) -> None:
+        self.closed = True
         self.stack.close()
 
 
@@ -210,6 +215,7 @@ class GatheredParams(Mapping):
         self._order: list[int] = []  # units in the order forward ran them
         self._outside: dict[int, tuple[torch.Tensor, ...]] = {}  # buckets taken by name
         self._stack = contextlib.ExitStack()  # what stays until backward is over
+        self.closed = False
         self._names = frozenset(layout.names)
         self._pending: dict[int, collectives.Pending] = {}
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
@@ -339,6 +345,7 @@ class GatheredParams(Mapping):
 
     def close(self) -> None:
         """Gives the model its own parameters back (after backward)."""
+        self.closed = True
         self._stack.close()
 
     @contextlib.contextmanager

@@ -332,3 +332,29 @@ def test_activation_checkpointing_recomputes_with_this_steps_weights(pool2, insi
             assert isinstance(r, str) and "checkpoint whole units" in r, r
         else:
             assert isinstance(r, float) and r < 1e-6, r
+
+
+def kept_params_worker(strategy: str) -> str | None:
+    model = models.make_model()
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"),
+                    strategy=strategy)
+    kept = []
+    base = models.make_loss_fn(model)
+
+    def loss_fn(params, b):
+        kept.append(params)
+        return base(params, b)
+
+    batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
+    state, _ = fs.train_step(state, batch, loss_fn)
+    try:
+        fs.functional_call(model, kept[0], (batch["x"],))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("strategy", fs.STRATEGIES)
+def test_params_kept_past_their_step_refuse_use(pool2, strategy: str) -> None:
+    for e in pool2.run(kept_params_worker, strategy):
+        assert e is not None and "train_step that has finished" in e
