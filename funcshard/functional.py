@@ -224,6 +224,9 @@ class GatheredParams(Mapping):
 
     # --- mapping ----------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
+        if self.closed:
+            raise RuntimeError(f"params[{name!r}]: these params belong to a train_step that "
+                               "has finished; use them only inside loss_fn")
         spec = self.layout.leaf(name)  # KeyError naming the param when unknown
         views = self._outside.get(spec.bucket)
         if views is None:
