@@ -10,6 +10,7 @@ Ends with ``final loss X nats/token, floor Y, gap Z%`` and writes ``metrics.json
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import funcshard as fs  # noqa: E402
+from experiments.gpt import GPTConfig  # noqa: E402
 from experiments.trainer import Config, run  # noqa: E402
 
 DTYPES = {
@@ -115,12 +117,17 @@ def _check_world(world: int) -> None:
               f"{torch.cuda.device_count()}")
 
 
+def _from_flags(cls, **given):
+    """``cls`` (a dataclass) with each field from the flag of its name, unless given."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in given and f.name in FLAGS]
+    return cls(**given, **{n: FLAGS[n].value for n in names})
+
+
 def _config() -> Config:
-    names = {f.name for f in Config.__dataclass_fields__.values()}
-    values = {n: FLAGS[n].value for n in names}
-    for n in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
-        values[n] = DTYPES[values[n].lower()]
-    return Config(**values)
+    dtypes = {n: DTYPES[FLAGS[n].value.lower()] for n in
+              ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype")}
+    return _from_flags(Config, model=_from_flags(GPTConfig),
+                       policy=fs.MixedPrecisionPolicy(**dtypes))
 
 
 def _torchrun_main(cfg: Config) -> None:

@@ -36,24 +36,18 @@ class Config:
     shard: int = -1
     replicate: int = 1
     strategy: str = "optim_grads_params"
-    param_dtype: torch.dtype | None = torch.bfloat16
-    main_params_dtype: torch.dtype | None = torch.float32
-    main_grads_dtype: torch.dtype | None = torch.float32
-    grad_comm_dtype: torch.dtype | None = None
+    policy: fs.MixedPrecisionPolicy = dataclasses.field(
+        default_factory=lambda: fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     offload_fraction: float = 0.0
     microbatches: int = 1
     batch_size: int = 64
-    seq_len: int = 32
     steps: int = 500
     stop_at: int = 0
     lr: float = 1e-2
     warmup: int = 25
     weight_decay: float = 0.0
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 64
-    tied: bool = True
-    vocab: int = 16
+    # the model; its vocab is the Markov source's (a text file's own vocab replaces it)
+    model: GPTConfig = dataclasses.field(default_factory=lambda: GPTConfig(vocab=16, seq_len=32))
     concentration: float = 0.1
     data: str = ""
     eval_batches: int = 16
@@ -82,7 +76,7 @@ def lr_schedule(cfg: Config):
 def make_source(cfg: Config) -> data_lib.MarkovSource | data_lib.TextSource:
     if cfg.data:
         return data_lib.TextSource.from_file(cfg.data, seed=cfg.seed)
-    return data_lib.make_markov(cfg.vocab, cfg.concentration, seed=cfg.seed)
+    return data_lib.make_markov(cfg.model.vocab, cfg.concentration, seed=cfg.seed)
 
 
 def final_line(loss: float, floor: float | None) -> str:
@@ -153,7 +147,7 @@ def evaluate(model: GPT, state: fs.TrainState, source, cfg: Config, device: torc
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for i in range(cfg.eval_batches):
-            x = source.batch(i, batch_size=cfg.batch_size, seq_len=cfg.seq_len, rank=rank,
+            x = source.batch(i, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, rank=rank,
                              world=world, stream=data_lib.EVAL).to(device)
             logits = torch.func.functional_call(model, params, (x[:, :-1],))
             total[0] += _loss(logits, x).double() * x[:, 2:].numel()
@@ -197,13 +191,9 @@ def run(cfg: Config) -> dict[str, Any]:
 
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GPT(GPTConfig(vocab=source.vocab, seq_len=cfg.seq_len, n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, d_model=cfg.d_model, tied=cfg.tied)).to(device)
-    policy = fs.MixedPrecisionPolicy(
-        param_dtype=cfg.param_dtype, main_params_dtype=cfg.main_params_dtype,
-        main_grads_dtype=cfg.main_grads_dtype, grad_comm_dtype=cfg.grad_comm_dtype)
+    model = GPT(dataclasses.replace(cfg.model, vocab=source.vocab)).to(device)
     opt = fs.optim.adamw(lr=lr_schedule(cfg), betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    state = fs.init(model, opt, mesh=mesh, policy=policy, strategy=cfg.strategy,
+    state = fs.init(model, opt, mesh=mesh, policy=cfg.policy, strategy=cfg.strategy,
                     offload_fraction=cfg.offload_fraction)
 
     mgr = fs.CheckpointManager(cfg.checkpoint_dir, max_to_keep=3) if cfg.checkpoint_dir else None
@@ -229,9 +219,9 @@ def run(cfg: Config) -> dict[str, Any]:
 
     schedule = lr_schedule(cfg)
     end = min(cfg.stop_at or cfg.steps, cfg.steps)
-    progress = Progress(start, end, cfg.batch_size * (cfg.seq_len - 1), cfg.log_every)
+    progress = Progress(start, end, cfg.batch_size * (cfg.model.seq_len - 1), cfg.log_every)
     for step in range(start, end):
-        x = source.batch(step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, rank=rank,
+        x = source.batch(step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, rank=rank,
                          world=world).to(device)
         state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=cfg.microbatches)
         if mgr is not None and cfg.save_every and (state.step % cfg.save_every == 0
