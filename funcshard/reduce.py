@@ -26,10 +26,7 @@ def reduce_shard_axis(layout: Layout, bucket: Bucket, sections: torch.Tensor) ->
     ``sections`` is consumed (it may be scaled in place). The divisor is the whole
     data-parallel size; ``reduce_replicate_axis`` only sums.
     """
-    wire = sections.to(bucket.dtypes.comm).div_(layout.dp_size)
-    group = layout.shard_group
-    local = collectives.reduce_scatter(wire, group) if layout.shard_size > 1 else wire
-    return local.to(bucket.dtypes.grad)
+    return start_reduce_shard_axis(layout, bucket, sections).wait().to(bucket.dtypes.grad)
 
 
 def start_reduce_shard_axis(

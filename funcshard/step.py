@@ -79,8 +79,8 @@ def _sharded_grads(layout: Layout, buffers: Any, batch: Any, loss_fn: LossFn, sc
 
 
 def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
-                      loss_fn: LossFn, scale: float):
-    """Per bucket: this rank's unreduced full gradient in the rank-section layout."""
+                      loss_fn: LossFn, scale: float, acc: list[torch.Tensor] | None):
+    """ZeRO-0/1: adds this rank's unreduced full gradients (rank sections) into ``acc``."""
     S = layout.shard_size
     params, order = {}, []
     for bucket, full in zip(layout.buckets, compute, strict=True):
@@ -99,18 +99,10 @@ def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: 
         specs = layout.bucket_leaves(bucket)
         out.append(shard_lib.to_rank_sections([grads[s.name] for s in specs], specs, S,
                                               bucket.dtypes.grad))
+    if acc is not None:
+        torch._foreach_add_(acc, out)
+        out = acc
     return loss.detach(), aux, out
-
-
-def _replicated_grads_into(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
-                           loss_fn: LossFn, scale: float,
-                           acc: list[torch.Tensor | None] | None):
-    """ZeRO-0/1: adds this rank's unreduced full gradients (rank sections) into ``acc``."""
-    loss, aux, grads = _replicated_grads(layout, compute, batch, loss_fn, scale)
-    if acc is None:
-        return loss, aux, grads
-    torch._foreach_add_(acc, grads)
-    return loss, aux, acc
 
 
 def _global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -186,7 +178,7 @@ def train_step(
         grads_fn = _sharded_grads
         params = _compute_shards(layout, state) if zero3 else state.compute
     else:
-        grads_fn, params = _replicated_grads_into, state.compute
+        grads_fn, params = _replicated_grads, state.compute
 
     acc, loss_sum, aux = None, torch.zeros((), dtype=torch.float64, device=layout.device), None
     for mb in split_microbatches(batch, microbatches):
