@@ -66,20 +66,29 @@ def functional_call(
     if isinstance(params, GatheredParams):
         return params._call(model, args, kwargs)
     if isinstance(params, StepParams):
-        params.stack.enter_context(
-            stateless._reparametrize_module(model, params, tie_weights=True, strict=strict))
+        params.stack.callback(_Swap(model, params, strict=strict).restore)
         return model(*args, **kwargs)
     return torch.func.functional_call(model, params, args, kwargs, strict=strict)
 
 
 class _Swap:
-    """The model's tensors swapped for given ones (tied names included) until ``restore``."""
+    """The model's tensors swapped for given ones (tied names included) until ``restore``.
 
-    def __init__(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    The one way funcshard puts params into a module; unlike a context manager it can stay
+    past the call that made it (until backward is over) and be ``replace``d meanwhile.
+    """
+
+    def __init__(self, module: nn.Module, tensors: Mapping[str, torch.Tensor], *,
+                 strict: bool = False) -> None:
         self._module = module
         self._accessor = NamedMemberAccessor(module)
-        self._orig, _ = self._accessor.swap_tensors_dict(
-            stateless._untie_named_tensors_map(module, tensors), allow_missing=True)
+        untied = stateless._untie_named_tensors_map(module, tensors)
+        if strict:
+            missing, unexpected = self._accessor.check_keys(untied)
+            if missing or unexpected:
+                raise RuntimeError(f"functional_call: missing keys {missing}, unexpected keys "
+                                   f"{unexpected} for {type(module).__name__}")
+        self._orig, _ = self._accessor.swap_tensors_dict(untied, allow_missing=True)
 
     def replace(self, tensors: dict[str, torch.Tensor]) -> None:
         """Swaps in other tensors, dropping the current ones (the originals stay kept)."""
@@ -389,14 +398,16 @@ class GatheredParams(Mapping):
             params = self._unit_params(unit, prefix)
             if unit + 1 < len(self.layout.units) and not recompute:
                 self._prefetch(unit + 1)
-            swap = stateless._reparametrize_module(module, params, strict=False)
+            swap = _Swap(module, params)
             if self.replicated:
                 # ZeRO-2 params are views of persistent buffers: the unit keeps them until
                 # backward is over, so a recomputation inside the unit sees this step's
                 # weights, and they are the very tensors of the graph.
-                self._stack.enter_context(swap)
+                self._stack.callback(swap.restore)
                 return original(*args, **kwargs)
-            with swap:  # ZeRO-3: the gathered params go when the unit returns
+            try:  # ZeRO-3: the gathered params go when the unit returns
                 return original(*args, **kwargs)
+            finally:
+                swap.restore()
 
         return forward
