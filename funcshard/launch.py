@@ -32,11 +32,17 @@ def init_process_group(rank: int, world_size: int, port: int, backend: str | Non
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    backend = _backend(backend, rank % max(torch.cuda.device_count(), 1))
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+def _backend(backend: str | None, local_rank: int) -> str:
+    """NCCL with CUDA (this process on GPU ``local_rank``), gloo otherwise, unless given."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+        torch.cuda.set_device(local_rank)
+    return backend
 
 
 def init_from_env(backend: str | None = None) -> None:
@@ -54,10 +60,7 @@ def init_from_env(backend: str | None = None) -> None:
     if missing:
         raise RuntimeError(f"init_from_env: {', '.join(missing)} not set; run under torchrun "
                            "or use fs.launch")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
+    backend = _backend(backend, int(env.get("LOCAL_RANK", 0)))
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     attempt = env.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
