@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
+from funcshard.buckets import is_per_bucket
 from funcshard.layout import Bucket, Layout, LeafSpec
 from funcshard.state import LossScale, TrainState, derive_compute
 
@@ -182,8 +183,7 @@ def _raise_if_failed(what: str, error: BaseException | None, group: dist.Process
 
 
 def _is_bucket_tuple(x: Any, n_buckets: int) -> bool:
-    return (isinstance(x, tuple) and not hasattr(x, "_fields") and len(x) == n_buckets
-            and all(isinstance(t, torch.Tensor) for t in x))
+    return is_per_bucket(x) and len(x) == n_buckets
 
 
 def _map_opt(
@@ -211,13 +211,19 @@ def _map_opt(
     raise TypeError(f"{where}: cannot checkpoint a {type(x).__name__}")
 
 
-def _opt_layout(opt_state: Any, n_buckets: int) -> tuple[list[Keys], dict[Keys, Any]]:
-    """The per-bucket paths and the scalars (with values) of an optimizer state."""
-    arrays: list[Keys] = []
+def _opt_layout(opt_state: Any, n_buckets: int) -> tuple[dict[Keys, Any], dict[Keys, Any]]:
+    """The per-bucket parts by path and the scalars (with values) of an optimizer state."""
+    arrays: dict[Keys, Any] = {}
     scalars: dict[Keys, Any] = {}
-    _map_opt(opt_state, n_buckets, lambda p, x: arrays.append(p),
+    _map_opt(opt_state, n_buckets, lambda p, x: arrays.__setitem__(p, x),
              lambda p, x: scalars.__setitem__(p, x))
     return arrays, scalars
+
+
+def _owned_leaves(layout: Layout, part: Any) -> list:
+    """The leaves a per-bucket part holds values for (a None entry holds none)."""
+    return [s for b, x in zip(layout.buckets, part, strict=True) if x is not None
+            for s in layout.bucket_leaves(b)]
 
 
 def _opt_kind(opt_state: Any) -> str:
@@ -307,6 +313,8 @@ def _plan(state: TrainState, stage: bool) -> tuple[list[_ArrayWrite], dict[Keys,
     def rows_of(flats: tuple[torch.Tensor, ...], prefix: Keys) -> list[_ArrayWrite]:
         out = []
         for bucket, flat in zip(layout.buckets, flats, strict=True):
+            if flat is None:
+                continue
             for spec in layout.bucket_leaves(bucket):
                 start, stop, chunk = writers.rows(spec)
                 data = None
@@ -800,8 +808,9 @@ def _mismatches(like: TrainState, source: _Source, model_only: bool) -> list[str
     expected: dict[Keys, tuple[int, ...]] = {("params", s.name): s.shape for s in layout.leaves}
     if not model_only:
         paths, scalars = _opt_layout(like.opt_state, len(layout.buckets))
-        for p in paths:
-            expected.update({("opt_state", *p, s.name): s.shape for s in layout.leaves})
+        for p, part in paths.items():
+            expected.update({("opt_state", *p, s.name): s.shape
+                             for s in _owned_leaves(layout, part)})
         info = source.info
         kind = _opt_kind(like.opt_state)
         if info is None:
@@ -852,6 +861,8 @@ def _fill(flats: Sequence[torch.Tensor], layout: Layout, source: _Source, prefix
     """Copies this rank's real rows of every leaf from ``source`` into the bucket flats."""
     r = layout.shard_rank
     for bucket, flat in zip(layout.buckets, flats, strict=True):
+        if flat is None:
+            continue
         specs = [s for s in layout.bucket_leaves(bucket) if s.row_range(r)[1] > s.row_range(r)[0]]
         rows = source.read_rows([((*prefix, s.name), *s.row_range(r)) for s in specs])
         for spec, t in zip(specs, rows, strict=True):
@@ -892,12 +903,12 @@ def _read(like: TrainState, source: _Source, *, model_only: bool) -> _Read:
                    for old, b in zip(old_master, layout.buckets, strict=True))
     _fill(master, layout, source, ("params",))
     if model_only:
-        opt_state = like.optimizer.init(master)
+        opt_state = like.optimizer.init(layout.per_bucket(master))
         step = 0
     else:
         def buckets(path: Keys, olds: tuple) -> tuple:
-            flats = tuple(_flat_like(o, b, layout, o.dtype)
-                          for o, b in zip(olds, layout.buckets, strict=True))
+            flats = layout.per_bucket(None if o is None else _flat_like(o, b, layout, o.dtype)
+                                      for o, b in zip(olds, layout.buckets, strict=True))
             _fill(flats, layout, source, ("opt_state", *path))
             return flats
 

@@ -13,14 +13,16 @@ and the mesh shape alone, so every rank derives the same one without communicati
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import mesh as mesh_lib
+from funcshard.buckets import Members, PerBucket
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
 
 __all__ = ["STRATEGIES", "LeafSpec", "Bucket", "Layout", "build_layout", "default_units"]
@@ -130,6 +132,16 @@ class Layout:
     def bucket_leaves(self, bucket: Bucket) -> list[LeafSpec]:
         return [self.leaves[i] for i in bucket.leaves]
 
+    @functools.cached_property
+    def members(self) -> tuple[Members, ...]:
+        """Per bucket, the names and shapes of the parameters it packs."""
+        return tuple(Members(tuple(s.name for s in self.bucket_leaves(b)),
+                             tuple(s.shape for s in self.bucket_leaves(b))) for b in self.buckets)
+
+    def per_bucket(self, values: Sequence) -> PerBucket:
+        """``values`` (one per bucket) as the PerBucket the optimizer sees."""
+        return PerBucket(values, self.members)
+
     def achieved_offload_fraction(self) -> float:
         total = sum(b.numel for b in self.buckets)
         return sum(b.numel for b in self.buckets if b.offload) / total if total else 0.0
@@ -209,8 +221,13 @@ def build_layout(
     strategy: str,
     offload_fraction: float = 0.0,
     units: UnitsArg = None,
+    partition: Callable[[str, tuple], Hashable] | None = None,
 ) -> Layout:
-    """Computes the layout from ``{name: (shape, dtype)}`` in ``named_parameters`` order."""
+    """Computes the layout from ``{name: (shape, dtype)}`` in ``named_parameters`` order.
+
+    ``partition(name, shape)`` is the optimizer's rule key (``Optimizer.partition``): leaves
+    with different keys never share a bucket, so every flat buffer has one rule.
+    """
     check_strategy(strategy)
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
@@ -228,14 +245,16 @@ def build_layout(
                     rps, row_numel))
     offloaded = _pick_offloaded([r[5] * r[6] for r in raw], offload_fraction)
 
-    # Buckets in order of first appearance of (unit, dtypes, placement), leaves in model order.
+    # Buckets in order of first appearance of (unit, dtypes, placement, rule), leaves in model
+    # order.
     keys: dict[tuple, list[int]] = {}
-    for i, (_, _, dtypes, unit, *_rest) in enumerate(raw):
-        keys.setdefault((unit, dtypes, i in offloaded), []).append(i)
+    for i, (name, shape, dtypes, unit, *_rest) in enumerate(raw):
+        rule = partition(name, shape) if partition is not None else None
+        keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
     leaves: list[LeafSpec | None] = [None] * len(raw)
     buckets = []
     ordered = sorted(keys.items(), key=lambda kv: kv[1][0])
-    for b, ((unit, dtypes, off), members) in enumerate(ordered):
+    for b, ((unit, dtypes, off, _), members) in enumerate(ordered):
         offset = 0
         for i in members:
             name, shape, _, _, rows, rps, row_numel = raw[i]

@@ -27,7 +27,9 @@ from typing import Any
 import optree
 import torch
 
+from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
+from funcshard.buckets import NAMESPACE, Members, PerBucket, is_per_bucket
 from funcshard.layout import Bucket
 from funcshard.optim import Optimizer
 from funcshard.state import TrainState, derive_compute
@@ -72,44 +74,41 @@ def offload_threads(n: int | None) -> Iterator[None]:
 
 
 # --- the optimizer state of a subset of buckets ------------------------------------------------
-def _bucket_tuple_test(n: int):
-    """The per-bucket tuples of an optimizer state built by ``opt.init(master_tuple)``."""
-
-    def is_bucket_tuple(x: Any) -> bool:
-        return (type(x) is tuple and len(x) == n
-                and all(isinstance(t, torch.Tensor) for t in x))
-
-    return is_bucket_tuple
-
-
-def _split_opt_state(opt_state: Any, n: int):
-    """``(leaves, treedef, is_bucket)``: the state flattened down to its per-bucket tuples."""
-    is_bucket = _bucket_tuple_test(n)
-    leaves, treedef = optree.tree_flatten(opt_state, is_leaf=is_bucket, none_is_leaf=True)
-    return leaves, treedef, [is_bucket(x) for x in leaves]
+def _split_opt_state(opt_state: Any):
+    """``(leaves, treedef, is_bucket)``: the state flattened down to its PerBucket parts."""
+    leaves, treedef = optree.tree_flatten(opt_state, is_leaf=is_per_bucket, none_is_leaf=True,
+                                          namespace=NAMESPACE)
+    is_bucket = [is_per_bucket(x) for x in leaves]
+    stray = [x for x, b in zip(leaves, is_bucket, strict=True)
+             if not b and isinstance(x, torch.Tensor)]
+    if stray:
+        raise TypeError(f"offload_step: the optimizer state holds {len(stray)} tensors outside "
+                        "per-bucket parts; build it as opt.init(state.layout.per_bucket(master)), "
+                        "not from a plain tuple of buffers")
+    return leaves, treedef, is_bucket
 
 
 def _select(split, index: Sequence[int]) -> Any:
-    """The optimizer state of buckets ``index`` only (same tree, shorter bucket tuples)."""
+    """The optimizer state of buckets ``index`` only (same tree, shorter PerBucket parts)."""
     leaves, treedef, is_bucket = split
-    return treedef.unflatten([tuple(x[i] for i in index) if b else x
+    return treedef.unflatten([x.select(index) if b else x
                               for x, b in zip(leaves, is_bucket, strict=True)])
 
 
 def _merge(split, parts: list[tuple[Sequence[int], Any]]) -> Any:
     """Reassembles the full optimizer state from the new states of disjoint bucket subsets."""
     leaves, treedef, is_bucket = split
-    n = next((len(x) for x, b in zip(leaves, is_bucket, strict=True) if b), 0)
     flat_parts = [(index, treedef.flatten_up_to(sub)) for index, sub in parts]
     out = []
     for j, (x, b) in enumerate(zip(leaves, is_bucket, strict=True)):
         if b:
-            slots: list[torch.Tensor | None] = [None] * n
+            slots: list[Any] = list(x)
+            covered = [False] * len(x)
             for index, sub in flat_parts:
                 for k, i in enumerate(index):
-                    slots[i] = sub[j][k]
-            assert all(t is not None for t in slots), "bucket subsets must cover every bucket"
-            out.append(tuple(slots))
+                    slots[i], covered[i] = sub[j][k], True
+            assert all(covered), "bucket subsets must cover every bucket"
+            out.append(PerBucket(slots, x.members))
         else:
             values = [sub[j] for _, sub in flat_parts]
             if any(v != values[0] for v in values[1:]):
@@ -128,6 +127,8 @@ def step_and_cast(
     compute_out: torch.Tensor | None = None,
     *,
     block: int = BLOCK_NUMEL,
+    members: Members | None = None,
+    grad_norm: float | None = None,
 ) -> Any:
     """Steps one flat master in place; optionally writes its cast into ``compute_out``.
 
@@ -143,17 +144,25 @@ def step_and_cast(
       grad: the flat gradient, any floating dtype (cast to the master dtype per block).
       compute_out: a flat buffer of the master's numel for the compute dtype copy, or None.
       block: elements per block (a multiple of 64).
+      members: the parameters the master packs (their rules: masks, labels); None for a
+        plain one-tuple state.
+      grad_norm: the global gradient norm, for a clip in the optimizer.
 
     Returns:
       The new optimizer state.
     """
+    one = (lambda t: (t,)) if members is None else (lambda t: PerBucket((t,), (members,)))
     if compute_out is None:
-        _, new_state = optimizer.update((grad,), opt_state, (master,), donate=True)
+        _, new_state = optimizer.update(one(grad), opt_state, one(master), donate=True,
+                                        grad_norm=grad_norm)
         return new_state
     numel = master.numel()
-    leaves, treedef, is_bucket = _split_opt_state(opt_state, 1)
+    leaves, treedef = optree.tree_flatten(opt_state, is_leaf=_is_one_tuple, none_is_leaf=True,
+                                          namespace=NAMESPACE)
+    is_bucket = [_is_one_tuple(x) for x in leaves]
     if grad.numel() != numel or compute_out.numel() != numel or any(
-            b and x[0].numel() != numel for x, b in zip(leaves, is_bucket, strict=True)):
+            b and x[0] is not None and x[0].numel() != numel
+            for x, b in zip(leaves, is_bucket, strict=True)):
         raise ValueError(f"step_and_cast: master numel {numel}, grad {grad.numel()}, "
                          f"compute_out {compute_out.numel()}: expected equal sizes")
     if block % 64:
@@ -161,15 +170,26 @@ def step_and_cast(
     new_state = opt_state
     for start in range(0, max(numel, 1), block):
         stop = min(start + block, numel)
-        chunk = treedef.unflatten([(x[0][start:stop],) if b else x
+        chunk = treedef.unflatten([_block_of(x, start, stop) if b else x
                                    for x, b in zip(leaves, is_bucket, strict=True)])
-        _, new_state = optimizer.update((grad[start:stop],), chunk, (master[start:stop],),
-                                        donate=True)
+        _, new_state = optimizer.update(one(grad[start:stop]), chunk, one(master[start:stop]),
+                                        donate=True, grad_norm=grad_norm)
         compute_out[start:stop].copy_(master[start:stop])
     # The blocks updated the state's buffers in place; keep them, take the scalars (count).
     new_leaves = treedef.flatten_up_to(new_state)
     return treedef.unflatten([x if b else y
                               for x, y, b in zip(leaves, new_leaves, is_bucket, strict=True)])
+
+
+def _is_one_tuple(x: Any) -> bool:
+    """A per-bucket part of a one-bucket state: a PerBucket, or a plain one-tuple of a tensor."""
+    return is_per_bucket(x) or (type(x) is tuple and len(x) == 1
+                                and isinstance(x[0], torch.Tensor))
+
+
+def _block_of(x: tuple, start: int, stop: int) -> tuple:
+    entry = None if x[0] is None else x[0][start:stop]
+    return PerBucket((entry,), x.members) if is_per_bucket(x) else (entry,)
 
 
 def _needs_cast(bucket: Bucket) -> bool:
@@ -209,6 +229,7 @@ def _as_bucket_flats(state: TrainState, grads: Any) -> tuple[torch.Tensor, ...]:
 
 # --- the step ------------------------------------------------------------------------------------
 def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
+                 grad_norm: float | None = None,
                  _consumer: str = "offload_step") -> TrainState:
     """Applies reduced gradient shards with the state's optimizer; consumes ``state``.
 
@@ -219,6 +240,8 @@ def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
       threads: CPU threads for the offloaded part of the step; None = :func:`default_threads`
         when the device is an accelerator, the current setting when the device is the CPU
         (its ranks already share the cores).
+      grad_norm: the global L2 norm of ``grads`` (every shard and replica), for a clip in the
+        optimizer; None computes it here (a collective) when the optimizer is not a plain one.
 
     Returns:
       The new state: masters and optimizer state stepped, compute copies derived from them.
@@ -229,17 +252,21 @@ def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
     layout = state.layout
     state._check()
     grads = _as_bucket_flats(state, grads)
-    master, n = state.master, len(layout.buckets)
-    split = _split_opt_state(state.opt_state, n)
+    master = state.master
+    split = _split_opt_state(state.opt_state)
+    if grad_norm is None:
+        grad_norm = float(reduce_lib.global_norm(layout, list(grads)))
     device_idx = [b.index for b in layout.buckets if not b.offload]
     cpu_idx = [b.index for b in layout.buckets if b.offload]
     if threads is None and cpu_idx and layout.device.type != "cpu":
         threads = default_threads()
 
     if layout.device.type == "cuda" and cpu_idx:
-        new_master, parts, local = _cuda_step(state, grads, split, device_idx, cpu_idx, threads)
+        new_master, parts, local = _cuda_step(state, grads, split, device_idx, cpu_idx, threads,
+                                              grad_norm)
     else:
-        new_master, parts, local = _host_step(state, grads, split, device_idx, cpu_idx, threads)
+        new_master, parts, local = _host_step(state, grads, split, device_idx, cpu_idx, threads,
+                                              grad_norm)
     new_opt = _merge(split, parts)
     assert all(m is master[i] for i, m in enumerate(new_master)), "masters step in place"
     state._consume(_consumer)
@@ -253,24 +280,26 @@ def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
     )
 
 
-def _device_step(state: TrainState, grads, split, device_idx: list[int]):
+def _device_step(state: TrainState, grads, split, device_idx: list[int], grad_norm: float):
     """One fused update over every device bucket (asynchronous on CUDA)."""
     if not device_idx:
         return []
-    master = state.master
-    moved = tuple(grads[i].to(master[i].dtype) for i in device_idx)
+    master, members = state.master, state.layout.members
+    subset = lambda xs: PerBucket(xs, (members[i] for i in device_idx))
+    moved = subset(grads[i].to(master[i].dtype) for i in device_idx)
     _, new = state.optimizer.update(moved, _select(split, device_idx),
-                                    tuple(master[i] for i in device_idx), donate=True)
+                                    subset(master[i] for i in device_idx), donate=True,
+                                    grad_norm=grad_norm)
     return [(device_idx, new)]
 
 
-def _host_step(state: TrainState, grads, split, device_idx, cpu_idx, threads):
+def _host_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, grad_norm):
     """The step when the device is the CPU (or nothing is offloaded): no copies to overlap.
 
     Offloaded buckets that need a cast step blocked and write their compute shard directly.
     """
     layout, master = state.layout, state.master
-    parts = _device_step(state, grads, split, device_idx)
+    parts = _device_step(state, grads, split, device_idx, grad_norm)
     local: list[torch.Tensor | None] = [None] * len(master)
     with offload_threads(threads if cpu_idx else None):
         for i in cpu_idx:
@@ -281,7 +310,8 @@ def _host_step(state: TrainState, grads, split, device_idx, cpu_idx, threads):
                 out = _reusable(state.compute[i], m, bucket)
                 if out is None:
                     out = torch.empty(m.numel(), dtype=bucket.dtypes.compute)
-            parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m, g, out)))
+            parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m, g, out,
+                                             members=layout.members[i], grad_norm=grad_norm)))
             local[i] = out
     return list(master), parts, local
 
@@ -300,7 +330,7 @@ def _reusable(prev: torch.Tensor | None, master: torch.Tensor,
     return prev
 
 
-def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads):
+def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, grad_norm):
     """The overlapped step: GPU buckets on the GPU while the CPU steps offloaded ones.
 
     Streams: ``main`` (the current one) runs the device step and later the gathers; ``d2h``
@@ -315,7 +345,7 @@ def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads):
 
     grads_ready = torch.cuda.Event()
     grads_ready.record(main)
-    parts = _device_step(state, grads, split, device_idx)  # async on main, launched first
+    parts = _device_step(state, grads, split, device_idx, grad_norm)  # async, launched first
 
     # Device buffers for the compute shards, allocated on main; h2d writes them after main
     # is done with whatever they held before.
@@ -354,7 +384,8 @@ def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads):
                 out = torch.empty(m.numel(), dtype=bucket.dtypes.compute, pin_memory=True)
             arrived[i].synchronize()
             parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m,
-                                             host_grads[i], out)))
+                                             host_grads[i], out, members=layout.members[i],
+                                             grad_norm=grad_norm)))
             with torch.cuda.stream(h2d):
                 # A pinned source records the copy on the host allocator, so it outlives it.
                 dst[i].copy_(out if cast else m, non_blocking=True)

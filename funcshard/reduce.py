@@ -17,7 +17,7 @@ from funcshard import sharding as shard_lib
 from funcshard.layout import Bucket, Layout, build_layout
 from funcshard.policy import MixedPrecisionPolicy
 
-__all__ = ["reduce_scatter_grads", "reduce_shard_axis", "reduce_replicate_axis"]
+__all__ = ["reduce_scatter_grads", "reduce_shard_axis", "reduce_replicate_axis", "global_norm"]
 
 
 def reduce_shard_axis(layout: Layout, bucket: Bucket, sections: torch.Tensor) -> torch.Tensor:
@@ -78,3 +78,26 @@ def reduce_scatter_grads(
         local = reduce_replicate_axis(layout, bucket, reduce_shard_axis(layout, bucket, sections))
         out.update({s.name: shard_lib.local_view(local, s, layout.shard_rank) for s in specs})
     return {n: out[n] for n in grads}
+
+
+def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of the averaged gradient over all ranks; padding holds zeros and adds nothing.
+
+    One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite gradients of
+    norm above ~1e19) or is not finite are the norms redone in fp64, so that a large but
+    finite gradient is never mistaken for an overflow.
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    norms = torch.stack([n.to(layout.device, torch.float64) for gs in by_device.values()
+                         for n in torch._foreach_norm(gs, 2, dtype=torch.float32)])
+    if not bool(torch.isfinite(norms).all()):
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device)
+                             for g in grads])
+    sq = norms.square().sum().to(layout.device)
+    if layout.shard_size > 1:
+        sq = collectives.all_reduce(sq, layout.shard_group, kind="metrics")
+    return sq.sqrt()

@@ -19,13 +19,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import sharding as shard_lib
+from funcshard.buckets import NAMESPACE, is_per_bucket
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
 from funcshard.policy import MixedPrecisionPolicy
 
 __all__ = ["TrainState", "LossScale", "init", "derive_compute", "describe", "tree"]
 
-NAMESPACE = "funcshard"
 tree = optree.pytree.reexport(namespace=NAMESPACE, module="funcshard.tree")
 
 
@@ -151,27 +151,28 @@ class TrainState:
         """This rank's master weights by parameter name (real rows only, no padding)."""
         return self._by_name(self.master)
 
-    def _by_name(self, flats: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    def _by_name(self, flats: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
         layout, r = self.layout, self.layout.shard_rank
         views = {}
         for bucket, flat in zip(layout.buckets, flats, strict=True):
+            if flat is None:
+                continue
             for spec in layout.bucket_leaves(bucket):
                 views[spec.name] = shard_lib.local_view(flat, spec, r)
-        return {n: views[n] for n in layout.names}
+        return {n: views[n] for n in layout.names if n in views}
 
     def opt_state_by_name(self) -> Any:
-        """The optimizer state with every per-bucket tuple of buffers keyed by parameter name."""
-        n_buckets = len(self.layout.buckets)
+        """The optimizer state with every per-bucket part keyed by parameter name.
 
-        def is_bucket_tuple(x: Any) -> bool:
-            return (isinstance(x, tuple) and not hasattr(x, "_fields") and len(x) == n_buckets
-                    and all(isinstance(t, torch.Tensor) for t in x))
-
+        A bucket the part has no value for (a ``multi_transform`` optimizer that does not own
+        it) contributes no names.
+        """
         return optree.tree_map(
-            lambda x: self._by_name(x) if is_bucket_tuple(x) else x,
+            lambda x: self._by_name(x) if is_per_bucket(x) else x,
             self.opt_state,
-            is_leaf=is_bucket_tuple,
+            is_leaf=is_per_bucket,
             none_is_leaf=True,
+            namespace=NAMESPACE,
         )
 
     @property
@@ -266,6 +267,9 @@ def init(
       units: gather units: submodule names or a predicate ``(name, module) -> bool``; None =
         the children of every ``nn.ModuleList``. The remaining params form the root unit.
     """
+    if not isinstance(opt, Optimizer):
+        raise TypeError(f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
+                        "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))")
     policy = policy or MixedPrecisionPolicy()
     named = dict(model.named_parameters())
     layout = build_layout(
@@ -276,6 +280,7 @@ def init(
         strategy=strategy,
         offload_fraction=offload_fraction,
         units=units,
+        partition=opt.partition,
     )
     master = []
     for bucket in layout.buckets:
@@ -292,7 +297,7 @@ def init(
     return TrainState(
         master=master,
         compute=derive_compute(layout, master),
-        opt_state=opt.init(master),
+        opt_state=opt.init(layout.per_bucket(master)),
         step=0,
         loss_scale=loss_scale,
         static=_Static(layout, opt),
@@ -303,7 +308,7 @@ def describe(state: TrainState) -> str:
     """A short human-readable summary of a state's layout and memory on this rank."""
     layout = state.layout
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
-    opt_leaves = [t for t in optree.tree_leaves(state.opt_state) if isinstance(t, torch.Tensor)]
+    opt_leaves = [t for t in tree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
     lines = [
         f"strategy={layout.strategy} mesh={tuple(layout.mesh.shape)} "
         f"shard_size={layout.shard_size}",

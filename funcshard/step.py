@@ -105,29 +105,6 @@ def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: 
     return loss.detach(), aux, out
 
 
-def _global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of the averaged gradient over all ranks; padding holds zeros and adds nothing.
-
-    One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite gradients of
-    norm above ~1e19) or is not finite are the norms redone in fp64, so that a large but
-    finite gradient is never mistaken for an overflow.
-    """
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    norms = torch.stack([n.to(layout.device, torch.float64) for gs in by_device.values()
-                         for n in torch._foreach_norm(gs, 2, dtype=torch.float32)])
-    if not bool(torch.isfinite(norms).all()):
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device)
-                             for g in grads])
-    sq = norms.square().sum().to(layout.device)
-    if layout.shard_size > 1:
-        sq = collectives.all_reduce(sq, layout.shard_group, kind="metrics")
-    return sq.sqrt()
-
-
 def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
     """Names of the params whose reduced gradient holds a NaN or Inf on any rank."""
     flags = torch.zeros(len(layout.leaves), dtype=torch.float32, device=layout.device)
@@ -195,7 +172,7 @@ def train_step(
     if ls is not None:
         torch._foreach_mul_(acc, 1.0 / ls.scale)
 
-    norm = float(_global_norm(layout, acc))
+    norm = float(reduce_lib.global_norm(layout, acc))
     finite = math.isfinite(norm)
     loss_mean = collectives.all_reduce(loss_sum, mesh_lib.world_group(layout.mesh), kind="metrics")
     metrics: dict[str, Any] = {
@@ -213,7 +190,8 @@ def train_step(
         new_state = state.replace(loss_scale=new_ls)
         state._consume("train_step")
         return new_state, metrics
-    new_state = offload_lib.offload_step(state, tuple(acc), _consumer="train_step")
+    new_state = offload_lib.offload_step(state, tuple(acc), grad_norm=norm,
+                                         _consumer="train_step")
     return new_state.replace(loss_scale=new_ls), metrics
 
 

@@ -231,7 +231,8 @@ def _replace_masters(state, source) -> fs.TrainState:
     master = tuple(m.clone() for m in source.master)
     return state.replace(master=master,
                          compute=fs.state.derive_compute(state.layout, master),
-                         opt_state=state.optimizer.init(master), step=0)
+                         opt_state=state.optimizer.init(state.layout.per_bucket(master)),
+                         step=0)
 
 
 def model_only_load_worker(strategy: str, directory: str | None) -> dict:

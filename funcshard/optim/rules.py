@@ -1,0 +1,232 @@
+"""``sgd`` and ``adamw``: torch.optim's exact rules as pure optimizers on torch's fused kernels.
+
+``init(params)`` is numerically inert (zeros, count 0: no synthetic step, no weight decay).
+Leaves are grouped by (device, dtype, rule) and each group is stepped by ONE fused kernel call
+over lists of tensors, so the cost does not grow with Python work per leaf or per label. With
+``donate=True`` the input params, state and gradient buffers are updated in place and returned
+(the caller must treat them as consumed); otherwise the inputs are left untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from funcshard.buckets import NAMESPACE
+from funcshard.optim.base import (
+    Mask,
+    Optimizer,
+    PyTree,
+    Schedule,
+    as_predicate,
+    leaf_params,
+    leaves,
+    lr_at,
+    not_negative,
+    uniform,
+)
+
+__all__ = ["SgdState", "AdamWState", "sgd", "adamw", "per_leaf_rule", "tree_zeros"]
+
+
+class SgdState(NamedTuple):
+    count: int
+    momentum: PyTree  # None when momentum == 0, as torch keeps no buffer then
+
+
+class AdamWState(NamedTuple):
+    count: int
+    mu: PyTree
+    nu: PyTree
+
+
+def tree_zeros(params: PyTree) -> PyTree:
+    return optree.tree_map(torch.zeros_like, params, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def per_leaf_rule(rule: Callable[[str, tuple], Hashable], what: str):
+    """``params -> [rule value per leaf]``, computed once per tree structure and shapes.
+
+    The rule's answer depends only on static metadata (names and shapes), so a step looks it up
+    instead of calling the rule once per parameter.
+    """
+    cache: dict[Any, list[Hashable]] = {}
+
+    def values(params: PyTree) -> list[Hashable]:
+        flat, treedef = optree.tree_flatten(params, none_is_leaf=False, namespace=NAMESPACE)
+        key = (treedef, tuple(tuple(t.shape) for t in flat))
+        if key not in cache:
+            cache[key] = [uniform(rule, pairs, what) for pairs in leaf_params(params)]
+        return cache[key]
+
+    return values
+
+
+def _prepare(grads: PyTree, params: PyTree, donate: bool, grad_scale: float, *states: PyTree):
+    """Leaf lists for a step; copies what the kernels write when the caller keeps its inputs."""
+    treedef = optree.tree_structure(params, none_is_leaf=False, namespace=NAMESPACE)
+    p, g = leaves(params), leaves(grads)
+    if len(g) != len(p):
+        raise ValueError(f"optimizer update: {len(g)} gradient leaves for {len(p)} params")
+    for gi, pi in zip(g, p, strict=True):
+        if gi.shape != pi.shape:
+            raise ValueError(f"optimizer update: a gradient of shape {tuple(gi.shape)} for a "
+                             f"param of shape {tuple(pi.shape)}")
+    cast = [gi if gi.dtype == pi.dtype else gi.to(pi.dtype) for gi, pi in zip(g, p, strict=True)]
+    if grad_scale != 1.0 and not donate:  # the scaled kernels write the scaled grads back
+        cast = [c.clone() if c is gi else c for c, gi in zip(cast, g, strict=True)]
+    if not donate:
+        p = [t.clone() for t in p]
+    out_states = [leaves(s) if donate else [t.clone() for t in leaves(s)] for s in states]
+    return treedef, p, cast, out_states
+
+
+def _groups(keys: list[Hashable], *columns: list[torch.Tensor]) -> dict[tuple, list[list]]:
+    """Splits parallel leaf lists into per-(device, dtype, rule) lists for the fused kernels."""
+    groups: dict[tuple, list[list[torch.Tensor]]] = {}
+    for key, *row in zip(keys, *columns, strict=True):
+        cols = groups.setdefault((row[0].device, row[0].dtype, key), [[] for _ in columns])
+        for col, t in zip(cols, row, strict=True):
+            col.append(t)
+    return groups
+
+
+def _scale_arg(grad_scale: float, device: torch.device) -> torch.Tensor | None:
+    """The fused kernels' ``grad_scale`` (they divide by it), or None for no scaling."""
+    if grad_scale == 1.0:
+        return None
+    return torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=device)
+
+
+def _decay_rule(weight_decay: float, mask: Mask, what: str):
+    decays = as_predicate(mask, what)
+    return (lambda name, shape: weight_decay if decays(name, shape) else 0.0), decays
+
+
+def sgd(
+    lr: float | Schedule,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    mask: Mask = None,
+) -> Optimizer:
+    """torch.optim.SGD's rule (dampening 0) as a pure optimizer.
+
+    Args:
+      lr: a float or a schedule ``step -> float`` (step = updates done before this one).
+      momentum: torch's momentum (a buffer is kept only when > 0).
+      weight_decay: L2 penalty added to the gradient, where ``mask`` says so.
+      nesterov: Nesterov momentum, as ``torch.optim.SGD(nesterov=True)``.
+      mask: which parameters decay: None (all), ``(name, shape) -> bool`` or ``{name: bool}``.
+
+    >>> opt = sgd(0.1, momentum=0.9)
+    >>> p = {"w": torch.ones(2)}
+    >>> p, s = opt.update({"w": torch.ones(2)}, opt.init(p), p)
+    >>> p["w"].tolist()
+    [0.8999999761581421, 0.8999999761581421]
+    """
+    not_negative("momentum", momentum)
+    not_negative("weight_decay", weight_decay)
+    if nesterov and momentum <= 0:
+        raise ValueError("sgd: nesterov=True needs momentum > 0 (as torch.optim.SGD)")
+    decay, decays = _decay_rule(weight_decay, mask, "sgd")
+    decay_of = per_leaf_rule(decay, "sgd mask")
+
+    def init(params: PyTree) -> SgdState:
+        return SgdState(count=0, momentum=tree_zeros(params) if momentum else None)
+
+    def update(grads: PyTree, state: SgdState, params: PyTree, *, donate: bool = False,
+               grad_norm: float | None = None, grad_scale: float = 1.0):
+        del grad_norm
+        bufs = (state.momentum,) if momentum else ()
+        treedef, p, g, out = _prepare(grads, params, donate, grad_scale, *bufs)
+        m = out[0] if momentum else [torch.empty(0)] * len(p)
+        lr_now = lr_at(lr, state.count)
+        for (device, _, wd), (gp, gg, gm) in _groups(decay_of(params), p, g, m).items():
+            torch._fused_sgd_(
+                gp,
+                gg,
+                gm if momentum else [],
+                weight_decay=wd,
+                momentum=momentum,
+                lr=lr_now,
+                dampening=0.0,
+                nesterov=nesterov,
+                maximize=False,
+                # zero-initialised buffers make step 1 (buf = g) and later steps one formula
+                is_first_step=False,
+                grad_scale=_scale_arg(grad_scale, device),
+                found_inf=None,
+            )
+        new_m = optree.tree_unflatten(treedef, m) if momentum else None
+        return optree.tree_unflatten(treedef, p), SgdState(state.count + 1, new_m)
+
+    return Optimizer(init, update, partition=decays if mask is not None else None)
+
+
+def adamw(
+    lr: float | Schedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: Mask = None,
+) -> Optimizer:
+    """torch.optim.AdamW's rule as a pure optimizer (fused kernel on CPU and CUDA).
+
+    Args:
+      lr: a float or a schedule ``step -> float`` (step = updates done before this one).
+      betas, eps: as torch (eps added after the square root, bias correction).
+      weight_decay: decoupled weight decay, where ``mask`` says so.
+      mask: which parameters decay: None (all), ``(name, shape) -> bool`` or ``{name: bool}``;
+        ``fs.optim.decay_mask`` is nanoGPT's rule (matrices and embeddings only).
+
+    >>> opt = adamw(0.1)
+    >>> p = {"w": torch.zeros(2)}
+    >>> p, s = opt.update({"w": torch.ones(2)}, opt.init(p), p)
+    >>> [round(x, 4) for x in p["w"].tolist()], s.count
+    ([-0.1, -0.1], 1)
+    """
+    beta1, beta2 = betas
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        raise ValueError(f"adamw: betas must lie in [0, 1), got {betas}")
+    not_negative("eps", eps)
+    not_negative("weight_decay", weight_decay)
+    decay, decays = _decay_rule(weight_decay, mask, "adamw")
+    decay_of = per_leaf_rule(decay, "adamw mask")
+
+    def init(params: PyTree) -> AdamWState:
+        return AdamWState(count=0, mu=tree_zeros(params), nu=tree_zeros(params))
+
+    def update(grads: PyTree, state: AdamWState, params: PyTree, *, donate: bool = False,
+               grad_norm: float | None = None, grad_scale: float = 1.0):
+        del grad_norm
+        treedef, p, g, (mu, nu) = _prepare(grads, params, donate, grad_scale, state.mu, state.nu)
+        lr_now = lr_at(lr, state.count)
+        steps: dict[torch.device, torch.Tensor] = {}
+        for (device, _, wd), (gp, gg, gm, gv) in _groups(decay_of(params), p, g, mu, nu).items():
+            if device not in steps:
+                steps[device] = torch.tensor(float(state.count + 1), device=device)
+            torch._fused_adamw_(
+                gp,
+                gg,
+                gm,
+                gv,
+                [],
+                [steps[device]] * len(gp),
+                amsgrad=False,
+                lr=lr_now,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=wd,
+                eps=eps,
+                maximize=False,
+                grad_scale=_scale_arg(grad_scale, device),
+                found_inf=None,
+            )
+        unflat = lambda xs: optree.tree_unflatten(treedef, xs)
+        return unflat(p), AdamWState(state.count + 1, unflat(mu), unflat(nu))
+
+    return Optimizer(init, update, partition=decays if mask is not None else None)
