@@ -136,6 +136,7 @@ def sgd(
     decay_of = per_leaf_rule(decay, "sgd mask")
 
     def init(params: PyTree) -> SgdState:
+        decay_of(params)  # a mask that does not fit the params fails here, not at step 1
         return SgdState(count=0, momentum=tree_zeros(params) if momentum else None)
 
     def update(grads: PyTree, state: SgdState, params: PyTree, *, donate: bool = False,
@@ -198,6 +199,7 @@ def adamw(
     decay_of = per_leaf_rule(decay, "adamw mask")
 
     def init(params: PyTree) -> AdamWState:
+        decay_of(params)  # a mask that does not fit the params fails here, not at step 1
         return AdamWState(count=0, mu=tree_zeros(params), nu=tree_zeros(params))
 
     def update(grads: PyTree, state: AdamWState, params: PyTree, *, donate: bool = False,
