@@ -54,7 +54,10 @@ flags.DEFINE_integer("stop_at", 0, "Stop after this step as if interrupted (the 
 flags.DEFINE_float("lr", 1e-2, "Peak AdamW learning rate (warmup, then cosine to lr/10).",
                    lower_bound=0.0)
 flags.DEFINE_integer("warmup", 25, "Linear warmup steps.", lower_bound=1)
-flags.DEFINE_float("weight_decay", 0.0, "AdamW decoupled weight decay.", lower_bound=0.0)
+flags.DEFINE_float("weight_decay", 0.1, "AdamW decoupled weight decay.", lower_bound=0.0)
+flags.DEFINE_bool("decay_mask", True, "Decay only matrices and embeddings (not biases, norms).")
+flags.DEFINE_float("clip", 1.0, "Clip the global gradient norm to this; 0 = no clipping.",
+                   lower_bound=0.0)
 flags.DEFINE_integer("n_layer", 2, "Transformer blocks.", lower_bound=1)
 flags.DEFINE_integer("n_head", 4, "Attention heads.", lower_bound=1)
 flags.DEFINE_integer("d_model", 64, "Model width.", lower_bound=1)

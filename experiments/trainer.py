@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -45,7 +44,9 @@ class Config:
     stop_at: int = 0
     lr: float = 1e-2
     warmup: int = 25
-    weight_decay: float = 0.0
+    weight_decay: float = 0.1
+    decay_mask: bool = True  # decay matrices and embeddings only (fs.optim.decay_mask)
+    clip: float = 1.0  # clip_by_global_norm threshold; 0 = no clipping
     # the model; its vocab is the Markov source's (a text file's own vocab replaces it)
     model: GPTConfig = dataclasses.field(default_factory=lambda: GPTConfig(vocab=16, seq_len=32))
     concentration: float = 0.1
@@ -63,14 +64,15 @@ class Config:
 
 def lr_schedule(cfg: Config):
     """Linear warmup over ``cfg.warmup`` steps, then cosine decay to a tenth of ``cfg.lr``."""
+    return fs.optim.warmup_cosine(cfg.lr, warmup=cfg.warmup,
+                                  total=max(cfg.steps, cfg.warmup + 1), final=cfg.lr / 10)
 
-    def lr(step: int) -> float:
-        if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
-        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    return lr
+def make_optimizer(cfg: Config) -> fs.optim.Optimizer:
+    """The LLM recipe: AdamW (betas 0.9, 0.95) with the schedule, decay mask and clip."""
+    adamw = fs.optim.adamw(lr=lr_schedule(cfg), betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                           mask=fs.optim.decay_mask if cfg.decay_mask else None)
+    return fs.optim.chain(fs.optim.clip_by_global_norm(cfg.clip), adamw) if cfg.clip else adamw
 
 
 def make_source(cfg: Config) -> data_lib.MarkovSource | data_lib.TextSource:
@@ -192,7 +194,7 @@ def run(cfg: Config) -> dict[str, Any]:
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(dataclasses.replace(cfg.model, vocab=source.vocab)).to(device)
-    opt = fs.optim.adamw(lr=lr_schedule(cfg), betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opt = make_optimizer(cfg)
     state = fs.init(model, opt, mesh=mesh, policy=cfg.policy, strategy=cfg.strategy,
                     offload_fraction=cfg.offload_fraction)
 
