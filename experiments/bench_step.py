@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import funcshard as fs  # noqa: E402
+from funcshard.policy import native_bf16_reason  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("nproc", 2, "Local gloo ranks.")
@@ -53,6 +54,8 @@ flags.DEFINE_integer("n_layer", 6, "Transformer blocks.")
 flags.DEFINE_list("strategies", ["optim_grads_params", "optim_grads"], "funcshard strategies.")
 flags.DEFINE_list("policies", ["fp32", "bf16"], "fp32 | bf16 (bf16 compute, fp32 master/wire).")
 flags.DEFINE_integer("threads", 1, "Intra-op threads per rank.")
+flags.DEFINE_bool("bf16_anyway", False, "Run the bf16 rows on a CPU without native bf16 too "
+                  "(emulated bf16 matmuls: slow, and not what a bf16 CPU would show).")
 
 RESHARD = {"optim_grads_params": True, "optim_grads": False}
 LR = 3e-4
@@ -272,10 +275,25 @@ def _mb(n: float) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
+    policies = tuple(FLAGS.policies)
+    native, why = native_bf16_reason("cpu")
+    skipped = "bf16" in policies and not native and not FLAGS.bf16_anyway
+    if skipped:
+        print(f"bf16 rows skipped: {why}")
+        policies = tuple(p for p in policies if p != "bf16")
     cfg = Config(FLAGS.steps, FLAGS.warmup, FLAGS.microbatches, FLAGS.batch, FLAGS.seq_len,
                  FLAGS.vocab, FLAGS.d_model, FLAGS.n_layer, tuple(FLAGS.strategies),
-                 tuple(FLAGS.policies), FLAGS.threads)
-    results = fs.launch(worker, cfg, nproc=FLAGS.nproc)
+                 policies, FLAGS.threads)
+    results = fs.launch(worker, cfg, nproc=FLAGS.nproc) if policies else [[]]
+    _print_table(cfg, results)
+    for strategy in cfg.strategies if skipped else ():
+        print(f"{strategy:<19}{'bf16':<7}skipped: no native bf16 on this CPU, pass "
+              "--bf16_anyway to run")
+
+
+def _print_table(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
+    if not results[0]:  # every row skipped
+        return
     first = results[0][0]
     print(f"GPT {first['params'] / 1e6:.1f}M params, {FLAGS.nproc} gloo ranks, batch "
           f"{cfg.batch}x{cfg.seq_len} per rank, {cfg.microbatches} microbatches, AdamW, "

@@ -24,6 +24,7 @@ from absl import app, flags  # noqa: E402
 import funcshard as fs  # noqa: E402
 from experiments.gpt import GPTConfig  # noqa: E402
 from experiments.trainer import Config, run  # noqa: E402
+from funcshard.policy import native_bf16_reason  # noqa: E402
 
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -38,7 +39,8 @@ flags.DEFINE_integer("nproc", 1, "Local ranks to launch (ignored under torchrun)
 flags.DEFINE_integer("shard", -1, "Ranks per shard group; -1 = world size / replicate.")
 flags.DEFINE_integer("replicate", 1, "Replicas (HSDP when > 1).", lower_bound=1)
 flags.DEFINE_enum("strategy", "optim_grads_params", list(fs.STRATEGIES), "What is sharded.")
-flags.DEFINE_string("param_dtype", "bf16", "Compute dtype of the gathered params." + _DTYPE_HELP)
+flags.DEFINE_string("param_dtype", "auto", "Compute dtype of the gathered params; 'auto' = bf16 "
+                    "where the device computes bf16 natively, else fp32." + _DTYPE_HELP)
 flags.DEFINE_string("main_params_dtype", "fp32", "Master weight dtype." + _DTYPE_HELP)
 flags.DEFINE_string("main_grads_dtype", "fp32", "Gradient accumulation dtype." + _DTYPE_HELP)
 flags.DEFINE_string("grad_comm_dtype", "none", "Gradient dtype on the wire." + _DTYPE_HELP)
@@ -81,9 +83,11 @@ flags.DEFINE_integer("log_every", 0, "Log every N steps off a terminal; 0 = 20 l
                      lower_bound=0)
 
 FLAGS = flags.FLAGS
-for _name in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+for _name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
     flags.register_validator(_name, lambda v: v.lower() in DTYPES,
                              message=f"--{_name}: expected one of {sorted(DTYPES)}")
+flags.register_validator("param_dtype", lambda v: v.lower() in DTYPES or v.lower() == "auto",
+                         message=f"--param_dtype: expected auto or one of {sorted(DTYPES)}")
 flags.register_validator("data", lambda v: not v or os.path.isfile(v),
                          message="--data: no such file")
 flags.register_multi_flags_validator(
@@ -114,8 +118,7 @@ def _check_world(world: int) -> None:
     if FLAGS.d_model % FLAGS.n_head:
         _fail(f"--d_model={FLAGS.d_model} must be divisible by "
               f"--n_head={FLAGS.n_head}")
-    cuda = FLAGS.device == "cuda" or (FLAGS.device == "auto" and torch.cuda.is_available())
-    if cuda and not _under_torchrun() and world > torch.cuda.device_count():
+    if _use_cuda() and not _under_torchrun() and world > torch.cuda.device_count():
         _fail(f"--nproc={world}: NCCL runs one process per GPU and there are "
               f"{torch.cuda.device_count()}")
 
@@ -126,9 +129,27 @@ def _from_flags(cls, **given):
     return cls(**given, **{n: FLAGS[n].value for n in names})
 
 
+def _use_cuda() -> bool:
+    return FLAGS.device == "cuda" or (FLAGS.device == "auto" and torch.cuda.is_available())
+
+
+def _param_dtype() -> torch.dtype | None:
+    """``--param_dtype``, with ``auto`` resolved on this machine's device; says which and why."""
+    given = FLAGS.param_dtype.lower()
+    if given != "auto":
+        return DTYPES[given]
+    native, why = native_bf16_reason("cuda" if _use_cuda() else "cpu")
+    dtype = torch.bfloat16 if native else torch.float32
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"--param_dtype=auto: {str(dtype).removeprefix('torch.')} compute ({why})",
+              flush=True)
+    return dtype
+
+
 def _config() -> Config:
     dtypes = {n: DTYPES[FLAGS[n].value.lower()] for n in
-              ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype")}
+              ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype")}
+    dtypes["param_dtype"] = _param_dtype()
     return _from_flags(Config, model=_from_flags(GPTConfig),
                        policy=fs.MixedPrecisionPolicy(**dtypes))
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 import socket
-import traceback
+import sys
+import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from funcshard._results import call_and_send, gather, stop
 
 __all__ = ["launch", "free_port", "init_process_group", "init_from_env"]
 
@@ -72,44 +76,52 @@ def init_from_env(backend: str | None = None) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _run_rank(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> Any:
+    init_process_group(rank, world_size, port)
+    return fn(*args)
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
+           conn: Connection) -> None:
     try:
-        init_process_group(rank, world_size, port)
-        result = fn(*args)
-        queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
-        queue.put((rank, False, traceback.format_exc()))
-        raise
+        ok = call_and_send(conn, _run_rank, (rank, world_size, port, fn, args), {})
     finally:
+        conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if not ok:
+        sys.exit(1)
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
     """Runs ``fn(*args)`` on ``nproc`` local ranks and returns each rank's result (rank order).
 
-    ``fn`` must be importable (a module-level function). Raises RuntimeError carrying the first
-    failing rank's traceback.
+    ``fn`` must be importable (a module-level function). Each result travels as
+    ``torch.save`` bytes, so it arrives whole even though its rank has exited (tensors keep
+    their device). When a rank fails, the others are terminated.
+
+    Raises:
+      RuntimeError: a rank raised (the message carries its traceback) or died without a result
+        (the message names the rank and its exit code or signal).
     """
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     port = free_port()
-    procs = mp.start_processes(
-        _entry, args=(nproc, port, fn, args, queue), nprocs=nproc, join=False, start_method="spawn"
-    )
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    for _ in range(nproc):
-        rank, ok, value = queue.get()
-        if ok:
-            results[rank] = value
-        else:
-            errors.append(f"rank {rank}:\n{value}")
-            break
-    if errors:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
-        raise RuntimeError("fs.launch: a rank failed\n" + "\n".join(errors))
-    procs.join()
-    return [results[r] for r in range(nproc)]
+    procs, conns = [], []
+    try:
+        for rank in range(nproc):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_entry, args=(rank, nproc, port, fn, args, send),
+                            name=f"fs.launch rank {rank}")
+            p.start()
+            send.close()  # only the rank holds its write end: its death closes the pipe
+            procs.append(p)
+            conns.append(recv)
+        results = gather(conns, procs, "fs.launch")
+        deadline = time.monotonic() + 30.0  # let the ranks leave the group on their own
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+        return results
+    finally:
+        stop(procs)
+        for c in conns:
+            c.close()

@@ -27,10 +27,60 @@ the accumulator exactly once per microbatch, then cast to ``p`` for the optimize
 from __future__ import annotations
 
 import dataclasses
+import platform
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "LeafDtypes"]
+__all__ = ["MixedPrecisionPolicy", "LeafDtypes", "native_bf16", "native_bf16_reason"]
+
+# CPU flags (/proc/cpuinfo) under which oneDNN runs bf16 matmuls natively; without them torch
+# emulates bf16 on the CPU, several times slower than fp32.
+_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 / AMX), aarch64 (Features)
+
+
+def _cpuinfo() -> str | None:
+    """The text of ``/proc/cpuinfo``, or None where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def native_bf16_reason(device: torch.device | str = "cpu") -> tuple[bool, str]:
+    """Whether ``device`` computes bf16 natively, and why (one line for a log).
+
+    CUDA: compute capability 8.0 or newer (Ampere on). CPU: ``/proc/cpuinfo`` lists
+    ``avx512_bf16`` or ``amx_bf16`` (x86) or ``bf16`` (aarch64); without ``/proc/cpuinfo``
+    (not Linux) the answer is False.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name = torch.cuda.get_device_name(device)
+        if major >= 8:
+            return True, f"CUDA device {name} (sm_{major}{minor}) has native bf16"
+        return False, f"CUDA device {name} (sm_{major}{minor}) predates native bf16 (sm_80)"
+    if device.type != "cpu":
+        return False, f"no native bf16 check for device type {device.type!r}"
+    text = _cpuinfo()
+    if text is None:
+        return False, f"no /proc/cpuinfo on {platform.system()}: assuming bf16 is emulated"
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    found = [f for f in _BF16_CPU_FLAGS if f in flags]
+    if found:
+        return True, f"CPU flags include {', '.join(found)}"
+    return False, ("CPU flags lack avx512_bf16 / amx_bf16 (capability "
+                   f"{torch.backends.cpu.get_cpu_capability()}): bf16 matmuls are emulated")
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """True when ``device`` computes bf16 natively (see :func:`native_bf16_reason`)."""
+    return native_bf16_reason(device)[0]
 
 _FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 

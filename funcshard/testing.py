@@ -9,18 +9,19 @@ and then runs any importable function on all of them::
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from funcshard._results import call_and_send, gather, stop
 from funcshard.launch import free_port, init_process_group
 
 __all__ = ["RankPool"]
 
 
-def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
+def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Connection) -> None:
     import torch.distributed as dist
 
     init_process_group(rank, world, port, backend="gloo")
@@ -30,11 +31,9 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
             if job is None:
                 break
             fn, args, kwargs = job
-            try:
-                outbox.put((rank, True, fn(*args, **kwargs)))
-            except BaseException:  # noqa: BLE001 - sent back to the parent
-                outbox.put((rank, False, traceback.format_exc()))
+            call_and_send(outbox, fn, args, kwargs)
     finally:
+        outbox.close()
         dist.destroy_process_group()
 
 
@@ -49,46 +48,38 @@ class RankPool:
     def _start(self) -> None:
         ctx, nproc = mp.get_context("spawn"), self.nproc
         self._inboxes = [ctx.Queue() for _ in range(nproc)]
-        self._outbox = ctx.Queue()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
+        self._outboxes = [recv for recv, _ in pipes]
         port = free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, nproc, port, self._inboxes[r], self._outbox),
+            ctx.Process(target=_worker, args=(r, nproc, port, self._inboxes[r], send),
                         daemon=True)
-            for r in range(nproc)
+            for r, (_, send) in enumerate(pipes)
         ]
         for p in self._procs:
             p.start()
+        for _, send in pipes:
+            send.close()  # only the rank holds its write end: its death closes the pipe
         self._broken = False
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the results in rank order.
 
         Raises:
-          RuntimeError: a rank raised (its traceback is in the message) or timed out; the
-            ranks are then stopped (they may disagree on the collectives they ran) and the
-            next call starts fresh ones.
+          RuntimeError: a rank raised (its traceback is in the message), died without an
+            answer (its exit code or signal is), or timed out; the ranks are then stopped
+            (they may disagree on the collectives they ran) and the next call starts fresh
+            ones.
         """
         if self._broken:  # an earlier call failed: the ranks may disagree, start afresh
             self._start()
         for q in self._inboxes:
             q.put((fn, args, kwargs))
-        results: dict[int, Any] = {}
-        errors = []
-        for _ in range(self.nproc):
-            try:
-                rank, ok, value = self._outbox.get(timeout=self.timeout)
-            except Exception as e:  # queue.Empty
-                self.close(force=True)
-                raise RuntimeError(f"RankPool: no answer within {self.timeout}s") from e
-            if ok:
-                results[rank] = value
-            else:
-                errors.append(f"--- rank {rank} ---\n{value}")
-                break
-        if errors:
+        try:
+            return gather(self._outboxes, self._procs, "RankPool", self.timeout)
+        except BaseException:
             self.close(force=True)
-            raise RuntimeError("RankPool: a rank failed\n" + "\n".join(errors))
-        return [results[r] for r in range(self.nproc)]
+            raise
 
     def close(self, force: bool = False) -> None:
         if not self._broken and not force:
@@ -97,9 +88,9 @@ class RankPool:
             for p in self._procs:
                 p.join(timeout=30)
         self._broken = True
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
+        stop(self._procs)
+        for c in self._outboxes:
+            c.close()
 
     def __enter__(self) -> RankPool:
         return self

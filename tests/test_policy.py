@@ -134,3 +134,25 @@ def test_main_params_dtype_is_the_master_dtype(pool2, strategy: str) -> None:
     assert dtype == "torch.float32" and w == pytest.approx(0.99, abs=1e-4)
     w, dtype = pool2.run(master_worker, strategy, None)[0]
     assert dtype == "torch.bfloat16" and w == 1.0
+
+
+_CPUINFO_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f\n\n"
+_CPUINFO_AVX512_BF16 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
+_CPUINFO_AMX = "processor\t: 0\nflags\t\t: fpu avx2 amx_tile amx_bf16\n\n"
+_CPUINFO_ARM = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n\n"
+
+
+@pytest.mark.parametrize(("text", "native", "says"), [
+    (_CPUINFO_AVX2, False, "emulated"),
+    (_CPUINFO_AVX512_BF16, True, "avx512_bf16"),
+    (_CPUINFO_AMX, True, "amx_bf16"),
+    (_CPUINFO_ARM, True, "bf16"),
+    (None, False, "no /proc/cpuinfo"),
+])
+def test_native_bf16_reads_the_cpu_flags(monkeypatch, text, native, says) -> None:
+    from funcshard import policy
+
+    monkeypatch.setattr(policy, "_cpuinfo", lambda: text)
+    assert policy.native_bf16("cpu") is native
+    ok, why = policy.native_bf16_reason(torch.device("cpu"))
+    assert ok is native and says in why

@@ -1,0 +1,153 @@
+"""fs.launch and RankPool never lose a result and never wait for a dead rank.
+
+Results are dicts of 40 tensors of mixed sizes and dtypes (up to 4 MB), recomputed here from
+their seed. Ranks that die without answering (``os._exit``, SIGKILL) must be reported, naming
+the rank and its exit code or signal, long before any timeout, with no child left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import funcshard as fs
+from funcshard.testing import RankPool
+
+_MB = 2**20 // 4  # float32 elements in one MiB
+
+
+def _tensors(seed: int, rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    out = {}
+    for i in range(40):
+        kind = i % 4
+        if kind == 0 and i < 16:  # 1, 2, 3, 4 MiB
+            out[f"big{i}"] = torch.randn((i // 4 + 1) * _MB, generator=g)
+        elif kind == 0:
+            out[f"small{i}"] = torch.randn(5, i, generator=g)
+        elif kind == 1:
+            out[f"int{i}"] = torch.randint(-(2**40), 2**40, (37, 3), generator=g)
+        elif kind == 2:
+            out[f"bf16_{i}"] = torch.randn(1000 + i, generator=g).to(torch.bfloat16)
+        else:
+            out[f"scalar{i}"] = torch.randn((), generator=g)
+    return out
+
+
+def _assert_intact(results: list, seed: int) -> None:
+    assert len(results) == 2
+    for rank, got in enumerate(results):
+        want = _tensors(seed, rank)
+        assert list(got) == list(want), f"rank {rank}: keys differ"
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=f"rank {rank} {k}")
+
+
+def _alarm(signum, frame):
+    raise TimeoutError("no answer within the limit: the parent is waiting for a dead rank")
+
+
+@contextlib.contextmanager
+def _within(seconds: int) -> Iterator[None]:
+    """Turns a hang into a test failure (SIGALRM interrupts the parent's blocking read)."""
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# --- rank functions (importable: spawn pickles them by name) ---------------------------------
+
+
+def tensors_of_this_rank(seed: int) -> dict[str, torch.Tensor]:
+    return _tensors(seed, dist.get_rank())
+
+
+def die_after_barrier(pid_dir: str, dying_rank: int, how: str) -> None:
+    rank = dist.get_rank()
+    with open(os.path.join(pid_dir, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()  # every rank has written its pid
+    if rank == dying_rank:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)  # the survivor: the launcher must stop it
+
+
+def raise_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 refuses")
+    return 0
+
+
+# --- fs.launch ---------------------------------------------------------------------------------
+
+
+def test_launch_returns_big_tensor_dicts_intact_10_of_10():
+    for seed in range(10):
+        with _within(120):
+            _assert_intact(fs.launch(tensors_of_this_rank, seed, nproc=2), seed)
+
+
+def _pids_alive(pid_dir) -> list[int]:
+    alive = []
+    for name in os.listdir(pid_dir):
+        pid = int(open(os.path.join(pid_dir, name)).read())
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(pid)
+    return alive
+
+
+@pytest.mark.parametrize(("dying_rank", "how", "says"), [
+    (1, "exit", "rank 1 died without a result (exit code 3)"),
+    (0, "kill", "rank 0 died without a result (killed by signal 9 (SIGKILL))"),
+])
+def test_launch_reports_a_dead_rank_and_stops_the_others(tmp_path, dying_rank, how, says):
+    before = set(multiprocessing.active_children())  # session pools may be running
+    with _within(60), pytest.raises(RuntimeError) as e:
+        fs.launch(die_after_barrier, str(tmp_path), dying_rank, how, nproc=2)
+    assert says in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["pid0", "pid1"]
+    assert _pids_alive(tmp_path) == []
+    assert set(multiprocessing.active_children()) <= before
+
+
+def test_launch_reraises_a_rank_exception_with_its_traceback():
+    before = set(multiprocessing.active_children())
+    with _within(60), pytest.raises(RuntimeError, match="rank 1 raised") as e:
+        fs.launch(raise_on_rank_1, nproc=2)
+    assert "ValueError: rank 1 refuses" in str(e.value)
+    assert "raise_on_rank_1" in str(e.value)  # the traceback, not just the message
+    assert set(multiprocessing.active_children()) <= before
+
+
+# --- RankPool ------------------------------------------------------------------------------------
+
+
+def test_pool_returns_big_tensor_dicts_intact(pool2):
+    for seed in range(3):
+        _assert_intact(pool2.run(tensors_of_this_rank, seed), seed)
+
+
+def test_pool_reports_a_dead_rank_before_its_timeout(tmp_path):
+    with RankPool(2, timeout=600.0) as pool:
+        with _within(60), pytest.raises(RuntimeError) as e:
+            pool.run(die_after_barrier, str(tmp_path), 1, "exit")
+        assert "RankPool: rank 1 died without a result (exit code 3)" in str(e.value)
+        assert _pids_alive(tmp_path) == []
+        assert pool.run(dist.get_world_size) == [2, 2]  # the next call starts fresh ranks
