@@ -16,9 +16,8 @@ Run:  python experiments/bench_offload.py --threads=2
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import torch
 from absl import app, flags
@@ -27,6 +26,9 @@ from torch import nn
 import funcshard as fs
 from funcshard import offload as offload_lib
 from funcshard.launch import free_port, init_process_group
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` as a package
+from experiments.timing import median_time  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("leaves", 8, "number of parameter leaves")
@@ -46,21 +48,11 @@ class Leaves(nn.Module):
         self.w = nn.ParameterList(nn.Parameter(torch.randn(numel)) for _ in range(leaves))
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm up: first-touch page faults, thread pool start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _copy_bandwidth(numel: int, repeats: int) -> float:
     """Bytes per second read + written by ``dst.copy_(src)`` over ``numel`` fp32 elements."""
     src = torch.randn(numel)
     dst = torch.empty_like(src)
-    return 8 * numel / _median_time(lambda: dst.copy_(src), repeats)
+    return 8 * numel / median_time(lambda: dst.copy_(src), repeats)
 
 
 def _fused_adamw_blocks(p, g, m, v, step, out, block: int) -> None:
@@ -93,7 +85,7 @@ def main(argv: list[str]) -> None:
         p.grad = torch.randn_like(p)
     torch_opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                   weight_decay=WD, fused=True)
-    t_torch = _median_time(torch_opt.step, reps)
+    t_torch = median_time(torch_opt.step, reps)
     rows.append(("torch AdamW(fused=True)", t_torch, ADAMW_BYTES))
     del torch_opt
 
@@ -108,7 +100,7 @@ def main(argv: list[str]) -> None:
         def step() -> None:
             box[0] = fs.offload_step(box[0], grads, threads=threads)
 
-        return _median_time(step, reps), box[0]
+        return median_time(step, reps), box[0]
 
     t_ours, state = time_offload_step(offload_state(fs.MixedPrecisionPolicy()))
     rows.append(("fs.offload_step (fp32 compute)", t_ours, ADAMW_BYTES))
@@ -129,22 +121,22 @@ def main(argv: list[str]) -> None:
         _fused_adamw_blocks(p, g, m, v, step, None, n_total)
         out.copy_(p)
 
-    t_two = _median_time(two_pass, reps)
+    t_two = median_time(two_pass, reps)
     rows.append(("two passes: fused AdamW, then cast", t_two, ADAMW_BYTES + CAST_BYTES))
-    t_alloc = _median_time(lambda: (_fused_adamw_blocks(p, g, m, v, step, None, n_total),
+    t_alloc = median_time(lambda: (_fused_adamw_blocks(p, g, m, v, step, None, n_total),
                                     p.to(torch.bfloat16)), reps)
     rows.append(("two passes, cast allocating (p.to)", t_alloc, ADAMW_BYTES + CAST_BYTES))
     opt = fs.optim.adamw(LR, BETAS, EPS, WD)
     opt_state = opt.init((p,))
     for block in (int(b) for b in FLAGS.blocks):
-        t = _median_time(lambda b=block: _fused_adamw_blocks(p, g, m, v, step, out, b), reps)
+        t = median_time(lambda b=block: _fused_adamw_blocks(p, g, m, v, step, out, b), reps)
         rows.append((f"one pass, bare kernels, block {block}", t, ADAMW_BYTES + CAST_BYTES))
         holder = [opt_state]
 
         def blocked(b: int = block, holder: list = holder) -> None:
             holder[0] = offload_lib.step_and_cast(opt, holder[0], p, g, out, block=b)
 
-        t = _median_time(blocked, reps)
+        t = median_time(blocked, reps)
         rows.append((f"one pass, step_and_cast, block {block}", t, ADAMW_BYTES + CAST_BYTES))
 
     print(f"\n{FLAGS.leaves} leaves x {FLAGS.numel} = {n_total / 1e6:.1f}M fp32 params, "

@@ -14,9 +14,8 @@ Run:  python experiments/bench_optim.py --threads=1
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import torch
 from absl import app, flags
@@ -24,6 +23,9 @@ from torch import nn
 
 import funcshard as fs
 from funcshard.launch import free_port, init_process_group
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` as a package
+from experiments.timing import median_time  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("d_model", 1024, "model width")
@@ -48,16 +50,6 @@ class GPTLeaves(nn.Module):
         self.ln_f = nn.Parameter(torch.ones(d))
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm up: first-touch page faults, thread pool start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main(argv: list[str]) -> None:
     del argv
     torch.set_num_threads(FLAGS.threads)
@@ -71,7 +63,7 @@ def main(argv: list[str]) -> None:
     rows: list[tuple[str, float]] = []
 
     plain = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-    rows.append(("torch AdamW(fused) (plain)", _median_time(plain.step, FLAGS.repeats)))
+    rows.append(("torch AdamW(fused) (plain)", median_time(plain.step, FLAGS.repeats)))
     del plain
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -82,8 +74,7 @@ def main(argv: list[str]) -> None:
         recipe.step()
 
     rows.append(("torch clip_grad_norm_ + AdamW(fused), 2 groups",
-                 _median_time(torch_recipe, FLAGS.repeats)))
-    del recipe
+                 median_time(torch_recipe, FLAGS.repeats)))
 
     def fs_step(opt: fs.optim.Optimizer) -> float:
         box = [fs.init(model, opt, mesh=mesh, strategy="no_shard")]
@@ -92,7 +83,7 @@ def main(argv: list[str]) -> None:
         def step() -> None:
             box[0] = fs.offload_step(box[0], grads)
 
-        return _median_time(step, FLAGS.repeats)
+        return median_time(step, FLAGS.repeats)
 
     rows.append(("fs adamw (plain)", fs_step(fs.optim.adamw(LR, BETAS, EPS, WD))))
     rows.append(("fs chain(clip, adamw(mask=decay_mask))", fs_step(fs.optim.chain(
