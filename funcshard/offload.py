@@ -208,12 +208,14 @@ def _as_bucket_flats(state: TrainState, grads: Any) -> tuple[torch.Tensor, ...]:
 
 
 # --- the step ------------------------------------------------------------------------------------
-def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
-                 _consumer: str = "offload_step") -> TrainState:
-    """Applies reduced gradient shards with the state's optimizer; consumes ``state``.
+def offload_step(state: TrainState, grads: Any, *, threads: int | None = None) -> TrainState:
+    """Applies reduced gradient shards with the state's optimizer; donates ``state``.
+
+    Like JAX's ``donate_argnums``: the masters and the optimizer state are updated in place, so
+    ``state`` and every state sharing a buffer with it raise ``ConsumedStateError`` afterwards.
 
     Args:
-      state: the current state (consumed: its buffers are updated in place).
+      state: the current state (donated).
       grads: per-bucket local gradient flats (as ``train_step`` accumulates them, in
         ``main_grads_dtype``), or ``{name: reduced shard}``.
       threads: CPU threads for the offloaded part of the step; None = :func:`default_threads`
@@ -226,6 +228,12 @@ def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
     Raises:
       ValueError / KeyError: a gradient is missing or has the wrong size.
     """
+    return step_donating(state, grads, threads=threads, consumer="offload_step")
+
+
+def step_donating(state: TrainState, grads: Any, *, threads: int | None,
+                  consumer: str) -> TrainState:
+    """``offload_step`` for a caller that names itself as the consumer (``train_step``)."""
     layout = state.layout
     state._check()
     grads = _as_bucket_flats(state, grads)
@@ -242,7 +250,7 @@ def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
         new_master, parts, local = _host_step(state, grads, split, device_idx, cpu_idx, threads)
     new_opt = _merge(split, parts)
     assert all(m is master[i] for i, m in enumerate(new_master)), "masters step in place"
-    state._consume(_consumer)
+    state._consume(consumer)
     return TrainState(
         master=tuple(new_master),
         compute=derive_compute(layout, tuple(new_master), local),

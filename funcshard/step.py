@@ -154,7 +154,11 @@ def _next_loss_scale(ls: LossScale | None, finite: bool, interval: int) -> LossS
 def train_step(
     state: TrainState, batch: Any, loss_fn: LossFn, microbatches: int = 1
 ) -> tuple[TrainState, dict[str, Any]]:
-    """One optimizer step on this rank's ``batch``; consumes ``state``.
+    """One optimizer step on this rank's ``batch``; donates ``state``.
+
+    Like JAX's ``donate_argnums``: the step reuses the buffers of ``state``, so ``state`` and
+    every state sharing a buffer with it (``state.replace(...)``, ``fs.tree.map`` copies that
+    keep its tensors) raise ``ConsumedStateError`` afterwards. Use the returned state.
 
     The update uses the mean over data-parallel ranks and microbatches of the gradients of
     ``loss_fn(params, microbatch)``. A step whose gradient is not finite changes nothing but
@@ -210,10 +214,8 @@ def train_step(
         metrics["aux"] = aux
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, acc)
-        new_state = state.replace(loss_scale=new_ls)
-        state._consume("train_step")
-        return new_state, metrics
-    new_state = offload_lib.offload_step(state, tuple(acc), _consumer="train_step")
+        return state._donate("train_step", loss_scale=new_ls), metrics
+    new_state = offload_lib.step_donating(state, tuple(acc), threads=None, consumer="train_step")
     return new_state.replace(loss_scale=new_ls), metrics
 
 
