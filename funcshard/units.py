@@ -362,7 +362,9 @@ class Unit:
             return
         self._gather(self.buckets)
         self.run.prefetch_backward(self.index)
-        with torch.enable_grad():  # a reentrant recomputation backpropagates through these
+        # Backward runs without grad mode; the recomputation must see params that require
+        # grad, as forward's did, or autograd saves other tensors than it saved in forward.
+        with torch.enable_grad():
             self._swap = _Swap(module, self._views())
 
     def backward_full(self, bucket: int) -> torch.Tensor:
