@@ -14,6 +14,7 @@ from funcshard.reduce import reduce_scatter_grads
 from funcshard.sharding import shard
 from funcshard.state import ConsumedStateError, LossScale, TrainState, describe, init, tree
 from funcshard.step import full_params, train_step
+from funcshard.units import UnitParamsError
 
 __all__ = [
     "STRATEGIES",
@@ -24,6 +25,7 @@ __all__ = [
     "LossScale",
     "MixedPrecisionPolicy",
     "TrainState",
+    "UnitParamsError",
     "comm_stats",
     "describe",
     "full_params",

@@ -944,7 +944,8 @@ def rebuild_from_params(like: TrainState, params: dict[str, torch.Tensor]) -> Tr
 
 def restore(directory: str | os.PathLike, *, like: TrainState,
             model_only: bool = False) -> TrainState:
-    """Reads a checkpoint into ``like``'s layout (collective; consumes ``like``).
+    """Reads a checkpoint into ``like``'s layout (collective; donates ``like``: it and every
+    state sharing a buffer with it raise ``ConsumedStateError`` afterwards).
 
     Each rank reads only the rows its shards need; the mesh, strategy, policy and offload
     fraction may all differ from those at save time.

@@ -229,19 +229,22 @@ def _as_bucket_flats(state: TrainState, grads: Any) -> tuple[torch.Tensor, ...]:
 
 # --- the step ------------------------------------------------------------------------------------
 def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
-                 grad_norm: float | None = None,
-                 _consumer: str = "offload_step") -> TrainState:
-    """Applies reduced gradient shards with the state's optimizer; consumes ``state``.
+                 grad_norm: float | None = None) -> TrainState:
+    """Applies reduced gradient shards with the state's optimizer; donates ``state``.
+
+    Like JAX's ``donate_argnums``: the masters and the optimizer state are updated in place, so
+    ``state`` and every state sharing a buffer with it raise ``ConsumedStateError`` afterwards.
+    The gradient buffers may be overwritten too (a clip scales them inside the fused kernel).
 
     Args:
-      state: the current state (consumed: its buffers are updated in place).
+      state: the current state (donated).
       grads: per-bucket local gradient flats (as ``train_step`` accumulates them, in
         ``main_grads_dtype``), or ``{name: reduced shard}``.
       threads: CPU threads for the offloaded part of the step; None = :func:`default_threads`
         when the device is an accelerator, the current setting when the device is the CPU
         (its ranks already share the cores).
       grad_norm: the global L2 norm of ``grads`` (every shard and replica), for a clip in the
-        optimizer; None computes it here (a collective) when the optimizer is not a plain one.
+        optimizer; None computes it here (a collective).
 
     Returns:
       The new state: masters and optimizer state stepped, compute copies derived from them.
@@ -249,6 +252,13 @@ def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
     Raises:
       ValueError / KeyError: a gradient is missing or has the wrong size.
     """
+    return step_donating(state, grads, threads=threads, grad_norm=grad_norm,
+                         consumer="offload_step")
+
+
+def step_donating(state: TrainState, grads: Any, *, threads: int | None,
+                  grad_norm: float | None, consumer: str) -> TrainState:
+    """``offload_step`` for a caller that names itself as the consumer (``train_step``)."""
     layout = state.layout
     state._check()
     grads = _as_bucket_flats(state, grads)
@@ -269,7 +279,7 @@ def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
                                               grad_norm)
     new_opt = _merge(split, parts)
     assert all(m is master[i] for i, m in enumerate(new_master)), "masters step in place"
-    state._consume(_consumer)
+    state._consume(consumer)
     return TrainState(
         master=tuple(new_master),
         compute=derive_compute(layout, tuple(new_master), local),

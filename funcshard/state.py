@@ -10,7 +10,9 @@ is cast from the master at gather time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -47,10 +49,54 @@ class _Static:
 
 
 class _Liveness:
+    """Whether the buffers of a group of states are still theirs (None) or were donated."""
+
     __slots__ = ("consumed_by",)
 
     def __init__(self) -> None:
         self.consumed_by: str | None = None
+
+
+# Per storage: the liveness of the states whose buffers it holds. A storage is named by the
+# id of its Python object, which torch keeps alive (and unique) as long as the storage lives;
+# the weak reference tells a live entry from one whose storage has gone.
+_OWNERS: dict[int, tuple[weakref.ref, _Liveness]] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _OWNERS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _OWNERS[key]
+
+
+def _liveness(tensors: Iterable[Any]) -> tuple[_Liveness, ...]:
+    """The liveness tokens of the storages under ``tensors``, one fresh token for the storages
+    that have none or whose token was donated (a state built on buffers a donation handed on).
+
+    Every state holding a storage shares its token, so donating one state refuses every state
+    that shares a buffer with it, however it was made (``replace``, a tree map, unflatten).
+    """
+    tokens: list[_Liveness] = []
+    fresh: _Liveness | None = None
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        key = id(storage)
+        entry = _OWNERS.get(key)
+        token = None
+        if entry is not None and entry[0]() is storage and entry[1].consumed_by is None:
+            token = entry[1]
+        if token is None:
+            fresh = fresh or _Liveness()
+            token = fresh
+            ref = weakref.ref(storage, functools.partial(_forget, key))
+            _OWNERS[key] = (ref, token)
+        if not any(token is seen for seen in tokens):
+            tokens.append(token)
+    return tuple(tokens) or (_Liveness(),)
 
 
 class TrainState:
@@ -59,7 +105,15 @@ class TrainState:
     Leaves: ``master`` (one flat buffer per bucket), ``compute`` (derived, per bucket, None
     where not kept), ``opt_state`` (the optimizer's state over the master buffers), ``step``,
     ``loss_scale``. Static (off the leaves): layout (mesh, policy, strategy, shard layout) and
-    the optimizer. A consumed state raises on any use.
+    the optimizer.
+
+    Donation: ``train_step``, ``offload_step`` and ``restore(like=...)`` donate their input
+    state (like JAX's ``donate_argnums``): they reuse its buffers. Liveness is per buffer: every
+    state that shares a buffer with a donated one (made by ``replace``, ``fs.tree.map``,
+    unflatten, ...) raises :class:`ConsumedStateError` on any use afterwards; a copy whose
+    tensors are new (``fs.tree.map(lambda x: x.clone(), state)``) is independent. Tensors read
+    out of a state (``state.master``, ``state.params``, ...) are views of its buffers, which a
+    later donation overwrites; ``fs.full_params`` returns fresh tensors.
     """
 
     __slots__ = ("_master", "_compute", "_opt_state", "_step", "_loss_scale", "_static", "_live")
@@ -75,28 +129,41 @@ class TrainState:
     ) -> None:
         for name, value in (("_master", tuple(master)), ("_compute", tuple(compute)),
                             ("_opt_state", opt_state), ("_step", int(step)),
-                            ("_loss_scale", loss_scale), ("_static", static),
-                            ("_live", _Liveness())):
+                            ("_loss_scale", loss_scale), ("_static", static)):
             object.__setattr__(self, name, value)
+        buffers = (*self._master, *self._compute,
+                   *optree.tree_leaves(opt_state, none_is_leaf=True))
+        object.__setattr__(self, "_live", _liveness(buffers))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("TrainState is immutable; functions return a new one")
 
     def _check(self) -> None:
-        by = self._live.consumed_by
-        if by is not None:
-            raise ConsumedStateError(
-                f"this TrainState was consumed by {by} (its buffers may have been reused); "
-                "use the state that call returned"
-            )
+        for live in self._live:
+            if live.consumed_by is not None:
+                raise ConsumedStateError(
+                    f"this TrainState was consumed by {live.consumed_by}: it, or a state "
+                    "sharing buffers with it, was donated and its buffers reused; use the state "
+                    "that call returned"
+                )
 
     def _consume(self, by: str) -> None:
+        """Donates this state's buffers: this state and every state sharing one refuse use."""
         self._check()
-        self._live.consumed_by = by
+        for live in self._live:
+            live.consumed_by = by
+
+    def _donate(self, by: str, **changes: Any) -> TrainState:
+        """Consumes this state and returns one holding the same buffers (with ``changes``)."""
+        fields = dict(master=self._master, compute=self._compute, opt_state=self._opt_state,
+                      step=self._step, loss_scale=self._loss_scale)
+        fields.update(changes)
+        self._consume(by)
+        return TrainState(**fields, static=self._static)
 
     @property
     def consumed(self) -> bool:
-        return self._live.consumed_by is not None
+        return any(live.consumed_by is not None for live in self._live)
 
     # --- leaves -------------------------------------------------------------------------
     @property
@@ -181,7 +248,11 @@ class TrainState:
         return not any(t.is_meta for t in self.master)
 
     def replace(self, **changes: Any) -> TrainState:
-        """A new state with some leaves changed; this one stays valid (nothing is donated)."""
+        """A new state with some leaves changed; this one stays valid (nothing is donated).
+
+        The two share the buffers they have in common: donating either (``train_step``, ...)
+        refuses both.
+        """
         fields = dict(master=self.master, compute=self.compute, opt_state=self.opt_state,
                       step=self.step, loss_scale=self.loss_scale)
         fields.update(changes)

@@ -14,9 +14,10 @@ from funcshard import mesh as mesh_lib
 from funcshard import offload as offload_lib
 from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
-from funcshard.functional import GatheredParams, StepParams
+from funcshard.functional import StepParams
 from funcshard.layout import Layout
 from funcshard.state import LossScale, TrainState
+from funcshard.units import UnitRun
 
 __all__ = ["train_step", "full_params", "split_microbatches"]
 
@@ -59,23 +60,12 @@ def _compute_shards(layout: Layout, state: TrainState) -> list[torch.Tensor]:
 def _sharded_grads(layout: Layout, buffers: Any, batch: Any, loss_fn: LossFn, scale: float,
                    acc: list[torch.Tensor | None] | None):
     """ZeRO-2/3: adds this rank's gradient shards, reduced over "shard", into ``acc``."""
-    gp = GatheredParams(layout, buffers, replicated=layout.strategy == "optim_grads", acc=acc)
+    run = UnitRun(layout, buffers, replicated=layout.strategy == "optim_grads", acc=acc)
     try:
-        loss, aux = _loss_and_aux(loss_fn(gp, batch))
-        return loss.detach(), aux, gp.reducer.backward(loss * scale)
-    except (RuntimeError, NotImplementedError) as e:
-        if "meta" not in str(e):
-            raise
-        raise RuntimeError(
-            f"train_step ({layout.strategy}): a unit's parameters were used where the unit was "
-            "not running, so they were not there (meta tensors). Under optim_grads and "
-            "optim_grads_params a unit's params exist only inside its forward (units: "
-            f"{', '.join(layout.units[1:]) or 'none'}). Use them from the root only through "
-            "params[name] in loss_fn; for activation checkpointing under optim_grads_params, "
-            "checkpoint whole units, torch.utils.checkpoint.checkpoint(block, x, "
-            "use_reentrant=False), not code inside one.") from e
+        loss, aux = _loss_and_aux(loss_fn(run.params, batch))
+        return loss.detach(), aux, run.reducer.backward(loss * scale)
     finally:
-        gp.close()
+        run.close()
 
 
 def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
@@ -131,7 +121,11 @@ def _next_loss_scale(ls: LossScale | None, finite: bool, interval: int) -> LossS
 def train_step(
     state: TrainState, batch: Any, loss_fn: LossFn, microbatches: int = 1
 ) -> tuple[TrainState, dict[str, Any]]:
-    """One optimizer step on this rank's ``batch``; consumes ``state``.
+    """One optimizer step on this rank's ``batch``; donates ``state``.
+
+    Like JAX's ``donate_argnums``: the step reuses the buffers of ``state``, so ``state`` and
+    every state sharing a buffer with it (``state.replace(...)``, ``fs.tree.map`` copies that
+    keep its tensors) raise ``ConsumedStateError`` afterwards. Use the returned state.
 
     The update uses the mean over data-parallel ranks and microbatches of the gradients of
     ``loss_fn(params, microbatch)``. A step whose gradient is not finite changes nothing but
@@ -187,11 +181,9 @@ def train_step(
         metrics["aux"] = aux
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, acc)
-        new_state = state.replace(loss_scale=new_ls)
-        state._consume("train_step")
-        return new_state, metrics
-    new_state = offload_lib.offload_step(state, tuple(acc), grad_norm=norm,
-                                         _consumer="train_step")
+        return state._donate("train_step", loss_scale=new_ls), metrics
+    new_state = offload_lib.step_donating(state, tuple(acc), threads=None, grad_norm=norm,
+                                          consumer="train_step")
     return new_state.replace(loss_scale=new_ls), metrics
 
 

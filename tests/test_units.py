@@ -1,0 +1,177 @@
+"""ZeRO-2/3 units: Hugging Face activation checkpointing, placeholders, errors of loss_fn."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import funcshard as fs
+
+import models
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, ROWS, STEPS, MICRO = 37, 7, 4, 3, 2  # equal microbatches: mean of means
+
+
+def hf_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+            tie_word_embeddings=False, attn_implementation="eager")
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=SEQ, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+        model = transformers.GPT2LMHeadModel(config)
+    return model.float().train()
+
+
+def _tokens(step: int, rows: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(step))
+
+
+def _ce(model: nn.Module, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    del model
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def hf_checkpointing_worker(kind: str, strategy: str, checkpointing: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = hf_model(kind)
+    ref = copy.deepcopy(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=fs.make_mesh(device_type="cpu"),
+                    strategy=strategy)
+    layout = state.layout
+    after_forward = []
+
+    def loss_fn(params, tokens):
+        out = fs.functional_call(model, params, (), {"input_ids": tokens[:, :-1],
+                                                      "use_cache": False})
+        after_forward.append(stats.gathered_live)
+        return _ce(model, out.logits, tokens)
+
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    calls = []
+    for step in range(STEPS):
+        tokens = _tokens(step, ROWS * world)
+        with fs.comm_stats() as stats:
+            state, _ = fs.train_step(state, tokens.chunk(world)[rank], loss_fn, MICRO)
+        calls.append(stats.calls["all_gather"])
+        opt.zero_grad()
+        _ce(ref, ref(input_ids=tokens[:, :-1], use_cache=False).logits, tokens).backward()
+        opt.step()
+    got = fs.full_params(state)
+    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    full_unit = max(b.numel for b in layout.buckets if b.unit != 0) * layout.shard_size * 4
+    root = sum(b.numel for b in layout.buckets if b.unit == 0) * layout.shard_size * 4
+    return {"err": models.max_rel_err(got, ref_params), "gathers": calls,
+            "buckets": len(layout.buckets), "units": len(layout.units),
+            "after_forward": after_forward, "peak": stats.gathered_peak,
+            "bound": 2 * full_unit + root, "checkpointed": model.is_gradient_checkpointing}
+
+
+@pytest.mark.parametrize("strategy", fs.STRATEGIES)
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hf_gradient_checkpointing_is_exact(pool2, kind: str, strategy: str) -> None:
+    """``gradient_checkpointing_enable()`` checkpoints inside each decoder layer's forward:
+    exact against plain torch under every strategy, and under ZeRO-3 the recomputation runs on
+    the unit's backward re-gather: one gather per bucket in forward and one in backward, no
+    more than without checkpointing, and nothing gathered stays alive past forward."""
+    for r in pool2.run(hf_checkpointing_worker, kind, strategy, True):
+        assert r["checkpointed"] and r["units"] == 3, r
+        assert r["err"] < 1e-4, r
+        if strategy == "optim_grads_params":
+            assert r["gathers"] == [2 * r["buckets"] * MICRO] * STEPS, r
+            assert r["after_forward"] == [0] * (STEPS * MICRO), r
+            assert r["peak"] <= r["bound"], r
+
+
+def test_hf_checkpointing_gathers_as_much_as_no_checkpointing(pool2) -> None:
+    plain = pool2.run(hf_checkpointing_worker, "llama", "optim_grads_params", False)[0]
+    assert not plain["checkpointed"] and plain["err"] < 1e-4, plain
+    assert plain["gathers"] == [2 * plain["buckets"] * MICRO] * STEPS, plain
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class Raising(models.MLP):
+    """Raises ``RuntimeError(message)`` from inside its first block's forward when ``inside``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = False
+        self.blocks[0].register_forward_hook(self._maybe_raise)
+
+    def _maybe_raise(self, module, args, output):
+        if self.inside:
+            raise RuntimeError("tokenizer metadata missing (inside a unit)")
+
+
+def user_error_worker(strategy: str) -> list[str]:
+    model = Raising()
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"),
+                    strategy=strategy)
+    batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
+    base = models.make_loss_fn(model)
+
+    def after_forward(params, b):
+        base(params, b)
+        raise RuntimeError("tokenizer metadata missing")
+
+    def inside(params, b):
+        model.inside = True
+        return base(params, b)
+
+    seen = []
+    for loss_fn in (after_forward, inside):
+        try:
+            fs.train_step(state, batch, loss_fn)
+            seen.append("no error")
+        except RuntimeError as e:
+            seen.append(f"{type(e).__name__}: {e}")
+    return seen
+
+
+@pytest.mark.parametrize("strategy", fs.STRATEGIES)
+def test_an_error_of_the_loss_fn_comes_back_unchanged(pool2, strategy: str) -> None:
+    for seen in pool2.run(user_error_worker, strategy):
+        assert seen == ["RuntimeError: tokenizer metadata missing",
+                        "RuntimeError: tokenizer metadata missing (inside a unit)"], seen
+
+
+class Peeking(models.MLP):
+    """Reads a unit's weight in root code, before that unit runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        peek = self.blocks[1].fc.weight.sum() * 0
+        return super().forward(x) + peek
+
+
+def outside_worker(strategy: str) -> str:
+    torch.manual_seed(0)
+    model = Peeking()
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"),
+                    strategy=strategy)
+    batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
+    try:
+        fs.train_step(state, batch, models.make_loss_fn(model))
+    except fs.UnitParamsError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_a_unit_param_used_outside_its_unit_is_named(pool2, strategy: str) -> None:
+    for e in pool2.run(outside_worker, strategy):
+        assert "'blocks.1.fc.weight'" in e and "'blocks.1'" in e and "params[name]" in e, e
