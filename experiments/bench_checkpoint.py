@@ -42,9 +42,11 @@ def _model(dim: int, layers: int) -> nn.Module:
     return nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers)))
 
 
-def _state(dim: int, layers: int, chunk_mib: float | None) -> tuple[fs.TrainState, nn.Module]:
-    if chunk_mib is not None:
-        ckpt_lib.CHUNK_BYTES = int(chunk_mib * (1 << 20))
+def _chunk_bytes(chunk_mib: float | None) -> int:
+    return ckpt_lib.CHUNK_BYTES if chunk_mib is None else int(chunk_mib * (1 << 20))
+
+
+def _state(dim: int, layers: int) -> tuple[fs.TrainState, nn.Module]:
     model = _model(dim, layers)
     mesh = fs.make_mesh(device_type="cpu")
     state = fs.init(model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads_params")
@@ -119,12 +121,14 @@ def _fdatasync_seconds(path: str, nbytes: int) -> float:
 
 
 def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | None) -> dict:
-    state, _ = _state(dim, layers, chunk_mib)
+    state, _ = _state(dim, layers)
+    chunk = _chunk_bytes(chunk_mib)
     n_params = sum(s.numel for s in state.layout.leaves)
     total = 3 * 4 * n_params  # bytes in the files: masters, mu, nu (fp32, no padding)
     ours, theirs = os.path.join(root, "fs2"), os.path.join(root, "dcp2")
     out = {"params": n_params, "bytes": total}
-    out["fs_save"] = _best(lambda: fs.save(ours, state), reps, setup=lambda: _rm(ours))
+    out["fs_save"] = _best(lambda: fs.save(ours, state, chunk_bytes=chunk), reps,
+                           setup=lambda: _rm(ours))
     like = [state]
 
     def restore_ours() -> None:
@@ -142,10 +146,10 @@ def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | No
 
 def bench_three(root: str, dim: int, layers: int, reps: int,
                 chunk_mib: float | None) -> dict:
-    state, _ = _state(dim, layers, chunk_mib)
+    state, _ = _state(dim, layers)
     same = os.path.join(root, "fs3")
     _rm(same)
-    fs.save(same, state)
+    fs.save(same, state, chunk_bytes=_chunk_bytes(chunk_mib))
     like = [state]
 
     def restore(path: str):

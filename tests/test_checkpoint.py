@@ -334,7 +334,7 @@ def manager_worker(root: str) -> dict:
     model = models.make_model(seed=0)
     state = fs.init(model, _adamw(), mesh=mesh, strategy="optim_grads_params")
     mgr = fs.CheckpointManager(root, max_to_keep=2)  # asynchronous by default
-    real = ckpt_lib._write_arrays
+    real = mgr.saver.write_arrays
     gate = threading.Event()
 
     def gated(*args, **kwargs):  # holds the background write until the next step has run
@@ -347,10 +347,10 @@ def manager_worker(root: str) -> dict:
         if step == 4:
             gate.set()
         at[step] = _cpu(fs.full_params(state))
-        ckpt_lib._write_arrays = gated if step == 3 else real
+        mgr.saver.write_arrays = gated if step == 3 else real
         mgr.save(step, state)  # step 3 is written after step 4 updated the buffers in place
     mgr.wait()
-    ckpt_lib._write_arrays = real
+    mgr.saver.write_arrays = real
     if dist.get_rank() == 0:  # leftovers of interrupted saves are never listed
         os.makedirs(os.path.join(root, "5" + ckpt_lib.TMP_MARK + "1"))
         os.makedirs(os.path.join(root, "6"))
@@ -368,7 +368,7 @@ def manager_worker(root: str) -> dict:
         raise OSError("disk full (injected)")
 
     if dist.get_rank() == 1:
-        ckpt_lib._write_arrays = broken
+        mgr.saver.write_arrays = broken
     try:
         mgr.save(7, restored)
         try:
@@ -377,7 +377,7 @@ def manager_worker(root: str) -> dict:
         except RuntimeError as e:
             failure = f"{e} <- {e.__cause__}"
     finally:
-        ckpt_lib._write_arrays = real
+        mgr.saver.write_arrays = real
     mgr.close()
     return {"steps": steps, "latest": latest, "err": err, "err3": err3, "failure": failure,
             "after": mgr.all_steps()}
