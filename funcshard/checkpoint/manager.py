@@ -9,7 +9,7 @@ from typing import Any
 
 from funcshard.checkpoint.api import restore
 from funcshard.checkpoint.commit import Saver, is_leftover, remove_tree
-from funcshard.checkpoint.format import COMMIT_FILE, DELETE_MARK
+from funcshard.checkpoint.format import COMMIT_FILE, DEFAULT_ITEM, DELETE_MARK
 from funcshard.state import TrainState
 
 __all__ = ["CheckpointManager"]
@@ -84,7 +84,7 @@ class CheckpointManager:
 
     def save(self, step: int, state: TrainState) -> None:
         """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``."""
-        self.saver.save(self._dir(step), state, background=self.async_save, item=None,
+        self.saver.save(self._dir(step), state, background=self.async_save, item=DEFAULT_ITEM,
                         after_commit=lambda: self._retain(int(step)))
 
     def restore(self, step: int | None = None, *, like: TrainState,

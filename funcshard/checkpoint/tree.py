@@ -185,9 +185,16 @@ def plan_writes(state: TrainState, *, stage: bool,
 # --- reading: does the checkpoint fit, and which key feeds which leaf ------------------------
 
 
-def _closest(name: str, candidates: Sequence[str], shapes: dict[str, Any], n: int = 3) -> str:
-    near = difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.0)
-    return ", ".join(f"{c} {tuple(shapes[c])}" for c in near)
+def _closest(name: str, shape: tuple[int, ...], candidates: dict[str, tuple[int, ...]],
+             unpaired: set[str], n: int = 3) -> str:
+    """Up to ``n`` candidates most like ``name``: unpaired ones first, then those of the same
+    shape, then by ``difflib``'s similarity of the names."""
+    def rank(c: str) -> tuple:
+        return (c in unpaired, tuple(candidates[c]) == tuple(shape),
+                difflib.SequenceMatcher(None, name, c).ratio())
+
+    near = sorted(candidates, key=rank, reverse=True)[:n]
+    return ", ".join(f"{c} {tuple(candidates[c])}" for c in near)
 
 
 def expected_arrays(like: TrainState, model_only: bool) -> dict[Keys, tuple[int, ...]]:
@@ -226,7 +233,7 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
         for p in [("opt_state", *p) for p in scalars] + [("step",)]:
             if p not in have_scalars:
                 problems.append(f"{param_dir(p)}: missing from the checkpoint")
-    held = {param_dir(k): shape for k, (shape, _) in found.items()}
+    missing: list[Keys] = []
     for keys, shape in expected.items():
         src = keys
         if keys not in found and keys[0] == "params":
@@ -234,9 +241,7 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
                           if ("params", a) in found), None)
             src = alias or keys
         if src not in found:
-            near = _closest(param_dir(keys), list(held), held)
-            problems.append(f"{param_dir(keys)}: missing from the checkpoint (expected shape "
-                            f"{shape})" + (f"; closest there: {near}" if near else ""))
+            missing.append(keys)
             continue
         keymap[keys] = src
         got_shape, got_dtype = found[src]
@@ -246,20 +251,26 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
         if got_dtype not in FLOAT_NAMES:
             problems.append(f"{param_dir(src)}: dtype {got_dtype} in the checkpoint, "
                             "expected a floating dtype")
-    used = set(keymap.values())
-    wanted = {param_dir(k): s for k, s in expected.items()}
     prefixes = {("params",)} | {("opt_state", *p) for p in paths}
-    aliases = {("params", a) for a, _ in layout.aliases}
-    for keys in found:
-        if keys in used or keys in aliases:
-            continue
-        if keys[:-1] in prefixes or (keys[:1] == ("params",) and len(keys) > 2):
-            near = _closest(param_dir(keys), list(wanted), wanted)
-            problems.append(f"{param_dir(keys)}: in the checkpoint but not in the target "
-                            f"state (shape {found[keys][0]})"
-                            + (f"; closest expected: {near}" if near else ""))
-        elif keys[:1] == ("opt_state",) and not model_only:
-            problems.append(f"{param_dir(keys)}: optimizer state the target optimizer lacks")
+    used = set(keymap.values()) | {("params", a) for a, _ in layout.aliases}
+    extra = [k for k in found if k not in used and k[:-1] in prefixes]
+    held = {param_dir(k): s for k, (s, _) in found.items()}
+    wanted = {param_dir(k): s for k, s in expected.items()}
+    unpaired_held = {param_dir(k) for k in extra}
+    unpaired_wanted = {param_dir(k) for k in missing}
+    for keys in missing:
+        near = _closest(param_dir(keys), expected[keys], held, unpaired_held)
+        problems.append(f"{param_dir(keys)}: missing from the checkpoint (expected shape "
+                        f"{expected[keys]})" + (f"; closest there: {near}" if near else ""))
+    for keys in extra:
+        near = _closest(param_dir(keys), found[keys][0], wanted, unpaired_wanted)
+        problems.append(f"{param_dir(keys)}: in the checkpoint but not in the target state "
+                        f"(shape {found[keys][0]})"
+                        + (f"; closest expected: {near}" if near else ""))
+    if not model_only:
+        problems += [f"{param_dir(k)}: optimizer state the target optimizer lacks"
+                     for k in found if k[:1] == ("opt_state",) and k not in used
+                     and k[:-1] not in prefixes]
     return problems, keymap
 
 
