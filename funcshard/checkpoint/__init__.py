@@ -14,7 +14,8 @@ Modules, along the seams:
 
 * ``format``: the on-disk contract (zarr v2 arrays, ``_METADATA``, ``_CHECKPOINT_METADATA``);
 * ``tree``: a state as keyed arrays and back (what each rank writes, filling a layout);
-* ``sources``: the readers behind one protocol (Orbax/tensorstore, in-memory dicts);
+* ``sources``: the readers behind one protocol (Orbax/tensorstore, in-memory dicts) and
+  ``hf``: Hugging Face safetensors (a reader, and ``export_safetensors``);
 * ``commit``: agreement, temporary directory, fsync, rename, leftovers, and the ``Saver``;
 * ``manager``: ``CheckpointManager``; ``api``: ``save``, ``restore``.
 """
@@ -22,6 +23,7 @@ Modules, along the seams:
 from funcshard.checkpoint.api import rebuild_from_params, restore, save
 from funcshard.checkpoint.commit import Saver
 from funcshard.checkpoint.format import CHUNK_BYTES, DELETE_MARK, TMP_MARK
+from funcshard.checkpoint.hf import export_safetensors
 from funcshard.checkpoint.manager import CheckpointManager
 from funcshard.checkpoint.stats import IOStats, io_stats
 from funcshard.checkpoint.tree import CheckpointMismatchError
@@ -34,6 +36,7 @@ __all__ = [
     "CheckpointMismatchError",
     "IOStats",
     "Saver",
+    "export_safetensors",
     "io_stats",
     "rebuild_from_params",
     "restore",

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from funcshard.checkpoint import hf
 from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.commit import Agreement, Saver
 from funcshard.checkpoint.format import CHUNK_BYTES
@@ -35,7 +36,9 @@ def save(directory: str | os.PathLike, state: TrainState, *,
 
 
 def open_source(path: str) -> Source:
-    """The reader for the checkpoint at ``path``."""
+    """The reader for the checkpoint at ``path``: Hugging Face safetensors or Orbax."""
+    if hf.is_safetensors(path):
+        return hf.SafetensorsSource(path)
     return OrbaxSource(path)
 
 
