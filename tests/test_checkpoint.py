@@ -342,6 +342,39 @@ def test_jax_checkpoint_manager_restores_our_manager_root(pool2, tmp_path):
         np.testing.assert_array_equal(got["params/" + name], t.numpy(), err_msg=name)
 
 
+def _without_first_bucket(state: fs.TrainState) -> fs.TrainState:
+    """mu's first bucket as an inner optimizer of multi_transform that does not own it: None."""
+    opt = state.opt_state
+    return state.replace(opt_state=opt._replace(mu=(None, *opt.mu[1:])))
+
+
+def none_bucket_worker(directory: str) -> dict:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=0)
+    state = _train(fs.init(model, _adamw(), mesh=mesh, strategy="optim"), model, range(1))
+    state = _without_first_bucket(state)
+    fs.save(directory, state)
+    like = fs.init(models.make_model(seed=1), _adamw(), mesh=mesh, strategy="optim")
+    restored = fs.restore(directory, like=_without_first_bucket(like))
+    layout = state.layout
+    first = [layout.leaves[i].name for i in layout.buckets[0].leaves]
+    return {"first": first, "rest": [n for n in layout.names if n not in first],
+            "none_kept": restored.opt_state.mu[0] is None,
+            "mu_equal": all(torch.equal(a, b) for a, b in zip(restored.opt_state.mu[1:],
+                                                              state.opt_state.mu[1:],
+                                                              strict=True))}
+
+
+def test_per_bucket_entries_may_be_none(pool2, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    for r in pool2.run(none_bucket_worker, directory):
+        assert r["none_kept"] and r["mu_equal"]
+        held = set(os.listdir(directory))
+        assert all(f"opt_state.mu.{n}" not in held for n in r["first"]), "nothing saved for None"
+        assert all(f"opt_state.mu.{n}" in held for n in r["rest"])
+        assert all(f"opt_state.nu.{n}" in held for n in r["first"] + r["rest"])
+
+
 # --- mismatches, meta-device models ---------------------------------------------------------------
 
 
