@@ -6,7 +6,11 @@ On gloo CPU ranks, one AdamW ZeRO-3 state (masters + mu + nu, fp32):
   (DCP, DTensor shards, ``sync_files=True``), best of ``--reps``;
 * the 2 -> 3 resharding restore vs a 3 -> 3 same-layout restore (both at 3 ranks);
 * funcshard's durable write bandwidth vs this disk's ``fdatasync`` bandwidth, measured in the
-  same run by every rank writing and syncing its share of bytes at once.
+  same run by every rank writing and syncing its share of bytes at once;
+* Hugging Face safetensors of a Llama (``transformers``, fp32, ``--hf_dim`` wide): export at 2
+  ranks (ZeRO-3) beside ``safetensors.torch.save_file`` of the full model on one rank, and
+  import into a meta-device model at 2 ranks beside ``safetensors.torch.load_file`` and
+  ``LlamaForCausalLM.from_pretrained`` (transformers' loading path) on one rank.
 
 Restores read what was just written, so they mostly measure the page cache; both sides alike.
 
@@ -34,6 +38,7 @@ DIM = flags.DEFINE_integer("dim", 1536, "width of the square Linear layers")
 LAYERS = flags.DEFINE_integer("layers", 8, "number of Linear layers")
 REPS = flags.DEFINE_integer("reps", 2, "repetitions; the best time is reported")
 CHUNK_MIB = flags.DEFINE_float("chunk_mib", None, "override funcshard's zarr chunk target (MiB)")
+HF_DIM = flags.DEFINE_integer("hf_dim", 512, "hidden size of the Llama of the safetensors rows")
 DIR = flags.DEFINE_string("dir", None, "scratch directory (default: a fresh temporary one)")
 
 
@@ -42,9 +47,11 @@ def _model(dim: int, layers: int) -> nn.Module:
     return nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers)))
 
 
-def _state(dim: int, layers: int, chunk_mib: float | None) -> tuple[fs.TrainState, nn.Module]:
-    if chunk_mib is not None:
-        ckpt_lib.CHUNK_BYTES = int(chunk_mib * (1 << 20))
+def _chunk_bytes(chunk_mib: float | None) -> int:
+    return ckpt_lib.CHUNK_BYTES if chunk_mib is None else int(chunk_mib * (1 << 20))
+
+
+def _state(dim: int, layers: int) -> tuple[fs.TrainState, nn.Module]:
     model = _model(dim, layers)
     mesh = fs.make_mesh(device_type="cpu")
     state = fs.init(model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads_params")
@@ -119,12 +126,14 @@ def _fdatasync_seconds(path: str, nbytes: int) -> float:
 
 
 def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | None) -> dict:
-    state, _ = _state(dim, layers, chunk_mib)
+    state, _ = _state(dim, layers)
+    chunk = _chunk_bytes(chunk_mib)
     n_params = sum(s.numel for s in state.layout.leaves)
     total = 3 * 4 * n_params  # bytes in the files: masters, mu, nu (fp32, no padding)
     ours, theirs = os.path.join(root, "fs2"), os.path.join(root, "dcp2")
     out = {"params": n_params, "bytes": total}
-    out["fs_save"] = _best(lambda: fs.save(ours, state), reps, setup=lambda: _rm(ours))
+    out["fs_save"] = _best(lambda: fs.save(ours, state, chunk_bytes=chunk), reps,
+                           setup=lambda: _rm(ours))
     like = [state]
 
     def restore_ours() -> None:
@@ -142,10 +151,10 @@ def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | No
 
 def bench_three(root: str, dim: int, layers: int, reps: int,
                 chunk_mib: float | None) -> dict:
-    state, _ = _state(dim, layers, chunk_mib)
+    state, _ = _state(dim, layers)
     same = os.path.join(root, "fs3")
     _rm(same)
-    fs.save(same, state)
+    fs.save(same, state, chunk_bytes=_chunk_bytes(chunk_mib))
     like = [state]
 
     def restore(path: str):
@@ -157,6 +166,72 @@ def bench_three(root: str, dim: int, layers: int, reps: int,
             "same": _best(restore(same), reps)}
 
 
+def _llama(dim: int, layers: int, meta: bool) -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=dim,
+                                      intermediate_size=dim * 11 // 4, num_hidden_layers=layers,
+                                      num_attention_heads=max(dim // 64, 1),
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def bench_hf(root: str, dim: int, layers: int, reps: int) -> dict:
+    """Safetensors export / import at 2 ranks beside one-rank safetensors and transformers."""
+    import safetensors.torch
+    import transformers
+
+    model = _llama(dim, layers, meta=False)
+    mesh = fs.make_mesh(device_type="cpu")
+    state = fs.init(model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads_params")
+    ours, theirs = os.path.join(root, "hf_fs"), os.path.join(root, "hf_st")
+    out = {"params": sum(p.numel() for p in model.parameters())}
+    out["fs_export"] = _best(lambda: fs.export_safetensors(ours, state), reps,
+                             setup=lambda: _rm(ours))
+    full = {n: t.contiguous() for n, t in model.state_dict().items()}
+    one = os.path.join(theirs, "model.safetensors")
+
+    def save_one() -> None:  # made durable, as export_safetensors makes its files
+        if dist.get_rank() == 0:
+            safetensors.torch.save_file(full, one)
+            fd = os.open(one, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+    def setup_one() -> None:
+        _rm(theirs)
+        if dist.get_rank() == 0:
+            os.makedirs(theirs)
+        dist.barrier()
+
+    out["st_save"] = _best(save_one, reps, setup=setup_one)
+    if dist.get_rank() == 0:
+        model.config.save_pretrained(ours)
+    dist.barrier()
+    like = [None]
+
+    def fresh_like() -> None:  # plain SGD: no optimizer state to create, only the weights
+        like[0] = fs.init(_llama(dim, layers, meta=True), fs.optim.sgd(1e-3), mesh=mesh,
+                          strategy="optim_grads_params")
+
+    def restore_ours() -> None:
+        like[0] = fs.restore(ours, like=like[0], model_only=True)
+
+    out["fs_import"] = _best(restore_ours, reps, setup=fresh_like)
+    rank0 = lambda fn: (lambda: fn() if dist.get_rank() == 0 else None)
+    out["st_load"] = _best(rank0(lambda: safetensors.torch.load_file(one)), reps)
+    # load_file maps the file: the bytes are read when first touched; here every one is
+    out["st_load_copy"] = _best(
+        rank0(lambda: [t.clone() for t in safetensors.torch.load_file(one).values()]), reps)
+    out["hf_load"] = _best(rank0(lambda: transformers.LlamaForCausalLM.from_pretrained(ours)),
+                           reps)
+    return out
+
+
 def main(argv: list[str]) -> None:
     del argv
     root = DIR.value or tempfile.mkdtemp(prefix="bench_checkpoint_")
@@ -166,6 +241,7 @@ def main(argv: list[str]) -> None:
                         nproc=2)[0]
         three = fs.launch(bench_three, root, DIM.value, LAYERS.value, REPS.value, CHUNK_MIB.value,
                           nproc=3)[0]
+        hf = fs.launch(bench_hf, root, HF_DIM.value, LAYERS.value, REPS.value, nproc=2)[0]
     finally:
         if DIR.value is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -184,6 +260,18 @@ def main(argv: list[str]) -> None:
     bw_ours, bw_disk = mb / two["fs_save"], mb / two["fdatasync"]
     print(f"durable write bandwidth: funcshard {bw_ours:.0f} MB/s, fdatasync {bw_disk:.0f} MB/s "
           f"({bw_ours / bw_disk:.2f} of the disk)")
+    print(f"\nHugging Face safetensors: Llama {hf['params'] / 1e6:.1f}M params, fp32; funcshard at "
+          "2 ranks (ZeRO-3, import into a meta-device model), the others on one rank")
+    print(f"{'operation':<46}{'s':>8}{'funcshard / it':>16}")
+    rows = [("fs.export_safetensors (2 ranks)", hf["fs_export"]),
+            ("safetensors.torch.save_file + fsync (1 rank)", hf["st_save"]),
+            ("fs.restore(model_only) of it (2 ranks)", hf["fs_import"]),
+            ("safetensors.torch.load_file, mmap (1 rank)", hf["st_load"]),
+            ("load_file + copy every tensor (1 rank)", hf["st_load_copy"]),
+            ("LlamaForCausalLM.from_pretrained (1 rank)", hf["hf_load"])]
+    for name, t in rows:
+        ref = hf["fs_export"] if "save" in name or "export" in name else hf["fs_import"]
+        print(f"{name:<46}{t:>8.3f}{ref / t:>16.2f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """funcshard: functional fully-sharded data parallel training on torch.func."""
 
 from funcshard import optim
-from funcshard.checkpoint import CheckpointManager, restore, save
+from funcshard.checkpoint import CheckpointManager, export_safetensors, restore, save
 from funcshard.collectives import CommStats, comm_stats
 from funcshard.functional import GatheredParams, functional_call
 from funcshard.launch import init_from_env, launch
@@ -28,6 +28,7 @@ __all__ = [
     "UnitParamsError",
     "comm_stats",
     "describe",
+    "export_safetensors",
     "full_params",
     "functional_call",
     "init",

@@ -95,6 +95,13 @@ class Layout:
     units: tuple[str, ...]  # module prefix per unit; "" is the root unit
     device: torch.device
     offload_fraction: float
+    # (alias, parameter) for every tied name that named_parameters() drops: the same weight
+    # under another name of model.state_dict() (e.g. GPT-2's lm_head.weight)
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def aliases_of(self, name: str) -> tuple[str, ...]:
+        """The other names of parameter ``name`` in the model's state_dict (tied weights)."""
+        return tuple(a for a, p in self.aliases if p == name)
 
     @property
     def shard_size(self) -> int:
@@ -177,6 +184,19 @@ def _resolve_units(model: nn.Module, units: UnitsArg) -> list[str]:
     if missing:
         raise ValueError(f"units: no submodule named {missing} in {type(model).__name__}")
     return list(units)
+
+
+def tied_aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """``(alias, parameter)`` for every name under which ``named_parameters()`` skips a
+    parameter it already yielded under another name (tied weights), in model order."""
+    first: dict[int, str] = {}
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return tuple(out)
 
 
 def _unit_of(name: str, prefixes: list[str]) -> int:
@@ -270,4 +290,6 @@ def build_layout(
         units=("", *prefixes),
         device=mesh_lib.local_device(mesh),
         offload_fraction=offload_fraction,
+        aliases=tuple((a, n) for a, n in tied_aliases(model) if n in params)
+        if model is not None else (),
     )

@@ -188,7 +188,11 @@ def train_step(
 
 
 def full_params(state: TrainState) -> dict[str, torch.Tensor]:
-    """Every parameter's full tensor in the model's dtype, on every rank (a collective)."""
+    """Every parameter's full tensor in the model's dtype, on every rank (a collective).
+
+    Tied weights appear under each of their names (as in ``model.state_dict()``), as the
+    same tensor.
+    """
     layout = state.layout
     if not state.filled:
         raise RuntimeError("full_params: the state holds no values; restore it first")
@@ -200,4 +204,6 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         full = shard_lib.gather_full(layout, bucket, local)
         for spec in layout.bucket_leaves(bucket):
             out[spec.name] = shard_lib.full_view(full, spec, layout.shard_size)
-    return {n: out[n] for n in layout.names}
+    named = {n: out[n] for n in layout.names}
+    named.update({alias: out[name] for alias, name in layout.aliases})
+    return named

@@ -250,6 +250,132 @@ def test_model_only_restore_of_checkpoints_orbax_wrote(pool2, tmp_path):
                                            msg=f"{kind}: {name}")
 
 
+JAX_MANAGER_SAVE = textwrap.dedent("""
+    import sys, numpy as np, orbax.checkpoint as ocp
+    src, root = dict(np.load(sys.argv[1])), sys.argv[2]
+
+    def nested(flat):
+        out = {}
+        for name, a in flat.items():
+            *path, leaf = name.split(".")
+            node = out
+            for k in path:
+                node = node.setdefault(k, {})
+            node[leaf] = a
+        return out
+
+    renamed = {n.replace("head.weight", "head.kernel"): a for n, a in src.items()}
+    with ocp.CheckpointManager(root + "/single") as m:  # root/1/default
+        m.save(1, args=ocp.args.StandardSave({"params": nested(src), "step": 1}))
+    with ocp.CheckpointManager(root + "/composite") as m:  # root/1/params beside root/1/meta
+        m.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(nested(src)),
+                                          meta=ocp.args.JsonSave({"lr": 0.1})))
+    with ocp.CheckpointManager(root + "/renamed") as m:
+        m.save(1, args=ocp.args.StandardSave({"params": nested(renamed)}))
+""")
+
+
+def orbax_step_worker(root: str) -> dict:
+    out = {}
+    for kind in ("single", "composite"):
+        r = model_only_worker(os.path.join(root, kind, "1"), "optim_grads_params", 0.0)
+        out[kind] = r["full"]
+    mesh = fs.make_mesh(device_type="cpu")
+    like = fs.init(models.make_model(seed=1), _adamw(), mesh=mesh)
+    try:
+        fs.restore(os.path.join(root, "renamed", "1"), like=like, model_only=True)
+        out["error"] = None
+    except ckpt_lib.CheckpointMismatchError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_orbax_manager_steps_composites_and_nested_trees(pool2, tmp_path):
+    weights = {n: p.detach().numpy() for n, p in models.make_model(seed=0).named_parameters()}
+    np.savez(tmp_path / "w.npz", **weights)
+    _run_python(JAX_MANAGER_SAVE, str(tmp_path / "w.npz"), str(tmp_path))
+    for r in pool2.run(orbax_step_worker, str(tmp_path)):
+        for kind in ("single", "composite"):
+            for name, a in weights.items():
+                torch.testing.assert_close(r[kind][name], torch.tensor(a), rtol=0, atol=0,
+                                           msg=f"{kind}: {name}")
+        msg = r["error"]
+        assert msg is not None
+        # one line per mismatch, with what the checkpoint holds closest to the expected name
+        assert ("params.head.weight: missing from the checkpoint (expected shape (11, 37)); "
+                "closest there: params.head.kernel (11, 37)") in msg, msg
+        assert ("params.head.kernel: in the checkpoint but not in the target state (shape "
+                "(11, 37)); closest expected: params.head.weight (11, 37)") in msg, msg
+        assert "the checkpoint's params (17): " in msg, msg
+
+
+JAX_MANAGER_RESTORE = textwrap.dedent("""
+    import sys, numpy as np, orbax.checkpoint as ocp
+    with ocp.CheckpointManager(sys.argv[1]) as m:
+        steps = m.all_steps()
+        tree = m.restore(int(sys.argv[2]))
+    flat = {"steps": np.array(steps), "step": np.asarray(tree["step"])}
+    flat.update({"params/" + n: np.asarray(a) for n, a in tree["params"].items()})
+    np.savez(sys.argv[3], **flat)
+""")
+
+
+def manager_save_worker(root: str) -> dict:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=0)
+    state = fs.init(model, _adamw(), mesh=mesh, strategy="optim_grads_params")
+    with fs.CheckpointManager(root) as mgr:
+        for step in (1, 2):
+            state = _train(state, model, range(step - 1, step))
+            mgr.save(step, state)
+    return _cpu(fs.full_params(state))
+
+
+def test_jax_checkpoint_manager_restores_our_manager_root(pool2, tmp_path):
+    root = str(tmp_path / "run")
+    full = pool2.run(manager_save_worker, root)[0]
+    out = str(tmp_path / "out.npz")
+    _run_python(JAX_MANAGER_RESTORE, root, "2", out)
+    got = np.load(out)
+    assert got["steps"].tolist() == [1, 2] and int(got["step"]) == 2
+    for name, t in full.items():
+        np.testing.assert_array_equal(got["params/" + name], t.numpy(), err_msg=name)
+
+
+def _without_first_bucket(state: fs.TrainState) -> fs.TrainState:
+    """mu's first bucket as an inner optimizer of multi_transform that does not own it: None."""
+    opt = state.opt_state
+    return state.replace(opt_state=opt._replace(mu=type(opt.mu)((None, *opt.mu[1:]),
+                                                                opt.mu.members)))
+
+
+def none_bucket_worker(directory: str) -> dict:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=0)
+    state = _train(fs.init(model, _adamw(), mesh=mesh, strategy="optim"), model, range(1))
+    state = _without_first_bucket(state)
+    fs.save(directory, state)
+    like = fs.init(models.make_model(seed=1), _adamw(), mesh=mesh, strategy="optim")
+    restored = fs.restore(directory, like=_without_first_bucket(like))
+    layout = state.layout
+    first = [layout.leaves[i].name for i in layout.buckets[0].leaves]
+    return {"first": first, "rest": [n for n in layout.names if n not in first],
+            "none_kept": restored.opt_state.mu[0] is None,
+            "mu_equal": all(torch.equal(a, b) for a, b in zip(restored.opt_state.mu[1:],
+                                                              state.opt_state.mu[1:],
+                                                              strict=True))}
+
+
+def test_per_bucket_entries_may_be_none(pool2, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    for r in pool2.run(none_bucket_worker, directory):
+        assert r["none_kept"] and r["mu_equal"]
+        held = set(os.listdir(directory))
+        assert all(f"opt_state.mu.{n}" not in held for n in r["first"]), "nothing saved for None"
+        assert all(f"opt_state.mu.{n}" in held for n in r["rest"])
+        assert all(f"opt_state.nu.{n}" in held for n in r["first"] + r["rest"])
+
+
 # --- mismatches, meta-device models ---------------------------------------------------------------
 
 
@@ -334,7 +460,7 @@ def manager_worker(root: str) -> dict:
     model = models.make_model(seed=0)
     state = fs.init(model, _adamw(), mesh=mesh, strategy="optim_grads_params")
     mgr = fs.CheckpointManager(root, max_to_keep=2)  # asynchronous by default
-    real = ckpt_lib._write_arrays
+    real = mgr.saver.write_arrays
     gate = threading.Event()
 
     def gated(*args, **kwargs):  # holds the background write until the next step has run
@@ -347,10 +473,10 @@ def manager_worker(root: str) -> dict:
         if step == 4:
             gate.set()
         at[step] = _cpu(fs.full_params(state))
-        ckpt_lib._write_arrays = gated if step == 3 else real
+        mgr.saver.write_arrays = gated if step == 3 else real
         mgr.save(step, state)  # step 3 is written after step 4 updated the buffers in place
     mgr.wait()
-    ckpt_lib._write_arrays = real
+    mgr.saver.write_arrays = real
     if dist.get_rank() == 0:  # leftovers of interrupted saves are never listed
         os.makedirs(os.path.join(root, "5" + ckpt_lib.TMP_MARK + "1"))
         os.makedirs(os.path.join(root, "6"))
@@ -368,7 +494,7 @@ def manager_worker(root: str) -> dict:
         raise OSError("disk full (injected)")
 
     if dist.get_rank() == 1:
-        ckpt_lib._write_arrays = broken
+        mgr.saver.write_arrays = broken
     try:
         mgr.save(7, restored)
         try:
@@ -377,7 +503,7 @@ def manager_worker(root: str) -> dict:
         except RuntimeError as e:
             failure = f"{e} <- {e.__cause__}"
     finally:
-        ckpt_lib._write_arrays = real
+        mgr.saver.write_arrays = real
     mgr.close()
     return {"steps": steps, "latest": latest, "err": err, "err3": err3, "failure": failure,
             "after": mgr.all_steps()}

@@ -335,7 +335,7 @@ def write_failure_worker(root: str, stage: str) -> dict:
     at1 = _cpu(fs.full_params(state))
     batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
     state, _ = fs.train_step(state, batch, models.make_loss_fn(model))
-    real_arrays, real_meta = ckpt_lib._write_arrays, ckpt_lib._write_metadata
+    real_arrays, real_meta = mgr.saver.write_arrays, mgr.saver.write_metadata
 
     def arrays_then_enospc(*args, **kwargs):  # the chunks are written, then the disk is full
         real_arrays(*args, **kwargs)
@@ -345,13 +345,13 @@ def write_failure_worker(root: str, stage: str) -> dict:
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
     if stage.startswith("arrays") and dist.get_rank() == 1:
-        ckpt_lib._write_arrays = arrays_then_enospc
+        mgr.saver.write_arrays = arrays_then_enospc
     if stage == "metadata":  # only rank 0 writes the metadata
-        ckpt_lib._write_metadata = meta_enospc
+        mgr.saver.write_metadata = meta_enospc
     try:
         error = _error(lambda: (mgr.save(2, state), mgr.wait()))
     finally:
-        ckpt_lib._write_arrays, ckpt_lib._write_metadata = real_arrays, real_meta
+        mgr.saver.write_arrays, mgr.saver.write_metadata = real_arrays, real_meta
     like = fs.init(models.make_model(seed=1), fs.optim.adamw(1e-2), mesh=mesh, strategy="optim")
     restored = _cpu(fs.full_params(mgr.restore(like=like)))
     same = all(torch.equal(restored[n], at1[n]) for n in at1)

@@ -1,0 +1,44 @@
+"""Checkpoints in Orbax's on-disk format, written and read shard by shard; Hugging Face
+safetensors in and out.
+
+A plain JAX process restores a checkpoint with no target and gets::
+
+    {"params": {name: full master array}, "opt_state": {"count": int, "mu": {...}, ...},
+     "step": int, "loss_scale": {"scale": float, "good_steps": int}}   # loss_scale: fp16 only
+
+Every rank writes its own rows of each array (nothing is gathered) and reads exactly the rows
+its target layout needs (any world size, mesh, strategy, offload fraction); the restored state
+is rebuilt from the values read, none of ``like``'s survive.
+
+Modules, along the seams:
+
+* ``format``: the on-disk contract (zarr v2 arrays, ``_METADATA``, ``_CHECKPOINT_METADATA``);
+* ``tree``: a state as keyed arrays and back (what each rank writes, filling a layout);
+* ``sources``: the readers behind one protocol (Orbax/tensorstore, in-memory dicts) and
+  ``hf``: Hugging Face safetensors (a reader, and ``export_safetensors``);
+* ``commit``: agreement, temporary directory, fsync, rename, leftovers, and the ``Saver``;
+* ``manager``: ``CheckpointManager``; ``api``: ``save``, ``restore``.
+"""
+
+from funcshard.checkpoint.api import rebuild_from_params, restore, save
+from funcshard.checkpoint.commit import Saver
+from funcshard.checkpoint.format import CHUNK_BYTES, DELETE_MARK, TMP_MARK
+from funcshard.checkpoint.hf import export_safetensors
+from funcshard.checkpoint.manager import CheckpointManager
+from funcshard.checkpoint.stats import IOStats, io_stats
+from funcshard.checkpoint.tree import CheckpointMismatchError
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DELETE_MARK",
+    "TMP_MARK",
+    "CheckpointManager",
+    "CheckpointMismatchError",
+    "IOStats",
+    "Saver",
+    "export_safetensors",
+    "io_stats",
+    "rebuild_from_params",
+    "restore",
+    "save",
+]

@@ -1,0 +1,101 @@
+"""``save``, ``restore`` and ``rebuild_from_params``: the collective entry points."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from funcshard.checkpoint import hf
+from funcshard.checkpoint import tree as tree_lib
+from funcshard.checkpoint.commit import Agreement, Saver
+from funcshard.checkpoint.format import CHUNK_BYTES
+from funcshard.checkpoint.sources import DictSource, OrbaxSource, Source
+from funcshard.state import TrainState
+
+__all__ = ["save", "restore", "rebuild_from_params", "open_source"]
+
+
+def save(directory: str | os.PathLike, state: TrainState, *,
+         chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Writes ``state`` as one Orbax checkpoint at ``directory`` (collective).
+
+    Every rank writes its own rows of each array; the directory appears only when complete.
+    For asynchronous saves, use ``CheckpointManager``.
+
+    Args:
+      directory: where the checkpoint goes; must not exist.
+      state: the state to save (not consumed).
+      chunk_bytes: target size of one zarr chunk (a chunk never spans two writers' rows).
+
+    Raises:
+      RuntimeError: the state holds no values, or writing failed on some rank (on every rank).
+      OSError: ``directory`` exists or cannot be created.
+    """
+    Saver(chunk_bytes=chunk_bytes).save(directory, state)
+
+
+def open_source(path: str) -> Source:
+    """The reader for the checkpoint at ``path``: Hugging Face safetensors or Orbax."""
+    if hf.is_safetensors(path):
+        return hf.SafetensorsSource(path)
+    return OrbaxSource(path)
+
+
+def restore(directory: str | os.PathLike, *, like: TrainState,
+            model_only: bool = False) -> TrainState:
+    """Reads a checkpoint into ``like``'s layout (collective; consumes ``like``).
+
+    Each rank reads only the rows its shards need; the mesh, strategy, policy and offload
+    fraction may all differ from those at save time.
+
+    Args:
+      directory: a funcshard checkpoint (or a CheckpointManager step); with ``model_only``
+        also any Orbax checkpoint whose params tree is keyed by parameter names (nested keys
+        joined with "."; a step directory of Orbax's CheckpointManager finds its single item
+        or the "params" item of a Composite), or a Hugging Face safetensors checkpoint (one
+        ``.safetensors`` file, or a directory with ``model.safetensors`` or
+        ``model.safetensors.index.json``).
+      like: a state from ``fs.init`` for the target layout (may be unfilled, from a
+        meta-device model). Only its structure is used; it is consumed.
+      model_only: read only the params and start a fresh optimizer state at step 0.
+
+    Returns:
+      The restored state; every buffer derives from the checkpoint's values (cast to the
+      master dtype).
+
+    Raises:
+      CheckpointMismatchError: on every rank, listing every mismatched name, shape, dtype or
+        optimizer kind beside what the checkpoint holds (``like`` is then left usable).
+      RuntimeError: reading failed on some rank (raised on every rank).
+    """
+    like._check()
+    agreement = Agreement.of(like.layout)
+    path = os.path.abspath(os.fspath(directory))
+    error: BaseException | None = None
+    try:
+        source = open_source(path)
+        problems, keymap = tree_lib.match(like, source, model_only)
+        if problems:
+            raise tree_lib.mismatch_error(f"checkpoint {path}", problems, source)
+    except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
+        error = e
+    agreement.raise_if_failed(f"restore from {path}: checking", error)
+    try:
+        result = tree_lib.read(like, source, model_only=model_only, keymap=keymap)
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    agreement.raise_if_failed(f"restore from {path}: reading", error)
+    return result.assemble()
+
+
+def rebuild_from_params(like: TrainState, params: dict[str, torch.Tensor]) -> TrainState:
+    """``like`` rebuilt from full parameter tensors (any float dtype), fresh optimizer state.
+
+    The in-memory twin of ``restore(..., model_only=True)``; consumes ``like``.
+    """
+    source = DictSource(params)
+    problems, keymap = tree_lib.match(like, source, model_only=True)
+    if problems:
+        raise tree_lib.mismatch_error("params", problems, source)
+    return tree_lib.read(like, source, model_only=True, keymap=keymap).assemble()

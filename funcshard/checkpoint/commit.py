@@ -1,0 +1,365 @@
+"""The commit protocol: every rank writes, all agree, one rank commits by renaming.
+
+1. Rank 0 creates ``<final>.orbax-checkpoint-tmp-<ns>`` (after removing leftovers of killed
+   saves of the same name) and broadcasts its name, or its error.
+2. Every rank writes its rows durably; one all-reduce of success flags decides.
+3. On success rank 0 writes the metadata and the commit file (fsync), renames the directory
+   into place and fsyncs the parent; one more all-reduce tells every rank. A failed save
+   leaves nothing behind.
+
+A ``Saver`` runs this, synchronously or in one background thread (at most one save in
+flight; the next ``save``/``wait`` raises a background failure). Its collectives run on the
+state's world group, or for asynchronous saves on a gloo group of the saver's own, so that
+they never interleave with training's collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import dataclasses
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+import torch
+import torch.distributed as dist
+
+from funcshard import mesh as mesh_lib
+from funcshard.checkpoint import stats
+from funcshard.checkpoint import tree as tree_lib
+from funcshard.checkpoint.format import (
+    CHUNK_BYTES,
+    COMMIT_FILE,
+    DELETE_MARK,
+    TMP_MARK,
+    ZARR_DTYPE,
+    Keys,
+    fsync_dir,
+    param_dir,
+    scalar_dtype,
+    to_numpy,
+    write_checkpoint_metadata,
+    write_item_metadata,
+    zarr_metadata,
+)
+from funcshard.layout import Layout
+from funcshard.state import TrainState
+
+__all__ = ["Saver", "Agreement", "remove_tree", "is_leftover"]
+
+
+# --- agreement ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """The group (and the device of its tensors) checkpoint collectives run on."""
+
+    group: dist.ProcessGroup
+    device: torch.device
+
+    @classmethod
+    def of(cls, layout: Layout) -> Agreement:
+        """The state's world: every rank of its mesh."""
+        if not dist.is_initialized():
+            raise RuntimeError("checkpoints are collective: torch.distributed must be initialized")
+        return cls(mesh_lib.world_group(layout.mesh), layout.device)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def failed_ranks(self, ok: bool) -> list[int]:
+        """All-reduces one success flag per rank; the ranks that failed (all ranks agree)."""
+        flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.int32,
+                            device=self.device)
+        flags[self.rank] = 0 if ok else 1
+        dist.all_reduce(flags, group=self.group)
+        return [r for r, f in enumerate(flags.tolist()) if f]
+
+    def raise_if_failed(self, what: str, error: BaseException | None) -> None:
+        """Raises ``error`` here, or on the other ranks a RuntimeError naming the failed ones."""
+        failed = self.failed_ranks(error is None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"{what} failed on rank(s) {failed}; see their errors")
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        msg = [value]
+        dist.broadcast_object_list(msg, group_src=0, group=self.group,
+                                   device=self.device if self.device.type != "cpu" else None)
+        return msg[0]
+
+
+# --- temporary directories and leftovers ------------------------------------------------------
+
+
+def remove_tree(path: str) -> None:
+    """Removes ``path`` if it exists; a failure to remove is logged, never raised over the
+    error that made the removal necessary."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logging.warning("funcshard.checkpoint: could not remove %s: %s", path, e)
+
+
+def is_leftover(name: str, base: str | None = None) -> bool:
+    """A save's temporary or a removal's doomed directory (of ``base``, or of any)."""
+    for mark in (TMP_MARK, DELETE_MARK):
+        head, sep, _ = name.partition(mark)
+        if sep and (head == base if base is not None else True):
+            return True
+    return False
+
+
+def _remove_stale(final: str) -> None:
+    parent, base = os.path.split(final)
+    for name in os.listdir(parent):
+        if is_leftover(name, base):
+            remove_tree(os.path.join(parent, name))
+
+
+def start(final: str, agreement: Agreement) -> str:
+    """Rank 0 creates the temporary directory; every rank learns its name (or the error)."""
+    msg: Any = None
+    if agreement.rank == 0:
+        try:
+            if os.path.exists(final):
+                raise FileExistsError(f"save: {final} already exists")
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            _remove_stale(final)
+            tmp = f"{final}{TMP_MARK}{time.time_ns()}"
+            os.makedirs(tmp)
+            msg = ("ok", tmp)
+        except OSError as e:
+            msg = ("error", f"{type(e).__name__}: {e}")
+    kind, value = agreement.broadcast(msg)
+    if kind != "ok":
+        raise OSError(value)
+    return value
+
+
+def commit(tmp: str, final: str) -> None:
+    """Renames the complete ``tmp`` into place, durably (rank 0)."""
+    os.rename(tmp, final)
+    fsync_dir(os.path.dirname(final))
+
+
+# --- writing arrays ---------------------------------------------------------------------------
+
+
+def _settle(futures: list[Any]) -> list[Any]:
+    """Waits for every future, then raises the first error: nothing is still writing after."""
+    results, error = [], None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - raised once all have finished
+            results.append(None)
+            error = error or e
+    if error is not None:
+        raise error
+    return results
+
+
+def write_arrays(item_dir: str, arrays: list[tree_lib.ArrayWrite], scalars: dict[Keys, Any],
+                 is_first: bool) -> None:
+    """Writes this rank's rows (and, on the first rank, array metadata and scalars) durably.
+
+    Returns or raises only once every write it started has finished, so that a failed save's
+    directory can be removed without a late write recreating files in it.
+    """
+    os.makedirs(item_dir, exist_ok=True)
+    ctx = ts.Context()
+    specs, sources = [], []
+    for a in arrays:
+        if a.data is None and not is_first:
+            continue
+        spec = {"driver": "zarr",
+                "kvstore": {"driver": "file", "path": os.path.join(item_dir, param_dir(a.keys))},
+                "metadata": zarr_metadata(a.shape, ZARR_DTYPE[a.dtype], a.chunk_rows)}
+        # one rank writes each .zarray; the others only write their chunks
+        spec.update({"create": True} if is_first else {"open": True, "assume_metadata": True})
+        specs.append(spec)
+        sources.append(a)
+    if is_first:
+        for keys, value in scalars.items():
+            dtype = scalar_dtype(value)
+            specs.append({"driver": "zarr", "create": True,
+                          "kvstore": {"driver": "file",
+                                      "path": os.path.join(item_dir, param_dir(keys))},
+                          "metadata": zarr_metadata((), dtype, 1)})
+            sources.append(np.asarray(value, dtype=np.dtype(dtype)))
+    opened = _settle([ts.open(spec, context=ctx) for spec in specs])
+    writes = []
+    for source, arr in zip(sources, opened, strict=True):
+        if isinstance(source, np.ndarray):
+            writes.append(arr.write(source))
+        elif source.data is not None:
+            src = to_numpy(source.data)
+            target = arr[source.start : source.stop] if source.shape else arr
+            writes.append(target.write(src.reshape(target.shape)))
+            stats.count(False, src.nbytes)
+    _settle(writes)
+
+
+# --- one save -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Job:
+    """One save: what to write, and what to run on rank 0 once it is committed."""
+
+    final: str
+    tmp: str
+    item: str | None
+    arrays: list[tree_lib.ArrayWrite]
+    scalars: dict[Keys, Any]
+    info: dict
+    started_ns: int
+    after_commit: Callable[[], None] | None
+
+    @property
+    def item_dir(self) -> str:
+        return self.tmp if self.item is None else os.path.join(self.tmp, self.item)
+
+
+class Saver:
+    """Writes checkpoints by the commit protocol; owns the asynchronous save in flight.
+
+    ``write_arrays`` and ``write_metadata`` are the two steps that touch the disk (an
+    instance may replace them, e.g. to inject failures in tests).
+    """
+
+    def __init__(self, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._group: dist.ProcessGroup | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._final: str | None = None
+        self._atexit = False
+
+    # the two disk-touching steps -----------------------------------------------------------
+    def write_arrays(self, item_dir: str, arrays: list[tree_lib.ArrayWrite],
+                     scalars: dict[Keys, Any], is_first: bool) -> None:
+        write_arrays(item_dir, arrays, scalars, is_first)
+
+    def write_metadata(self, tmp: str, item_dir: str, final: str,
+                       arrays: list[tree_lib.ArrayWrite], scalars: dict[Keys, Any],
+                       info: dict, started_ns: int, item: str | None) -> None:
+        write_item_metadata(item_dir, [a.keys for a in arrays], list(scalars))
+        write_checkpoint_metadata(tmp, os.path.basename(final), item, info, started_ns)
+        fsync_dir(item_dir)
+        fsync_dir(tmp)
+
+    # the protocol --------------------------------------------------------------------------
+    def _agreement(self, layout: Layout, background: bool) -> Agreement:
+        if not background:
+            return Agreement.of(layout)
+        if self._group is None:  # collective: every rank saves
+            self._group = dist.new_group(backend="gloo")
+        return Agreement(self._group, torch.device("cpu"))
+
+    def _run(self, job: _Job, agreement: Agreement) -> None:
+        first = agreement.rank == 0
+        error: BaseException | None = None
+        try:
+            self.write_arrays(job.item_dir, job.arrays, job.scalars, first)
+        except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
+            error = e
+        failed = agreement.failed_ranks(error is None)
+        if failed:
+            if first:  # nothing of a failed save stays behind
+                remove_tree(job.tmp)
+            raise error or RuntimeError(f"save to {job.final}: writing failed on rank(s) "
+                                        f"{failed}; see their errors")
+        error = None
+        if first:
+            try:
+                self.write_metadata(job.tmp, job.item_dir, job.final, job.arrays, job.scalars,
+                                    job.info, job.started_ns, job.item)
+                commit(job.tmp, job.final)
+                if job.after_commit is not None:
+                    job.after_commit()
+            except BaseException as e:  # noqa: BLE001
+                error = e
+                if not os.path.exists(os.path.join(job.final, COMMIT_FILE)):
+                    remove_tree(job.tmp)  # not committed: nothing of it stays behind
+        agreement.raise_if_failed(f"save to {job.final}: commit", error)
+
+    def save(self, directory: str | os.PathLike, state: TrainState, *, background: bool = False,
+             item: str | None = None, after_commit: Callable[[], None] | None = None) -> None:
+        """Writes ``state`` at ``directory`` (collective; see ``funcshard.checkpoint.save``).
+
+        Args:
+          directory: the checkpoint's directory; must not exist.
+          state: not consumed; with ``background`` its rows are staged in host memory first.
+          background: return once staged; the write runs in a thread of this saver.
+          item: None writes the item at the top of ``directory``; a name writes it as
+            ``directory/<item>/`` with Orbax's step metadata (a CheckpointManager step).
+          after_commit: run on rank 0 once the checkpoint is in place (e.g. retention).
+        """
+        state._check()
+        if not state.filled:
+            raise RuntimeError("save: the state holds no values (built from a meta-device "
+                               "model); fill it with fs.restore(..., model_only=True) first")
+        self.wait()
+        agreement = self._agreement(state.layout, background)
+        final = os.path.abspath(os.fspath(directory))
+        started = time.time_ns()
+        arrays, scalars = tree_lib.plan_writes(state, stage=background,
+                                               chunk_bytes=self.chunk_bytes)
+        tmp = start(final, agreement)
+        job = _Job(final, tmp, item, arrays, scalars, tree_lib.info(state), started,
+                   after_commit)
+        if not background:
+            self._run(job, agreement)
+            return
+        context = contextvars.copy_context()  # the caller's io_stats count the writes
+
+        def target() -> None:
+            try:
+                context.run(self._run, job, agreement)
+            except BaseException as e:  # noqa: BLE001 - raised on the next wait()
+                self._error = e
+
+        self._final = final
+        self._thread = threading.Thread(target=target, name="funcshard-checkpoint",
+                                        daemon=True)
+        if not self._atexit:
+            atexit.register(self._wait_at_exit)
+            self._atexit = True
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Waits for the save in flight, if any; raises if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"asynchronous save to {self._final} failed") from error
+
+    def _wait_at_exit(self) -> None:
+        if self._thread is not None:
+            self.wait()
+
+    def close(self) -> None:
+        """Waits for the save in flight; the saver may still be used after."""
+        try:
+            self.wait()
+        finally:
+            if self._atexit:
+                atexit.unregister(self._wait_at_exit)
+                self._atexit = False

@@ -1,0 +1,199 @@
+"""The on-disk contract: Orbax's PyTree layout with zarr v2 arrays, as funcshard writes it.
+
+A checkpoint directory holds one *item* (Orbax's PyTreeCheckpointHandler layout):
+
+* one zarr v2 array per leaf in ``<item>/<key.key...>/`` (``.zarray`` + chunk files ``i.0``),
+  uncompressed, C order, chunked along dim 0 only so that a chunk never has two writers;
+* ``<item>/_METADATA``: the tree (every leaf's keys and whether it is an array or a scalar);
+* ``_CHECKPOINT_METADATA`` (Orbax's step metadata, with funcshard's own record under
+  ``custom_metadata["funcshard"]``) and ``commit_success.txt`` at the top.
+
+``fs.save`` writes the item at the top of the directory (``PyTreeCheckpointer().restore(dir)``
+reads it); ``fs.CheckpointManager`` writes it as ``<step>/default/`` with the step metadata
+Orbax's ``CheckpointManager(root).restore(step)`` expects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+CHUNK_BYTES = 64 << 20  # default target size of one zarr chunk
+TMP_MARK = ".orbax-checkpoint-tmp-"
+DELETE_MARK = ".orbax-checkpoint-deleting-"
+COMMIT_FILE = "commit_success.txt"
+METADATA_FILE = "_METADATA"
+CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
+DEFAULT_ITEM = "default"  # the item name of Orbax's CheckpointManager for a single item
+ORBAX_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+
+Keys = tuple[str, ...]
+
+# --- dtypes --------------------------------------------------------------------------------
+
+ZARR_DTYPE = {
+    torch.float32: "<f4",
+    torch.float64: "<f8",
+    torch.float16: "<f2",
+    torch.bfloat16: "bfloat16",
+}
+NUMPY_DTYPE = {  # zarr dtype string -> numpy dtype (what chunk files hold, little-endian)
+    "<f4": np.dtype("<f4"), "<f8": np.dtype("<f8"), "<f2": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16), "<i8": np.dtype("<i8"), "<i4": np.dtype("<i4"),
+    "|b1": np.dtype(bool), "<u4": np.dtype("<u4"), "<i2": np.dtype("<i2"),
+}
+TORCH_FROM_NUMPY = {
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+}
+FLOAT_NAMES = ("float32", "float64", "float16", "bfloat16")
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array (bf16 as ml_dtypes.bfloat16, no copy if able)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def to_torch(a: np.ndarray, where: str) -> torch.Tensor:
+    dtype = TORCH_FROM_NUMPY.get(a.dtype)
+    if dtype is None:
+        raise TypeError(f"{where}: expected a floating array, found dtype {a.dtype}")
+    a = np.ascontiguousarray(a)
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+# --- names and chunking ------------------------------------------------------------------
+
+
+def param_dir(keys: Keys) -> str:
+    """Orbax's name for a leaf's directory (and its name in messages)."""
+    return ".".join(keys)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def chunk_rows(piece_rows: int, row_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk: a divisor of the rows one writer owns, so no chunk has two writers.
+
+    The largest divisor whose chunk fits ``chunk_bytes``; when only tiny ones fit (a prime
+    row count), the divisor nearest to ``chunk_bytes`` in ratio, so a chunk may exceed it.
+    """
+    if piece_rows <= 1 or piece_rows * row_bytes <= chunk_bytes:
+        return max(piece_rows, 1)
+    divs = _divisors(piece_rows)
+    fitting = [d for d in divs if d * row_bytes <= chunk_bytes]
+    if fitting and fitting[-1] * row_bytes * 8 >= chunk_bytes:
+        return fitting[-1]
+    return min(divs, key=lambda d: abs(math.log(d * row_bytes / chunk_bytes)))
+
+
+def zarr_metadata(shape: Sequence[int], dtype: str, rows_per_chunk: int) -> dict:
+    """The ``.zarray`` of one leaf (``dtype`` a zarr dtype string)."""
+    chunks = [rows_per_chunk, *(max(d, 1) for d in shape[1:])] if shape else []
+    return {"zarr_format": 2, "shape": list(shape), "chunks": chunks, "dtype": dtype,
+            "compressor": None, "fill_value": None, "filters": None, "order": "C",
+            "dimension_separator": "."}
+
+
+def chunk_file(index: int, ndim: int, separator: str = ".") -> str:
+    """The chunk file of the ``index``-th row chunk (every other dim has one chunk)."""
+    if ndim == 0:
+        return "0"
+    return str(index) + (separator + "0") * (ndim - 1)
+
+
+def scalar_dtype(value: int | float) -> str:
+    return "<i8" if isinstance(value, int) else "<f8"
+
+
+# --- metadata files ------------------------------------------------------------------------
+
+
+def leaf_metadata(keys: Keys, value_type: str) -> dict:
+    return {"key_metadata": [{"key": k, "key_type": 2} for k in keys],
+            "value_metadata": {"value_type": value_type, "skip_deserialize": False}}
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Writes ``obj`` durably (fsync) at ``path``."""
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_json(path: str) -> dict:
+    """A JSON object file; a damaged one raises naming the file."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"restore: {path} is not valid JSON ({e}); the checkpoint is "
+                         "damaged") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"restore: {path} holds a JSON {type(obj).__name__}, expected an "
+                         "object; the checkpoint is damaged")
+    return obj
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_commit_file(directory: str, name: str) -> None:
+    with open(os.path.join(directory, COMMIT_FILE), "w") as f:
+        f.write(f"Checkpoint commit was successful to {name}")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_item_metadata(item_dir: str, arrays: Sequence[Keys], scalars: Sequence[Keys]) -> None:
+    """The item's ``_METADATA`` (its tree) and ``commit_success.txt``."""
+    tree = {str(k): leaf_metadata(k, "np.ndarray") for k in arrays}
+    tree.update({str(k): leaf_metadata(k, "scalar") for k in scalars})
+    write_json(os.path.join(item_dir, METADATA_FILE), {
+        "tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
+        "store_array_data_equal_to_fill_value": True, "custom_metadata": None,
+    })
+    write_commit_file(item_dir, os.path.basename(item_dir))
+
+
+def write_checkpoint_metadata(directory: str, final_name: str, item: str | None, info: dict,
+                              started_ns: int) -> None:
+    """``_CHECKPOINT_METADATA`` and ``commit_success.txt`` of a checkpoint or step directory.
+
+    ``item`` None: the item is the directory itself (``PyTreeCheckpointer`` reads it);
+    otherwise ``item_handlers`` maps the item's name to its handler, as Orbax's
+    ``CheckpointManager`` requires of a step.
+    """
+    handlers: str | dict = ORBAX_HANDLER if item is None else {item: ORBAX_HANDLER}
+    write_json(os.path.join(directory, CHECKPOINT_METADATA_FILE), {
+        "item_handlers": handlers, "metrics": {}, "performance_metrics": {},
+        "init_timestamp_nsecs": started_ns, "commit_timestamp_nsecs": time.time_ns(),
+        "custom_metadata": {"funcshard": info},
+    })
+    write_commit_file(directory, final_name)

@@ -1,0 +1,111 @@
+"""Numbered checkpoints with retention and asynchronous saves."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any
+
+from funcshard.checkpoint.api import restore
+from funcshard.checkpoint.commit import Saver, is_leftover, remove_tree
+from funcshard.checkpoint.format import COMMIT_FILE, DEFAULT_ITEM, DELETE_MARK
+from funcshard.state import TrainState
+
+__all__ = ["CheckpointManager"]
+
+_STEP_DIR = re.compile(r"^\d+$")
+
+
+class CheckpointManager:
+    """Numbered checkpoints ``root/<step>/`` with retention and asynchronous saves.
+
+    A step is laid out as Orbax's own ``CheckpointManager`` lays out a single item
+    (``root/<step>/default/`` + the step's ``_CHECKPOINT_METADATA``), so a JAX process reads
+    it with ``ocp.CheckpointManager(root).restore(step)``. An incomplete step (still under its
+    temporary name, or without ``commit_success.txt``) is never listed; retention keeps the
+    ``max_to_keep`` highest steps and never deletes the latest one nor the one just written.
+
+    ``saver`` owns the asynchronous save in flight (one at a time).
+    """
+
+    def __init__(self, root: str | os.PathLike, max_to_keep: int | None = 3, *,
+                 async_save: bool = True) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"CheckpointManager: max_to_keep must be >= 1 or None, "
+                             f"got {max_to_keep}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.max_to_keep = max_to_keep
+        self.async_save = async_save
+        self.saver = Saver()
+        os.makedirs(self.root, exist_ok=True)
+
+    def _dir(self, step: int) -> str:
+        return os.path.join(self.root, str(int(step)))
+
+    def _complete_steps(self) -> list[int]:
+        steps = []
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if _STEP_DIR.match(name) and os.path.exists(os.path.join(path, COMMIT_FILE)):
+                steps.append(int(name))
+        return sorted(steps)
+
+    def all_steps(self) -> list[int]:
+        """The complete steps, ascending (waits for an asynchronous save first)."""
+        self.wait()
+        return self._complete_steps()
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def _sweep(self) -> None:
+        """Removes what killed saves and removals left behind (rank 0, between saves: the
+        save in flight, if any, has just been committed)."""
+        for name in os.listdir(self.root):
+            if is_leftover(name) and _STEP_DIR.match(name.split(".", 1)[0]):
+                remove_tree(os.path.join(self.root, name))
+
+    def _retain(self, just_saved: int) -> None:
+        self._sweep()
+        if self.max_to_keep is None:
+            return
+        steps = self._complete_steps()
+        keep = set(steps[-self.max_to_keep :]) | {just_saved}
+        if steps:
+            keep.add(steps[-1])
+        for step in steps:
+            if step not in keep:
+                path = self._dir(step)
+                doomed = f"{path}{DELETE_MARK}{time.time_ns()}"
+                os.rename(path, doomed)  # unlisted at once, even if the removal is cut short
+                remove_tree(doomed)
+
+    def save(self, step: int, state: TrainState) -> None:
+        """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``."""
+        self.saver.save(self._dir(step), state, background=self.async_save, item=DEFAULT_ITEM,
+                        after_commit=lambda: self._retain(int(step)))
+
+    def restore(self, step: int | None = None, *, like: TrainState,
+                model_only: bool = False) -> TrainState:
+        """Restores ``step`` (default: the latest complete one) into ``like``'s layout."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"CheckpointManager: no complete checkpoint in {self.root}")
+        self.wait()
+        return restore(self._dir(step), like=like, model_only=model_only)
+
+    def wait(self) -> None:
+        """Waits for the asynchronous save in flight; raises if it failed."""
+        self.saver.wait()
+
+    def close(self) -> None:
+        self.saver.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

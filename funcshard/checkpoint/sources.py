@@ -1,0 +1,321 @@
+"""Where a restore reads from: one small protocol, one class per kind of checkpoint.
+
+A source holds arrays by keys (``("params", name)``, ...) and scalars; ``read_into`` copies
+row ranges of dim 0 straight into the target's flat buffers (casting to their dtype), so a
+rank reads exactly the rows it owns. Sources: an Orbax checkpoint read with tensorstore (or,
+for the uncompressed zarr funcshard writes, as byte ranges of its chunk files), a Hugging Face
+safetensors checkpoint (``funcshard.checkpoint.hf``), full tensors in memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from funcshard.checkpoint import stats
+from funcshard.checkpoint.format import (
+    CHECKPOINT_METADATA_FILE,
+    METADATA_FILE,
+    NUMPY_DTYPE,
+    TORCH_FROM_NUMPY,
+    Keys,
+    chunk_file,
+    param_dir,
+    read_json,
+    to_torch,
+)
+
+__all__ = ["ReadRequest", "Source", "OrbaxSource", "DictSource", "resolve_orbax_item"]
+
+READ_THREADS = 4
+
+
+class ReadRequest(NamedTuple):
+    """Rows ``[start, stop)`` of array ``keys`` into ``out`` (shape ``(stop - start, ...)``;
+    a 0-d array is one row)."""
+
+    keys: Keys
+    start: int
+    stop: int
+    out: torch.Tensor
+
+
+class Source(Protocol):
+    """What ``restore`` reads from."""
+
+    info: dict | None  # funcshard's record of the checkpoint; None if funcshard did not write it
+
+    def arrays(self) -> dict[Keys, tuple[tuple[int, ...], str]]:
+        """Every array's keys -> (shape, dtype name)."""
+
+    def scalars(self) -> set[Keys]:
+        """The keys of the scalars (step, optimizer counters)."""
+
+    def read_into(self, requests: Sequence[ReadRequest]) -> None:
+        """Copies each request's rows into its ``out``, cast to ``out``'s dtype."""
+
+    def read_scalar(self, keys: Keys) -> Any: ...
+
+
+def _copy_rows(out: torch.Tensor, rows: torch.Tensor) -> None:
+    out.copy_(rows.reshape(out.shape))
+
+
+# --- Orbax ---------------------------------------------------------------------------------
+
+
+def resolve_orbax_item(path: str) -> tuple[str, str, bool]:
+    """``(item_dir, step_dir, root_is_params)`` of the Orbax checkpoint at ``path``.
+
+    ``path`` may be an item (it holds ``_METADATA``), or a step directory of Orbax's
+    ``CheckpointManager``: its single item (``<step>/default``), or the ``params`` item of a
+    Composite, whose tree is then the params themselves.
+    """
+    if os.path.exists(os.path.join(path, METADATA_FILE)):
+        return path, path, False
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"restore: {path} does not exist")
+    items = sorted(d for d in os.listdir(path)
+                   if os.path.exists(os.path.join(path, d, METADATA_FILE)))
+    if len(items) == 1 or "params" in items:
+        item = items[0] if len(items) == 1 else "params"
+        return os.path.join(path, item), path, item == "params"
+    if not items:
+        raise FileNotFoundError(
+            f"restore: {path} holds no Orbax checkpoint (no _METADATA in it nor in an item "
+            f"directory of it) and no Hugging Face safetensors (model.safetensors or "
+            f"model.safetensors.index.json); it holds {sorted(os.listdir(path))[:20]}")
+    raise FileNotFoundError(f"restore: {path} holds several Orbax items {items} and none is "
+                            "named 'params'; pass the item's directory")
+
+
+def _dtype_name(zarr_dtype: str) -> str:
+    np_dtype = NUMPY_DTYPE.get(zarr_dtype)
+    return np_dtype.name if np_dtype is not None else zarr_dtype
+
+
+class OrbaxSource:
+    """An Orbax checkpoint (zarr or OCDBT, zarr v2 or v3).
+
+    Nested trees match by joining keys with ".": ``{"params": {"layers": {"0": {"w": ..}}}}``
+    holds ``("params", "layers.0.w")`` (which is also the leaf's directory name). Uncompressed
+    C-order zarr v2 on a local disk (what ``save`` writes) is read as byte ranges of its chunk
+    files, straight into the target buffers; anything else through tensorstore.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.label = path
+        self.directory, step_dir, root_is_params = resolve_orbax_item(path)
+        meta = read_json(os.path.join(self.directory, METADATA_FILE))
+        self.use_ocdbt = bool(meta.get("use_ocdbt", False))
+        self.driver = "zarr3" if meta.get("use_zarr3", False) else "zarr"
+        stored: dict[Keys, tuple[Keys, str]] = {}
+        try:
+            entries = [(tuple(str(k["key"]) for k in e["key_metadata"]),
+                        e["value_metadata"]["value_type"])
+                       for e in meta["tree_metadata"].values()]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"restore: {self.directory}/_METADATA lacks {e}; the checkpoint "
+                             "is damaged") from None
+        if not root_is_params and not any(k[:1] == ("params",) for k, _ in entries):
+            root_is_params = True  # a bare params tree (e.g. StandardSave(params))
+        for keys, value_type in entries:
+            if root_is_params:
+                name: Keys = ("params", ".".join(keys))
+            elif keys[:1] == ("params",) and len(keys) > 1:
+                name = ("params", ".".join(keys[1:]))
+            else:
+                name = keys
+            stored[name] = (keys, value_type)
+        self.stored = stored
+        self.info: dict | None = None
+        for d in (self.directory, step_dir):
+            ckpt_meta = os.path.join(d, CHECKPOINT_METADATA_FILE)
+            if os.path.exists(ckpt_meta):
+                self.info = (read_json(ckpt_meta).get("custom_metadata") or {}).get("funcshard")
+                break
+        self.ctx = ts.Context()
+        self._open: dict[Keys, ts.TensorStore] = {}
+        self._zarray: dict[Keys, dict | None] = {}
+
+    # --- metadata ----------------------------------------------------------------------------
+
+    def _leaf_dir(self, keys: Keys) -> str:
+        return param_dir(self.stored[keys][0])
+
+    def _simple(self, keys: Keys) -> dict | None:
+        """The ``.zarray`` of a leaf that can be read as byte ranges of local chunk files
+        (uncompressed C-order zarr v2, chunked along dim 0 only), else None."""
+        if keys in self._zarray:
+            return self._zarray[keys]
+        md = None
+        if not self.use_ocdbt and self.driver == "zarr":
+            path = os.path.join(self.directory, self._leaf_dir(keys), ".zarray")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"restore: {self.directory}: array "
+                                        f"{self._leaf_dir(keys)} is missing its .zarray")
+            md = read_json(path)
+            try:
+                shape, chunks = list(md["shape"]), list(md["chunks"])
+                simple = (md.get("compressor") is None and not md.get("filters")
+                          and md.get("order") == "C" and md["dtype"] in NUMPY_DTYPE
+                          and chunks[1:] == shape[1:] and (chunks or not shape))
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"restore: {path} lacks {e}; the checkpoint is "
+                                 "damaged") from None
+            if not simple:
+                md = None
+        self._zarray[keys] = md
+        return md
+
+    def _spec(self, keys: Keys) -> dict:
+        name = self._leaf_dir(keys)
+        if self.use_ocdbt:
+            kv = {"driver": "ocdbt", "base": f"file://{self.directory}/", "path": name}
+        else:
+            kv = {"driver": "file", "path": os.path.join(self.directory, name)}
+        spec = {"driver": self.driver, "kvstore": kv, "open": True}
+        if self.info is not None:
+            # funcshard writes every chunk, so a missing one is damage, not the fill value
+            spec["fill_missing_data_reads"] = False
+        return spec
+
+    def _ts(self, keys: Sequence[Keys]) -> None:
+        todo = [k for k in keys if k not in self._open]
+        futs = [(k, ts.open(self._spec(k), context=self.ctx, read=True)) for k in todo]
+        for k, f in futs:
+            self._open[k] = f.result()
+
+    def arrays(self) -> dict[Keys, tuple[tuple[int, ...], str]]:
+        # a 0-d param may be stored as an Orbax "scalar": it is a 0-d zarr array all the same
+        keys = [k for k, (_, v) in self.stored.items() if v != "scalar" or k[:1] == ("params",)]
+        out = {}
+        slow = []
+        for k in keys:
+            md = self._simple(k)
+            if md is not None:
+                out[k] = (tuple(md["shape"]), _dtype_name(md["dtype"]))
+            else:
+                slow.append(k)
+        self._ts(slow)
+        for k in slow:
+            out[k] = (tuple(self._open[k].shape), str(self._open[k].dtype.name))
+        return {k: out[k] for k in keys}
+
+    def scalars(self) -> set[Keys]:
+        return {k for k, (_, v) in self.stored.items() if v == "scalar" and k[:1] != ("params",)}
+
+    # --- data ----------------------------------------------------------------------------------
+
+    def _pread_rows(self, keys: Keys, start: int, stop: int, buf: memoryview) -> bool:
+        """Rows ``[start, stop)`` of a simple array into ``buf``; False when a chunk file is
+        absent from a checkpoint funcshard did not write (Orbax omits fill-value chunks)."""
+        md = self._zarray[keys]
+        assert md is not None
+        shape = md["shape"]
+        item = NUMPY_DTYPE[md["dtype"]].itemsize
+        row_bytes = math.prod(shape[1:]) * item
+        chunk = md["chunks"][0] if shape else 1
+        sep = md.get("dimension_separator", ".")
+        leaf = os.path.join(self.directory, self._leaf_dir(keys))
+        at = 0
+        for k in range(start // chunk, (stop - 1) // chunk + 1):
+            lo = max(start, k * chunk) - k * chunk
+            hi = min(stop, (k + 1) * chunk) - k * chunk
+            n = (hi - lo) * row_bytes
+            try:
+                fd = os.open(os.path.join(leaf, chunk_file(k, len(shape), sep)), os.O_RDONLY)
+            except FileNotFoundError:
+                if self.info is not None:  # funcshard writes every chunk: data was lost
+                    raise FileNotFoundError(f"{self.directory}: chunk {k} of "
+                                            f"{self._leaf_dir(keys)} is missing") from None
+                return False
+            try:
+                got = os.preadv(fd, [buf[at : at + n]], lo * row_bytes)
+            finally:
+                os.close(fd)
+            if got != n:
+                raise OSError(f"{self._leaf_dir(keys)}: chunk {k} is short ({got} of {n} "
+                              "bytes)")
+            at += n
+        return True
+
+    def _read_one(self, req: ReadRequest) -> int:
+        keys, start, stop, out = req
+        md = self._simple(keys)
+        if md is not None:
+            np_dtype = NUMPY_DTYPE[md["dtype"]]
+            direct = (out.device.type == "cpu" and out.is_contiguous()
+                      and out.dtype == TORCH_FROM_NUMPY.get(np_dtype))
+            if direct:
+                buf = memoryview(out.view(torch.uint8).numpy()).cast("B")
+                if self._pread_rows(keys, start, stop, buf):
+                    return len(buf)
+            else:
+                shape = md["shape"]
+                tmp = np.empty((stop - start, *shape[1:]), dtype=np_dtype)
+                if self._pread_rows(keys, start, stop, memoryview(tmp.reshape(-1).view(np.uint8))):
+                    _copy_rows(out, to_torch(tmp, self._leaf_dir(keys)))
+                    return tmp.nbytes
+        self._ts([keys])
+        arr = self._open[keys]
+        a = np.asarray((arr[start:stop] if arr.ndim else arr).read().result())
+        _copy_rows(out, to_torch(a, self._leaf_dir(keys)))
+        return a.nbytes
+
+    def read_into(self, requests: Sequence[ReadRequest]) -> None:
+        for r in requests:
+            self._simple(r.keys)
+        slow = [r.keys for r in requests if self._zarray[r.keys] is None]
+        self._ts(slow)
+        if len(requests) > 1:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+                sizes = list(pool.map(self._read_one, requests))
+        else:
+            sizes = [self._read_one(r) for r in requests]
+        for n in sizes:
+            stats.count(True, n)
+
+    def read_scalar(self, keys: Keys) -> Any:
+        md = self._simple(keys)
+        if md is not None and not md["shape"]:
+            np_dtype = NUMPY_DTYPE[md["dtype"]]
+            buf = bytearray(np_dtype.itemsize)
+            if self._pread_rows(keys, 0, 1, memoryview(buf)):
+                return np.frombuffer(bytes(buf), dtype=np_dtype)[0].item()
+        self._ts([keys])
+        return np.asarray(self._open[keys].read().result()).item()
+
+
+# --- in memory -----------------------------------------------------------------------------
+
+
+class DictSource:
+    """Full tensors in memory, keyed like the checkpoint tree (e.g. a seed from one rank)."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.label = "params"
+        self.tensors = {("params", n): t.detach() for n, t in params.items()}
+        self.info = None
+
+    def arrays(self) -> dict[Keys, tuple[tuple[int, ...], str]]:
+        return {k: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                for k, t in self.tensors.items()}
+
+    def scalars(self) -> set[Keys]:
+        return set()
+
+    def read_into(self, requests: Sequence[ReadRequest]) -> None:
+        for keys, start, stop, out in requests:
+            t = self.tensors[keys]
+            _copy_rows(out, t[start:stop] if t.dim() else t.reshape(1))
+
+    def read_scalar(self, keys: Keys) -> Any:
+        raise KeyError(keys)

@@ -1,0 +1,50 @@
+"""Byte accounting of checkpoint I/O, scoped to a ``with io_stats()`` block.
+
+The counters are the ``IOStats`` objects themselves; which ones are counting is a context
+variable (each thread and task has its own; a background save runs in its caller's context).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+__all__ = ["IOStats", "io_stats", "count"]
+
+
+@dataclasses.dataclass
+class IOStats:
+    """Array bytes moved by checkpoint reads and writes on this rank inside ``io_stats()``."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+
+
+_ACTIVE: contextvars.ContextVar[tuple[IOStats, ...]] = contextvars.ContextVar(
+    "funcshard_checkpoint_io_stats", default=())
+
+
+@contextlib.contextmanager
+def io_stats() -> Iterator[IOStats]:
+    """Counts the array bytes this rank reads and writes in checkpoints inside the block."""
+    stats = IOStats()
+    token = _ACTIVE.set((*_ACTIVE.get(), stats))
+    try:
+        yield stats
+    finally:
+        _ACTIVE.reset(token)
+
+
+def count(read: bool, nbytes: int) -> None:
+    """Adds one read or write of ``nbytes`` to every counter active in this context."""
+    for s in _ACTIVE.get():
+        if read:
+            s.bytes_read += nbytes
+            s.reads += 1
+        else:
+            s.bytes_written += nbytes
+            s.writes += 1

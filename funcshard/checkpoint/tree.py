@@ -1,0 +1,375 @@
+"""A TrainState as keyed arrays and back.
+
+Keys are tuples of strings: ``("params", name)``, ``("opt_state", *path, name)`` for every
+per-bucket buffer of the optimizer state (``path``: NamedTuple fields and tuple indices down to
+it), and scalars ``("opt_state", *path)``, ``("step",)``, ``("loss_scale", "scale")``.
+Writing maps a state to the rows each rank writes; reading fills a target layout's flat
+buffers from any ``Source`` (the rows each rank needs) and rebuilds the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from funcshard import mesh as mesh_lib
+from funcshard import sharding as shard_lib
+from funcshard.buckets import PerBucket
+from funcshard.checkpoint.format import FLOAT_NAMES, FORMAT_VERSION, Keys, chunk_rows, param_dir
+from funcshard.checkpoint.sources import ReadRequest, Source
+from funcshard.layout import Bucket, Layout, LeafSpec
+from funcshard.state import LossScale, TrainState, derive_compute
+
+__all__ = ["CheckpointMismatchError", "is_per_bucket", "plan_writes", "match", "read"]
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit the target state; the message lists every mismatch."""
+
+
+# --- the optimizer state's tree -------------------------------------------------------------
+
+
+def is_per_bucket(x: Any, n_buckets: int) -> bool:
+    """Whether ``x`` is a per-bucket part of an optimizer state (a ``PerBucket``: one entry per
+    bucket, None where the bucket has no value in this subtree). The one place that
+    recognizes it."""
+    return isinstance(x, PerBucket) and len(x) == n_buckets
+
+
+def map_opt(
+    x: Any,
+    n_buckets: int,
+    on_buckets: Callable[[Keys, tuple], Any],
+    on_scalar: Callable[[Keys, Any], Any],
+    path: Keys = (),
+) -> Any:
+    """Rebuilds an optimizer state, calling back on each per-bucket tuple and each scalar."""
+    rec = lambda v, k: map_opt(v, n_buckets, on_buckets, on_scalar, (*path, str(k)))
+    if is_per_bucket(x, n_buckets):
+        return on_buckets(path, x)
+    if x is None:
+        return None
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(rec(getattr(x, f), f) for f in x._fields))
+    if isinstance(x, (bool, int, float)):
+        return on_scalar(path, x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(rec(v, i) for i, v in enumerate(x))
+    if isinstance(x, dict):
+        return {k: rec(v, k) for k, v in x.items()}
+    where = ".".join(("opt_state", *path))
+    raise TypeError(f"{where}: cannot checkpoint a {type(x).__name__}")
+
+
+def opt_layout(opt_state: Any, n_buckets: int) -> tuple[dict[Keys, tuple[bool, ...]],
+                                                       dict[Keys, Any]]:
+    """The per-bucket paths (with which buckets hold a value) and the scalars of a state."""
+    arrays: dict[Keys, tuple[bool, ...]] = {}
+    scalars: dict[Keys, Any] = {}
+    map_opt(opt_state, n_buckets,
+            lambda p, x: arrays.__setitem__(p, tuple(t is not None for t in x)),
+            lambda p, x: scalars.__setitem__(p, x))
+    return arrays, scalars
+
+
+def opt_kind(opt_state: Any) -> str:
+    return type(opt_state).__name__
+
+
+def info(state: TrainState) -> dict:
+    """funcshard's record of a checkpoint (in ``_CHECKPOINT_METADATA``)."""
+    layout = state.layout
+    return {
+        "version": FORMAT_VERSION,
+        "optimizer": opt_kind(state.opt_state),
+        "opt_arrays": [list(p) for p in opt_layout(state.opt_state, len(layout.buckets))[0]],
+        "strategy": layout.strategy,
+        "mesh": list(layout.mesh.shape),
+        "step": int(state.step),
+    }
+
+
+# --- writing: the rows of each array this rank writes ---------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Writers:
+    """How the rows of every array split among the writing ranks."""
+
+    parts: int  # writers per array
+    index: int  # this rank's writer index
+    active: bool  # False on replicas that write nothing
+
+    @classmethod
+    def of(cls, layout: Layout) -> Writers:
+        mesh = layout.mesh
+        if layout.strategy == "no_shard":  # every rank holds everything: split the rows
+            shard = mesh_lib.axis_size(mesh, "shard")
+            index = (mesh_lib.axis_rank(mesh, "replicate") * shard
+                     + mesh_lib.axis_rank(mesh, "shard"))
+            return cls(layout.dp_size, index, True)
+        return cls(layout.shard_size, layout.shard_rank,
+                   mesh_lib.axis_rank(mesh, "replicate") == 0)
+
+    def rows(self, spec: LeafSpec) -> tuple[int, int, int]:
+        """``(start, stop, piece)``: ``spec``'s rows this writer writes, and the rows each
+        writer owns (so a chunk or file region aligned to ``piece`` has one writer)."""
+        piece = -(-spec.rows // self.parts)
+        start = min(self.index * piece, spec.rows) if self.active else spec.rows
+        return start, min(start + piece, spec.rows), piece
+
+    def local_rows(self, flat: torch.Tensor, spec: LeafSpec, shard_rank: int, start: int,
+                   stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``spec`` out of this rank's flat buffer (a view)."""
+        lo = spec.row_range(shard_rank)[0]
+        return shard_lib.rows_view(flat, spec, shard_rank)[start - lo : stop - lo]
+
+
+@dataclasses.dataclass(slots=True)
+class ArrayWrite:
+    keys: Keys
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunk_rows: int
+    start: int
+    stop: int
+    data: torch.Tensor | None  # rows [start, stop); None when this rank writes none
+
+
+def plan_writes(state: TrainState, *, stage: bool,
+                chunk_bytes: int) -> tuple[list[ArrayWrite], dict[Keys, Any]]:
+    """What this rank writes: its rows of every array, and (all ranks know them) the scalars.
+
+    ``stage`` copies the rows to fresh host memory (an asynchronous save must not see later
+    in-place updates of the state's buffers).
+    """
+    layout = state.layout
+    writers = Writers.of(layout)
+    r = layout.shard_rank
+    n = len(layout.buckets)
+
+    def rows_of(flats: tuple[torch.Tensor | None, ...], prefix: Keys) -> list[ArrayWrite]:
+        out = []
+        for bucket, flat in zip(layout.buckets, flats, strict=True):
+            if flat is None:  # this bucket has no value here
+                continue
+            for spec in layout.bucket_leaves(bucket):
+                start, stop, piece = writers.rows(spec)
+                data = None
+                if stop > start:
+                    view = writers.local_rows(flat, spec, r, start, stop).detach()
+                    data = view.to("cpu", copy=True) if stage else view
+                chunk = chunk_rows(piece, spec.row_numel * flat.element_size(), chunk_bytes)
+                out.append(ArrayWrite((*prefix, spec.name), spec.shape, flat.dtype, chunk,
+                                      start, stop, data))
+        return out
+
+    arrays = rows_of(state.master, ("params",))
+    map_opt(state.opt_state, n, lambda p, x: arrays.extend(rows_of(x, ("opt_state", *p))),
+            lambda p, x: x)
+    scalars = {("opt_state", *p): v for p, v in opt_layout(state.opt_state, n)[1].items()}
+    scalars[("step",)] = int(state.step)
+    if state.loss_scale is not None:
+        scalars[("loss_scale", "scale")] = float(state.loss_scale.scale)
+        scalars[("loss_scale", "good_steps")] = int(state.loss_scale.good_steps)
+    order = {name: i for i, name in enumerate(layout.names)}
+    arrays.sort(key=lambda a: (a.keys[:-1], order[a.keys[-1]]))
+    return arrays, scalars
+
+
+# --- reading: does the checkpoint fit, and which key feeds which leaf ------------------------
+
+
+def _closest(name: str, shape: tuple[int, ...], candidates: dict[str, tuple[int, ...]],
+             unpaired: set[str], n: int = 3) -> str:
+    """Up to ``n`` candidates most like ``name``: unpaired ones first, then those of the same
+    shape, then by ``difflib``'s similarity of the names."""
+    def rank(c: str) -> tuple:
+        return (c in unpaired, tuple(candidates[c]) == tuple(shape),
+                difflib.SequenceMatcher(None, name, c).ratio())
+
+    near = sorted(candidates, key=rank, reverse=True)[:n]
+    return ", ".join(f"{c} {tuple(candidates[c])}" for c in near)
+
+
+def expected_arrays(like: TrainState, model_only: bool) -> dict[Keys, tuple[int, ...]]:
+    """Every array ``like``'s layout reads, by key, with its full shape."""
+    layout = like.layout
+    out: dict[Keys, tuple[int, ...]] = {("params", s.name): s.shape for s in layout.leaves}
+    if not model_only:
+        paths, _ = opt_layout(like.opt_state, len(layout.buckets))
+        for p, present in paths.items():
+            for s in layout.leaves:
+                if present[s.bucket]:
+                    out[("opt_state", *p, s.name)] = s.shape
+    return out
+
+
+def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str], dict[Keys, Keys]]:
+    """Every way ``source`` does not fit ``like`` (empty when it fits), and for each expected
+    key the source key that feeds it (itself, or a tied alias under which the source holds
+    the weight)."""
+    layout = like.layout
+    found = source.arrays()
+    problems: list[str] = []
+    expected = expected_arrays(like, model_only)
+    keymap: dict[Keys, Keys] = {}
+    paths: dict[Keys, tuple[bool, ...]] = {}
+    if not model_only:
+        paths, scalars = opt_layout(like.opt_state, len(layout.buckets))
+        kind = opt_kind(like.opt_state)
+        if source.info is None:
+            problems.append("optimizer: the checkpoint was not written by funcshard (no "
+                            "optimizer state it can map); restore it with model_only=True")
+        elif source.info.get("optimizer") != kind:
+            problems.append(f"optimizer: the checkpoint holds {source.info.get('optimizer')}, "
+                            f"the target state has {kind}")
+        have_scalars = source.scalars()
+        for p in [("opt_state", *p) for p in scalars] + [("step",)]:
+            if p not in have_scalars:
+                problems.append(f"{param_dir(p)}: missing from the checkpoint")
+    missing: list[Keys] = []
+    for keys, shape in expected.items():
+        src = keys
+        if keys not in found and keys[0] == "params":
+            alias = next((("params", a) for a in layout.aliases_of(keys[1])
+                          if ("params", a) in found), None)
+            src = alias or keys
+        if src not in found:
+            missing.append(keys)
+            continue
+        keymap[keys] = src
+        got_shape, got_dtype = found[src]
+        if got_shape != shape:
+            problems.append(f"{param_dir(src)}: shape {got_shape} in the checkpoint, "
+                            f"expected {shape}")
+        if got_dtype not in FLOAT_NAMES:
+            problems.append(f"{param_dir(src)}: dtype {got_dtype} in the checkpoint, "
+                            "expected a floating dtype")
+    prefixes = {("params",)} | {("opt_state", *p) for p in paths}
+    used = set(keymap.values()) | {("params", a) for a, _ in layout.aliases}
+    extra = [k for k in found if k not in used and k[:-1] in prefixes]
+    held = {param_dir(k): s for k, (s, _) in found.items()}
+    wanted = {param_dir(k): s for k, s in expected.items()}
+    unpaired_held = {param_dir(k) for k in extra}
+    unpaired_wanted = {param_dir(k) for k in missing}
+    for keys in missing:
+        near = _closest(param_dir(keys), expected[keys], held, unpaired_held)
+        problems.append(f"{param_dir(keys)}: missing from the checkpoint (expected shape "
+                        f"{expected[keys]})" + (f"; closest there: {near}" if near else ""))
+    for keys in extra:
+        near = _closest(param_dir(keys), found[keys][0], wanted, unpaired_wanted)
+        problems.append(f"{param_dir(keys)}: in the checkpoint but not in the target state "
+                        f"(shape {found[keys][0]})"
+                        + (f"; closest expected: {near}" if near else ""))
+    if not model_only:
+        problems += [f"{param_dir(k)}: optimizer state the target optimizer lacks"
+                     for k in found if k[:1] == ("opt_state",) and k not in used
+                     and k[:-1] not in prefixes]
+    return problems, keymap
+
+
+def mismatch_error(where: str, problems: list[str], source: Source) -> CheckpointMismatchError:
+    """One error listing every problem, and what the checkpoint's params are."""
+    held = sorted((k, s) for k, (s, _) in source.arrays().items() if k[0] == "params")
+    listing = ", ".join(f"{param_dir(k[1:])} {s}" for k, s in held[:40])
+    more = f", ... ({len(held) - 40} more)" if len(held) > 40 else ""
+    return CheckpointMismatchError(
+        f"{where} does not fit the target state:\n  " + "\n  ".join(problems)
+        + f"\n  the checkpoint's params ({len(held)}): {listing}{more}")
+
+
+# --- reading: filling the flat buffers ---------------------------------------------------------
+
+
+def _flat_like(old: torch.Tensor | None, bucket: Bucket, layout: Layout,
+               dtype: torch.dtype) -> torch.Tensor:
+    """An unfilled flat for ``bucket``: ``like``'s own buffer when it has one (consumed)."""
+    if old is not None and not old.is_meta and old.numel() == bucket.numel and old.dtype == dtype:
+        return old
+    device = torch.device("cpu") if bucket.offload else layout.device
+    flat = torch.empty(bucket.numel, dtype=dtype, device=device)
+    if bucket.offload and layout.device.type == "cuda":
+        flat = flat.pin_memory()
+    return flat
+
+
+def _fill(flats: Sequence[torch.Tensor | None], layout: Layout, source: Source, prefix: Keys,
+          keymap: dict[Keys, Keys]) -> None:
+    """Copies this rank's real rows of every leaf from ``source`` into the bucket flats and
+    zeroes their padding rows."""
+    r = layout.shard_rank
+    requests = []
+    for bucket, flat in zip(layout.buckets, flats, strict=True):
+        if flat is None:
+            continue
+        for spec in layout.bucket_leaves(bucket):
+            start, stop = spec.row_range(r)
+            real = (stop - start) * spec.row_numel
+            flat[spec.offset + real : spec.offset + spec.shard_numel].zero_()
+            if stop > start:
+                keys = (*prefix, spec.name)
+                requests.append(ReadRequest(keymap.get(keys, keys), start, stop,
+                                            shard_lib.rows_view(flat, spec, r)))
+    source.read_into(requests)
+
+
+@dataclasses.dataclass
+class Read:
+    """What ``read`` produced: every leaf of the new state but the derived compute copies."""
+
+    like: TrainState
+    master: tuple[torch.Tensor, ...]
+    opt_state: Any
+    step: int
+    loss_scale: LossScale | None
+
+    def assemble(self) -> TrainState:
+        """The new state (``derive_compute`` is a collective under ZeRO 1-2)."""
+        layout = self.like.layout
+        return TrainState(master=self.master, compute=derive_compute(layout, self.master),
+                          opt_state=self.opt_state, step=self.step,
+                          loss_scale=self.loss_scale, static=self.like._static)
+
+
+def read(like: TrainState, source: Source, *, model_only: bool,
+         keymap: dict[Keys, Keys] | None = None) -> Read:
+    """Reads every leaf for ``like``'s layout from ``source``, with no collectives.
+
+    Masters are read (cast to the master dtype); with ``model_only`` the optimizer state is
+    ``like.optimizer.init(master)`` and the step 0, otherwise both are read too. ``like``'s
+    buffers are reused where they fit (it is consumed).
+    """
+    layout = like.layout
+    keymap = keymap or {}
+    n = len(layout.buckets)
+    old_master, old_opt = like._master, like._opt_state
+    like._consume("restore")
+    master = tuple(_flat_like(old, b, layout, b.dtypes.master)
+                   for old, b in zip(old_master, layout.buckets, strict=True))
+    _fill(master, layout, source, ("params",), keymap)
+    if model_only:
+        opt_state = like.optimizer.init(layout.per_bucket(master))
+        step = 0
+    else:
+        def buckets(path: Keys, olds: tuple) -> tuple:
+            flats = layout.per_bucket(None if o is None else _flat_like(o, b, layout, o.dtype)
+                                      for o, b in zip(olds, layout.buckets, strict=True))
+            _fill(flats, layout, source, ("opt_state", *path), keymap)
+            return flats
+
+        opt_state = map_opt(old_opt, n, buckets,
+                            lambda p, x: type(x)(source.read_scalar(("opt_state", *p))))
+        step = int(source.read_scalar(("step",)))
+    loss_scale = like._loss_scale
+    if loss_scale is not None:
+        loss_scale = LossScale(float(layout.policy.loss_scale_init), 0)
+        if not model_only and ("loss_scale", "scale") in source.scalars():
+            loss_scale = LossScale(float(source.read_scalar(("loss_scale", "scale"))),
+                                   int(source.read_scalar(("loss_scale", "good_steps"))))
+    return Read(like, master, opt_state, step, loss_scale)

@@ -1,0 +1,189 @@
+"""Hugging Face safetensors in and out: real transformers models from tiny configs.
+
+Loads: checkpoints written by ``save_pretrained`` (one file, or several shards and the index)
+onto 2 and 3 ranks under ZeRO-3 from a meta-device model, exactly, each rank reading only its
+rows. Export: ``fs.export_safetensors`` from sharded ranks, read back by ``from_pretrained`` and
+``load_state_dict(strict=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import funcshard as fs
+from funcshard import checkpoint as ckpt_lib
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+VOCAB = 101  # uneven over 2 and 3 ranks
+
+
+def make_hf(kind: str, seed: int = 0, meta: bool = False) -> torch.nn.Module:
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=False)
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32,
+                                         n_layer=2, n_head=4)  # lm_head tied to wte
+        cls = transformers.GPT2LMHeadModel
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return cls(config)
+    return cls(config).eval()
+
+
+def _cpu(params: dict) -> dict:
+    return {n: t.detach().cpu().clone() for n, t in params.items()}
+
+
+def _file_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
+               if f.endswith(".safetensors"))
+
+
+# --- import ---------------------------------------------------------------------------------------
+
+
+def import_worker(path: str, kind: str) -> dict:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = make_hf(kind, meta=True)
+    like = fs.init(model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads_params")
+    with ckpt_lib.io_stats() as io:
+        state = fs.restore(path, like=like, model_only=True)
+    return {"full": _cpu(fs.full_params(state)), "read": io.bytes_read}
+
+
+CASES = {  # name: (model, max_shard_size of save_pretrained or None for one file, dtype)
+    "llama-sharded-fp32": ("llama", "40KB", torch.float32),
+    "gpt2-single-bf16": ("gpt2", None, torch.bfloat16),
+    "llama-file-fp16": ("llama", None, torch.float16),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_checkpoint_loads_onto_zero3_from_a_meta_model(request, tmp_path, case, world):
+    kind, shard_size, dtype = CASES[case]
+    model = make_hf(kind).to(dtype)
+    directory = str(tmp_path / "hf")
+    kw = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kw)
+    files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    assert (len(files) > 2) == (shard_size is not None), files
+    path = directory if case != "llama-file-fp16" else os.path.join(directory, files[0])
+    results = request.getfixturevalue(f"pool{world}").run(import_worker, path, kind)
+    want = {n: p.detach().float() for n, p in model.named_parameters()}
+    in_files = sum(p.numel() * p.element_size() for p in want.values()) // 4 * dtype.itemsize
+    total = _file_bytes(directory)
+    for r in results:
+        assert set(r["full"]) >= set(want)
+        for name, w in want.items():  # cast from the file's dtype to the fp32 masters: exact
+            torch.testing.assert_close(r["full"][name], w, rtol=0, atol=0, msg=name)
+        assert r["read"] < 1.2 * total / world, f"a rank read {r['read']} of {total} bytes"
+    assert sum(r["read"] for r in results) == in_files, "every row is read exactly once"
+
+
+def wrong_shape_worker(path: str) -> str | None:
+    mesh = fs.make_mesh(device_type="cpu")
+    like = fs.init(make_hf("llama", meta=True), fs.optim.adamw(1e-3), mesh=mesh)
+    try:
+        fs.restore(path, like=like, model_only=True)
+    except ckpt_lib.CheckpointMismatchError as e:
+        return str(e)
+    return None
+
+
+def test_wrong_shaped_tensor_is_named_with_both_shapes(pool2, tmp_path):
+    sd = {n: t.contiguous() for n, t in make_hf("llama").state_dict().items()}
+    sd["model.layers.1.mlp.up_proj.weight"] = torch.zeros(39, 32)
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file(sd, path)
+    for msg in pool2.run(wrong_shape_worker, path):
+        assert msg is not None
+        lines = [ln for ln in msg.splitlines()[1:] if not ln.strip().startswith("the checkpoint's")]
+        assert lines == ["  params.model.layers.1.mlp.up_proj.weight: shape (39, 32) in the "
+                         "checkpoint, expected (40, 32)"], msg
+
+
+# --- export ---------------------------------------------------------------------------------------
+
+
+def export_worker(directory: str, kind: str, strategy: str, max_shard_bytes: int,
+                  dtype: torch.dtype | None) -> dict:
+    mesh = fs.make_mesh(device_type="cpu")
+    state = fs.init(make_hf(kind), fs.optim.adamw(1e-3), mesh=mesh, strategy=strategy)
+    with ckpt_lib.io_stats() as io:
+        fs.export_safetensors(directory, state, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return {"written": io.bytes_written, "names": sorted(fs.full_params(state))}
+
+
+EXPORTS = {  # name: (model, strategy, max_shard_bytes, dtype)
+    "llama-zero3-sharded": ("llama", "optim_grads_params", 40_000, None),
+    "gpt2-tied-zero1-one-file": ("gpt2", "optim", 5 << 30, None),
+    "llama-no_shard-bf16": ("llama", "no_shard", 5 << 30, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPORTS))
+def test_export_loads_in_transformers(pool2, tmp_path, case):
+    kind, strategy, max_bytes, dtype = EXPORTS[case]
+    directory = str(tmp_path / "out")
+    results = pool2.run(export_worker, directory, kind, strategy, max_bytes, dtype)
+    model = make_hf(kind)
+    sd = model.state_dict()
+    assert results[0]["names"] == sorted(sd), "full_params carries every state_dict name"
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if max_bytes < 1 << 20:
+        assert len(files) > 2 and os.path.exists(os.path.join(directory, "model.safetensors"
+                                                                         ".index.json"))
+        weight_map = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
+        assert sorted(weight_map["weight_map"]) == sorted(sd)
+    else:
+        assert files == ["model.safetensors"]
+    total = sum(t.numel() for t in sd.values()) * (dtype or torch.float32).itemsize
+    assert sum(r["written"] for r in results) == total, "every row is written exactly once"
+    assert all(0 < r["written"] < total for r in results), "both ranks write their rows"
+
+    loaded = {}
+    for f in files:
+        loaded.update(safetensors_torch.load_file(os.path.join(directory, f)))
+    fresh = make_hf(kind, seed=1)
+    fresh.load_state_dict(loaded, strict=True)
+    for name, t in sd.items():
+        torch.testing.assert_close(fresh.state_dict()[name], t.to(dtype or t.dtype).to(t.dtype),
+                                   rtol=0, atol=0, msg=name)
+
+    model.config.save_pretrained(directory)
+    ours = type(model).from_pretrained(directory, dtype=dtype or torch.float32).eval()
+    if dtype is not None:  # beside transformers' own bf16 checkpoint, loaded the same way
+        model.save_pretrained(tmp_path / "ref", safe_serialization=True)
+        model = type(model).from_pretrained(tmp_path / "ref", dtype=dtype).eval()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_full_params_of_tied_gpt2_loads_strictly(pool2):
+    names = pool2.run(export_names_worker)[0]
+    assert "lm_head.weight" in names and "transformer.wte.weight" in names
+
+
+def export_names_worker() -> list[str]:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = make_hf("gpt2")
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh)
+    full = fs.full_params(state)
+    fresh = make_hf("gpt2", seed=1)
+    fresh.load_state_dict(full, strict=True)
+    assert dist.get_world_size() == 2
+    return sorted(full)
