@@ -75,7 +75,7 @@ def hf_checkpointing_worker(kind: str, strategy: str, checkpointing: bool) -> di
         _ce(ref, ref(input_ids=tokens[:, :-1], use_cache=False).logits, tokens).backward()
         opt.step()
     got = fs.full_params(state)
-    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    ref_params = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}
     full_unit = max(b.numel for b in layout.buckets if b.unit != 0) * layout.shard_size * 4
     root = sum(b.numel for b in layout.buckets if b.unit == 0) * layout.shard_size * 4
     return {"err": models.max_rel_err(got, ref_params), "gathers": calls,
