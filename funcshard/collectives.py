@@ -103,13 +103,14 @@ class Pending:
         return self._result
 
 
-def all_gather(local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+def all_gather(local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False,
+               kind: str = "all_gather"):
     """Concatenates every rank's 1-D ``local`` in group rank order."""
     size = dist.get_world_size(group)
     if size == 1:
         return Pending(None, local) if async_op else local
     out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
-    _record("all_gather", out)
+    _record(kind, out)
     work = dist.all_gather_single(out, local.contiguous(), group=group, async_op=async_op)
     return Pending(work, out) if async_op else out
 

@@ -290,7 +290,8 @@ def _replicated(matrices: list[_Matrix], placement, orthogonalize) -> list[torch
         cols = m.shape[1]
         local = torch.zeros(rps * cols, dtype=torch.bfloat16, device=placement.device)
         local[: m.update.numel()].copy_(m.update.reshape(-1))
-        full = collectives.all_gather(local, placement.group).view(placement.size, rps, cols)
+        full = collectives.all_gather(local, placement.group, kind=KIND)
+        full = full.view(placement.size, rps, cols)
         whole = torch.cat([full[r, : b - a] for r, (a, b) in enumerate(m.rows)])
         a, b = m.rows[placement.rank]
         out.append(orthogonalize(whole)[a:b])
