@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "comm_stats", "all_gather", "reduce_scatter", "all_reduce"]
+__all__ = ["CommStats", "comm_stats", "all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 
 
 @dataclasses.dataclass
@@ -25,7 +25,8 @@ class CommStats:
     """Counts filled in while a ``comm_stats()`` block is active.
 
     Attributes:
-      bytes: bytes per kind ("all_gather", "reduce_scatter", "all_reduce", "metrics").
+      bytes: bytes per kind ("all_gather", "reduce_scatter", "all_reduce", "metrics", and
+        "muon" for the exchange of whole matrices of ``fs.optim.muon``).
       calls: collective calls per kind.
       gathered_live: bytes of gathered (unsharded) ZeRO-3 params alive right now.
       gathered_peak: the most bytes of gathered ZeRO-3 params alive at one moment.
@@ -102,13 +103,14 @@ class Pending:
         return self._result
 
 
-def all_gather(local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+def all_gather(local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False,
+               kind: str = "all_gather"):
     """Concatenates every rank's 1-D ``local`` in group rank order."""
     size = dist.get_world_size(group)
     if size == 1:
         return Pending(None, local) if async_op else local
     out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
-    _record("all_gather", out)
+    _record(kind, out)
     work = dist.all_gather_single(out, local.contiguous(), group=group, async_op=async_op)
     return Pending(work, out) if async_op else out
 
@@ -134,3 +136,13 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "a
     _record(kind, out)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               group: dist.ProcessGroup, *, kind: str) -> Pending:
+    """Asynchronous all-to-all of 1-D buffers: ``in_splits[r]`` elements of ``inp`` go to rank
+    ``r`` and ``out_splits[r]`` elements of ``out`` come from it, in rank order. Counts the
+    input buffer (what this rank sends, its own part included) under ``kind``."""
+    _record(kind, inp)
+    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+    return Pending(work, out, keep=inp)

@@ -25,7 +25,8 @@ from funcshard import mesh as mesh_lib
 from funcshard.buckets import Members, PerBucket
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
 
-__all__ = ["STRATEGIES", "LeafSpec", "Bucket", "Layout", "build_layout", "default_units"]
+__all__ = ["STRATEGIES", "LeafSpec", "Bucket", "Layout", "Placement", "build_layout",
+           "default_units"]
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ROOT_UNIT = 0
@@ -81,6 +82,31 @@ class Bucket:
     offload: bool
     leaves: tuple[int, ...]
     numel: int  # local (per-shard) flat elements, padding included
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Placement:
+    """Where the rows of every parameter of a state's flat buffers live, on every shard rank.
+
+    What an optimizer that needs whole matrices (``fs.optim.muon``) is given beside the
+    per-bucket buffers: the "shard" group the rows are spread over, this rank's place in it,
+    the device its collectives run on, and per bucket (keyed by its :class:`Members`) the
+    :class:`LeafSpec` of every member (offsets and row ranges are the same on every rank).
+    """
+
+    group: object  # the "shard" axis ProcessGroup (None when size == 1)
+    size: int
+    rank: int
+    device: torch.device
+    specs: dict[Members, tuple[LeafSpec, ...]]
+
+    def leaves(self, members: Members) -> tuple[LeafSpec, ...]:
+        """The specs of the parameters one flat buffer packs, in buffer order."""
+        try:
+            return self.specs[members]
+        except KeyError:
+            raise KeyError(f"Placement: no bucket packs {list(members.names)}; the buffers do "
+                           "not come from this state's layout") from None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -144,6 +170,19 @@ class Layout:
         """Per bucket, the names and shapes of the parameters it packs."""
         return tuple(Members(tuple(s.name for s in self.bucket_leaves(b)),
                              tuple(s.shape for s in self.bucket_leaves(b))) for b in self.buckets)
+
+    @functools.cached_property
+    def placement(self) -> Placement:
+        """Row placement of every bucket over the "shard" axis (see :class:`Placement`)."""
+        size = self.shard_size
+        return Placement(
+            group=self.shard_group if size > 1 else None,
+            size=size,
+            rank=self.shard_rank,
+            device=self.device,
+            specs={m: tuple(self.bucket_leaves(b))
+                   for m, b in zip(self.members, self.buckets, strict=True)},
+        )
 
     def per_bucket(self, values: Sequence) -> PerBucket:
         """``values`` (one per bucket) as the PerBucket the optimizer sees."""

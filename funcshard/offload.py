@@ -30,7 +30,7 @@ import torch
 from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
 from funcshard.buckets import NAMESPACE, Members, PerBucket, is_per_bucket
-from funcshard.layout import Bucket
+from funcshard.layout import Bucket, Placement
 from funcshard.optim import Optimizer
 from funcshard.state import TrainState, derive_compute
 
@@ -129,6 +129,7 @@ def step_and_cast(
     block: int = BLOCK_NUMEL,
     members: Members | None = None,
     grad_norm: float | None = None,
+    placement: Placement | None = None,
 ) -> Any:
     """Steps one flat master in place; optionally writes its cast into ``compute_out``.
 
@@ -147,14 +148,18 @@ def step_and_cast(
       members: the parameters the master packs (their rules: masks, labels); None for a
         plain one-tuple state.
       grad_norm: the global gradient norm, for a clip in the optimizer.
+      placement: the state's row placement, for an optimizer that is not elementwise (Muon
+        assembles whole matrices); such an optimizer steps the buffer in one call, unblocked.
 
     Returns:
       The new optimizer state.
     """
     one = (lambda t: (t,)) if members is None else (lambda t: PerBucket((t,), (members,)))
-    if compute_out is None:
+    if compute_out is None or not optimizer.elementwise:
         _, new_state = optimizer.update(one(grad), opt_state, one(master), donate=True,
-                                        grad_norm=grad_norm)
+                                        grad_norm=grad_norm, placement=placement)
+        if compute_out is not None:
+            compute_out.copy_(master)
         return new_state
     numel = master.numel()
     leaves, treedef = optree.tree_flatten(opt_state, is_leaf=_is_one_tuple, none_is_leaf=True,
@@ -173,7 +178,7 @@ def step_and_cast(
         chunk = treedef.unflatten([_block_of(x, start, stop) if b else x
                                    for x, b in zip(leaves, is_bucket, strict=True)])
         _, new_state = optimizer.update(one(grad[start:stop]), chunk, one(master[start:stop]),
-                                        donate=True, grad_norm=grad_norm)
+                                        donate=True, grad_norm=grad_norm, placement=placement)
         compute_out[start:stop].copy_(master[start:stop])
     # The blocks updated the state's buffers in place; keep them, take the scalars (count).
     new_leaves = treedef.flatten_up_to(new_state)
@@ -299,7 +304,7 @@ def _device_step(state: TrainState, grads, split, device_idx: list[int], grad_no
     moved = subset(grads[i].to(master[i].dtype) for i in device_idx)
     _, new = state.optimizer.update(moved, _select(split, device_idx),
                                     subset(master[i] for i in device_idx), donate=True,
-                                    grad_norm=grad_norm)
+                                    grad_norm=grad_norm, placement=state.layout.placement)
     return [(device_idx, new)]
 
 
@@ -321,7 +326,8 @@ def _host_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, gr
                 if out is None:
                     out = torch.empty(m.numel(), dtype=bucket.dtypes.compute)
             parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m, g, out,
-                                             members=layout.members[i], grad_norm=grad_norm)))
+                                             members=layout.members[i], grad_norm=grad_norm,
+                                             placement=layout.placement)))
             local[i] = out
     return list(master), parts, local
 
@@ -395,7 +401,7 @@ def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, gr
             arrived[i].synchronize()
             parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m,
                                              host_grads[i], out, members=layout.members[i],
-                                             grad_norm=grad_norm)))
+                                             grad_norm=grad_norm, placement=layout.placement)))
             with torch.cuda.stream(h2d):
                 # A pinned source records the copy on the host allocator, so it outlives it.
                 dst[i].copy_(out if cast else m, non_blocking=True)

@@ -19,6 +19,14 @@ dtype and ``c`` those of the compute dtype::
 (reduce-scatter and all-gather only when ``S > 1``). The ZeRO-3 all-gather counts a forward
 gather and a backward re-gather of every bucket: exact when every unit saves one of its params
 for backward (a Linear weight does), an upper bound otherwise.
+
+``fs.optim.muon`` adds the kind "muon" when ``S > 1``: per optimizer call (the device buckets
+together, each offloaded bucket on its own) every rank sends each matrix's owner its rows and
+the owner sends every rank its rows of the result, both in bfloat16; a rank counts the inputs of
+both all-to-alls (``2 * 2 * (its rows' numel + the numel of the matrices it owns)``). Owners
+differ in load, so the plan gives the busiest shard rank's bytes, and ``memory.muon_owner`` the
+most whole-matrix bytes an owner holds at once (the matrix being orthogonalized, the next one
+arriving, the iteration's workspace).
 """
 
 from __future__ import annotations
@@ -31,13 +39,15 @@ import optree
 import torch
 from torch import nn
 
+from funcshard.buckets import NAMESPACE, is_per_bucket
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout, check_strategy
-from funcshard.optim import Optimizer
+from funcshard.optim import MuonState, Optimizer
+from funcshard.optim.matrices import exchange_plan
 from funcshard.policy import MixedPrecisionPolicy
 
 __all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "metrics")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "metrics", "muon")
 _OPTIMIZER_STATES = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}
 _METRIC_BYTES = 8  # one float64 scalar per reduction (loss sum, squared grad norm)
 
@@ -59,6 +69,8 @@ class MemoryPlan:
       gathered_peak: ZeRO-3, most full (gathered) params alive at once: the root unit plus the
         largest other unit.
       host: offloaded master shards and their optimizer state, in host memory.
+      muon_owner: ``fs.optim.muon`` under a sharded strategy, the most whole-matrix bytes
+        (bfloat16) one owner holds at once during the step (the busiest rank).
     """
 
     master: int
@@ -68,6 +80,7 @@ class MemoryPlan:
     opt_state: int
     gathered_peak: int
     host: int
+    muon_owner: int = 0
 
     @property
     def state(self) -> int:
@@ -108,7 +121,7 @@ class Plan:
             "memory per rank:",
         ]
         for name in ("master", "compute", "compute_shard", "grads", "opt_state", "gathered_peak",
-                     "host"):
+                     "host", "muon_owner"):
             rows.append(f"  {name:<14}{format_bytes(getattr(m, name)):>12}")
         rows.append(f"  {'model states':<14}{format_bytes(m.model_states):>12}")
         rows.append("communicated per rank per step:")
@@ -170,22 +183,64 @@ def _units_from_names(names: Sequence[str]) -> list[str]:
     return list(units)
 
 
-def _optimizer_states(optimizer: str | Optimizer) -> int:
+def _optimizer_states(optimizer: str | Optimizer, layout: Layout) -> list[int]:
+    """State tensors per bucket (an optimizer of ``multi_transform`` keeps its own count)."""
     if isinstance(optimizer, str):
         if optimizer not in _OPTIMIZER_STATES:
             raise ValueError(f"plan: unknown optimizer {optimizer!r}; expected one of "
                              f"{sorted(_OPTIMIZER_STATES)} or an fs.optim optimizer")
-        return _OPTIMIZER_STATES[optimizer]
-    # One fresh state over one tiny buffer: its tensor leaves are the states per param.
-    state = optimizer.init((torch.zeros(1),))
-    return sum(isinstance(t, torch.Tensor) for t in optree.tree_leaves(state))
+        return [_OPTIMIZER_STATES[optimizer]] * len(layout.buckets)
+    counts = [0] * len(layout.buckets)
+    for part in _per_bucket_parts(_meta_init(optimizer, layout)):
+        for i, x in enumerate(part):
+            counts[i] += isinstance(x, torch.Tensor)
+    return counts
+
+
+def _meta_init(optimizer: Optimizer, layout: Layout):
+    """The optimizer's initial state over meta buffers of the layout (nothing allocated)."""
+    return optimizer.init(layout.per_bucket([torch.empty(b.numel, device="meta")
+                                             for b in layout.buckets]))
+
+
+def _per_bucket_parts(state) -> list:
+    return [x for x in optree.tree_leaves(state, is_leaf=is_per_bucket, none_is_leaf=False,
+                                          namespace=NAMESPACE) if is_per_bucket(x)]
+
+
+def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int, int]:
+    """``(bytes, calls, owner bytes)`` of Muon's exchange on the busiest shard rank."""
+    S = layout.shard_size
+    if isinstance(optimizer, str) or S == 1:
+        return 0, 0, 0
+    owned: set[int] = set()
+    muon_states = [x for x in optree.tree_leaves(_meta_init(optimizer, layout),
+                                                 is_leaf=lambda x: isinstance(x, MuonState),
+                                                 none_is_leaf=False, namespace=NAMESPACE)
+                   if isinstance(x, MuonState)]
+    for st in muon_states:
+        for part in _per_bucket_parts(st.momentum):
+            owned |= {i for i, x in enumerate(part) if x is not None}
+    groups = [[b.index for b in layout.buckets if not b.offload and b.index in owned]]
+    groups += [[b.index] for b in layout.buckets if b.offload and b.index in owned]
+    sent, calls, held = [0] * S, 0, [0] * S
+    for group in groups:
+        specs = [s for i in group for s in layout.bucket_leaves(layout.buckets[i])]
+        if not specs:
+            continue
+        ex = exchange_plan([(s.shape, [s.row_range(r) for r in range(S)]) for s in specs], S)
+        sent = [a + b for a, b in zip(sent, ex.sent_bytes, strict=True)]
+        held = [max(a, b) for a, b in zip(held, ex.owner_bytes, strict=True)]
+        calls += 2 * ex.rounds
+    return max(sent), calls, max(held)
 
 
 def _size(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def _memory(layout: Layout, n_states: int, device_type: str) -> MemoryPlan:
+def _memory(layout: Layout, n_states: list[int], device_type: str,
+            muon_owner: int = 0) -> MemoryPlan:
     S = layout.shard_size
     zero3 = layout.strategy == "optim_grads_params"
     sharded_grads = layout.strategy in ("optim_grads", "optim_grads_params")
@@ -198,10 +253,10 @@ def _memory(layout: Layout, n_states: int, device_type: str) -> MemoryPlan:
         on_device = not b.offload or device_type == "cpu"
         same = d.compute == d.master and on_device  # m.to(device, compute) returns m itself
         if b.offload:
-            host += p_bytes * (1 + n_states)
+            host += p_bytes * (1 + n_states[b.index])
         else:
             master += p_bytes
-            opt += p_bytes * n_states
+            opt += p_bytes * n_states[b.index]
         if zero3:
             if b.offload:
                 compute += 0 if same else c_bytes
@@ -215,7 +270,7 @@ def _memory(layout: Layout, n_states: int, device_type: str) -> MemoryPlan:
     if zero3 and S > 1:
         others = [v for u, v in unit_full.items() if u != ROOT_UNIT]
         gathered = unit_full.get(ROOT_UNIT, 0) + max(others, default=0)
-    return MemoryPlan(master, compute, compute_shard, grads, opt, gathered, host)
+    return MemoryPlan(master, compute, compute_shard, grads, opt, gathered, host, muon_owner)
 
 
 def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
@@ -277,7 +332,8 @@ def plan(
       offload_fraction: as in ``fs.init``.
       microbatches: as in ``fs.train_step``.
       optimizer: "adamw" (2 states), "sgd_momentum" (1), "sgd" (0), or an ``fs.optim``
-        optimizer (its states are counted).
+        optimizer (its states are counted per bucket, its rules split buckets as in
+        ``fs.init``, and Muon's exchange is predicted).
       units: as in ``fs.init``; None = the model's default units, or for a shape dict every
         name prefix that ends in a number ("layers.3").
       dtype: the model dtype of shape-only entries.
@@ -308,8 +364,10 @@ def plan(
         units = _units_from_names(list(table))
     layout = build_layout(table, model=model, mesh=_ShapeMesh(replicate, shard),  # type: ignore[arg-type]
                           policy=policy or MixedPrecisionPolicy(), strategy=strategy,
-                          offload_fraction=offload_fraction, units=units)
+                          offload_fraction=offload_fraction, units=units,
+                          partition=None if isinstance(optimizer, str) else optimizer.partition)
     comm, calls = _comm(layout, microbatches, replicate, world_size)
+    comm["muon"], calls["muon"], muon_owner = _muon_exchange(optimizer, layout)
     return Plan(
         strategy=strategy,
         world_size=world_size,
@@ -320,7 +378,7 @@ def plan(
         padded_numel=layout.shard_size * sum(b.numel for b in layout.buckets),
         buckets=len(layout.buckets),
         units=len(layout.units),
-        memory=_memory(layout, _optimizer_states(optimizer), device_type),
+        memory=_memory(layout, _optimizer_states(optimizer, layout), device_type, muon_owner),
         comm=comm,
         calls=calls,
     )

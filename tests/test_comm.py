@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import test_muon
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -151,3 +154,43 @@ def test_gradients_leave_for_the_wire_during_backward(pool2, strategy: str) -> N
     r = pool2.run(reduce_in_backward_worker, strategy)[0]
     assert r["total"] == r["units"], r  # one reduce-scatter per unit and microbatch
     assert len(r["before_first_block"]) == 1 and r["before_first_block"][0] >= 7, r
+
+
+# --- fs.optim.muon: the owner-computes exchange ------------------------------------------------
+def muon_comm_worker(strategy: str, fraction: float) -> dict:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=3, d_in=test_muon.D_IN)
+    state = fs.init(model, test_muon.ours(), mesh=mesh, strategy=strategy,
+                    offload_fraction=fraction)
+    loss_fn = models.make_loss_fn(model)
+    world = dist.get_world_size()
+    rows = test_muon.LOCAL_ROWS * world
+    batch = models.local_batch(models.global_batch(0, rows, d_in=test_muon.D_IN),
+                               dist.get_rank(), world)
+    with fs.comm_stats() as stats:
+        state, _ = fs.train_step(state, batch, loss_fn)
+    return {"bytes": stats.bytes["muon"], "calls": stats.calls["muon"]}
+
+
+@pytest.mark.parametrize("world,strategy,fraction", [(2, "optim_grads_params", 0.0),
+                                                     (3, "optim", 0.5), (2, "no_shard", 0.0)])
+def test_muon_exchange_bytes_equal_the_plan(request, world: int, strategy: str,
+                                            fraction: float) -> None:
+    """The exchange counted under "muon" equals fs.plan's prediction (busiest rank; calls on
+    every rank), and only rows move: every Muon element leaves its rank once to the owner and
+    once back, in bf16 (summed over ranks: 2 * 2 bytes * the Muon numel), nothing under
+    no_shard."""
+    results = request.getfixturevalue(f"pool{world}").run(muon_comm_worker, strategy, fraction)
+    model = models.make_model(seed=3, d_in=test_muon.D_IN)
+    p = fs.plan(model, world_size=world, strategy=strategy, offload_fraction=fraction,
+                optimizer=test_muon.ours(), device_type="cpu")
+    assert max(r["bytes"] for r in results) == p.comm["muon"]
+    assert all(r["calls"] == p.calls["muon"] for r in results)
+    if strategy == "no_shard":
+        assert p.comm["muon"] == 0
+        return
+    # only rows move: each rank sends its rows once and the owners' results once, in bf16
+    rows_numel = sum(math.prod(p_.shape) for n, p_ in model.named_parameters()
+                     if test_muon.is_muon(n, tuple(p_.shape)))
+    assert sum(r["bytes"] for r in results) == 2 * 2 * rows_numel
+    assert p.memory.muon_owner > 0

@@ -61,9 +61,9 @@ def test_formula_by_strategy():
     Pp, w = 44, 4
     assert fs.plan(shapes, strategy="optim", **kw).padded_numel == Pp
     assert c["no_shard"] == {"all_reduce": (30 + 7) * w, "all_gather": 0, "reduce_scatter": 0,
-                             "metrics": 8}
+                             "metrics": 8, "muon": 0}
     assert c["optim"] == {"reduce_scatter": Pp * w, "all_reduce": Pp // 4 * w,
-                          "all_gather": Pp * w, "metrics": 16}
+                          "all_gather": Pp * w, "metrics": 16, "muon": 0}
     assert c["optim_grads"]["reduce_scatter"] == 3 * Pp * w
     assert c["optim_grads_params"]["all_gather"] == 2 * 3 * Pp * w
 

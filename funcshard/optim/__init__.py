@@ -2,8 +2,9 @@
 
 An :class:`Optimizer` is a pair of pure functions (``init``, ``update``); ``chain`` puts
 gradient transformations (``clip_by_global_norm``) before one; ``multi_transform`` gives
-parameter labels their own optimizers; ``mask=`` on ``sgd``/``adamw`` says where weight decay
-applies. Rules are per parameter, and parameters with one rule share one fused kernel call.
+parameter labels their own optimizers (``muon`` for matrices beside ``adamw``); ``mask=`` on
+``sgd``/``adamw`` says where weight decay applies. Rules are per parameter, and parameters
+with one rule share one fused kernel call.
 """
 
 from funcshard.optim.base import GradientTransformation, Optimizer, Schedule
@@ -16,6 +17,7 @@ from funcshard.optim.combine import (
     decay_mask,
     multi_transform,
 )
+from funcshard.optim.matrices import MuonState, muon
 from funcshard.optim.rules import AdamWState, SgdState, adamw, sgd
 from funcshard.optim.schedules import constant, warmup_cosine, warmup_linear
 
@@ -25,6 +27,7 @@ __all__ = [
     "ClipState",
     "GradientTransformation",
     "MultiTransformState",
+    "MuonState",
     "Optimizer",
     "Schedule",
     "SgdState",
@@ -34,6 +37,7 @@ __all__ = [
     "constant",
     "decay_mask",
     "multi_transform",
+    "muon",
     "sgd",
     "warmup_cosine",
     "warmup_linear",

@@ -1,11 +1,16 @@
 """The optimizer protocol and what every rule shares: per-parameter rules on flat buffers.
 
 An :class:`Optimizer` is a pure ``init``/``update`` pair. ``update(grads, state, params, *,
-donate=False, grad_norm=None, grad_scale=1.0)`` returns ``(new_params, new_state)``; the
+donate=False, grad_norm=None, grad_scale=1.0, placement=None)`` returns ``(new_params,
+new_state)``; the
 gradients it applies are ``grad_scale * grads``, the factor folded into the fused kernel (so a
 clip costs no pass of its own). ``grad_norm`` is the global L2 norm of ``grads`` when the caller
 knows it (``train_step`` does: the norm over every shard and replica); a clip uses it instead of
-the local leaves' norm.
+the local leaves' norm. ``placement`` (a :class:`funcshard.layout.Placement`, given with the
+buffers of a TrainState) says where every row of the parameters lives; elementwise rules ignore
+it, a matrix rule (``muon``) uses it to assemble whole matrices. An optimizer whose update is not
+elementwise says so (``elementwise=False``): the offloaded step then never splits its buffers
+into blocks.
 
 A :class:`GradientTransformation` maps gradients to gradients; ``chain`` puts any number of them
 before one optimizer. Its ``update`` returns ``(grads, new_state, grad_scale)``: a transform that
@@ -49,12 +54,14 @@ ParamPairs = tuple[tuple[str, tuple[int, ...]], ...]
 
 class Optimizer(NamedTuple):
     """A pure optimizer: ``init(params) -> state``; ``update(grads, state, params, *, donate,
-    grad_norm, grad_scale) -> (new_params, new_state)``; ``partition(name, shape)`` the key of
-    its per-parameter rules (None: one rule for every parameter)."""
+    grad_norm, grad_scale, placement) -> (new_params, new_state)``; ``partition(name, shape)``
+    the key of its per-parameter rules (None: one rule for every parameter); ``elementwise``
+    False when an element's update reads other elements (a matrix orthogonalization)."""
 
     init: Callable[..., Any]
     update: Callable[..., tuple[PyTree, Any]]
     partition: Partition | None = None
+    elementwise: bool = True
 
 
 class GradientTransformation(NamedTuple):

@@ -102,13 +102,14 @@ def chain(*transforms: GradientTransformation | Optimizer) -> Optimizer | Gradie
         return GradientTransformation(init, update_grads, partition)
 
     def update(grads, state: ChainState, params, *, donate: bool = False,
-               grad_norm: float | None = None, grad_scale: float = 1.0):
+               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
         grads, new_states, grad_scale = transform(grads, state, params, grad_norm, grad_scale)
         new_params, s = last.update(grads, state.states[-1], params, donate=donate,
-                                    grad_norm=grad_norm, grad_scale=grad_scale)
+                                    grad_norm=grad_norm, grad_scale=grad_scale,
+                                    placement=placement)
         return new_params, ChainState((*new_states, s))
 
-    return Optimizer(init, update, partition)
+    return Optimizer(init, update, partition, last.elementwise)
 
 
 def _local_norm(grads: PyTree) -> float:
@@ -217,7 +218,7 @@ def multi_transform(optimizers_by_label: Mapping[str, Optimizer],
         return MultiTransformState({label: inner[label].init(parts[label]) for label in inner})
 
     def update(grads, state: MultiTransformState, params, *, donate: bool = False,
-               grad_norm: float | None = None, grad_scale: float = 1.0):
+               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
         del grad_norm  # the global norm is the whole tree's; inner clips see their own part
         g_parts, _, _ = split(grads, params)
         p_parts, owner, treedef = split(params, params)
@@ -225,12 +226,12 @@ def multi_transform(optimizers_by_label: Mapping[str, Optimizer],
         for label, opt in inner.items():
             new_p, new_state[label] = opt.update(g_parts[label], state.inner[label],
                                                  p_parts[label], donate=donate,
-                                                 grad_scale=grad_scale)
+                                                 grad_scale=grad_scale, placement=placement)
             new_params[label] = optree.tree_flatten(new_p, none_is_leaf=True,
                                                     namespace=NAMESPACE)[0]
         merged = [None if o is None else new_params[o][i] for i, o in enumerate(owner)]
         return treedef.unflatten(merged), MultiTransformState(new_state)
 
-    return Optimizer(init, update, partition)
+    return Optimizer(init, update, partition, all(o.elementwise for o in inner.values()))
 
 

@@ -140,8 +140,8 @@ def sgd(
         return SgdState(count=0, momentum=tree_zeros(params) if momentum else None)
 
     def update(grads: PyTree, state: SgdState, params: PyTree, *, donate: bool = False,
-               grad_norm: float | None = None, grad_scale: float = 1.0):
-        del grad_norm
+               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
+        del grad_norm, placement  # elementwise: where the rows live does not matter
         bufs = (state.momentum,) if momentum else ()
         treedef, p, g, out = _prepare(grads, params, donate, grad_scale, *bufs)
         m = out[0] if momentum else [torch.empty(0)] * len(p)
@@ -203,8 +203,8 @@ def adamw(
         return AdamWState(count=0, mu=tree_zeros(params), nu=tree_zeros(params))
 
     def update(grads: PyTree, state: AdamWState, params: PyTree, *, donate: bool = False,
-               grad_norm: float | None = None, grad_scale: float = 1.0):
-        del grad_norm
+               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
+        del grad_norm, placement  # elementwise: where the rows live does not matter
         treedef, p, g, (mu, nu) = _prepare(grads, params, donate, grad_scale, state.mu, state.nu)
         lr_now = lr_at(lr, state.count)
         steps: dict[torch.device, torch.Tensor] = {}

@@ -1,0 +1,342 @@
+"""``muon``: torch.optim.Muon's update on sharded state, each matrix orthogonalized whole.
+
+Muon orthogonalizes each 2-D update with a Newton-Schulz iteration, which needs the WHOLE
+matrix, while a TrainState keeps row shards of flat buckets. Owner-computes: every matrix gets
+one owner rank of the "shard" group (balanced by Newton-Schulz FLOPs); each rank sends the owner
+its rows of the momentum-updated gradient, the owner orthogonalizes the full matrix and sends
+every rank back its rows. Only those rows move (two all-to-alls per round, in bfloat16, which is
+what the iteration reads and returns anyway, so nothing is lost on the wire), and the exchange of
+round k+1 is in flight while the owners work on round k.
+
+Everything else of the update (momentum, Nesterov, weight decay, the step itself) is elementwise
+and runs on the local rows, exactly as torch does it on the whole tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import optree
+import torch
+
+from funcshard import collectives
+from funcshard.buckets import NAMESPACE, Members
+from funcshard.optim.base import (
+    Optimizer,
+    PyTree,
+    Schedule,
+    leaf_params,
+    leaves,
+    lr_at,
+    not_negative,
+)
+
+__all__ = ["MuonState", "muon", "newton_schulz", "ns_flops", "assign_owners", "exchange_plan"]
+
+KIND = "muon"  # fs.comm_stats() kind of the exchange
+
+
+class MuonState(NamedTuple):
+    count: int
+    momentum: PyTree
+
+
+def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float) -> torch.Tensor:
+    """The orthogonalization of one whole matrix, exactly as torch.optim.Muon computes it
+    (bfloat16; a tall matrix is worked on transposed). Returns a contiguous bfloat16 matrix of
+    ``update``'s shape."""
+    if update.dim() != 2:
+        raise ValueError(f"newton_schulz: expected a 2-D matrix, got shape {tuple(update.shape)}")
+    a, b, c = coefficients
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    return (x.T if tall else x).contiguous()
+
+
+def ns_flops(shape: Sequence[int], steps: int) -> int:
+    """Multiply-add FLOPs of ``steps`` Newton-Schulz iterations on a matrix of ``shape``."""
+    n, m = sorted(shape)
+    return steps * (4 * n * n * m + 2 * n ** 3)
+
+
+def assign_owners(shapes: Sequence[Sequence[int]], size: int, steps: int = 5) -> list[int]:
+    """An owner rank per matrix, balancing Newton-Schulz FLOPs (largest first, each to the least
+    loaded rank; ties to the lower rank). The same on every rank: it reads shapes only."""
+    owners = [0] * len(shapes)
+    load = [0] * size
+    for i in sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i)):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += ns_flops(shapes[i], steps)
+    return owners
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Matrix:
+    name: str
+    shape: tuple[int, int]
+    rows: tuple[tuple[int, int], ...]  # [start, stop) per shard rank
+    update: torch.Tensor | None  # this rank's rows (rows, cols), set for the live step
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExchangePlan:
+    """Per-rank traffic and owner memory of one update, from shapes alone (``fs.plan``)."""
+
+    sent_bytes: tuple[int, ...]  # per shard rank: inputs of both all-to-alls
+    owner_bytes: tuple[int, ...]  # per shard rank: the most whole-matrix bytes held at once
+    rounds: int
+
+
+def _rounds(owners: list[int], size: int, order: list[int]) -> list[list[int | None]]:
+    """Round k holds, per owner rank, its k-th matrix (or None)."""
+    per_owner: list[list[int]] = [[] for _ in range(size)]
+    for i in order:
+        per_owner[owners[i]].append(i)
+    n = max((len(x) for x in per_owner), default=0)
+    return [[x[k] if k < len(x) else None for x in per_owner] for k in range(n)]
+
+
+def _order(shapes: Sequence[Sequence[int]], steps: int) -> list[int]:
+    return sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i))
+
+
+def exchange_plan(matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]],
+                  size: int, steps: int = 5) -> ExchangePlan:
+    """Bytes of the owner-computes exchange for ``(shape, row ranges per rank)`` matrices."""
+    shapes = [s for s, _ in matrices]
+    owners = assign_owners(shapes, size, steps)
+    rounds = _rounds(owners, size, _order(shapes, steps))
+    sent = [0] * size
+    held = [0] * size
+    for k, rnd in enumerate(rounds):
+        for o, i in enumerate(rnd):
+            if i is None:
+                continue
+            (_, cols), rows = matrices[i]
+            for r, (a, b) in enumerate(rows):
+                sent[r] += 2 * (b - a) * cols  # rows to the owner, bf16
+            sent[o] += 2 * math.prod(shapes[i])  # the result back, bf16
+            nxt = rounds[k + 1][o] if k + 1 < len(rounds) else None
+            whole = 2 * math.prod(shapes[i]) + (2 * math.prod(shapes[nxt]) if nxt is not None
+                                               else 0)
+            n, m = sorted(shapes[i])
+            workspace = 2 * (2 * n * n + 2 * n * m)  # gram, its update, the next iterate (bf16)
+            held[o] = max(held[o], whole + workspace)
+    return ExchangePlan(tuple(sent), tuple(held), len(rounds))
+
+
+def _leaf_members(tree: PyTree) -> list[Members | None]:
+    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace=NAMESPACE)
+    return [p[-1] if p and isinstance(p[-1], Members) else None for p in paths]
+
+
+def _check_2d(tree: PyTree) -> None:
+    bad = [(name, shape) for pairs in leaf_params(tree) for name, shape in pairs
+           if len(shape) != 2]
+    if bad:
+        name, shape = bad[0]
+        raise ValueError(f"muon: parameter {name!r} has shape {shape}; Muon orthogonalizes 2-D "
+                         f"matrices only (give {[n for n, _ in bad]} to another optimizer, e.g. "
+                         "fs.optim.multi_transform({'muon': muon(...), 'adamw': adamw(...)}, "
+                         "labels))")
+
+
+def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
+    a, b = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, a / b))
+    return lr * 0.2 * math.sqrt(max(a, b))  # "match_rms_adamw"
+
+
+def muon(
+    lr: float | Schedule = 1e-3,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+    eps: float = 1e-7,
+    adjust_lr_fn: str | None = None,
+    *,
+    owner_computes: bool = True,
+) -> Optimizer:
+    """torch.optim.Muon's update for 2-D parameters, as a pure optimizer.
+
+    Per matrix: ``buf.lerp_(g, 1 - momentum)``; the update is ``g.lerp(buf, momentum)``
+    (Nesterov) or ``buf``; ``O`` its Newton-Schulz orthogonalization (bfloat16);
+    ``p *= 1 - lr * weight_decay``; ``p -= adjusted_lr * O`` with ``adjusted_lr = lr *
+    sqrt(max(1, rows / cols))`` ("original") or ``0.2 * lr * sqrt(max(rows, cols))``
+    ("match_rms_adamw").
+
+    On a TrainState each matrix is orthogonalized whole by one owner rank of the "shard" group
+    (see the module docstring); under ``no_shard`` every rank holds whole matrices and works on
+    all of them. Offloaded Muon buckets work too: their rows go to the owner over the state's
+    device and come back to the CPU.
+
+    Args:
+      lr: a float or a schedule ``step -> float``.
+      weight_decay, momentum, nesterov, ns_steps, ns_coefficients, eps, adjust_lr_fn: as
+        ``torch.optim.Muon``.
+      owner_computes: False makes every rank gather every whole matrix and orthogonalize all of
+        them (the replicated way, kept as the baseline of ``experiments/bench_muon.py``).
+
+    Raises:
+      ValueError: a parameter is not 2-D (named), or a hyperparameter is out of range.
+    """
+    not_negative("lr", 0.0 if callable(lr) else lr)
+    not_negative("momentum", momentum)
+    not_negative("weight_decay", weight_decay)
+    if not 0 < ns_steps < 100:
+        raise ValueError(f"muon: ns_steps must be in [1, 100), got {ns_steps}")
+    if len(ns_coefficients) != 3:
+        raise ValueError(f"muon: ns_coefficients must be 3 floats, got {ns_coefficients}")
+    if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+        raise ValueError(f"muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', "
+                         f"got {adjust_lr_fn!r}")
+    coefficients = tuple(float(c) for c in ns_coefficients)
+
+    def orthogonalize(m: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(m, coefficients, ns_steps, eps)
+
+    def init(params: PyTree) -> MuonState:
+        _check_2d(params)
+        return MuonState(0, optree.tree_map(torch.zeros_like, params, none_is_leaf=False,
+                                            namespace=NAMESPACE))
+
+    def update(grads: PyTree, state: MuonState, params: PyTree, *, donate: bool = False,
+               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
+        del grad_norm
+        _check_2d(params)
+        treedef = optree.tree_structure(params, none_is_leaf=False, namespace=NAMESPACE)
+        p, g, buf = leaves(params), leaves(grads), leaves(state.momentum)
+        if not (len(p) == len(g) == len(buf)):
+            raise ValueError(f"muon update: {len(g)} gradient and {len(buf)} momentum leaves "
+                             f"for {len(p)} params")
+        if not donate:
+            p, buf = [t.clone() for t in p], [t.clone() for t in buf]
+        lr_now = lr_at(lr, state.count)
+        matrices, targets = [], []
+        for pi, gi, bi, members, pairs in zip(p, g, buf, _leaf_members(params),
+                                              leaf_params(params), strict=True):
+            if gi.shape != pi.shape:
+                raise ValueError(f"muon update: a gradient of shape {tuple(gi.shape)} for "
+                                 f"{[n for n, _ in pairs]} of shape {tuple(pi.shape)}")
+            gi = gi.to(pi.dtype) if gi.dtype != pi.dtype else gi
+            if grad_scale != 1.0:
+                gi = gi * grad_scale
+            bi.lerp_(gi, 1 - momentum)
+            upd = gi.lerp(bi, momentum) if nesterov else bi
+            pi.mul_(1 - lr_now * weight_decay)
+            for name, shape, rows, u, target in _matrices_of(pi, upd, members, pairs, placement):
+                matrices.append(_Matrix(name, shape, rows, u))
+                targets.append((target, _adjusted_lr(lr_now, adjust_lr_fn, shape)))
+        results = _orthogonalize_all(matrices, placement, orthogonalize, ns_steps,
+                                     owner_computes)
+        for (target, alr), o in zip(targets, results, strict=True):
+            target.add_(o.to(target.device), alpha=-alr)
+        unflat = lambda xs: optree.tree_unflatten(treedef, xs)
+        return unflat(p), MuonState(state.count + 1, unflat(buf))
+
+    return Optimizer(init, update, partition=None, elementwise=False)
+
+
+def _matrices_of(param: torch.Tensor, update: torch.Tensor, members: Members | None,
+                 pairs, placement):
+    """``(name, full shape, row ranges per rank, local update rows, local param rows)`` per
+    matrix held by one leaf (a whole tensor, or a flat buffer of row shards)."""
+    if members is None:  # a plain pytree leaf: the whole matrix is here
+        (name, shape), = pairs
+        yield name, shape, ((0, shape[0]),), update, param
+        return
+    if placement is None:
+        raise ValueError(f"muon: the flat buffers of {list(members.names)} came without a "
+                         "placement; step a TrainState through fs.train_step / fs.offload_step")
+    for spec in placement.leaves(members):
+        rows = tuple(spec.row_range(r) for r in range(placement.size))
+        start, stop = rows[placement.rank]
+        span = slice(spec.offset, spec.offset + (stop - start) * spec.row_numel)
+        local = (stop - start, spec.shape[1])
+        yield spec.name, spec.shape, rows, update[span].view(local), param[span].view(local)
+
+
+def _orthogonalize_all(matrices: list[_Matrix], placement, orthogonalize, steps: int,
+                       owner_computes: bool) -> list[torch.Tensor]:
+    """This rank's rows of every matrix's orthogonalized update (bfloat16)."""
+    size = 1 if placement is None else placement.size
+    if size == 1:
+        return [orthogonalize(m.update) for m in matrices]
+    if not owner_computes:
+        return _replicated(matrices, placement, orthogonalize)
+    return _owner_computes(matrices, placement, orthogonalize, steps)
+
+
+def _replicated(matrices: list[_Matrix], placement, orthogonalize) -> list[torch.Tensor]:
+    """Every rank gathers every whole matrix and orthogonalizes all of them."""
+    out = []
+    for m in matrices:
+        rps = max(b - a for a, b in m.rows)
+        cols = m.shape[1]
+        local = torch.zeros(rps * cols, dtype=torch.bfloat16, device=placement.device)
+        local[: m.update.numel()].copy_(m.update.reshape(-1))
+        full = collectives.all_gather(local, placement.group, kind=KIND)
+        full = full.view(placement.size, rps, cols)
+        whole = torch.cat([full[r, : b - a] for r, (a, b) in enumerate(m.rows)])
+        a, b = m.rows[placement.rank]
+        out.append(orthogonalize(whole)[a:b])
+    return out
+
+
+def _owner_computes(matrices: list[_Matrix], placement, orthogonalize,
+                    steps: int) -> list[torch.Tensor]:
+    """Owner-computes in rounds; round k+1's rows travel while round k is orthogonalized."""
+    size, me, group, device = placement.size, placement.rank, placement.group, placement.device
+    shapes = [m.shape for m in matrices]
+    owners = assign_owners(shapes, size, steps)
+    rounds = _rounds(owners, size, _order(shapes, steps))
+    local_rows = lambda i, r: (matrices[i].rows[r][1] - matrices[i].rows[r][0]) * shapes[i][1]
+
+    def send_rows(rnd: list[int | None]) -> collectives.Pending:
+        """Every rank's rows of each owner's matrix of this round, to that owner."""
+        parts = [matrices[i].update.reshape(-1) for i in rnd if i is not None]
+        inp = (torch.cat(parts) if parts else torch.empty(0)).to(device, torch.bfloat16)
+        in_splits = [local_rows(i, me) if i is not None else 0 for i in rnd]
+        mine = rnd[me]
+        out_splits = [local_rows(mine, r) if mine is not None else 0 for r in range(size)]
+        out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=device)
+        return collectives.all_to_all(out, inp, out_splits, in_splits, group, kind=KIND)
+
+    results: list[torch.Tensor | None] = [None] * len(matrices)
+    returns = []
+    pending = send_rows(rounds[0]) if rounds else None
+    for k, rnd in enumerate(rounds):
+        whole = pending.wait()
+        pending = send_rows(rounds[k + 1]) if k + 1 < len(rounds) else None
+        mine = rnd[me]
+        ortho = orthogonalize(whole.view(shapes[mine])).reshape(-1) if mine is not None else \
+            torch.empty(0, dtype=torch.bfloat16, device=device)
+        in_splits = [local_rows(mine, r) if mine is not None else 0 for r in range(size)]
+        out_splits = [local_rows(i, me) if i is not None else 0 for i in rnd]
+        out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=device)
+        returns.append((rnd, out_splits,
+                        collectives.all_to_all(out, ortho, out_splits, in_splits, group,
+                                               kind=KIND)))
+    for rnd, splits, back in returns:
+        parts = back.wait().split(splits)
+        for i, part in zip(rnd, parts, strict=True):
+            if i is not None:
+                a, b = matrices[i].rows[me]
+                results[i] = part.view(b - a, shapes[i][1])
+    return results  # type: ignore[return-value]
+
