@@ -58,6 +58,10 @@ flags.DEFINE_float("lr", 1e-2, "Peak AdamW learning rate (warmup, then cosine to
 flags.DEFINE_integer("warmup", 25, "Linear warmup steps.", lower_bound=1)
 flags.DEFINE_float("weight_decay", 0.1, "AdamW decoupled weight decay.", lower_bound=0.0)
 flags.DEFINE_bool("decay_mask", True, "Decay only matrices and embeddings (not biases, norms).")
+flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "adamw, or muon for the blocks' "
+                  "matrices (owner-computes) with AdamW for embeddings, norms, biases.")
+flags.DEFINE_float("muon_lr", 0.02, "Peak Muon learning rate (same warmup and cosine shape).",
+                   lower_bound=0.0)
 flags.DEFINE_float("clip", 1.0, "Clip the global gradient norm to this; 0 = no clipping.",
                    lower_bound=0.0)
 flags.DEFINE_integer("n_layer", 2, "Transformer blocks.", lower_bound=1)

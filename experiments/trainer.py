@@ -47,6 +47,8 @@ class Config:
     weight_decay: float = 0.1
     decay_mask: bool = True  # decay matrices and embeddings only (fs.optim.decay_mask)
     clip: float = 1.0  # clip_by_global_norm threshold; 0 = no clipping
+    optimizer: str = "adamw"  # "adamw", or "muon" (the blocks' matrices; AdamW for the rest)
+    muon_lr: float = 0.02  # Muon's peak learning rate (same warmup and cosine shape)
     # the model; its vocab is the Markov source's (a text file's own vocab replaces it)
     model: GPTConfig = dataclasses.field(default_factory=lambda: GPTConfig(vocab=16, seq_len=32))
     concentration: float = 0.1
@@ -68,11 +70,26 @@ def lr_schedule(cfg: Config):
                                   total=max(cfg.steps, cfg.warmup + 1), final=cfg.lr / 10)
 
 
+def is_hidden_matrix(name: str, shape: tuple) -> bool:
+    """Muon's share of the model: the blocks' 2-D weights (not embeddings, head, norms)."""
+    return len(shape) == 2 and name.startswith("blocks.")
+
+
 def make_optimizer(cfg: Config) -> fs.optim.Optimizer:
-    """The LLM recipe: AdamW (betas 0.9, 0.95) with the schedule, decay mask and clip."""
-    adamw = fs.optim.adamw(lr=lr_schedule(cfg), betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                           mask=fs.optim.decay_mask if cfg.decay_mask else None)
-    return fs.optim.chain(fs.optim.clip_by_global_norm(cfg.clip), adamw) if cfg.clip else adamw
+    """The LLM recipe: AdamW (betas 0.9, 0.95) with the schedule, decay mask and clip; with
+    ``optimizer="muon"``, Muon on the blocks' matrices and that AdamW on the rest."""
+    if cfg.optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer must be 'adamw' or 'muon', got {cfg.optimizer!r}")
+    opt = fs.optim.adamw(lr=lr_schedule(cfg), betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                         mask=fs.optim.decay_mask if cfg.decay_mask else None)
+    if cfg.optimizer == "muon":
+        muon_lr = fs.optim.warmup_cosine(cfg.muon_lr, warmup=cfg.warmup,
+                                         total=max(cfg.steps, cfg.warmup + 1),
+                                         final=cfg.muon_lr / 10)
+        opt = fs.optim.multi_transform(
+            {"muon": fs.optim.muon(muon_lr, weight_decay=cfg.weight_decay), "adamw": opt},
+            lambda name, shape: "muon" if is_hidden_matrix(name, shape) else "adamw")
+    return fs.optim.chain(fs.optim.clip_by_global_norm(cfg.clip), opt) if cfg.clip else opt
 
 
 def make_source(cfg: Config) -> data_lib.MarkovSource | data_lib.TextSource:
