@@ -54,6 +54,8 @@ flags.DEFINE_integer("n_layer", 6, "Transformer blocks.")
 flags.DEFINE_list("strategies", ["optim_grads_params", "optim_grads"], "funcshard strategies.")
 flags.DEFINE_list("policies", ["fp32", "bf16"], "fp32 | bf16 (bf16 compute, fp32 master/wire).")
 flags.DEFINE_integer("threads", 1, "Intra-op threads per rank.")
+flags.DEFINE_bool("deterministic", False, "Also run funcshard with deterministic=True beside "
+                  "the default (same data, alternated steps) and print its cost.")
 flags.DEFINE_bool("bf16_anyway", False, "Run the bf16 rows on a CPU without native bf16 too "
                   "(emulated bf16 matmuls: slow, and not what a bf16 CPU would show).")
 
@@ -74,6 +76,7 @@ class Config:
     strategies: tuple[str, ...]
     policies: tuple[str, ...]
     threads: int
+    deterministic: bool = False
 
 
 def _policies(name: str) -> tuple[fs.MixedPrecisionPolicy, FsdpPolicy | None]:
@@ -161,10 +164,11 @@ def _peak_bytes(runner, batches) -> int:
 
 class _Funcshard:
     def __init__(self, model: GPT, mesh, strategy: str, policy: fs.MixedPrecisionPolicy,
-                 cfg: Config) -> None:
+                 cfg: Config, deterministic: bool = False) -> None:
         self.model, self.cfg = model, cfg
         opt = fs.optim.adamw(LR, weight_decay=0.1)
-        self.state = fs.init(model, opt, mesh=mesh, policy=policy, strategy=strategy)
+        self.state = fs.init(model, opt, mesh=mesh, policy=policy, strategy=strategy,
+                             deterministic=deterministic)
 
         def loss_fn(params, batch):
             return _ce(fs.functional_call(model, params, (batch["x"],)), batch["y"])
@@ -220,6 +224,8 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
     fs_policy, fsdp_policy = _policies(policy_name)
     runners = {"funcshard": _Funcshard(model, mesh, strategy, fs_policy, cfg),
                "fsdp2": _Fsdp2(copy.deepcopy(model), mesh, strategy, fsdp_policy, cfg)}
+    if cfg.deterministic:
+        runners["deterministic"] = _Funcshard(model, mesh, strategy, fs_policy, cfg, True)
     times: dict[str, list[float]] = {k: [] for k in runners}
     cpu: dict[str, list[float]] = {k: [] for k in runners}
     losses: dict[str, list[float]] = {k: [] for k in runners}
@@ -239,6 +245,10 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
     batches = [_batch(cfg, step), _batch(cfg, step + 1)]
     with fs.comm_stats() as stats:
         runners["funcshard"].step(batches[0])
+    det_stats = None
+    if cfg.deterministic:
+        with fs.comm_stats() as det_stats:
+            runners["deterministic"].step(batches[0])
     with _FsdpComm() as fsdp_comm:
         runners["fsdp2"].step(batches[0])
     peak = {k: _peak_bytes(r, batches) for k, r in runners.items()}
@@ -246,7 +256,17 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
                         policy=fs_policy, microbatches=cfg.microbatches, optimizer="adamw",
                         device_type="cpu")
     comm_keys = ("all_gather", "reduce_scatter", "all_reduce")
+    det = {}
+    if det_stats is not None:
+        det_plan = fs.plan(model, world_size=dist.get_world_size(), strategy=strategy,
+                           policy=fs_policy, microbatches=cfg.microbatches, optimizer="adamw",
+                           device_type="cpu", deterministic=True)
+        det = {"comm": sum(det_stats.bytes[k] for k in comm_keys),
+               "plan": sum(det_plan.comm[k] for k in comm_keys),
+               "metrics": det_stats.bytes["metrics"], "metrics_plan": det_plan.comm["metrics"],
+               "default_metrics": stats.bytes["metrics"]}
     return {
+        "deterministic": det,
         "strategy": strategy,
         "policy": policy_name,
         "params": sum(p.numel() for p in model.parameters()),
@@ -283,9 +303,11 @@ def main(argv: list[str]) -> None:
         policies = tuple(p for p in policies if p != "bf16")
     cfg = Config(FLAGS.steps, FLAGS.warmup, FLAGS.microbatches, FLAGS.batch, FLAGS.seq_len,
                  FLAGS.vocab, FLAGS.d_model, FLAGS.n_layer, tuple(FLAGS.strategies),
-                 policies, FLAGS.threads)
+                 policies, FLAGS.threads, FLAGS.deterministic)
     results = fs.launch(worker, cfg, nproc=FLAGS.nproc) if policies else [[]]
     _print_table(cfg, results)
+    if cfg.deterministic and results[0]:
+        _print_deterministic(cfg, results)
     for strategy in cfg.strategies if skipped else ():
         print(f"{strategy:<19}{'bf16':<7}skipped: no native bf16 on this CPU, pass "
               "--bf16_anyway to run")
@@ -307,11 +329,7 @@ def _print_table(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
         t = {k: max(rank[i]["time"][k] for rank in results) for k in ("funcshard", "fsdp2")}
         # each funcshard step over the FSDP2 step run right before or after it (slowest rank):
         # a machine load that drifts during the run cancels out of these ratios
-        per_step = {k: [max(s) for s in zip(*(rank[i]["steps"][k] for rank in results),
-                                            strict=True)]
-                    for k in ("funcshard", "fsdp2")}
-        ratio = statistics.median(a / b for a, b in zip(per_step["funcshard"],
-                                                        per_step["fsdp2"], strict=True))
+        ratio = _per_step_ratio(results, i, "funcshard", "fsdp2")
         peak = {k: max(rank[i]["peak"][k] for rank in results) for k in ("funcshard", "fsdp2")}
         u = {k: max(rank[i]["cpu"][k] for rank in results) for k in ("funcshard", "fsdp2")}
         c = r["comm"]
@@ -320,6 +338,33 @@ def _print_table(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
               f"{u['funcshard'] / u['fsdp2']:>7.2f}{_mb(peak['funcshard']):>12}"
               f"{_mb(peak['fsdp2']):>10}{_mb(c['funcshard']):>12}{_mb(c['plan']):>9}"
               f"{_mb(c['fsdp2']):>10}{r['loss']:>9.4f}{r['loss_gap']:>12.1e}")
+
+
+
+def _per_step_ratio(results, i: int, a: str, b: str) -> float:
+    """Median over steps of runner a's step over runner b's step beside it (slowest rank)."""
+    steps = {k: [max(s) for s in zip(*(rank[i]["steps"][k] for rank in results), strict=True)]
+             for k in (a, b)}
+    return statistics.median(x / y for x, y in zip(steps[a], steps[b], strict=True))
+
+
+def _print_deterministic(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
+    print(f"\ndeterministic=True beside the default, same run ({cfg.microbatches} microbatches):")
+    print(f"{'strategy':<19}{'policy':<7}{'default s':>10}{'det s':>8}{'ratio':>7}"
+          f"{'default MB':>11}{'det MB':>8}{'plan MB':>9}{'metrics KB':>11}{'plan KB':>9}"
+          f"{'peak MB':>9}{'det peak':>9}")
+    for i, r in enumerate(results[0]):
+        t = {k: max(rank[i]["time"][k] for rank in results)
+             for k in ("funcshard", "deterministic")}
+        peak = {k: max(rank[i]["peak"][k] for rank in results)
+                for k in ("funcshard", "deterministic")}
+        d = r["deterministic"]
+        print(f"{r['strategy']:<19}{r['policy']:<7}{t['funcshard']:>10.3f}"
+              f"{t['deterministic']:>8.3f}"
+              f"{_per_step_ratio(results, i, 'deterministic', 'funcshard'):>7.2f}"
+              f"{_mb(r['comm']['funcshard']):>11}{_mb(d['comm']):>8}{_mb(d['plan']):>9}"
+              f"{d['metrics'] / 1e3:>11.1f}{d['metrics_plan'] / 1e3:>9.1f}"
+              f"{_mb(peak['funcshard']):>9}{_mb(peak['deterministic']):>9}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,10 @@ def comm_stats() -> Iterator[CommStats]:
         _ACTIVE.remove(stats)
 
 
-def _record(kind: str, tensor: torch.Tensor) -> None:
+def record(kind: str | None, tensor: torch.Tensor) -> None:
+    """Counts ``tensor``'s bytes under ``kind`` (None: counted by the caller as a whole)."""
+    if kind is None:
+        return
     for stats in _ACTIVE:
         stats.record(kind, tensor.numel() * tensor.element_size())
 
@@ -89,6 +92,14 @@ class Pending:
         self._work = work
         self._result = result
         self._keep = keep  # the input, alive until the collective is done
+        self._finish: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def then(cls, pending: Pending, finish: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
+        """``pending`` whose ``wait()`` gives ``finish`` of its result (run once, at wait)."""
+        out = cls(pending._work, pending._result, pending._keep)
+        out._finish = finish
+        return out
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -100,17 +111,19 @@ class Pending:
             self._work.wait()
             self._work = None
             self._keep = None
+        if self._finish is not None:
+            self._result, self._finish = self._finish(self._result), None
         return self._result
 
 
 def all_gather(local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False,
-               kind: str = "all_gather"):
+               kind: str | None = "all_gather"):
     """Concatenates every rank's 1-D ``local`` in group rank order."""
     size = dist.get_world_size(group)
     if size == 1:
         return Pending(None, local) if async_op else local
     out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
-    _record(kind, out)
+    record(kind, out)
     work = dist.all_gather_single(out, local.contiguous(), group=group, async_op=async_op)
     return Pending(work, out) if async_op else out
 
@@ -121,7 +134,7 @@ def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, *, async_op: bo
     if size == 1:
         return Pending(None, full) if async_op else full
     out = torch.empty(full.numel() // size, dtype=full.dtype, device=full.device)
-    _record("reduce_scatter", full)
+    record("reduce_scatter", full)
     full = full.contiguous()
     work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group,
                                       async_op=async_op)
@@ -133,16 +146,16 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "a
     if dist.get_world_size(group) == 1:
         return tensor
     out = tensor.clone()
-    _record(kind, out)
+    record(kind, out)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-               group: dist.ProcessGroup, *, kind: str) -> Pending:
+               group: dist.ProcessGroup, *, kind: str | None) -> Pending:
     """Asynchronous all-to-all of 1-D buffers: ``in_splits[r]`` elements of ``inp`` go to rank
     ``r`` and ``out_splits[r]`` elements of ``out`` come from it, in rank order. Counts the
     input buffer (what this rank sends, its own part included) under ``kind``."""
-    _record(kind, inp)
+    record(kind, inp)
     work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
     return Pending(work, out, keep=inp)

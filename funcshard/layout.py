@@ -124,6 +124,9 @@ class Layout:
     # (alias, parameter) for every tied name that named_parameters() drops: the same weight
     # under another name of model.state_dict() (e.g. GPT-2's lm_head.weight)
     aliases: tuple[tuple[str, str], ...] = ()
+    # bitwise the same results on every layout with the same number of gradient chunks
+    # (funcshard.determinism)
+    deterministic: bool = False
 
     def aliases_of(self, name: str) -> tuple[str, ...]:
         """The other names of parameter ``name`` in the model's state_dict (tied weights)."""
@@ -281,11 +284,14 @@ def build_layout(
     offload_fraction: float = 0.0,
     units: UnitsArg = None,
     partition: Callable[[str, tuple], Hashable] | None = None,
+    deterministic: bool = False,
 ) -> Layout:
     """Computes the layout from ``{name: (shape, dtype)}`` in ``named_parameters`` order.
 
     ``partition(name, shape)`` is the optimizer's rule key (``Optimizer.partition``): leaves
     with different keys never share a bucket, so every flat buffer has one rule.
+    ``deterministic`` asks for the layout-independent reductions of
+    :mod:`funcshard.determinism` (it checks that the mesh and policy allow them).
     """
     check_strategy(strategy)
     if not 0.0 <= offload_fraction <= 1.0:
@@ -320,6 +326,8 @@ def build_layout(
             leaves[i] = LeafSpec(name, shape, dtypes, unit, rows, rps, row_numel, b, offset)
             offset += rps * row_numel
         buckets.append(Bucket(b, unit, dtypes, off, tuple(members), offset))
+    if deterministic:
+        _check_deterministic(mesh.size(), buckets, [leaf.name for leaf in leaves])
     return Layout(
         mesh=mesh,
         policy=policy,
@@ -331,4 +339,19 @@ def build_layout(
         offload_fraction=offload_fraction,
         aliases=tuple((a, n) for a, n in tied_aliases(model) if n in params)
         if model is not None else (),
+        deterministic=deterministic,
     )
+
+
+def _check_deterministic(dp_size: int, buckets: list[Bucket], names: list[str]) -> None:
+    """What ``deterministic=True`` needs of the mesh and the policy, checked at init."""
+    if dp_size & (dp_size - 1):
+        raise ValueError(f"deterministic=True: the data-parallel size must be a power of two "
+                         f"(the gradient chunks form a pairwise tree), got {dp_size} ranks")
+    for b in buckets:
+        if b.dtypes.comm != b.dtypes.grad:
+            raise ValueError(
+                f"deterministic=True: parameter {names[b.leaves[0]]!r} would reduce with "
+                f"grad_comm_dtype={b.dtypes.comm} and accumulate in main_grads_dtype="
+                f"{b.dtypes.grad}; the rounding to the wire dtype would then depend on which "
+                "chunks share a rank. Use grad_comm_dtype=None (or equal to main_grads_dtype)")

@@ -16,7 +16,11 @@ dtype and ``c`` those of the compute dtype::
     optim_grads         reduce_scatter M*Pp*w, all_reduce Pp/S*w (R > 1), all_gather Pp*c
     optim_grads_params  all_gather 2*M*Pp*c, reduce_scatter M*Pp*w, all_reduce Pp/S*w (R > 1)
 
-(reduce-scatter and all-gather only when ``S > 1``). The ZeRO-3 all-gather counts a forward
+(reduce-scatter and all-gather only when ``S > 1``). With ``deterministic=True`` and ``M > 1``
+``optim_grads`` and ``optim_grads_params`` reduce-scatter once per step (``Pp*w``): a rank sums
+its microbatches first; the tree collectives move and count the same bytes as the ring ones,
+and the metrics are all-gathers (the norm's per-row sums, ``S * rows_per_shard * 8``; every
+microbatch's loss, ``W * M * 8``). The ZeRO-3 all-gather counts a forward
 gather and a backward re-gather of every bucket: exact when every unit saves one of its params
 for backward (a Linear weight does), an upper bound otherwise.
 
@@ -64,7 +68,8 @@ class MemoryPlan:
       compute_shard: ZeRO-3, the compute-dtype shards cast from the masters at step time
         (0 where no cast is needed).
       grads: the gradient accumulator during a step: the full unreduced gradient under
-        ``no_shard`` / ``optim``, the reduced shard under ``optim_grads`` / ``_params``.
+        ``no_shard`` / ``optim``, the reduced shard under ``optim_grads`` / ``_params``;
+        deterministic with M > 1 microbatches: log2(M) full unreduced partial sums.
       opt_state: optimizer state on the device.
       gathered_peak: ZeRO-3, most full (gathered) params alive at once: the root unit plus the
         largest other unit.
@@ -239,11 +244,13 @@ def _size(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def _memory(layout: Layout, n_states: list[int], device_type: str,
+def _memory(layout: Layout, n_states: list[int], device_type: str, microbatches: int,
             muon_owner: int = 0) -> MemoryPlan:
     S = layout.shard_size
     zero3 = layout.strategy == "optim_grads_params"
-    sharded_grads = layout.strategy in ("optim_grads", "optim_grads_params")
+    sharded_grads = not _accumulates_unreduced(layout, microbatches)
+    # a deterministic step holds up to log2(M) partial sums of its microbatches
+    partials = max(1, microbatches.bit_length() - 1) if layout.deterministic else 1
     master = compute = compute_shard = grads = opt = host = 0
     unit_full: dict[int, int] = {}
     for b in layout.buckets:
@@ -265,12 +272,18 @@ def _memory(layout: Layout, n_states: list[int], device_type: str,
             unit_full[b.unit] = unit_full.get(b.unit, 0) + S * c_bytes
         else:
             compute += 0 if (same and S == 1) else S * c_bytes
-        grads += g_bytes if sharded_grads else S * g_bytes
+        grads += g_bytes if sharded_grads else partials * S * g_bytes
     gathered = 0
     if zero3 and S > 1:
         others = [v for u, v in unit_full.items() if u != ROOT_UNIT]
         gathered = unit_full.get(ROOT_UNIT, 0) + max(others, default=0)
     return MemoryPlan(master, compute, compute_shard, grads, opt, gathered, host, muon_owner)
+
+
+def _accumulates_unreduced(layout: Layout, microbatches: int) -> bool:
+    """Whether a step keeps full unreduced gradients until after its last microbatch."""
+    units = layout.strategy in ("optim_grads", "optim_grads_params")
+    return not units or (layout.deterministic and microbatches > 1)
 
 
 def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
@@ -291,11 +304,17 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
                 add("all_reduce", 1, full * w)
             continue
         if S > 1:
-            per_mb = strategy in ("optim_grads", "optim_grads_params")
+            per_mb = not _accumulates_unreduced(layout, M)
             add("reduce_scatter", M if per_mb else 1, full * w)
             add("all_gather", 2 * M if strategy == "optim_grads_params" else 1, full * c)
         if replicate > 1:
             add("all_reduce", 1, b.numel * w)
+    if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
+        if world > 1:
+            add("metrics", 1, world * M * _METRIC_BYTES)
+        if S > 1:
+            add("metrics", 1, S * sum(s.rows_per_shard for s in layout.leaves) * _METRIC_BYTES)
+        return nbytes, calls
     if world > 1:
         add("metrics", 1, _METRIC_BYTES)  # the loss
     if S > 1:
@@ -318,6 +337,7 @@ def plan(
     units: UnitsArg = None,
     dtype: torch.dtype = torch.float32,
     device_type: str = "cuda",
+    deterministic: bool = False,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -338,6 +358,7 @@ def plan(
         name prefix that ends in a number ("layers.3").
       dtype: the model dtype of shape-only entries.
       device_type: where the state lives; on "cpu" an offloaded master is also the device's.
+      deterministic: as in ``fs.init`` (its reductions and gradient accumulation).
 
     Returns:
       A :class:`Plan`.
@@ -365,7 +386,8 @@ def plan(
     layout = build_layout(table, model=model, mesh=_ShapeMesh(replicate, shard),  # type: ignore[arg-type]
                           policy=policy or MixedPrecisionPolicy(), strategy=strategy,
                           offload_fraction=offload_fraction, units=units,
-                          partition=None if isinstance(optimizer, str) else optimizer.partition)
+                          partition=None if isinstance(optimizer, str) else optimizer.partition,
+                          deterministic=deterministic)
     comm, calls = _comm(layout, microbatches, replicate, world_size)
     comm["muon"], calls["muon"], muon_owner = _muon_exchange(optimizer, layout)
     return Plan(
@@ -378,7 +400,8 @@ def plan(
         padded_numel=layout.shard_size * sum(b.numel for b in layout.buckets),
         buckets=len(layout.buckets),
         units=len(layout.units),
-        memory=_memory(layout, _optimizer_states(optimizer, layout), device_type, muon_owner),
+        memory=_memory(layout, _optimizer_states(optimizer, layout), device_type, microbatches,
+                       muon_owner),
         comm=comm,
         calls=calls,
     )

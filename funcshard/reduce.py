@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from funcshard import collectives
+from funcshard import collectives, determinism
 from funcshard import sharding as shard_lib
 from funcshard.layout import Bucket, Layout, build_layout
 from funcshard.policy import MixedPrecisionPolicy
@@ -33,10 +33,13 @@ def start_reduce_shard_axis(
     layout: Layout, bucket: Bucket, sections: torch.Tensor
 ) -> collectives.Pending:
     """``reduce_shard_axis`` without waiting and without the final cast: ``wait()`` gives this
-    rank's shard of the mean in ``grad_comm_dtype``."""
+    rank's shard of the mean in ``grad_comm_dtype`` (summed in tree order when the layout is
+    deterministic)."""
     wire = sections.to(bucket.dtypes.comm).div_(layout.dp_size)
     if layout.shard_size == 1:
         return collectives.Pending(None, wire)
+    if layout.deterministic:
+        return determinism.start_reduce_scatter(wire, layout.shard_group)
     return collectives.reduce_scatter(wire, layout.shard_group, async_op=True)
 
 
@@ -46,6 +49,8 @@ def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -
     if torch.distributed.get_world_size(group) == 1:
         return local
     wire = local.to(bucket.dtypes.comm)
+    if layout.deterministic:
+        return determinism.all_reduce(wire, group).to(bucket.dtypes.grad)
     return collectives.all_reduce(wire, group).to(bucket.dtypes.grad)
 
 
@@ -85,8 +90,11 @@ def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
 
     One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite gradients of
     norm above ~1e19) or is not finite are the norms redone in fp64, so that a large but
-    finite gradient is never mistaken for an overflow.
+    finite gradient is never mistaken for an overflow. A deterministic layout takes
+    :func:`funcshard.determinism.global_norm` (the same bits on every layout).
     """
+    if layout.deterministic:
+        return determinism.global_norm(layout, grads)
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     by_device: dict[torch.device, list[torch.Tensor]] = {}

@@ -324,6 +324,7 @@ def init(
     strategy: str = "optim_grads_params",
     offload_fraction: float = 0.0,
     units: UnitsArg = None,
+    deterministic: bool = False,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -337,6 +338,14 @@ def init(
       offload_fraction: share of this rank's optimizer numel stepped on the CPU.
       units: gather units: submodule names or a predicate ``(name, module) -> bool``; None =
         the children of every ``nn.ModuleList``. The remaining params form the root unit.
+      deterministic: params, optimizer state and metrics bitwise identical on every world
+        size, mesh, strategy and offload fraction that splits the same global batch into the
+        same number G = dp_size * microbatches of equal chunks (G a power of two), and across
+        save/restore between such layouts (see :mod:`funcshard.determinism` for the cost).
+
+    Raises:
+      ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
+        or with a ``grad_comm_dtype`` other than ``main_grads_dtype``.
     """
     if not isinstance(opt, Optimizer):
         raise TypeError(f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
@@ -352,6 +361,7 @@ def init(
         offload_fraction=offload_fraction,
         units=units,
         partition=opt.partition,
+        deterministic=deterministic,
     )
     master = []
     for bucket in layout.buckets:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import optree
 import torch
 
-from funcshard import collectives
+from funcshard import collectives, determinism
 from funcshard import mesh as mesh_lib
 from funcshard import offload as offload_lib
 from funcshard import reduce as reduce_lib
@@ -58,9 +59,11 @@ def _compute_shards(layout: Layout, state: TrainState) -> list[torch.Tensor]:
 
 
 def _sharded_grads(layout: Layout, buffers: Any, batch: Any, loss_fn: LossFn, scale: float,
-                   acc: list[torch.Tensor | None] | None):
-    """ZeRO-2/3: adds this rank's gradient shards, reduced over "shard", into ``acc``."""
-    run = UnitRun(layout, buffers, replicated=layout.strategy == "optim_grads", acc=acc)
+                   acc: list[torch.Tensor | None] | None, *, local: bool = False):
+    """ZeRO-2/3: adds this rank's gradient shards, reduced over "shard", into ``acc``; with
+    ``local`` its unreduced rank sections instead (a deterministic step's microbatch)."""
+    run = UnitRun(layout, buffers, replicated=layout.strategy == "optim_grads", acc=acc,
+                  local=local)
     try:
         loss, aux = _loss_and_aux(loss_fn(run.params, batch))
         return loss.detach(), aux, run.reducer.backward(loss * scale)
@@ -93,6 +96,16 @@ def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: 
         torch._foreach_add_(acc, out)
         out = acc
     return loss.detach(), aux, out
+
+
+def _mean_loss(layout: Layout, losses: list[torch.Tensor]) -> float:
+    """The mean over every rank's microbatch losses."""
+    world = mesh_lib.world_group(layout.mesh)
+    if layout.deterministic:
+        return determinism.mean_loss(layout, losses, world)
+    total = torch.stack([loss.double() for loss in losses]).sum()
+    return float(collectives.all_reduce(total, world, kind="metrics")) / (
+        len(losses) * layout.dp_size)
 
 
 def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
@@ -142,21 +155,36 @@ def train_step(
         raise RuntimeError("train_step: the state holds no values (built from a meta-device "
                            "model); fill it with fs.restore(..., model_only=True) first")
     zero3 = layout.strategy == "optim_grads_params"
-    per_microbatch_reduce = layout.strategy in ("optim_grads", "optim_grads_params")
+    det = layout.deterministic
+    if det:
+        determinism.check_microbatches(layout.dp_size, microbatches)
+    units = layout.strategy in ("optim_grads", "optim_grads_params")
+    # A deterministic step sums a rank's microbatches before any rank's (the chunk tree's
+    # lowest levels), so with several it reduces once, like ZeRO-0/1.
+    per_microbatch_reduce = units and not (det and microbatches > 1)
     ls = state.loss_scale
     scale = (ls.scale if ls is not None else 1.0) / microbatches
-    if per_microbatch_reduce:
-        grads_fn = _sharded_grads
+    if units:
+        grads_fn = functools.partial(_sharded_grads, local=not per_microbatch_reduce)
         params = _compute_shards(layout, state) if zero3 else state.compute
     else:
         grads_fn, params = _replicated_grads, state.compute
 
-    acc, loss_sum, aux = None, torch.zeros((), dtype=torch.float64, device=layout.device), None
+    tree = determinism.PairwiseSum() if det and microbatches > 1 else None
+    acc, losses, aux = None, [], None
     for mb in split_microbatches(batch, microbatches):
-        loss, aux, acc = grads_fn(layout, params, mb, loss_fn, scale, acc)
-        loss_sum += loss.double()
+        loss, aux, out = grads_fn(layout, params, mb, loss_fn, scale,
+                                  None if tree is not None else acc)
+        if tree is not None:
+            tree.add(out)
+        else:
+            acc = out
+        losses.append(loss)
+    if tree is not None:
+        acc = tree.result()
+    shard_numel = lambda b: b.numel * (1 if per_microbatch_reduce else layout.shard_size)
     acc = [g if g is not None else  # no gradient reached the bucket
-           torch.zeros(b.numel, dtype=b.dtypes.grad, device=layout.device)
+           torch.zeros(shard_numel(b), dtype=b.dtypes.grad, device=layout.device)
            for g, b in zip(acc, layout.buckets, strict=True)]
     if not per_microbatch_reduce:
         acc = [reduce_lib.reduce_shard_axis(layout, b, g)
@@ -168,9 +196,8 @@ def train_step(
 
     norm = float(reduce_lib.global_norm(layout, acc))
     finite = math.isfinite(norm)
-    loss_mean = collectives.all_reduce(loss_sum, mesh_lib.world_group(layout.mesh), kind="metrics")
     metrics: dict[str, Any] = {
-        "loss": float(loss_mean) / (microbatches * layout.dp_size),
+        "loss": _mean_loss(layout, losses),
         "grad_norm": norm,
         "nonfinite": int(not finite),
     }

@@ -136,8 +136,10 @@ class Reducer:
     reduced twice (the reduction is linear). ``backward`` waits for everything it started.
     """
 
-    def __init__(self, layout: Layout, acc: list[torch.Tensor | None] | None = None) -> None:
+    def __init__(self, layout: Layout, acc: list[torch.Tensor | None] | None = None,
+                 *, local: bool = False) -> None:
         self.layout = layout
+        self.local = local  # keep the unreduced rank sections (a deterministic step's subtrees)
         self.acc: list[torch.Tensor | None] = acc if acc is not None else [None] * len(
             layout.buckets)
         zero = {b.dtypes.grad: torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
@@ -150,6 +152,14 @@ class Reducer:
         """Starts reducing a bucket's full gradients; returns the carrier's (dummy) gradient."""
         b = self.layout.buckets[bucket]
         specs = self.layout.bucket_leaves(b)
+        if self.local:
+            sections = shard_lib.to_rank_sections(list(grads), specs, self.layout.shard_size,
+                                                  b.dtypes.grad)
+            if self.acc[bucket] is None:
+                self.acc[bucket] = sections
+            else:
+                self.acc[bucket].add_(sections)
+            return self._zeros[bucket]
         sections = shard_lib.to_rank_sections(list(grads), specs, self.layout.shard_size,
                                               b.dtypes.comm)
         self.finish()
@@ -459,16 +469,18 @@ class UnitRun:
     gathered just before it runs. ZeRO-2 (``replicated=True``): ``buffers`` are the replicated
     full compute buffers, used as they are. ``run.reducer.backward(loss)`` adds, per bucket,
     this rank's shard of the gradient reduced over the shard axis to ``acc``, in the bucket's
-    main-grads dtype. ``run.params`` is what ``loss_fn`` gets.
+    main-grads dtype; with ``local=True`` it adds the unreduced rank sections instead (a
+    deterministic step reduces its microbatches' sum once). ``run.params`` is what ``loss_fn``
+    gets.
     """
 
     def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
-                 *, replicated: bool = False, acc: list[torch.Tensor | None] | None = None
-                 ) -> None:
+                 *, replicated: bool = False, acc: list[torch.Tensor | None] | None = None,
+                 local: bool = False) -> None:
         self.layout = layout
         self.replicated = replicated
         self.gatherer = Gatherer(layout, buffers, replicated)
-        self.reducer = Reducer(layout, acc)
+        self.reducer = Reducer(layout, acc, local=local)
         self.saved = None if replicated else SavedParams(self)
         self.buckets_of: dict[int, list[int]] = {}
         for b in layout.buckets:

@@ -18,6 +18,11 @@ def _pool(n: int):
 
 
 @pytest.fixture(scope="session")
+def pool1():
+    yield from _pool(1)
+
+
+@pytest.fixture(scope="session")
 def pool2():
     yield from _pool(2)
 

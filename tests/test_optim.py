@@ -80,6 +80,27 @@ def test_mixed_devices_and_dtypes_group_per_kernel() -> None:
     assert new["f32"].tolist() == [0.5] * 3 and new["bf16"].float().tolist() == [0.5] * 3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sgd_steps_every_element_of_low_precision_params(dtype: torch.dtype) -> None:
+    """torch's fused CPU SGD skips reduced-precision params in its vector loop; ours is the
+    fp32 step rounded once, on every element (long tensors have a vector body)."""
+    torch.manual_seed(0)
+    opt = fs.optim.sgd(0.37, momentum=0.9, nesterov=True, weight_decay=0.1)
+    p32, g32 = torch.randn(1000), torch.randn(1000)
+    params = {"w": p32.to(dtype)}
+    state = opt.init(params)
+    for _ in range(2):
+        params, state = opt.update({"w": g32.to(dtype)}, state, params)
+    ref = {"w": p32.to(dtype).float()}
+    ref_state = opt.init(ref)
+    for _ in range(2):
+        ref, ref_state = opt.update({"w": g32.to(dtype).float()}, ref_state, ref)
+        ref = {"w": ref["w"].to(dtype).float()}
+        ref_state = ref_state._replace(momentum={"w": ref_state.momentum["w"].to(dtype).float()})
+    assert torch.equal(params["w"], ref["w"].to(dtype))
+    assert torch.equal(state.momentum["w"], ref_state.momentum["w"].to(dtype))
+
+
 def test_bad_hyperparameters_are_named() -> None:
     with pytest.raises(ValueError, match="betas"):
         fs.optim.adamw(betas=(1.0, 0.9))

@@ -94,6 +94,75 @@ def _groups(keys: list[Hashable], *columns: list[torch.Tensor]) -> dict[tuple, l
     return groups
 
 
+# The fused CPU kernels run a vector loop over the largest multiple of the vector width and a
+# scalar loop over the rest, and the two round differently (measured on torch 2.13, AVX2: an
+# AdamW ``exp_avg_sq`` or an SGD momentum element differs by an ulp). Where an element falls
+# would then depend on how parameters are packed and sharded. Every tensor handed to a kernel is
+# therefore a multiple of VECTOR_BODY elements; a tensor's tail runs in a zero-padded scratch
+# of that size, in the same call, and is copied back.
+VECTOR_BODY = 64
+
+
+def _vector_body_only(columns: list[list[torch.Tensor]]):
+    """``columns`` (parallel lists: params, grads, states) recut so that every entry's numel is
+    a multiple of VECTOR_BODY: a tensor's body as a view, its tail in a zero-padded scratch.
+    Returns the kernel's columns and a function that copies the stepped tails back. Zeros step
+    to zeros under every rule here (no NaN), so the padding changes nothing."""
+    tails = [(i, col0.numel() % VECTOR_BODY) for i, col0 in enumerate(columns[0])
+             if col0.numel() % VECTOR_BODY and all(col[i].is_contiguous() for col in columns)]
+    if not tails:
+        return columns, lambda: None
+    cut = dict(tails)
+    out, scratch = [], []
+    for col in columns:
+        flat = [t.view(-1) if i in cut else t for i, t in enumerate(col)]
+        body = [t[: t.numel() - cut[i]] if i in cut else t for i, t in enumerate(flat)
+                if i not in cut or t.numel() > cut[i]]
+        pads = []
+        for i, n in tails:
+            pad = flat[i].new_zeros(VECTOR_BODY)
+            pad[:n].copy_(flat[i][-n:])
+            pads.append(pad)
+        scratch.append((flat, pads))
+        out.append(body + pads)
+
+    def write_back() -> None:
+        for flat, pads in scratch:
+            for (i, n), pad in zip(tails, pads, strict=True):
+                flat[i][-n:].copy_(pad[:n])
+
+    return out, write_back
+
+
+def _kernel_groups(keys: list[Hashable], *columns: list[torch.Tensor]):
+    """``_groups`` for one fused call each; on the CPU every element runs in the vector body
+    (``_vector_body_only``): the tails are written back once the caller's kernel has run, when
+    the loop asks for the next group."""
+    for key, cols in _groups(keys, *columns).items():
+        write_back = None
+        if key[0].type == "cpu":
+            cols, write_back = _vector_body_only(cols)
+        yield key, cols
+        if write_back is not None:
+            write_back()
+
+
+def _in_fp32(columns: list[list[torch.Tensor]]):
+    """fp32 copies of reduced-precision CPU columns, and a function that rounds them back.
+
+    torch 2.13's fused CPU SGD leaves bfloat16 / float16 params unchanged in its vector loop
+    (its scalar loop, computing in fp32 and rounding once, is right): stepping fp32 copies and
+    rounding gives exactly the scalar loop's bits, for every element.
+    """
+    wide = [[t.float() for t in col] for col in columns]
+
+    def write_back() -> None:
+        for col, col32 in zip(columns, wide, strict=True):
+            torch._foreach_copy_(col, col32)
+
+    return wide, write_back
+
+
 def _scale_arg(grad_scale: float, device: torch.device) -> torch.Tensor | None:
     """The fused kernels' ``grad_scale`` (they divide by it), or None for no scaling."""
     if grad_scale == 1.0:
@@ -144,13 +213,18 @@ def sgd(
         del grad_norm, placement  # elementwise: where the rows live does not matter
         bufs = (state.momentum,) if momentum else ()
         treedef, p, g, out = _prepare(grads, params, donate, grad_scale, *bufs)
-        m = out[0] if momentum else [torch.empty(0)] * len(p)
+        m = out[0] if momentum else None
         lr_now = lr_at(lr, state.count)
-        for (device, _, wd), (gp, gg, gm) in _groups(decay_of(params), p, g, m).items():
+        columns = (p, g, m) if momentum else (p, g)
+        for (device, dtype, wd), cols in _kernel_groups(decay_of(params), *columns):
+            narrow = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+            if narrow:
+                cols, write_back = _in_fp32(cols)
+            gp, gg, *gm = cols
             torch._fused_sgd_(
                 gp,
                 gg,
-                gm if momentum else [],
+                gm[0] if momentum else [],
                 weight_decay=wd,
                 momentum=momentum,
                 lr=lr_now,
@@ -162,6 +236,8 @@ def sgd(
                 grad_scale=_scale_arg(grad_scale, device),
                 found_inf=None,
             )
+            if narrow:
+                write_back()
         new_m = optree.tree_unflatten(treedef, m) if momentum else None
         return optree.tree_unflatten(treedef, p), SgdState(state.count + 1, new_m)
 
@@ -208,7 +284,7 @@ def adamw(
         treedef, p, g, (mu, nu) = _prepare(grads, params, donate, grad_scale, state.mu, state.nu)
         lr_now = lr_at(lr, state.count)
         steps: dict[torch.device, torch.Tensor] = {}
-        for (device, _, wd), (gp, gg, gm, gv) in _groups(decay_of(params), p, g, mu, nu).items():
+        for (device, _, wd), (gp, gg, gm, gv) in _kernel_groups(decay_of(params), p, g, mu, nu):
             if device not in steps:
                 steps[device] = torch.tensor(float(state.count + 1), device=device)
             torch._fused_adamw_(

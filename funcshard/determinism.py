@@ -1,0 +1,202 @@
+"""Layout-independent reductions: what ``fs.init(..., deterministic=True)`` runs.
+
+A step's global batch is split into G = dp_size * microbatches equal gradient chunks; chunk
+``c = dp_index * microbatches + m`` (``dp_index = replicate * shard_size + shard``) holds the
+same rows whichever layout runs it, and its gradient is computed from the same bits. What
+normally depends on the layout is the ORDER of the floating-point sums over the chunks, over
+the rows of the norm and over the losses. Here every such sum follows one tree fixed by the
+chunk or row index alone:
+
+* gradients: the adjacent pairwise tree over ``c`` (``((c0+c1)+(c2+c3))...``). A rank's
+  microbatches form its lowest subtrees (:class:`PairwiseSum`, a binary counter), the shard
+  axis the next levels (:func:`start_reduce_scatter`: an all-to-all of rank blocks, then the
+  same tree over the blocks locally), the replicate axis the top ones (:func:`all_reduce`:
+  that reduce-scatter and an all-gather). Both move exactly the bytes of the ring collectives
+  they replace, and since ``a + b == b + a`` bitwise only the tree's shape matters, not which
+  rank adds. The 1/G scaling is a power of two, hence exact wherever it happens.
+* the global norm (:func:`global_norm`): rows are never split between ranks, so each row's
+  sum of squares (fp64, exact squares, a halving tree over its columns) is the same on every
+  layout; the row sums are all-gathered over the shard axis and summed in parameter order by
+  one halving tree.
+* the loss (:func:`mean_loss`): every chunk's loss is all-gathered and summed by a tree.
+
+With G > 1 microbatches under ``optim_grads`` / ``optim_grads_params`` the microbatch
+subtrees come before the shard levels, so a rank keeps its microbatches' unreduced gradients
+(log2(microbatches) full-size partial sums at most) and reduce-scatters once per step,
+instead of reduce-scattering every microbatch into its shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from funcshard import collectives
+from funcshard.layout import Layout
+
+__all__ = ["PairwiseSum", "pairwise_sum", "halving_sum", "start_reduce_scatter", "all_reduce",
+           "global_norm", "mean_loss", "check_microbatches"]
+
+# Elements of one fp64 slab of the norm's row sums (bounds its temporary memory).
+_NORM_SLAB = 1 << 22
+
+
+def check_microbatches(dp_size: int, microbatches: int) -> None:
+    """Raises unless G = dp_size * microbatches is a power of two."""
+    g = dp_size * microbatches
+    if g & (g - 1):
+        raise ValueError(f"deterministic=True: dp_size * microbatches = {dp_size} * "
+                         f"{microbatches} = {g} gradient chunks; it must be a power of two")
+
+
+def pairwise_sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``((x0 + x1) + (x2 + x3)) + ...``: adjacent pairs, level by level (a new tensor)."""
+    if not xs:
+        raise ValueError("pairwise_sum of nothing")
+    level = list(xs)
+    while len(level) > 1:
+        nxt = [a + b for a, b in zip(level[0::2], level[1::2], strict=False)]
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0] if len(xs) > 1 else level[0].clone()
+
+
+def _pairwise_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """``pairwise_sum`` over dim 0 of ``(n, L)`` with n a power of two, as strided adds."""
+    while blocks.shape[0] > 1:
+        pairs = blocks.view(blocks.shape[0] // 2, 2, -1)
+        blocks = pairs[:, 0] + pairs[:, 1]
+    return blocks[0]
+
+
+def halving_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over ``dim`` by a fixed tree: zero-pad to a power of two, add the halves, repeat.
+
+    Every step is an elementwise add, so the bits depend on the values and the length of
+    ``dim`` only: not on the other dims, threads, vector width or memory alignment.
+    """
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        x = torch.nn.functional.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
+class PairwiseSum:
+    """Adds per-bucket values one microbatch at a time in the adjacent pairwise tree.
+
+    A binary counter: two partial sums of the same level merge at once, so at most
+    log2(count) + 1 are held. With a power-of-two count the result is ``pairwise_sum`` of the
+    values in the order they came. ``None`` (a bucket no gradient reached) adds nothing.
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[tuple[int, list[torch.Tensor | None]]] = []
+
+    def add(self, values: Sequence[torch.Tensor | None]) -> None:
+        level, values = 0, list(values)
+        while self._stack and self._stack[-1][0] == level:
+            _, left = self._stack.pop()
+            values = [_add(a, b) for a, b in zip(left, values, strict=True)]
+            level += 1
+        self._stack.append((level, values))
+
+    def result(self) -> list[torch.Tensor | None]:
+        if not self._stack:
+            raise ValueError("PairwiseSum: nothing was added")
+        *rest, (_, out) = self._stack
+        for _, left in reversed(rest):
+            out = [_add(a, b) for a, b in zip(left, out, strict=True)]
+        return out
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return a.add_(b)  # a is a partial sum this accumulator owns
+
+
+def start_reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup,
+                         kind: str | None = "reduce_scatter") -> collectives.Pending:
+    """The group's sum of 1-D ``full``, this rank's contiguous 1/size of it, in tree order.
+
+    An all-to-all hands every rank the blocks of its part from every rank (the bytes of a ring
+    reduce-scatter: all but its own block out, as many in); ``wait()`` sums them by
+    :func:`pairwise_sum` over group ranks. Counted as a reduce-scatter of ``full``.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return collectives.Pending(None, full)
+    block = full.numel() // size
+    recv = torch.empty_like(full)
+    pending = collectives.all_to_all(recv, full.contiguous(), [block] * size, [block] * size,
+                                     group, kind=kind)
+    return collectives.Pending.then(pending, lambda r: _pairwise_rows(r.view(size, block)))
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The group's sum of ``tensor`` in tree order over group ranks (a new tensor).
+
+    :func:`start_reduce_scatter` on the tensor padded to a multiple of the group size, then an
+    all-gather: the bytes of a ring all-reduce. Counted as an all-reduce of ``tensor``.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    flat = tensor.reshape(-1)
+    n = flat.numel()
+    padded = torch.nn.functional.pad(flat, (0, -n % size))
+    collectives.record("all_reduce", flat)
+    part = start_reduce_scatter(padded, group, kind=None).wait()
+    return collectives.all_gather(part, group, kind=None)[:n].view(tensor.shape)
+
+
+def _row_sums(flat: torch.Tensor, spec) -> torch.Tensor:
+    """Sums of squares (fp64) of this rank's padded rows of one leaf inside a bucket flat."""
+    rows = flat[spec.offset : spec.offset + spec.shard_numel].view(spec.rows_per_shard,
+                                                                   spec.row_numel)
+    step = max(1, _NORM_SLAB // max(1, spec.row_numel))
+    return torch.cat([halving_sum(rows[i : i + step].double().square())
+                      for i in range(0, max(1, spec.rows_per_shard), step)])
+
+
+def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of the reduced gradient, bitwise the same on every layout (fp64, 0-d).
+
+    Each rank computes the sums of squares of its rows; one all-gather over the shard axis
+    (counted under "metrics") gives every rank every real row in parameter order, summed by
+    :func:`halving_sum`. Padding rows are dropped, so they never count.
+    """
+    device = layout.device
+    local, where = [], {}
+    at = 0
+    for bucket, g in zip(layout.buckets, grads, strict=True):
+        for spec in layout.bucket_leaves(bucket):
+            local.append(_row_sums(g.to(device), spec))
+            where[spec.name] = at
+            at += spec.rows_per_shard
+    if not local:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.cat(local)
+    size = layout.shard_size
+    if size > 1:
+        sums = collectives.all_gather(sums, layout.shard_group, kind="metrics")
+    sums = sums.view(size, at)
+    rows = [sums[:, where[s.name] : where[s.name] + s.rows_per_shard].reshape(-1)[: s.rows]
+            for s in layout.leaves]
+    return halving_sum(torch.cat(rows)).sqrt()
+
+
+def mean_loss(layout: Layout, losses: list[torch.Tensor], world: dist.ProcessGroup) -> float:
+    """The mean of every chunk's loss over the world, summed by one tree in chunk order."""
+    local = torch.stack([loss.double() for loss in losses]).to(layout.device)
+    if dist.get_world_size(world) > 1:
+        local = collectives.all_gather(local, world, kind="metrics")
+    return float(halving_sum(local)) / local.numel()

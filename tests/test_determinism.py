@@ -1,0 +1,265 @@
+"""``deterministic=True``: the same bits on every layout with the same number of chunks.
+
+The global batch (36 rows, fresh random data every step) is split into G = 4 equal chunks by
+every layout: 1 rank x 4 microbatches, 2 ranks x 2 under each strategy, 4 ranks x 1, the 2x2
+mesh, and offloaded layouts. Four steps of clip + masked AdamW + warmup-cosine in fp32, one
+thread per rank, on the uneven model (37-row leaves, a 0-d leaf); then every parameter, every
+optimizer-state tensor and every metric must be ``torch.equal`` to the 1-rank run. A save on 2
+ranks restored on 4 and continued must equal the straight run. Each building block has a test
+that the ordinary path would fail (so the equality is not luck of the model).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import funcshard as fs
+from funcshard import determinism
+
+import models
+
+STEPS = 4
+CHUNKS = 4
+ROWS = 36  # 9 rows per chunk
+CLIP = 0.3  # below the gradient norm on most steps: the clip is active
+
+
+def recipe() -> fs.optim.Optimizer:
+    return fs.optim.chain(
+        fs.optim.clip_by_global_norm(CLIP),
+        fs.optim.adamw(fs.optim.warmup_cosine(2e-2, warmup=2, total=STEPS, final=2e-3),
+                       weight_decay=0.1, mask=fs.optim.decay_mask))
+
+
+def _full(layout, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's rows (the replicas of shard group 0)."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    size = layout.shard_size
+    out = {}
+    for name in local:
+        spec = layout.leaf(name)
+        if size == 1 or spec.shape == ():
+            out[name] = parts[0][name]
+        else:
+            out[name] = torch.cat([parts[r][name] for r in range(size)])
+    return out
+
+
+def snapshot(state) -> dict:
+    """Every parameter and every optimizer-state tensor, full, by name."""
+    opt = fs.tree.leaves(state.opt_state_by_name(), is_leaf=lambda x: isinstance(x, dict))
+    tensors = {f"params/{n}": t for n, t in _full(state.layout, state.params).items()}
+    for i, part in enumerate(x for x in opt if isinstance(x, dict)):
+        tensors.update({f"opt{i}/{n}": t for n, t in _full(state.layout, part).items()})
+    return {"tensors": {k: v.clone() for k, v in tensors.items()}, "step": state.step}
+
+
+def _run(state, steps, microbatches: int):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss_fn = models.make_loss_fn(models.make_model(seed=3))
+    metrics = []
+    for step in steps:
+        batch = models.local_batch(models.global_batch(step, ROWS), rank, world)
+        state, m = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
+        metrics.append((m["loss"], m["grad_norm"], m["nonfinite"]))
+    return state, metrics
+
+
+def _init(strategy: str, shard: int = -1, replicate: int = 1, fraction: float = 0.0,
+          deterministic: bool = True, seed: int = 3):
+    mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
+    return fs.init(models.make_model(seed=seed), recipe(), mesh=mesh, strategy=strategy,
+                   offload_fraction=fraction, deterministic=deterministic)
+
+
+def train_worker(strategy: str, shard: int = -1, replicate: int = 1, fraction: float = 0.0,
+                 deterministic: bool = True) -> dict:
+    torch.set_num_threads(1)
+    state = _init(strategy, shard, replicate, fraction, deterministic)
+    state, metrics = _run(state, range(STEPS), CHUNKS // dist.get_world_size())
+    return {**snapshot(state), "metrics": metrics}
+
+
+def _assert_bitwise(got: dict, want: dict, what: str) -> None:
+    assert got["metrics"] == want["metrics"], (what, got["metrics"], want["metrics"])
+    assert got["tensors"].keys() == want["tensors"].keys(), what
+    differ = [k for k, v in got["tensors"].items() if not torch.equal(v, want["tensors"][k])]
+    assert not differ, (what, differ)
+
+
+@pytest.fixture(scope="module")
+def golden(pool1) -> dict:
+    """The 1-rank run: 4 microbatches."""
+    result = pool1.run(train_worker, "optim_grads_params")[0]
+    assert sum(norm > CLIP for _, norm, _ in result["metrics"]) >= STEPS - 1, result["metrics"]
+    return result
+
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_rank_strategies_agree(pool1, golden, strategy: str) -> None:
+    _assert_bitwise(pool1.run(train_worker, strategy)[0], golden, strategy)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_two_microbatches(pool2, golden, strategy: str) -> None:
+    for rank, result in enumerate(pool2.run(train_worker, strategy)):
+        _assert_bitwise(result, golden, f"{strategy} rank {rank}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_four_ranks_one_microbatch(pool4, golden, strategy: str) -> None:
+    for rank, result in enumerate(pool4.run(train_worker, strategy)):
+        _assert_bitwise(result, golden, f"{strategy} rank {rank}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_2x2_mesh(pool4, golden, strategy: str) -> None:
+    for rank, result in enumerate(pool4.run(train_worker, strategy, 2, 2)):
+        _assert_bitwise(result, golden, f"2x2 {strategy} rank {rank}")
+
+
+@pytest.mark.parametrize("strategy,fraction", [("optim_grads_params", 0.5), ("optim", 1.0)])
+def test_offloaded(pool2, golden, strategy: str, fraction: float) -> None:
+    for rank, result in enumerate(pool2.run(train_worker, strategy, -1, 1, fraction)):
+        _assert_bitwise(result, golden, f"{strategy} offload {fraction} rank {rank}")
+
+
+def test_without_it_layouts_differ(pool4, golden) -> None:
+    """The ordinary reductions do not give these bits: the equalities above are the mode's."""
+    result = pool4.run(train_worker, "optim_grads_params", -1, 1, 0.0, False)[0]
+    differ = [k for k, v in result["tensors"].items() if not torch.equal(v, golden["tensors"][k])]
+    assert differ
+
+
+# --- save on 2 ranks, restore on 4, continue == the straight run --------------------------------
+def save_worker(directory: str) -> None:
+    torch.set_num_threads(1)
+    state, _ = _run(_init("optim_grads_params", fraction=0.5), range(2), 2)
+    fs.save(directory, state)
+
+
+def resume_worker(directory: str, strategy: str) -> dict:
+    torch.set_num_threads(1)
+    like = _init(strategy, seed=11)  # other weights: none may survive the restore
+    state = fs.restore(directory, like=like)
+    state, metrics = _run(state, range(2, STEPS), 1)
+    return {**snapshot(state), "metrics": metrics}
+
+
+def test_resume_on_another_layout_equals_the_straight_run(pool2, pool4, golden,
+                                                          tmp_path) -> None:
+    directory = str(tmp_path / "ckpt")
+    pool2.run(save_worker, directory)
+    want = {**golden, "metrics": golden["metrics"][2:]}
+    for rank, result in enumerate(pool4.run(resume_worker, directory, "optim")):
+        _assert_bitwise(result, want, f"resumed rank {rank}")
+
+
+# --- the building blocks -------------------------------------------------------------------------
+def test_pairwise_sum_is_a_fixed_tree() -> None:
+    xs = [torch.tensor([v], dtype=torch.float32) for v in (1e8, 1.0, -1e8, 1.0)]
+    assert float(determinism.pairwise_sum(xs)) == float((xs[0] + xs[1]) + (xs[2] + xs[3]))
+    acc = determinism.PairwiseSum()
+    for x in xs:
+        acc.add([x.clone(), None])
+    out = acc.result()
+    assert torch.equal(out[0], determinism.pairwise_sum(xs)) and out[1] is None
+    # a left fold gives other bits on these values: the tree is not an accident
+    assert float(((xs[0] + xs[1]) + xs[2]) + xs[3]) != float(out[0])
+
+
+def test_halving_sum_depends_on_values_only() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(37, 301, dtype=torch.float64) * torch.logspace(-8, 8, 301,
+                                                                   dtype=torch.float64)
+    whole = determinism.halving_sum(x)
+    for rows in ((0, 19), (19, 37), (5, 6)):
+        part = determinism.halving_sum(x[rows[0]:rows[1]].clone())
+        assert torch.equal(part, whole[rows[0]:rows[1]])
+    with torch.no_grad():
+        torch.set_num_threads(2)
+        assert torch.equal(determinism.halving_sum(x), whole)
+
+
+def reduce_worker(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each rank's values and its reduced shard (tree order) and all-reduce."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    full = torch.randn(world * n, generator=g) * torch.logspace(-6, 6, world * n)
+    with fs.comm_stats() as stats:
+        shard = determinism.start_reduce_scatter(full.clone(), dist.group.WORLD).wait()
+        every = determinism.all_reduce(full[: 3 * n + 1].clone(), dist.group.WORLD)
+    return [full], [shard, every, torch.tensor([stats.bytes["reduce_scatter"],
+                                                stats.bytes["all_reduce"]])]
+
+
+def test_tree_collectives_sum_in_rank_order(pool4) -> None:
+    n = 50
+    results = pool4.run(reduce_worker, n)
+    values = [inputs[0] for inputs, _ in results]
+    tree = determinism.pairwise_sum(values)
+    for rank, (_, (shard, every, nbytes)) in enumerate(results):
+        assert torch.equal(shard, tree[rank * n:(rank + 1) * n])
+        assert torch.equal(every, tree[: 3 * n + 1])
+        # counted as the collectives they replace: the reduce-scatter's input, the tensor
+        assert nbytes.tolist() == [4 * n * 4, (3 * n + 1) * 4]
+    ring = values[0] + values[1] + values[2] + values[3]  # another order, other bits
+    assert not torch.equal(ring, tree)
+
+
+def error_worker(what: str) -> str:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model()
+    try:
+        if what == "comm":
+            policy = fs.MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)
+            fs.init(model, recipe(), mesh=mesh, policy=policy, deterministic=True)
+        elif what == "world":
+            fs.init(model, recipe(), mesh=mesh, deterministic=True)
+        else:
+            state = fs.init(model, recipe(), mesh=mesh, deterministic=True)
+            batch = models.local_batch(models.global_batch(0, ROWS), dist.get_rank(), 2)
+            fs.train_step(state, batch, models.make_loss_fn(model), microbatches=3)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_errors_say_what_is_needed(pool2, pool3) -> None:
+    assert "power of two" in pool3.run(error_worker, "world")[0]
+    assert "2 * 3 = 6" in pool2.run(error_worker, "microbatches")[0]
+    msg = pool2.run(error_worker, "comm")[0]
+    assert "grad_comm_dtype" in msg and "parameter 'scale'" in msg
+
+
+def comm_worker(strategy: str, shard: int, replicate: int, microbatches: int) -> tuple:
+    mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
+    model = models.make_model()
+    state = fs.init(model, recipe(), mesh=mesh, strategy=strategy, deterministic=True)
+    world = dist.get_world_size()
+    batch = models.local_batch(models.global_batch(0, ROWS), dist.get_rank(), world)
+    with fs.comm_stats() as stats:
+        fs.train_step(state, batch, models.make_loss_fn(model), microbatches)
+    p = fs.plan(model, world_size=world, shard=shard, replicate=replicate, strategy=strategy,
+                microbatches=microbatches, optimizer=recipe(), device_type="cpu",
+                deterministic=True)
+    return (dict(stats.bytes), dict(stats.calls), {k: v for k, v in p.comm.items() if v},
+            {k: v for k, v in p.calls.items() if v}, len(state.layout.buckets))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mesh,microbatches", [("4", 1), ("2x2", 2)])
+def test_bytes_equal_the_plan(pool4, strategy: str, mesh: str, microbatches: int) -> None:
+    """The same bytes as the ordinary collectives; ZeRO-2/3 reduce once for all microbatches."""
+    shard, replicate = {"4": (4, 1), "2x2": (2, 2)}[mesh]
+    for nbytes, calls, planned, planned_calls, buckets in pool4.run(
+            comm_worker, strategy, shard, replicate, microbatches):
+        assert nbytes == planned and calls == planned_calls
+        if strategy != "no_shard":  # one reduce-scatter per bucket and step
+            assert calls["reduce_scatter"] == buckets
