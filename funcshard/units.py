@@ -37,6 +37,7 @@ it, instead of silently taking the module's own (stale) weights.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import weakref
@@ -113,6 +114,8 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, carrier: torch.Tensor, source: Any, bucket: int):  # noqa: ARG004
         ctx.source, ctx.bucket = source, bucket
         run = source.run
+        if not _in_backward():
+            run.reducer.entries[bucket] += 1
         full = source.graph_full(bucket)
         specs = run.layout.bucket_leaves(run.layout.buckets[bucket])
         return tuple(shard_lib.full_view(full, s, run.layout.shard_size) for s in specs)
@@ -134,6 +137,11 @@ class Reducer:
     autograd: the carrier only receives a zero-stride zero, so no second copy of the gradients
     is alive at the end of a microbatch, and a bucket that entered the graph twice is simply
     reduced twice (the reduction is linear). ``backward`` waits for everything it started.
+
+    A deterministic layout must sum a bucket's uses before the ranks' contributions (as
+    autograd does for ZeRO-0/1), so when forward took a bucket into the graph more than once
+    (``params[name]`` beside its unit) the whole backward keeps unreduced sections and reduces
+    each bucket once after it.
     """
 
     def __init__(self, layout: Layout, acc: list[torch.Tensor | None] | None = None,
@@ -147,6 +155,7 @@ class Reducer:
         self._zeros = [zero[b.dtypes.grad].expand(b.numel) for b in layout.buckets]
         self.carriers = tuple(z.detach().requires_grad_() for z in self._zeros)
         self._in_flight: list[tuple[int, collectives.Pending]] = []
+        self.entries: collections.Counter[int] = collections.Counter()  # uses in forward
 
     def reduce(self, bucket: int, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         """Starts reducing a bucket's full gradients; returns the carrier's (dummy) gradient."""
@@ -179,9 +188,21 @@ class Reducer:
 
     def backward(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
         """Backpropagates ``loss``; returns the accumulator (None: no gradient reached yet)."""
+        deferred = (self.layout.deterministic and not self.local
+                    and any(n > 1 for n in self.entries.values()))
+        if deferred:
+            reduced, self.acc, self.local = self.acc, [None] * len(self.acc), True
         try:
             torch.autograd.grad(loss, self.carriers, allow_unused=True)
         finally:
+            self.finish()
+        if deferred:
+            sections, self.acc, self.local = self.acc, reduced, False
+            for bucket, value in enumerate(sections):
+                if value is not None:
+                    self.finish()
+                    self._in_flight.append((bucket, reduce_lib.start_reduce_shard_axis(
+                        self.layout, self.layout.buckets[bucket], value)))
             self.finish()
         return self.acc
 

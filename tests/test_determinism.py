@@ -33,6 +33,16 @@ def recipe() -> fs.optim.Optimizer:
                        weight_decay=0.1, mask=fs.optim.decay_mask))
 
 
+def muon_recipe() -> fs.optim.Optimizer:
+    """Muon on the blocks' matrices (whole-matrix owners), AdamW on the rest."""
+    return fs.optim.chain(fs.optim.clip_by_global_norm(CLIP), fs.optim.multi_transform(
+        {"muon": fs.optim.muon(0.02), "adamw": fs.optim.adamw(3e-3, weight_decay=0.1)},
+        lambda name, shape: "muon" if len(shape) == 2 and name.startswith("blocks") else "adamw"))
+
+
+RECIPES = {"adamw": recipe, "muon": muon_recipe}
+
+
 def _full(layout, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full tensors from every rank's rows (the replicas of shard group 0)."""
     parts: list = [None] * dist.get_world_size()
@@ -50,16 +60,26 @@ def _full(layout, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def snapshot(state) -> dict:
     """Every parameter and every optimizer-state tensor, full, by name."""
-    opt = fs.tree.leaves(state.opt_state_by_name(), is_leaf=lambda x: isinstance(x, dict))
+    names = set(state.layout.names)
+    by_name = lambda x: isinstance(x, dict) and bool(x) and set(x) <= names  # noqa: E731
+    opt = fs.tree.leaves(state.opt_state_by_name(), is_leaf=by_name)
     tensors = {f"params/{n}": t for n, t in _full(state.layout, state.params).items()}
-    for i, part in enumerate(x for x in opt if isinstance(x, dict)):
+    for i, part in enumerate(x for x in opt if by_name(x)):
         tensors.update({f"opt{i}/{n}": t for n, t in _full(state.layout, part).items()})
     return {"tensors": {k: v.clone() for k, v in tensors.items()}, "step": state.step}
 
 
-def _run(state, steps, microbatches: int):
+def _penalized(model):
+    """The loss plus a penalty that reads a unit's weight by name, outside the unit."""
+    base = models.make_loss_fn(model)
+    return lambda params, batch: base(params, batch) + 1e-2 * params[
+        "blocks.1.fc.weight"].square().sum()
+
+
+def _run(state, steps, microbatches: int, penalty: bool = False):
     rank, world = dist.get_rank(), dist.get_world_size()
-    loss_fn = models.make_loss_fn(models.make_model(seed=3))
+    model = models.make_model(seed=3)
+    loss_fn = _penalized(model) if penalty else models.make_loss_fn(model)
     metrics = []
     for step in steps:
         batch = models.local_batch(models.global_batch(step, ROWS), rank, world)
@@ -69,17 +89,19 @@ def _run(state, steps, microbatches: int):
 
 
 def _init(strategy: str, shard: int = -1, replicate: int = 1, fraction: float = 0.0,
-          deterministic: bool = True, seed: int = 3):
+          deterministic: bool = True, seed: int = 3, optimizer: str = "adamw"):
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
-    return fs.init(models.make_model(seed=seed), recipe(), mesh=mesh, strategy=strategy,
+    return fs.init(models.make_model(seed=seed), RECIPES[optimizer](), mesh=mesh,
+                   strategy=strategy,
                    offload_fraction=fraction, deterministic=deterministic)
 
 
 def train_worker(strategy: str, shard: int = -1, replicate: int = 1, fraction: float = 0.0,
-                 deterministic: bool = True) -> dict:
+                 deterministic: bool = True, penalty: bool = False,
+                 optimizer: str = "adamw") -> dict:
     torch.set_num_threads(1)
-    state = _init(strategy, shard, replicate, fraction, deterministic)
-    state, metrics = _run(state, range(STEPS), CHUNKS // dist.get_world_size())
+    state = _init(strategy, shard, replicate, fraction, deterministic, optimizer=optimizer)
+    state, metrics = _run(state, range(STEPS), CHUNKS // dist.get_world_size(), penalty)
     return {**snapshot(state), "metrics": metrics}
 
 
@@ -135,6 +157,25 @@ def test_without_it_layouts_differ(pool4, golden) -> None:
     result = pool4.run(train_worker, "optim_grads_params", -1, 1, 0.0, False)[0]
     differ = [k for k, v in result["tensors"].items() if not torch.equal(v, golden["tensors"][k])]
     assert differ
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_a_param_read_by_name_beside_its_unit(pool1, pool4, strategy: str) -> None:
+    """Its bucket enters the graph twice: its uses are summed before the ranks' parts, as
+    autograd sums them under ZeRO-0."""
+    want = pool1.run(train_worker, "no_shard", -1, 1, 0.0, True, True)[0]
+    for rank, result in enumerate(pool4.run(train_worker, strategy, -1, 1, 0.0, True, True)):
+        _assert_bitwise(result, want, f"{strategy} with a penalty, rank {rank}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_muon_too(pool1, pool2, pool4, strategy: str) -> None:
+    """Muon's owners orthogonalize the same bits whatever the layout (half offloaded too)."""
+    want = pool1.run(train_worker, "no_shard", optimizer="muon")[0]
+    for pool, fraction in ((pool4, 0.0), (pool2, 0.5)):
+        for rank, result in enumerate(pool.run(train_worker, strategy, fraction=fraction,
+                                               optimizer="muon")):
+            _assert_bitwise(result, want, f"muon {strategy} offload {fraction} rank {rank}")
 
 
 # --- save on 2 ranks, restore on 4, continue == the straight run --------------------------------
