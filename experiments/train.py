@@ -46,6 +46,9 @@ flags.DEFINE_string("main_grads_dtype", "fp32", "Gradient accumulation dtype." +
 flags.DEFINE_string("grad_comm_dtype", "none", "Gradient dtype on the wire." + _DTYPE_HELP)
 flags.DEFINE_float("offload_fraction", 0.0, "Share of the optimizer stepped on the CPU.",
                    lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_bool("deterministic", False, "Bitwise the same run on every world size, mesh, "
+                  "strategy and offload fraction with as many gradient chunks (world x "
+                  "microbatches, a power of two).")
 flags.DEFINE_integer("microbatches", 1, "Microbatches per step (gradient accumulation).",
                      lower_bound=1)
 flags.DEFINE_integer("batch_size", 64, "Global batch size (sequences per step).", lower_bound=1)

@@ -38,6 +38,7 @@ class Config:
     policy: fs.MixedPrecisionPolicy = dataclasses.field(
         default_factory=lambda: fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     offload_fraction: float = 0.0
+    deterministic: bool = False  # the same bits on every layout with as many gradient chunks
     microbatches: int = 1
     batch_size: int = 64
     steps: int = 500
@@ -213,7 +214,7 @@ def run(cfg: Config) -> dict[str, Any]:
     model = GPT(dataclasses.replace(cfg.model, vocab=source.vocab)).to(device)
     opt = make_optimizer(cfg)
     state = fs.init(model, opt, mesh=mesh, policy=cfg.policy, strategy=cfg.strategy,
-                    offload_fraction=cfg.offload_fraction)
+                    offload_fraction=cfg.offload_fraction, deterministic=cfg.deterministic)
 
     mgr = fs.CheckpointManager(cfg.checkpoint_dir, max_to_keep=3) if cfg.checkpoint_dir else None
     if cfg.resume and mgr is not None and mgr.latest_step() is not None:
