@@ -64,14 +64,6 @@ def pairwise_sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return level[0] if len(xs) > 1 else level[0].clone()
 
 
-def _pairwise_rows(blocks: torch.Tensor) -> torch.Tensor:
-    """``pairwise_sum`` over dim 0 of ``(n, L)`` with n a power of two, as strided adds."""
-    while blocks.shape[0] > 1:
-        pairs = blocks.view(blocks.shape[0] // 2, 2, -1)
-        blocks = pairs[:, 0] + pairs[:, 1]
-    return blocks[0]
-
-
 def halving_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sum over ``dim`` by a fixed tree: zero-pad to a power of two, add the halves, repeat.
 
@@ -138,7 +130,8 @@ def start_reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup,
     recv = torch.empty_like(full)
     pending = collectives.all_to_all(recv, full.contiguous(), [block] * size, [block] * size,
                                      group, kind=kind)
-    return collectives.Pending.then(pending, lambda r: _pairwise_rows(r.view(size, block)))
+    return collectives.Pending.then(pending,
+                                    lambda r: pairwise_sum(r.view(size, block).unbind(0)))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -178,8 +171,9 @@ def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
     local, where = [], {}
     at = 0
     for bucket, g in zip(layout.buckets, grads, strict=True):
+        g = g.to(device)
         for spec in layout.bucket_leaves(bucket):
-            local.append(_row_sums(g.to(device), spec))
+            local.append(_row_sums(g, spec))
             where[spec.name] = at
             at += spec.rows_per_shard
     if not local:

@@ -169,12 +169,15 @@ class Reducer:
             else:
                 self.acc[bucket].add_(sections)
             return self._zeros[bucket]
-        sections = shard_lib.to_rank_sections(list(grads), specs, self.layout.shard_size,
-                                              b.dtypes.comm)
-        self.finish()
-        self._in_flight.append((bucket, reduce_lib.start_reduce_shard_axis(self.layout, b,
-                                                                           sections)))
+        self._start(bucket, shard_lib.to_rank_sections(list(grads), specs,
+                                                       self.layout.shard_size, b.dtypes.comm))
         return self._zeros[bucket]
+
+    def _start(self, bucket: int, sections: torch.Tensor) -> None:
+        """Waits for the reduction in flight, then starts reducing ``sections``."""
+        self.finish()
+        self._in_flight.append((bucket, reduce_lib.start_reduce_shard_axis(
+            self.layout, self.layout.buckets[bucket], sections)))
 
     def finish(self) -> None:
         """Waits for the reductions started so far and adds them to the accumulator."""
@@ -200,9 +203,7 @@ class Reducer:
             sections, self.acc, self.local = self.acc, reduced, False
             for bucket, value in enumerate(sections):
                 if value is not None:
-                    self.finish()
-                    self._in_flight.append((bucket, reduce_lib.start_reduce_shard_axis(
-                        self.layout, self.layout.buckets[bucket], value)))
+                    self._start(bucket, value)
             self.finish()
         return self.acc
 
