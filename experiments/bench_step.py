@@ -2,6 +2,14 @@
 
     python experiments/bench_step.py                      # 2 gloo CPU ranks, short
     python experiments/bench_step.py --steps=20 --d_model=768 --n_layer=8
+    python experiments/bench_step.py --nproc=1 --policies=fp32   # also beside plain torch
+    python experiments/bench_step.py --device=cuda --nproc=1 --policies=bf16 \
+        --d_model=1536 --n_layer=24 --seq_len=1024 --vocab=32768 --batch=8   # ~0.73B, one GPU
+
+At world 1, plain torch runs beside them too: the unwrapped model, ``torch.optim.AdamW``
+(fused), autocast for bf16, the same microbatches and the same gradient norm: the floor any
+data-parallel library adds its overhead to. A throughput table follows: tokens/s, model
+TFLOP/s per rank (6 N + 12 L T d per token) and, on a GPU whose bf16 peak is known, MFU.
 
 Each configuration builds both from one initial model and alternates their steps (funcshard,
 FSDP2, FSDP2, funcshard, ...) so that both see the same machine load. ZeRO-3
@@ -42,7 +50,8 @@ import funcshard as fs  # noqa: E402
 from funcshard.policy import native_bf16_reason  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("nproc", 2, "Local gloo ranks.")
+flags.DEFINE_integer("nproc", 2, "Local ranks (gloo on CPU, NCCL with --device=cuda).")
+flags.DEFINE_enum("device", "cpu", ["cpu", "cuda"], "Where params, grads and batches live.")
 flags.DEFINE_integer("steps", 10, "Timed steps per framework and configuration.")
 flags.DEFINE_integer("warmup", 1, "Untimed steps first.")
 flags.DEFINE_integer("microbatches", 2, "Microbatches per step.")
@@ -77,6 +86,7 @@ class Config:
     policies: tuple[str, ...]
     threads: int
     deterministic: bool = False
+    device: str = "cpu"
 
 
 def _policies(name: str) -> tuple[fs.MixedPrecisionPolicy, FsdpPolicy | None]:
@@ -93,7 +103,7 @@ def _batch(cfg: Config, step: int) -> dict[str, torch.Tensor]:
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(step)
     tokens = torch.randint(0, cfg.vocab, (cfg.batch * world, cfg.seq_len + 1), generator=g)
-    rows = tokens[rank * cfg.batch : (rank + 1) * cfg.batch]
+    rows = tokens[rank * cfg.batch : (rank + 1) * cfg.batch].to(cfg.device)
     return {"x": rows[:, :-1].contiguous(), "y": rows[:, 1:].contiguous()}
 
 
@@ -140,9 +150,19 @@ def _storage_bytes(tensors) -> int:
 
 
 def _peak_bytes(runner, batches) -> int:
-    """Peak bytes of CPU tensors during the second of two steps: what lives at its start (the
-    state) plus the profiler's highest count of bytes allocated above that during the step.
-    The first step runs inside the profiler too, so that frees of what it allocated are seen."""
+    """Peak bytes of tensors during the second of two steps.
+
+    CUDA: the caching allocator's peak of allocated bytes. CPU: what lives at the step's start
+    (the state) plus the profiler's highest count of bytes allocated above that during the
+    step; the first step runs inside the profiler too, so that frees of what it allocated are
+    seen."""
+    if runner.cfg.device == "cuda":
+        runner.step(batches[0])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        runner.step(batches[1])
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         runner.step(batches[0])
         persistent = runner.persistent_bytes()
@@ -191,6 +211,7 @@ class _Fsdp2:
         kw = dict(mesh=mesh["shard"], reshard_after_forward=RESHARD[strategy])
         if policy is not None:
             kw["mp_policy"] = policy
+        model.to(cfg.device)
         for block in model.blocks:
             fully_shard(block, **kw)
         self.model = fully_shard(model, **kw)
@@ -216,6 +237,56 @@ class _Fsdp2:
         return _storage_bytes([*self.model.parameters(), *states])
 
 
+class _Torch:
+    """Plain torch on one rank: no sharding, no wrapper; autocast for bf16 compute."""
+
+    def __init__(self, model: GPT, policy_name: str, cfg: Config) -> None:
+        self.cfg = cfg
+        self.model = model.to(cfg.device)
+        self.dtype = torch.bfloat16 if policy_name == "bf16" else None
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
+
+    def step(self, batch) -> float:
+        M = self.cfg.microbatches
+        total = torch.zeros((), dtype=torch.float64, device=self.cfg.device)
+        for x, y in zip(torch.tensor_split(batch["x"], M), torch.tensor_split(batch["y"], M),
+                        strict=True):
+            with torch.autocast(self.cfg.device, dtype=self.dtype or torch.float32,
+                                enabled=self.dtype is not None):
+                logits = self.model(x)
+            loss = _ce(logits, y) / M
+            loss.backward()
+            total += loss.detach().double()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"), foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(total)
+
+    def persistent_bytes(self) -> int:
+        states = [t for s in self.opt.state.values() for t in s.values()]
+        return _storage_bytes([*self.model.parameters(), *states])
+
+
+def _flops_per_token(model: GPT) -> int:
+    """Training FLOPs per token: 6 per matmul weight (forward + backward; the tied embedding
+    counts once, as the head) plus 12 L T d for attention's scores and values (PaLM's count)."""
+    cfg = model.cfg
+    weights = sum(p.numel() for p in model.parameters()) - model.pos_emb.weight.numel()
+    return 6 * weights + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+
+
+# Dense bf16 tensor-core peak FLOP/s, by device name (vendor datasheets).
+PEAK_BF16 = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+             ("B200", 2250e12), ("A100", 312e12))
+
+
+def _peak_flops(device: str) -> float | None:
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_BF16 if key in name), None)
+
+
 def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, Any]:
     torch.manual_seed(0)
     gpt_cfg = GPTConfig(vocab=cfg.vocab, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=8,
@@ -226,6 +297,9 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
                "fsdp2": _Fsdp2(copy.deepcopy(model), mesh, strategy, fsdp_policy, cfg)}
     if cfg.deterministic:
         runners["deterministic"] = _Funcshard(model, mesh, strategy, fs_policy, cfg, True)
+    if dist.get_world_size() == 1:
+        runners["torch"] = _Torch(copy.deepcopy(model), policy_name, cfg)
+    sync = torch.cuda.synchronize if cfg.device == "cuda" else lambda: None
     times: dict[str, list[float]] = {k: [] for k in runners}
     cpu: dict[str, list[float]] = {k: [] for k in runners}
     losses: dict[str, list[float]] = {k: [] for k in runners}
@@ -234,9 +308,11 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
         order = list(runners) if step % 2 == 0 else list(reversed(runners))  # no one goes first
         for name in order:
             runner = runners[name]
+            sync()
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
             losses[name].append(runner.step(batch))
+            sync()
             elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             if step >= cfg.warmup:
                 times[name].append(elapsed)
@@ -254,13 +330,13 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
     peak = {k: _peak_bytes(r, batches) for k, r in runners.items()}
     predicted = fs.plan(model, world_size=dist.get_world_size(), strategy=strategy,
                         policy=fs_policy, microbatches=cfg.microbatches, optimizer="adamw",
-                        device_type="cpu")
+                        device_type=cfg.device)
     comm_keys = ("all_gather", "reduce_scatter", "all_reduce")
     det = {}
     if det_stats is not None:
         det_plan = fs.plan(model, world_size=dist.get_world_size(), strategy=strategy,
                            policy=fs_policy, microbatches=cfg.microbatches, optimizer="adamw",
-                           device_type="cpu", deterministic=True)
+                           device_type=cfg.device, deterministic=True)
         det = {"comm": sum(det_stats.bytes[k] for k in comm_keys),
                "plan": sum(det_plan.comm[k] for k in comm_keys),
                "metrics": det_stats.bytes["metrics"], "metrics_plan": det_plan.comm["metrics"],
@@ -274,8 +350,9 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
         "steps": times,
         "cpu": {k: statistics.median(v) for k, v in cpu.items()},
         "loss": losses["funcshard"][-1],
-        "loss_gap": max(abs(a - b) for a, b in zip(losses["funcshard"], losses["fsdp2"],
-                                                     strict=True)),
+        "loss_gap": {k: max(abs(a - b) for a, b in zip(losses["funcshard"], v, strict=True))
+                     for k, v in losses.items()},
+        "flops_per_token": _flops_per_token(model),
         "peak": peak,
         "comm": {"funcshard": sum(stats.bytes[k] for k in comm_keys),
                  "fsdp2": sum(fsdp_comm.bytes.values()),
@@ -285,7 +362,7 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
 
 def worker(cfg: Config) -> list[dict[str, Any]]:
     torch.set_num_threads(cfg.threads)
-    mesh = fs.make_mesh(device_type="cpu")
+    mesh = fs.make_mesh(device_type=cfg.device)
     return [_run_pair(cfg, mesh, s, p) for s in cfg.strategies for p in cfg.policies]
 
 
@@ -296,16 +373,18 @@ def _mb(n: float) -> str:
 def main(argv: list[str]) -> None:
     del argv
     policies = tuple(FLAGS.policies)
-    native, why = native_bf16_reason("cpu")
+    native, why = native_bf16_reason(FLAGS.device)
     skipped = "bf16" in policies and not native and not FLAGS.bf16_anyway
     if skipped:
         print(f"bf16 rows skipped: {why}")
         policies = tuple(p for p in policies if p != "bf16")
     cfg = Config(FLAGS.steps, FLAGS.warmup, FLAGS.microbatches, FLAGS.batch, FLAGS.seq_len,
                  FLAGS.vocab, FLAGS.d_model, FLAGS.n_layer, tuple(FLAGS.strategies),
-                 policies, FLAGS.threads, FLAGS.deterministic)
+                 policies, FLAGS.threads, FLAGS.deterministic, FLAGS.device)
     results = fs.launch(worker, cfg, nproc=FLAGS.nproc) if policies else [[]]
     _print_table(cfg, results)
+    if results[0]:
+        _print_throughput(cfg, results)
     if cfg.deterministic and results[0]:
         _print_deterministic(cfg, results)
     for strategy in cfg.strategies if skipped else ():
@@ -317,7 +396,9 @@ def _print_table(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
     if not results[0]:  # every row skipped
         return
     first = results[0][0]
-    print(f"GPT {first['params'] / 1e6:.1f}M params, {FLAGS.nproc} gloo ranks, batch "
+    where = (f"{FLAGS.nproc} x {torch.cuda.get_device_name()}, NCCL" if cfg.device == "cuda"
+             else f"{FLAGS.nproc} gloo ranks")
+    print(f"GPT {first['params'] / 1e6:.1f}M params, {where}, batch "
           f"{cfg.batch}x{cfg.seq_len} per rank, {cfg.microbatches} microbatches, AdamW, "
           f"median of {cfg.steps} steps (slowest rank); FSDP2 also computes the grad norm")
     head = (f"{'strategy':<19}{'policy':<7}{'fs s':>8}{'fsdp2 s':>9}{'ratio':>7}"
@@ -337,8 +418,33 @@ def _print_table(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
               f"{ratio:>7.2f}{u['funcshard']:>9.3f}{u['fsdp2']:>10.3f}"
               f"{u['funcshard'] / u['fsdp2']:>7.2f}{_mb(peak['funcshard']):>12}"
               f"{_mb(peak['fsdp2']):>10}{_mb(c['funcshard']):>12}{_mb(c['plan']):>9}"
-              f"{_mb(c['fsdp2']):>10}{r['loss']:>9.4f}{r['loss_gap']:>12.1e}")
+              f"{_mb(c['fsdp2']):>10}{r['loss']:>9.4f}{r['loss_gap']['fsdp2']:>12.1e}")
 
+
+
+def _print_throughput(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
+    names = [k for k in ("funcshard", "deterministic", "fsdp2", "torch")
+             if k in results[0][0]["time"]]
+    peak = _peak_flops(cfg.device)
+    tokens = cfg.batch * cfg.seq_len * FLAGS.nproc  # per step, all ranks
+    print(f"\nthroughput ({tokens} tokens per step; model TFLOP/s per rank = "
+          f"{results[0][0]['flops_per_token'] / 1e9:.2f} GFLOP/token x tokens/s / ranks"
+          + (f"; MFU against {peak / 1e12:.0f} TFLOP/s dense bf16)" if peak else ")"))
+    head = f"{'strategy':<19}{'policy':<7}{'runner':<14}{'step s':>8}{'tokens/s':>10}{'TFLOP/s':>9}"
+    head += f"{'MFU':>7}" if peak else ""
+    head += f"{'fs / this':>10}{'max|dloss|':>12}" if "torch" in names else f"{'fs / this':>10}"
+    print(head)
+    for i, r in enumerate(results[0]):
+        for name in names:
+            t = max(rank[i]["time"][name] for rank in results)
+            flops = r["flops_per_token"] * tokens / t / FLAGS.nproc
+            line = (f"{r['strategy']:<19}{r['policy']:<7}{name:<14}{t:>8.3f}{tokens / t:>10.0f}"
+                    f"{flops / 1e12:>9.3f}")
+            line += f"{flops / peak:>7.1%}" if peak else ""
+            line += f"{_per_step_ratio(results, i, 'funcshard', name):>10.3f}"
+            if "torch" in names:
+                line += f"{r['loss_gap'][name]:>12.1e}"
+            print(line)
 
 
 def _per_step_ratio(results, i: int, a: str, b: str) -> float:

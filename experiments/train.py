@@ -162,7 +162,7 @@ def _config() -> Config:
 
 
 def _torchrun_main(cfg: Config) -> None:
-    backend = "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo"
+    backend = None if cfg.device != "cpu" and torch.cuda.is_available() else "gloo"
     fs.init_from_env(backend)  # restart-safe under torchrun --max-restarts
     try:
         run(cfg)

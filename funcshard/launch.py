@@ -36,16 +36,23 @@ def init_process_group(rank: int, world_size: int, port: int, backend: str | Non
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    backend = _backend(backend, rank % max(torch.cuda.device_count(), 1))
+    backend = _backend(backend, rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
 
 
+# With CUDA, CPU tensors take gloo and CUDA tensors NCCL, through one process group: a CPU
+# mesh (tests, CPU benchmarks) then works on a GPU machine too.
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+
+
 def _backend(backend: str | None, local_rank: int) -> str:
-    """NCCL with CUDA (this process on GPU ``local_rank``), gloo otherwise, unless given."""
+    """``CUDA_BACKEND`` with CUDA (this process on GPU ``local_rank`` modulo the GPUs: more
+    ranks than GPUs may share them for CPU meshes; ``make_mesh`` refuses a CUDA mesh then),
+    gloo otherwise, unless given."""
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        backend = CUDA_BACKEND if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return backend
 
 
@@ -57,7 +64,7 @@ def init_from_env(backend: str | None = None) -> None:
     failed attempt, and a plain ``dist.init_process_group("gloo")`` connects to the dead
     ranks' addresses ("Connection refused"). Here each attempt
     (``TORCHELASTIC_RESTART_COUNT``) gets its own key space. ``backend`` defaults to NCCL with
-    CUDA (one GPU per ``LOCAL_RANK``) and gloo otherwise.
+    CUDA (one GPU per ``LOCAL_RANK``; CPU tensors over gloo) and gloo otherwise.
     """
     env = os.environ
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]

@@ -23,7 +23,8 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
 
     Raises:
       RuntimeError: torch.distributed is not initialized.
-      ValueError: shard x replicate does not equal the world size.
+      ValueError: shard x replicate does not equal the world size, or a cuda mesh has more
+        ranks on this node than visible GPUs.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -46,9 +47,21 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
-        local_rank = os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(int(local_rank))
+        _use_own_gpu()
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
+
+
+def _use_own_gpu() -> None:
+    """Puts this rank on GPU ``LOCAL_RANK``; NCCL needs one GPU per rank of a node."""
+    gpus = torch.cuda.device_count()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if gpus == 0 or local_world > gpus:
+        raise ValueError(
+            f"make_mesh: a cuda mesh runs one rank per GPU, but this node has {local_world} "
+            f"ranks and {gpus} visible GPU(s); start at most {gpus} ranks per node or use "
+            "device_type='cpu'")
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % gpus))
+    torch.cuda.set_device(local_rank)
 
 
 def local_device(mesh: DeviceMesh) -> torch.device:

@@ -385,7 +385,8 @@ def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, gr
             g = grads[i]
             host = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
             host.copy_(g, non_blocking=True)
-            g.record_stream(d2h)  # g may be freed on main while the copy is in flight
+            if g.is_cuda:  # g may be freed on main while the copy is in flight
+                g.record_stream(d2h)
             arrived[i] = torch.cuda.Event()
             arrived[i].record(d2h)
             host_grads[i] = host

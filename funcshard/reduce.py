@@ -35,7 +35,9 @@ def start_reduce_shard_axis(
     """``reduce_shard_axis`` without waiting and without the final cast: ``wait()`` gives this
     rank's shard of the mean in ``grad_comm_dtype`` (summed in tree order when the layout is
     deterministic)."""
-    wire = sections.to(bucket.dtypes.comm).div_(layout.dp_size)
+    wire = sections.to(bucket.dtypes.comm)
+    if layout.dp_size > 1:  # a division by one would be a pass over the gradient for nothing
+        wire.div_(layout.dp_size)
     if layout.shard_size == 1:
         return collectives.Pending(None, wire)
     if layout.deterministic:

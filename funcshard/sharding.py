@@ -62,11 +62,13 @@ def pack_local(
 
 
 def to_rank_sections(
-    grads: list[torch.Tensor | None], specs: list[LeafSpec], shard_size: int, dtype: torch.dtype
+    grads: list[torch.Tensor | None], specs: list[LeafSpec], shard_size: int, dtype: torch.dtype,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Full per-leaf tensors (None = zero) into the reduce-scatter input layout, cast to dtype."""
+    """Full per-leaf tensors (None = zero) into the reduce-scatter input layout, cast to dtype,
+    on ``device`` (default: the gradients'; it matters when every one is None)."""
     ref = next((g for g in grads if g is not None), None)
-    device = ref.device if ref is not None else "cpu"
+    device = device if device is not None else ref.device if ref is not None else "cpu"
     numel = shard_size * sum(s.shard_numel for s in specs)
     if ref is None:
         return torch.zeros(numel, dtype=dtype, device=device)
@@ -89,6 +91,28 @@ def to_rank_sections(
             rows = torch.cat([rows, rows.new_zeros(pad, spec.row_numel)])
         parts.append(rows.view(shard_size, spec.shard_numel).to(dtype))
     return torch.cat(parts, dim=1).reshape(-1)
+
+
+def add_to_rank_sections(
+    acc: torch.Tensor, grads: list[torch.Tensor | None], specs: list[LeafSpec], shard_size: int
+) -> None:
+    """``acc += to_rank_sections(grads, specs, shard_size, acc.dtype)`` in one pass: each
+    leaf's gradient is added straight into its place in every section of ``acc`` (a leaf whose
+    rows do not split evenly goes through a padded copy). The same bits as the two-pass form:
+    a gradient widened to ``acc.dtype`` is exact, and each element gets one addition."""
+    sections = acc.view(shard_size, -1)
+    dst, src = [], []
+    for g, spec in zip(grads, specs, strict=True):
+        if g is None or spec.numel == 0:
+            continue
+        rows = g.reshape(spec.rows, spec.row_numel)
+        pad = shard_size * spec.rows_per_shard - spec.rows
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, spec.row_numel)])
+        dst.append(sections[:, spec.offset : spec.offset + spec.shard_numel])
+        src.append(rows.view(shard_size, spec.shard_numel))
+    if dst:
+        torch._foreach_add_(dst, src)
 
 
 def from_rank_sections(

@@ -88,13 +88,15 @@ def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: 
     finally:
         step_params.close()
     out = []
-    for bucket in layout.buckets:
+    for i, bucket in enumerate(layout.buckets):
         specs = layout.bucket_leaves(bucket)
-        out.append(shard_lib.to_rank_sections([grads[s.name] for s in specs], specs, S,
-                                              bucket.dtypes.grad))
-    if acc is not None:
-        torch._foreach_add_(acc, out)
-        out = acc
+        bucket_grads = [grads[s.name] for s in specs]
+        if acc is None:
+            out.append(shard_lib.to_rank_sections(bucket_grads, specs, S, bucket.dtypes.grad,
+                                                  layout.device))
+        else:  # a later microbatch: straight into the accumulator, no sections built
+            shard_lib.add_to_rank_sections(acc[i], bucket_grads, specs, S)
+            out.append(acc[i])
     return loss.detach(), aux, out
 
 

@@ -161,16 +161,21 @@ class Reducer:
         """Starts reducing a bucket's full gradients; returns the carrier's (dummy) gradient."""
         b = self.layout.buckets[bucket]
         specs = self.layout.bucket_leaves(b)
-        if self.local:
-            sections = shard_lib.to_rank_sections(list(grads), specs, self.layout.shard_size,
-                                                  b.dtypes.grad)
-            if self.acc[bucket] is None:
-                self.acc[bucket] = sections
-            else:
-                self.acc[bucket].add_(sections)
+        S = self.layout.shard_size
+        # With one data-parallel rank the reduction is the identity: a later microbatch (or
+        # use) adds its gradient straight into the accumulator, as the unreduced sections do.
+        # (With replicas but one shard it is a division by their count, left to the wire.)
+        direct = self.local or (self.layout.dp_size == 1 and b.dtypes.comm == b.dtypes.grad)
+        if direct and self.acc[bucket] is not None:
+            self.finish()  # an earlier use of the bucket lands first
+            shard_lib.add_to_rank_sections(self.acc[bucket], list(grads), specs, S)
             return self._zeros[bucket]
-        self._start(bucket, shard_lib.to_rank_sections(list(grads), specs,
-                                                       self.layout.shard_size, b.dtypes.comm))
+        if self.local:
+            self.acc[bucket] = shard_lib.to_rank_sections(list(grads), specs, S, b.dtypes.grad,
+                                                          self.layout.device)
+            return self._zeros[bucket]
+        self._start(bucket, shard_lib.to_rank_sections(list(grads), specs, S, b.dtypes.comm,
+                                                       self.layout.device))
         return self._zeros[bucket]
 
     def _start(self, bucket: int, sections: torch.Tensor) -> None:

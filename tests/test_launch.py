@@ -8,6 +8,7 @@ the rank and its exit code or signal, long before any timeout, with no child lef
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing
 import os
 import signal
@@ -151,3 +152,30 @@ def test_pool_reports_a_dead_rank_before_its_timeout(tmp_path):
         assert "RankPool: rank 1 died without a result (exit code 3)" in str(e.value)
         assert _pids_alive(tmp_path) == []
         assert pool.run(dist.get_world_size) == [2, 2]  # the next call starts fresh ranks
+
+
+def test_cuda_backend_routes_cpu_tensors_to_gloo(monkeypatch) -> None:
+    """With CUDA, one process group serves CPU meshes over gloo and CUDA ones over NCCL, and a
+    rank beyond the GPUs shares one (only a CUDA mesh needs a GPU per rank)."""
+    launch = importlib.import_module("funcshard.launch")  # the module, not fs.launch
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert launch._backend(None, 3) == "cpu:gloo,cuda:nccl"
+    assert chosen == [1]
+    assert launch._backend("gloo", 0) == "gloo" and chosen == [1]
+
+
+def cuda_mesh_without_gpus() -> str:
+    try:
+        fs.make_mesh(device_type="cuda")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_cuda_mesh_needs_a_gpu_per_rank(pool2) -> None:
+    for message in pool2.run(cuda_mesh_without_gpus):
+        assert "2 ranks and 0 visible GPU(s)" in message, message

@@ -1,6 +1,6 @@
 """SGD-with-momentum and AdamW parity against a single-process plain-torch run (fp32).
 
-Every strategy x mesh {2, 3, 4, 2x2} x microbatches {1, 3}; 37-row leaves split unevenly.
+Every strategy x mesh {1, 2, 3, 4, 1x2, 2x2} x microbatches {1, 3}; 37-row leaves split unevenly.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def parity_worker(strategy: str, shard: int, replicate: int) -> dict:
     return errors
 
 
-MESHES = {"2": (2, 1), "3": (3, 1), "4": (4, 1), "2x2": (2, 2)}
+# (shard, replicate): "1x2" is two replicas of one shard (pure replication under any strategy).
+MESHES = {"1": (1, 1), "2": (2, 1), "3": (3, 1), "4": (4, 1), "1x2": (1, 2), "2x2": (2, 2)}
 
 
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)

@@ -65,3 +65,45 @@ def full_params_worker(strategy: str) -> float:
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
 def test_full_params_round_trip_exactly(pool3, strategy: str) -> None:
     assert pool3.run(full_params_worker, strategy) == [0.0, 0.0, 0.0]
+
+
+def _specs(shapes: list[tuple[int, ...]], shard_size: int) -> list:
+    """Leaf specs of one bucket laid out as ``build_layout`` does (rows padded per shard)."""
+    from funcshard.layout import LeafSpec
+
+    specs, offset = [], 0
+    for i, shape in enumerate(shapes):
+        rows = shape[0] if shape else 1
+        row_numel = 1 if not shape else int(torch.tensor(shape[1:]).prod())
+        rps = -(-rows // shard_size)
+        specs.append(LeafSpec(f"p{i}", shape, None, 0, rows, rps, row_numel, 0, offset))
+        offset += rps * row_numel
+    return specs
+
+
+@pytest.mark.parametrize("shard_size", [1, 2, 3, 4])
+def test_add_to_rank_sections_equals_building_them(shard_size: int) -> None:
+    """The one-pass accumulation (a later microbatch, ZeRO-0/1 or one rank) gives the bits of
+    building the sections and adding them, with uneven rows, a 0-d leaf, an unused leaf and
+    bf16 gradients into an fp32 accumulator."""
+    from funcshard import sharding
+
+    shapes = [(37, 5), (), (7,), (3, 4, 2), (2, 3)]
+    specs = _specs(shapes, shard_size)
+    g = torch.Generator().manual_seed(shard_size)
+    for dtype in (torch.float32, torch.bfloat16):
+        grads = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+        grads[4] = None  # no gradient reached it
+        acc = sharding.to_rank_sections(
+            [torch.randn(s, generator=g) for s in shapes], specs, shard_size, torch.float32)
+        want = acc + sharding.to_rank_sections(grads, specs, shard_size, torch.float32)
+        sharding.add_to_rank_sections(acc, grads, specs, shard_size)
+        assert torch.equal(acc, want), dtype
+
+
+def test_rank_sections_of_no_gradient_are_on_the_given_device() -> None:
+    from funcshard import sharding
+
+    specs = _specs([(5, 2)], 2)
+    out = sharding.to_rank_sections([None], specs, 2, torch.float32, device="meta")
+    assert out.device.type == "meta" and out.numel() == 2 * 3 * 2

@@ -288,13 +288,15 @@ def mismatch_error(where: str, problems: list[str], source: Source) -> Checkpoin
 
 
 def _flat_like(old: torch.Tensor | None, bucket: Bucket, layout: Layout,
-               dtype: torch.dtype) -> torch.Tensor:
-    """An unfilled flat for ``bucket``: ``like``'s own buffer when it has one (consumed)."""
+               dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+    """An unfilled flat for ``bucket``: ``like``'s own buffer when it has one (consumed).
+    ``pin``: an offloaded master on a CUDA layout is page-locked, as ``fs.init`` makes it (it
+    crosses to the device every step; the optimizer state stays on the host)."""
     if old is not None and not old.is_meta and old.numel() == bucket.numel and old.dtype == dtype:
         return old
     device = torch.device("cpu") if bucket.offload else layout.device
     flat = torch.empty(bucket.numel, dtype=dtype, device=device)
-    if bucket.offload and layout.device.type == "cuda":
+    if pin and bucket.offload and layout.device.type == "cuda":
         flat = flat.pin_memory()
     return flat
 
@@ -350,7 +352,7 @@ def read(like: TrainState, source: Source, *, model_only: bool,
     n = len(layout.buckets)
     old_master, old_opt = like._master, like._opt_state
     like._consume("restore")
-    master = tuple(_flat_like(old, b, layout, b.dtypes.master)
+    master = tuple(_flat_like(old, b, layout, b.dtypes.master, pin=True)
                    for old, b in zip(old_master, layout.buckets, strict=True))
     _fill(master, layout, source, ("params",), keymap)
     if model_only:

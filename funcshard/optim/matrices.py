@@ -275,8 +275,10 @@ def _orthogonalize_all(matrices: list[_Matrix], placement, orthogonalize, steps:
                        owner_computes: bool) -> list[torch.Tensor]:
     """This rank's rows of every matrix's orthogonalized update (bfloat16)."""
     size = 1 if placement is None else placement.size
-    if size == 1:
-        return [orthogonalize(m.update) for m in matrices]
+    if size == 1:  # an offloaded bucket's rows too are orthogonalized on the state's device
+        device = None if placement is None else placement.device
+        return [orthogonalize(m.update.to(device) if device is not None else m.update)
+                for m in matrices]
     if not owner_computes:
         return _replicated(matrices, placement, orthogonalize)
     return _owner_computes(matrices, placement, orthogonalize, steps)

@@ -167,7 +167,9 @@ def _scale_arg(grad_scale: float, device: torch.device) -> torch.Tensor | None:
     """The fused kernels' ``grad_scale`` (they divide by it), or None for no scaling."""
     if grad_scale == 1.0:
         return None
-    return torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=device)
+    # torch.full is a fill kernel; torch.tensor(x, device=cuda) would copy from pageable host
+    # memory and wait for the stream.
+    return torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=device)
 
 
 def _decay_rule(weight_decay: float, mask: Mask, what: str):
@@ -286,7 +288,8 @@ def adamw(
         steps: dict[torch.device, torch.Tensor] = {}
         for (device, _, wd), (gp, gg, gm, gv) in _kernel_groups(decay_of(params), p, g, mu, nu):
             if device not in steps:
-                steps[device] = torch.tensor(float(state.count + 1), device=device)
+                steps[device] = torch.full((), float(state.count + 1), dtype=torch.float32,
+                                           device=device)
             torch._fused_adamw_(
                 gp,
                 gg,
