@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from absl import app, flags
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.fsdp import MixedPrecisionPolicy as FsdpPolicy
-from torch.distributed.fsdp import fully_shard
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +65,11 @@ flags.DEFINE_list("policies", ["fp32", "bf16"], "fp32 | bf16 (bf16 compute, fp32
 flags.DEFINE_integer("threads", 1, "Intra-op threads per rank.")
 flags.DEFINE_bool("deterministic", False, "Also run funcshard with deterministic=True beside "
                   "the default (same data, alternated steps) and print its cost.")
+flags.DEFINE_float("offload_fraction", 0.0, "funcshard's offload_fraction; above 0 on CUDA, FSDP2 "
+                   "runs with CPUOffloadPolicy(pin_memory=True) (it offloads all or nothing).")
+flags.DEFINE_string("trace_dir", None, "Write a torch.profiler trace (Chrome JSON, CPU and CUDA "
+                    "activity) of one funcshard step per configuration and rank here: on a GPU "
+                    "it shows the offload copies on their side streams beside the compute.")
 flags.DEFINE_bool("bf16_anyway", False, "Run the bf16 rows on a CPU without native bf16 too "
                   "(emulated bf16 matmuls: slow, and not what a bf16 CPU would show).")
 
@@ -87,6 +92,8 @@ class Config:
     threads: int
     deterministic: bool = False
     device: str = "cpu"
+    offload_fraction: float = 0.0
+    trace_dir: str | None = None
 
 
 def _policies(name: str) -> tuple[fs.MixedPrecisionPolicy, FsdpPolicy | None]:
@@ -188,7 +195,7 @@ class _Funcshard:
         self.model, self.cfg = model, cfg
         opt = fs.optim.adamw(LR, weight_decay=0.1)
         self.state = fs.init(model, opt, mesh=mesh, policy=policy, strategy=strategy,
-                             deterministic=deterministic)
+                             deterministic=deterministic, offload_fraction=cfg.offload_fraction)
 
         def loss_fn(params, batch):
             return _ce(fs.functional_call(model, params, (batch["x"],)), batch["y"])
@@ -211,6 +218,8 @@ class _Fsdp2:
         kw = dict(mesh=mesh["shard"], reshard_after_forward=RESHARD[strategy])
         if policy is not None:
             kw["mp_policy"] = policy
+        if cfg.offload_fraction > 0 and cfg.device == "cuda":
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
         model.to(cfg.device)
         for block in model.blocks:
             fully_shard(block, **kw)
@@ -265,6 +274,20 @@ class _Torch:
     def persistent_bytes(self) -> int:
         states = [t for s in self.opt.state.values() for t in s.values()]
         return _storage_bytes([*self.model.parameters(), *states])
+
+
+def _trace(cfg: Config, runner, batch, name: str) -> None:
+    """One step under torch.profiler, exported as Chrome trace JSON (chrome://tracing,
+    ui.perfetto.dev): with CUDA, kernels and copies per stream."""
+    activities = [ProfilerActivity.CPU]
+    if cfg.device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    os.makedirs(cfg.trace_dir, exist_ok=True)
+    with profile(activities=activities) as prof:
+        runner.step(batch)
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(os.path.join(cfg.trace_dir, f"{name}_rank{dist.get_rank()}.json"))
 
 
 def _flops_per_token(model: GPT) -> int:
@@ -328,6 +351,8 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
     with _FsdpComm() as fsdp_comm:
         runners["fsdp2"].step(batches[0])
     peak = {k: _peak_bytes(r, batches) for k, r in runners.items()}
+    if cfg.trace_dir:
+        _trace(cfg, runners["funcshard"], batches[0], f"{strategy}_{policy_name}")
     predicted = fs.plan(model, world_size=dist.get_world_size(), strategy=strategy,
                         policy=fs_policy, microbatches=cfg.microbatches, optimizer="adamw",
                         device_type=cfg.device)
@@ -380,7 +405,8 @@ def main(argv: list[str]) -> None:
         policies = tuple(p for p in policies if p != "bf16")
     cfg = Config(FLAGS.steps, FLAGS.warmup, FLAGS.microbatches, FLAGS.batch, FLAGS.seq_len,
                  FLAGS.vocab, FLAGS.d_model, FLAGS.n_layer, tuple(FLAGS.strategies),
-                 policies, FLAGS.threads, FLAGS.deterministic, FLAGS.device)
+                 policies, FLAGS.threads, FLAGS.deterministic, FLAGS.device,
+                 FLAGS.offload_fraction, FLAGS.trace_dir)
     results = fs.launch(worker, cfg, nproc=FLAGS.nproc) if policies else [[]]
     _print_table(cfg, results)
     if results[0]:
@@ -400,6 +426,9 @@ def _print_table(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
              else f"{FLAGS.nproc} gloo ranks")
     print(f"GPT {first['params'] / 1e6:.1f}M params, {where}, batch "
           f"{cfg.batch}x{cfg.seq_len} per rank, {cfg.microbatches} microbatches, AdamW, "
+          + (f"offload_fraction={cfg.offload_fraction} (FSDP2: "
+             f"{'CPUOffloadPolicy(pin_memory=True)' if cfg.device == 'cuda' else 'none on CPU'}), "
+             if cfg.offload_fraction else "") +
           f"median of {cfg.steps} steps (slowest rank); FSDP2 also computes the grad norm")
     head = (f"{'strategy':<19}{'policy':<7}{'fs s':>8}{'fsdp2 s':>9}{'ratio':>7}"
             f"{'fs cpu s':>9}{'fsdp2 cpu':>10}{'ratio':>7}"

@@ -13,8 +13,10 @@ copy that :func:`funcshard.state.derive_compute` makes from it. One step:
 4. that compute copy goes host -> device on another side stream, and the compute params are
    derived from it (gathered for ZeRO 0-2).
 
-Elementwise kernels on the same bytes give bitwise the same result whatever the blocking and
-placement, so trajectories equal those of ``offload_fraction=0``.
+On a CPU layout, elementwise kernels on the same bytes give bitwise the same result whatever
+the blocking and placement, so trajectories equal those of ``offload_fraction=0``. On CUDA the
+offloaded buckets step with torch's CPU kernel and the others with its CUDA kernel, which may
+round an element differently (an ulp); trajectories then agree to rounding, not bitwise.
 """
 
 from __future__ import annotations

@@ -342,6 +342,8 @@ def init(
         size, mesh, strategy and offload fraction that splits the same global batch into the
         same number G = dp_size * microbatches of equal chunks (G a power of two), and across
         save/restore between such layouts (see :mod:`funcshard.determinism` for the cost).
+        On CUDA the offload fraction must match too (offloaded buckets step with the CPU
+        kernel, which may round differently from the CUDA one).
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,

@@ -303,7 +303,10 @@ def test_cuda_offload_matches_device_step(strategy: str) -> None:
     [result] = fs.launch(cuda_worker, 0.5, strategy, nproc=1)
     assert not result["problems"], result["problems"]
     assert result["pinned"]
-    assert result["error"] < 1e-6, result
+    # Offloaded buckets step with torch's CPU kernel, the others with its CUDA kernel: they may
+    # differ by an ulp, which a bf16 rounding of the compute copy can amplify. A stream race
+    # (a stale or half-copied bucket) is off by a whole step: lr 1e-2 on weights of ~0.1.
+    assert result["error"] < 1e-3, result
 
 
 def reuse_worker() -> dict:
