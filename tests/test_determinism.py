@@ -69,17 +69,23 @@ def snapshot(state) -> dict:
     return {"tensors": {k: v.clone() for k, v in tensors.items()}, "step": state.step}
 
 
-def _penalized(model):
-    """The loss plus a penalty that reads a unit's weight by name, outside the unit."""
+def _penalized(model, twice: bool = False):
+    """The loss plus a penalty that reads a unit's weight by name, outside the unit; ``twice``
+    also runs the model a second time (on the chunk's rows reversed): three uses of a bucket."""
     base = models.make_loss_fn(model)
-    return lambda params, batch: base(params, batch) + 1e-2 * params[
-        "blocks.1.fc.weight"].square().sum()
+
+    def loss_fn(params, batch):
+        loss = base(params, batch)
+        if twice:
+            loss = loss + 0.5 * base(params, {k: v.flip(0) for k, v in batch.items()})
+        return loss + 1e-2 * params["blocks.1.fc.weight"].square().sum()
+    return loss_fn
 
 
-def _run(state, steps, microbatches: int, penalty: bool = False):
+def _run(state, steps, microbatches: int, penalty: bool = False, twice: bool = False):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = models.make_model(seed=3)
-    loss_fn = _penalized(model) if penalty else models.make_loss_fn(model)
+    loss_fn = _penalized(model, twice) if penalty else models.make_loss_fn(model)
     metrics = []
     for step in steps:
         batch = models.local_batch(models.global_batch(step, ROWS), rank, world)
@@ -98,10 +104,10 @@ def _init(strategy: str, shard: int = -1, replicate: int = 1, fraction: float = 
 
 def train_worker(strategy: str, shard: int = -1, replicate: int = 1, fraction: float = 0.0,
                  deterministic: bool = True, penalty: bool = False,
-                 optimizer: str = "adamw") -> dict:
+                 optimizer: str = "adamw", twice: bool = False) -> dict:
     torch.set_num_threads(1)
     state = _init(strategy, shard, replicate, fraction, deterministic, optimizer=optimizer)
-    state, metrics = _run(state, range(STEPS), CHUNKS // dist.get_world_size(), penalty)
+    state, metrics = _run(state, range(STEPS), CHUNKS // dist.get_world_size(), penalty, twice)
     return {**snapshot(state), "metrics": metrics}
 
 
@@ -166,6 +172,18 @@ def test_a_param_read_by_name_beside_its_unit(pool1, pool4, strategy: str) -> No
     want = pool1.run(train_worker, "no_shard", -1, 1, 0.0, True, True)[0]
     for rank, result in enumerate(pool4.run(train_worker, strategy, -1, 1, 0.0, True, True)):
         _assert_bitwise(result, want, f"{strategy} with a penalty, rank {rank}")
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_a_bucket_used_three_times(pool1, pool2, pool4, strategy: str) -> None:
+    """The model run twice plus the penalty: three uses of a block's bucket in one forward,
+    summed as autograd sums them under ZeRO-0, before the ranks' parts (4 ranks x 1
+    microbatch, and 2 x 2)."""
+    want = pool1.run(train_worker, "no_shard", -1, 1, 0.0, True, True, twice=True)[0]
+    for pool in (pool4, pool2):
+        for rank, result in enumerate(pool.run(train_worker, strategy, -1, 1, 0.0, True, True,
+                                               twice=True)):
+            _assert_bitwise(result, want, f"{strategy} used three times, rank {rank}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
