@@ -1,4 +1,4 @@
-"""Muon's step under ZeRO-3: owner-computes beside the replicated way.
+"""Muon's step on sharded state: owner-computes beside the replicated way.
 
 For GPT-shaped fp32 leaves (Muon for the block matrices, AdamW for embedding, biases, norms) on
 ``--nproc`` CPU ranks (gloo, one thread each), times ``fs.offload_step`` (the optimizer step,
@@ -12,7 +12,13 @@ where the two ways differ) with
 Also prints the exchange bytes per rank and step beside the gradient bytes a ZeRO-3 step
 reduce-scatters (``fs.plan``, one microbatch), and checks both ways give the same params.
 
-Run:  python experiments/bench_muon.py --nproc=2   (and --nproc=4)
+With ``--replicate=R`` (a 2-D mesh) or ``--strategy=no_shard`` (every rank a replica) the
+replicas share the matrices out and all-gather the results; the replicated way has every
+replica do all of them (under ``no_shard``: every rank orthogonalizes every matrix, as a
+data-parallel Muon without sharing does).
+
+Run:  python experiments/bench_muon.py --nproc=2   (and --nproc=4, --strategy=no_shard,
+      --nproc=4 --replicate=2)
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ flags.DEFINE_integer("d_model", 256, "model width")
 flags.DEFINE_integer("layers", 2, "blocks (4 matrices each: qkv, proj, fc, fc2)")
 flags.DEFINE_integer("vocab", 2048, "embedding rows (AdamW)")
 flags.DEFINE_integer("repeats", 3, "timed repetitions (the median is reported)")
+flags.DEFINE_string("strategy", "optim_grads_params", "fs.init strategy")
+flags.DEFINE_integer("replicate", 1, "replicas (the mesh's replicate axis)")
 
 
 class GPTLeaves(nn.Module):
@@ -64,17 +72,18 @@ def recipe(owner_computes: bool) -> fs.optim.Optimizer:
             lambda name, shape: "muon" if is_matrix(name, shape) else "adamw"))
 
 
-def worker(d: int, layers: int, vocab: int, repeats: int) -> dict:
+def worker(d: int, layers: int, vocab: int, repeats: int, strategy: str,
+           replicate: int) -> dict:
     torch.set_num_threads(1)
-    mesh = fs.make_mesh(device_type="cpu")
+    mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
     torch.manual_seed(0)
     model = GPTLeaves(d, layers, vocab)
     g = torch.Generator().manual_seed(1)
     grads = {n: torch.randn(p.shape, generator=g) * 1e-2 for n, p in model.named_parameters()}
-    shards = fs.shard(grads, mesh, strategy="optim_grads_params")
+    shards = fs.shard(grads, mesh, strategy=strategy)
     out = {}
     for way, owner in (("owner", True), ("replicated", False)):
-        box = [fs.init(model, recipe(owner), mesh=mesh, strategy="optim_grads_params")]
+        box = [fs.init(model, recipe(owner), mesh=mesh, strategy=strategy)]
 
         def step(box=box) -> None:
             box[0] = fs.offload_step(box[0], {n: t.clone() for n, t in shards.items()})
@@ -95,14 +104,15 @@ def worker(d: int, layers: int, vocab: int, repeats: int) -> dict:
 def main(argv: list[str]) -> None:
     del argv
     results = fs.launch(worker, FLAGS.d_model, FLAGS.layers, FLAGS.vocab, FLAGS.repeats,
-                        nproc=FLAGS.nproc)
+                        FLAGS.strategy, FLAGS.replicate, nproc=FLAGS.nproc)
     model = GPTLeaves(FLAGS.d_model, FLAGS.layers, FLAGS.vocab)
     mats = sum(p.numel() for n, p in model.named_parameters() if is_matrix(n, tuple(p.shape)))
-    p = fs.plan(model, world_size=FLAGS.nproc, strategy="optim_grads_params",
-                optimizer=recipe(True), device_type="cpu")
+    p = fs.plan(model, world_size=FLAGS.nproc, replicate=FLAGS.replicate,
+                strategy=FLAGS.strategy, optimizer=recipe(True), device_type="cpu")
     owner = max(r["owner"] for r in results)
     replicated = max(r["replicated"] for r in results)
-    print(f"ZeRO-3, {FLAGS.nproc} CPU ranks x 1 thread; {mats / 1e6:.2f}M Muon params in "
+    print(f"{FLAGS.strategy}, {FLAGS.nproc} CPU ranks x 1 thread (replicate "
+          f"{FLAGS.replicate}); {mats / 1e6:.2f}M Muon params in "
           f"{4 * FLAGS.layers} matrices, "
           f"{sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params in all")
     print(f"{'optimizer step':<28}{'ms/step':>10}{'muon bytes/rank':>18}")
@@ -111,9 +121,10 @@ def main(argv: list[str]) -> None:
     print(f"{'replicated':<28}{replicated * 1e3:>10.1f}"
           f"{max(r['replicated_bytes'] for r in results):>18,}")
     print(f"replicated / owner-computes: {replicated / owner:.2f}x")
-    print(f"gradient reduce-scatter bytes/rank (fs.plan): {p.comm['reduce_scatter']:,}; "
+    grad_bytes = p.comm["reduce_scatter"] + p.comm["all_reduce"]
+    print(f"gradient reduce-scatter + all-reduce bytes/rank (fs.plan): {grad_bytes:,}; "
           f"owner exchange / gradient bytes: "
-          f"{max(r['owner_bytes'] for r in results) / p.comm['reduce_scatter']:.3f}")
+          f"{max(r['owner_bytes'] for r in results) / grad_bytes:.3f}")
     print(f"plan: muon bytes (busiest rank) {p.comm['muon']:,}, owner's whole-matrix memory "
           f"{p.memory.muon_owner:,} B")
     print(f"same params both ways: {all(r['same'] for r in results)}")

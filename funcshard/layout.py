@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -90,8 +91,10 @@ class Placement:
 
     What an optimizer that needs whole matrices (``fs.optim.muon``) is given beside the
     per-bucket buffers: the "shard" group the rows are spread over, this rank's place in it,
-    the device its collectives run on, and per bucket (keyed by its :class:`Members`) the
-    :class:`LeafSpec` of every member (offsets and row ranges are the same on every rank).
+    the device its collectives run on, per bucket (keyed by its :class:`Members`) the
+    :class:`LeafSpec` of every member (offsets and row ranges are the same on every rank), and
+    the replicas: the ranks that hold the same rows (the "replicate" axis; every rank under
+    ``no_shard``), which may split work on whole matrices between them.
     """
 
     group: object  # the "shard" axis ProcessGroup (None when size == 1)
@@ -99,6 +102,9 @@ class Placement:
     rank: int
     device: torch.device
     specs: dict[Members, tuple[LeafSpec, ...]]
+    replicas: object = None  # the ProcessGroup of the replicas (None when replica_count == 1)
+    replica_count: int = 1
+    replica_rank: int = 0
 
     def leaves(self, members: Members) -> tuple[LeafSpec, ...]:
         """The specs of the parameters one flat buffer packs, in buffer order."""
@@ -178,6 +184,7 @@ class Layout:
     def placement(self) -> Placement:
         """Row placement of every bucket over the "shard" axis (see :class:`Placement`)."""
         size = self.shard_size
+        replicas = self.dp_size // size
         return Placement(
             group=self.shard_group if size > 1 else None,
             size=size,
@@ -185,6 +192,9 @@ class Layout:
             device=self.device,
             specs={m: tuple(self.bucket_leaves(b))
                    for m, b in zip(self.members, self.buckets, strict=True)},
+            replicas=self.replicate_group if replicas > 1 else None,
+            replica_count=replicas,
+            replica_rank=dist.get_rank(self.replicate_group) if replicas > 1 else 0,
         )
 
     def per_bucket(self, values: Sequence) -> PerBucket:

@@ -24,13 +24,16 @@ microbatch's loss, ``W * M * 8``). The ZeRO-3 all-gather counts a forward
 gather and a backward re-gather of every bucket: exact when every unit saves one of its params
 for backward (a Linear weight does), an upper bound otherwise.
 
-``fs.optim.muon`` adds the kind "muon" when ``S > 1``: per optimizer call (the device buckets
-together, each offloaded bucket on its own) every rank sends each matrix's owner its rows and
-the owner sends every rank its rows of the result, both in bfloat16; a rank counts the inputs of
-both all-to-alls (``2 * 2 * (its rows' numel + the numel of the matrices it owns)``). Owners
-differ in load, so the plan gives the busiest shard rank's bytes, and ``memory.muon_owner`` the
-most whole-matrix bytes an owner holds at once (the matrix being orthogonalized, the next one
-arriving, the iteration's workspace).
+``fs.optim.muon`` adds the kind "muon" when more than one rank holds the state: per optimizer
+call (the device buckets together, each offloaded bucket on its own) the matrices are shared
+out between the ``R`` replicas (``W / S``; the world under ``no_shard``) by Newton-Schulz FLOPs.
+Within a replica, every rank sends each matrix's owner its rows and the owner sends every rank
+its rows of the result, both in bfloat16; a rank counts the inputs of both all-to-alls
+(``2 * 2 * (its rows' numel + the numel of the matrices it owns)``). With ``R > 1`` one
+all-gather over the replicas then brings each rank its rows of the other shares (``R * 2 *``
+the largest share's rows on that rank). Owners differ in load, so the plan gives the busiest
+rank's bytes and calls, and ``memory.muon_owner`` the most whole-matrix bytes an owner holds at
+once (the matrix being orthogonalized, the next one arriving, the iteration's workspace).
 """
 
 from __future__ import annotations
@@ -214,9 +217,10 @@ def _per_bucket_parts(state) -> list:
 
 
 def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int, int]:
-    """``(bytes, calls, owner bytes)`` of Muon's exchange on the busiest shard rank."""
+    """``(bytes, calls, owner bytes)`` of Muon's exchange on the busiest rank."""
     S = layout.shard_size
-    if isinstance(optimizer, str) or S == 1:
+    R = layout.dp_size // S  # replicas, each working on its share of the matrices
+    if isinstance(optimizer, str) or S * R == 1:
         return 0, 0, 0
     owned: set[int] = set()
     muon_states = [x for x in optree.tree_leaves(_meta_init(optimizer, layout),
@@ -233,10 +237,11 @@ def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int
         specs = [s for i in group for s in layout.bucket_leaves(layout.buckets[i])]
         if not specs:
             continue
-        ex = exchange_plan([(s.shape, [s.row_range(r) for r in range(S)]) for s in specs], S)
+        ex = exchange_plan([(s.shape, [s.row_range(r) for r in range(S)]) for s in specs], S,
+                           replicas=R)
         sent = [a + b for a, b in zip(sent, ex.sent_bytes, strict=True)]
         held = [max(a, b) for a, b in zip(held, ex.owner_bytes, strict=True)]
-        calls += 2 * ex.rounds
+        calls += ex.calls
     return max(sent), calls, max(held)
 
 

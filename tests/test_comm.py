@@ -157,8 +157,8 @@ def test_gradients_leave_for_the_wire_during_backward(pool2, strategy: str) -> N
 
 
 # --- fs.optim.muon: the owner-computes exchange ------------------------------------------------
-def muon_comm_worker(strategy: str, fraction: float) -> dict:
-    mesh = fs.make_mesh(device_type="cpu")
+def muon_comm_worker(strategy: str, fraction: float, replicate: int = 1) -> dict:
+    mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
     model = models.make_model(seed=3, d_in=test_muon.D_IN)
     state = fs.init(model, test_muon.ours(), mesh=mesh, strategy=strategy,
                     offload_fraction=fraction)
@@ -172,22 +172,26 @@ def muon_comm_worker(strategy: str, fraction: float) -> dict:
     return {"bytes": stats.bytes["muon"], "calls": stats.calls["muon"]}
 
 
-@pytest.mark.parametrize("world,strategy,fraction", [(2, "optim_grads_params", 0.0),
-                                                     (3, "optim", 0.5), (2, "no_shard", 0.0)])
+@pytest.mark.parametrize("world,strategy,fraction,replicate", [
+    (2, "optim_grads_params", 0.0, 1), (3, "optim", 0.5, 1), (2, "no_shard", 0.0, 1),
+    (4, "optim_grads_params", 0.0, 2)])
 def test_muon_exchange_bytes_equal_the_plan(request, world: int, strategy: str,
-                                            fraction: float) -> None:
-    """The exchange counted under "muon" equals fs.plan's prediction (busiest rank; calls on
-    every rank), and only rows move: every Muon element leaves its rank once to the owner and
-    once back, in bf16 (summed over ranks: 2 * 2 bytes * the Muon numel), nothing under
-    no_shard."""
-    results = request.getfixturevalue(f"pool{world}").run(muon_comm_worker, strategy, fraction)
+                                            fraction: float, replicate: int) -> None:
+    """The exchange counted under "muon" equals fs.plan's prediction (the busiest rank's bytes
+    and calls), and only rows move: on one replica every Muon element leaves its rank once to
+    the owner and once back, in bf16 (summed over ranks: 2 * 2 bytes * the Muon numel). The
+    replicas (every rank under no_shard) share the matrices out and all-gather the results."""
+    results = request.getfixturevalue(f"pool{world}").run(muon_comm_worker, strategy, fraction,
+                                                          replicate)
     model = models.make_model(seed=3, d_in=test_muon.D_IN)
-    p = fs.plan(model, world_size=world, strategy=strategy, offload_fraction=fraction,
-                optimizer=test_muon.ours(), device_type="cpu")
+    p = fs.plan(model, world_size=world, replicate=replicate, strategy=strategy,
+                offload_fraction=fraction, optimizer=test_muon.ours(), device_type="cpu")
     assert max(r["bytes"] for r in results) == p.comm["muon"]
-    assert all(r["calls"] == p.calls["muon"] for r in results)
-    if strategy == "no_shard":
-        assert p.comm["muon"] == 0
+    assert max(r["calls"] for r in results) == p.calls["muon"]
+    if strategy == "no_shard":  # one all-gather per step, nothing else
+        assert all(r["calls"] == 1 for r in results), results
+        return
+    if replicate > 1:
         return
     # only rows move: each rank sends its rows once and the owners' results once, in bf16
     rows_numel = sum(math.prod(p_.shape) for n, p_ in model.named_parameters()

@@ -8,6 +8,11 @@ every rank back its rows. Only those rows move (two all-to-alls per round, in bf
 what the iteration reads and returns anyway, so nothing is lost on the wire), and the exchange of
 round k+1 is in flight while the owners work on round k.
 
+Replicas hold the same rows of the same matrices: on a 2-D mesh (and under ``no_shard``, where
+every rank is a replica) they share the matrices out by FLOPs, each runs owner-computes on its
+share within its shard group, and one all-gather over the replicas hands every rank its rows
+of the other shares.
+
 Everything else of the update (momentum, Nesterov, weight decay, the step itself) is elementwise
 and runs on the local rows, exactly as torch does it on the whole tensor.
 """
@@ -94,9 +99,14 @@ class _Matrix:
 class ExchangePlan:
     """Per-rank traffic and owner memory of one update, from shapes alone (``fs.plan``)."""
 
-    sent_bytes: tuple[int, ...]  # per shard rank: inputs of both all-to-alls
+    sent_bytes: tuple[int, ...]  # per shard rank: inputs of both all-to-alls (+ the gather)
     owner_bytes: tuple[int, ...]  # per shard rank: the most whole-matrix bytes held at once
-    rounds: int
+    rounds: int  # of all-to-alls (two each), in the busiest replica
+    gathers: int = 0  # all-gathers over the replicas (0 or 1)
+
+    @property
+    def calls(self) -> int:
+        return 2 * self.rounds + self.gathers
 
 
 def _rounds(owners: list[int], size: int, order: list[int]) -> list[list[int | None]]:
@@ -113,8 +123,29 @@ def _order(shapes: Sequence[Sequence[int]], steps: int) -> list[int]:
 
 
 def exchange_plan(matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]],
-                  size: int, steps: int = 5) -> ExchangePlan:
-    """Bytes of the owner-computes exchange for ``(shape, row ranges per rank)`` matrices."""
+                  size: int, steps: int = 5, replicas: int = 1) -> ExchangePlan:
+    """Bytes of the owner-computes exchange for ``(shape, row ranges per rank)`` matrices, on
+    the busiest rank of each shard rank: with ``replicas`` > 1, each replica's share within its
+    shard group, then the all-gather of the results over the replicas."""
+    if replicas == 1:
+        return _exchange_within(matrices, size, steps)
+    share = assign_owners([s for s, _ in matrices], replicas, steps)
+    parts = [[m for m, q in zip(matrices, share, strict=True) if q == r] for r in range(replicas)]
+    within = [_exchange_within(part, size, steps) for part in parts]
+    rows_numel = lambda part, r: sum((rows[r][1] - rows[r][0]) * shape[1]
+                                     for shape, rows in part)
+    gather = [replicas * 2 * max(rows_numel(part, r) for part in parts) for r in range(size)]
+    return ExchangePlan(
+        tuple(max(w.sent_bytes[r] for w in within) + gather[r] for r in range(size)),
+        tuple(max(w.owner_bytes[r] for w in within) for r in range(size)),
+        max(w.rounds for w in within), gathers=int(max(gather) > 0))
+
+
+def _exchange_within(matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]],
+                     size: int, steps: int) -> ExchangePlan:
+    """``exchange_plan`` of one shard group (nothing moves when it is one rank)."""
+    if size == 1:
+        return ExchangePlan((0,), (0,), 0)
     shapes = [s for s, _ in matrices]
     owners = assign_owners(shapes, size, steps)
     rounds = _rounds(owners, size, _order(shapes, steps))
@@ -181,9 +212,10 @@ def muon(
     ("match_rms_adamw").
 
     On a TrainState each matrix is orthogonalized whole by one owner rank of the "shard" group
-    (see the module docstring); under ``no_shard`` every rank holds whole matrices and works on
-    all of them. Offloaded Muon buckets work too: their rows go to the owner over the state's
-    device and come back to the CPU.
+    (see the module docstring), and replicas (the "replicate" axis; every rank under
+    ``no_shard``) share the matrices out and all-gather the results, so each matrix is
+    orthogonalized once in the whole world. Offloaded Muon buckets work too: their rows go to
+    the owner over the state's device and come back to the CPU.
 
     Args:
       lr: a float or a schedule ``step -> float``.
@@ -274,6 +306,46 @@ def _matrices_of(param: torch.Tensor, update: torch.Tensor, members: Members | N
 def _orthogonalize_all(matrices: list[_Matrix], placement, orthogonalize, steps: int,
                        owner_computes: bool) -> list[torch.Tensor]:
     """This rank's rows of every matrix's orthogonalized update (bfloat16)."""
+    if owner_computes and placement is not None and placement.replica_count > 1:
+        return _across_replicas(matrices, placement, orthogonalize, steps)
+    return _within_shards(matrices, placement, orthogonalize, steps, owner_computes)
+
+
+def _across_replicas(matrices: list[_Matrix], placement, orthogonalize,
+                     steps: int) -> list[torch.Tensor]:
+    """Replicas hold the same rows of the same matrices, so each works on a share of them
+    (balanced by Newton-Schulz FLOPs, owner-computes within its shard group) and one all-gather
+    over the replicas gives every rank its rows of the other shares. The same bits as one
+    replica doing all: a matrix is orthogonalized from the same input by the same code."""
+    R, me = placement.replica_count, placement.rank
+    share = assign_owners([m.shape for m in matrices], R, steps)
+    done = _within_shards([m for m, q in zip(matrices, share, strict=True)
+                           if q == placement.replica_rank], placement, orthogonalize, steps, True)
+    rows_numel = lambda m: (m.rows[me][1] - m.rows[me][0]) * m.shape[1]
+    parts = [[i for i, q in enumerate(share) if q == r] for r in range(R)]
+    width = max(sum(rows_numel(matrices[i]) for i in part) for part in parts)
+    if width == 0:
+        return [torch.empty(0, m.shape[1], dtype=torch.bfloat16, device=placement.device)
+                for m in matrices]
+    local = torch.zeros(width, dtype=torch.bfloat16, device=placement.device)
+    if done:
+        mine = torch.cat([d.reshape(-1).to(placement.device) for d in done])
+        local[: mine.numel()].copy_(mine)
+    gathered = collectives.all_gather(local, placement.replicas, kind=KIND).view(R, width)
+    results: list[torch.Tensor | None] = [None] * len(matrices)
+    for r, part in enumerate(parts):
+        offset = 0
+        for i in part:
+            n = rows_numel(matrices[i])
+            a, b = matrices[i].rows[me]
+            results[i] = gathered[r, offset : offset + n].view(b - a, matrices[i].shape[1])
+            offset += n
+    return results  # type: ignore[return-value]
+
+
+def _within_shards(matrices: list[_Matrix], placement, orthogonalize, steps: int,
+                   owner_computes: bool) -> list[torch.Tensor]:
+    """``_orthogonalize_all`` within one shard group."""
     size = 1 if placement is None else placement.size
     if size == 1:  # an offloaded bucket's rows too are orthogonalized on the state's device
         device = None if placement is None else placement.device
