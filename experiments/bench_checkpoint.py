@@ -13,8 +13,11 @@ On gloo CPU ranks, one AdamW ZeRO-3 state (masters + mu + nu, fp32):
   ``LlamaForCausalLM.from_pretrained`` (transformers' loading path) on one rank.
 
 Restores read what was just written, so they mostly measure the page cache; both sides alike.
+``--device=cuda --nproc=1`` runs the save / restore and safetensors rows from GPU state on one
+GPU (NCCL; the resharding rows need more ranks than a one-GPU machine has and are skipped).
 
     python experiments/bench_checkpoint.py --dim=1536 --layers=8
+    python experiments/bench_checkpoint.py --device=cuda --nproc=1 --dim=4096 --layers=16
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ REPS = flags.DEFINE_integer("reps", 2, "repetitions; the best time is reported")
 CHUNK_MIB = flags.DEFINE_float("chunk_mib", None, "override funcshard's zarr chunk target (MiB)")
 HF_DIM = flags.DEFINE_integer("hf_dim", 512, "hidden size of the Llama of the safetensors rows")
 DIR = flags.DEFINE_string("dir", None, "scratch directory (default: a fresh temporary one)")
+DEVICE = flags.DEFINE_enum("device", "cpu", ["cpu", "cuda"], "where the state lives")
+NPROC = flags.DEFINE_integer("nproc", 2, "ranks of the save / restore and safetensors rows "
+                             "(the reshard rows restore them onto nproc + 1, CPU only)")
 
 
 def _model(dim: int, layers: int) -> nn.Module:
@@ -51,11 +57,11 @@ def _chunk_bytes(chunk_mib: float | None) -> int:
     return ckpt_lib.CHUNK_BYTES if chunk_mib is None else int(chunk_mib * (1 << 20))
 
 
-def _state(dim: int, layers: int) -> tuple[fs.TrainState, nn.Module]:
+def _state(dim: int, layers: int, device: str) -> tuple[fs.TrainState, nn.Module]:
     model = _model(dim, layers)
-    mesh = fs.make_mesh(device_type="cpu")
+    mesh = fs.make_mesh(device_type=device)
     state = fs.init(model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads_params")
-    x = torch.randn(2, dim)
+    x = torch.randn(2, dim, device=device)
 
     def loss_fn(params, batch):
         return fs.functional_call(model, params, (batch,)).square().mean()
@@ -65,9 +71,13 @@ def _state(dim: int, layers: int) -> tuple[fs.TrainState, nn.Module]:
 
 
 def _timed(fn) -> float:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     dist.barrier()
     t0 = time.perf_counter()
     fn()
+    if torch.cuda.is_initialized():  # a restore's copies to the GPU are part of it
+        torch.cuda.synchronize()
     dist.barrier()
     return time.perf_counter() - t0
 
@@ -125,8 +135,9 @@ def _fdatasync_seconds(path: str, nbytes: int) -> float:
     return t
 
 
-def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | None) -> dict:
-    state, _ = _state(dim, layers)
+def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | None,
+              device: str = "cpu") -> dict:
+    state, _ = _state(dim, layers, device)
     chunk = _chunk_bytes(chunk_mib)
     n_params = sum(s.numel for s in state.layout.leaves)
     total = 3 * 4 * n_params  # bytes in the files: masters, mu, nu (fp32, no padding)
@@ -146,12 +157,13 @@ def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | No
     out["dcp_restore"] = _best(lambda: dcp.load(sd, checkpoint_id=theirs), reps)
     out["fdatasync"] = min(_fdatasync_seconds(os.path.join(root, "sync"), total // 2)
                            for _ in range(reps))
+    out["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return out
 
 
 def bench_three(root: str, dim: int, layers: int, reps: int,
                 chunk_mib: float | None) -> dict:
-    state, _ = _state(dim, layers)
+    state, _ = _state(dim, layers, "cpu")
     same = os.path.join(root, "fs3")
     _rm(same)
     fs.save(same, state, chunk_bytes=_chunk_bytes(chunk_mib))
@@ -180,13 +192,13 @@ def _llama(dim: int, layers: int, meta: bool) -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def bench_hf(root: str, dim: int, layers: int, reps: int) -> dict:
-    """Safetensors export / import at 2 ranks beside one-rank safetensors and transformers."""
+def bench_hf(root: str, dim: int, layers: int, reps: int, device: str = "cpu") -> dict:
+    """Safetensors export / import at nproc ranks beside one-rank safetensors and transformers."""
     import safetensors.torch
     import transformers
 
     model = _llama(dim, layers, meta=False)
-    mesh = fs.make_mesh(device_type="cpu")
+    mesh = fs.make_mesh(device_type=device)
     state = fs.init(model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads_params")
     ours, theirs = os.path.join(root, "hf_fs"), os.path.join(root, "hf_st")
     out = {"params": sum(p.numel() for p in model.parameters())}
@@ -238,34 +250,40 @@ def main(argv: list[str]) -> None:
     os.makedirs(root, exist_ok=True)
     try:
         two = fs.launch(bench_two, root, DIM.value, LAYERS.value, REPS.value, CHUNK_MIB.value,
-                        nproc=2)[0]
-        three = fs.launch(bench_three, root, DIM.value, LAYERS.value, REPS.value, CHUNK_MIB.value,
-                          nproc=3)[0]
-        hf = fs.launch(bench_hf, root, HF_DIM.value, LAYERS.value, REPS.value, nproc=2)[0]
+                        DEVICE.value, nproc=NPROC.value)[0]
+        three = None if DEVICE.value == "cuda" else fs.launch(
+            bench_three, root, DIM.value, LAYERS.value, REPS.value, CHUNK_MIB.value,
+            nproc=NPROC.value + 1)[0]
+        hf = fs.launch(bench_hf, root, HF_DIM.value, LAYERS.value, REPS.value, DEVICE.value,
+                       nproc=NPROC.value)[0]
     finally:
         if DIR.value is None:
             shutil.rmtree(root, ignore_errors=True)
     mb = two["bytes"] / 1e6
+    n, m = NPROC.value, NPROC.value + 1
+    where = f"state on {two['device']}" if DEVICE.value == "cuda" else f"reshard at {m}"
     print(f"model: {two['params'] / 1e6:.1f}M params; AdamW state in files {mb:.0f} MB; "
-          f"2 gloo ranks (reshard at 3), best of {REPS.value}")
+          f"{n} ranks ({where}), best of {REPS.value}")
     print(f"{'operation':<34}{'funcshard s':>12}{'DCP s':>10}{'ratio':>8}")
     for op in ("save", "restore"):
         a, b = two[f"fs_{op}"], two[f"dcp_{op}"]
-        print(f"{op + ' (2 ranks, same layout)':<34}{a:>12.3f}{b:>10.3f}{a / b:>8.2f}")
-    print(f"{'restore 2 -> 3 (reshard)':<34}{three['reshard']:>12.3f}")
-    print(f"{'restore 3 -> 3 (same layout)':<34}{three['same']:>12.3f}")
-    print(f"reshard / same-layout restore: {three['reshard'] / three['same']:.2f}x (target <= 1.2)")
+        print(f"{op + f' ({n} ranks, same layout)':<34}{a:>12.3f}{b:>10.3f}{a / b:>8.2f}")
+    if three is not None:
+        print(f"{f'restore {n} -> {m} (reshard)':<34}{three['reshard']:>12.3f}")
+        print(f"{f'restore {m} -> {m} (same layout)':<34}{three['same']:>12.3f}")
+        print(f"reshard / same-layout restore: {three['reshard'] / three['same']:.2f}x "
+              "(target <= 1.2)")
     print(f"funcshard / DCP save time: {two['fs_save'] / two['dcp_save']:.2f}x, "
           f"restore time: {two['fs_restore'] / two['dcp_restore']:.2f}x (target <= 1)")
     bw_ours, bw_disk = mb / two["fs_save"], mb / two["fdatasync"]
     print(f"durable write bandwidth: funcshard {bw_ours:.0f} MB/s, fdatasync {bw_disk:.0f} MB/s "
           f"({bw_ours / bw_disk:.2f} of the disk)")
     print(f"\nHugging Face safetensors: Llama {hf['params'] / 1e6:.1f}M params, fp32; funcshard at "
-          "2 ranks (ZeRO-3, import into a meta-device model), the others on one rank")
+          f"{n} ranks (ZeRO-3, import into a meta-device model), the others on one rank")
     print(f"{'operation':<46}{'s':>8}{'funcshard / it':>16}")
-    rows = [("fs.export_safetensors (2 ranks)", hf["fs_export"]),
+    rows = [(f"fs.export_safetensors ({n} ranks)", hf["fs_export"]),
             ("safetensors.torch.save_file + fsync (1 rank)", hf["st_save"]),
-            ("fs.restore(model_only) of it (2 ranks)", hf["fs_import"]),
+            (f"fs.restore(model_only) of it ({n} ranks)", hf["fs_import"]),
             ("safetensors.torch.load_file, mmap (1 rank)", hf["st_load"]),
             ("load_file + copy every tensor (1 rank)", hf["st_load_copy"]),
             ("LlamaForCausalLM.from_pretrained (1 rank)", hf["hf_load"])]
