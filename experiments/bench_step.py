@@ -137,8 +137,12 @@ class _FsdpComm:
             self._saved[name] = original
             setattr(dist, name, counted)
 
-        wrap("all_gather_single", "all_gather", 0, "output_tensor")
-        wrap("reduce_scatter_single", "reduce_scatter", 1, "input")
+        # FSDP2 calls the torch 2.13 names where they exist, the older ones before
+        new = hasattr(dist, "all_gather_single")
+        wrap("all_gather_single" if new else "all_gather_into_tensor", "all_gather", 0,
+             "output_tensor")
+        wrap("reduce_scatter_single" if new else "reduce_scatter_tensor", "reduce_scatter", 1,
+             "input")
         wrap("all_reduce", "all_reduce", 0, "tensor")
         return self
 

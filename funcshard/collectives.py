@@ -44,6 +44,12 @@ class CommStats:
 
 _ACTIVE: list[CommStats] = []
 
+# torch 2.13 named the flat-tensor collectives all_gather_single / reduce_scatter_single and
+# deprecated all_gather_into_tensor / reduce_scatter_tensor (same signatures); earlier torch
+# (2.6 on, as pyproject allows) has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @contextlib.contextmanager
 def comm_stats() -> Iterator[CommStats]:
@@ -124,7 +130,7 @@ def all_gather(local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool 
         return Pending(None, local) if async_op else local
     out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
     record(kind, out)
-    work = dist.all_gather_single(out, local.contiguous(), group=group, async_op=async_op)
+    work = _all_gather_single(out, local.contiguous(), group=group, async_op=async_op)
     return Pending(work, out) if async_op else out
 
 
@@ -136,7 +142,7 @@ def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, *, async_op: bo
     out = torch.empty(full.numel() // size, dtype=full.dtype, device=full.device)
     record("reduce_scatter", full)
     full = full.contiguous()
-    work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group,
+    work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group,
                                       async_op=async_op)
     return Pending(work, out, keep=full) if async_op else out
 
