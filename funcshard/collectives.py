@@ -46,7 +46,7 @@ _ACTIVE: list[CommStats] = []
 
 # torch 2.13 named the flat-tensor collectives all_gather_single / reduce_scatter_single and
 # deprecated all_gather_into_tensor / reduce_scatter_tensor (same signatures); earlier torch
-# (2.6 on, as pyproject allows) has only the old names.
+# (2.11 and 2.12, which pyproject allows) has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
