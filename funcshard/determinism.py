@@ -23,7 +23,9 @@ chunk or row index alone:
 With G > 1 microbatches under ``optim_grads`` / ``optim_grads_params`` the microbatch
 subtrees come before the shard levels, so a rank keeps its microbatches' unreduced gradients
 (log2(microbatches) full-size partial sums at most) and reduce-scatters once per step,
-instead of reduce-scattering every microbatch into its shard.
+instead of reduce-scattering every microbatch into its shard. The last microbatch completes
+each bucket's sum (:meth:`PairwiseSum.total`) as soon as backward is done with the bucket and
+starts its reduce-scatter then, overlapped with the rest of backward, as the default does.
 """
 
 from __future__ import annotations
@@ -107,6 +109,18 @@ class PairwiseSum:
         for _, left in reversed(rest):
             out = [_add(a, b) for a, b in zip(left, out, strict=True)]
         return out
+
+    def total(self, index: int, last: torch.Tensor | None) -> torch.Tensor | None:
+        """``add`` of a last value, then ``result()[index]``, for one entry alone: the same
+        additions in the same order, so the same bits. Consumes that entry's partial sums
+        (call it once per index, after the last ``add``); the other entries are untouched."""
+        value, level, stack = last, 0, list(self._stack)
+        while stack and stack[-1][0] == level:
+            value = _add(stack.pop()[1][index], value)
+            level += 1
+        for _, left in reversed(stack):
+            value = _add(left[index], value)
+        return value
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -59,11 +58,14 @@ def _compute_shards(layout: Layout, state: TrainState) -> list[torch.Tensor]:
 
 
 def _sharded_grads(layout: Layout, buffers: Any, batch: Any, loss_fn: LossFn, scale: float,
-                   acc: list[torch.Tensor | None] | None, *, local: bool = False):
+                   acc: list[torch.Tensor | None] | None, *, local: bool = False,
+                   complete: determinism.PairwiseSum | None = None):
     """ZeRO-2/3: adds this rank's gradient shards, reduced over "shard", into ``acc``; with
-    ``local`` its unreduced rank sections instead (a deterministic step's microbatch)."""
+    ``local`` its unreduced rank sections instead (a deterministic step's microbatch); with
+    ``complete`` (a deterministic step's last microbatch) the shards of the microbatches' tree
+    completed bucket by bucket as backward goes."""
     run = UnitRun(layout, buffers, replicated=layout.strategy == "optim_grads", acc=acc,
-                  local=local)
+                  local=local, complete=complete)
     try:
         loss, aux = _loss_and_aux(loss_fn(run.params, batch))
         return loss.detach(), aux, run.reducer.backward(loss * scale)
@@ -161,22 +163,32 @@ def train_step(
     if det:
         determinism.check_microbatches(layout.dp_size, microbatches)
     units = layout.strategy in ("optim_grads", "optim_grads_params")
-    # A deterministic step sums a rank's microbatches before any rank's (the chunk tree's
-    # lowest levels), so with several it reduces once, like ZeRO-0/1.
-    per_microbatch_reduce = units and not (det and microbatches > 1)
     ls = state.loss_scale
     scale = (ls.scale if ls is not None else 1.0) / microbatches
     if units:
-        grads_fn = functools.partial(_sharded_grads, local=not per_microbatch_reduce)
         params = _compute_shards(layout, state) if zero3 else state.compute
     else:
-        grads_fn, params = _replicated_grads, state.compute
+        params = state.compute
 
+    # A deterministic step sums a rank's microbatches before any rank's (the chunk tree's
+    # lowest levels): microbatches keep their unreduced sections in a pairwise tree. Under
+    # ZeRO-2/3 the last one completes the tree bucket by bucket and starts each bucket's
+    # reduce-scatter as backward goes; under ZeRO-0/1 the tree is reduced after it.
     tree = determinism.PairwiseSum() if det and microbatches > 1 else None
     acc, losses, aux = None, [], None
-    for mb in split_microbatches(batch, microbatches):
-        loss, aux, out = grads_fn(layout, params, mb, loss_fn, scale,
-                                  None if tree is not None else acc)
+    parts = split_microbatches(batch, microbatches)
+    for k, mb in enumerate(parts):
+        if not units:
+            loss, aux, out = _replicated_grads(layout, params, mb, loss_fn, scale,
+                                               None if tree is not None else acc)
+        elif tree is None:
+            loss, aux, out = _sharded_grads(layout, params, mb, loss_fn, scale, acc)
+        elif k < len(parts) - 1:
+            loss, aux, out = _sharded_grads(layout, params, mb, loss_fn, scale, None, local=True)
+        else:
+            loss, aux, out = _sharded_grads(layout, params, mb, loss_fn, scale, None,
+                                            complete=tree)
+            tree = None  # consumed: out holds the reduced shards
         if tree is not None:
             tree.add(out)
         else:
@@ -184,11 +196,13 @@ def train_step(
         losses.append(loss)
     if tree is not None:
         acc = tree.result()
-    shard_numel = lambda b: b.numel * (1 if per_microbatch_reduce else layout.shard_size)
+    # ZeRO-2/3 reduced over the shard axis as backward went; ZeRO-0/1 hold rank sections.
+    reduced = units
     acc = [g if g is not None else  # no gradient reached the bucket
-           torch.zeros(shard_numel(b), dtype=b.dtypes.grad, device=layout.device)
+           torch.zeros(b.numel * (1 if reduced else layout.shard_size), dtype=b.dtypes.grad,
+                       device=layout.device)
            for g, b in zip(acc, layout.buckets, strict=True)]
-    if not per_microbatch_reduce:
+    if not reduced:
         acc = [reduce_lib.reduce_shard_axis(layout, b, g)
                for b, g in zip(layout.buckets, acc, strict=True)]
     acc = [reduce_lib.reduce_replicate_axis(layout, b, g)

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from funcshard import collectives
+from funcshard import collectives, determinism
 from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
 from funcshard.functional import GatheredParams, _Swap
@@ -145,11 +145,19 @@ class Reducer:
     """
 
     def __init__(self, layout: Layout, acc: list[torch.Tensor | None] | None = None,
-                 *, local: bool = False) -> None:
+                 *, local: bool = False, complete: determinism.PairwiseSum | None = None
+                 ) -> None:
         self.layout = layout
         self.local = local  # keep the unreduced rank sections (a deterministic step's subtrees)
         self.acc: list[torch.Tensor | None] = acc if acc is not None else [None] * len(
             layout.buckets)
+        # A deterministic step's last microbatch: once a bucket's every use has given its
+        # sections, the earlier microbatches' tree is completed with them and the bucket's
+        # reduce-scatter starts, overlapping the rest of backward.
+        self.complete = complete
+        self._sections: dict[int, torch.Tensor] = {}
+        self._arrived: collections.Counter[int] = collections.Counter()
+        self._completed: set[int] = set()
         zero = {b.dtypes.grad: torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
                 for b in layout.buckets}
         self._zeros = [zero[b.dtypes.grad].expand(b.numel) for b in layout.buckets]
@@ -162,6 +170,19 @@ class Reducer:
         b = self.layout.buckets[bucket]
         specs = self.layout.bucket_leaves(b)
         S = self.layout.shard_size
+        if self.complete is not None and bucket not in self._completed:
+            # (a use beyond those counted in forward, e.g. taken inside a recomputation, comes
+            # after its bucket's reduction started: it is reduced on its own and added, below)
+            mine = self._sections.get(bucket)
+            if mine is None:
+                self._sections[bucket] = shard_lib.to_rank_sections(
+                    list(grads), specs, S, b.dtypes.grad, self.layout.device)
+            else:  # another use of the bucket, summed in arrival order as autograd would
+                shard_lib.add_to_rank_sections(mine, list(grads), specs, S)
+            self._arrived[bucket] += 1
+            if self._arrived[bucket] >= self.entries[bucket]:
+                self._complete(bucket)
+            return self._zeros[bucket]
         # With one data-parallel rank the reduction is the identity: a later microbatch (or
         # use) adds its gradient straight into the accumulator, as the unreduced sections do.
         # (With replicas but one shard it is a division by their count, left to the wire.)
@@ -177,6 +198,15 @@ class Reducer:
         self._start(bucket, shard_lib.to_rank_sections(list(grads), specs, S, b.dtypes.comm,
                                                        self.layout.device))
         return self._zeros[bucket]
+
+    def _complete(self, bucket: int) -> None:
+        """Completes a bucket's microbatch tree and starts reducing it (once per bucket)."""
+        if bucket in self._completed:
+            return
+        self._completed.add(bucket)
+        total = self.complete.total(bucket, self._sections.pop(bucket, None))
+        if total is not None:
+            self._start(bucket, total)
 
     def _start(self, bucket: int, sections: torch.Tensor) -> None:
         """Waits for the reduction in flight, then starts reducing ``sections``."""
@@ -196,12 +226,15 @@ class Reducer:
 
     def backward(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
         """Backpropagates ``loss``; returns the accumulator (None: no gradient reached yet)."""
-        deferred = (self.layout.deterministic and not self.local
+        deferred = (self.layout.deterministic and not self.local and self.complete is None
                     and any(n > 1 for n in self.entries.values()))
         if deferred:
             reduced, self.acc, self.local = self.acc, [None] * len(self.acc), True
         try:
             torch.autograd.grad(loss, self.carriers, allow_unused=True)
+            if self.complete is not None:  # buckets this microbatch did not (fully) reach
+                for bucket in range(len(self.layout.buckets)):
+                    self._complete(bucket)
         finally:
             self.finish()
         if deferred:
@@ -503,11 +536,11 @@ class UnitRun:
 
     def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
                  *, replicated: bool = False, acc: list[torch.Tensor | None] | None = None,
-                 local: bool = False) -> None:
+                 local: bool = False, complete: determinism.PairwiseSum | None = None) -> None:
         self.layout = layout
         self.replicated = replicated
         self.gatherer = Gatherer(layout, buffers, replicated)
-        self.reducer = Reducer(layout, acc, local=local)
+        self.reducer = Reducer(layout, acc, local=local, complete=complete)
         self.saved = None if replicated else SavedParams(self)
         self.buckets_of: dict[int, list[int]] = {}
         for b in layout.buckets:

@@ -233,6 +233,33 @@ def test_pairwise_sum_is_a_fixed_tree() -> None:
     assert float(((xs[0] + xs[1]) + xs[2]) + xs[3]) != float(out[0])
 
 
+@pytest.mark.parametrize("count", [1, 2, 4, 8, 16])
+def test_a_tree_completed_entry_by_entry_is_the_whole_tree(count: int) -> None:
+    """What the last microbatch of a deterministic ZeRO-2/3 step does per bucket as backward
+    goes: ``total(i, last)`` equals ``add(last)`` then ``result()[i]`` bitwise, for every
+    entry (one with no value in the last microbatch, one with none before)."""
+    g = torch.Generator().manual_seed(count)
+    values = [[torch.randn(257, generator=g) * torch.logspace(-7, 7, 257) for _ in range(3)]
+              for _ in range(count)]
+    for step in values[:-1]:
+        step[2] = None
+    values[-1][1] = None
+    whole, parts = determinism.PairwiseSum(), determinism.PairwiseSum()
+    for step in values:
+        whole.add([v.clone() if v is not None else None for v in step])
+    for step in values[:-1]:
+        parts.add([v.clone() if v is not None else None for v in step])
+    want = whole.result()
+    for i, last in enumerate(values[-1]):
+        got = parts.total(i, last.clone() if last is not None else None)
+        assert (got is None and want[i] is None) or torch.equal(got, want[i]), i
+    if count >= 8:  # the tree's shape shows in these bits: a left fold gives others
+        fold = values[0][0].clone()
+        for step in values[1:]:
+            fold += step[0]
+        assert not torch.equal(fold, want[0])
+
+
 def test_halving_sum_depends_on_values_only() -> None:
     torch.manual_seed(0)
     x = torch.randn(37, 301, dtype=torch.float64) * torch.logspace(-8, 8, 301,
