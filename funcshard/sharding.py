@@ -110,7 +110,7 @@ def add_to_rank_sections(
         if pad:
             rows = torch.cat([rows, rows.new_zeros(pad, spec.row_numel)])
         dst.append(sections[:, spec.offset : spec.offset + spec.shard_numel])
-        src.append(rows.view(shard_size, spec.shard_numel))
+        src.append(rows.reshape(shard_size, spec.shard_numel))  # a transposed grad copies
     if dst:
         torch._foreach_add_(dst, src)
 

@@ -94,6 +94,7 @@ def test_add_to_rank_sections_equals_building_them(shard_size: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         grads = [torch.randn(s, generator=g).to(dtype) for s in shapes]
         grads[4] = None  # no gradient reached it
+        grads[0] = torch.randn(5, 37, generator=g).to(dtype).T  # autograd may hand these out
         acc = sharding.to_rank_sections(
             [torch.randn(s, generator=g) for s in shapes], specs, shard_size, torch.float32)
         want = acc + sharding.to_rank_sections(grads, specs, shard_size, torch.float32)
