@@ -20,6 +20,11 @@ chunk or row index alone:
   one halving tree.
 * the loss (:func:`mean_loss`): every chunk's loss is all-gathered and summed by a tree.
 
+A chunk's gradient must come from the same bits too, and CPU kernels round differently at
+another alignment of the same values, while a leaf's offset in a full buffer follows the
+padding, hence the shard count: a deterministic layout pads every leaf's shard to a multiple
+of ``layout.DETERMINISTIC_ALIGN`` elements (whole rows), so each leaf starts aligned.
+
 With G > 1 microbatches under ``optim_grads`` / ``optim_grads_params`` the microbatch
 subtrees come before the shard levels, so a rank keeps its microbatches' unreduced gradients
 (log2(microbatches) full-size partial sums at most) and reduce-scatters once per step,

@@ -316,6 +316,9 @@ def build_layout(
         rows = shape[0] if shape else 1
         row_numel = math.prod(shape[1:]) if shape else 1
         rps = -(-rows // shard_size)
+        if deterministic:  # every leaf starts 128-byte aligned in the full buffer, whatever S
+            step = DETERMINISTIC_ALIGN // math.gcd(row_numel, DETERMINISTIC_ALIGN)
+            rps = -(-rps // step) * step
         raw.append((name, tuple(shape), policy.resolve(dtype), _unit_of(name, prefixes), rows,
                     rps, row_numel))
     offloaded = _pick_offloaded([r[5] * r[6] for r in raw], offload_fraction)
@@ -351,6 +354,13 @@ def build_layout(
         if model is not None else (),
         deterministic=deterministic,
     )
+
+
+# Elements a deterministic layout aligns each leaf's shard (hence its full view) to. CPU kernels
+# give other bits for the same values at another alignment (a (6, 5) @ (5, 1) matmul whose
+# weight starts 4 bytes further on, say), and the full buffer's padding, hence a leaf's
+# offset, depends on the shard count; 32 elements are 128 bytes of fp32, 64 of bf16.
+DETERMINISTIC_ALIGN = 32
 
 
 def _check_deterministic(dp_size: int, buckets: list[Bucket], names: list[str]) -> None:

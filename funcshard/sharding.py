@@ -72,7 +72,7 @@ def to_rank_sections(
     numel = shard_size * sum(s.shard_numel for s in specs)
     if ref is None:
         return torch.zeros(numel, dtype=dtype, device=device)
-    if all(s.numel > 0 for s in specs):
+    if all(s.numel > 0 and s.rows_per_shard == -(-s.rows // shard_size) for s in specs):
         # One kernel pads every leaf's rows to a multiple of shard_size, cuts them into
         # shard_size chunks and writes chunk r of every leaf into section r, casting on the way.
         parts = [g.reshape(s.rows, s.row_numel) if g is not None

@@ -104,6 +104,7 @@ class Writers:
     parts: int  # writers per array
     index: int  # this rank's writer index
     active: bool  # False on replicas that write nothing
+    split: bool = False  # no_shard: every rank holds every row, so split them evenly
 
     @classmethod
     def of(cls, layout: Layout) -> Writers:
@@ -112,14 +113,16 @@ class Writers:
             shard = mesh_lib.axis_size(mesh, "shard")
             index = (mesh_lib.axis_rank(mesh, "replicate") * shard
                      + mesh_lib.axis_rank(mesh, "shard"))
-            return cls(layout.dp_size, index, True)
+            return cls(layout.dp_size, index, True, split=True)
         return cls(layout.shard_size, layout.shard_rank,
                    mesh_lib.axis_rank(mesh, "replicate") == 0)
 
     def rows(self, spec: LeafSpec) -> tuple[int, int, int]:
         """``(start, stop, piece)``: ``spec``'s rows this writer writes, and the rows each
         writer owns (so a chunk or file region aligned to ``piece`` has one writer)."""
-        piece = -(-spec.rows // self.parts)
+        # a sharded rank writes the rows it owns (a deterministic layout may own more than
+        # an even split: its shards are aligned)
+        piece = -(-spec.rows // self.parts) if self.split else spec.rows_per_shard
         start = min(self.index * piece, spec.rows) if self.active else spec.rows
         return start, min(start + piece, spec.rows), piece
 
