@@ -215,10 +215,43 @@ class _Funcshard:
         return _storage_bytes(fs.tree.leaves(self.state))
 
 
-class _Fsdp2:
+class _ModuleLoop:
+    """A torch module stepped the usual way: microbatched backward (in ``autocast`` when set),
+    the global grad norm (as funcshard computes it every step for its metrics), fused AdamW."""
+
+    autocast: torch.dtype | None = None
+
+    def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
+        self.cfg, self.model = cfg, model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
+
+    def step(self, batch) -> float:
+        M = self.cfg.microbatches
+        total = torch.zeros((), dtype=torch.float64, device=self.cfg.device)
+        for x, y in zip(torch.tensor_split(batch["x"], M), torch.tensor_split(batch["y"], M),
+                        strict=True):
+            with torch.autocast(self.cfg.device, dtype=self.autocast or torch.float32,
+                                enabled=self.autocast is not None):
+                logits = self.model(x)
+            loss = _ce(logits, y) / M
+            loss.backward()
+            total += loss.detach().double()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"), foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return self.mean(total)
+
+    def mean(self, total: torch.Tensor) -> float:
+        return float(total)
+
+    def persistent_bytes(self) -> int:
+        states = [t for s in self.opt.state.values() for t in s.values()]
+        return _storage_bytes([*self.model.parameters(), *states])
+
+
+class _Fsdp2(_ModuleLoop):
     def __init__(self, model: GPT, mesh, strategy: str, policy: FsdpPolicy | None,
                  cfg: Config) -> None:
-        self.cfg = cfg
         kw = dict(mesh=mesh["shard"], reshard_after_forward=RESHARD[strategy])
         if policy is not None:
             kw["mp_policy"] = policy
@@ -227,57 +260,19 @@ class _Fsdp2:
         model.to(cfg.device)
         for block in model.blocks:
             fully_shard(block, **kw)
-        self.model = fully_shard(model, **kw)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
+        super().__init__(fully_shard(model, **kw), cfg)
 
-    def step(self, batch) -> float:
-        M = self.cfg.microbatches
-        total = torch.zeros((), dtype=torch.float64)
-        for x, y in zip(torch.tensor_split(batch["x"], M), torch.tensor_split(batch["y"], M),
-                        strict=True):
-            loss = _ce(self.model(x), y) / M
-            loss.backward()
-            total += loss.detach().double()
-        # The global gradient norm, as funcshard computes it every step for its metrics.
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"), foreach=True)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+    def mean(self, total: torch.Tensor) -> float:
         dist.all_reduce(total)
         return float(total) / dist.get_world_size()
 
-    def persistent_bytes(self) -> int:
-        states = [t for s in self.opt.state.values() for t in s.values()]
-        return _storage_bytes([*self.model.parameters(), *states])
 
-
-class _Torch:
+class _Torch(_ModuleLoop):
     """Plain torch on one rank: no sharding, no wrapper; autocast for bf16 compute."""
 
     def __init__(self, model: GPT, policy_name: str, cfg: Config) -> None:
-        self.cfg = cfg
-        self.model = model.to(cfg.device)
-        self.dtype = torch.bfloat16 if policy_name == "bf16" else None
-        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
-
-    def step(self, batch) -> float:
-        M = self.cfg.microbatches
-        total = torch.zeros((), dtype=torch.float64, device=self.cfg.device)
-        for x, y in zip(torch.tensor_split(batch["x"], M), torch.tensor_split(batch["y"], M),
-                        strict=True):
-            with torch.autocast(self.cfg.device, dtype=self.dtype or torch.float32,
-                                enabled=self.dtype is not None):
-                logits = self.model(x)
-            loss = _ce(logits, y) / M
-            loss.backward()
-            total += loss.detach().double()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"), foreach=True)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(total)
-
-    def persistent_bytes(self) -> int:
-        states = [t for s in self.opt.state.values() for t in s.values()]
-        return _storage_bytes([*self.model.parameters(), *states])
+        super().__init__(model.to(cfg.device), cfg)
+        self.autocast = torch.bfloat16 if policy_name == "bf16" else None
 
 
 def _trace(cfg: Config, runner, batch, name: str) -> None:
