@@ -44,8 +44,12 @@ CHUNK_MIB = flags.DEFINE_float("chunk_mib", None, "override funcshard's zarr chu
 HF_DIM = flags.DEFINE_integer("hf_dim", 512, "hidden size of the Llama of the safetensors rows")
 DIR = flags.DEFINE_string("dir", None, "scratch directory (default: a fresh temporary one)")
 DEVICE = flags.DEFINE_enum("device", "cpu", ["cpu", "cuda"], "where the state lives")
-NPROC = flags.DEFINE_integer("nproc", 2, "ranks of the save / restore and safetensors rows "
-                             "(the reshard rows restore them onto nproc + 1, CPU only)")
+NPROC = flags.DEFINE_integer(
+    "nproc",
+    2,
+    "ranks of the save / restore and safetensors rows "
+    "(the reshard rows restore them onto nproc + 1, CPU only)",
+)
 
 
 def _model(dim: int, layers: int) -> nn.Module:
@@ -106,13 +110,13 @@ def _dcp_state(state: fs.TrainState) -> dict:
         out = {}
         for spec in layout.leaves:
             shape = torch.Size(spec.shape)
-            out[spec.name] = DTensor.from_local(local[spec.name], mesh, [Shard(0)],
-                                                shape=shape, stride=torch.empty(shape).stride())
+            out[spec.name] = DTensor.from_local(
+                local[spec.name], mesh, [Shard(0)], shape=shape, stride=torch.empty(shape).stride()
+            )
         return out
 
     opt = state.opt_state_by_name()
-    return {"params": dt(state.params), "mu": dt(opt.mu), "nu": dt(opt.nu),
-            "step": state.step}
+    return {"params": dt(state.params), "mu": dt(opt.mu), "nu": dt(opt.nu), "step": state.step}
 
 
 def _fdatasync_seconds(path: str, nbytes: int) -> float:
@@ -135,16 +139,18 @@ def _fdatasync_seconds(path: str, nbytes: int) -> float:
     return t
 
 
-def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | None,
-              device: str = "cpu") -> dict:
+def bench_two(
+    root: str, dim: int, layers: int, reps: int, chunk_mib: float | None, device: str = "cpu"
+) -> dict:
     state, _ = _state(dim, layers, device)
     chunk = _chunk_bytes(chunk_mib)
     n_params = sum(s.numel for s in state.layout.leaves)
     total = 3 * 4 * n_params  # bytes in the files: masters, mu, nu (fp32, no padding)
     ours, theirs = os.path.join(root, "fs2"), os.path.join(root, "dcp2")
     out = {"params": n_params, "bytes": total}
-    out["fs_save"] = _best(lambda: fs.save(ours, state, chunk_bytes=chunk), reps,
-                           setup=lambda: _rm(ours))
+    out["fs_save"] = _best(
+        lambda: fs.save(ours, state, chunk_bytes=chunk), reps, setup=lambda: _rm(ours)
+    )
     like = [state]
 
     def restore_ours() -> None:
@@ -152,17 +158,18 @@ def bench_two(root: str, dim: int, layers: int, reps: int, chunk_mib: float | No
 
     out["fs_restore"] = _best(restore_ours, reps)
     sd = _dcp_state(like[0])
-    out["dcp_save"] = _best(lambda: dcp.save(sd, checkpoint_id=theirs), reps,
-                            setup=lambda: _rm(theirs))
+    out["dcp_save"] = _best(
+        lambda: dcp.save(sd, checkpoint_id=theirs), reps, setup=lambda: _rm(theirs)
+    )
     out["dcp_restore"] = _best(lambda: dcp.load(sd, checkpoint_id=theirs), reps)
-    out["fdatasync"] = min(_fdatasync_seconds(os.path.join(root, "sync"), total // 2)
-                           for _ in range(reps))
+    out["fdatasync"] = min(
+        _fdatasync_seconds(os.path.join(root, "sync"), total // 2) for _ in range(reps)
+    )
     out["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return out
 
 
-def bench_three(root: str, dim: int, layers: int, reps: int,
-                chunk_mib: float | None) -> dict:
+def bench_three(root: str, dim: int, layers: int, reps: int, chunk_mib: float | None) -> dict:
     state, _ = _state(dim, layers, "cpu")
     same = os.path.join(root, "fs3")
     _rm(same)
@@ -172,19 +179,26 @@ def bench_three(root: str, dim: int, layers: int, reps: int,
     def restore(path: str):
         def run() -> None:
             like[0] = fs.restore(path, like=like[0])
+
         return run
 
-    return {"reshard": _best(restore(os.path.join(root, "fs2")), reps),
-            "same": _best(restore(same), reps)}
+    return {
+        "reshard": _best(restore(os.path.join(root, "fs2")), reps),
+        "same": _best(restore(same), reps),
+    }
 
 
 def _llama(dim: int, layers: int, meta: bool) -> nn.Module:
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=dim,
-                                      intermediate_size=dim * 11 // 4, num_hidden_layers=layers,
-                                      num_attention_heads=max(dim // 64, 1),
-                                      tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=dim,
+        intermediate_size=dim * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=max(dim // 64, 1),
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     if meta:
         with torch.device("meta"):
@@ -202,8 +216,9 @@ def bench_hf(root: str, dim: int, layers: int, reps: int, device: str = "cpu") -
     state = fs.init(model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads_params")
     ours, theirs = os.path.join(root, "hf_fs"), os.path.join(root, "hf_st")
     out = {"params": sum(p.numel() for p in model.parameters())}
-    out["fs_export"] = _best(lambda: fs.export_safetensors(ours, state), reps,
-                             setup=lambda: _rm(ours))
+    out["fs_export"] = _best(
+        lambda: fs.export_safetensors(ours, state), reps, setup=lambda: _rm(ours)
+    )
     full = {n: t.contiguous() for n, t in model.state_dict().items()}
     one = os.path.join(theirs, "model.safetensors")
 
@@ -227,20 +242,24 @@ def bench_hf(root: str, dim: int, layers: int, reps: int, device: str = "cpu") -
     like = [None]
 
     def fresh_like() -> None:  # plain SGD: no optimizer state to create, only the weights
-        like[0] = fs.init(_llama(dim, layers, meta=True), fs.optim.sgd(1e-3), mesh=mesh,
-                          strategy="optim_grads_params")
+        like[0] = fs.init(
+            _llama(dim, layers, meta=True),
+            fs.optim.sgd(1e-3),
+            mesh=mesh,
+            strategy="optim_grads_params",
+        )
 
     def restore_ours() -> None:
         like[0] = fs.restore(ours, like=like[0], model_only=True)
 
     out["fs_import"] = _best(restore_ours, reps, setup=fresh_like)
-    rank0 = lambda fn: (lambda: fn() if dist.get_rank() == 0 else None)
+    rank0 = lambda fn: lambda: fn() if dist.get_rank() == 0 else None
     out["st_load"] = _best(rank0(lambda: safetensors.torch.load_file(one)), reps)
     # load_file maps the file: the bytes are read when first touched; here every one is
     out["st_load_copy"] = _best(
-        rank0(lambda: [t.clone() for t in safetensors.torch.load_file(one).values()]), reps)
-    out["hf_load"] = _best(rank0(lambda: transformers.LlamaForCausalLM.from_pretrained(ours)),
-                           reps)
+        rank0(lambda: [t.clone() for t in safetensors.torch.load_file(one).values()]), reps
+    )
+    out["hf_load"] = _best(rank0(lambda: transformers.LlamaForCausalLM.from_pretrained(ours)), reps)
     return out
 
 
@@ -249,21 +268,42 @@ def main(argv: list[str]) -> None:
     root = DIR.value or tempfile.mkdtemp(prefix="bench_checkpoint_")
     os.makedirs(root, exist_ok=True)
     try:
-        two = fs.launch(bench_two, root, DIM.value, LAYERS.value, REPS.value, CHUNK_MIB.value,
-                        DEVICE.value, nproc=NPROC.value)[0]
-        three = None if DEVICE.value == "cuda" else fs.launch(
-            bench_three, root, DIM.value, LAYERS.value, REPS.value, CHUNK_MIB.value,
-            nproc=NPROC.value + 1)[0]
-        hf = fs.launch(bench_hf, root, HF_DIM.value, LAYERS.value, REPS.value, DEVICE.value,
-                       nproc=NPROC.value)[0]
+        two = fs.launch(
+            bench_two,
+            root,
+            DIM.value,
+            LAYERS.value,
+            REPS.value,
+            CHUNK_MIB.value,
+            DEVICE.value,
+            nproc=NPROC.value,
+        )[0]
+        three = (
+            None
+            if DEVICE.value == "cuda"
+            else fs.launch(
+                bench_three,
+                root,
+                DIM.value,
+                LAYERS.value,
+                REPS.value,
+                CHUNK_MIB.value,
+                nproc=NPROC.value + 1,
+            )[0]
+        )
+        hf = fs.launch(
+            bench_hf, root, HF_DIM.value, LAYERS.value, REPS.value, DEVICE.value, nproc=NPROC.value
+        )[0]
     finally:
         if DIR.value is None:
             shutil.rmtree(root, ignore_errors=True)
     mb = two["bytes"] / 1e6
     n, m = NPROC.value, NPROC.value + 1
     where = f"state on {two['device']}" if DEVICE.value == "cuda" else f"reshard at {m}"
-    print(f"model: {two['params'] / 1e6:.1f}M params; AdamW state in files {mb:.0f} MB; "
-          f"{n} ranks ({where}), best of {REPS.value}")
+    print(
+        f"model: {two['params'] / 1e6:.1f}M params; AdamW state in files {mb:.0f} MB; "
+        f"{n} ranks ({where}), best of {REPS.value}"
+    )
     print(f"{'operation':<34}{'funcshard s':>12}{'DCP s':>10}{'ratio':>8}")
     for op in ("save", "restore"):
         a, b = two[f"fs_{op}"], two[f"dcp_{op}"]
@@ -271,22 +311,32 @@ def main(argv: list[str]) -> None:
     if three is not None:
         print(f"{f'restore {n} -> {m} (reshard)':<34}{three['reshard']:>12.3f}")
         print(f"{f'restore {m} -> {m} (same layout)':<34}{three['same']:>12.3f}")
-        print(f"reshard / same-layout restore: {three['reshard'] / three['same']:.2f}x "
-              "(target <= 1.2)")
-    print(f"funcshard / DCP save time: {two['fs_save'] / two['dcp_save']:.2f}x, "
-          f"restore time: {two['fs_restore'] / two['dcp_restore']:.2f}x (target <= 1)")
+        print(
+            f"reshard / same-layout restore: {three['reshard'] / three['same']:.2f}x "
+            "(target <= 1.2)"
+        )
+    print(
+        f"funcshard / DCP save time: {two['fs_save'] / two['dcp_save']:.2f}x, "
+        f"restore time: {two['fs_restore'] / two['dcp_restore']:.2f}x (target <= 1)"
+    )
     bw_ours, bw_disk = mb / two["fs_save"], mb / two["fdatasync"]
-    print(f"durable write bandwidth: funcshard {bw_ours:.0f} MB/s, fdatasync {bw_disk:.0f} MB/s "
-          f"({bw_ours / bw_disk:.2f} of the disk)")
-    print(f"\nHugging Face safetensors: Llama {hf['params'] / 1e6:.1f}M params, fp32; funcshard at "
-          f"{n} ranks (ZeRO-3, import into a meta-device model), the others on one rank")
+    print(
+        f"durable write bandwidth: funcshard {bw_ours:.0f} MB/s, fdatasync {bw_disk:.0f} MB/s "
+        f"({bw_ours / bw_disk:.2f} of the disk)"
+    )
+    print(
+        f"\nHugging Face safetensors: Llama {hf['params'] / 1e6:.1f}M params, fp32; funcshard at "
+        f"{n} ranks (ZeRO-3, import into a meta-device model), the others on one rank"
+    )
     print(f"{'operation':<46}{'s':>8}{'funcshard / it':>16}")
-    rows = [(f"fs.export_safetensors ({n} ranks)", hf["fs_export"]),
-            ("safetensors.torch.save_file + fsync (1 rank)", hf["st_save"]),
-            (f"fs.restore(model_only) of it ({n} ranks)", hf["fs_import"]),
-            ("safetensors.torch.load_file, mmap (1 rank)", hf["st_load"]),
-            ("load_file + copy every tensor (1 rank)", hf["st_load_copy"]),
-            ("LlamaForCausalLM.from_pretrained (1 rank)", hf["hf_load"])]
+    rows = [
+        (f"fs.export_safetensors ({n} ranks)", hf["fs_export"]),
+        ("safetensors.torch.save_file + fsync (1 rank)", hf["st_save"]),
+        (f"fs.restore(model_only) of it ({n} ranks)", hf["fs_import"]),
+        ("safetensors.torch.load_file, mmap (1 rank)", hf["st_load"]),
+        ("load_file + copy every tensor (1 rank)", hf["st_load_copy"]),
+        ("LlamaForCausalLM.from_pretrained (1 rank)", hf["hf_load"]),
+    ]
     for name, t in rows:
         ref = hf["fs_export"] if "save" in name or "export" in name else hf["fs_import"]
         print(f"{name:<46}{t:>8.3f}{ref / t:>16.2f}")

@@ -52,11 +52,22 @@ class GPTLeaves(nn.Module):
     def __init__(self, d: int, layers: int, vocab: int) -> None:
         super().__init__()
         self.wte = nn.Parameter(torch.randn(vocab, d))
-        shapes = [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,),
-                  (d,), (d,)]
+        shapes = [
+            (3 * d, d),
+            (3 * d,),
+            (d, d),
+            (d,),
+            (4 * d, d),
+            (4 * d,),
+            (d, 4 * d),
+            (d,),
+            (d,),
+            (d,),
+        ]
         self.blocks = nn.ModuleList(
             nn.ParameterList(nn.Parameter(torch.randn(s) * 0.02) for s in shapes)
-            for _ in range(layers))
+            for _ in range(layers)
+        )
 
 
 def is_matrix(name: str, shape: tuple) -> bool:
@@ -67,13 +78,16 @@ def recipe(owner_computes: bool) -> fs.optim.Optimizer:
     return fs.optim.chain(
         fs.optim.clip_by_global_norm(1.0),
         fs.optim.multi_transform(
-            {"muon": fs.optim.muon(0.02, owner_computes=owner_computes),
-             "adamw": fs.optim.adamw(3e-4, weight_decay=0.1, mask=fs.optim.decay_mask)},
-            lambda name, shape: "muon" if is_matrix(name, shape) else "adamw"))
+            {
+                "muon": fs.optim.muon(0.02, owner_computes=owner_computes),
+                "adamw": fs.optim.adamw(3e-4, weight_decay=0.1, mask=fs.optim.decay_mask),
+            },
+            lambda name, shape: "muon" if is_matrix(name, shape) else "adamw",
+        ),
+    )
 
 
-def worker(d: int, layers: int, vocab: int, repeats: int, strategy: str,
-           replicate: int) -> dict:
+def worker(d: int, layers: int, vocab: int, repeats: int, strategy: str, replicate: int) -> dict:
     torch.set_num_threads(1)
     mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
     torch.manual_seed(0)
@@ -95,38 +109,63 @@ def worker(d: int, layers: int, vocab: int, repeats: int, strategy: str,
         out[way] = median_time(step, repeats)
         out[way + "_bytes"] = stats.bytes["muon"]
         out[way + "_params"] = fs.full_params(box[0])
-    out["same"] = all(torch.allclose(out["owner_params"][n], out["replicated_params"][n],
-                                     rtol=0, atol=0) for n in out["owner_params"])
+    out["same"] = all(
+        torch.allclose(out["owner_params"][n], out["replicated_params"][n], rtol=0, atol=0)
+        for n in out["owner_params"]
+    )
     del out["owner_params"], out["replicated_params"]
     return out
 
 
 def main(argv: list[str]) -> None:
     del argv
-    results = fs.launch(worker, FLAGS.d_model, FLAGS.layers, FLAGS.vocab, FLAGS.repeats,
-                        FLAGS.strategy, FLAGS.replicate, nproc=FLAGS.nproc)
+    results = fs.launch(
+        worker,
+        FLAGS.d_model,
+        FLAGS.layers,
+        FLAGS.vocab,
+        FLAGS.repeats,
+        FLAGS.strategy,
+        FLAGS.replicate,
+        nproc=FLAGS.nproc,
+    )
     model = GPTLeaves(FLAGS.d_model, FLAGS.layers, FLAGS.vocab)
     mats = sum(p.numel() for n, p in model.named_parameters() if is_matrix(n, tuple(p.shape)))
-    p = fs.plan(model, world_size=FLAGS.nproc, replicate=FLAGS.replicate,
-                strategy=FLAGS.strategy, optimizer=recipe(True), device_type="cpu")
+    p = fs.plan(
+        model,
+        world_size=FLAGS.nproc,
+        replicate=FLAGS.replicate,
+        strategy=FLAGS.strategy,
+        optimizer=recipe(True),
+        device_type="cpu",
+    )
     owner = max(r["owner"] for r in results)
     replicated = max(r["replicated"] for r in results)
-    print(f"{FLAGS.strategy}, {FLAGS.nproc} CPU ranks x 1 thread (replicate "
-          f"{FLAGS.replicate}); {mats / 1e6:.2f}M Muon params in "
-          f"{4 * FLAGS.layers} matrices, "
-          f"{sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params in all")
+    print(
+        f"{FLAGS.strategy}, {FLAGS.nproc} CPU ranks x 1 thread (replicate "
+        f"{FLAGS.replicate}); {mats / 1e6:.2f}M Muon params in "
+        f"{4 * FLAGS.layers} matrices, "
+        f"{sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params in all"
+    )
     print(f"{'optimizer step':<28}{'ms/step':>10}{'muon bytes/rank':>18}")
-    print(f"{'owner-computes':<28}{owner * 1e3:>10.1f}"
-          f"{max(r['owner_bytes'] for r in results):>18,}")
-    print(f"{'replicated':<28}{replicated * 1e3:>10.1f}"
-          f"{max(r['replicated_bytes'] for r in results):>18,}")
+    print(
+        f"{'owner-computes':<28}{owner * 1e3:>10.1f}{max(r['owner_bytes'] for r in results):>18,}"
+    )
+    print(
+        f"{'replicated':<28}{replicated * 1e3:>10.1f}"
+        f"{max(r['replicated_bytes'] for r in results):>18,}"
+    )
     print(f"replicated / owner-computes: {replicated / owner:.2f}x")
     grad_bytes = p.comm["reduce_scatter"] + p.comm["all_reduce"]
-    print(f"gradient reduce-scatter + all-reduce bytes/rank (fs.plan): {grad_bytes:,}; "
-          f"owner exchange / gradient bytes: "
-          f"{max(r['owner_bytes'] for r in results) / grad_bytes:.3f}")
-    print(f"plan: muon bytes (busiest rank) {p.comm['muon']:,}, owner's whole-matrix memory "
-          f"{p.memory.muon_owner:,} B")
+    print(
+        f"gradient reduce-scatter + all-reduce bytes/rank (fs.plan): {grad_bytes:,}; "
+        f"owner exchange / gradient bytes: "
+        f"{max(r['owner_bytes'] for r in results) / grad_bytes:.3f}"
+    )
+    print(
+        f"plan: muon bytes (busiest rank) {p.comm['muon']:,}, owner's whole-matrix memory "
+        f"{p.memory.muon_owner:,} B"
+    )
     print(f"same params both ways: {all(r['same'] for r in results)}")
 
 

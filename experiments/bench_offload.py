@@ -59,9 +59,21 @@ def _fused_adamw_blocks(p, g, m, v, step, out, block: int) -> None:
     """The floor of the blocked pass: bare kernel calls, no optimizer wrapper."""
     for start in range(0, p.numel(), block):
         sl = slice(start, start + block)
-        torch._fused_adamw_([p[sl]], [g[sl]], [m[sl]], [v[sl]], [], [step], amsgrad=False,
-                            lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD, eps=EPS,
-                            maximize=False)
+        torch._fused_adamw_(
+            [p[sl]],
+            [g[sl]],
+            [m[sl]],
+            [v[sl]],
+            [],
+            [step],
+            amsgrad=False,
+            lr=LR,
+            beta1=BETAS[0],
+            beta2=BETAS[1],
+            weight_decay=WD,
+            eps=EPS,
+            maximize=False,
+        )
         if out is not None:
             out[sl].copy_(p[sl])
 
@@ -83,15 +95,22 @@ def main(argv: list[str]) -> None:
     model = Leaves(FLAGS.leaves, FLAGS.numel)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    torch_opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
-                                  weight_decay=WD, fused=True)
+    torch_opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True
+    )
     t_torch = median_time(torch_opt.step, reps)
     rows.append(("torch AdamW(fused=True)", t_torch, ADAMW_BYTES))
     del torch_opt
 
     def offload_state(policy: fs.MixedPrecisionPolicy) -> fs.TrainState:
-        return fs.init(model, fs.optim.adamw(LR, BETAS, EPS, WD), mesh=mesh, policy=policy,
-                       strategy="no_shard", offload_fraction=1.0)
+        return fs.init(
+            model,
+            fs.optim.adamw(LR, BETAS, EPS, WD),
+            mesh=mesh,
+            policy=policy,
+            strategy="no_shard",
+            offload_fraction=1.0,
+        )
 
     def time_offload_step(state: fs.TrainState) -> tuple[float, fs.TrainState]:
         grads = tuple(torch.randn(b.numel) for b in state.layout.buckets)
@@ -107,10 +126,16 @@ def main(argv: list[str]) -> None:
     del state
 
     # One pass vs two with a bf16 compute copy.
-    t_single, state = time_offload_step(offload_state(
-        fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
-    rows.append((f"fs.offload_step (bf16 copy, block {offload_lib.BLOCK_NUMEL})", t_single,
-                 ADAMW_BYTES + CAST_BYTES))
+    t_single, state = time_offload_step(
+        offload_state(fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    )
+    rows.append(
+        (
+            f"fs.offload_step (bf16 copy, block {offload_lib.BLOCK_NUMEL})",
+            t_single,
+            ADAMW_BYTES + CAST_BYTES,
+        )
+    )
     del state
     p = torch.randn(n_total)
     g, m, v = torch.randn(n_total), torch.zeros(n_total), torch.zeros(n_total)
@@ -123,8 +148,9 @@ def main(argv: list[str]) -> None:
 
     t_two = median_time(two_pass, reps)
     rows.append(("two passes: fused AdamW, then cast", t_two, ADAMW_BYTES + CAST_BYTES))
-    t_alloc = median_time(lambda: (_fused_adamw_blocks(p, g, m, v, step, None, n_total),
-                                    p.to(torch.bfloat16)), reps)
+    t_alloc = median_time(
+        lambda: (_fused_adamw_blocks(p, g, m, v, step, None, n_total), p.to(torch.bfloat16)), reps
+    )
     rows.append(("two passes, cast allocating (p.to)", t_alloc, ADAMW_BYTES + CAST_BYTES))
     opt = fs.optim.adamw(LR, BETAS, EPS, WD)
     opt_state = opt.init((p,))
@@ -139,19 +165,27 @@ def main(argv: list[str]) -> None:
         t = median_time(blocked, reps)
         rows.append((f"one pass, step_and_cast, block {block}", t, ADAMW_BYTES + CAST_BYTES))
 
-    print(f"\n{FLAGS.leaves} leaves x {FLAGS.numel} = {n_total / 1e6:.1f}M fp32 params, "
-          f"{threads} threads; copy bandwidth {bandwidth / 1e9:.2f} GB/s (read + write)\n")
+    print(
+        f"\n{FLAGS.leaves} leaves x {FLAGS.numel} = {n_total / 1e6:.1f}M fp32 params, "
+        f"{threads} threads; copy bandwidth {bandwidth / 1e9:.2f} GB/s (read + write)\n"
+    )
     print(f"{'variant':<48} {'ms':>8} {'Gparam/s':>9} {'GB/s':>7} {'of copy bw':>10}")
     for name, t, nbytes in rows:
-        print(f"{name:<48} {t * 1e3:8.1f} {n_total / t / 1e9:9.3f} "
-              f"{nbytes * n_total / t / 1e9:7.2f} {nbytes * n_total / t / bandwidth:10.2f}")
+        print(
+            f"{name:<48} {t * 1e3:8.1f} {n_total / t / 1e9:9.3f} "
+            f"{nbytes * n_total / t / 1e9:7.2f} {nbytes * n_total / t / bandwidth:10.2f}"
+        )
     best_single = min(t for name, t, _ in rows if name.startswith("one pass"))
     print(f"\noffload_step / torch fused AdamW throughput: {t_torch / t_ours:.3f} (target >= 0.95)")
-    print(f"offload_step vs copy bandwidth at {ADAMW_BYTES} B/param: "
-          f"{ADAMW_BYTES * n_total / t_ours / bandwidth:.2f}")
+    print(
+        f"offload_step vs copy bandwidth at {ADAMW_BYTES} B/param: "
+        f"{ADAMW_BYTES * n_total / t_ours / bandwidth:.2f}"
+    )
     print(f"one pass (offload_step, bf16) vs two passes: {t_two / t_single:.3f} (target >= 1.2)")
-    print(f"best one pass vs two passes: {t_two / best_single:.3f}; "
-          f"vs two passes with an allocating cast: {t_alloc / best_single:.3f}")
+    print(
+        f"best one pass vs two passes: {t_two / best_single:.3f}; "
+        f"vs two passes with an allocating cast: {t_alloc / best_single:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -43,10 +43,23 @@ class GPTLeaves(nn.Module):
     def __init__(self, d: int, layers: int, vocab: int) -> None:
         super().__init__()
         self.wte = nn.Parameter(torch.randn(vocab, d))
-        shapes = [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,),
-                  (d,), (d,), (d,), (d,)]
+        shapes = [
+            (3 * d, d),
+            (3 * d,),
+            (d, d),
+            (d,),
+            (4 * d, d),
+            (4 * d,),
+            (d, 4 * d),
+            (d,),
+            (d,),
+            (d,),
+            (d,),
+            (d,),
+        ]
         self.blocks = nn.ModuleList(
-            nn.ParameterList(nn.Parameter(torch.randn(s)) for s in shapes) for _ in range(layers))
+            nn.ParameterList(nn.Parameter(torch.randn(s)) for s in shapes) for _ in range(layers)
+        )
         self.ln_f = nn.Parameter(torch.ones(d))
 
 
@@ -65,16 +78,19 @@ def main(argv: list[str]) -> None:
     plain = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     rows.append(("torch AdamW(fused) (plain)", median_time(plain.step, FLAGS.repeats)))
     del plain
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     recipe = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
 
     def torch_recipe() -> None:
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         recipe.step()
 
-    rows.append(("torch clip_grad_norm_ + AdamW(fused), 2 groups",
-                 median_time(torch_recipe, FLAGS.repeats)))
+    rows.append(
+        ("torch clip_grad_norm_ + AdamW(fused), 2 groups", median_time(torch_recipe, FLAGS.repeats))
+    )
 
     def fs_step(opt: fs.optim.Optimizer) -> float:
         box = [fs.init(model, opt, mesh=mesh, strategy="no_shard")]
@@ -86,17 +102,29 @@ def main(argv: list[str]) -> None:
         return median_time(step, FLAGS.repeats)
 
     rows.append(("fs adamw (plain)", fs_step(fs.optim.adamw(LR, BETAS, EPS, WD))))
-    rows.append(("fs chain(clip, adamw(mask=decay_mask))", fs_step(fs.optim.chain(
-        fs.optim.clip_by_global_norm(CLIP),
-        fs.optim.adamw(LR, BETAS, EPS, WD, mask=fs.optim.decay_mask)))))
+    rows.append(
+        (
+            "fs chain(clip, adamw(mask=decay_mask))",
+            fs_step(
+                fs.optim.chain(
+                    fs.optim.clip_by_global_norm(CLIP),
+                    fs.optim.adamw(LR, BETAS, EPS, WD, mask=fs.optim.decay_mask),
+                )
+            ),
+        )
+    )
 
     base = dict(rows)
-    print(f"\n{n / 1e6:.1f}M fp32 params in {len(params)} leaves, {FLAGS.threads} thread(s), "
-          f"median of {FLAGS.repeats}")
+    print(
+        f"\n{n / 1e6:.1f}M fp32 params in {len(params)} leaves, {FLAGS.threads} thread(s), "
+        f"median of {FLAGS.repeats}"
+    )
     print(f"{'step':<50} {'ms':>8} {'vs fs plain':>12} {'vs torch recipe':>16}")
     for name, t in rows:
-        print(f"{name:<50} {t * 1e3:8.1f} {t / base['fs adamw (plain)']:12.3f} "
-              f"{t / base['torch clip_grad_norm_ + AdamW(fused), 2 groups']:16.3f}")
+        print(
+            f"{name:<50} {t * 1e3:8.1f} {t / base['fs adamw (plain)']:12.3f} "
+            f"{t / base['torch clip_grad_norm_ + AdamW(fused), 2 groups']:16.3f}"
+        )
 
 
 if __name__ == "__main__":

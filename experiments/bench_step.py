@@ -63,15 +63,31 @@ flags.DEFINE_integer("n_layer", 6, "Transformer blocks.")
 flags.DEFINE_list("strategies", ["optim_grads_params", "optim_grads"], "funcshard strategies.")
 flags.DEFINE_list("policies", ["fp32", "bf16"], "fp32 | bf16 (bf16 compute, fp32 master/wire).")
 flags.DEFINE_integer("threads", 1, "Intra-op threads per rank.")
-flags.DEFINE_bool("deterministic", False, "Also run funcshard with deterministic=True beside "
-                  "the default (same data, alternated steps) and print its cost.")
-flags.DEFINE_float("offload_fraction", 0.0, "funcshard's offload_fraction; above 0 on CUDA, FSDP2 "
-                   "runs with CPUOffloadPolicy(pin_memory=True) (it offloads all or nothing).")
-flags.DEFINE_string("trace_dir", None, "Write a torch.profiler trace (Chrome JSON, CPU and CUDA "
-                    "activity) of one funcshard step per configuration and rank here: on a GPU "
-                    "it shows the offload copies on their side streams beside the compute.")
-flags.DEFINE_bool("bf16_anyway", False, "Run the bf16 rows on a CPU without native bf16 too "
-                  "(emulated bf16 matmuls: slow, and not what a bf16 CPU would show).")
+flags.DEFINE_bool(
+    "deterministic",
+    False,
+    "Also run funcshard with deterministic=True beside "
+    "the default (same data, alternated steps) and print its cost.",
+)
+flags.DEFINE_float(
+    "offload_fraction",
+    0.0,
+    "funcshard's offload_fraction; above 0 on CUDA, FSDP2 "
+    "runs with CPUOffloadPolicy(pin_memory=True) (it offloads all or nothing).",
+)
+flags.DEFINE_string(
+    "trace_dir",
+    None,
+    "Write a torch.profiler trace (Chrome JSON, CPU and CUDA "
+    "activity) of one funcshard step per configuration and rank here: on a GPU "
+    "it shows the offload copies on their side streams beside the compute.",
+)
+flags.DEFINE_bool(
+    "bf16_anyway",
+    False,
+    "Run the bf16 rows on a CPU without native bf16 too "
+    "(emulated bf16 matmuls: slow, and not what a bf16 CPU would show).",
+)
 
 RESHARD = {"optim_grads_params": True, "optim_grads": False}
 LR = 3e-4
@@ -100,8 +116,10 @@ def _policies(name: str) -> tuple[fs.MixedPrecisionPolicy, FsdpPolicy | None]:
     if name == "fp32":
         return fs.MixedPrecisionPolicy(), None
     if name == "bf16":
-        return (fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-                FsdpPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        return (
+            fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+            FsdpPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
     raise ValueError(f"unknown policy {name!r}; expected fp32 or bf16")
 
 
@@ -139,10 +157,18 @@ class _FsdpComm:
 
         # FSDP2 calls the torch 2.13 names where they exist, the older ones before
         new = hasattr(dist, "all_gather_single")
-        wrap("all_gather_single" if new else "all_gather_into_tensor", "all_gather", 0,
-             "output_tensor")
-        wrap("reduce_scatter_single" if new else "reduce_scatter_tensor", "reduce_scatter", 1,
-             "input")
+        wrap(
+            "all_gather_single" if new else "all_gather_into_tensor",
+            "all_gather",
+            0,
+            "output_tensor",
+        )
+        wrap(
+            "reduce_scatter_single" if new else "reduce_scatter_tensor",
+            "reduce_scatter",
+            1,
+            "input",
+        )
         wrap("all_reduce", "all_reduce", 0, "tensor")
         return self
 
@@ -194,12 +220,26 @@ def _peak_bytes(runner, batches) -> int:
 
 
 class _Funcshard:
-    def __init__(self, model: GPT, mesh, strategy: str, policy: fs.MixedPrecisionPolicy,
-                 cfg: Config, deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        mesh,
+        strategy: str,
+        policy: fs.MixedPrecisionPolicy,
+        cfg: Config,
+        deterministic: bool = False,
+    ) -> None:
         self.model, self.cfg = model, cfg
         opt = fs.optim.adamw(LR, weight_decay=0.1)
-        self.state = fs.init(model, opt, mesh=mesh, policy=policy, strategy=strategy,
-                             deterministic=deterministic, offload_fraction=cfg.offload_fraction)
+        self.state = fs.init(
+            model,
+            opt,
+            mesh=mesh,
+            policy=policy,
+            strategy=strategy,
+            deterministic=deterministic,
+            offload_fraction=cfg.offload_fraction,
+        )
 
         def loss_fn(params, batch):
             return _ce(fs.functional_call(model, params, (batch["x"],)), batch["y"])
@@ -207,8 +247,9 @@ class _Funcshard:
         self.loss_fn = loss_fn
 
     def step(self, batch) -> float:
-        self.state, metrics = fs.train_step(self.state, batch, self.loss_fn,
-                                            microbatches=self.cfg.microbatches)
+        self.state, metrics = fs.train_step(
+            self.state, batch, self.loss_fn, microbatches=self.cfg.microbatches
+        )
         return metrics["loss"]
 
     def persistent_bytes(self) -> int:
@@ -228,10 +269,14 @@ class _ModuleLoop:
     def step(self, batch) -> float:
         M = self.cfg.microbatches
         total = torch.zeros((), dtype=torch.float64, device=self.cfg.device)
-        for x, y in zip(torch.tensor_split(batch["x"], M), torch.tensor_split(batch["y"], M),
-                        strict=True):
-            with torch.autocast(self.cfg.device, dtype=self.autocast or torch.float32,
-                                enabled=self.autocast is not None):
+        for x, y in zip(
+            torch.tensor_split(batch["x"], M), torch.tensor_split(batch["y"], M), strict=True
+        ):
+            with torch.autocast(
+                self.cfg.device,
+                dtype=self.autocast or torch.float32,
+                enabled=self.autocast is not None,
+            ):
                 logits = self.model(x)
             loss = _ce(logits, y) / M
             loss.backward()
@@ -250,8 +295,9 @@ class _ModuleLoop:
 
 
 class _Fsdp2(_ModuleLoop):
-    def __init__(self, model: GPT, mesh, strategy: str, policy: FsdpPolicy | None,
-                 cfg: Config) -> None:
+    def __init__(
+        self, model: GPT, mesh, strategy: str, policy: FsdpPolicy | None, cfg: Config
+    ) -> None:
         kw = dict(mesh=mesh["shard"], reshard_after_forward=RESHARD[strategy])
         if policy is not None:
             kw["mp_policy"] = policy
@@ -298,8 +344,14 @@ def _flops_per_token(model: GPT) -> int:
 
 
 # Dense bf16 tensor-core peak FLOP/s, by device name (vendor datasheets).
-PEAK_BF16 = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
-             ("B200", 2250e12), ("A100", 312e12))
+PEAK_BF16 = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+)
 
 
 def _peak_flops(device: str) -> float | None:
@@ -311,12 +363,20 @@ def _peak_flops(device: str) -> float | None:
 
 def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    gpt_cfg = GPTConfig(vocab=cfg.vocab, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=8,
-                        d_model=cfg.d_model, tied=True)
+    gpt_cfg = GPTConfig(
+        vocab=cfg.vocab,
+        seq_len=cfg.seq_len,
+        n_layer=cfg.n_layer,
+        n_head=8,
+        d_model=cfg.d_model,
+        tied=True,
+    )
     model = GPT(gpt_cfg)
     fs_policy, fsdp_policy = _policies(policy_name)
-    runners = {"funcshard": _Funcshard(model, mesh, strategy, fs_policy, cfg),
-               "fsdp2": _Fsdp2(copy.deepcopy(model), mesh, strategy, fsdp_policy, cfg)}
+    runners = {
+        "funcshard": _Funcshard(model, mesh, strategy, fs_policy, cfg),
+        "fsdp2": _Fsdp2(copy.deepcopy(model), mesh, strategy, fsdp_policy, cfg),
+    }
     if cfg.deterministic:
         runners["deterministic"] = _Funcshard(model, mesh, strategy, fs_policy, cfg, True)
     if dist.get_world_size() == 1:
@@ -352,19 +412,35 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
     peak = {k: _peak_bytes(r, batches) for k, r in runners.items()}
     if cfg.trace_dir:
         _trace(cfg, runners["funcshard"], batches[0], f"{strategy}_{policy_name}")
-    predicted = fs.plan(model, world_size=dist.get_world_size(), strategy=strategy,
-                        policy=fs_policy, microbatches=cfg.microbatches, optimizer="adamw",
-                        device_type=cfg.device)
+    predicted = fs.plan(
+        model,
+        world_size=dist.get_world_size(),
+        strategy=strategy,
+        policy=fs_policy,
+        microbatches=cfg.microbatches,
+        optimizer="adamw",
+        device_type=cfg.device,
+    )
     comm_keys = ("all_gather", "reduce_scatter", "all_reduce")
     det = {}
     if det_stats is not None:
-        det_plan = fs.plan(model, world_size=dist.get_world_size(), strategy=strategy,
-                           policy=fs_policy, microbatches=cfg.microbatches, optimizer="adamw",
-                           device_type=cfg.device, deterministic=True)
-        det = {"comm": sum(det_stats.bytes[k] for k in comm_keys),
-               "plan": sum(det_plan.comm[k] for k in comm_keys),
-               "metrics": det_stats.bytes["metrics"], "metrics_plan": det_plan.comm["metrics"],
-               "default_metrics": stats.bytes["metrics"]}
+        det_plan = fs.plan(
+            model,
+            world_size=dist.get_world_size(),
+            strategy=strategy,
+            policy=fs_policy,
+            microbatches=cfg.microbatches,
+            optimizer="adamw",
+            device_type=cfg.device,
+            deterministic=True,
+        )
+        det = {
+            "comm": sum(det_stats.bytes[k] for k in comm_keys),
+            "plan": sum(det_plan.comm[k] for k in comm_keys),
+            "metrics": det_stats.bytes["metrics"],
+            "metrics_plan": det_plan.comm["metrics"],
+            "default_metrics": stats.bytes["metrics"],
+        }
     return {
         "deterministic": det,
         "strategy": strategy,
@@ -374,13 +450,17 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
         "steps": times,
         "cpu": {k: statistics.median(v) for k, v in cpu.items()},
         "loss": losses["funcshard"][-1],
-        "loss_gap": {k: max(abs(a - b) for a, b in zip(losses["funcshard"], v, strict=True))
-                     for k, v in losses.items()},
+        "loss_gap": {
+            k: max(abs(a - b) for a, b in zip(losses["funcshard"], v, strict=True))
+            for k, v in losses.items()
+        },
         "flops_per_token": _flops_per_token(model),
         "peak": peak,
-        "comm": {"funcshard": sum(stats.bytes[k] for k in comm_keys),
-                 "fsdp2": sum(fsdp_comm.bytes.values()),
-                 "plan": sum(predicted.comm[k] for k in comm_keys)},
+        "comm": {
+            "funcshard": sum(stats.bytes[k] for k in comm_keys),
+            "fsdp2": sum(fsdp_comm.bytes.values()),
+            "plan": sum(predicted.comm[k] for k in comm_keys),
+        },
     }
 
 
@@ -402,10 +482,23 @@ def main(argv: list[str]) -> None:
     if skipped:
         print(f"bf16 rows skipped: {why}")
         policies = tuple(p for p in policies if p != "bf16")
-    cfg = Config(FLAGS.steps, FLAGS.warmup, FLAGS.microbatches, FLAGS.batch, FLAGS.seq_len,
-                 FLAGS.vocab, FLAGS.d_model, FLAGS.n_layer, tuple(FLAGS.strategies),
-                 policies, FLAGS.threads, FLAGS.deterministic, FLAGS.device,
-                 FLAGS.offload_fraction, FLAGS.trace_dir)
+    cfg = Config(
+        FLAGS.steps,
+        FLAGS.warmup,
+        FLAGS.microbatches,
+        FLAGS.batch,
+        FLAGS.seq_len,
+        FLAGS.vocab,
+        FLAGS.d_model,
+        FLAGS.n_layer,
+        tuple(FLAGS.strategies),
+        policies,
+        FLAGS.threads,
+        FLAGS.deterministic,
+        FLAGS.device,
+        FLAGS.offload_fraction,
+        FLAGS.trace_dir,
+    )
     results = fs.launch(worker, cfg, nproc=FLAGS.nproc) if policies else [[]]
     _print_table(cfg, results)
     if results[0]:
@@ -413,26 +506,38 @@ def main(argv: list[str]) -> None:
     if cfg.deterministic and results[0]:
         _print_deterministic(cfg, results)
     for strategy in cfg.strategies if skipped else ():
-        print(f"{strategy:<19}{'bf16':<7}skipped: no native bf16 on this CPU, pass "
-              "--bf16_anyway to run")
+        print(
+            f"{strategy:<19}{'bf16':<7}skipped: no native bf16 on this CPU, pass "
+            "--bf16_anyway to run"
+        )
 
 
 def _print_table(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
     if not results[0]:  # every row skipped
         return
     first = results[0][0]
-    where = (f"{FLAGS.nproc} x {torch.cuda.get_device_name()}, NCCL" if cfg.device == "cuda"
-             else f"{FLAGS.nproc} gloo ranks")
-    print(f"GPT {first['params'] / 1e6:.1f}M params, {where}, batch "
-          f"{cfg.batch}x{cfg.seq_len} per rank, {cfg.microbatches} microbatches, AdamW, "
-          + (f"offload_fraction={cfg.offload_fraction} (FSDP2: "
-             f"{'CPUOffloadPolicy(pin_memory=True)' if cfg.device == 'cuda' else 'none on CPU'}), "
-             if cfg.offload_fraction else "") +
-          f"median of {cfg.steps} steps (slowest rank); FSDP2 also computes the grad norm")
-    head = (f"{'strategy':<19}{'policy':<7}{'fs s':>8}{'fsdp2 s':>9}{'ratio':>7}"
-            f"{'fs cpu s':>9}{'fsdp2 cpu':>10}{'ratio':>7}"
-            f"{'fs peak MB':>12}{'fsdp2 MB':>10}{'fs comm MB':>12}{'plan MB':>9}{'fsdp2 MB':>10}"
-            f"{'fs loss':>9}{'max|dloss|':>12}")
+    where = (
+        f"{FLAGS.nproc} x {torch.cuda.get_device_name()}, NCCL"
+        if cfg.device == "cuda"
+        else f"{FLAGS.nproc} gloo ranks"
+    )
+    print(
+        f"GPT {first['params'] / 1e6:.1f}M params, {where}, batch "
+        f"{cfg.batch}x{cfg.seq_len} per rank, {cfg.microbatches} microbatches, AdamW, "
+        + (
+            f"offload_fraction={cfg.offload_fraction} (FSDP2: "
+            f"{'CPUOffloadPolicy(pin_memory=True)' if cfg.device == 'cuda' else 'none on CPU'}), "
+            if cfg.offload_fraction
+            else ""
+        )
+        + f"median of {cfg.steps} steps (slowest rank); FSDP2 also computes the grad norm"
+    )
+    head = (
+        f"{'strategy':<19}{'policy':<7}{'fs s':>8}{'fsdp2 s':>9}{'ratio':>7}"
+        f"{'fs cpu s':>9}{'fsdp2 cpu':>10}{'ratio':>7}"
+        f"{'fs peak MB':>12}{'fsdp2 MB':>10}{'fs comm MB':>12}{'plan MB':>9}{'fsdp2 MB':>10}"
+        f"{'fs loss':>9}{'max|dloss|':>12}"
+    )
     print(head)
     for i, r in enumerate(results[0]):
         t = {k: max(rank[i]["time"][k] for rank in results) for k in ("funcshard", "fsdp2")}
@@ -442,22 +547,26 @@ def _print_table(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
         peak = {k: max(rank[i]["peak"][k] for rank in results) for k in ("funcshard", "fsdp2")}
         u = {k: max(rank[i]["cpu"][k] for rank in results) for k in ("funcshard", "fsdp2")}
         c = r["comm"]
-        print(f"{r['strategy']:<19}{r['policy']:<7}{t['funcshard']:>8.3f}{t['fsdp2']:>9.3f}"
-              f"{ratio:>7.2f}{u['funcshard']:>9.3f}{u['fsdp2']:>10.3f}"
-              f"{u['funcshard'] / u['fsdp2']:>7.2f}{_mb(peak['funcshard']):>12}"
-              f"{_mb(peak['fsdp2']):>10}{_mb(c['funcshard']):>12}{_mb(c['plan']):>9}"
-              f"{_mb(c['fsdp2']):>10}{r['loss']:>9.4f}{r['loss_gap']['fsdp2']:>12.1e}")
-
+        print(
+            f"{r['strategy']:<19}{r['policy']:<7}{t['funcshard']:>8.3f}{t['fsdp2']:>9.3f}"
+            f"{ratio:>7.2f}{u['funcshard']:>9.3f}{u['fsdp2']:>10.3f}"
+            f"{u['funcshard'] / u['fsdp2']:>7.2f}{_mb(peak['funcshard']):>12}"
+            f"{_mb(peak['fsdp2']):>10}{_mb(c['funcshard']):>12}{_mb(c['plan']):>9}"
+            f"{_mb(c['fsdp2']):>10}{r['loss']:>9.4f}{r['loss_gap']['fsdp2']:>12.1e}"
+        )
 
 
 def _print_throughput(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
-    names = [k for k in ("funcshard", "deterministic", "fsdp2", "torch")
-             if k in results[0][0]["time"]]
+    names = [
+        k for k in ("funcshard", "deterministic", "fsdp2", "torch") if k in results[0][0]["time"]
+    ]
     peak = _peak_flops(cfg.device)
     tokens = cfg.batch * cfg.seq_len * FLAGS.nproc  # per step, all ranks
-    print(f"\nthroughput ({tokens} tokens per step; model TFLOP/s per rank = "
-          f"{results[0][0]['flops_per_token'] / 1e9:.2f} GFLOP/token x tokens/s / ranks"
-          + (f"; MFU against {peak / 1e12:.0f} TFLOP/s dense bf16)" if peak else ")"))
+    print(
+        f"\nthroughput ({tokens} tokens per step; model TFLOP/s per rank = "
+        f"{results[0][0]['flops_per_token'] / 1e9:.2f} GFLOP/token x tokens/s / ranks"
+        + (f"; MFU against {peak / 1e12:.0f} TFLOP/s dense bf16)" if peak else ")")
+    )
     head = f"{'strategy':<19}{'policy':<7}{'runner':<14}{'step s':>8}{'tokens/s':>10}{'TFLOP/s':>9}"
     head += f"{'MFU':>7}" if peak else ""
     head += f"{'fs / this':>10}{'max|dloss|':>12}" if "torch" in names else f"{'fs / this':>10}"
@@ -466,8 +575,10 @@ def _print_throughput(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
         for name in names:
             t = max(rank[i]["time"][name] for rank in results)
             flops = r["flops_per_token"] * tokens / t / FLAGS.nproc
-            line = (f"{r['strategy']:<19}{r['policy']:<7}{name:<14}{t:>8.3f}{tokens / t:>10.0f}"
-                    f"{flops / 1e12:>9.3f}")
+            line = (
+                f"{r['strategy']:<19}{r['policy']:<7}{name:<14}{t:>8.3f}{tokens / t:>10.0f}"
+                f"{flops / 1e12:>9.3f}"
+            )
             line += f"{flops / peak:>7.1%}" if peak else ""
             line += f"{_per_step_ratio(results, i, 'funcshard', name):>10.3f}"
             if "torch" in names:
@@ -477,28 +588,34 @@ def _print_throughput(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
 
 def _per_step_ratio(results, i: int, a: str, b: str) -> float:
     """Median over steps of runner a's step over runner b's step beside it (slowest rank)."""
-    steps = {k: [max(s) for s in zip(*(rank[i]["steps"][k] for rank in results), strict=True)]
-             for k in (a, b)}
+    steps = {
+        k: [max(s) for s in zip(*(rank[i]["steps"][k] for rank in results), strict=True)]
+        for k in (a, b)
+    }
     return statistics.median(x / y for x, y in zip(steps[a], steps[b], strict=True))
 
 
 def _print_deterministic(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
     print(f"\ndeterministic=True beside the default, same run ({cfg.microbatches} microbatches):")
-    print(f"{'strategy':<19}{'policy':<7}{'default s':>10}{'det s':>8}{'ratio':>7}"
-          f"{'default MB':>11}{'det MB':>8}{'plan MB':>9}{'metrics KB':>11}{'plan KB':>9}"
-          f"{'peak MB':>9}{'det peak':>9}")
+    print(
+        f"{'strategy':<19}{'policy':<7}{'default s':>10}{'det s':>8}{'ratio':>7}"
+        f"{'default MB':>11}{'det MB':>8}{'plan MB':>9}{'metrics KB':>11}{'plan KB':>9}"
+        f"{'peak MB':>9}{'det peak':>9}"
+    )
     for i, r in enumerate(results[0]):
-        t = {k: max(rank[i]["time"][k] for rank in results)
-             for k in ("funcshard", "deterministic")}
-        peak = {k: max(rank[i]["peak"][k] for rank in results)
-                for k in ("funcshard", "deterministic")}
+        t = {k: max(rank[i]["time"][k] for rank in results) for k in ("funcshard", "deterministic")}
+        peak = {
+            k: max(rank[i]["peak"][k] for rank in results) for k in ("funcshard", "deterministic")
+        }
         d = r["deterministic"]
-        print(f"{r['strategy']:<19}{r['policy']:<7}{t['funcshard']:>10.3f}"
-              f"{t['deterministic']:>8.3f}"
-              f"{_per_step_ratio(results, i, 'deterministic', 'funcshard'):>7.2f}"
-              f"{_mb(r['comm']['funcshard']):>11}{_mb(d['comm']):>8}{_mb(d['plan']):>9}"
-              f"{d['metrics'] / 1e3:>11.1f}{d['metrics_plan'] / 1e3:>9.1f}"
-              f"{_mb(peak['funcshard']):>9}{_mb(peak['deterministic']):>9}")
+        print(
+            f"{r['strategy']:<19}{r['policy']:<7}{t['funcshard']:>10.3f}"
+            f"{t['deterministic']:>8.3f}"
+            f"{_per_step_ratio(results, i, 'deterministic', 'funcshard'):>7.2f}"
+            f"{_mb(r['comm']['funcshard']):>11}{_mb(d['comm']):>8}{_mb(d['plan']):>9}"
+            f"{d['metrics'] / 1e3:>11.1f}{d['metrics_plan'] / 1e3:>9.1f}"
+            f"{_mb(peak['funcshard']):>9}{_mb(peak['deterministic']):>9}"
+        )
 
 
 if __name__ == "__main__":

@@ -115,16 +115,30 @@ class MarkovSource:
             out[:, t] = np.minimum((cdf <= u[:, t, None]).sum(-1), V - 1)
         return out
 
-    def batch(self, step: int, *, batch_size: int, seq_len: int, rank: int = 0, world: int = 1,
-              stream: int = TRAIN) -> torch.Tensor:
+    def batch(
+        self,
+        step: int,
+        *,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world: int = 1,
+        stream: int = TRAIN,
+    ) -> torch.Tensor:
         """This rank's rows of the global batch for ``step``: (batch_size/world, seq_len+1)."""
         rng = np.random.default_rng([self.seed, stream, step])
         tokens = self.sample(rng, batch_size, seq_len + 1)
         return torch.from_numpy(tokens[rank_rows(batch_size, rank, world)])
 
 
-def make_markov(vocab: int = 32, concentration: float = 0.1, smoothing: float = 1e-3, *,
-                chain_seed: int = 0, seed: int = 0) -> MarkovSource:
+def make_markov(
+    vocab: int = 32,
+    concentration: float = 0.1,
+    smoothing: float = 1e-3,
+    *,
+    chain_seed: int = 0,
+    seed: int = 0,
+) -> MarkovSource:
     """A random order-2 chain: Dirichlet(concentration) rows mixed with ``smoothing`` uniform.
 
     The small uniform share keeps every pair reachable, so the stationary distribution is
@@ -180,8 +194,16 @@ class TextSource:
     def floor(self) -> float | None:
         return None  # a text file has no known entropy rate
 
-    def batch(self, step: int, *, batch_size: int, seq_len: int, rank: int = 0, world: int = 1,
-              stream: int = TRAIN) -> torch.Tensor:
+    def batch(
+        self,
+        step: int,
+        *,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world: int = 1,
+        stream: int = TRAIN,
+    ) -> torch.Tensor:
         tokens = self._splits[stream]
         if len(tokens) < seq_len + 2:
             raise ValueError(
@@ -197,6 +219,8 @@ class TextSource:
 def describe(source: MarkovSource | TextSource) -> str:
     """One line naming the source and its floor."""
     if isinstance(source, MarkovSource):
-        return (f"order-2 Markov source, vocab {source.vocab}, entropy rate {source.floor:.4f} "
-                f"nats/token (uniform would be {math.log(source.vocab):.4f})")
+        return (
+            f"order-2 Markov source, vocab {source.vocab}, entropy rate {source.floor:.4f} "
+            f"nats/token (uniform would be {math.log(source.vocab):.4f})"
+        )
     return f"char-level text, vocab {source.vocab}, no known floor"

@@ -1,7 +1,7 @@
 """Predicted per-rank memory and per-step communication of each strategy, from shapes alone.
 
-    python experiments/plan.py                                   # Llama-2-70B on 1024 ranks
-    python experiments/plan.py --model=zero_7.5b --world_size=64 --policy=fp16_grads16
+python experiments/plan.py                                   # Llama-2-70B on 1024 ranks
+python experiments/plan.py --model=zero_7.5b --world_size=64 --policy=fp16_grads16
 """
 
 from __future__ import annotations
@@ -19,21 +19,27 @@ flags.DEFINE_integer("replicate", 1, "Replicas (HSDP when > 1).")
 flags.DEFINE_integer("microbatches", 1, "Microbatches per step.")
 flags.DEFINE_float("offload_fraction", 0.0, "Share of the optimizer stepped on the host.")
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "sgd_momentum", "sgd"], "Optimizer kind.")
-flags.DEFINE_enum("policy", "bf16", ["fp32", "bf16", "bf16_wire", "fp16_grads16"],
-                  "fp32 | bf16 compute + fp32 master/grads | ... + bf16 wire | the ZeRO paper's "
-                  "(fp16 params and grads, fp32 master)")
+flags.DEFINE_enum(
+    "policy",
+    "bf16",
+    ["fp32", "bf16", "bf16_wire", "fp16_grads16"],
+    "fp32 | bf16 compute + fp32 master/grads | ... + bf16 wire | the ZeRO paper's "
+    "(fp16 params and grads, fp32 master)",
+)
 
 POLICIES = {
     "fp32": fs.MixedPrecisionPolicy(),
     "bf16": fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-    "bf16_wire": fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                         grad_comm_dtype=torch.bfloat16),
+    "bf16_wire": fs.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, grad_comm_dtype=torch.bfloat16
+    ),
     "fp16_grads16": fs.MixedPrecisionPolicy(param_dtype=torch.float16, main_grads_dtype=None),
 }
 SHAPES = {
     "llama70b": transformer_shapes,
-    "llama8b": lambda: transformer_shapes(n_layers=32, dim=4096, ffn_dim=14336, n_heads=32,
-                                          n_kv_heads=8, vocab=128256),
+    "llama8b": lambda: transformer_shapes(
+        n_layers=32, dim=4096, ffn_dim=14336, n_heads=32, n_kv_heads=8, vocab=128256
+    ),
     "zero_7.5b": lambda: {"w": (7_500_000_000,)},
 }
 COLUMNS = ("master", "compute", "compute_shard", "grads", "opt_state", "gathered_peak", "host")
@@ -42,14 +48,25 @@ COLUMNS = ("master", "compute", "compute_shard", "grads", "opt_state", "gathered
 def main(argv: list[str]) -> None:
     del argv
     shapes = SHAPES[FLAGS.model]()
-    plans = [fs.plan(shapes, world_size=FLAGS.world_size, replicate=FLAGS.replicate,
-                     strategy=s, policy=POLICIES[FLAGS.policy], microbatches=FLAGS.microbatches,
-                     offload_fraction=FLAGS.offload_fraction, optimizer=FLAGS.optimizer)
-             for s in fs.STRATEGIES]
+    plans = [
+        fs.plan(
+            shapes,
+            world_size=FLAGS.world_size,
+            replicate=FLAGS.replicate,
+            strategy=s,
+            policy=POLICIES[FLAGS.policy],
+            microbatches=FLAGS.microbatches,
+            offload_fraction=FLAGS.offload_fraction,
+            optimizer=FLAGS.optimizer,
+        )
+        for s in fs.STRATEGIES
+    ]
     p0 = plans[-1]
-    print(f"{FLAGS.model}: {p0.numel:,} params, {p0.units} units; world={FLAGS.world_size} "
-          f"replicate={FLAGS.replicate} policy={FLAGS.policy} optimizer={FLAGS.optimizer} "
-          f"microbatches={FLAGS.microbatches}")
+    print(
+        f"{FLAGS.model}: {p0.numel:,} params, {p0.units} units; world={FLAGS.world_size} "
+        f"replicate={FLAGS.replicate} policy={FLAGS.policy} optimizer={FLAGS.optimizer} "
+        f"microbatches={FLAGS.microbatches}"
+    )
     print("\nmemory per rank (GB = 1e9 B)")
     print(f"{'strategy':<20}" + "".join(f"{c:>15}" for c in (*COLUMNS, "model_states")))
     for p in plans:

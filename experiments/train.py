@@ -27,10 +27,17 @@ from experiments.trainer import Config, run  # noqa: E402
 from funcshard.policy import native_bf16_reason  # noqa: E402
 
 DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
     "none": None,
 }
 _DTYPE_HELP = " ('bf16', 'fp16', 'fp32', 'fp64' or their long names, or 'none')"
@@ -39,68 +46,104 @@ flags.DEFINE_integer("nproc", 1, "Local ranks to launch (ignored under torchrun)
 flags.DEFINE_integer("shard", -1, "Ranks per shard group; -1 = world size / replicate.")
 flags.DEFINE_integer("replicate", 1, "Replicas (HSDP when > 1).", lower_bound=1)
 flags.DEFINE_enum("strategy", "optim_grads_params", list(fs.STRATEGIES), "What is sharded.")
-flags.DEFINE_string("param_dtype", "auto", "Compute dtype of the gathered params; 'auto' = bf16 "
-                    "where the device computes bf16 natively, else fp32." + _DTYPE_HELP)
+flags.DEFINE_string(
+    "param_dtype",
+    "auto",
+    "Compute dtype of the gathered params; 'auto' = bf16 "
+    "where the device computes bf16 natively, else fp32." + _DTYPE_HELP,
+)
 flags.DEFINE_string("main_params_dtype", "fp32", "Master weight dtype." + _DTYPE_HELP)
 flags.DEFINE_string("main_grads_dtype", "fp32", "Gradient accumulation dtype." + _DTYPE_HELP)
 flags.DEFINE_string("grad_comm_dtype", "none", "Gradient dtype on the wire." + _DTYPE_HELP)
-flags.DEFINE_float("offload_fraction", 0.0, "Share of the optimizer stepped on the CPU.",
-                   lower_bound=0.0, upper_bound=1.0)
-flags.DEFINE_bool("deterministic", False, "Bitwise the same run on every world size, mesh, "
-                  "strategy and offload fraction with as many gradient chunks (world x "
-                  "microbatches, a power of two).")
-flags.DEFINE_integer("microbatches", 1, "Microbatches per step (gradient accumulation).",
-                     lower_bound=1)
+flags.DEFINE_float(
+    "offload_fraction",
+    0.0,
+    "Share of the optimizer stepped on the CPU.",
+    lower_bound=0.0,
+    upper_bound=1.0,
+)
+flags.DEFINE_bool(
+    "deterministic",
+    False,
+    "Bitwise the same run on every world size, mesh, "
+    "strategy and offload fraction with as many gradient chunks (world x "
+    "microbatches, a power of two).",
+)
+flags.DEFINE_integer(
+    "microbatches", 1, "Microbatches per step (gradient accumulation).", lower_bound=1
+)
 flags.DEFINE_integer("batch_size", 64, "Global batch size (sequences per step).", lower_bound=1)
 flags.DEFINE_integer("seq_len", 32, "Tokens per sequence fed to the model.", lower_bound=3)
 flags.DEFINE_integer("steps", 500, "Optimizer steps.", lower_bound=1)
-flags.DEFINE_integer("stop_at", 0, "Stop after this step as if interrupted (the schedule still "
-                     "spans --steps); 0 = run to --steps.", lower_bound=0)
-flags.DEFINE_float("lr", 1e-2, "Peak AdamW learning rate (warmup, then cosine to lr/10).",
-                   lower_bound=0.0)
+flags.DEFINE_integer(
+    "stop_at",
+    0,
+    "Stop after this step as if interrupted (the schedule still "
+    "spans --steps); 0 = run to --steps.",
+    lower_bound=0,
+)
+flags.DEFINE_float(
+    "lr", 1e-2, "Peak AdamW learning rate (warmup, then cosine to lr/10).", lower_bound=0.0
+)
 flags.DEFINE_integer("warmup", 25, "Linear warmup steps.", lower_bound=1)
 flags.DEFINE_float("weight_decay", 0.1, "AdamW decoupled weight decay.", lower_bound=0.0)
 flags.DEFINE_bool("decay_mask", True, "Decay only matrices and embeddings (not biases, norms).")
-flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "adamw, or muon for the blocks' "
-                  "matrices (owner-computes) with AdamW for embeddings, norms, biases.")
-flags.DEFINE_float("muon_lr", 0.02, "Peak Muon learning rate (same warmup and cosine shape).",
-                   lower_bound=0.0)
-flags.DEFINE_float("clip", 1.0, "Clip the global gradient norm to this; 0 = no clipping.",
-                   lower_bound=0.0)
+flags.DEFINE_enum(
+    "optimizer",
+    "adamw",
+    ["adamw", "muon"],
+    "adamw, or muon for the blocks' "
+    "matrices (owner-computes) with AdamW for embeddings, norms, biases.",
+)
+flags.DEFINE_float(
+    "muon_lr", 0.02, "Peak Muon learning rate (same warmup and cosine shape).", lower_bound=0.0
+)
+flags.DEFINE_float(
+    "clip", 1.0, "Clip the global gradient norm to this; 0 = no clipping.", lower_bound=0.0
+)
 flags.DEFINE_integer("n_layer", 2, "Transformer blocks.", lower_bound=1)
 flags.DEFINE_integer("n_head", 4, "Attention heads.", lower_bound=1)
 flags.DEFINE_integer("d_model", 64, "Model width.", lower_bound=1)
 flags.DEFINE_bool("tied", True, "Tie the output head to the token embedding.")
 flags.DEFINE_integer("vocab", 16, "Vocabulary of the synthetic Markov source.", lower_bound=2)
-flags.DEFINE_float("concentration", 0.1, "Dirichlet concentration of the Markov rows.",
-                   lower_bound=1e-6)
+flags.DEFINE_float(
+    "concentration", 0.1, "Dirichlet concentration of the Markov rows.", lower_bound=1e-6
+)
 flags.DEFINE_string("data", "", "Text file to train on char-level instead (no known floor).")
-flags.DEFINE_integer("eval_batches", 16, "Held-out global batches for the final loss.",
-                     lower_bound=1)
+flags.DEFINE_integer(
+    "eval_batches", 16, "Held-out global batches for the final loss.", lower_bound=1
+)
 flags.DEFINE_string("checkpoint_dir", "", "Root of numbered checkpoints (fs.CheckpointManager).")
-flags.DEFINE_integer("save_every", 0, "Save every N steps and at the end; 0 = never.",
-                     lower_bound=0)
+flags.DEFINE_integer(
+    "save_every", 0, "Save every N steps and at the end; 0 = never.", lower_bound=0
+)
 flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --checkpoint_dir.")
 flags.DEFINE_integer("seed", 0, "Seeds the initial weights and the data order.")
 flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where the shards live.")
-flags.DEFINE_integer("threads", 0, "CPU threads per rank; 0 = cores / local ranks.",
-                     lower_bound=0)
+flags.DEFINE_integer("threads", 0, "CPU threads per rank; 0 = cores / local ranks.", lower_bound=0)
 flags.DEFINE_string("out_dir", "out/train", "Where metrics.jsonl and loss.png go.")
-flags.DEFINE_integer("log_every", 0, "Log every N steps off a terminal; 0 = 20 lines a run.",
-                     lower_bound=0)
+flags.DEFINE_integer(
+    "log_every", 0, "Log every N steps off a terminal; 0 = 20 lines a run.", lower_bound=0
+)
 
 FLAGS = flags.FLAGS
 for _name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
-    flags.register_validator(_name, lambda v: v.lower() in DTYPES,
-                             message=f"--{_name}: expected one of {sorted(DTYPES)}")
-flags.register_validator("param_dtype", lambda v: v.lower() in DTYPES or v.lower() == "auto",
-                         message=f"--param_dtype: expected auto or one of {sorted(DTYPES)}")
-flags.register_validator("data", lambda v: not v or os.path.isfile(v),
-                         message="--data: no such file")
+    flags.register_validator(
+        _name, lambda v: v.lower() in DTYPES, message=f"--{_name}: expected one of {sorted(DTYPES)}"
+    )
+flags.register_validator(
+    "param_dtype",
+    lambda v: v.lower() in DTYPES or v.lower() == "auto",
+    message=f"--param_dtype: expected auto or one of {sorted(DTYPES)}",
+)
+flags.register_validator(
+    "data", lambda v: not v or os.path.isfile(v), message="--data: no such file"
+)
 flags.register_multi_flags_validator(
     ["checkpoint_dir", "save_every", "resume"],
     lambda f: f["checkpoint_dir"] or not (f["save_every"] or f["resume"]),
-    message="--save_every and --resume need --checkpoint_dir")
+    message="--save_every and --resume need --checkpoint_dir",
+)
 
 
 def _under_torchrun() -> bool:
@@ -114,20 +157,24 @@ def _fail(message: str) -> None:
 def _check_world(world: int) -> None:
     """Flag checks that need the world size; exit before any rank starts."""
     if FLAGS.shard != -1 and FLAGS.shard * FLAGS.replicate != world:
-        _fail(f"--shard={FLAGS.shard} x --replicate={FLAGS.replicate} must equal "
-              f"the world size {world} (--nproc or torchrun's WORLD_SIZE)")
+        _fail(
+            f"--shard={FLAGS.shard} x --replicate={FLAGS.replicate} must equal "
+            f"the world size {world} (--nproc or torchrun's WORLD_SIZE)"
+        )
     if FLAGS.shard == -1 and world % FLAGS.replicate:
-        _fail(f"--replicate={FLAGS.replicate} does not divide the world size "
-              f"{world}")
+        _fail(f"--replicate={FLAGS.replicate} does not divide the world size {world}")
     if FLAGS.batch_size % (world * FLAGS.microbatches):
-        _fail(f"--batch_size={FLAGS.batch_size} must be divisible by world size "
-              f"{world} x --microbatches={FLAGS.microbatches}")
+        _fail(
+            f"--batch_size={FLAGS.batch_size} must be divisible by world size "
+            f"{world} x --microbatches={FLAGS.microbatches}"
+        )
     if FLAGS.d_model % FLAGS.n_head:
-        _fail(f"--d_model={FLAGS.d_model} must be divisible by "
-              f"--n_head={FLAGS.n_head}")
+        _fail(f"--d_model={FLAGS.d_model} must be divisible by --n_head={FLAGS.n_head}")
     if _use_cuda() and not _under_torchrun() and world > torch.cuda.device_count():
-        _fail(f"--nproc={world}: NCCL runs one process per GPU and there are "
-              f"{torch.cuda.device_count()}")
+        _fail(
+            f"--nproc={world}: NCCL runs one process per GPU and there are "
+            f"{torch.cuda.device_count()}"
+        )
 
 
 def _from_flags(cls, **given):
@@ -148,17 +195,21 @@ def _param_dtype() -> torch.dtype | None:
     native, why = native_bf16_reason("cuda" if _use_cuda() else "cpu")
     dtype = torch.bfloat16 if native else torch.float32
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"--param_dtype=auto: {str(dtype).removeprefix('torch.')} compute ({why})",
-              flush=True)
+        print(
+            f"--param_dtype=auto: {str(dtype).removeprefix('torch.')} compute ({why})", flush=True
+        )
     return dtype
 
 
 def _config() -> Config:
-    dtypes = {n: DTYPES[FLAGS[n].value.lower()] for n in
-              ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype")}
+    dtypes = {
+        n: DTYPES[FLAGS[n].value.lower()]
+        for n in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype")
+    }
     dtypes["param_dtype"] = _param_dtype()
-    return _from_flags(Config, model=_from_flags(GPTConfig),
-                       policy=fs.MixedPrecisionPolicy(**dtypes))
+    return _from_flags(
+        Config, model=_from_flags(GPTConfig), policy=fs.MixedPrecisionPolicy(**dtypes)
+    )
 
 
 def _torchrun_main(cfg: Config) -> None:

@@ -36,7 +36,8 @@ class Config:
     replicate: int = 1
     strategy: str = "optim_grads_params"
     policy: fs.MixedPrecisionPolicy = dataclasses.field(
-        default_factory=lambda: fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        default_factory=lambda: fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    )
     offload_fraction: float = 0.0
     deterministic: bool = False  # the same bits on every layout with as many gradient chunks
     microbatches: int = 1
@@ -67,8 +68,9 @@ class Config:
 
 def lr_schedule(cfg: Config):
     """Linear warmup over ``cfg.warmup`` steps, then cosine decay to a tenth of ``cfg.lr``."""
-    return fs.optim.warmup_cosine(cfg.lr, warmup=cfg.warmup,
-                                  total=max(cfg.steps, cfg.warmup + 1), final=cfg.lr / 10)
+    return fs.optim.warmup_cosine(
+        cfg.lr, warmup=cfg.warmup, total=max(cfg.steps, cfg.warmup + 1), final=cfg.lr / 10
+    )
 
 
 def is_hidden_matrix(name: str, shape: tuple) -> bool:
@@ -81,15 +83,23 @@ def make_optimizer(cfg: Config) -> fs.optim.Optimizer:
     ``optimizer="muon"``, Muon on the blocks' matrices and that AdamW on the rest."""
     if cfg.optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer must be 'adamw' or 'muon', got {cfg.optimizer!r}")
-    opt = fs.optim.adamw(lr=lr_schedule(cfg), betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                         mask=fs.optim.decay_mask if cfg.decay_mask else None)
+    opt = fs.optim.adamw(
+        lr=lr_schedule(cfg),
+        betas=(0.9, 0.95),
+        weight_decay=cfg.weight_decay,
+        mask=fs.optim.decay_mask if cfg.decay_mask else None,
+    )
     if cfg.optimizer == "muon":
-        muon_lr = fs.optim.warmup_cosine(cfg.muon_lr, warmup=cfg.warmup,
-                                         total=max(cfg.steps, cfg.warmup + 1),
-                                         final=cfg.muon_lr / 10)
+        muon_lr = fs.optim.warmup_cosine(
+            cfg.muon_lr,
+            warmup=cfg.warmup,
+            total=max(cfg.steps, cfg.warmup + 1),
+            final=cfg.muon_lr / 10,
+        )
         opt = fs.optim.multi_transform(
             {"muon": fs.optim.muon(muon_lr, weight_decay=cfg.weight_decay), "adamw": opt},
-            lambda name, shape: "muon" if is_hidden_matrix(name, shape) else "adamw")
+            lambda name, shape: "muon" if is_hidden_matrix(name, shape) else "adamw",
+        )
     return fs.optim.chain(fs.optim.clip_by_global_norm(cfg.clip), opt) if cfg.clip else opt
 
 
@@ -127,8 +137,10 @@ class Progress:
         elapsed = time.perf_counter() - self.t0
         tps = done * self.tokens_per_step / max(elapsed, 1e-9)
         eta = elapsed / max(done, 1) * (self.total - step)
-        line = (f"step {step}/{self.total}  loss {loss:.4f}  {tps / 1e3:.1f}k tok/s  "
-                f"ETA {int(eta) // 60}:{int(eta) % 60:02d}")
+        line = (
+            f"step {step}/{self.total}  loss {loss:.4f}  {tps / 1e3:.1f}k tok/s  "
+            f"ETA {int(eta) // 60}:{int(eta) % 60:02d}"
+        )
         if self.tty:
             sys.stderr.write("\r" + line + " " * 4)
             sys.stderr.flush()
@@ -167,8 +179,14 @@ def evaluate(model: GPT, state: fs.TrainState, source, cfg: Config, device: torc
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for i in range(cfg.eval_batches):
-            x = source.batch(i, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, rank=rank,
-                             world=world, stream=data_lib.EVAL).to(device)
+            x = source.batch(
+                i,
+                batch_size=cfg.batch_size,
+                seq_len=cfg.model.seq_len,
+                rank=rank,
+                world=world,
+                stream=data_lib.EVAL,
+            ).to(device)
             logits = torch.func.functional_call(model, params, (x[:, :-1],))
             total[0] += _loss(logits, x).double() * x[:, 2:].numel()
             total[1] += x[:, 2:].numel()
@@ -213,8 +231,15 @@ def run(cfg: Config) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(dataclasses.replace(cfg.model, vocab=source.vocab)).to(device)
     opt = make_optimizer(cfg)
-    state = fs.init(model, opt, mesh=mesh, policy=cfg.policy, strategy=cfg.strategy,
-                    offload_fraction=cfg.offload_fraction, deterministic=cfg.deterministic)
+    state = fs.init(
+        model,
+        opt,
+        mesh=mesh,
+        policy=cfg.policy,
+        strategy=cfg.strategy,
+        offload_fraction=cfg.offload_fraction,
+        deterministic=cfg.deterministic,
+    )
 
     mgr = fs.CheckpointManager(cfg.checkpoint_dir, max_to_keep=3) if cfg.checkpoint_dir else None
     if cfg.resume and mgr is not None and mgr.latest_step() is not None:
@@ -229,9 +254,15 @@ def run(cfg: Config) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         log = open(out / "metrics.jsonl", "w")  # noqa: SIM115 - closed at the end of the run
         log.writelines(json.dumps(row) + "\n" for row in rows)
-        logging.info("%s; model %d params; %d ranks, strategy %s, mesh %s%s",
-                     data_lib.describe(source), n_params, world, cfg.strategy,
-                     tuple(mesh.shape), f"; resumed at step {start}" if start else "")
+        logging.info(
+            "%s; model %d params; %d ranks, strategy %s, mesh %s%s",
+            data_lib.describe(source),
+            n_params,
+            world,
+            cfg.strategy,
+            tuple(mesh.shape),
+            f"; resumed at step {start}" if start else "",
+        )
 
     def loss_fn(params, batch):
         x = batch["x"]
@@ -241,16 +272,25 @@ def run(cfg: Config) -> dict[str, Any]:
     end = min(cfg.stop_at or cfg.steps, cfg.steps)
     progress = Progress(start, end, cfg.batch_size * (cfg.model.seq_len - 1), cfg.log_every)
     for step in range(start, end):
-        x = source.batch(step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, rank=rank,
-                         world=world).to(device)
+        x = source.batch(
+            step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, rank=rank, world=world
+        ).to(device)
         state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=cfg.microbatches)
-        if mgr is not None and cfg.save_every and (state.step % cfg.save_every == 0
-                                                   or state.step == end):
+        if (
+            mgr is not None
+            and cfg.save_every
+            and (state.step % cfg.save_every == 0 or state.step == end)
+        ):
             mgr.save(state.step, state)
         if log is not None:
-            row = {"step": state.step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                   "nonfinite": metrics["nonfinite"], "lr": schedule(step),
-                   "tokens_per_s": progress.update(state.step, metrics["loss"])}
+            row = {
+                "step": state.step,
+                "loss": metrics["loss"],
+                "grad_norm": metrics["grad_norm"],
+                "nonfinite": metrics["nonfinite"],
+                "lr": schedule(step),
+                "tokens_per_s": progress.update(state.step, metrics["loss"]),
+            }
             rows.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
@@ -259,8 +299,12 @@ def run(cfg: Config) -> dict[str, Any]:
 
     final = evaluate(model, state, source, cfg, device)
     if log is not None:
-        summary = {"final_loss": final, "floor": source.floor, "steps": state.step,
-                   "gap_pct": None if source.floor is None else 100 * (final / source.floor - 1)}
+        summary = {
+            "final_loss": final,
+            "floor": source.floor,
+            "steps": state.step,
+            "gap_pct": None if source.floor is None else 100 * (final / source.floor - 1),
+        }
         log.write(json.dumps(summary) + "\n")
         log.close()
         _plot(rows, source.floor, final, out / "loss.png")

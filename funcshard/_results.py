@@ -64,8 +64,12 @@ def describe_exit(proc: BaseProcess) -> str:
     return f"exit code {code}"
 
 
-def gather(conns: Sequence[Connection], procs: Sequence[BaseProcess], who: str,
-           timeout: float | None = None) -> list[Any]:
+def gather(
+    conns: Sequence[Connection],
+    procs: Sequence[BaseProcess],
+    who: str,
+    timeout: float | None = None,
+) -> list[Any]:
     """Receives one answer per rank (``conns[r]`` is rank ``r``'s pipe, ``procs[r]`` its process).
 
     Args:
@@ -90,8 +94,7 @@ def gather(conns: Sequence[Connection], procs: Sequence[BaseProcess], who: str,
         sentinels = {procs[r].sentinel: r for r in pending}
         ready = wait([*pending.values(), *sentinels], timeout=left)
         if not ready:
-            raise RuntimeError(f"{who}: no answer from rank(s) {sorted(pending)} "
-                               f"within {timeout}s")
+            raise RuntimeError(f"{who}: no answer from rank(s) {sorted(pending)} within {timeout}s")
         # Pipes first: a rank that answered and then exited has its whole answer in the pipe.
         for r, conn in list(pending.items()):
             if conn not in ready and procs[r].sentinel not in ready:
@@ -103,8 +106,9 @@ def gather(conns: Sequence[Connection], procs: Sequence[BaseProcess], who: str,
             if data is None:
                 if procs[r].is_alive() and conn not in ready:
                     continue  # only its sentinel raced ahead; look again
-                raise RuntimeError(f"{who}: rank {r} died without a result "
-                                   f"({describe_exit(procs[r])})")
+                raise RuntimeError(
+                    f"{who}: rank {r} died without a result ({describe_exit(procs[r])})"
+                )
             if data[:1] == _ERR:
                 raise RuntimeError(f"{who}: rank {r} raised:\n{data[1:].decode()}")
             buf = io.BytesIO(data)

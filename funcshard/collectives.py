@@ -93,8 +93,9 @@ def track_gathered(buffer: torch.Tensor) -> None:
 class Pending:
     """An in-flight collective; ``wait()`` returns its result."""
 
-    def __init__(self, work: dist.Work | None, result: torch.Tensor,
-                 keep: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, work: dist.Work | None, result: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> None:
         self._work = work
         self._result = result
         self._keep = keep  # the input, alive until the collective is done
@@ -122,8 +123,13 @@ class Pending:
         return self._result
 
 
-def all_gather(local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False,
-               kind: str | None = "all_gather"):
+def all_gather(
+    local: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
+    kind: str | None = "all_gather",
+):
     """Concatenates every rank's 1-D ``local`` in group rank order."""
     size = dist.get_world_size(group)
     if size == 1:
@@ -142,8 +148,7 @@ def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, *, async_op: bo
     out = torch.empty(full.numel() // size, dtype=full.dtype, device=full.device)
     record("reduce_scatter", full)
     full = full.contiguous()
-    work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group,
-                                      async_op=async_op)
+    work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(work, out, keep=full) if async_op else out
 
 
@@ -157,8 +162,15 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "a
     return out
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-               group: dist.ProcessGroup, *, kind: str | None) -> Pending:
+def all_to_all(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    *,
+    kind: str | None,
+) -> Pending:
     """Asynchronous all-to-all of 1-D buffers: ``in_splits[r]`` elements of ``inp`` go to rank
     ``r`` and ``out_splits[r]`` elements of ``out`` come from it, in rank order. Counts the
     input buffer (what this rank sends, its own part included) under ``kind``."""

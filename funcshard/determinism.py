@@ -43,8 +43,16 @@ import torch.distributed as dist
 from funcshard import collectives
 from funcshard.layout import Layout
 
-__all__ = ["PairwiseSum", "pairwise_sum", "halving_sum", "start_reduce_scatter", "all_reduce",
-           "global_norm", "mean_loss", "check_microbatches"]
+__all__ = [
+    "PairwiseSum",
+    "pairwise_sum",
+    "halving_sum",
+    "start_reduce_scatter",
+    "all_reduce",
+    "global_norm",
+    "mean_loss",
+    "check_microbatches",
+]
 
 # Elements of one fp64 slab of the norm's row sums (bounds its temporary memory).
 _NORM_SLAB = 1 << 22
@@ -54,8 +62,10 @@ def check_microbatches(dp_size: int, microbatches: int) -> None:
     """Raises unless G = dp_size * microbatches is a power of two."""
     g = dp_size * microbatches
     if g & (g - 1):
-        raise ValueError(f"deterministic=True: dp_size * microbatches = {dp_size} * "
-                         f"{microbatches} = {g} gradient chunks; it must be a power of two")
+        raise ValueError(
+            f"deterministic=True: dp_size * microbatches = {dp_size} * "
+            f"{microbatches} = {g} gradient chunks; it must be a power of two"
+        )
 
 
 def pairwise_sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -134,8 +144,9 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return a.add_(b)  # a is a partial sum this accumulator owns
 
 
-def start_reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup,
-                         kind: str | None = "reduce_scatter") -> collectives.Pending:
+def start_reduce_scatter(
+    full: torch.Tensor, group: dist.ProcessGroup, kind: str | None = "reduce_scatter"
+) -> collectives.Pending:
     """The group's sum of 1-D ``full``, this rank's contiguous 1/size of it, in tree order.
 
     An all-to-all hands every rank the blocks of its part from every rank (the bytes of a ring
@@ -147,10 +158,10 @@ def start_reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup,
         return collectives.Pending(None, full)
     block = full.numel() // size
     recv = torch.empty_like(full)
-    pending = collectives.all_to_all(recv, full.contiguous(), [block] * size, [block] * size,
-                                     group, kind=kind)
-    return collectives.Pending.then(pending,
-                                    lambda r: pairwise_sum(r.view(size, block).unbind(0)))
+    pending = collectives.all_to_all(
+        recv, full.contiguous(), [block] * size, [block] * size, group, kind=kind
+    )
+    return collectives.Pending.then(pending, lambda r: pairwise_sum(r.view(size, block).unbind(0)))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -172,11 +183,16 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def _row_sums(flat: torch.Tensor, spec) -> torch.Tensor:
     """Sums of squares (fp64) of this rank's padded rows of one leaf inside a bucket flat."""
-    rows = flat[spec.offset : spec.offset + spec.shard_numel].view(spec.rows_per_shard,
-                                                                   spec.row_numel)
+    rows = flat[spec.offset : spec.offset + spec.shard_numel].view(
+        spec.rows_per_shard, spec.row_numel
+    )
     step = max(1, _NORM_SLAB // max(1, spec.row_numel))
-    return torch.cat([halving_sum(rows[i : i + step].double().square())
-                      for i in range(0, max(1, spec.rows_per_shard), step)])
+    return torch.cat(
+        [
+            halving_sum(rows[i : i + step].double().square())
+            for i in range(0, max(1, spec.rows_per_shard), step)
+        ]
+    )
 
 
 def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -202,8 +218,10 @@ def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
     if size > 1:
         sums = collectives.all_gather(sums, layout.shard_group, kind="metrics")
     sums = sums.view(size, at)
-    rows = [sums[:, where[s.name] : where[s.name] + s.rows_per_shard].reshape(-1)[: s.rows]
-            for s in layout.leaves]
+    rows = [
+        sums[:, where[s.name] : where[s.name] + s.rows_per_shard].reshape(-1)[: s.rows]
+        for s in layout.leaves
+    ]
     return halving_sum(torch.cat(rows)).sqrt()
 
 

@@ -37,8 +37,10 @@ def functional_call(
         args = (args,)
     kwargs = kwargs or {}
     if isinstance(params, (GatheredParams, StepParams)) and params.closed:
-        raise RuntimeError("functional_call: these params belong to a train_step that has "
-                           "finished; use them only inside loss_fn")
+        raise RuntimeError(
+            "functional_call: these params belong to a train_step that has "
+            "finished; use them only inside loss_fn"
+        )
     if isinstance(params, GatheredParams):
         return params._run.call(model, args, kwargs)
     if isinstance(params, StepParams):
@@ -54,22 +56,26 @@ class _Swap:
     past the call that made it (until backward is over) and be ``replace``d meanwhile.
     """
 
-    def __init__(self, module: nn.Module, tensors: Mapping[str, torch.Tensor], *,
-                 strict: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, tensors: Mapping[str, torch.Tensor], *, strict: bool = False
+    ) -> None:
         self._module = module
         self._accessor = NamedMemberAccessor(module)
         untied = stateless._untie_named_tensors_map(module, tensors)
         if strict:
             missing, unexpected = self._accessor.check_keys(untied)
             if missing or unexpected:
-                raise RuntimeError(f"functional_call: missing keys {missing}, unexpected keys "
-                                   f"{unexpected} for {type(module).__name__}")
+                raise RuntimeError(
+                    f"functional_call: missing keys {missing}, unexpected keys "
+                    f"{unexpected} for {type(module).__name__}"
+                )
         self._orig, _ = self._accessor.swap_tensors_dict(untied, allow_missing=True)
 
     def replace(self, tensors: dict[str, torch.Tensor]) -> None:
         """Swaps in other tensors, dropping the current ones (the originals stay kept)."""
         self._accessor.swap_tensors_dict(
-            stateless._untie_named_tensors_map(self._module, tensors), allow_missing=True)
+            stateless._untie_named_tensors_map(self._module, tensors), allow_missing=True
+        )
 
     def restore(self) -> None:
         self._accessor.swap_tensors_dict(self._orig, allow_missing=True)
@@ -114,8 +120,10 @@ class GatheredParams(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self.closed:
-            raise RuntimeError(f"params[{name!r}]: these params belong to a train_step that "
-                               "has finished; use them only inside loss_fn")
+            raise RuntimeError(
+                f"params[{name!r}]: these params belong to a train_step that "
+                "has finished; use them only inside loss_fn"
+            )
         return self._run.param(name)
 
     def __iter__(self) -> Iterator[str]:

@@ -69,16 +69,18 @@ def init_from_env(backend: str | None = None) -> None:
     env = os.environ
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]
     if missing:
-        raise RuntimeError(f"init_from_env: {', '.join(missing)} not set; run under torchrun "
-                           "or use fs.launch")
+        raise RuntimeError(
+            f"init_from_env: {', '.join(missing)} not set; run under torchrun or use fs.launch"
+        )
     backend = _backend(backend, int(env.get("LOCAL_RANK", 0)))
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     attempt = env.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         dist.init_process_group(backend, rank=rank, world_size=world)
         return
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
-                          is_master=False)
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False
+    )
     store = dist.PrefixStore(f"funcshard/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
@@ -88,8 +90,9 @@ def _run_rank(rank: int, world_size: int, port: int, fn: Callable, args: tuple) 
     return fn(*args)
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
-           conn: Connection) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, conn: Connection
+) -> None:
     try:
         ok = call_and_send(conn, _run_rank, (rank, world_size, port, fn, args), {})
     finally:
@@ -117,8 +120,11 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
     try:
         for rank in range(nproc):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_entry, args=(rank, nproc, port, fn, args, send),
-                            name=f"fs.launch rank {rank}")
+            p = ctx.Process(
+                target=_entry,
+                args=(rank, nproc, port, fn, args, send),
+                name=f"fs.launch rank {rank}",
+            )
             p.start()
             send.close()  # only the rank holds its write end: its death closes the pipe
             procs.append(p)

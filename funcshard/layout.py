@@ -26,8 +26,15 @@ from funcshard import mesh as mesh_lib
 from funcshard.buckets import Members, PerBucket
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
 
-__all__ = ["STRATEGIES", "LeafSpec", "Bucket", "Layout", "Placement", "build_layout",
-           "default_units"]
+__all__ = [
+    "STRATEGIES",
+    "LeafSpec",
+    "Bucket",
+    "Layout",
+    "Placement",
+    "build_layout",
+    "default_units",
+]
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ROOT_UNIT = 0
@@ -111,8 +118,10 @@ class Placement:
         try:
             return self.specs[members]
         except KeyError:
-            raise KeyError(f"Placement: no bucket packs {list(members.names)}; the buffers do "
-                           "not come from this state's layout") from None
+            raise KeyError(
+                f"Placement: no bucket packs {list(members.names)}; the buffers do "
+                "not come from this state's layout"
+            ) from None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -177,8 +186,13 @@ class Layout:
     @functools.cached_property
     def members(self) -> tuple[Members, ...]:
         """Per bucket, the names and shapes of the parameters it packs."""
-        return tuple(Members(tuple(s.name for s in self.bucket_leaves(b)),
-                             tuple(s.shape for s in self.bucket_leaves(b))) for b in self.buckets)
+        return tuple(
+            Members(
+                tuple(s.name for s in self.bucket_leaves(b)),
+                tuple(s.shape for s in self.bucket_leaves(b)),
+            )
+            for b in self.buckets
+        )
 
     @functools.cached_property
     def placement(self) -> Placement:
@@ -190,8 +204,10 @@ class Layout:
             size=size,
             rank=self.shard_rank,
             device=self.device,
-            specs={m: tuple(self.bucket_leaves(b))
-                   for m, b in zip(self.members, self.buckets, strict=True)},
+            specs={
+                m: tuple(self.bucket_leaves(b))
+                for m, b in zip(self.members, self.buckets, strict=True)
+            },
             replicas=self.replicate_group if replicas > 1 else None,
             replica_count=replicas,
             replica_rank=dist.get_rank(self.replicate_group) if replicas > 1 else 0,
@@ -319,8 +335,17 @@ def build_layout(
         if deterministic:  # every leaf starts 128-byte aligned in the full buffer, whatever S
             step = DETERMINISTIC_ALIGN // math.gcd(row_numel, DETERMINISTIC_ALIGN)
             rps = -(-rps // step) * step
-        raw.append((name, tuple(shape), policy.resolve(dtype), _unit_of(name, prefixes), rows,
-                    rps, row_numel))
+        raw.append(
+            (
+                name,
+                tuple(shape),
+                policy.resolve(dtype),
+                _unit_of(name, prefixes),
+                rows,
+                rps,
+                row_numel,
+            )
+        )
     offloaded = _pick_offloaded([r[5] * r[6] for r in raw], offload_fraction)
 
     # Buckets in order of first appearance of (unit, dtypes, placement, rule), leaves in model
@@ -351,7 +376,8 @@ def build_layout(
         device=mesh_lib.local_device(mesh),
         offload_fraction=offload_fraction,
         aliases=tuple((a, n) for a, n in tied_aliases(model) if n in params)
-        if model is not None else (),
+        if model is not None
+        else (),
         deterministic=deterministic,
     )
 
@@ -366,12 +392,15 @@ DETERMINISTIC_ALIGN = 32
 def _check_deterministic(dp_size: int, buckets: list[Bucket], names: list[str]) -> None:
     """What ``deterministic=True`` needs of the mesh and the policy, checked at init."""
     if dp_size & (dp_size - 1):
-        raise ValueError(f"deterministic=True: the data-parallel size must be a power of two "
-                         f"(the gradient chunks form a pairwise tree), got {dp_size} ranks")
+        raise ValueError(
+            f"deterministic=True: the data-parallel size must be a power of two "
+            f"(the gradient chunks form a pairwise tree), got {dp_size} ranks"
+        )
     for b in buckets:
         if b.dtypes.comm != b.dtypes.grad:
             raise ValueError(
                 f"deterministic=True: parameter {names[b.leaves[0]]!r} would reduce with "
                 f"grad_comm_dtype={b.dtypes.comm} and accumulate in main_grads_dtype="
                 f"{b.dtypes.grad}; the rounding to the wire dtype would then depend on which "
-                "chunks share a rank. Use grad_comm_dtype=None (or equal to main_grads_dtype)")
+                "chunks share a rank. Use grad_comm_dtype=None (or equal to main_grads_dtype)"
+            )

@@ -59,7 +59,8 @@ def _use_own_gpu() -> None:
         raise ValueError(
             f"make_mesh: a cuda mesh runs one rank per GPU, but this node has {local_world} "
             f"ranks and {gpus} visible GPU(s); start at most {gpus} ranks per node or use "
-            "device_type='cpu'")
+            "device_type='cpu'"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % gpus))
     torch.cuda.set_device(local_rank)
 

@@ -78,23 +78,28 @@ def offload_threads(n: int | None) -> Iterator[None]:
 # --- the optimizer state of a subset of buckets ------------------------------------------------
 def _split_opt_state(opt_state: Any):
     """``(leaves, treedef, is_bucket)``: the state flattened down to its PerBucket parts."""
-    leaves, treedef = optree.tree_flatten(opt_state, is_leaf=is_per_bucket, none_is_leaf=True,
-                                          namespace=NAMESPACE)
+    leaves, treedef = optree.tree_flatten(
+        opt_state, is_leaf=is_per_bucket, none_is_leaf=True, namespace=NAMESPACE
+    )
     is_bucket = [is_per_bucket(x) for x in leaves]
-    stray = [x for x, b in zip(leaves, is_bucket, strict=True)
-             if not b and isinstance(x, torch.Tensor)]
+    stray = [
+        x for x, b in zip(leaves, is_bucket, strict=True) if not b and isinstance(x, torch.Tensor)
+    ]
     if stray:
-        raise TypeError(f"offload_step: the optimizer state holds {len(stray)} tensors outside "
-                        "per-bucket parts; build it as opt.init(state.layout.per_bucket(master)), "
-                        "not from a plain tuple of buffers")
+        raise TypeError(
+            f"offload_step: the optimizer state holds {len(stray)} tensors outside "
+            "per-bucket parts; build it as opt.init(state.layout.per_bucket(master)), "
+            "not from a plain tuple of buffers"
+        )
     return leaves, treedef, is_bucket
 
 
 def _select(split, index: Sequence[int]) -> Any:
     """The optimizer state of buckets ``index`` only (same tree, shorter PerBucket parts)."""
     leaves, treedef, is_bucket = split
-    return treedef.unflatten([x.select(index) if b else x
-                              for x, b in zip(leaves, is_bucket, strict=True)])
+    return treedef.unflatten(
+        [x.select(index) if b else x for x, b in zip(leaves, is_bucket, strict=True)]
+    )
 
 
 def _merge(split, parts: list[tuple[Sequence[int], Any]]) -> Any:
@@ -114,8 +119,10 @@ def _merge(split, parts: list[tuple[Sequence[int], Any]]) -> Any:
         else:
             values = [sub[j] for _, sub in flat_parts]
             if any(v != values[0] for v in values[1:]):
-                raise RuntimeError(f"offload_step: optimizer state leaf {j} differs between "
-                                   f"device and CPU buckets after the step: {values}")
+                raise RuntimeError(
+                    f"offload_step: optimizer state leaf {j} differs between "
+                    f"device and CPU buckets after the step: {values}"
+                )
             out.append(values[0] if values else x)
     return treedef.unflatten(out)
 
@@ -158,40 +165,56 @@ def step_and_cast(
     """
     one = (lambda t: (t,)) if members is None else (lambda t: PerBucket((t,), (members,)))
     if compute_out is None or not optimizer.elementwise:
-        _, new_state = optimizer.update(one(grad), opt_state, one(master), donate=True,
-                                        grad_norm=grad_norm, placement=placement)
+        _, new_state = optimizer.update(
+            one(grad), opt_state, one(master), donate=True, grad_norm=grad_norm, placement=placement
+        )
         if compute_out is not None:
             compute_out.copy_(master)
         return new_state
     numel = master.numel()
-    leaves, treedef = optree.tree_flatten(opt_state, is_leaf=_is_one_tuple, none_is_leaf=True,
-                                          namespace=NAMESPACE)
+    leaves, treedef = optree.tree_flatten(
+        opt_state, is_leaf=_is_one_tuple, none_is_leaf=True, namespace=NAMESPACE
+    )
     is_bucket = [_is_one_tuple(x) for x in leaves]
-    if grad.numel() != numel or compute_out.numel() != numel or any(
+    if (
+        grad.numel() != numel
+        or compute_out.numel() != numel
+        or any(
             b and x[0] is not None and x[0].numel() != numel
-            for x, b in zip(leaves, is_bucket, strict=True)):
-        raise ValueError(f"step_and_cast: master numel {numel}, grad {grad.numel()}, "
-                         f"compute_out {compute_out.numel()}: expected equal sizes")
+            for x, b in zip(leaves, is_bucket, strict=True)
+        )
+    ):
+        raise ValueError(
+            f"step_and_cast: master numel {numel}, grad {grad.numel()}, "
+            f"compute_out {compute_out.numel()}: expected equal sizes"
+        )
     if block % 64:
         raise ValueError(f"step_and_cast: block must be a multiple of 64, got {block}")
     new_state = opt_state
     for start in range(0, max(numel, 1), block):
         stop = min(start + block, numel)
-        chunk = treedef.unflatten([_block_of(x, start, stop) if b else x
-                                   for x, b in zip(leaves, is_bucket, strict=True)])
-        _, new_state = optimizer.update(one(grad[start:stop]), chunk, one(master[start:stop]),
-                                        donate=True, grad_norm=grad_norm, placement=placement)
+        chunk = treedef.unflatten(
+            [_block_of(x, start, stop) if b else x for x, b in zip(leaves, is_bucket, strict=True)]
+        )
+        _, new_state = optimizer.update(
+            one(grad[start:stop]),
+            chunk,
+            one(master[start:stop]),
+            donate=True,
+            grad_norm=grad_norm,
+            placement=placement,
+        )
         compute_out[start:stop].copy_(master[start:stop])
     # The blocks updated the state's buffers in place; keep them, take the scalars (count).
     new_leaves = treedef.flatten_up_to(new_state)
-    return treedef.unflatten([x if b else y
-                              for x, y, b in zip(leaves, new_leaves, is_bucket, strict=True)])
+    return treedef.unflatten(
+        [x if b else y for x, y, b in zip(leaves, new_leaves, is_bucket, strict=True)]
+    )
 
 
 def _is_one_tuple(x: Any) -> bool:
     """A per-bucket part of a one-bucket state: a PerBucket, or a plain one-tuple of a tensor."""
-    return is_per_bucket(x) or (type(x) is tuple and len(x) == 1
-                                and isinstance(x[0], torch.Tensor))
+    return is_per_bucket(x) or (type(x) is tuple and len(x) == 1 and isinstance(x[0], torch.Tensor))
 
 
 def _block_of(x: tuple, start: int, stop: int) -> tuple:
@@ -219,7 +242,8 @@ def _as_bucket_flats(state: TrainState, grads: Any) -> tuple[torch.Tensor, ...]:
                 if grads[spec.name].shape != view.shape:
                     raise ValueError(
                         f"offload_step: gradient {spec.name!r} has shape "
-                        f"{tuple(grads[spec.name].shape)}, expected {tuple(view.shape)}")
+                        f"{tuple(grads[spec.name].shape)}, expected {tuple(view.shape)}"
+                    )
                 view.copy_(grads[spec.name])
             flats.append(flat)
         return tuple(flats)
@@ -229,14 +253,17 @@ def _as_bucket_flats(state: TrainState, grads: Any) -> tuple[torch.Tensor, ...]:
     for bucket, g in zip(layout.buckets, grads, strict=True):
         if g.dim() != 1 or g.numel() != bucket.numel:
             names = [s.name for s in layout.bucket_leaves(bucket)]
-            raise ValueError(f"offload_step: gradient of bucket {bucket.index} ({names}) has "
-                             f"shape {tuple(g.shape)}, expected ({bucket.numel},)")
+            raise ValueError(
+                f"offload_step: gradient of bucket {bucket.index} ({names}) has "
+                f"shape {tuple(g.shape)}, expected ({bucket.numel},)"
+            )
     return grads
 
 
 # --- the step ------------------------------------------------------------------------------------
-def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
-                 grad_norm: float | None = None) -> TrainState:
+def offload_step(
+    state: TrainState, grads: Any, *, threads: int | None = None, grad_norm: float | None = None
+) -> TrainState:
     """Applies reduced gradient shards with the state's optimizer; donates ``state``.
 
     Like JAX's ``donate_argnums``: the masters and the optimizer state are updated in place, so
@@ -259,12 +286,14 @@ def offload_step(state: TrainState, grads: Any, *, threads: int | None = None,
     Raises:
       ValueError / KeyError: a gradient is missing or has the wrong size.
     """
-    return step_donating(state, grads, threads=threads, grad_norm=grad_norm,
-                         consumer="offload_step")
+    return step_donating(
+        state, grads, threads=threads, grad_norm=grad_norm, consumer="offload_step"
+    )
 
 
-def step_donating(state: TrainState, grads: Any, *, threads: int | None,
-                  grad_norm: float | None, consumer: str) -> TrainState:
+def step_donating(
+    state: TrainState, grads: Any, *, threads: int | None, grad_norm: float | None, consumer: str
+) -> TrainState:
     """``offload_step`` for a caller that names itself as the consumer (``train_step``)."""
     layout = state.layout
     state._check()
@@ -279,11 +308,13 @@ def step_donating(state: TrainState, grads: Any, *, threads: int | None,
         threads = default_threads()
 
     if layout.device.type == "cuda" and cpu_idx:
-        new_master, parts, local = _cuda_step(state, grads, split, device_idx, cpu_idx, threads,
-                                              grad_norm)
+        new_master, parts, local = _cuda_step(
+            state, grads, split, device_idx, cpu_idx, threads, grad_norm
+        )
     else:
-        new_master, parts, local = _host_step(state, grads, split, device_idx, cpu_idx, threads,
-                                              grad_norm)
+        new_master, parts, local = _host_step(
+            state, grads, split, device_idx, cpu_idx, threads, grad_norm
+        )
     new_opt = _merge(split, parts)
     assert all(m is master[i] for i, m in enumerate(new_master)), "masters step in place"
     state._consume(consumer)
@@ -304,9 +335,14 @@ def _device_step(state: TrainState, grads, split, device_idx: list[int], grad_no
     master, members = state.master, state.layout.members
     subset = lambda xs: PerBucket(xs, (members[i] for i in device_idx))
     moved = subset(grads[i].to(master[i].dtype) for i in device_idx)
-    _, new = state.optimizer.update(moved, _select(split, device_idx),
-                                    subset(master[i] for i in device_idx), donate=True,
-                                    grad_norm=grad_norm, placement=state.layout.placement)
+    _, new = state.optimizer.update(
+        moved,
+        _select(split, device_idx),
+        subset(master[i] for i in device_idx),
+        donate=True,
+        grad_norm=grad_norm,
+        placement=state.layout.placement,
+    )
     return [(device_idx, new)]
 
 
@@ -327,23 +363,41 @@ def _host_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, gr
                 out = _reusable(state.compute[i], m, bucket)
                 if out is None:
                     out = torch.empty(m.numel(), dtype=bucket.dtypes.compute)
-            parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m, g, out,
-                                             members=layout.members[i], grad_norm=grad_norm,
-                                             placement=layout.placement)))
+            parts.append(
+                (
+                    [i],
+                    step_and_cast(
+                        state.optimizer,
+                        _select(split, [i]),
+                        m,
+                        g,
+                        out,
+                        members=layout.members[i],
+                        grad_norm=grad_norm,
+                        placement=layout.placement,
+                    ),
+                )
+            )
             local[i] = out
     return list(master), parts, local
 
 
-def _reusable(prev: torch.Tensor | None, master: torch.Tensor,
-              bucket: Bucket) -> torch.Tensor | None:
+def _reusable(
+    prev: torch.Tensor | None, master: torch.Tensor, bucket: Bucket
+) -> torch.Tensor | None:
     """The consumed state's compute copy of a bucket, when the new one can be written into it.
 
     It is derived from the master being stepped, so nothing else reads it; writing it in place
     spares a fresh allocation whose pages the cast would fault in on every step (as much time
     again as the cast itself on a CPU).
     """
-    if (prev is None or prev.numel() != master.numel() or prev.dtype != bucket.dtypes.compute
-            or prev.device != master.device or prev.data_ptr() == master.data_ptr()):
+    if (
+        prev is None
+        or prev.numel() != master.numel()
+        or prev.dtype != bucket.dtypes.compute
+        or prev.device != master.device
+        or prev.data_ptr() == master.data_ptr()
+    ):
         return None
     return prev
 
@@ -372,11 +426,16 @@ def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, gr
     for i in cpu_idx:
         bucket = layout.buckets[i]
         prev = old[i]
-        reuse = (layout.strategy == "optim_grads_params" and prev is not None
-                 and prev.device == device and prev.numel() == bucket.numel
-                 and prev.dtype == bucket.dtypes.compute)
-        dst[i] = prev if reuse else torch.empty(bucket.numel, dtype=bucket.dtypes.compute,
-                                                device=device)
+        reuse = (
+            layout.strategy == "optim_grads_params"
+            and prev is not None
+            and prev.device == device
+            and prev.numel() == bucket.numel
+            and prev.dtype == bucket.dtypes.compute
+        )
+        dst[i] = (
+            prev if reuse else torch.empty(bucket.numel, dtype=bucket.dtypes.compute, device=device)
+        )
     dst_free = torch.cuda.Event()
     dst_free.record(main)
 
@@ -402,9 +461,21 @@ def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, gr
             if cast:
                 out = torch.empty(m.numel(), dtype=bucket.dtypes.compute, pin_memory=True)
             arrived[i].synchronize()
-            parts.append(([i], step_and_cast(state.optimizer, _select(split, [i]), m,
-                                             host_grads[i], out, members=layout.members[i],
-                                             grad_norm=grad_norm, placement=layout.placement)))
+            parts.append(
+                (
+                    [i],
+                    step_and_cast(
+                        state.optimizer,
+                        _select(split, [i]),
+                        m,
+                        host_grads[i],
+                        out,
+                        members=layout.members[i],
+                        grad_norm=grad_norm,
+                        placement=layout.placement,
+                    ),
+                )
+            )
             with torch.cuda.stream(h2d):
                 # A pinned source records the copy on the host allocator, so it outlives it.
                 dst[i].copy_(out if cast else m, non_blocking=True)

@@ -122,20 +122,33 @@ class Plan:
         """A readable summary."""
         m = self.memory
         rows = [
-            (f"strategy={self.strategy} world={self.world_size} mesh=(replicate={self.replicate}, "
-             f"shard={self.shard}) microbatches={self.microbatches}"),
-            (f"params={self.numel:,} padded={self.padded_numel:,} buckets={self.buckets} "
-             f"units={self.units}"),
+            (
+                f"strategy={self.strategy} world={self.world_size} mesh=(replicate={self.replicate}, "
+                f"shard={self.shard}) microbatches={self.microbatches}"
+            ),
+            (
+                f"params={self.numel:,} padded={self.padded_numel:,} buckets={self.buckets} "
+                f"units={self.units}"
+            ),
             "memory per rank:",
         ]
-        for name in ("master", "compute", "compute_shard", "grads", "opt_state", "gathered_peak",
-                     "host", "muon_owner"):
+        for name in (
+            "master",
+            "compute",
+            "compute_shard",
+            "grads",
+            "opt_state",
+            "gathered_peak",
+            "host",
+            "muon_owner",
+        ):
             rows.append(f"  {name:<14}{format_bytes(getattr(m, name)):>12}")
         rows.append(f"  {'model states':<14}{format_bytes(m.model_states):>12}")
         rows.append("communicated per rank per step:")
         for kind in KINDS:
-            rows.append(f"  {kind:<14}{format_bytes(self.comm[kind]):>12}  "
-                        f"({self.calls[kind]} calls)")
+            rows.append(
+                f"  {kind:<14}{format_bytes(self.comm[kind]):>12}  ({self.calls[kind]} calls)"
+            )
         return "\n".join(rows)
 
 
@@ -174,8 +187,9 @@ def _param_table(
         else:
             out[name] = (tuple(entry), dtype)
         if any(not isinstance(d, int) or d < 0 for d in out[name][0]):
-            raise ValueError(f"plan: parameter {name!r}: expected a shape of ints >= 0, "
-                             f"got {entry!r}")
+            raise ValueError(
+                f"plan: parameter {name!r}: expected a shape of ints >= 0, got {entry!r}"
+            )
     return out
 
 
@@ -195,8 +209,10 @@ def _optimizer_states(optimizer: str | Optimizer, layout: Layout) -> list[int]:
     """State tensors per bucket (an optimizer of ``multi_transform`` keeps its own count)."""
     if isinstance(optimizer, str):
         if optimizer not in _OPTIMIZER_STATES:
-            raise ValueError(f"plan: unknown optimizer {optimizer!r}; expected one of "
-                             f"{sorted(_OPTIMIZER_STATES)} or an fs.optim optimizer")
+            raise ValueError(
+                f"plan: unknown optimizer {optimizer!r}; expected one of "
+                f"{sorted(_OPTIMIZER_STATES)} or an fs.optim optimizer"
+            )
         return [_OPTIMIZER_STATES[optimizer]] * len(layout.buckets)
     counts = [0] * len(layout.buckets)
     for part in _per_bucket_parts(_meta_init(optimizer, layout)):
@@ -207,13 +223,19 @@ def _optimizer_states(optimizer: str | Optimizer, layout: Layout) -> list[int]:
 
 def _meta_init(optimizer: Optimizer, layout: Layout):
     """The optimizer's initial state over meta buffers of the layout (nothing allocated)."""
-    return optimizer.init(layout.per_bucket([torch.empty(b.numel, device="meta")
-                                             for b in layout.buckets]))
+    return optimizer.init(
+        layout.per_bucket([torch.empty(b.numel, device="meta") for b in layout.buckets])
+    )
 
 
 def _per_bucket_parts(state) -> list:
-    return [x for x in optree.tree_leaves(state, is_leaf=is_per_bucket, none_is_leaf=False,
-                                          namespace=NAMESPACE) if is_per_bucket(x)]
+    return [
+        x
+        for x in optree.tree_leaves(
+            state, is_leaf=is_per_bucket, none_is_leaf=False, namespace=NAMESPACE
+        )
+        if is_per_bucket(x)
+    ]
 
 
 def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int, int]:
@@ -223,10 +245,16 @@ def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int
     if isinstance(optimizer, str) or S * R == 1:
         return 0, 0, 0
     owned: set[int] = set()
-    muon_states = [x for x in optree.tree_leaves(_meta_init(optimizer, layout),
-                                                 is_leaf=lambda x: isinstance(x, MuonState),
-                                                 none_is_leaf=False, namespace=NAMESPACE)
-                   if isinstance(x, MuonState)]
+    muon_states = [
+        x
+        for x in optree.tree_leaves(
+            _meta_init(optimizer, layout),
+            is_leaf=lambda x: isinstance(x, MuonState),
+            none_is_leaf=False,
+            namespace=NAMESPACE,
+        )
+        if isinstance(x, MuonState)
+    ]
     for st in muon_states:
         for part in _per_bucket_parts(st.momentum):
             owned |= {i for i, x in enumerate(part) if x is not None}
@@ -237,8 +265,9 @@ def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int
         specs = [s for i in group for s in layout.bucket_leaves(layout.buckets[i])]
         if not specs:
             continue
-        ex = exchange_plan([(s.shape, [s.row_range(r) for r in range(S)]) for s in specs], S,
-                           replicas=R)
+        ex = exchange_plan(
+            [(s.shape, [s.row_range(r) for r in range(S)]) for s in specs], S, replicas=R
+        )
         sent = [a + b for a, b in zip(sent, ex.sent_bytes, strict=True)]
         held = [max(a, b) for a, b in zip(held, ex.owner_bytes, strict=True)]
         calls += ex.calls
@@ -249,8 +278,9 @@ def _size(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def _memory(layout: Layout, n_states: list[int], device_type: str, microbatches: int,
-            muon_owner: int = 0) -> MemoryPlan:
+def _memory(
+    layout: Layout, n_states: list[int], device_type: str, microbatches: int, muon_owner: int = 0
+) -> MemoryPlan:
     S = layout.shard_size
     zero3 = layout.strategy == "optim_grads_params"
     sharded_grads = not _accumulates_unreduced(layout, microbatches)
@@ -374,25 +404,36 @@ def plan(
     """
     check_strategy(strategy)
     if world_size < 1 or replicate < 1 or microbatches < 1:
-        raise ValueError(f"plan: world_size ({world_size}), replicate ({replicate}) and "
-                         f"microbatches ({microbatches}) must be >= 1")
+        raise ValueError(
+            f"plan: world_size ({world_size}), replicate ({replicate}) and "
+            f"microbatches ({microbatches}) must be >= 1"
+        )
     if shard == -1:
         if world_size % replicate:
-            raise ValueError(f"plan: world size {world_size} is not divisible by "
-                             f"replicate={replicate}")
+            raise ValueError(
+                f"plan: world size {world_size} is not divisible by replicate={replicate}"
+            )
         shard = world_size // replicate
     if shard * replicate != world_size:
-        raise ValueError(f"plan: shard ({shard}) x replicate ({replicate}) must equal the world "
-                         f"size {world_size}")
+        raise ValueError(
+            f"plan: shard ({shard}) x replicate ({replicate}) must equal the world "
+            f"size {world_size}"
+        )
     table = _param_table(params, dtype)
     model = params if isinstance(params, nn.Module) else None
     if model is None and units is None:
         units = _units_from_names(list(table))
-    layout = build_layout(table, model=model, mesh=_ShapeMesh(replicate, shard),  # type: ignore[arg-type]
-                          policy=policy or MixedPrecisionPolicy(), strategy=strategy,
-                          offload_fraction=offload_fraction, units=units,
-                          partition=None if isinstance(optimizer, str) else optimizer.partition,
-                          deterministic=deterministic)
+    layout = build_layout(
+        table,
+        model=model,
+        mesh=_ShapeMesh(replicate, shard),  # type: ignore[arg-type]
+        policy=policy or MixedPrecisionPolicy(),
+        strategy=strategy,
+        offload_fraction=offload_fraction,
+        units=units,
+        partition=None if isinstance(optimizer, str) else optimizer.partition,
+        deterministic=deterministic,
+    )
     comm, calls = _comm(layout, microbatches, replicate, world_size)
     comm["muon"], calls["muon"], muon_owner = _muon_exchange(optimizer, layout)
     return Plan(
@@ -405,8 +446,9 @@ def plan(
         padded_numel=layout.shard_size * sum(b.numel for b in layout.buckets),
         buckets=len(layout.buckets),
         units=len(layout.units),
-        memory=_memory(layout, _optimizer_states(optimizer, layout), device_type, microbatches,
-                       muon_owner),
+        memory=_memory(
+            layout, _optimizer_states(optimizer, layout), device_type, microbatches, muon_owner
+        ),
         comm=comm,
         calls=calls,
     )
@@ -430,18 +472,19 @@ def transformer_shapes(
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, dim)}
     for i in range(n_layers):
         p = f"layers.{i}"
-        shapes.update({
-            f"{p}.attention.wq.weight": (dim, dim),
-            f"{p}.attention.wk.weight": (kv, dim),
-            f"{p}.attention.wv.weight": (kv, dim),
-            f"{p}.attention.wo.weight": (dim, dim),
-            f"{p}.feed_forward.w1.weight": (ffn_dim, dim),
-            f"{p}.feed_forward.w2.weight": (dim, ffn_dim),
-            f"{p}.feed_forward.w3.weight": (ffn_dim, dim),
-            f"{p}.attention_norm.weight": (dim,),
-            f"{p}.ffn_norm.weight": (dim,),
-        })
+        shapes.update(
+            {
+                f"{p}.attention.wq.weight": (dim, dim),
+                f"{p}.attention.wk.weight": (kv, dim),
+                f"{p}.attention.wv.weight": (kv, dim),
+                f"{p}.attention.wo.weight": (dim, dim),
+                f"{p}.feed_forward.w1.weight": (ffn_dim, dim),
+                f"{p}.feed_forward.w2.weight": (dim, ffn_dim),
+                f"{p}.feed_forward.w3.weight": (ffn_dim, dim),
+                f"{p}.attention_norm.weight": (dim,),
+                f"{p}.ffn_norm.weight": (dim,),
+            }
+        )
     shapes["norm.weight"] = (dim,)
     shapes["output.weight"] = (vocab, dim)
     return shapes
-

@@ -74,13 +74,16 @@ def native_bf16_reason(device: torch.device | str = "cpu") -> tuple[bool, str]:
     found = [f for f in _BF16_CPU_FLAGS if f in flags]
     if found:
         return True, f"CPU flags include {', '.join(found)}"
-    return False, ("CPU flags lack avx512_bf16 / amx_bf16 (capability "
-                   f"{torch.backends.cpu.get_cpu_capability()}): bf16 matmuls are emulated")
+    return False, (
+        "CPU flags lack avx512_bf16 / amx_bf16 (capability "
+        f"{torch.backends.cpu.get_cpu_capability()}): bf16 matmuls are emulated"
+    )
 
 
 def native_bf16(device: torch.device | str = "cpu") -> bool:
     """True when ``device`` computes bf16 natively (see :func:`native_bf16_reason`)."""
     return native_bf16_reason(device)[0]
+
 
 _FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 

@@ -75,13 +75,19 @@ def reduce_scatter_grads(
     Returns:
       ``{name: reduced shard}`` (rows as ``fs.shard`` places them) in ``main_grads_dtype``.
     """
-    layout = build_layout({n: (tuple(g.shape), g.dtype) for n, g in grads.items()}, model=None,
-                          mesh=mesh, policy=policy, strategy=strategy)
+    layout = build_layout(
+        {n: (tuple(g.shape), g.dtype) for n, g in grads.items()},
+        model=None,
+        mesh=mesh,
+        policy=policy,
+        strategy=strategy,
+    )
     out = {}
     for bucket in layout.buckets:
         specs = layout.bucket_leaves(bucket)
-        sections = shard_lib.to_rank_sections([grads[s.name] for s in specs], specs,
-                                              layout.shard_size, bucket.dtypes.comm)
+        sections = shard_lib.to_rank_sections(
+            [grads[s.name] for s in specs], specs, layout.shard_size, bucket.dtypes.comm
+        )
         local = reduce_replicate_axis(layout, bucket, reduce_shard_axis(layout, bucket, sections))
         out.update({s.name: shard_lib.local_view(local, s, layout.shard_rank) for s in specs})
     return {n: out[n] for n in grads}
@@ -102,11 +108,17 @@ def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
-    norms = torch.stack([n.to(layout.device, torch.float64) for gs in by_device.values()
-                         for n in torch._foreach_norm(gs, 2, dtype=torch.float32)])
+    norms = torch.stack(
+        [
+            n.to(layout.device, torch.float64)
+            for gs in by_device.values()
+            for n in torch._foreach_norm(gs, 2, dtype=torch.float32)
+        ]
+    )
     if not bool(torch.isfinite(norms).all()):
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device)
-                             for g in grads])
+        norms = torch.stack(
+            [torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device) for g in grads]
+        )
     sq = norms.square().sum().to(layout.device)
     if layout.shard_size > 1:
         sq = collectives.all_reduce(sq, layout.shard_group, kind="metrics")

@@ -62,7 +62,10 @@ def pack_local(
 
 
 def to_rank_sections(
-    grads: list[torch.Tensor | None], specs: list[LeafSpec], shard_size: int, dtype: torch.dtype,
+    grads: list[torch.Tensor | None],
+    specs: list[LeafSpec],
+    shard_size: int,
+    dtype: torch.dtype,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Full per-leaf tensors (None = zero) into the reduce-scatter input layout, cast to dtype,
@@ -75,8 +78,10 @@ def to_rank_sections(
     if all(s.numel > 0 and s.rows_per_shard == -(-s.rows // shard_size) for s in specs):
         # One kernel pads every leaf's rows to a multiple of shard_size, cuts them into
         # shard_size chunks and writes chunk r of every leaf into section r, casting on the way.
-        parts = [g.reshape(s.rows, s.row_numel) if g is not None
-                 else ref.new_zeros(s.rows, s.row_numel) for g, s in zip(grads, specs, strict=True)]
+        parts = [
+            g.reshape(s.rows, s.row_numel) if g is not None else ref.new_zeros(s.rows, s.row_numel)
+            for g, s in zip(grads, specs, strict=True)
+        ]
         out = torch.empty(numel, dtype=dtype, device=device)
         torch._chunk_cat(parts, dim=0, num_chunks=shard_size, out=out.view(shard_size, -1))
         return out
@@ -158,7 +163,12 @@ def shard(
     out = {}
     for bucket in layout.buckets:
         specs = layout.bucket_leaves(bucket)
-        flat = pack_local([params[s.name] for s in specs], specs, layout.shard_rank,
-                          dtype=bucket.dtypes.master, device=params[specs[0].name].device)
+        flat = pack_local(
+            [params[s.name] for s in specs],
+            specs,
+            layout.shard_rank,
+            dtype=bucket.dtypes.master,
+            device=params[specs[0].name].device,
+        )
         out.update({s.name: local_view(flat, s, layout.shard_rank) for s in specs})
     return {n: out[n] for n in params}

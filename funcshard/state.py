@@ -127,12 +127,16 @@ class TrainState:
         loss_scale: LossScale | None,
         static: _Static,
     ) -> None:
-        for name, value in (("_master", tuple(master)), ("_compute", tuple(compute)),
-                            ("_opt_state", opt_state), ("_step", int(step)),
-                            ("_loss_scale", loss_scale), ("_static", static)):
+        for name, value in (
+            ("_master", tuple(master)),
+            ("_compute", tuple(compute)),
+            ("_opt_state", opt_state),
+            ("_step", int(step)),
+            ("_loss_scale", loss_scale),
+            ("_static", static),
+        ):
             object.__setattr__(self, name, value)
-        buffers = (*self._master, *self._compute,
-                   *optree.tree_leaves(opt_state, none_is_leaf=True))
+        buffers = (*self._master, *self._compute, *optree.tree_leaves(opt_state, none_is_leaf=True))
         object.__setattr__(self, "_live", _liveness(buffers))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -155,8 +159,13 @@ class TrainState:
 
     def _donate(self, by: str, **changes: Any) -> TrainState:
         """Consumes this state and returns one holding the same buffers (with ``changes``)."""
-        fields = dict(master=self._master, compute=self._compute, opt_state=self._opt_state,
-                      step=self._step, loss_scale=self._loss_scale)
+        fields = dict(
+            master=self._master,
+            compute=self._compute,
+            opt_state=self._opt_state,
+            step=self._step,
+            loss_scale=self._loss_scale,
+        )
         fields.update(changes)
         self._consume(by)
         return TrainState(**fields, static=self._static)
@@ -253,16 +262,23 @@ class TrainState:
         The two share the buffers they have in common: donating either (``train_step``, ...)
         refuses both.
         """
-        fields = dict(master=self.master, compute=self.compute, opt_state=self.opt_state,
-                      step=self.step, loss_scale=self.loss_scale)
+        fields = dict(
+            master=self.master,
+            compute=self.compute,
+            opt_state=self.opt_state,
+            step=self.step,
+            loss_scale=self.loss_scale,
+        )
         fields.update(changes)
         return TrainState(**fields, static=self._static)
 
     def __repr__(self) -> str:
         if self.consumed:
             return "TrainState(<consumed>)"
-        return (f"TrainState(step={self._step}, strategy={self.strategy!r}, "
-                f"params={len(self.layout.leaves)}, buckets={len(self.layout.buckets)})")
+        return (
+            f"TrainState(step={self._step}, strategy={self.strategy!r}, "
+            f"params={len(self.layout.leaves)}, buckets={len(self.layout.buckets)})"
+        )
 
 
 def _flatten(state: TrainState):
@@ -300,14 +316,20 @@ def derive_compute(
         dtype = bucket.dtypes.compute
         if m.is_meta:
             size = m.numel() * (1 if layout.strategy == "optim_grads_params" else layout.shard_size)
-            out.append(None if layout.strategy == "optim_grads_params" and not bucket.offload
-                       else torch.empty(size, dtype=dtype, device="meta"))
+            out.append(
+                None
+                if layout.strategy == "optim_grads_params" and not bucket.offload
+                else torch.empty(size, dtype=dtype, device="meta")
+            )
             continue
         given = local[i] if local is not None else None
         if given is not None:
             assert given.dtype == dtype and given.numel() == m.numel(), "a derived shard"
-        local_i = given if given is not None else m.to(device=layout.device, dtype=dtype,
-                                                        non_blocking=bucket.offload)
+        local_i = (
+            given
+            if given is not None
+            else m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
+        )
         if layout.strategy == "optim_grads_params":
             out.append(local_i if bucket.offload else None)
         else:
@@ -350,8 +372,10 @@ def init(
         or with a ``grad_comm_dtype`` other than ``main_grads_dtype``.
     """
     if not isinstance(opt, Optimizer):
-        raise TypeError(f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
-                        "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))")
+        raise TypeError(
+            f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
+            "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
+        )
     policy = policy or MixedPrecisionPolicy()
     named = dict(model.named_parameters())
     layout = build_layout(
@@ -369,8 +393,13 @@ def init(
     for bucket in layout.buckets:
         specs = layout.bucket_leaves(bucket)
         device = "cpu" if bucket.offload else layout.device
-        flat = shard_lib.pack_local([named[s.name] for s in specs], specs, layout.shard_rank,
-                                    dtype=bucket.dtypes.master, device=device)
+        flat = shard_lib.pack_local(
+            [named[s.name] for s in specs],
+            specs,
+            layout.shard_rank,
+            dtype=bucket.dtypes.master,
+            device=device,
+        )
         if bucket.offload and flat.device.type == "cpu" and layout.device.type == "cuda":
             flat = flat.pin_memory()
         master.append(flat)

@@ -53,19 +53,35 @@ def _loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
 
 def _compute_shards(layout: Layout, state: TrainState) -> list[torch.Tensor]:
     """ZeRO-3: the compute-dtype shards to gather, cast from the masters once per step."""
-    return [c if c is not None else m.to(layout.device, b.dtypes.compute)
-            for b, m, c in zip(layout.buckets, state.master, state.compute, strict=True)]
+    return [
+        c if c is not None else m.to(layout.device, b.dtypes.compute)
+        for b, m, c in zip(layout.buckets, state.master, state.compute, strict=True)
+    ]
 
 
-def _sharded_grads(layout: Layout, buffers: Any, batch: Any, loss_fn: LossFn, scale: float,
-                   acc: list[torch.Tensor | None] | None, *, local: bool = False,
-                   complete: determinism.PairwiseSum | None = None):
+def _sharded_grads(
+    layout: Layout,
+    buffers: Any,
+    batch: Any,
+    loss_fn: LossFn,
+    scale: float,
+    acc: list[torch.Tensor | None] | None,
+    *,
+    local: bool = False,
+    complete: determinism.PairwiseSum | None = None,
+):
     """ZeRO-2/3: adds this rank's gradient shards, reduced over "shard", into ``acc``; with
     ``local`` its unreduced rank sections instead (a deterministic step's microbatch); with
     ``complete`` (a deterministic step's last microbatch) the shards of the microbatches' tree
     completed bucket by bucket as backward goes."""
-    run = UnitRun(layout, buffers, replicated=layout.strategy == "optim_grads", acc=acc,
-                  local=local, complete=complete)
+    run = UnitRun(
+        layout,
+        buffers,
+        replicated=layout.strategy == "optim_grads",
+        acc=acc,
+        local=local,
+        complete=complete,
+    )
     try:
         loss, aux = _loss_and_aux(loss_fn(run.params, batch))
         return loss.detach(), aux, run.reducer.backward(loss * scale)
@@ -73,8 +89,14 @@ def _sharded_grads(layout: Layout, buffers: Any, batch: Any, loss_fn: LossFn, sc
         run.close()
 
 
-def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: Any,
-                      loss_fn: LossFn, scale: float, acc: list[torch.Tensor] | None):
+def _replicated_grads(
+    layout: Layout,
+    compute: tuple[torch.Tensor, ...],
+    batch: Any,
+    loss_fn: LossFn,
+    scale: float,
+    acc: list[torch.Tensor] | None,
+):
     """ZeRO-0/1: adds this rank's unreduced full gradients (rank sections) into ``acc``."""
     S = layout.shard_size
     params, order = {}, []
@@ -85,8 +107,13 @@ def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: 
     step_params = StepParams((n, params[n]) for n in layout.names)
     try:
         loss, aux = _loss_and_aux(loss_fn(step_params, batch))
-        grads = dict(zip(order, torch.autograd.grad(loss * scale, [params[n] for n in order],
-                                                    allow_unused=True), strict=True))
+        grads = dict(
+            zip(
+                order,
+                torch.autograd.grad(loss * scale, [params[n] for n in order], allow_unused=True),
+                strict=True,
+            )
+        )
     finally:
         step_params.close()
     out = []
@@ -94,8 +121,11 @@ def _replicated_grads(layout: Layout, compute: tuple[torch.Tensor, ...], batch: 
         specs = layout.bucket_leaves(bucket)
         bucket_grads = [grads[s.name] for s in specs]
         if acc is None:
-            out.append(shard_lib.to_rank_sections(bucket_grads, specs, S, bucket.dtypes.grad,
-                                                  layout.device))
+            out.append(
+                shard_lib.to_rank_sections(
+                    bucket_grads, specs, S, bucket.dtypes.grad, layout.device
+                )
+            )
         else:  # a later microbatch: straight into the accumulator, no sections built
             shard_lib.add_to_rank_sections(acc[i], bucket_grads, specs, S)
             out.append(acc[i])
@@ -109,7 +139,8 @@ def _mean_loss(layout: Layout, losses: list[torch.Tensor]) -> float:
         return determinism.mean_loss(layout, losses, world)
     total = torch.stack([loss.double() for loss in losses]).sum()
     return float(collectives.all_reduce(total, world, kind="metrics")) / (
-        len(losses) * layout.dp_size)
+        len(losses) * layout.dp_size
+    )
 
 
 def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
@@ -156,8 +187,10 @@ def train_step(
     layout = state.layout
     state._check()
     if not state.filled:
-        raise RuntimeError("train_step: the state holds no values (built from a meta-device "
-                           "model); fill it with fs.restore(..., model_only=True) first")
+        raise RuntimeError(
+            "train_step: the state holds no values (built from a meta-device "
+            "model); fill it with fs.restore(..., model_only=True) first"
+        )
     zero3 = layout.strategy == "optim_grads_params"
     det = layout.deterministic
     if det:
@@ -179,15 +212,15 @@ def train_step(
     parts = split_microbatches(batch, microbatches)
     for k, mb in enumerate(parts):
         if not units:
-            loss, aux, out = _replicated_grads(layout, params, mb, loss_fn, scale,
-                                               None if tree is not None else acc)
+            loss, aux, out = _replicated_grads(
+                layout, params, mb, loss_fn, scale, None if tree is not None else acc
+            )
         elif tree is None:
             loss, aux, out = _sharded_grads(layout, params, mb, loss_fn, scale, acc)
         elif k < len(parts) - 1:
             loss, aux, out = _sharded_grads(layout, params, mb, loss_fn, scale, None, local=True)
         else:
-            loss, aux, out = _sharded_grads(layout, params, mb, loss_fn, scale, None,
-                                            complete=tree)
+            loss, aux, out = _sharded_grads(layout, params, mb, loss_fn, scale, None, complete=tree)
             tree = None  # consumed: out holds the reduced shards
         if tree is not None:
             tree.add(out)
@@ -198,15 +231,26 @@ def train_step(
         acc = tree.result()
     # ZeRO-2/3 reduced over the shard axis as backward went; ZeRO-0/1 hold rank sections.
     reduced = units
-    acc = [g if g is not None else  # no gradient reached the bucket
-           torch.zeros(b.numel * (1 if reduced else layout.shard_size), dtype=b.dtypes.grad,
-                       device=layout.device)
-           for g, b in zip(acc, layout.buckets, strict=True)]
+    acc = [
+        g
+        if g is not None
+        # no gradient reached the bucket
+        else torch.zeros(
+            b.numel * (1 if reduced else layout.shard_size),
+            dtype=b.dtypes.grad,
+            device=layout.device,
+        )
+        for g, b in zip(acc, layout.buckets, strict=True)
+    ]
     if not reduced:
-        acc = [reduce_lib.reduce_shard_axis(layout, b, g)
-               for b, g in zip(layout.buckets, acc, strict=True)]
-    acc = [reduce_lib.reduce_replicate_axis(layout, b, g)
-           for b, g in zip(layout.buckets, acc, strict=True)]
+        acc = [
+            reduce_lib.reduce_shard_axis(layout, b, g)
+            for b, g in zip(layout.buckets, acc, strict=True)
+        ]
+    acc = [
+        reduce_lib.reduce_replicate_axis(layout, b, g)
+        for b, g in zip(layout.buckets, acc, strict=True)
+    ]
     if ls is not None:
         torch._foreach_mul_(acc, 1.0 / ls.scale)
 
@@ -225,8 +269,9 @@ def train_step(
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, acc)
         return state._donate("train_step", loss_scale=new_ls), metrics
-    new_state = offload_lib.step_donating(state, tuple(acc), threads=None, grad_norm=norm,
-                                          consumer="train_step")
+    new_state = offload_lib.step_donating(
+        state, tuple(acc), threads=None, grad_norm=norm, consumer="train_step"
+    )
     return new_state.replace(loss_scale=new_ls), metrics
 
 

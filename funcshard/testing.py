@@ -52,8 +52,7 @@ class RankPool:
         self._outboxes = [recv for recv, _ in pipes]
         port = free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, nproc, port, self._inboxes[r], send),
-                        daemon=True)
+            ctx.Process(target=_worker, args=(r, nproc, port, self._inboxes[r], send), daemon=True)
             for r, (_, send) in enumerate(pipes)
         ]
         for p in self._procs:

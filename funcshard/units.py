@@ -62,10 +62,19 @@ class UnitParamsError(RuntimeError):
 
 
 # Metadata reads a placeholder answers; any other use raises.
-_METADATA = frozenset({torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
-                       torch.Tensor.element_size, torch.Tensor.is_floating_point,
-                       torch.Tensor.is_complex, torch.Tensor.__repr__, torch.Tensor.__format__,
-                       torch.Tensor.__hash__})
+_METADATA = frozenset(
+    {
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.element_size,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.__repr__,
+        torch.Tensor.__format__,
+        torch.Tensor.__hash__,
+    }
+)
 
 
 class _Absent(torch.Tensor):
@@ -93,15 +102,19 @@ def _absent(layout: Layout, names: list[str]) -> dict[str, _Absent]:
     for name in names:
         spec = layout.leaf(name)
         if spec.unit == ROOT_UNIT:
-            why = (f"parameter {name!r} (root unit) was used after forward: under "
-                   f"{layout.strategy} the root's params are gathered for forward only, so "
-                   "code outside the units cannot be recomputed in backward (activation "
-                   "checkpointing); checkpoint units, or code inside them, instead")
+            why = (
+                f"parameter {name!r} (root unit) was used after forward: under "
+                f"{layout.strategy} the root's params are gathered for forward only, so "
+                "code outside the units cannot be recomputed in backward (activation "
+                "checkpointing); checkpoint units, or code inside them, instead"
+            )
         else:
-            why = (f"parameter {name!r} of unit {layout.units[spec.unit]!r} was used where "
-                   f"that unit was not running: under {layout.strategy} a unit's params exist "
-                   "only inside its forward (and its backward). Take a param outside of its "
-                   "unit through params[name] in loss_fn")
+            why = (
+                f"parameter {name!r} of unit {layout.units[spec.unit]!r} was used where "
+                f"that unit was not running: under {layout.strategy} a unit's params exist "
+                "only inside its forward (and its backward). Take a param outside of its "
+                "unit through params[name] in loss_fn"
+            )
         out[name] = _Absent(spec.shape, spec.dtypes.compute, why)
     return out
 
@@ -144,13 +157,19 @@ class Reducer:
     each bucket once after it.
     """
 
-    def __init__(self, layout: Layout, acc: list[torch.Tensor | None] | None = None,
-                 *, local: bool = False, complete: determinism.PairwiseSum | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        acc: list[torch.Tensor | None] | None = None,
+        *,
+        local: bool = False,
+        complete: determinism.PairwiseSum | None = None,
+    ) -> None:
         self.layout = layout
         self.local = local  # keep the unreduced rank sections (a deterministic step's subtrees)
-        self.acc: list[torch.Tensor | None] = acc if acc is not None else [None] * len(
-            layout.buckets)
+        self.acc: list[torch.Tensor | None] = (
+            acc if acc is not None else [None] * len(layout.buckets)
+        )
         # A deterministic step's last microbatch: once a bucket's every use has given its
         # sections, the earlier microbatches' tree is completed with them and the bucket's
         # reduce-scatter starts, overlapping the rest of backward.
@@ -158,8 +177,10 @@ class Reducer:
         self._sections: dict[int, torch.Tensor] = {}
         self._arrived: collections.Counter[int] = collections.Counter()
         self._completed: set[int] = set()
-        zero = {b.dtypes.grad: torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
-                for b in layout.buckets}
+        zero = {
+            b.dtypes.grad: torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
+            for b in layout.buckets
+        }
         self._zeros = [zero[b.dtypes.grad].expand(b.numel) for b in layout.buckets]
         self.carriers = tuple(z.detach().requires_grad_() for z in self._zeros)
         self._in_flight: list[tuple[int, collectives.Pending]] = []
@@ -176,7 +197,8 @@ class Reducer:
             mine = self._sections.get(bucket)
             if mine is None:
                 self._sections[bucket] = shard_lib.to_rank_sections(
-                    list(grads), specs, S, b.dtypes.grad, self.layout.device)
+                    list(grads), specs, S, b.dtypes.grad, self.layout.device
+                )
             else:  # another use of the bucket, summed in arrival order as autograd would
                 shard_lib.add_to_rank_sections(mine, list(grads), specs, S)
             self._arrived[bucket] += 1
@@ -192,11 +214,14 @@ class Reducer:
             shard_lib.add_to_rank_sections(self.acc[bucket], list(grads), specs, S)
             return self._zeros[bucket]
         if self.local:
-            self.acc[bucket] = shard_lib.to_rank_sections(list(grads), specs, S, b.dtypes.grad,
-                                                          self.layout.device)
+            self.acc[bucket] = shard_lib.to_rank_sections(
+                list(grads), specs, S, b.dtypes.grad, self.layout.device
+            )
             return self._zeros[bucket]
-        self._start(bucket, shard_lib.to_rank_sections(list(grads), specs, S, b.dtypes.comm,
-                                                       self.layout.device))
+        self._start(
+            bucket,
+            shard_lib.to_rank_sections(list(grads), specs, S, b.dtypes.comm, self.layout.device),
+        )
         return self._zeros[bucket]
 
     def _complete(self, bucket: int) -> None:
@@ -211,8 +236,14 @@ class Reducer:
     def _start(self, bucket: int, sections: torch.Tensor) -> None:
         """Waits for the reduction in flight, then starts reducing ``sections``."""
         self.finish()
-        self._in_flight.append((bucket, reduce_lib.start_reduce_shard_axis(
-            self.layout, self.layout.buckets[bucket], sections)))
+        self._in_flight.append(
+            (
+                bucket,
+                reduce_lib.start_reduce_shard_axis(
+                    self.layout, self.layout.buckets[bucket], sections
+                ),
+            )
+        )
 
     def finish(self) -> None:
         """Waits for the reductions started so far and adds them to the accumulator."""
@@ -226,8 +257,12 @@ class Reducer:
 
     def backward(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
         """Backpropagates ``loss``; returns the accumulator (None: no gradient reached yet)."""
-        deferred = (self.layout.deterministic and not self.local and self.complete is None
-                    and any(n > 1 for n in self.entries.values()))
+        deferred = (
+            self.layout.deterministic
+            and not self.local
+            and self.complete is None
+            and any(n > 1 for n in self.entries.values())
+        )
         if deferred:
             reduced, self.acc, self.local = self.acc, [None] * len(self.acc), True
         try:
@@ -250,8 +285,12 @@ class Gatherer:
     """Full buffers of buckets: all-gathered under ZeRO-3, at most one gather in flight per
     bucket (a prefetch); the replicated full buffer itself under ZeRO-2."""
 
-    def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
-                 replicated: bool) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        replicated: bool,
+    ) -> None:
         self.layout = layout
         self.buffers = buffers
         self.replicated = replicated
@@ -263,8 +302,9 @@ class Gatherer:
             return
         for b in buckets:
             if b not in self._pending:
-                self._pending[b] = collectives.all_gather(self.buffers[b],
-                                                          self.layout.shard_group, async_op=True)
+                self._pending[b] = collectives.all_gather(
+                    self.buffers[b], self.layout.shard_group, async_op=True
+                )
 
     def full(self, bucket: int) -> torch.Tensor:
         """The bucket's full buffer, from a prefetch if one is in flight."""
@@ -272,8 +312,9 @@ class Gatherer:
             return self.buffers[bucket].detach()  # outputs alias it, not autograd views of it
         self.prefetch([bucket])
         specs = self.layout.bucket_leaves(self.layout.buckets[bucket])
-        full = shard_lib.from_rank_sections(self._pending.pop(bucket).wait(), specs,
-                                            self.layout.shard_size)
+        full = shard_lib.from_rank_sections(
+            self._pending.pop(bucket).wait(), specs, self.layout.shard_size
+        )
         if self.layout.shard_size > 1:  # with one shard the "full" buffer is the shard itself
             collectives.track_gathered(full)
         return full
@@ -415,13 +456,15 @@ class Unit:
         tensors = _grad_tensors(output)
         if tensors:
             handle = torch.autograd.graph.register_multi_grad_hook(
-                tensors, self._pre_backward_hook(module), mode="any")
+                tensors, self._pre_backward_hook(module), mode="any"
+            )
             self.run.stack.callback(handle.remove)
 
     # --- backward ----------------------------------------------------------------------
     def _pre_backward_hook(self, module: nn.Module):
         def hook(grad: torch.Tensor | None) -> None:  # noqa: ARG001
             self.enter_backward(module)
+
         return hook
 
     def enter_backward(self, module: nn.Module) -> None:
@@ -441,8 +484,13 @@ class Unit:
         """The re-gathered bucket for a saved token (re-gathering the unit if not held)."""
         full = self.held.get(bucket)
         if full is None:
-            self._gather([b for b in self.buckets
-                          if b not in self.held and self.run.saved.refs.get(b, 0) > 0])
+            self._gather(
+                [
+                    b
+                    for b in self.buckets
+                    if b not in self.held and self.run.saved.refs.get(b, 0) > 0
+                ]
+            )
             self.run.prefetch_backward(self.index)
             full = self.held[bucket]
         return full
@@ -534,9 +582,16 @@ class UnitRun:
     gets.
     """
 
-    def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
-                 *, replicated: bool = False, acc: list[torch.Tensor | None] | None = None,
-                 local: bool = False, complete: determinism.PairwiseSum | None = None) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        *,
+        replicated: bool = False,
+        acc: list[torch.Tensor | None] | None = None,
+        local: bool = False,
+        complete: determinism.PairwiseSum | None = None,
+    ) -> None:
         self.layout = layout
         self.replicated = replicated
         self.gatherer = Gatherer(layout, buffers, replicated)
@@ -545,8 +600,9 @@ class UnitRun:
         self.buckets_of: dict[int, list[int]] = {}
         for b in layout.buckets:
             self.buckets_of.setdefault(b.unit, []).append(b.index)
-        self.units = [_RootUnit(self, ROOT_UNIT)] + [Unit(self, i)
-                                                     for i in range(1, len(layout.units))]
+        self.units = [_RootUnit(self, ROOT_UNIT)] + [
+            Unit(self, i) for i in range(1, len(layout.units))
+        ]
         self.order: list[int] = []  # units in the order forward ran them
         self.stack = contextlib.ExitStack()  # what stays until backward is over
         self.closed = False
@@ -607,8 +663,11 @@ class UnitRun:
         if previous == unit:
             return
         held = self.units[previous].held
-        wanted = [b for b in self.buckets_of.get(previous, []) if b not in held and (
-            previous != ROOT_UNIT or self.saved.refs.get(b, 0) > 0)]
+        wanted = [
+            b
+            for b in self.buckets_of.get(previous, [])
+            if b not in held and (previous != ROOT_UNIT or self.saved.refs.get(b, 0) > 0)
+        ]
         self.gatherer.prefetch(wanted)
 
     def close(self) -> None:

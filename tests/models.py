@@ -44,8 +44,10 @@ def make_model(seed: int = 0, **kw) -> MLP:
 
 def global_batch(step: int, rows: int, d_in: int = 5, n_out: int = 11) -> dict:
     g = torch.Generator().manual_seed(1000 + step)
-    return {"x": torch.randn(rows, d_in, generator=g),
-            "y": torch.randint(0, n_out, (rows,), generator=g)}
+    return {
+        "x": torch.randn(rows, d_in, generator=g),
+        "y": torch.randint(0, n_out, (rows,), generator=g),
+    }
 
 
 def local_batch(batch: dict, rank: int, world: int) -> dict:
@@ -56,6 +58,7 @@ def make_loss_fn(model: nn.Module):
     def loss_fn(params, batch):
         logits = fs.functional_call(model, params, (batch["x"],))
         return nn.functional.cross_entropy(logits, batch["y"])
+
     return loss_fn
 
 
@@ -71,8 +74,10 @@ def reference_run(model: nn.Module, torch_opt_fn, steps: int, rows: int) -> dict
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "losses": losses}
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "losses": losses,
+    }
 
 
 def max_rel_err(a: dict, b: dict) -> float:

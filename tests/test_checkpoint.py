@@ -67,12 +67,16 @@ def save_worker(directory: str, strategy: str, replicate: int, steps: int, **kw)
     state = _train(state, model, range(steps))
     with ckpt_lib.io_stats() as io:
         fs.save(directory, state)
-    return {"written": io.bytes_written, "full": _cpu(fs.full_params(state)),
-            "mu": _cpu(state.opt_state_by_name().mu)}
+    return {
+        "written": io.bytes_written,
+        "full": _cpu(fs.full_params(state)),
+        "mu": _cpu(state.opt_state_by_name().mu),
+    }
 
 
-def restore_worker(directory: str, strategy: str, replicate: int, offload: float, start: int,
-                   stop: int, **kw) -> dict:
+def restore_worker(
+    directory: str, strategy: str, replicate: int, offload: float, start: int, stop: int, **kw
+) -> dict:
     mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
     model = models.make_model(seed=1, **kw)  # other weights: none of them may survive
     like = fs.init(model, _adamw(), mesh=mesh, strategy=strategy, offload_fraction=offload)
@@ -82,8 +86,13 @@ def restore_worker(directory: str, strategy: str, replicate: int, offload: float
     consumed = like.consumed
     restored_step = state.step
     state = _train(state, model, range(start, stop))
-    return {"full": _cpu(fs.full_params(state)), "step": restored_step, "read": io.bytes_read,
-            "consumed": consumed, "offloaded": any(b.offload for b in state.layout.buckets)}
+    return {
+        "full": _cpu(fs.full_params(state)),
+        "step": restored_step,
+        "read": io.bytes_read,
+        "consumed": consumed,
+        "offloaded": any(b.offload for b in state.layout.buckets),
+    }
 
 
 # --- resharding: save, restore elsewhere, train on ----------------------------------------------
@@ -115,14 +124,16 @@ def reference():
 def test_restore_on_another_layout_continues_training(request, tmp_path, reference, case):
     world_a, strat_a, rep_a, world_b, strat_b, rep_b, offload = CASES[case]
     directory = str(tmp_path / "ckpt")
-    saved = request.getfixturevalue(f"pool{world_a}").run(save_worker, directory, strat_a, rep_a,
-                                                           SAVE_STEPS)
+    saved = request.getfixturevalue(f"pool{world_a}").run(
+        save_worker, directory, strat_a, rep_a, SAVE_STEPS
+    )
     if rep_a > 1:  # HSDP: the second replica holds the same shards and writes nothing
         assert [s["written"] > 0 for s in saved] == [True, True, False, False]
     if strat_a == "no_shard":  # every rank holds everything: they split the writing
         assert all(s["written"] > 0 for s in saved)
     results = request.getfixturevalue(f"pool{world_b}").run(
-        restore_worker, directory, strat_b, rep_b, offload, SAVE_STEPS, TOTAL_STEPS)
+        restore_worker, directory, strat_b, rep_b, offload, SAVE_STEPS, TOTAL_STEPS
+    )
     for r in results:
         assert r["step"] == SAVE_STEPS and r["consumed"]
         assert r["offloaded"] == (offload > 0)
@@ -160,8 +171,9 @@ JAX_RESTORE = textwrap.dedent("""
 
 def _run_python(code: str, *args: str) -> None:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -226,10 +238,15 @@ def model_only_worker(directory: str, strategy: str, offload: float) -> dict:
     like = fs.init(model, _adamw(), mesh=mesh, strategy=strategy, offload_fraction=offload)
     _poison(like)
     state = fs.restore(directory, like=like, model_only=True)
-    opt_zero = all(bool((t == 0).all()) for t in fs.tree.leaves(state.opt_state)
-                   if isinstance(t, torch.Tensor))
-    out = {"full": _cpu(fs.full_params(state)), "step": state.step,
-           "count": state.opt_state.count, "opt_zero": opt_zero}
+    opt_zero = all(
+        bool((t == 0).all()) for t in fs.tree.leaves(state.opt_state) if isinstance(t, torch.Tensor)
+    )
+    out = {
+        "full": _cpu(fs.full_params(state)),
+        "step": state.step,
+        "count": state.opt_state.count,
+        "opt_zero": opt_zero,
+    }
     state = _train(state, model, range(1))
     return out
 
@@ -246,8 +263,9 @@ def test_model_only_restore_of_checkpoints_orbax_wrote(pool2, tmp_path):
                 want = torch.tensor(a)
                 if kind.startswith("bf16"):
                     want = want.bfloat16().float()
-                torch.testing.assert_close(r["full"][name], want, rtol=0, atol=0,
-                                           msg=f"{kind}: {name}")
+                torch.testing.assert_close(
+                    r["full"][name], want, rtol=0, atol=0, msg=f"{kind}: {name}"
+                )
 
 
 JAX_MANAGER_SAVE = textwrap.dedent("""
@@ -297,15 +315,20 @@ def test_orbax_manager_steps_composites_and_nested_trees(pool2, tmp_path):
     for r in pool2.run(orbax_step_worker, str(tmp_path)):
         for kind in ("single", "composite"):
             for name, a in weights.items():
-                torch.testing.assert_close(r[kind][name], torch.tensor(a), rtol=0, atol=0,
-                                           msg=f"{kind}: {name}")
+                torch.testing.assert_close(
+                    r[kind][name], torch.tensor(a), rtol=0, atol=0, msg=f"{kind}: {name}"
+                )
         msg = r["error"]
         assert msg is not None
         # one line per mismatch, with what the checkpoint holds closest to the expected name
-        assert ("params.head.weight: missing from the checkpoint (expected shape (11, 37)); "
-                "closest there: params.head.kernel (11, 37)") in msg, msg
-        assert ("params.head.kernel: in the checkpoint but not in the target state (shape "
-                "(11, 37)); closest expected: params.head.weight (11, 37)") in msg, msg
+        assert (
+            "params.head.weight: missing from the checkpoint (expected shape (11, 37)); "
+            "closest there: params.head.kernel (11, 37)"
+        ) in msg, msg
+        assert (
+            "params.head.kernel: in the checkpoint but not in the target state (shape "
+            "(11, 37)); closest expected: params.head.weight (11, 37)"
+        ) in msg, msg
         assert "the checkpoint's params (17): " in msg, msg
 
 
@@ -345,8 +368,9 @@ def test_jax_checkpoint_manager_restores_our_manager_root(pool2, tmp_path):
 def _without_first_bucket(state: fs.TrainState) -> fs.TrainState:
     """mu's first bucket as an inner optimizer of multi_transform that does not own it: None."""
     opt = state.opt_state
-    return state.replace(opt_state=opt._replace(mu=type(opt.mu)((None, *opt.mu[1:]),
-                                                                opt.mu.members)))
+    return state.replace(
+        opt_state=opt._replace(mu=type(opt.mu)((None, *opt.mu[1:]), opt.mu.members))
+    )
 
 
 def none_bucket_worker(directory: str) -> dict:
@@ -359,11 +383,15 @@ def none_bucket_worker(directory: str) -> dict:
     restored = fs.restore(directory, like=_without_first_bucket(like))
     layout = state.layout
     first = [layout.leaves[i].name for i in layout.buckets[0].leaves]
-    return {"first": first, "rest": [n for n in layout.names if n not in first],
-            "none_kept": restored.opt_state.mu[0] is None,
-            "mu_equal": all(torch.equal(a, b) for a, b in zip(restored.opt_state.mu[1:],
-                                                              state.opt_state.mu[1:],
-                                                              strict=True))}
+    return {
+        "first": first,
+        "rest": [n for n in layout.names if n not in first],
+        "none_kept": restored.opt_state.mu[0] is None,
+        "mu_equal": all(
+            torch.equal(a, b)
+            for a, b in zip(restored.opt_state.mu[1:], state.opt_state.mu[1:], strict=True)
+        ),
+    }
 
 
 def test_per_bucket_entries_may_be_none(pool2, tmp_path):
@@ -397,10 +425,13 @@ def test_mismatches_are_listed_in_one_error(pool2, tmp_path):
     for r in pool2.run(mismatch_worker, directory):
         msg = r["message"]
         assert msg is not None and r["like_usable"]
-        for needle in ("optimizer: the checkpoint holds AdamWState", "params.extra: missing",
-                       "params.head.weight: shape (11, 37) in the checkpoint, expected (12, 37)",
-                       "params.blocks.2.fc.weight: in the checkpoint but not in the target",
-                       "opt_state.mu.inp.weight: optimizer state the target optimizer lacks"):
+        for needle in (
+            "optimizer: the checkpoint holds AdamWState",
+            "params.extra: missing",
+            "params.head.weight: shape (11, 37) in the checkpoint, expected (12, 37)",
+            "params.blocks.2.fc.weight: in the checkpoint but not in the target",
+            "opt_state.mu.inp.weight: optimizer state the target optimizer lacks",
+        ):
             assert needle in msg, f"{needle!r} not in:\n{msg}"
 
 
@@ -408,11 +439,12 @@ def meta_worker(directory: str) -> dict:
     mesh = fs.make_mesh(device_type="cpu")
     with torch.device("meta"):
         model = models.make_model(seed=0)
-    state = fs.init(model, _adamw(), mesh=mesh, strategy="optim_grads_params",
-                    offload_fraction=0.5)
+    state = fs.init(model, _adamw(), mesh=mesh, strategy="optim_grads_params", offload_fraction=0.5)
     errors = []
-    for fn in (lambda: fs.save(directory + "-unfilled", state),
-               lambda: _train(state, model, range(1))):
+    for fn in (
+        lambda: fs.save(directory + "-unfilled", state),
+        lambda: _train(state, model, range(1)),
+    ):
         try:
             fn()
         except RuntimeError as e:
@@ -421,8 +453,12 @@ def meta_worker(directory: str) -> dict:
     filled = state.filled
     full = _cpu(fs.full_params(state))
     state = _train(state, model, range(2))
-    return {"errors": errors, "filled": filled, "full": full,
-            "trained": _cpu(fs.full_params(state))}
+    return {
+        "errors": errors,
+        "filled": filled,
+        "full": full,
+        "trained": _cpu(fs.full_params(state)),
+    }
 
 
 def test_meta_device_model_is_filled_by_restore(pool2, tmp_path):
@@ -440,14 +476,19 @@ def test_meta_device_model_is_filled_by_restore(pool2, tmp_path):
 def test_rebuild_from_params_in_memory(pool2):
     results = pool2.run(rebuild_worker)
     for r in results:
-        assert models.max_rel_err(r, {n: p.detach() for n, p in
-                                      models.make_model(seed=0).named_parameters()}) == 0
+        assert (
+            models.max_rel_err(
+                r, {n: p.detach() for n, p in models.make_model(seed=0).named_parameters()}
+            )
+            == 0
+        )
 
 
 def rebuild_worker() -> dict:
     mesh = fs.make_mesh(device_type="cpu")
-    like = fs.init(models.make_model(seed=1), _adamw(), mesh=mesh, strategy="optim",
-                   offload_fraction=0.5)
+    like = fs.init(
+        models.make_model(seed=1), _adamw(), mesh=mesh, strategy="optim", offload_fraction=0.5
+    )
     params = dict(models.make_model(seed=0).named_parameters())
     return _cpu(fs.full_params(ckpt_lib.rebuild_from_params(like, params)))
 
@@ -482,12 +523,14 @@ def manager_worker(root: str) -> dict:
         os.makedirs(os.path.join(root, "6"))
     dist.barrier()
     steps, latest = mgr.all_steps(), mgr.latest_step()
-    like = fs.init(models.make_model(seed=1), _adamw(), mesh=mesh, strategy="optim",
-                   offload_fraction=0.5)
+    like = fs.init(
+        models.make_model(seed=1), _adamw(), mesh=mesh, strategy="optim", offload_fraction=0.5
+    )
     restored = mgr.restore(like=like)
     err = models.max_rel_err(fs.full_params(restored), at[4])
     err3 = models.max_rel_err(
-        fs.full_params(mgr.restore(3, like=fs.init(model, _adamw(), mesh=mesh))), at[3])
+        fs.full_params(mgr.restore(3, like=fs.init(model, _adamw(), mesh=mesh))), at[3]
+    )
 
     # a failure in the background is raised by the next wait, on every rank
     def broken(*args, **kwargs):
@@ -505,8 +548,14 @@ def manager_worker(root: str) -> dict:
     finally:
         mgr.saver.write_arrays = real
     mgr.close()
-    return {"steps": steps, "latest": latest, "err": err, "err3": err3, "failure": failure,
-            "after": mgr.all_steps()}
+    return {
+        "steps": steps,
+        "latest": latest,
+        "err": err,
+        "err3": err3,
+        "failure": failure,
+        "after": mgr.all_steps(),
+    }
 
 
 def test_manager_retention_async_and_failures(pool2, tmp_path):

@@ -143,8 +143,11 @@ def reduce_in_backward_worker(strategy: str) -> dict:
 
     with fs.comm_stats() as stats:
         state, _ = fs.train_step(state, torch.randn(4, 3), loss_fn)
-    return {"before_first_block": seen, "total": stats.calls["reduce_scatter"],
-            "units": len(state.layout.units)}
+    return {
+        "before_first_block": seen,
+        "total": stats.calls["reduce_scatter"],
+        "units": len(state.layout.units),
+    }
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
@@ -160,32 +163,49 @@ def test_gradients_leave_for_the_wire_during_backward(pool2, strategy: str) -> N
 def muon_comm_worker(strategy: str, fraction: float, replicate: int = 1) -> dict:
     mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
     model = models.make_model(seed=3, d_in=test_muon.D_IN)
-    state = fs.init(model, test_muon.ours(), mesh=mesh, strategy=strategy,
-                    offload_fraction=fraction)
+    state = fs.init(
+        model, test_muon.ours(), mesh=mesh, strategy=strategy, offload_fraction=fraction
+    )
     loss_fn = models.make_loss_fn(model)
     world = dist.get_world_size()
     rows = test_muon.LOCAL_ROWS * world
-    batch = models.local_batch(models.global_batch(0, rows, d_in=test_muon.D_IN),
-                               dist.get_rank(), world)
+    batch = models.local_batch(
+        models.global_batch(0, rows, d_in=test_muon.D_IN), dist.get_rank(), world
+    )
     with fs.comm_stats() as stats:
         state, _ = fs.train_step(state, batch, loss_fn)
     return {"bytes": stats.bytes["muon"], "calls": stats.calls["muon"]}
 
 
-@pytest.mark.parametrize("world,strategy,fraction,replicate", [
-    (2, "optim_grads_params", 0.0, 1), (3, "optim", 0.5, 1), (2, "no_shard", 0.0, 1),
-    (4, "optim_grads_params", 0.0, 2)])
-def test_muon_exchange_bytes_equal_the_plan(request, world: int, strategy: str,
-                                            fraction: float, replicate: int) -> None:
+@pytest.mark.parametrize(
+    "world,strategy,fraction,replicate",
+    [
+        (2, "optim_grads_params", 0.0, 1),
+        (3, "optim", 0.5, 1),
+        (2, "no_shard", 0.0, 1),
+        (4, "optim_grads_params", 0.0, 2),
+    ],
+)
+def test_muon_exchange_bytes_equal_the_plan(
+    request, world: int, strategy: str, fraction: float, replicate: int
+) -> None:
     """The exchange counted under "muon" equals fs.plan's prediction (the busiest rank's bytes
     and calls), and only rows move: on one replica every Muon element leaves its rank once to
     the owner and once back, in bf16 (summed over ranks: 2 * 2 bytes * the Muon numel). The
     replicas (every rank under no_shard) share the matrices out and all-gather the results."""
-    results = request.getfixturevalue(f"pool{world}").run(muon_comm_worker, strategy, fraction,
-                                                          replicate)
+    results = request.getfixturevalue(f"pool{world}").run(
+        muon_comm_worker, strategy, fraction, replicate
+    )
     model = models.make_model(seed=3, d_in=test_muon.D_IN)
-    p = fs.plan(model, world_size=world, replicate=replicate, strategy=strategy,
-                offload_fraction=fraction, optimizer=test_muon.ours(), device_type="cpu")
+    p = fs.plan(
+        model,
+        world_size=world,
+        replicate=replicate,
+        strategy=strategy,
+        offload_fraction=fraction,
+        optimizer=test_muon.ours(),
+        device_type="cpu",
+    )
     assert max(r["bytes"] for r in results) == p.comm["muon"]
     assert max(r["calls"] for r in results) == p.calls["muon"]
     if strategy == "no_shard":  # one all-gather per step, nothing else
@@ -194,7 +214,10 @@ def test_muon_exchange_bytes_equal_the_plan(request, world: int, strategy: str,
     if replicate > 1:
         return
     # only rows move: each rank sends its rows once and the owners' results once, in bf16
-    rows_numel = sum(math.prod(p_.shape) for n, p_ in model.named_parameters()
-                     if test_muon.is_muon(n, tuple(p_.shape)))
+    rows_numel = sum(
+        math.prod(p_.shape)
+        for n, p_ in model.named_parameters()
+        if test_muon.is_muon(n, tuple(p_.shape))
+    )
     assert sum(r["bytes"] for r in results) == 2 * 2 * rows_numel
     assert p.memory.muon_owner > 0

@@ -29,15 +29,25 @@ CLIP = 0.3  # below the gradient norm on most steps: the clip is active
 def recipe() -> fs.optim.Optimizer:
     return fs.optim.chain(
         fs.optim.clip_by_global_norm(CLIP),
-        fs.optim.adamw(fs.optim.warmup_cosine(2e-2, warmup=2, total=STEPS, final=2e-3),
-                       weight_decay=0.1, mask=fs.optim.decay_mask))
+        fs.optim.adamw(
+            fs.optim.warmup_cosine(2e-2, warmup=2, total=STEPS, final=2e-3),
+            weight_decay=0.1,
+            mask=fs.optim.decay_mask,
+        ),
+    )
 
 
 def muon_recipe() -> fs.optim.Optimizer:
     """Muon on the blocks' matrices (whole-matrix owners), AdamW on the rest."""
-    return fs.optim.chain(fs.optim.clip_by_global_norm(CLIP), fs.optim.multi_transform(
-        {"muon": fs.optim.muon(0.02), "adamw": fs.optim.adamw(3e-3, weight_decay=0.1)},
-        lambda name, shape: "muon" if len(shape) == 2 and name.startswith("blocks") else "adamw"))
+    return fs.optim.chain(
+        fs.optim.clip_by_global_norm(CLIP),
+        fs.optim.multi_transform(
+            {"muon": fs.optim.muon(0.02), "adamw": fs.optim.adamw(3e-3, weight_decay=0.1)},
+            lambda name, shape: (
+                "muon" if len(shape) == 2 and name.startswith("blocks") else "adamw"
+            ),
+        ),
+    )
 
 
 RECIPES = {"adamw": recipe, "muon": muon_recipe}
@@ -79,6 +89,7 @@ def _penalized(model, twice: bool = False):
         if twice:
             loss = loss + 0.5 * base(params, {k: v.flip(0) for k, v in batch.items()})
         return loss + 1e-2 * params["blocks.1.fc.weight"].square().sum()
+
     return loss_fn
 
 
@@ -94,17 +105,36 @@ def _run(state, steps, microbatches: int, penalty: bool = False, twice: bool = F
     return state, metrics
 
 
-def _init(strategy: str, shard: int = -1, replicate: int = 1, fraction: float = 0.0,
-          deterministic: bool = True, seed: int = 3, optimizer: str = "adamw"):
+def _init(
+    strategy: str,
+    shard: int = -1,
+    replicate: int = 1,
+    fraction: float = 0.0,
+    deterministic: bool = True,
+    seed: int = 3,
+    optimizer: str = "adamw",
+):
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
-    return fs.init(models.make_model(seed=seed), RECIPES[optimizer](), mesh=mesh,
-                   strategy=strategy,
-                   offload_fraction=fraction, deterministic=deterministic)
+    return fs.init(
+        models.make_model(seed=seed),
+        RECIPES[optimizer](),
+        mesh=mesh,
+        strategy=strategy,
+        offload_fraction=fraction,
+        deterministic=deterministic,
+    )
 
 
-def train_worker(strategy: str, shard: int = -1, replicate: int = 1, fraction: float = 0.0,
-                 deterministic: bool = True, penalty: bool = False,
-                 optimizer: str = "adamw", twice: bool = False) -> dict:
+def train_worker(
+    strategy: str,
+    shard: int = -1,
+    replicate: int = 1,
+    fraction: float = 0.0,
+    deterministic: bool = True,
+    penalty: bool = False,
+    optimizer: str = "adamw",
+    twice: bool = False,
+) -> dict:
     torch.set_num_threads(1)
     state = _init(strategy, shard, replicate, fraction, deterministic, optimizer=optimizer)
     state, metrics = _run(state, range(STEPS), CHUNKS // dist.get_world_size(), penalty, twice)
@@ -181,8 +211,9 @@ def test_a_bucket_used_three_times(pool1, pool2, pool4, strategy: str) -> None:
     microbatch, and 2 x 2)."""
     want = pool1.run(train_worker, "no_shard", -1, 1, 0.0, True, True, twice=True)[0]
     for pool in (pool4, pool2):
-        for rank, result in enumerate(pool.run(train_worker, strategy, -1, 1, 0.0, True, True,
-                                               twice=True)):
+        for rank, result in enumerate(
+            pool.run(train_worker, strategy, -1, 1, 0.0, True, True, twice=True)
+        ):
             _assert_bitwise(result, want, f"{strategy} used three times, rank {rank}")
 
 
@@ -191,8 +222,9 @@ def test_muon_too(pool1, pool2, pool4, strategy: str) -> None:
     """Muon's owners orthogonalize the same bits whatever the layout (half offloaded too)."""
     want = pool1.run(train_worker, "no_shard", optimizer="muon")[0]
     for pool, fraction in ((pool4, 0.0), (pool2, 0.5)):
-        for rank, result in enumerate(pool.run(train_worker, strategy, fraction=fraction,
-                                               optimizer="muon")):
+        for rank, result in enumerate(
+            pool.run(train_worker, strategy, fraction=fraction, optimizer="muon")
+        ):
             _assert_bitwise(result, want, f"muon {strategy} offload {fraction} rank {rank}")
 
 
@@ -211,8 +243,7 @@ def resume_worker(directory: str, strategy: str) -> dict:
     return {**snapshot(state), "metrics": metrics}
 
 
-def test_resume_on_another_layout_equals_the_straight_run(pool2, pool4, golden,
-                                                          tmp_path) -> None:
+def test_resume_on_another_layout_equals_the_straight_run(pool2, pool4, golden, tmp_path) -> None:
     directory = str(tmp_path / "ckpt")
     pool2.run(save_worker, directory)
     want = {**golden, "metrics": golden["metrics"][2:]}
@@ -229,7 +260,8 @@ class _Thin(torch.nn.Module):
         self.inp = torch.nn.Linear(5, 1)
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.LayerNorm(1), torch.nn.Linear(1, 1), torch.nn.Tanh())
-            for _ in range(3))
+            for _ in range(3)
+        )
         self.head = torch.nn.Linear(1, 11)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,8 +275,9 @@ def thin_worker(strategy: str) -> dict:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _Thin()
-    state = fs.init(model, recipe(), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy,
-                    deterministic=True)
+    state = fs.init(
+        model, recipe(), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy, deterministic=True
+    )
     loss_fn, metrics = models.make_loss_fn(model), []
     for step in range(2):
         batch = models.local_batch(models.global_batch(step, 48), rank, world)
@@ -283,8 +316,10 @@ def test_a_tree_completed_entry_by_entry_is_the_whole_tree(count: int) -> None:
     goes: ``total(i, last)`` equals ``add(last)`` then ``result()[i]`` bitwise, for every
     entry (one with no value in the last microbatch, one with none before)."""
     g = torch.Generator().manual_seed(count)
-    values = [[torch.randn(257, generator=g) * torch.logspace(-7, 7, 257) for _ in range(3)]
-              for _ in range(count)]
+    values = [
+        [torch.randn(257, generator=g) * torch.logspace(-7, 7, 257) for _ in range(3)]
+        for _ in range(count)
+    ]
     for step in values[:-1]:
         step[2] = None
     values[-1][1] = None
@@ -306,12 +341,11 @@ def test_a_tree_completed_entry_by_entry_is_the_whole_tree(count: int) -> None:
 
 def test_halving_sum_depends_on_values_only() -> None:
     torch.manual_seed(0)
-    x = torch.randn(37, 301, dtype=torch.float64) * torch.logspace(-8, 8, 301,
-                                                                   dtype=torch.float64)
+    x = torch.randn(37, 301, dtype=torch.float64) * torch.logspace(-8, 8, 301, dtype=torch.float64)
     whole = determinism.halving_sum(x)
     for rows in ((0, 19), (19, 37), (5, 6)):
-        part = determinism.halving_sum(x[rows[0]:rows[1]].clone())
-        assert torch.equal(part, whole[rows[0]:rows[1]])
+        part = determinism.halving_sum(x[rows[0] : rows[1]].clone())
+        assert torch.equal(part, whole[rows[0] : rows[1]])
     with torch.no_grad():
         torch.set_num_threads(2)
         assert torch.equal(determinism.halving_sum(x), whole)
@@ -325,8 +359,11 @@ def reduce_worker(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     with fs.comm_stats() as stats:
         shard = determinism.start_reduce_scatter(full.clone(), dist.group.WORLD).wait()
         every = determinism.all_reduce(full[: 3 * n + 1].clone(), dist.group.WORLD)
-    return [full], [shard, every, torch.tensor([stats.bytes["reduce_scatter"],
-                                                stats.bytes["all_reduce"]])]
+    return [full], [
+        shard,
+        every,
+        torch.tensor([stats.bytes["reduce_scatter"], stats.bytes["all_reduce"]]),
+    ]
 
 
 def test_tree_collectives_sum_in_rank_order(pool4) -> None:
@@ -335,7 +372,7 @@ def test_tree_collectives_sum_in_rank_order(pool4) -> None:
     values = [inputs[0] for inputs, _ in results]
     tree = determinism.pairwise_sum(values)
     for rank, (_, (shard, every, nbytes)) in enumerate(results):
-        assert torch.equal(shard, tree[rank * n:(rank + 1) * n])
+        assert torch.equal(shard, tree[rank * n : (rank + 1) * n])
         assert torch.equal(every, tree[: 3 * n + 1])
         # counted as the collectives they replace: the reduce-scatter's input, the tensor
         assert nbytes.tolist() == [4 * n * 4, (3 * n + 1) * 4]
@@ -376,11 +413,24 @@ def comm_worker(strategy: str, shard: int, replicate: int, microbatches: int) ->
     batch = models.local_batch(models.global_batch(0, ROWS), dist.get_rank(), world)
     with fs.comm_stats() as stats:
         fs.train_step(state, batch, models.make_loss_fn(model), microbatches)
-    p = fs.plan(model, world_size=world, shard=shard, replicate=replicate, strategy=strategy,
-                microbatches=microbatches, optimizer=recipe(), device_type="cpu",
-                deterministic=True)
-    return (dict(stats.bytes), dict(stats.calls), {k: v for k, v in p.comm.items() if v},
-            {k: v for k, v in p.calls.items() if v}, len(state.layout.buckets))
+    p = fs.plan(
+        model,
+        world_size=world,
+        shard=shard,
+        replicate=replicate,
+        strategy=strategy,
+        microbatches=microbatches,
+        optimizer=recipe(),
+        device_type="cpu",
+        deterministic=True,
+    )
+    return (
+        dict(stats.bytes),
+        dict(stats.calls),
+        {k: v for k, v in p.comm.items() if v},
+        {k: v for k, v in p.calls.items() if v},
+        len(state.layout.buckets),
+    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -389,7 +439,8 @@ def test_bytes_equal_the_plan(pool4, strategy: str, mesh: str, microbatches: int
     """The same bytes as the ordinary collectives; ZeRO-2/3 reduce once for all microbatches."""
     shard, replicate = {"4": (4, 1), "2x2": (2, 2)}[mesh]
     for nbytes, calls, planned, planned_calls, buckets in pool4.run(
-            comm_worker, strategy, shard, replicate, microbatches):
+        comm_worker, strategy, shard, replicate, microbatches
+    ):
         assert nbytes == planned and calls == planned_calls
         if strategy != "no_shard":  # one reduce-scatter per bucket and step
             assert calls["reduce_scatter"] == buckets

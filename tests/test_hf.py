@@ -27,13 +27,20 @@ VOCAB = 101  # uneven over 2 and 3 ranks
 def make_hf(kind: str, seed: int = 0, meta: bool = False) -> torch.nn.Module:
     if kind == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            tie_word_embeddings=False)
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
         cls = transformers.LlamaForCausalLM
     else:
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32,
-                                         n_layer=2, n_head=4)  # lm_head tied to wte
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4
+        )  # lm_head tied to wte
         cls = transformers.GPT2LMHeadModel
     torch.manual_seed(seed)
     if meta:
@@ -47,8 +54,11 @@ def _cpu(params: dict) -> dict:
 
 
 def _file_bytes(directory: str) -> int:
-    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
-               if f.endswith(".safetensors"))
+    return sum(
+        os.path.getsize(os.path.join(directory, f))
+        for f in os.listdir(directory)
+        if f.endswith(".safetensors")
+    )
 
 
 # --- import ---------------------------------------------------------------------------------------
@@ -111,15 +121,18 @@ def test_wrong_shaped_tensor_is_named_with_both_shapes(pool2, tmp_path):
     for msg in pool2.run(wrong_shape_worker, path):
         assert msg is not None
         lines = [ln for ln in msg.splitlines()[1:] if not ln.strip().startswith("the checkpoint's")]
-        assert lines == ["  params.model.layers.1.mlp.up_proj.weight: shape (39, 32) in the "
-                         "checkpoint, expected (40, 32)"], msg
+        assert lines == [
+            "  params.model.layers.1.mlp.up_proj.weight: shape (39, 32) in the "
+            "checkpoint, expected (40, 32)"
+        ], msg
 
 
 # --- export ---------------------------------------------------------------------------------------
 
 
-def export_worker(directory: str, kind: str, strategy: str, max_shard_bytes: int,
-                  dtype: torch.dtype | None) -> dict:
+def export_worker(
+    directory: str, kind: str, strategy: str, max_shard_bytes: int, dtype: torch.dtype | None
+) -> dict:
     mesh = fs.make_mesh(device_type="cpu")
     state = fs.init(make_hf(kind), fs.optim.adamw(1e-3), mesh=mesh, strategy=strategy)
     with ckpt_lib.io_stats() as io:
@@ -144,8 +157,9 @@ def test_export_loads_in_transformers(pool2, tmp_path, case):
     assert results[0]["names"] == sorted(sd), "full_params carries every state_dict name"
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if max_bytes < 1 << 20:
-        assert len(files) > 2 and os.path.exists(os.path.join(directory, "model.safetensors"
-                                                                         ".index.json"))
+        assert len(files) > 2 and os.path.exists(
+            os.path.join(directory, "model.safetensors.index.json")
+        )
         weight_map = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
         assert sorted(weight_map["weight_map"]) == sorted(sd)
     else:
@@ -160,8 +174,9 @@ def test_export_loads_in_transformers(pool2, tmp_path, case):
     fresh = make_hf(kind, seed=1)
     fresh.load_state_dict(loaded, strict=True)
     for name, t in sd.items():
-        torch.testing.assert_close(fresh.state_dict()[name], t.to(dtype or t.dtype).to(t.dtype),
-                                   rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(
+            fresh.state_dict()[name], t.to(dtype or t.dtype).to(t.dtype), rtol=0, atol=0, msg=name
+        )
 
     model.config.save_pretrained(directory)
     ours = type(model).from_pretrained(directory, dtype=dtype or torch.float32).eval()

@@ -114,10 +114,13 @@ def _pids_alive(pid_dir) -> list[int]:
     return alive
 
 
-@pytest.mark.parametrize(("dying_rank", "how", "says"), [
-    (1, "exit", "rank 1 died without a result (exit code 3)"),
-    (0, "kill", "rank 0 died without a result (killed by signal 9 (SIGKILL))"),
-])
+@pytest.mark.parametrize(
+    ("dying_rank", "how", "says"),
+    [
+        (1, "exit", "rank 1 died without a result (exit code 3)"),
+        (0, "kill", "rank 0 died without a result (killed by signal 9 (SIGKILL))"),
+    ],
+)
 def test_launch_reports_a_dead_rank_and_stops_the_others(tmp_path, dying_rank, how, says):
     before = set(multiprocessing.active_children())  # session pools may be running
     with _within(60), pytest.raises(RuntimeError) as e:

@@ -59,26 +59,43 @@ def ours() -> fs.optim.Optimizer:
     return fs.optim.chain(
         fs.optim.clip_by_global_norm(CLIP),
         fs.optim.multi_transform(
-            {"muon": fs.optim.muon(lambda s: LR * schedule(s), weight_decay=WD),
-             "adamw": fs.optim.adamw(lambda s: ADAM_LR * schedule(s), weight_decay=WD,
-                                     mask=fs.optim.decay_mask)},
-            lambda name, shape: "muon" if is_muon(name, shape) else "adamw"))
+            {
+                "muon": fs.optim.muon(lambda s: LR * schedule(s), weight_decay=WD),
+                "adamw": fs.optim.adamw(
+                    lambda s: ADAM_LR * schedule(s), weight_decay=WD, mask=fs.optim.decay_mask
+                ),
+            },
+            lambda name, shape: "muon" if is_muon(name, shape) else "adamw",
+        ),
+    )
 
 
-def reference(model: nn.Module, rows: int, steps: int = STEPS, adamw_only: bool = False,
-              start: int = 0) -> dict:
+def reference(
+    model: nn.Module, rows: int, steps: int = STEPS, adamw_only: bool = False, start: int = 0
+) -> dict:
     model = copy.deepcopy(model)
     named = list(model.named_parameters())
     mats = [p for n, p in named if is_muon(n, tuple(p.shape))]
     decay = [p for n, p in named if not is_muon(n, tuple(p.shape)) and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     if adamw_only:
-        opts = [torch.optim.AdamW([{"params": mats + decay, "weight_decay": WD},
-                                   {"params": rest, "weight_decay": 0.0}], lr=ADAM_LR)]
+        opts = [
+            torch.optim.AdamW(
+                [
+                    {"params": mats + decay, "weight_decay": WD},
+                    {"params": rest, "weight_decay": 0.0},
+                ],
+                lr=ADAM_LR,
+            )
+        ]
     else:
-        opts = [torch.optim.Muon(mats, lr=LR, weight_decay=WD),
-                torch.optim.AdamW([{"params": decay, "weight_decay": WD},
-                                   {"params": rest, "weight_decay": 0.0}], lr=ADAM_LR)]
+        opts = [
+            torch.optim.Muon(mats, lr=LR, weight_decay=WD),
+            torch.optim.AdamW(
+                [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
+                lr=ADAM_LR,
+            ),
+        ]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in opts]
     for step in range(start, start + steps):
         batch = models.global_batch(step, rows, d_in=D_IN)
@@ -95,8 +112,13 @@ def reference(model: nn.Module, rows: int, steps: int = STEPS, adamw_only: bool 
 
 
 def movement_err(ours: dict, ref: dict, init: dict) -> float:
-    return max(float((ours[n].double() - ref[n].double()).norm()
-                     / ((ref[n].double() - init[n].double()).norm() + 1e-12)) for n in ref)
+    return max(
+        float(
+            (ours[n].double() - ref[n].double()).norm()
+            / ((ref[n].double() - init[n].double()).norm() + 1e-12)
+        )
+        for n in ref
+    )
 
 
 def _train(state, model, steps, microbatches: int = 1, rows: int | None = None):
@@ -117,8 +139,7 @@ def test_newton_schulz_is_torchs_bit_for_bit() -> None:
     for shape in ((37, 5), (5, 37), (37, 37)):
         x = torch.randn(shape, generator=g)
         ours_ = muon_lib.newton_schulz(x, (3.4445, -4.775, 2.0315), 5, 1e-7)
-        assert torch.equal(ours_, _zeropower_via_newtonschulz(x, (3.4445, -4.775, 2.0315), 5,
-                                                              1e-7))
+        assert torch.equal(ours_, _zeropower_via_newtonschulz(x, (3.4445, -4.775, 2.0315), 5, 1e-7))
 
 
 @pytest.mark.parametrize("nesterov,adjust", [(True, None), (False, "match_rms_adamw")])
@@ -186,9 +207,12 @@ MESHES = {"2": (2, 1), "3": (3, 1), "2x2": (2, 2)}
 
 def plain() -> fs.optim.Optimizer:
     return fs.optim.multi_transform(
-        {"muon": fs.optim.muon(LR, weight_decay=WD),
-         "adamw": fs.optim.adamw(ADAM_LR, weight_decay=WD)},
-        lambda name, shape: "muon" if is_muon(name, shape) else "adamw")
+        {
+            "muon": fs.optim.muon(LR, weight_decay=WD),
+            "adamw": fs.optim.adamw(ADAM_LR, weight_decay=WD),
+        },
+        lambda name, shape: "muon" if is_muon(name, shape) else "adamw",
+    )
 
 
 def exact_worker(strategy: str, shard: int, replicate: int, fraction: float) -> dict:
@@ -207,15 +231,21 @@ def exact_worker(strategy: str, shard: int, replicate: int, fraction: float) -> 
     # Muon's matrices bit for bit; AdamW's leaves to 1e-6 only: its fused kernel treats an
     # element in the vector body and in the scalar tail of a buffer slightly differently, and
     # a flat bucket puts the tails elsewhere than per-tensor buffers do.
-    return {n: torch.equal(full[n], params[n]) if is_muon(n, tuple(params[n].shape))
-            else bool(torch.allclose(full[n], params[n], rtol=1e-6, atol=1e-7)) for n in params}
+    return {
+        n: torch.equal(full[n], params[n])
+        if is_muon(n, tuple(params[n].shape))
+        else bool(torch.allclose(full[n], params[n], rtol=1e-6, atol=1e-7))
+        for n in params
+    }
 
 
-@pytest.mark.parametrize("strategy,fraction", [(s, 0.0) for s in fs.STRATEGIES]
-                         + [("optim_grads_params", 0.5)])
+@pytest.mark.parametrize(
+    "strategy,fraction", [(s, 0.0) for s in fs.STRATEGIES] + [("optim_grads_params", 0.5)]
+)
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_sharded_step_equals_one_process_bitwise(request, mesh: str, strategy: str,
-                                                 fraction: float) -> None:
+def test_sharded_step_equals_one_process_bitwise(
+    request, mesh: str, strategy: str, fraction: float
+) -> None:
     shard, replicate = MESHES[mesh]
     pool = request.getfixturevalue(f"pool{shard * replicate}")
     for same in pool.run(exact_worker, strategy, shard, replicate, fraction):
@@ -229,8 +259,9 @@ def test_muon_parity_with_torch(request, mesh: str, strategy: str) -> None:
     pool = request.getfixturevalue(f"pool{shard * replicate}")
     results = pool.run(parity_worker, strategy, shard, replicate)
     model = models.make_model(seed=7, d_in=D_IN)
-    whole = sorted(tuple(p.shape) for n, p in model.named_parameters()
-                   if is_muon(n, tuple(p.shape)))
+    whole = sorted(
+        tuple(p.shape) for n, p in model.named_parameters() if is_muon(n, tuple(p.shape))
+    )
     for r in results:
         assert r["far"] > FAR, r["far"]
         for mb in (1, 3):
@@ -253,9 +284,13 @@ def offload_worker(strategy: str) -> dict:
         state = _train(state, model, range(STEPS), microbatches=2)
         out[fraction] = fs.full_params(state)
     diff = lambda f, n: float((out[f][n] - out[0.0][n]).abs().max())
-    return {(f, kind): max(diff(f, n) for n in out[f] if is_muon(n, tuple(out[f][n].shape))
-                           == (kind == "muon"))
-            for f in (0.5, 1.0) for kind in ("muon", "adamw")}
+    return {
+        (f, kind): max(
+            diff(f, n) for n in out[f] if is_muon(n, tuple(out[f][n].shape)) == (kind == "muon")
+        )
+        for f in (0.5, 1.0)
+        for kind in ("muon", "adamw")
+    }
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
@@ -274,8 +309,7 @@ RESUME_ROWS = 48  # one global batch for 2 and 3 ranks
 def save_worker(directory: str) -> dict:
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model(seed=11, d_in=D_IN)
-    state = fs.init(model, ours(), mesh=mesh, strategy="optim_grads_params",
-                    offload_fraction=0.5)
+    state = fs.init(model, ours(), mesh=mesh, strategy="optim_grads_params", offload_fraction=0.5)
     state = _train(state, model, range(2), rows=RESUME_ROWS)
     fs.save(directory, state)
     return {}

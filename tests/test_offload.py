@@ -41,9 +41,11 @@ HAVE_CHECKPOINT = importlib.util.find_spec("funcshard.checkpoint") is not None
 
 def _loss_fn(model, dtype: torch.dtype = torch.float32):
     """Cross entropy in fp32 on the model run in the compute dtype."""
+
     def loss_fn(params, batch):
         logits = fs.functional_call(model, params, (batch["x"].to(dtype),))
         return torch.nn.functional.cross_entropy(logits.float(), batch["y"])
+
     return loss_fn
 
 
@@ -52,12 +54,24 @@ def _batch(step: int) -> dict:
     return models.local_batch(models.global_batch(step, LOCAL_ROWS * world), rank, world)
 
 
-def _run(mesh, strategy: str, opt_name: str, policy_name: str, fraction: float,
-         bad_step: int | None = None) -> tuple[dict, list, list]:
+def _run(
+    mesh,
+    strategy: str,
+    opt_name: str,
+    policy_name: str,
+    fraction: float,
+    bad_step: int | None = None,
+) -> tuple[dict, list, list]:
     """Trains STEPS steps; returns full params, per-step metrics, and the layout's checks."""
     model = models.make_model(seed=3)
-    state = fs.init(model, OPTIMIZERS[opt_name](), mesh=mesh, policy=POLICIES[policy_name],
-                    strategy=strategy, offload_fraction=fraction)
+    state = fs.init(
+        model,
+        OPTIMIZERS[opt_name](),
+        mesh=mesh,
+        policy=POLICIES[policy_name],
+        strategy=strategy,
+        offload_fraction=fraction,
+    )
     loss_fn = _loss_fn(model, POLICIES[policy_name].param_dtype or torch.float32)
     structure = fs.tree.structure(state)
     problems, history = [], []
@@ -118,8 +132,7 @@ def trajectories_worker(shard: int, replicate: int, opt_name: str, mixed: bool) 
             ref = None
             for f in fractions:
                 key = f"{strategy}/{opt_name}/{policy_name}/f={f}"
-                params, history, problems = _run(mesh, strategy, opt_name, policy_name, f,
-                                                 bad_step)
+                params, history, problems = _run(mesh, strategy, opt_name, policy_name, f, bad_step)
                 results["problems"] += [f"{key}: {p}" for p in problems]
                 if ref is None:
                     ref = (params, history)
@@ -129,7 +142,8 @@ def trajectories_worker(shard: int, replicate: int, opt_name: str, mixed: bool) 
                 # order that depends on the position in the (differently bucketed) buffer.
                 results["errors"][key + "/loss"] = max(
                     abs(a[0] - b[0]) / abs(b[0]) if b[0] == b[0] else float(a[0] == a[0])
-                    for a, b in zip(history, ref[1], strict=True))
+                    for a, b in zip(history, ref[1], strict=True)
+                )
                 if [h[1:] for h in history] != [h[1:] for h in ref[1]]:
                     results["problems"].append(f"{key}: metrics {history} != {ref[1]}")
     for f in FRACTIONS:
@@ -138,8 +152,8 @@ def trajectories_worker(shard: int, replicate: int, opt_name: str, mixed: bool) 
         results["placement"][f] = (
             tuple(b.offload for b in state.layout.buckets),
             state.layout.achieved_offload_fraction(),
-            max(s.shard_numel for s in state.layout.leaves) / sum(
-                b.numel for b in state.layout.buckets),
+            max(s.shard_numel for s in state.layout.leaves)
+            / sum(b.numel for b in state.layout.buckets),
             fs.describe(state),
         )
     return results
@@ -213,6 +227,7 @@ def _zero_loss_fn(model):
     def loss_fn(params, batch):
         x = batch["x"].to(torch.bfloat16)
         return 0.0 * fs.functional_call(model, params, (x,)).float().sum()
+
     return loss_fn
 
 
@@ -229,10 +244,12 @@ def _continue(state, model, steps: int) -> dict:
 def _replace_masters(state, source) -> fs.TrainState:
     """What a model-only restore must do, done by hand: new masters, everything derived."""
     master = tuple(m.clone() for m in source.master)
-    return state.replace(master=master,
-                         compute=fs.state.derive_compute(state.layout, master),
-                         opt_state=state.optimizer.init(state.layout.per_bucket(master)),
-                         step=0)
+    return state.replace(
+        master=master,
+        compute=fs.state.derive_compute(state.layout, master),
+        opt_state=state.optimizer.init(state.layout.per_bucket(master)),
+        step=0,
+    )
 
 
 def model_only_load_worker(strategy: str, directory: str | None) -> dict:
@@ -242,15 +259,16 @@ def model_only_load_worker(strategy: str, directory: str | None) -> dict:
     model = models.make_model(seed=3)
     other = models.make_model(seed=4)
     # The target: bf16 compute, fp32 masters, half the optimizer on the CPU, random init.
-    state = fs.init(model, opt, mesh=mesh, policy=policy, strategy=strategy,
-                    offload_fraction=0.5)
+    state = fs.init(model, opt, mesh=mesh, policy=policy, strategy=strategy, offload_fraction=0.5)
     assert any(b.offload for b in state.layout.buckets)
     # The same weights, trained without offload from the start.
     plain = fs.init(other, opt, mesh=mesh, policy=policy, strategy=strategy)
     loaded_weights = fs.full_params(plain)
     if directory is None:
-        loaded = _replace_masters(state, fs.init(other, opt, mesh=mesh, policy=policy,
-                                                 strategy=strategy, offload_fraction=0.5))
+        loaded = _replace_masters(
+            state,
+            fs.init(other, opt, mesh=mesh, policy=policy, strategy=strategy, offload_fraction=0.5),
+        )
     else:
         fs.save(directory, fs.init(other, opt, mesh=mesh, policy=policy, strategy=strategy))
         loaded = fs.restore(directory, like=state, model_only=True)
@@ -267,8 +285,9 @@ def test_replaced_masters_are_what_steps(pool2, strategy: str) -> None:
         assert all(v == 0.0 for v in errors.values()), errors
 
 
-@pytest.mark.skipif(not HAVE_CHECKPOINT,
-                    reason="funcshard/checkpoint.py (fs.save, fs.restore) is not written yet")
+@pytest.mark.skipif(
+    not HAVE_CHECKPOINT, reason="funcshard/checkpoint.py (fs.save, fs.restore) is not written yet"
+)
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_model_only_restore_then_step_keeps_loaded_weights(pool2, tmp_path, strategy) -> None:
     directory = str(tmp_path / "other_weights")
@@ -282,18 +301,30 @@ def cuda_worker(fraction: float, strategy: str) -> dict:
     out = {}
     for f in (0.0, fraction):
         model = models.make_model(seed=3).cuda()
-        state = fs.init(model, fs.optim.adamw(1e-2, weight_decay=0.1), mesh=mesh,
-                        policy=POLICIES["bf16"], strategy=strategy, offload_fraction=f)
+        state = fs.init(
+            model,
+            fs.optim.adamw(1e-2, weight_decay=0.1),
+            mesh=mesh,
+            policy=POLICIES["bf16"],
+            strategy=strategy,
+            offload_fraction=f,
+        )
         loss_fn = _loss_fn(model, torch.bfloat16)
         for step in range(STEPS):
             batch = {k: v.cuda() for k, v in _batch(step).items()}
             state, _ = fs.train_step(state, batch, loss_fn, microbatches=2)
         problems = _placement_problems(state)
-        pinned = all(m.is_pinned() for b, m in zip(state.layout.buckets, state.master,
-                                                   strict=True) if b.offload)
+        pinned = all(
+            m.is_pinned()
+            for b, m in zip(state.layout.buckets, state.master, strict=True)
+            if b.offload
+        )
         out[f] = ({k: v.cpu() for k, v in fs.full_params(state).items()}, problems, pinned)
-    return {"error": models.max_rel_err(out[fraction][0], out[0.0][0]),
-            "problems": out[fraction][1], "pinned": out[fraction][2]}
+    return {
+        "error": models.max_rel_err(out[fraction][0], out[0.0][0]),
+        "problems": out[fraction][1],
+        "pinned": out[fraction][2],
+    }
 
 
 @pytest.mark.cuda
@@ -314,21 +345,31 @@ def reuse_worker() -> dict:
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model()
     policy = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy="optim_grads_params",
-                    policy=policy, offload_fraction=1.0)
+    state = fs.init(
+        model,
+        fs.optim.sgd(0.1),
+        mesh=mesh,
+        strategy="optim_grads_params",
+        policy=policy,
+        offload_fraction=1.0,
+    )
     before = [c.data_ptr() for c in state.compute if c is not None]
     grads = tuple(torch.randn(b.numel) for b in state.layout.buckets)
     new = fs.offload_step(state, grads)
     after = [c.data_ptr() for c in new.compute if c is not None]
-    derived = all(torch.equal(c, m.to(c.dtype)) for c, m in zip(new.compute, new.master,
-                                                                  strict=True))
+    derived = all(
+        torch.equal(c, m.to(c.dtype)) for c, m in zip(new.compute, new.master, strict=True)
+    )
     try:
         _ = state.compute
         stale_readable = True
     except fs.ConsumedStateError:
         stale_readable = False
-    return {"reused": before == after and len(after) > 0, "derived": derived,
-            "stale_readable": stale_readable}
+    return {
+        "reused": before == after and len(after) > 0,
+        "derived": derived,
+        "stale_readable": stale_readable,
+    }
 
 
 def test_cpu_step_rewrites_the_consumed_compute_copy(pool2) -> None:

@@ -10,19 +10,27 @@ import funcshard as fs
 
 def _params(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"a": torch.randn(37, 5, generator=g), "b": torch.randn(3, generator=g),
-            "c": torch.randn((), generator=g)}
+    return {
+        "a": torch.randn(37, 5, generator=g),
+        "b": torch.randn(3, generator=g),
+        "c": torch.randn((), generator=g),
+    }
 
 
 CASES = {
     "sgd": (lambda: fs.optim.sgd(0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
-    "sgd_momentum_wd": (lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
-                        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)),
-    "adamw": (lambda: fs.optim.adamw(1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
-              lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), eps=1e-6,
-                                          weight_decay=0.1)),
-    "adamw_schedule": (lambda: fs.optim.adamw(lambda step: 1e-2 / (1 + step)),
-                       lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0)),
+    "sgd_momentum_wd": (
+        lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+    ),
+    "adamw": (
+        lambda: fs.optim.adamw(1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    ),
+    "adamw_schedule": (
+        lambda: fs.optim.adamw(lambda step: 1e-2 / (1 + step)),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0),
+    ),
 }
 
 
@@ -33,8 +41,11 @@ def test_matches_torch_optim(case: str) -> None:
     params = _params()
     ref = {k: v.clone().requires_grad_() for k, v in params.items()}
     torch_opt = theirs(list(ref.values()))
-    sched = (torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda step: 1 / (1 + step))
-             if case == "adamw_schedule" else None)
+    sched = (
+        torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda step: 1 / (1 + step))
+        if case == "adamw_schedule"
+        else None
+    )
     state = opt.init(params)
     for step in range(5):
         grads = _params(seed=100 + step)
@@ -51,8 +62,10 @@ def test_matches_torch_optim(case: str) -> None:
 
 def test_init_is_numerically_inert() -> None:
     params = _params()
-    for make in (lambda: fs.optim.adamw(1e-2, weight_decay=0.5),
-                 lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.5)):
+    for make in (
+        lambda: fs.optim.adamw(1e-2, weight_decay=0.5),
+        lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.5),
+    ):
         state = make().init(params)
         assert state.count == 0
         tensors = [t for t in fs.tree.leaves(state) if isinstance(t, torch.Tensor)]

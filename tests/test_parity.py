@@ -17,10 +17,14 @@ STEPS = 4
 LOCAL_ROWS = 6  # divisible by 1 and 3 microbatches
 
 OPTIMIZERS = {
-    "sgd": (lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
-            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)),
-    "adamw": (lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
-              lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+    "sgd": (
+        lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+    ),
+    "adamw": (
+        lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    ),
 }
 
 

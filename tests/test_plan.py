@@ -19,13 +19,18 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 POLICIES = {
     "fp32": fs.MixedPrecisionPolicy(),
     "bf16": fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-    "bf16_wire": fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                         grad_comm_dtype=torch.bfloat16),
-    "bf16_pure": fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=None,
-                                         main_grads_dtype=None),
+    "bf16_wire": fs.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, grad_comm_dtype=torch.bfloat16
+    ),
+    "bf16_pure": fs.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, main_params_dtype=None, main_grads_dtype=None
+    ),
 }
-OPTIMIZERS = {"adamw": lambda: fs.optim.adamw(1e-3), "sgd": lambda: fs.optim.sgd(0.1),
-              "sgd_momentum": lambda: fs.optim.sgd(0.1, momentum=0.9)}
+OPTIMIZERS = {
+    "adamw": lambda: fs.optim.adamw(1e-3),
+    "sgd": lambda: fs.optim.sgd(0.1),
+    "sgd_momentum": lambda: fs.optim.sgd(0.1, momentum=0.9),
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +46,9 @@ def pool1():
 def test_zero_paper_table1(strategy, expected_gb):
     # 7.5B params, Adam with fp32 masters (K = 12), fp16 params and grads, N = 64.
     policy = fs.MixedPrecisionPolicy(param_dtype=torch.float16, main_grads_dtype=None)
-    p = fs.plan({"w": (7_500_000_000,)}, world_size=64, strategy=strategy, policy=policy,
-                optimizer="adamw")
+    p = fs.plan(
+        {"w": (7_500_000_000,)}, world_size=64, strategy=strategy, policy=policy, optimizer="adamw"
+    )
     assert round(p.memory.model_states / 1e9, 2 if expected_gb < 10 else 1) == expected_gb
 
 
@@ -60,10 +66,20 @@ def test_formula_by_strategy():
     c = {s: fs.plan(shapes, strategy=s, **kw).comm for s in STRATEGIES}
     Pp, w = 44, 4
     assert fs.plan(shapes, strategy="optim", **kw).padded_numel == Pp
-    assert c["no_shard"] == {"all_reduce": (30 + 7) * w, "all_gather": 0, "reduce_scatter": 0,
-                             "metrics": 8, "muon": 0}
-    assert c["optim"] == {"reduce_scatter": Pp * w, "all_reduce": Pp // 4 * w,
-                          "all_gather": Pp * w, "metrics": 16, "muon": 0}
+    assert c["no_shard"] == {
+        "all_reduce": (30 + 7) * w,
+        "all_gather": 0,
+        "reduce_scatter": 0,
+        "metrics": 8,
+        "muon": 0,
+    }
+    assert c["optim"] == {
+        "reduce_scatter": Pp * w,
+        "all_reduce": Pp // 4 * w,
+        "all_gather": Pp * w,
+        "metrics": 16,
+        "muon": 0,
+    }
     assert c["optim_grads"]["reduce_scatter"] == 3 * Pp * w
     assert c["optim_grads_params"]["all_gather"] == 2 * 3 * Pp * w
 
@@ -75,8 +91,12 @@ class _NoTensorOps(TorchDispatchMode):
 
 def test_llama70b_on_1024_ranks_from_shapes_alone():
     with _NoTensorOps():  # shape arithmetic only: nothing is allocated, nothing computed
-        p = fs.plan(transformer_shapes(), world_size=1024, strategy="optim_grads_params",
-                    policy=fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        p = fs.plan(
+            transformer_shapes(),
+            world_size=1024,
+            strategy="optim_grads_params",
+            policy=fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        )
     assert 68e9 < p.numel < 70e9
     assert p.units == 81 and p.buckets == 81
     assert p.memory.master == math.ceil(p.padded_numel / 1024) * 4
@@ -91,8 +111,10 @@ def test_meta_model_and_errors():
         fs.plan(model, world_size=4, shard=3)
     with pytest.raises(ValueError, match="unknown optimizer"):
         fs.plan(model, world_size=2, optimizer="lion")
-    assert fs.plan(model, world_size=1, optimizer=fs.optim.adamw()).memory.opt_state == \
-        2 * fs.plan(model, world_size=1, optimizer="adamw").memory.master
+    assert (
+        fs.plan(model, world_size=1, optimizer=fs.optim.adamw()).memory.opt_state
+        == 2 * fs.plan(model, world_size=1, optimizer="adamw").memory.master
+    )
 
 
 def _state_bytes(state) -> int:
@@ -106,8 +128,14 @@ def _state_bytes(state) -> int:
 def measure(strategy, shard, replicate, microbatches, policy, optimizer, offload):
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     model = M.make_model()
-    state = fs.init(model, OPTIMIZERS[optimizer](), mesh=mesh, policy=POLICIES[policy],
-                    strategy=strategy, offload_fraction=offload)
+    state = fs.init(
+        model,
+        OPTIMIZERS[optimizer](),
+        mesh=mesh,
+        policy=POLICIES[policy],
+        strategy=strategy,
+        offload_fraction=offload,
+    )
     dtype = POLICIES[policy].param_dtype or torch.float32
 
     def loss_fn(params, batch):
@@ -117,8 +145,12 @@ def measure(strategy, shard, replicate, microbatches, policy, optimizer, offload
     batch = M.local_batch(M.global_batch(0, 24), dist.get_rank(), dist.get_world_size())
     with fs.comm_stats() as stats:
         state, _ = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
-    return {"comm": dict(stats.bytes), "calls": dict(stats.calls),
-            "gathered_peak": stats.gathered_peak, "state": _state_bytes(state)}
+    return {
+        "comm": dict(stats.bytes),
+        "calls": dict(stats.calls),
+        "gathered_peak": stats.gathered_peak,
+        "state": _state_bytes(state),
+    }
 
 
 CASES = [  # (strategy, shard, replicate, microbatches, policy, optimizer, offload)
@@ -135,13 +167,23 @@ def _check(pool, world, case):
     strategy, shard, replicate, mb, policy, optimizer, offload = case
     with torch.device("meta"):
         model = M.make_model()
-    p = fs.plan(model, world_size=world, shard=shard, replicate=replicate, strategy=strategy,
-                policy=POLICIES[policy], offload_fraction=offload, microbatches=mb,
-                optimizer=optimizer, device_type="cpu")
+    p = fs.plan(
+        model,
+        world_size=world,
+        shard=shard,
+        replicate=replicate,
+        strategy=strategy,
+        policy=POLICIES[policy],
+        offload_fraction=offload,
+        microbatches=mb,
+        optimizer=optimizer,
+        device_type="cpu",
+    )
     for got in pool.run(measure, *case):
         assert {k: v for k, v in got["comm"].items() if v} == {k: v for k, v in p.comm.items() if v}
-        assert {k: v for k, v in got["calls"].items() if v} == \
-            {k: v for k, v in p.calls.items() if v}
+        assert {k: v for k, v in got["calls"].items() if v} == {
+            k: v for k, v in p.calls.items() if v
+        }
         assert got["state"] == p.memory.state
         assert got["gathered_peak"] == p.memory.gathered_peak
 
@@ -161,8 +203,15 @@ def test_matches_three_ranks(pool3, case):
     _check(pool3, 3, case)
 
 
-@pytest.mark.parametrize("case", [CASES[3], ("optim_grads_params", 2, 2, 2, "bf16", "adamw", 0.0),
-                                  ("optim", 2, 2, 1, "fp32", "sgd", 0.0),
-                                  ("no_shard", 2, 2, 1, "bf16", "sgd", 0.0)], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        CASES[3],
+        ("optim_grads_params", 2, 2, 2, "bf16", "adamw", 0.0),
+        ("optim", 2, 2, 1, "fp32", "sgd", 0.0),
+        ("no_shard", 2, 2, 1, "bf16", "sgd", 0.0),
+    ],
+    ids=str,
+)
 def test_matches_four_ranks(pool4, case):
     _check(pool4, 4, case)

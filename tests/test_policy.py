@@ -105,8 +105,9 @@ def accumulation_worker(strategy: str, main_grads) -> float:
     policy = fs.MixedPrecisionPolicy(main_grads_dtype=main_grads, grad_comm_dtype=FP32)
     state = fs.init(model, fs.optim.sgd(1.0), mesh=mesh, policy=policy, strategy=strategy)
     c = torch.tensor([[256.0], [1.0], [1.0], [1.0]])
-    state, _ = fs.train_step(state, c, lambda p, b: fs.functional_call(model, p, (b,)),
-                             microbatches=4)
+    state, _ = fs.train_step(
+        state, c, lambda p, b: fs.functional_call(model, p, (b,)), microbatches=4
+    )
     return float(fs.full_params(state)["w"])
 
 
@@ -142,13 +143,16 @@ _CPUINFO_AMX = "processor\t: 0\nflags\t\t: fpu avx2 amx_tile amx_bf16\n\n"
 _CPUINFO_ARM = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n\n"
 
 
-@pytest.mark.parametrize(("text", "native", "says"), [
-    (_CPUINFO_AVX2, False, "emulated"),
-    (_CPUINFO_AVX512_BF16, True, "avx512_bf16"),
-    (_CPUINFO_AMX, True, "amx_bf16"),
-    (_CPUINFO_ARM, True, "bf16"),
-    (None, False, "no /proc/cpuinfo"),
-])
+@pytest.mark.parametrize(
+    ("text", "native", "says"),
+    [
+        (_CPUINFO_AVX2, False, "emulated"),
+        (_CPUINFO_AVX512_BF16, True, "avx512_bf16"),
+        (_CPUINFO_AMX, True, "amx_bf16"),
+        (_CPUINFO_ARM, True, "bf16"),
+        (None, False, "no /proc/cpuinfo"),
+    ],
+)
 def test_native_bf16_reads_the_cpu_flags(monkeypatch, text, native, says) -> None:
     from funcshard import policy
 

@@ -35,13 +35,17 @@ def ours(recipe: str, clip: float = CLIP) -> fs.optim.Optimizer:
     if recipe == "adamw":
         inner = fs.optim.adamw(schedule, weight_decay=WD, mask=fs.optim.decay_mask)
     elif recipe == "sgd_nesterov":
-        inner = fs.optim.sgd(schedule, momentum=0.9, nesterov=True, weight_decay=WD,
-                             mask=fs.optim.decay_mask)
+        inner = fs.optim.sgd(
+            schedule, momentum=0.9, nesterov=True, weight_decay=WD, mask=fs.optim.decay_mask
+        )
     else:  # matrices by AdamW, the rest by SGD with momentum (each its own state)
         inner = fs.optim.multi_transform(
-            {"matrix": fs.optim.adamw(schedule, weight_decay=WD),
-             "other": fs.optim.sgd(schedule, momentum=0.9)},
-            lambda name, shape: "matrix" if len(shape) >= 2 else "other")
+            {
+                "matrix": fs.optim.adamw(schedule, weight_decay=WD),
+                "other": fs.optim.sgd(schedule, momentum=0.9),
+            },
+            lambda name, shape: "matrix" if len(shape) >= 2 else "other",
+        )
     return fs.optim.chain(fs.optim.clip_by_global_norm(clip), inner)
 
 
@@ -57,15 +61,18 @@ def torch_recipe(recipe: str, model: nn.Module, drop: str | None = None):
         groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": wd}]
         opts = [torch.optim.SGD(groups, lr=PEAK, momentum=0.9, nesterov=True)]
     else:
-        opts = [torch.optim.AdamW(decay, lr=PEAK, weight_decay=WD),
-                torch.optim.SGD(rest, lr=PEAK, momentum=0.9)]
+        opts = [
+            torch.optim.AdamW(decay, lr=PEAK, weight_decay=WD),
+            torch.optim.SGD(rest, lr=PEAK, momentum=0.9),
+        ]
     lam = (lambda s: 1.0) if drop == "schedule" else (lambda s: schedule(s) / PEAK)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in opts]
     return opts, scheds, (None if drop == "clip" else CLIP)
 
 
-def reference(model: nn.Module, recipe: str, rows: int, steps: int = STEPS,
-              drop: str | None = None) -> dict:
+def reference(
+    model: nn.Module, recipe: str, rows: int, steps: int = STEPS, drop: str | None = None
+) -> dict:
     model = copy.deepcopy(model)
     opts, scheds, clip = torch_recipe(recipe, model, drop)
     norms = []
@@ -81,8 +88,7 @@ def reference(model: nn.Module, recipe: str, rows: int, steps: int = STEPS,
             o.step()
         for s in scheds:
             s.step()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "norms": norms}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
 
 
 def _train(state, model, steps, microbatches: int = 1, rows: int | None = None):
@@ -109,8 +115,7 @@ def test_recipe_on_a_plain_pytree_matches_torch(recipe: str) -> None:
     for step in range(STEPS):
         batch = models.global_batch(step, rows)
         p = {n: t.requires_grad_() for n, t in params.items()}
-        grads = dict(zip(p, torch.autograd.grad(loss_fn(p, batch), list(p.values())),
-                         strict=True))
+        grads = dict(zip(p, torch.autograd.grad(loss_fn(p, batch), list(p.values())), strict=True))
         params, state = opt.update(grads, state, {n: t.detach() for n, t in p.items()})
     ref = reference(model, recipe, rows)
     assert models.max_rel_err(params, ref["params"]) < 1e-5
@@ -129,8 +134,10 @@ def test_update_without_donation_leaves_inputs_untouched() -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("recipe,drop", [("adamw", "mask"), ("adamw", "clip"),
-                                         ("adamw", "schedule"), ("sgd_nesterov", "mask")])
+@pytest.mark.parametrize(
+    "recipe,drop",
+    [("adamw", "mask"), ("adamw", "clip"), ("adamw", "schedule"), ("sgd_nesterov", "mask")],
+)
 def test_each_rule_moves_the_result(recipe: str, drop: str) -> None:
     """The references the parity tests use differ when one rule is left out: a funcshard
     that ignored the rule would fail them."""
@@ -145,8 +152,9 @@ def test_bad_rules_name_the_parameter() -> None:
     with pytest.raises(KeyError, match="'b'"):
         fs.optim.adamw(mask={"w": True}).init(p)
     with pytest.raises(KeyError, match="'b'.*label 'x'"):
-        fs.optim.multi_transform({"m": fs.optim.sgd(0.1)}, lambda n, s: "m" if n == "w" else "x"
-                                 ).init(p)
+        fs.optim.multi_transform(
+            {"m": fs.optim.sgd(0.1)}, lambda n, s: "m" if n == "w" else "x"
+        ).init(p)
     with pytest.raises(TypeError, match="only the last element"):
         fs.optim.chain(fs.optim.sgd(0.1), fs.optim.clip_by_global_norm(1.0))
     with pytest.raises(ValueError, match="nesterov"):
@@ -181,8 +189,9 @@ def parity_worker(strategy: str, shard: int, replicate: int) -> dict:
             state, norms = _train(state, model, range(STEPS), microbatches)
             key = f"{recipe}/mb{microbatches}"
             errors[key] = models.max_rel_err(fs.full_params(state), ref["params"])
-            errors[key + "/norm"] = max(abs(a - b) / b for a, b in zip(norms, ref["norms"],
-                                                                       strict=True))
+            errors[key + "/norm"] = max(
+                abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)
+            )
             errors[key + "/clipped_steps"] = sum(n > CLIP for n in norms)
     return errors
 
@@ -207,12 +216,14 @@ def offload_worker(strategy: str) -> dict:
     out = {}
     for fraction in (0.0, 0.5, 1.0):
         model = models.make_model(seed=9)
-        state = fs.init(model, ours("multi"), mesh=mesh, strategy=strategy,
-                        offload_fraction=fraction)
+        state = fs.init(
+            model, ours("multi"), mesh=mesh, strategy=strategy, offload_fraction=fraction
+        )
         state, _ = _train(state, model, range(STEPS), microbatches=2)
         out[fraction] = fs.full_params(state)
-    return {f: max(float((out[f][n] - out[0.0][n]).abs().max()) for n in out[f])
-            for f in (0.5, 1.0)}
+    return {
+        f: max(float((out[f][n] - out[0.0][n]).abs().max()) for n in out[f]) for f in (0.5, 1.0)
+    }
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
@@ -227,8 +238,9 @@ RESUME_ROWS = 12  # one global batch for 2 and 3 ranks
 def save_worker(directory: str) -> dict:
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model(seed=11)
-    state = fs.init(model, ours("multi"), mesh=mesh, strategy="optim_grads_params",
-                    offload_fraction=0.5)
+    state = fs.init(
+        model, ours("multi"), mesh=mesh, strategy="optim_grads_params", offload_fraction=0.5
+    )
     state, _ = _train(state, model, range(2), rows=RESUME_ROWS)
     fs.save(directory, state)
     return {}
@@ -237,8 +249,7 @@ def save_worker(directory: str) -> dict:
 def resume_worker(directory: str, strategy: str, fraction: float) -> dict:
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model(seed=12)  # other weights: none may survive the restore
-    like = fs.init(model, ours("multi"), mesh=mesh, strategy=strategy,
-                   offload_fraction=fraction)
+    like = fs.init(model, ours("multi"), mesh=mesh, strategy=strategy, offload_fraction=fraction)
     state = fs.restore(directory, like=like)
     assert state.step == 2
     state, _ = _train(state, model, range(2, STEPS), rows=RESUME_ROWS)

@@ -72,8 +72,13 @@ def check_kill_root(root: str) -> dict:
     mesh = fs.make_mesh(device_type="cpu")
     out = {}
     for step in mgr.all_steps():
-        like = fs.init(models.make_model(seed=1), fs.optim.adamw(1e-2), mesh=mesh,
-                       strategy="optim", offload_fraction=0.5)
+        like = fs.init(
+            models.make_model(seed=1),
+            fs.optim.adamw(1e-2),
+            mesh=mesh,
+            strategy="optim",
+            offload_fraction=0.5,
+        )
         state = mgr.restore(step, like=like)
         out[step] = (state.step, params_hash(fs.full_params(state)))
     return {"steps": mgr.all_steps(), "latest": mgr.latest_step(), "restored": out}
@@ -91,9 +96,12 @@ def _kill_trial(root: str, rng: random.Random, nproc: int) -> None:
     """Starts the job, waits for one more committed save, kills its process group at random."""
     before = len(_done(root))
     log = open(os.path.join(root, "job.log"), "a")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_kill_job.py"), root,
-                             str(nproc), "100000"], stdout=log, stderr=log,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "_kill_job.py"), root, str(nproc), "100000"],
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while len(_done(root)) == before:  # progress first, so every trial commits something
@@ -119,7 +127,8 @@ def test_kill_during_save_never_lists_a_partial_checkpoint(pool2, tmp_path):
         done = _done(root)
         assert r["steps"], f"trial {trial}: no checkpoint listed after saves {done}"
         assert r["latest"] >= max(done), (
-            f"trial {trial}: step {max(done)} was committed, latest is {r['latest']}")
+            f"trial {trial}: step {max(done)} was committed, latest is {r['latest']}"
+        )
         assert len(r["steps"]) <= 3, f"trial {trial}: retention kept {r['steps']}"
         for step, (restored_step, digest) in r["restored"].items():
             with open(os.path.join(root, "records", str(step))) as f:
@@ -169,9 +178,19 @@ def reference_hash(until: int) -> str:
 @pytest.mark.slow
 def test_torchrun_restarts_a_killed_rank_from_the_latest_checkpoint(pool2, tmp_path):
     root, until, kill_at = str(tmp_path / "job"), 6, 3
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--max-restarts=1", os.path.join(HERE, "_kill_job.py"), root, "torchrun",
-           str(until), str(kill_at)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        os.path.join(HERE, "_kill_job.py"),
+        root,
+        "torchrun",
+        str(until),
+        str(kill_at),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -232,15 +251,22 @@ def _garble(path: str) -> None:
 
 CORRUPTIONS = {  # name -> (damage, text every failing rank's error must hold)
     "truncated_chunk_of_rank_1": (lambda d: _truncate(os.path.join(d, LEAF, "1.0")), LEAF),
-    "truncated_chunk_of_rank_0": (lambda d: _truncate(os.path.join(d, "opt_state.nu.inp.weight",
-                                                                    "0.0")),
-                                  "opt_state.nu.inp.weight"),
-    "garbled_zarray": (lambda d: _garble(os.path.join(d, "params.head.bias", ".zarray")),
-                       "params.head.bias"),
-    "deleted_leaf_directory": (lambda d: shutil.rmtree(os.path.join(d, "opt_state.mu.head.weight")),
-                               "opt_state.mu.head.weight"),
-    "integer_dtype": (lambda d: _set_dtype(os.path.join(d, "params.head.weight", ".zarray"),
-                                           "<i4"), "params.head.weight"),
+    "truncated_chunk_of_rank_0": (
+        lambda d: _truncate(os.path.join(d, "opt_state.nu.inp.weight", "0.0")),
+        "opt_state.nu.inp.weight",
+    ),
+    "garbled_zarray": (
+        lambda d: _garble(os.path.join(d, "params.head.bias", ".zarray")),
+        "params.head.bias",
+    ),
+    "deleted_leaf_directory": (
+        lambda d: shutil.rmtree(os.path.join(d, "opt_state.mu.head.weight")),
+        "opt_state.mu.head.weight",
+    ),
+    "integer_dtype": (
+        lambda d: _set_dtype(os.path.join(d, "params.head.weight", ".zarray"), "<i4"),
+        "params.head.weight",
+    ),
 }
 
 
@@ -257,12 +283,15 @@ def test_corruption_raises_on_every_rank_naming_the_leaf(pool2, saved, tmp_path,
         assert needle in e or "failed on rank(s)" in e, e
 
 
-@pytest.mark.parametrize("chunk", [
-    f"{LEAF}/1.0",  # only rank 1 reads it
-    "params.scale/0",  # a 0-d parameter
-    "opt_state.count/0",
-    "step/0",
-])
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        f"{LEAF}/1.0",  # only rank 1 reads it
+        "params.scale/0",  # a 0-d parameter
+        "opt_state.count/0",
+        "step/0",
+    ],
+)
 def test_deleted_chunk_file_raises(pool2, saved, tmp_path, chunk):
     directory = str(tmp_path / "ckpt")
     shutil.copytree(saved, directory)
@@ -306,10 +335,16 @@ def consumed_by_restore(directory: str) -> list[str | None]:
     like = fs.init(model, fs.optim.adamw(1e-2), mesh=mesh, strategy="optim")
     state = fs.restore(directory, like=like)
     batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
-    errors = [_error(use) for use in (
-        lambda: like.params, lambda: fs.full_params(like), lambda: fs.save(directory + "-x", like),
-        lambda: fs.restore(directory, like=like),
-        lambda: fs.train_step(like, batch, models.make_loss_fn(model)))]
+    errors = [
+        _error(use)
+        for use in (
+            lambda: like.params,
+            lambda: fs.full_params(like),
+            lambda: fs.save(directory + "-x", like),
+            lambda: fs.restore(directory, like=like),
+            lambda: fs.train_step(like, batch, models.make_loss_fn(model)),
+        )
+    ]
     fs.train_step(state, batch, models.make_loss_fn(model))  # the restored state works
     return errors
 
@@ -404,16 +439,24 @@ def tmpfs_worker(root: str, filler: str) -> dict:
     like = fs.init(models.make_model(seed=1), fs.optim.adamw(1e-2), mesh=mesh, strategy="optim")
     restored = _cpu(fs.full_params(mgr.restore(like=like)))
     mgr.save(3, state)
-    return {"error": error, "listing": listing, "steps": mgr.all_steps(),
-            "intact": all(torch.equal(restored[n], at1[n]) for n in at1)}
+    return {
+        "error": error,
+        "listing": listing,
+        "steps": mgr.all_steps(),
+        "intact": all(torch.equal(restored[n], at1[n]) for n in at1),
+    }
 
 
 def test_full_disk_on_tmpfs(pool2, tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-            capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root and mount to make a small tmpfs")
     try:
         results = pool2.run(tmpfs_worker, str(mount / "run"), str(mount / "filler"))
@@ -472,14 +515,16 @@ PRIMES = (2, 3, 5, 7, 11, 13)
 class TreeModel(nn.Module):
     """A module holding a random tree of parameters; the loss is a weighted sum of squares."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype],
-                 gen: torch.Generator) -> None:
+    def __init__(
+        self, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], gen: torch.Generator
+    ) -> None:
         super().__init__()
         self.sub = nn.Module()
         for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
             owner = self.sub if i % 2 else self
-            owner.register_parameter(f"w{i}", nn.Parameter(
-                torch.randn(shape, generator=gen).to(dtype)))
+            owner.register_parameter(
+                f"w{i}", nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sum((p.float() ** 2).sum() for p in self.parameters()) * x.mean()
@@ -488,21 +533,30 @@ class TreeModel(nn.Module):
 ROWS_CHOICES = (1, 2, *PRIMES, 37)
 _rows = st.sampled_from(ROWS_CHOICES)
 _prime = st.sampled_from(PRIMES)
-_shape = st.one_of(st.just(()), st.tuples(_rows), st.tuples(_rows, _prime),
-                   st.tuples(st.just(1), _prime),
-                   st.tuples(_rows, st.just(1), st.sampled_from((2, 3))))
-TREES = st.lists(st.tuples(_shape, st.sampled_from(("float32", "float32", "bfloat16"))),
-                 min_size=1, max_size=5)
-PROPERTY_SETTINGS = settings(max_examples=int(os.environ.get("FUNCSHARD_PROPERTY_EXAMPLES", "8")),
-                             deadline=None, derandomize=True, database=None,
-                             suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                    HealthCheck.too_slow])
+_shape = st.one_of(
+    st.just(()),
+    st.tuples(_rows),
+    st.tuples(_rows, _prime),
+    st.tuples(st.just(1), _prime),
+    st.tuples(_rows, st.just(1), st.sampled_from((2, 3))),
+)
+TREES = st.lists(
+    st.tuples(_shape, st.sampled_from(("float32", "float32", "bfloat16"))), min_size=1, max_size=5
+)
+PROPERTY_SETTINGS = settings(
+    max_examples=int(os.environ.get("FUNCSHARD_PROPERTY_EXAMPLES", "8")),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def _tree_model(leaves: list[tuple[tuple[int, ...], str]], seed: int) -> TreeModel:
     gen = torch.Generator().manual_seed(seed)
-    return TreeModel([shape for shape, _ in leaves],
-                     [getattr(torch, dtype) for _, dtype in leaves], gen)
+    return TreeModel(
+        [shape for shape, _ in leaves], [getattr(torch, dtype) for _, dtype in leaves], gen
+    )
 
 
 _MESHES: dict[int, object] = {}
@@ -550,8 +604,9 @@ def shard_gather_case(leaves: list, seed: int, strategy: str) -> bool:
     return True
 
 
-def roundtrip_case(leaves: list, seed: int, a: str, b: str, replicate: int, offload: float,
-                   path: str) -> bool:
+def roundtrip_case(
+    leaves: list, seed: int, a: str, b: str, replicate: int, offload: float, path: str
+) -> bool:
     """Save on one layout, restore on another: params, optimizer state and step survive."""
     world = dist.get_world_size()
     replicate = replicate if world % replicate == 0 else 1
@@ -563,12 +618,14 @@ def roundtrip_case(leaves: list, seed: int, a: str, b: str, replicate: int, offl
     shapes = {s.name: s.shape for s in state.layout.leaves}
     full = _cpu(fs.full_params(state))
     opt = state.opt_state_by_name()
-    moments = {k: (dict(getattr(opt, k)) if a == "no_shard" else
-                   _gather_rows(getattr(opt, k), shapes))
-               for k in ("mu", "nu")}
+    moments = {
+        k: (dict(getattr(opt, k)) if a == "no_shard" else _gather_rows(getattr(opt, k), shapes))
+        for k in ("mu", "nu")
+    }
     fs.save(path, state)
-    like = fs.init(model, fs.optim.adamw(1e-2), mesh=_mesh(replicate), strategy=b,
-                   offload_fraction=offload)
+    like = fs.init(
+        model, fs.optim.adamw(1e-2), mesh=_mesh(replicate), strategy=b, offload_fraction=offload
+    )
     restored = fs.restore(path, like=like)
     assert restored.step == state.step == 1
     for n, t in fs.full_params(restored).items():
@@ -593,15 +650,23 @@ def test_shard_then_gather_is_the_identity(request, pool_name, leaves, seed, str
 
 @pytest.mark.parametrize("pool_name", ["pool2", "pool3", "pool4"])
 @PROPERTY_SETTINGS
-@given(leaves=TREES, seed=st.integers(0, 2**16), a=st.sampled_from(fs.STRATEGIES),
-       b=st.sampled_from(fs.STRATEGIES), replicate=st.sampled_from((1, 2)),
-       offload=st.sampled_from((0.0, 0.5, 1.0)))
-def test_save_then_restore_on_another_layout_is_the_identity(request, pool_name, leaves, seed,
-                                                              a, b, replicate, offload):
+@given(
+    leaves=TREES,
+    seed=st.integers(0, 2**16),
+    a=st.sampled_from(fs.STRATEGIES),
+    b=st.sampled_from(fs.STRATEGIES),
+    replicate=st.sampled_from((1, 2)),
+    offload=st.sampled_from((0.0, 0.5, 1.0)),
+)
+def test_save_then_restore_on_another_layout_is_the_identity(
+    request, pool_name, leaves, seed, a, b, replicate, offload
+):
     pool = request.getfixturevalue(pool_name)
     path = os.path.join(tempfile.mkdtemp(prefix="funcshard-prop-"), "ckpt")
     try:
-        assert pool.run(roundtrip_case, leaves, seed, a, b, replicate, offload,
-                        path) == [True] * pool.nproc
+        assert (
+            pool.run(roundtrip_case, leaves, seed, a, b, replicate, offload, path)
+            == [True] * pool.nproc
+        )
     finally:
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)

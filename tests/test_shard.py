@@ -58,8 +58,11 @@ def full_params_worker(strategy: str) -> float:
     state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy=strategy, policy=policy)
     full = fs.full_params(state)
     assert list(full) == [n for n, _ in model.named_parameters()]
-    return max(float((full[n] - p).abs().max()) for n, p in model.named_parameters()
-               if full[n].dtype == p.dtype)
+    return max(
+        float((full[n] - p).abs().max())
+        for n, p in model.named_parameters()
+        if full[n].dtype == p.dtype
+    )
 
 
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
@@ -96,7 +99,8 @@ def test_add_to_rank_sections_equals_building_them(shard_size: int) -> None:
         grads[4] = None  # no gradient reached it
         grads[0] = torch.randn(5, 37, generator=g).to(dtype).T  # autograd may hand these out
         acc = sharding.to_rank_sections(
-            [torch.randn(s, generator=g) for s in shapes], specs, shard_size, torch.float32)
+            [torch.randn(s, generator=g) for s in shapes], specs, shard_size, torch.float32
+        )
         want = acc + sharding.to_rank_sections(grads, specs, shard_size, torch.float32)
         sharding.add_to_rank_sections(acc, grads, specs, shard_size)
         assert torch.equal(acc, want), dtype

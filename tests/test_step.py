@@ -38,8 +38,12 @@ def nonfinite_worker(strategy: str) -> dict:
 
     state, metrics = fs.train_step(state, batch, poisoned)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, _tensors(state), strict=True))
-    return {"nonfinite": metrics["nonfinite"], "names": metrics["nonfinite_params"],
-            "unchanged": unchanged, "step": state.step}
+    return {
+        "nonfinite": metrics["nonfinite"],
+        "names": metrics["nonfinite_params"],
+        "unchanged": unchanged,
+        "step": state.step,
+    }
 
 
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
@@ -52,8 +56,9 @@ def test_nonfinite_step_changes_nothing_and_names_the_leaves(pool2, strategy: st
 def fp16_worker(strategy: str) -> list:
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model()
-    policy = fs.MixedPrecisionPolicy(param_dtype=torch.float16, loss_scale_init=2.0**10,
-                                     loss_scale_growth_interval=2)
+    policy = fs.MixedPrecisionPolicy(
+        param_dtype=torch.float16, loss_scale_init=2.0**10, loss_scale_growth_interval=2
+    )
     state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, policy=policy, strategy=strategy)
     base = models.make_loss_fn(model)
     batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
@@ -69,8 +74,13 @@ def fp16_worker(strategy: str) -> list:
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_fp16_overflow_halves_the_scale_and_skips_then_growth(pool2, strategy: str) -> None:
     trace = pool2.run(fp16_worker, strategy)[0]
-    assert trace == [1024.0, (1, 512.0, False), (0, 512.0, True), (0, 1024.0, True),
-                     (0, 1024.0, True)]
+    assert trace == [
+        1024.0,
+        (1, 512.0, False),
+        (0, 512.0, True),
+        (0, 1024.0, True),
+        (0, 1024.0, True),
+    ]
 
 
 def consumed_worker() -> list[str]:
@@ -81,8 +91,12 @@ def consumed_worker() -> list[str]:
     batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
     new, _ = fs.train_step(state, batch, loss_fn)
     errors = []
-    for use in (lambda: fs.train_step(state, batch, loss_fn), lambda: state.params,
-                lambda: fs.tree.leaves(state), lambda: fs.full_params(state)):
+    for use in (
+        lambda: fs.train_step(state, batch, loss_fn),
+        lambda: state.params,
+        lambda: fs.tree.leaves(state),
+        lambda: fs.full_params(state),
+    ):
         try:
             use()
             errors.append("no error")
@@ -120,10 +134,12 @@ def donation_worker(via: str, strategy: str, directory: str) -> dict:
     if via == "restore":
         fs.save(directory, state)
     leaves, treedef = fs.tree.flatten(state)
-    aliases = {"replace": state.replace(step=0), "tree_map": fs.tree.map(lambda x: x, state),
-               "unflatten": fs.tree.unflatten(treedef, leaves),
-               "detach": fs.tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
-                                     state)}
+    aliases = {
+        "replace": state.replace(step=0),
+        "tree_map": fs.tree.map(lambda x: x, state),
+        "unflatten": fs.tree.unflatten(treedef, leaves),
+        "detach": fs.tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, state),
+    }
     copy = fs.tree.map(_clone, state)
     before = {n: p.clone() for n, p in state.params.items()}
     new = _donate(via, state, batch, loss_fn, directory)
@@ -140,8 +156,12 @@ def donation_worker(via: str, strategy: str, directory: str) -> dict:
     copy, _ = fs.train_step(copy, batch, loss_fn)
     independent = all(torch.equal(new.params[n], p) for n, p in after_new.items())
     new, _ = fs.train_step(new, batch, loss_fn)  # and the returned state works
-    return {"errors": errors, "untouched": untouched, "independent": independent,
-            "copy_step": copy.step}
+    return {
+        "errors": errors,
+        "untouched": untouched,
+        "independent": independent,
+        "copy_step": copy.step,
+    }
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
@@ -167,8 +187,9 @@ def meta_worker() -> str:
     state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh)
     assert not state.filled
     try:
-        fs.train_step(state, {"x": torch.randn(2, 5), "y": torch.zeros(2).long()},
-                      models.make_loss_fn(model))
+        fs.train_step(
+            state, {"x": torch.randn(2, 5), "y": torch.zeros(2).long()}, models.make_loss_fn(model)
+        )
     except RuntimeError as e:
         return str(e)
     return "no error"
@@ -218,8 +239,9 @@ def penalty_worker(strategy: str) -> dict:
 
     def loss_fn(params, b):
         assert "head.weight" in params and "nope" not in params and len(params) == 17
-        return base(params, b) + 0.3 * (params["head.weight"].square().sum()
-                                        + params["scale"].square())
+        return base(params, b) + 0.3 * (
+            params["head.weight"].square().sum() + params["scale"].square()
+        )
 
     ref = models.make_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -229,12 +251,15 @@ def penalty_worker(strategy: str) -> dict:
         opt.zero_grad()
         out = ref(glob["x"])
         loss = torch.nn.functional.cross_entropy(out, glob["y"]) + 0.3 * (
-            ref.head.weight.square().sum() + ref.scale.square())
+            ref.head.weight.square().sum() + ref.scale.square()
+        )
         loss.backward()
         opt.step()
     got = fs.full_params(state)
-    return {n: float((got[n] - p.detach()).abs().max() / p.detach().abs().max().clamp_min(1e-12))
-            for n, p in ref.named_parameters()}
+    return {
+        n: float((got[n] - p.detach()).abs().max() / p.detach().abs().max().clamp_min(1e-12))
+        for n, p in ref.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
@@ -315,14 +340,21 @@ def sharing_worker(kind: str, strategy: str) -> float:
     torch.manual_seed(0)
     model = SharedBlocks() if kind == "shared" else TiedAcrossUnits()
     ref = copy.deepcopy(model)
-    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=fs.make_mesh(device_type="cpu"),
-                    strategy=strategy)
+    state = fs.init(
+        model,
+        fs.optim.sgd(0.1, momentum=0.9),
+        mesh=fs.make_mesh(device_type="cpu"),
+        strategy=strategy,
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
         g = torch.Generator().manual_seed(step)
-        x = (torch.randn(6 * world, 8, generator=g) if kind == "shared"
-             else torch.randint(0, 11, (6 * world, 3), generator=g))
+        x = (
+            torch.randn(6 * world, 8, generator=g)
+            if kind == "shared"
+            else torch.randint(0, 11, (6 * world, 3), generator=g)
+        )
         y = torch.randint(0, 11, x.shape[:1] if kind == "shared" else x.shape, generator=g)
 
         def loss_fn(params, b, m=model):
@@ -370,15 +402,20 @@ def checkpointing_worker(inside: bool, strategy: str):
     torch.manual_seed(0)
     model = Checkpointing(inside)
     ref = copy.deepcopy(model)
-    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=fs.make_mesh(device_type="cpu"),
-                    strategy=strategy)
+    state = fs.init(
+        model,
+        fs.optim.sgd(0.1, momentum=0.9),
+        mesh=fs.make_mesh(device_type="cpu"),
+        strategy=strategy,
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     try:
         for step in range(3):  # from the second step on, stale weights would show
             glob = models.global_batch(step, 4 * world)
-            state, _ = fs.train_step(state, models.local_batch(glob, rank, world),
-                                     models.make_loss_fn(model), 2)
+            state, _ = fs.train_step(
+                state, models.local_batch(glob, rank, world), models.make_loss_fn(model), 2
+            )
             opt.zero_grad()
             nn.functional.cross_entropy(ref(glob["x"]), glob["y"]).backward()
             opt.step()
@@ -399,8 +436,9 @@ def test_activation_checkpointing_recomputes_with_this_steps_weights(pool2, insi
 
 def kept_params_worker(strategy: str) -> str:
     model = models.make_model()
-    state = fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"),
-                    strategy=strategy)
+    state = fs.init(
+        model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy
+    )
     kept = []
     base = models.make_loss_fn(model)
 

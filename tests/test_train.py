@@ -22,18 +22,34 @@ sys.path.insert(0, str(ROOT))
 from experiments import data as data_lib  # noqa: E402
 
 SCRIPT = ROOT / "experiments" / "train.py"
-TINY = ["--n_layer=1", "--d_model=16", "--n_head=2", "--batch_size=4", "--seq_len=8",
-        "--eval_batches=1", "--threads=1", "--warmup=2", "--log_every=1"]
+TINY = [
+    "--n_layer=1",
+    "--d_model=16",
+    "--n_head=2",
+    "--batch_size=4",
+    "--seq_len=8",
+    "--eval_batches=1",
+    "--threads=1",
+    "--warmup=2",
+    "--log_every=1",
+]
 FINAL = re.compile(r"^final loss (\d+\.\d+) nats/token, floor (\d+\.\d+), gap (-?\d+\.\d+)%$", re.M)
 
 
 def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 # --- the floor -------------------------------------------------------------------------------
+
 
 def test_entropy_rate_of_a_deterministic_chain_is_zero():
     V = 5
@@ -77,16 +93,19 @@ def test_floor_matches_the_empirical_loss_of_the_true_model():
 
 # --- the data order --------------------------------------------------------------------------
 
+
 def test_batches_are_a_function_of_seed_step_and_rank():
     src = data_lib.make_markov(16, 0.1, seed=3)
     full = src.batch(5, batch_size=8, seq_len=10)
     parts = [src.batch(5, batch_size=8, seq_len=10, rank=r, world=4) for r in range(4)]
     torch.testing.assert_close(torch.cat(parts), full)
-    torch.testing.assert_close(data_lib.make_markov(16, 0.1, seed=3).batch(5, batch_size=8,
-                                                                           seq_len=10), full)
+    torch.testing.assert_close(
+        data_lib.make_markov(16, 0.1, seed=3).batch(5, batch_size=8, seq_len=10), full
+    )
     assert not torch.equal(src.batch(6, batch_size=8, seq_len=10), full)
-    assert not torch.equal(data_lib.make_markov(16, 0.1, seed=4).batch(5, batch_size=8,
-                                                                       seq_len=10), full)
+    assert not torch.equal(
+        data_lib.make_markov(16, 0.1, seed=4).batch(5, batch_size=8, seq_len=10), full
+    )
     held_out = src.batch(5, batch_size=8, seq_len=10, stream=data_lib.EVAL)
     assert not torch.equal(held_out, full)
 
@@ -103,12 +122,16 @@ def test_text_source_windows_come_from_the_file(tmp_path):
 
 # --- flags -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, flag", [
-    (["--strategy=zero9"], "--strategy"),
-    (["--shard=3", "--replicate=1"], "--shard"),
-    (["--offload_fraction=1.5"], "--offload_fraction"),
-    (["--param_dtype=bf17"], "--param_dtype"),
-])
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--strategy=zero9"], "--strategy"),
+        (["--shard=3", "--replicate=1"], "--shard"),
+        (["--offload_fraction=1.5"], "--offload_fraction"),
+        (["--param_dtype=bf17"], "--param_dtype"),
+    ],
+)
 def test_bad_flags_fail_before_launching_and_name_the_flag(args, flag):
     out = _train("--nproc=2", *args, timeout=120)
     assert out.returncode != 0
@@ -117,6 +140,7 @@ def test_bad_flags_fail_before_launching_and_name_the_flag(args, flag):
 
 
 # --- a run, and a resumed run ----------------------------------------------------------------
+
 
 def _rows(out_dir: Path) -> tuple[list[dict], dict]:
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -162,5 +186,6 @@ def test_train_runs_and_resumes_bit_identically(tmp_path):
     assert ckpt_a["step"] == ckpt_b["step"] == 6
     assert set(ckpt_a["params"]) == set(ckpt_b["params"])
     for name, value in ckpt_a["params"].items():
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(ckpt_b["params"][name]),
-                                      err_msg=name)
+        np.testing.assert_array_equal(
+            np.asarray(value), np.asarray(ckpt_b["params"][name]), err_msg=name
+        )

@@ -22,14 +22,29 @@ def hf_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
-            tie_word_embeddings=False, attn_implementation="eager")
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
         model = transformers.LlamaForCausalLM(config)
     else:
         config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=SEQ, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+            vocab_size=VOCAB,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="eager",
+        )
         model = transformers.GPT2LMHeadModel(config)
     return model.float().train()
 
@@ -49,8 +64,12 @@ def hf_checkpointing_worker(kind: str, strategy: str, checkpointing: bool) -> di
     ref = copy.deepcopy(model)
     if checkpointing:
         model.gradient_checkpointing_enable()
-    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=fs.make_mesh(device_type="cpu"),
-                    strategy=strategy)
+    state = fs.init(
+        model,
+        fs.optim.sgd(0.1, momentum=0.9),
+        mesh=fs.make_mesh(device_type="cpu"),
+        strategy=strategy,
+    )
     layout = state.layout
     after_forward = []
     attention_calls = []  # forward, and again in backward where a layer is recomputed
@@ -59,8 +78,9 @@ def hf_checkpointing_worker(kind: str, strategy: str, checkpointing: bool) -> di
             module.register_forward_hook(lambda *_: attention_calls.append(1))
 
     def loss_fn(params, tokens):
-        out = fs.functional_call(model, params, (), {"input_ids": tokens[:, :-1],
-                                                      "use_cache": False})
+        out = fs.functional_call(
+            model, params, (), {"input_ids": tokens[:, :-1], "use_cache": False}
+        )
         after_forward.append(stats.gathered_live)
         return _ce(model, out.logits, tokens)
 
@@ -78,10 +98,16 @@ def hf_checkpointing_worker(kind: str, strategy: str, checkpointing: bool) -> di
     ref_params = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}
     full_unit = max(b.numel for b in layout.buckets if b.unit != 0) * layout.shard_size * 4
     root = sum(b.numel for b in layout.buckets if b.unit == 0) * layout.shard_size * 4
-    return {"err": models.max_rel_err(got, ref_params), "gathers": calls,
-            "buckets": len(layout.buckets), "units": len(layout.units),
-            "after_forward": after_forward, "peak": stats.gathered_peak,
-            "bound": 2 * full_unit + root, "attention_calls": len(attention_calls)}
+    return {
+        "err": models.max_rel_err(got, ref_params),
+        "gathers": calls,
+        "buckets": len(layout.buckets),
+        "units": len(layout.units),
+        "after_forward": after_forward,
+        "peak": stats.gathered_peak,
+        "bound": 2 * full_unit + root,
+        "attention_calls": len(attention_calls),
+    }
 
 
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
@@ -124,8 +150,9 @@ class Raising(models.MLP):
 
 def user_error_worker(strategy: str) -> list[str]:
     model = Raising()
-    state = fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"),
-                    strategy=strategy)
+    state = fs.init(
+        model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy
+    )
     batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
     base = models.make_loss_fn(model)
 
@@ -150,8 +177,10 @@ def user_error_worker(strategy: str) -> list[str]:
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
 def test_an_error_of_the_loss_fn_comes_back_unchanged(pool2, strategy: str) -> None:
     for seen in pool2.run(user_error_worker, strategy):
-        assert seen == ["RuntimeError: tokenizer metadata missing",
-                        "RuntimeError: tokenizer metadata missing (inside a unit)"], seen
+        assert seen == [
+            "RuntimeError: tokenizer metadata missing",
+            "RuntimeError: tokenizer metadata missing (inside a unit)",
+        ], seen
 
 
 class Peeking(models.MLP):
@@ -165,8 +194,9 @@ class Peeking(models.MLP):
 def outside_worker(strategy: str) -> str:
     torch.manual_seed(0)
     model = Peeking()
-    state = fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"),
-                    strategy=strategy)
+    state = fs.init(
+        model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy
+    )
     batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
     try:
         fs.train_step(state, batch, models.make_loss_fn(model))

@@ -16,8 +16,9 @@ from funcshard.state import TrainState
 __all__ = ["save", "restore", "rebuild_from_params", "open_source"]
 
 
-def save(directory: str | os.PathLike, state: TrainState, *,
-         chunk_bytes: int = CHUNK_BYTES) -> None:
+def save(
+    directory: str | os.PathLike, state: TrainState, *, chunk_bytes: int = CHUNK_BYTES
+) -> None:
     """Writes ``state`` as one Orbax checkpoint at ``directory`` (collective).
 
     Every rank writes its own rows of each array; the directory appears only when complete.
@@ -42,8 +43,9 @@ def open_source(path: str) -> Source:
     return OrbaxSource(path)
 
 
-def restore(directory: str | os.PathLike, *, like: TrainState,
-            model_only: bool = False) -> TrainState:
+def restore(
+    directory: str | os.PathLike, *, like: TrainState, model_only: bool = False
+) -> TrainState:
     """Reads a checkpoint into ``like``'s layout (collective; consumes ``like``).
 
     Each rank reads only the rows its shards need; the mesh, strategy, policy and offload

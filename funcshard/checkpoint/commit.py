@@ -78,8 +78,7 @@ class Agreement:
 
     def failed_ranks(self, ok: bool) -> list[int]:
         """All-reduces one success flag per rank; the ranks that failed (all ranks agree)."""
-        flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.int32,
-                            device=self.device)
+        flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.int32, device=self.device)
         flags[self.rank] = 0 if ok else 1
         dist.all_reduce(flags, group=self.group)
         return [r for r, f in enumerate(flags.tolist()) if f]
@@ -95,8 +94,12 @@ class Agreement:
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
         msg = [value]
-        dist.broadcast_object_list(msg, group_src=0, group=self.group,
-                                   device=self.device if self.device.type != "cpu" else None)
+        dist.broadcast_object_list(
+            msg,
+            group_src=0,
+            group=self.group,
+            device=self.device if self.device.type != "cpu" else None,
+        )
         return msg[0]
 
 
@@ -173,8 +176,9 @@ def _settle(futures: list[Any]) -> list[Any]:
     return results
 
 
-def write_arrays(item_dir: str, arrays: list[tree_lib.ArrayWrite], scalars: dict[Keys, Any],
-                 is_first: bool) -> None:
+def write_arrays(
+    item_dir: str, arrays: list[tree_lib.ArrayWrite], scalars: dict[Keys, Any], is_first: bool
+) -> None:
     """Writes this rank's rows (and, on the first rank, array metadata and scalars) durably.
 
     Returns or raises only once every write it started has finished, so that a failed save's
@@ -186,9 +190,11 @@ def write_arrays(item_dir: str, arrays: list[tree_lib.ArrayWrite], scalars: dict
     for a in arrays:
         if a.data is None and not is_first:
             continue
-        spec = {"driver": "zarr",
-                "kvstore": {"driver": "file", "path": os.path.join(item_dir, param_dir(a.keys))},
-                "metadata": zarr_metadata(a.shape, ZARR_DTYPE[a.dtype], a.chunk_rows)}
+        spec = {
+            "driver": "zarr",
+            "kvstore": {"driver": "file", "path": os.path.join(item_dir, param_dir(a.keys))},
+            "metadata": zarr_metadata(a.shape, ZARR_DTYPE[a.dtype], a.chunk_rows),
+        }
         # one rank writes each .zarray; the others only write their chunks
         spec.update({"create": True} if is_first else {"open": True, "assume_metadata": True})
         specs.append(spec)
@@ -196,10 +202,14 @@ def write_arrays(item_dir: str, arrays: list[tree_lib.ArrayWrite], scalars: dict
     if is_first:
         for keys, value in scalars.items():
             dtype = scalar_dtype(value)
-            specs.append({"driver": "zarr", "create": True,
-                          "kvstore": {"driver": "file",
-                                      "path": os.path.join(item_dir, param_dir(keys))},
-                          "metadata": zarr_metadata((), dtype, 1)})
+            specs.append(
+                {
+                    "driver": "zarr",
+                    "create": True,
+                    "kvstore": {"driver": "file", "path": os.path.join(item_dir, param_dir(keys))},
+                    "metadata": zarr_metadata((), dtype, 1),
+                }
+            )
             sources.append(np.asarray(value, dtype=np.dtype(dtype)))
     opened = _settle([ts.open(spec, context=ctx) for spec in specs])
     writes = []
@@ -251,13 +261,26 @@ class Saver:
         self._atexit = False
 
     # the two disk-touching steps -----------------------------------------------------------
-    def write_arrays(self, item_dir: str, arrays: list[tree_lib.ArrayWrite],
-                     scalars: dict[Keys, Any], is_first: bool) -> None:
+    def write_arrays(
+        self,
+        item_dir: str,
+        arrays: list[tree_lib.ArrayWrite],
+        scalars: dict[Keys, Any],
+        is_first: bool,
+    ) -> None:
         write_arrays(item_dir, arrays, scalars, is_first)
 
-    def write_metadata(self, tmp: str, item_dir: str, final: str,
-                       arrays: list[tree_lib.ArrayWrite], scalars: dict[Keys, Any],
-                       info: dict, started_ns: int, item: str | None) -> None:
+    def write_metadata(
+        self,
+        tmp: str,
+        item_dir: str,
+        final: str,
+        arrays: list[tree_lib.ArrayWrite],
+        scalars: dict[Keys, Any],
+        info: dict,
+        started_ns: int,
+        item: str | None,
+    ) -> None:
         write_item_metadata(item_dir, [a.keys for a in arrays], list(scalars))
         write_checkpoint_metadata(tmp, os.path.basename(final), item, info, started_ns)
         fsync_dir(item_dir)
@@ -282,13 +305,22 @@ class Saver:
         if failed:
             if first:  # nothing of a failed save stays behind
                 remove_tree(job.tmp)
-            raise error or RuntimeError(f"save to {job.final}: writing failed on rank(s) "
-                                        f"{failed}; see their errors")
+            raise error or RuntimeError(
+                f"save to {job.final}: writing failed on rank(s) {failed}; see their errors"
+            )
         error = None
         if first:
             try:
-                self.write_metadata(job.tmp, job.item_dir, job.final, job.arrays, job.scalars,
-                                    job.info, job.started_ns, job.item)
+                self.write_metadata(
+                    job.tmp,
+                    job.item_dir,
+                    job.final,
+                    job.arrays,
+                    job.scalars,
+                    job.info,
+                    job.started_ns,
+                    job.item,
+                )
                 commit(job.tmp, job.final)
                 if job.after_commit is not None:
                     job.after_commit()
@@ -298,8 +330,15 @@ class Saver:
                     remove_tree(job.tmp)  # not committed: nothing of it stays behind
         agreement.raise_if_failed(f"save to {job.final}: commit", error)
 
-    def save(self, directory: str | os.PathLike, state: TrainState, *, background: bool = False,
-             item: str | None = None, after_commit: Callable[[], None] | None = None) -> None:
+    def save(
+        self,
+        directory: str | os.PathLike,
+        state: TrainState,
+        *,
+        background: bool = False,
+        item: str | None = None,
+        after_commit: Callable[[], None] | None = None,
+    ) -> None:
         """Writes ``state`` at ``directory`` (collective; see ``funcshard.checkpoint.save``).
 
         Args:
@@ -312,17 +351,19 @@ class Saver:
         """
         state._check()
         if not state.filled:
-            raise RuntimeError("save: the state holds no values (built from a meta-device "
-                               "model); fill it with fs.restore(..., model_only=True) first")
+            raise RuntimeError(
+                "save: the state holds no values (built from a meta-device "
+                "model); fill it with fs.restore(..., model_only=True) first"
+            )
         self.wait()
         agreement = self._agreement(state.layout, background)
         final = os.path.abspath(os.fspath(directory))
         started = time.time_ns()
-        arrays, scalars = tree_lib.plan_writes(state, stage=background,
-                                               chunk_bytes=self.chunk_bytes)
+        arrays, scalars = tree_lib.plan_writes(
+            state, stage=background, chunk_bytes=self.chunk_bytes
+        )
         tmp = start(final, agreement)
-        job = _Job(final, tmp, item, arrays, scalars, tree_lib.info(state), started,
-                   after_commit)
+        job = _Job(final, tmp, item, arrays, scalars, tree_lib.info(state), started, after_commit)
         if not background:
             self._run(job, agreement)
             return
@@ -335,8 +376,7 @@ class Saver:
                 self._error = e
 
         self._final = final
-        self._thread = threading.Thread(target=target, name="funcshard-checkpoint",
-                                        daemon=True)
+        self._thread = threading.Thread(target=target, name="funcshard-checkpoint", daemon=True)
         if not self._atexit:
             atexit.register(self._wait_at_exit)
             self._atexit = True

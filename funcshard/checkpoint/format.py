@@ -47,9 +47,15 @@ ZARR_DTYPE = {
     torch.bfloat16: "bfloat16",
 }
 NUMPY_DTYPE = {  # zarr dtype string -> numpy dtype (what chunk files hold, little-endian)
-    "<f4": np.dtype("<f4"), "<f8": np.dtype("<f8"), "<f2": np.dtype("<f2"),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16), "<i8": np.dtype("<i8"), "<i4": np.dtype("<i4"),
-    "|b1": np.dtype(bool), "<u4": np.dtype("<u4"), "<i2": np.dtype("<i2"),
+    "<f4": np.dtype("<f4"),
+    "<f8": np.dtype("<f8"),
+    "<f2": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "<i8": np.dtype("<i8"),
+    "<i4": np.dtype("<i4"),
+    "|b1": np.dtype(bool),
+    "<u4": np.dtype("<u4"),
+    "<i2": np.dtype("<i2"),
 }
 TORCH_FROM_NUMPY = {
     np.dtype(np.float32): torch.float32,
@@ -109,9 +115,17 @@ def chunk_rows(piece_rows: int, row_bytes: int, chunk_bytes: int = CHUNK_BYTES) 
 def zarr_metadata(shape: Sequence[int], dtype: str, rows_per_chunk: int) -> dict:
     """The ``.zarray`` of one leaf (``dtype`` a zarr dtype string)."""
     chunks = [rows_per_chunk, *(max(d, 1) for d in shape[1:])] if shape else []
-    return {"zarr_format": 2, "shape": list(shape), "chunks": chunks, "dtype": dtype,
-            "compressor": None, "fill_value": None, "filters": None, "order": "C",
-            "dimension_separator": "."}
+    return {
+        "zarr_format": 2,
+        "shape": list(shape),
+        "chunks": chunks,
+        "dtype": dtype,
+        "compressor": None,
+        "fill_value": None,
+        "filters": None,
+        "order": "C",
+        "dimension_separator": ".",
+    }
 
 
 def chunk_file(index: int, ndim: int, separator: str = ".") -> str:
@@ -129,8 +143,10 @@ def scalar_dtype(value: int | float) -> str:
 
 
 def leaf_metadata(keys: Keys, value_type: str) -> dict:
-    return {"key_metadata": [{"key": k, "key_type": 2} for k in keys],
-            "value_metadata": {"value_type": value_type, "skip_deserialize": False}}
+    return {
+        "key_metadata": [{"key": k, "key_type": 2} for k in keys],
+        "value_metadata": {"value_type": value_type, "skip_deserialize": False},
+    }
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -148,11 +164,14 @@ def read_json(path: str) -> dict:
     try:
         obj = json.loads(text)
     except ValueError as e:
-        raise ValueError(f"restore: {path} is not valid JSON ({e}); the checkpoint is "
-                         "damaged") from None
+        raise ValueError(
+            f"restore: {path} is not valid JSON ({e}); the checkpoint is damaged"
+        ) from None
     if not isinstance(obj, dict):
-        raise ValueError(f"restore: {path} holds a JSON {type(obj).__name__}, expected an "
-                         "object; the checkpoint is damaged")
+        raise ValueError(
+            f"restore: {path} holds a JSON {type(obj).__name__}, expected an "
+            "object; the checkpoint is damaged"
+        )
     return obj
 
 
@@ -175,15 +194,22 @@ def write_item_metadata(item_dir: str, arrays: Sequence[Keys], scalars: Sequence
     """The item's ``_METADATA`` (its tree) and ``commit_success.txt``."""
     tree = {str(k): leaf_metadata(k, "np.ndarray") for k in arrays}
     tree.update({str(k): leaf_metadata(k, "scalar") for k in scalars})
-    write_json(os.path.join(item_dir, METADATA_FILE), {
-        "tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
-        "store_array_data_equal_to_fill_value": True, "custom_metadata": None,
-    })
+    write_json(
+        os.path.join(item_dir, METADATA_FILE),
+        {
+            "tree_metadata": tree,
+            "use_ocdbt": False,
+            "use_zarr3": False,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None,
+        },
+    )
     write_commit_file(item_dir, os.path.basename(item_dir))
 
 
-def write_checkpoint_metadata(directory: str, final_name: str, item: str | None, info: dict,
-                              started_ns: int) -> None:
+def write_checkpoint_metadata(
+    directory: str, final_name: str, item: str | None, info: dict, started_ns: int
+) -> None:
     """``_CHECKPOINT_METADATA`` and ``commit_success.txt`` of a checkpoint or step directory.
 
     ``item`` None: the item is the directory itself (``PyTreeCheckpointer`` reads it);
@@ -191,9 +217,15 @@ def write_checkpoint_metadata(directory: str, final_name: str, item: str | None,
     ``CheckpointManager`` requires of a step.
     """
     handlers: str | dict = ORBAX_HANDLER if item is None else {item: ORBAX_HANDLER}
-    write_json(os.path.join(directory, CHECKPOINT_METADATA_FILE), {
-        "item_handlers": handlers, "metrics": {}, "performance_metrics": {},
-        "init_timestamp_nsecs": started_ns, "commit_timestamp_nsecs": time.time_ns(),
-        "custom_metadata": {"funcshard": info},
-    })
+    write_json(
+        os.path.join(directory, CHECKPOINT_METADATA_FILE),
+        {
+            "item_handlers": handlers,
+            "metrics": {},
+            "performance_metrics": {},
+            "init_timestamp_nsecs": started_ns,
+            "commit_timestamp_nsecs": time.time_ns(),
+            "custom_metadata": {"funcshard": info},
+        },
+    )
     write_commit_file(directory, final_name)

@@ -35,9 +35,18 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # safetensors' own limit on the header size
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 CODES = {v: k for k, v in DTYPES.items()}
 
 
@@ -45,8 +54,11 @@ def is_safetensors(path: str) -> bool:
     """A safetensors file, or a directory holding ``model.safetensors`` or the index."""
     if os.path.isfile(path):
         return path.endswith(".safetensors")
-    return (os.path.isdir(path) and not os.path.exists(os.path.join(path, "_METADATA"))
-            and any(os.path.exists(os.path.join(path, f)) for f in (SINGLE, INDEX)))
+    return (
+        os.path.isdir(path)
+        and not os.path.exists(os.path.join(path, "_METADATA"))
+        and any(os.path.exists(os.path.join(path, f)) for f in (SINGLE, INDEX))
+    )
 
 
 def _files(path: str) -> list[str]:
@@ -110,12 +122,15 @@ class SafetensorsSource:
                     raise ValueError(f"restore: {file}: header entry {name!r} lacks {e}") from None
                 dtype = DTYPES.get(code)
                 if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
-                    raise ValueError(f"restore: {file}: {name} spans {end - begin} bytes, its "
-                                     f"shape {shape} and dtype {code} need "
-                                     f"{math.prod(shape) * dtype.itemsize}")
+                    raise ValueError(
+                        f"restore: {file}: {name} spans {end - begin} bytes, its "
+                        f"shape {shape} and dtype {code} need "
+                        f"{math.prod(shape) * dtype.itemsize}"
+                    )
                 keys = ("params", name)
-                self.dtype_names[keys] = (str(dtype).removeprefix("torch.") if dtype is not None
-                                          else code)
+                self.dtype_names[keys] = (
+                    str(dtype).removeprefix("torch.") if dtype is not None else code
+                )
                 self.tensors[keys] = _Tensor(file, dtype or torch.uint8, shape, data + begin)
 
     def arrays(self) -> dict[Keys, tuple[tuple[int, ...], str]]:
@@ -138,8 +153,10 @@ class SafetensorsSource:
                     fds[t.file] = os.open(t.file, os.O_RDONLY)
                 got = os.preadv(fds[t.file], [view], t.offset + start * row_bytes) if n else 0
                 if got != n:
-                    raise OSError(f"restore: {t.file}: {keys[-1]} is short ({got} of {n} bytes "
-                                  f"at rows {start}:{stop})")
+                    raise OSError(
+                        f"restore: {t.file}: {keys[-1]} is short ({got} of {n} bytes "
+                        f"at rows {start}:{stop})"
+                    )
                 if not direct:
                     out.copy_(buf)
                 stats.count(True, n)
@@ -171,8 +188,11 @@ def _header_bytes(entries: Sequence[_Entry]) -> tuple[bytes, list[int]]:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offsets, at = [], 0
     for e in entries:
-        header[e.name] = {"dtype": CODES[e.dtype], "shape": list(e.shape),
-                          "data_offsets": [at, at + e.nbytes]}
+        header[e.name] = {
+            "dtype": CODES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [at, at + e.nbytes],
+        }
         offsets.append(at)
         at += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -196,9 +216,13 @@ def _file_names(n: int) -> list[str]:
     return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def export_safetensors(directory: str | os.PathLike, state: TrainState, *,
-                       dtype: torch.dtype | None = None,
-                       max_shard_bytes: int = 5 << 30) -> None:
+def export_safetensors(
+    directory: str | os.PathLike,
+    state: TrainState,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 << 30,
+) -> None:
     """Writes the params of ``state`` as a Hugging Face safetensors checkpoint (collective).
 
     ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files of at most
@@ -221,15 +245,18 @@ def export_safetensors(directory: str | os.PathLike, state: TrainState, *,
     """
     state._check()
     if not state.filled:
-        raise RuntimeError("export_safetensors: the state holds no values (built from a "
-                           "meta-device model); fill it with fs.restore first")
+        raise RuntimeError(
+            "export_safetensors: the state holds no values (built from a "
+            "meta-device model); fill it with fs.restore first"
+        )
     if dtype is not None and dtype not in CODES:
         raise ValueError(f"export_safetensors: dtype {dtype} has no safetensors code")
     layout = state.layout
     specs = {s.name: s for s in layout.leaves}
     entries = [_Entry(s.name, s.name, dtype or s.dtypes.model, s.shape) for s in layout.leaves]
-    entries += [_Entry(a, p, dtype or specs[p].dtypes.model, specs[p].shape)
-                for a, p in layout.aliases]
+    entries += [
+        _Entry(a, p, dtype or specs[p].dtypes.model, specs[p].shape) for a, p in layout.aliases
+    ]
     files = _plan_files(entries, max_shard_bytes)
     names = _file_names(len(files))
     headers = [_header_bytes(f) for f in files]
@@ -259,8 +286,9 @@ def export_safetensors(directory: str | os.PathLike, state: TrainState, *,
                 total = sum(e.nbytes for e in entries)
                 weight_map = {e.name: n for n, f in zip(names, files, strict=True) for e in f}
                 with open(os.path.join(tmp, INDEX), "w") as f:
-                    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
-                              indent=2)
+                    json.dump(
+                        {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
+                    )
                     f.flush()
                     os.fsync(f.fileno())
             fsync_dir(tmp)
@@ -272,8 +300,9 @@ def export_safetensors(directory: str | os.PathLike, state: TrainState, *,
     agreement.raise_if_failed(f"export to {final}: commit", error)
 
 
-def _agree(agreement: commit_lib.Agreement, what: str, error: BaseException | None,
-           tmp: str) -> None:
+def _agree(
+    agreement: commit_lib.Agreement, what: str, error: BaseException | None, tmp: str
+) -> None:
     failed = agreement.failed_ranks(error is None)
     if failed:
         if agreement.rank == 0:
@@ -281,8 +310,13 @@ def _agree(agreement: commit_lib.Agreement, what: str, error: BaseException | No
         raise error or RuntimeError(f"{what} failed on rank(s) {failed}; see their errors")
 
 
-def _write_rows(state: TrainState, tmp: str, names: list[str],
-                headers: list[tuple[bytes, list[int]]], files: list[list[_Entry]]) -> None:
+def _write_rows(
+    state: TrainState,
+    tmp: str,
+    names: list[str],
+    headers: list[tuple[bytes, list[int]]],
+    files: list[list[_Entry]],
+) -> None:
     """This rank's rows of every entry, at their offsets, then fsync of every file."""
     layout = state.layout
     writers = tree_lib.Writers.of(layout)

@@ -29,11 +29,13 @@ class CheckpointManager:
     ``saver`` owns the asynchronous save in flight (one at a time).
     """
 
-    def __init__(self, root: str | os.PathLike, max_to_keep: int | None = 3, *,
-                 async_save: bool = True) -> None:
+    def __init__(
+        self, root: str | os.PathLike, max_to_keep: int | None = 3, *, async_save: bool = True
+    ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"CheckpointManager: max_to_keep must be >= 1 or None, "
-                             f"got {max_to_keep}")
+            raise ValueError(
+                f"CheckpointManager: max_to_keep must be >= 1 or None, got {max_to_keep}"
+            )
         self.root = os.path.abspath(os.fspath(root))
         self.max_to_keep = max_to_keep
         self.async_save = async_save
@@ -84,11 +86,17 @@ class CheckpointManager:
 
     def save(self, step: int, state: TrainState) -> None:
         """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``."""
-        self.saver.save(self._dir(step), state, background=self.async_save, item=DEFAULT_ITEM,
-                        after_commit=lambda: self._retain(int(step)))
+        self.saver.save(
+            self._dir(step),
+            state,
+            background=self.async_save,
+            item=DEFAULT_ITEM,
+            after_commit=lambda: self._retain(int(step)),
+        )
 
-    def restore(self, step: int | None = None, *, like: TrainState,
-                model_only: bool = False) -> TrainState:
+    def restore(
+        self, step: int | None = None, *, like: TrainState, model_only: bool = False
+    ) -> TrainState:
         """Restores ``step`` (default: the latest complete one) into ``like``'s layout."""
         if step is None:
             step = self.latest_step()

@@ -82,8 +82,9 @@ def resolve_orbax_item(path: str) -> tuple[str, str, bool]:
         return path, path, False
     if not os.path.isdir(path):
         raise FileNotFoundError(f"restore: {path} does not exist")
-    items = sorted(d for d in os.listdir(path)
-                   if os.path.exists(os.path.join(path, d, METADATA_FILE)))
+    items = sorted(
+        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, METADATA_FILE))
+    )
     if len(items) == 1 or "params" in items:
         item = items[0] if len(items) == 1 else "params"
         return os.path.join(path, item), path, item == "params"
@@ -91,9 +92,12 @@ def resolve_orbax_item(path: str) -> tuple[str, str, bool]:
         raise FileNotFoundError(
             f"restore: {path} holds no Orbax checkpoint (no _METADATA in it nor in an item "
             f"directory of it) and no Hugging Face safetensors (model.safetensors or "
-            f"model.safetensors.index.json); it holds {sorted(os.listdir(path))[:20]}")
-    raise FileNotFoundError(f"restore: {path} holds several Orbax items {items} and none is "
-                            "named 'params'; pass the item's directory")
+            f"model.safetensors.index.json); it holds {sorted(os.listdir(path))[:20]}"
+        )
+    raise FileNotFoundError(
+        f"restore: {path} holds several Orbax items {items} and none is "
+        "named 'params'; pass the item's directory"
+    )
 
 
 def _dtype_name(zarr_dtype: str) -> str:
@@ -118,12 +122,14 @@ class OrbaxSource:
         self.driver = "zarr3" if meta.get("use_zarr3", False) else "zarr"
         stored: dict[Keys, tuple[Keys, str]] = {}
         try:
-            entries = [(tuple(str(k["key"]) for k in e["key_metadata"]),
-                        e["value_metadata"]["value_type"])
-                       for e in meta["tree_metadata"].values()]
+            entries = [
+                (tuple(str(k["key"]) for k in e["key_metadata"]), e["value_metadata"]["value_type"])
+                for e in meta["tree_metadata"].values()
+            ]
         except (KeyError, TypeError) as e:
-            raise ValueError(f"restore: {self.directory}/_METADATA lacks {e}; the checkpoint "
-                             "is damaged") from None
+            raise ValueError(
+                f"restore: {self.directory}/_METADATA lacks {e}; the checkpoint is damaged"
+            ) from None
         if not root_is_params and not any(k[:1] == ("params",) for k, _ in entries):
             root_is_params = True  # a bare params tree (e.g. StandardSave(params))
         for keys, value_type in entries:
@@ -159,17 +165,23 @@ class OrbaxSource:
         if not self.use_ocdbt and self.driver == "zarr":
             path = os.path.join(self.directory, self._leaf_dir(keys), ".zarray")
             if not os.path.exists(path):
-                raise FileNotFoundError(f"restore: {self.directory}: array "
-                                        f"{self._leaf_dir(keys)} is missing its .zarray")
+                raise FileNotFoundError(
+                    f"restore: {self.directory}: array "
+                    f"{self._leaf_dir(keys)} is missing its .zarray"
+                )
             md = read_json(path)
             try:
                 shape, chunks = list(md["shape"]), list(md["chunks"])
-                simple = (md.get("compressor") is None and not md.get("filters")
-                          and md.get("order") == "C" and md["dtype"] in NUMPY_DTYPE
-                          and chunks[1:] == shape[1:] and (chunks or not shape))
+                simple = (
+                    md.get("compressor") is None
+                    and not md.get("filters")
+                    and md.get("order") == "C"
+                    and md["dtype"] in NUMPY_DTYPE
+                    and chunks[1:] == shape[1:]
+                    and (chunks or not shape)
+                )
             except (KeyError, TypeError) as e:
-                raise ValueError(f"restore: {path} lacks {e}; the checkpoint is "
-                                 "damaged") from None
+                raise ValueError(f"restore: {path} lacks {e}; the checkpoint is damaged") from None
             if not simple:
                 md = None
         self._zarray[keys] = md
@@ -234,16 +246,16 @@ class OrbaxSource:
                 fd = os.open(os.path.join(leaf, chunk_file(k, len(shape), sep)), os.O_RDONLY)
             except FileNotFoundError:
                 if self.info is not None:  # funcshard writes every chunk: data was lost
-                    raise FileNotFoundError(f"{self.directory}: chunk {k} of "
-                                            f"{self._leaf_dir(keys)} is missing") from None
+                    raise FileNotFoundError(
+                        f"{self.directory}: chunk {k} of {self._leaf_dir(keys)} is missing"
+                    ) from None
                 return False
             try:
                 got = os.preadv(fd, [buf[at : at + n]], lo * row_bytes)
             finally:
                 os.close(fd)
             if got != n:
-                raise OSError(f"{self._leaf_dir(keys)}: chunk {k} is short ({got} of {n} "
-                              "bytes)")
+                raise OSError(f"{self._leaf_dir(keys)}: chunk {k} is short ({got} of {n} bytes)")
             at += n
         return True
 
@@ -252,8 +264,11 @@ class OrbaxSource:
         md = self._simple(keys)
         if md is not None:
             np_dtype = NUMPY_DTYPE[md["dtype"]]
-            direct = (out.device.type == "cpu" and out.is_contiguous()
-                      and out.dtype == TORCH_FROM_NUMPY.get(np_dtype))
+            direct = (
+                out.device.type == "cpu"
+                and out.is_contiguous()
+                and out.dtype == TORCH_FROM_NUMPY.get(np_dtype)
+            )
             if direct:
                 buf = memoryview(out.view(torch.uint8).numpy()).cast("B")
                 if self._pread_rows(keys, start, stop, buf):
@@ -306,8 +321,10 @@ class DictSource:
         self.info = None
 
     def arrays(self) -> dict[Keys, tuple[tuple[int, ...], str]]:
-        return {k: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                for k, t in self.tensors.items()}
+        return {
+            k: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for k, t in self.tensors.items()
+        }
 
     def scalars(self) -> set[Keys]:
         return set()

@@ -25,7 +25,8 @@ class IOStats:
 
 
 _ACTIVE: contextvars.ContextVar[tuple[IOStats, ...]] = contextvars.ContextVar(
-    "funcshard_checkpoint_io_stats", default=())
+    "funcshard_checkpoint_io_stats", default=()
+)
 
 
 @contextlib.contextmanager

@@ -66,14 +66,18 @@ def map_opt(
     raise TypeError(f"{where}: cannot checkpoint a {type(x).__name__}")
 
 
-def opt_layout(opt_state: Any, n_buckets: int) -> tuple[dict[Keys, tuple[bool, ...]],
-                                                       dict[Keys, Any]]:
+def opt_layout(
+    opt_state: Any, n_buckets: int
+) -> tuple[dict[Keys, tuple[bool, ...]], dict[Keys, Any]]:
     """The per-bucket paths (with which buckets hold a value) and the scalars of a state."""
     arrays: dict[Keys, tuple[bool, ...]] = {}
     scalars: dict[Keys, Any] = {}
-    map_opt(opt_state, n_buckets,
-            lambda p, x: arrays.__setitem__(p, tuple(t is not None for t in x)),
-            lambda p, x: scalars.__setitem__(p, x))
+    map_opt(
+        opt_state,
+        n_buckets,
+        lambda p, x: arrays.__setitem__(p, tuple(t is not None for t in x)),
+        lambda p, x: scalars.__setitem__(p, x),
+    )
     return arrays, scalars
 
 
@@ -111,11 +115,11 @@ class Writers:
         mesh = layout.mesh
         if layout.strategy == "no_shard":  # every rank holds everything: split the rows
             shard = mesh_lib.axis_size(mesh, "shard")
-            index = (mesh_lib.axis_rank(mesh, "replicate") * shard
-                     + mesh_lib.axis_rank(mesh, "shard"))
+            index = mesh_lib.axis_rank(mesh, "replicate") * shard + mesh_lib.axis_rank(
+                mesh, "shard"
+            )
             return cls(layout.dp_size, index, True, split=True)
-        return cls(layout.shard_size, layout.shard_rank,
-                   mesh_lib.axis_rank(mesh, "replicate") == 0)
+        return cls(layout.shard_size, layout.shard_rank, mesh_lib.axis_rank(mesh, "replicate") == 0)
 
     def rows(self, spec: LeafSpec) -> tuple[int, int, int]:
         """``(start, stop, piece)``: ``spec``'s rows this writer writes, and the rows each
@@ -126,8 +130,9 @@ class Writers:
         start = min(self.index * piece, spec.rows) if self.active else spec.rows
         return start, min(start + piece, spec.rows), piece
 
-    def local_rows(self, flat: torch.Tensor, spec: LeafSpec, shard_rank: int, start: int,
-                   stop: int) -> torch.Tensor:
+    def local_rows(
+        self, flat: torch.Tensor, spec: LeafSpec, shard_rank: int, start: int, stop: int
+    ) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``spec`` out of this rank's flat buffer (a view)."""
         lo = spec.row_range(shard_rank)[0]
         return shard_lib.rows_view(flat, spec, shard_rank)[start - lo : stop - lo]
@@ -144,8 +149,9 @@ class ArrayWrite:
     data: torch.Tensor | None  # rows [start, stop); None when this rank writes none
 
 
-def plan_writes(state: TrainState, *, stage: bool,
-                chunk_bytes: int) -> tuple[list[ArrayWrite], dict[Keys, Any]]:
+def plan_writes(
+    state: TrainState, *, stage: bool, chunk_bytes: int
+) -> tuple[list[ArrayWrite], dict[Keys, Any]]:
     """What this rank writes: its rows of every array, and (all ranks know them) the scalars.
 
     ``stage`` copies the rows to fresh host memory (an asynchronous save must not see later
@@ -168,13 +174,20 @@ def plan_writes(state: TrainState, *, stage: bool,
                     view = writers.local_rows(flat, spec, r, start, stop).detach()
                     data = view.to("cpu", copy=True) if stage else view
                 chunk = chunk_rows(piece, spec.row_numel * flat.element_size(), chunk_bytes)
-                out.append(ArrayWrite((*prefix, spec.name), spec.shape, flat.dtype, chunk,
-                                      start, stop, data))
+                out.append(
+                    ArrayWrite(
+                        (*prefix, spec.name), spec.shape, flat.dtype, chunk, start, stop, data
+                    )
+                )
         return out
 
     arrays = rows_of(state.master, ("params",))
-    map_opt(state.opt_state, n, lambda p, x: arrays.extend(rows_of(x, ("opt_state", *p))),
-            lambda p, x: x)
+    map_opt(
+        state.opt_state,
+        n,
+        lambda p, x: arrays.extend(rows_of(x, ("opt_state", *p))),
+        lambda p, x: x,
+    )
     scalars = {("opt_state", *p): v for p, v in opt_layout(state.opt_state, n)[1].items()}
     scalars[("step",)] = int(state.step)
     if state.loss_scale is not None:
@@ -188,13 +201,22 @@ def plan_writes(state: TrainState, *, stage: bool,
 # --- reading: does the checkpoint fit, and which key feeds which leaf ------------------------
 
 
-def _closest(name: str, shape: tuple[int, ...], candidates: dict[str, tuple[int, ...]],
-             unpaired: set[str], n: int = 3) -> str:
+def _closest(
+    name: str,
+    shape: tuple[int, ...],
+    candidates: dict[str, tuple[int, ...]],
+    unpaired: set[str],
+    n: int = 3,
+) -> str:
     """Up to ``n`` candidates most like ``name``: unpaired ones first, then those of the same
     shape, then by ``difflib``'s similarity of the names."""
+
     def rank(c: str) -> tuple:
-        return (c in unpaired, tuple(candidates[c]) == tuple(shape),
-                difflib.SequenceMatcher(None, name, c).ratio())
+        return (
+            c in unpaired,
+            tuple(candidates[c]) == tuple(shape),
+            difflib.SequenceMatcher(None, name, c).ratio(),
+        )
 
     near = sorted(candidates, key=rank, reverse=True)[:n]
     return ", ".join(f"{c} {tuple(candidates[c])}" for c in near)
@@ -227,11 +249,15 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
         paths, scalars = opt_layout(like.opt_state, len(layout.buckets))
         kind = opt_kind(like.opt_state)
         if source.info is None:
-            problems.append("optimizer: the checkpoint was not written by funcshard (no "
-                            "optimizer state it can map); restore it with model_only=True")
+            problems.append(
+                "optimizer: the checkpoint was not written by funcshard (no "
+                "optimizer state it can map); restore it with model_only=True"
+            )
         elif source.info.get("optimizer") != kind:
-            problems.append(f"optimizer: the checkpoint holds {source.info.get('optimizer')}, "
-                            f"the target state has {kind}")
+            problems.append(
+                f"optimizer: the checkpoint holds {source.info.get('optimizer')}, "
+                f"the target state has {kind}"
+            )
         have_scalars = source.scalars()
         for p in [("opt_state", *p) for p in scalars] + [("step",)]:
             if p not in have_scalars:
@@ -240,8 +266,9 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
     for keys, shape in expected.items():
         src = keys
         if keys not in found and keys[0] == "params":
-            alias = next((("params", a) for a in layout.aliases_of(keys[1])
-                          if ("params", a) in found), None)
+            alias = next(
+                (("params", a) for a in layout.aliases_of(keys[1]) if ("params", a) in found), None
+            )
             src = alias or keys
         if src not in found:
             missing.append(keys)
@@ -249,11 +276,13 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
         keymap[keys] = src
         got_shape, got_dtype = found[src]
         if got_shape != shape:
-            problems.append(f"{param_dir(src)}: shape {got_shape} in the checkpoint, "
-                            f"expected {shape}")
+            problems.append(
+                f"{param_dir(src)}: shape {got_shape} in the checkpoint, expected {shape}"
+            )
         if got_dtype not in FLOAT_NAMES:
-            problems.append(f"{param_dir(src)}: dtype {got_dtype} in the checkpoint, "
-                            "expected a floating dtype")
+            problems.append(
+                f"{param_dir(src)}: dtype {got_dtype} in the checkpoint, expected a floating dtype"
+            )
     prefixes = {("params",)} | {("opt_state", *p) for p in paths}
     used = set(keymap.values()) | {("params", a) for a, _ in layout.aliases}
     extra = [k for k in found if k not in used and k[:-1] in prefixes]
@@ -263,17 +292,22 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
     unpaired_wanted = {param_dir(k) for k in missing}
     for keys in missing:
         near = _closest(param_dir(keys), expected[keys], held, unpaired_held)
-        problems.append(f"{param_dir(keys)}: missing from the checkpoint (expected shape "
-                        f"{expected[keys]})" + (f"; closest there: {near}" if near else ""))
+        problems.append(
+            f"{param_dir(keys)}: missing from the checkpoint (expected shape "
+            f"{expected[keys]})" + (f"; closest there: {near}" if near else "")
+        )
     for keys in extra:
         near = _closest(param_dir(keys), found[keys][0], wanted, unpaired_wanted)
-        problems.append(f"{param_dir(keys)}: in the checkpoint but not in the target state "
-                        f"(shape {found[keys][0]})"
-                        + (f"; closest expected: {near}" if near else ""))
+        problems.append(
+            f"{param_dir(keys)}: in the checkpoint but not in the target state "
+            f"(shape {found[keys][0]})" + (f"; closest expected: {near}" if near else "")
+        )
     if not model_only:
-        problems += [f"{param_dir(k)}: optimizer state the target optimizer lacks"
-                     for k in found if k[:1] == ("opt_state",) and k not in used
-                     and k[:-1] not in prefixes]
+        problems += [
+            f"{param_dir(k)}: optimizer state the target optimizer lacks"
+            for k in found
+            if k[:1] == ("opt_state",) and k not in used and k[:-1] not in prefixes
+        ]
     return problems, keymap
 
 
@@ -283,15 +317,23 @@ def mismatch_error(where: str, problems: list[str], source: Source) -> Checkpoin
     listing = ", ".join(f"{param_dir(k[1:])} {s}" for k, s in held[:40])
     more = f", ... ({len(held) - 40} more)" if len(held) > 40 else ""
     return CheckpointMismatchError(
-        f"{where} does not fit the target state:\n  " + "\n  ".join(problems)
-        + f"\n  the checkpoint's params ({len(held)}): {listing}{more}")
+        f"{where} does not fit the target state:\n  "
+        + "\n  ".join(problems)
+        + f"\n  the checkpoint's params ({len(held)}): {listing}{more}"
+    )
 
 
 # --- reading: filling the flat buffers ---------------------------------------------------------
 
 
-def _flat_like(old: torch.Tensor | None, bucket: Bucket, layout: Layout,
-               dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+def _flat_like(
+    old: torch.Tensor | None,
+    bucket: Bucket,
+    layout: Layout,
+    dtype: torch.dtype,
+    *,
+    pin: bool = False,
+) -> torch.Tensor:
     """An unfilled flat for ``bucket``: ``like``'s own buffer when it has one (consumed).
     ``pin``: an offloaded master on a CUDA layout is page-locked, as ``fs.init`` makes it (it
     crosses to the device every step; the optimizer state stays on the host)."""
@@ -304,8 +346,13 @@ def _flat_like(old: torch.Tensor | None, bucket: Bucket, layout: Layout,
     return flat
 
 
-def _fill(flats: Sequence[torch.Tensor | None], layout: Layout, source: Source, prefix: Keys,
-          keymap: dict[Keys, Keys]) -> None:
+def _fill(
+    flats: Sequence[torch.Tensor | None],
+    layout: Layout,
+    source: Source,
+    prefix: Keys,
+    keymap: dict[Keys, Keys],
+) -> None:
     """Copies this rank's real rows of every leaf from ``source`` into the bucket flats and
     zeroes their padding rows."""
     r = layout.shard_rank
@@ -319,8 +366,11 @@ def _fill(flats: Sequence[torch.Tensor | None], layout: Layout, source: Source, 
             flat[spec.offset + real : spec.offset + spec.shard_numel].zero_()
             if stop > start:
                 keys = (*prefix, spec.name)
-                requests.append(ReadRequest(keymap.get(keys, keys), start, stop,
-                                            shard_lib.rows_view(flat, spec, r)))
+                requests.append(
+                    ReadRequest(
+                        keymap.get(keys, keys), start, stop, shard_lib.rows_view(flat, spec, r)
+                    )
+                )
     source.read_into(requests)
 
 
@@ -337,13 +387,19 @@ class Read:
     def assemble(self) -> TrainState:
         """The new state (``derive_compute`` is a collective under ZeRO 1-2)."""
         layout = self.like.layout
-        return TrainState(master=self.master, compute=derive_compute(layout, self.master),
-                          opt_state=self.opt_state, step=self.step,
-                          loss_scale=self.loss_scale, static=self.like._static)
+        return TrainState(
+            master=self.master,
+            compute=derive_compute(layout, self.master),
+            opt_state=self.opt_state,
+            step=self.step,
+            loss_scale=self.loss_scale,
+            static=self.like._static,
+        )
 
 
-def read(like: TrainState, source: Source, *, model_only: bool,
-         keymap: dict[Keys, Keys] | None = None) -> Read:
+def read(
+    like: TrainState, source: Source, *, model_only: bool, keymap: dict[Keys, Keys] | None = None
+) -> Read:
     """Reads every leaf for ``like``'s layout from ``source``, with no collectives.
 
     Masters are read (cast to the master dtype); with ``model_only`` the optimizer state is
@@ -355,26 +411,34 @@ def read(like: TrainState, source: Source, *, model_only: bool,
     n = len(layout.buckets)
     old_master, old_opt = like._master, like._opt_state
     like._consume("restore")
-    master = tuple(_flat_like(old, b, layout, b.dtypes.master, pin=True)
-                   for old, b in zip(old_master, layout.buckets, strict=True))
+    master = tuple(
+        _flat_like(old, b, layout, b.dtypes.master, pin=True)
+        for old, b in zip(old_master, layout.buckets, strict=True)
+    )
     _fill(master, layout, source, ("params",), keymap)
     if model_only:
         opt_state = like.optimizer.init(layout.per_bucket(master))
         step = 0
     else:
+
         def buckets(path: Keys, olds: tuple) -> tuple:
-            flats = layout.per_bucket(None if o is None else _flat_like(o, b, layout, o.dtype)
-                                      for o, b in zip(olds, layout.buckets, strict=True))
+            flats = layout.per_bucket(
+                None if o is None else _flat_like(o, b, layout, o.dtype)
+                for o, b in zip(olds, layout.buckets, strict=True)
+            )
             _fill(flats, layout, source, ("opt_state", *path), keymap)
             return flats
 
-        opt_state = map_opt(old_opt, n, buckets,
-                            lambda p, x: type(x)(source.read_scalar(("opt_state", *p))))
+        opt_state = map_opt(
+            old_opt, n, buckets, lambda p, x: type(x)(source.read_scalar(("opt_state", *p)))
+        )
         step = int(source.read_scalar(("step",)))
     loss_scale = like._loss_scale
     if loss_scale is not None:
         loss_scale = LossScale(float(layout.policy.loss_scale_init), 0)
         if not model_only and ("loss_scale", "scale") in source.scalars():
-            loss_scale = LossScale(float(source.read_scalar(("loss_scale", "scale"))),
-                                   int(source.read_scalar(("loss_scale", "good_steps"))))
+            loss_scale = LossScale(
+                float(source.read_scalar(("loss_scale", "scale"))),
+                int(source.read_scalar(("loss_scale", "good_steps"))),
+            )
     return Read(like, master, opt_state, step, loss_scale)

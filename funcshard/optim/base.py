@@ -83,8 +83,7 @@ def leaf_params(tree: PyTree) -> list[ParamPairs]:
     A leaf under a ``PerBucket`` holds its bucket's members; any other leaf is one parameter
     named by its path.
     """
-    paths, values, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False,
-                                                     namespace=NAMESPACE)
+    paths, values, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace=NAMESPACE)
     out = []
     for path, value in zip(paths, values, strict=True):
         if path and isinstance(path[-1], Members):
@@ -103,14 +102,18 @@ def as_predicate(mask: Mask, what: str) -> Callable[[str, tuple], bool]:
 
         def lookup(name: str, shape: tuple) -> bool:
             if name not in table:
-                raise KeyError(f"{what}: the mask has no entry for parameter {name!r} "
-                               f"(it names {sorted(table)[:8]}{'...' if len(table) > 8 else ''})")
+                raise KeyError(
+                    f"{what}: the mask has no entry for parameter {name!r} "
+                    f"(it names {sorted(table)[:8]}{'...' if len(table) > 8 else ''})"
+                )
             return bool(table[name])
 
         return lookup
     if not callable(mask):
-        raise TypeError(f"{what}: mask must be None, a callable (name, shape) -> bool or a "
-                        f"dict {{name: bool}}; got {type(mask).__name__}")
+        raise TypeError(
+            f"{what}: mask must be None, a callable (name, shape) -> bool or a "
+            f"dict {{name: bool}}; got {type(mask).__name__}"
+        )
     return lambda name, shape: bool(mask(name, tuple(shape)))
 
 
@@ -119,9 +122,11 @@ def uniform(rule: Callable[[str, tuple], Any], params: ParamPairs, what: str) ->
     values = {name: rule(name, shape) for name, shape in params}
     distinct = set(values.values())
     if len(distinct) > 1:
-        raise ValueError(f"{what}: parameters {sorted(values)} share one flat buffer but get "
-                         f"different rules {values}; build the state with fs.init(model, opt, "
-                         "...) for this optimizer, which keeps rules in separate buckets")
+        raise ValueError(
+            f"{what}: parameters {sorted(values)} share one flat buffer but get "
+            f"different rules {values}; build the state with fs.init(model, opt, "
+            "...) for this optimizer, which keeps rules in separate buckets"
+        )
     return distinct.pop()
 
 

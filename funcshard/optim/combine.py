@@ -72,12 +72,16 @@ def chain(*transforms: GradientTransformation | Optimizer) -> Optimizer | Gradie
     *front, last = transforms
     for i, t in enumerate(front):
         if not isinstance(t, GradientTransformation):
-            raise TypeError(f"chain: element {i} is a {type(t).__name__}; only the last element "
-                            "may be an optimizer (the rest transform gradients, e.g. "
-                            "clip_by_global_norm)")
+            raise TypeError(
+                f"chain: element {i} is a {type(t).__name__}; only the last element "
+                "may be an optimizer (the rest transform gradients, e.g. "
+                "clip_by_global_norm)"
+            )
     if not isinstance(last, (GradientTransformation, Optimizer)):
-        raise TypeError(f"chain: the last element is a {type(last).__name__}; expected an "
-                        "fs.optim optimizer or gradient transformation")
+        raise TypeError(
+            f"chain: the last element is a {type(last).__name__}; expected an "
+            "fs.optim optimizer or gradient transformation"
+        )
     partition = _combined_partition([t.partition for t in transforms])
 
     def init(params: PyTree) -> ChainState:
@@ -86,27 +90,43 @@ def chain(*transforms: GradientTransformation | Optimizer) -> Optimizer | Gradie
     def transform(grads, state: ChainState, params, grad_norm, grad_scale):
         new_states = []
         for t, s in zip(front, state.states, strict=False):
-            grads, s, grad_scale = t.update(grads, s, params, grad_norm=grad_norm,
-                                            grad_scale=grad_scale)
+            grads, s, grad_scale = t.update(
+                grads, s, params, grad_norm=grad_norm, grad_scale=grad_scale
+            )
             new_states.append(s)
         return grads, new_states, grad_scale
 
     if isinstance(last, GradientTransformation):
+
         def update_grads(grads, state: ChainState, params, *, grad_norm=None, grad_scale=1.0):
-            grads, new_states, grad_scale = transform(grads, state, params, grad_norm,
-                                                      grad_scale)
-            grads, s, grad_scale = last.update(grads, state.states[-1], params,
-                                               grad_norm=grad_norm, grad_scale=grad_scale)
+            grads, new_states, grad_scale = transform(grads, state, params, grad_norm, grad_scale)
+            grads, s, grad_scale = last.update(
+                grads, state.states[-1], params, grad_norm=grad_norm, grad_scale=grad_scale
+            )
             return grads, ChainState((*new_states, s)), grad_scale
 
         return GradientTransformation(init, update_grads, partition)
 
-    def update(grads, state: ChainState, params, *, donate: bool = False,
-               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
+    def update(
+        grads,
+        state: ChainState,
+        params,
+        *,
+        donate: bool = False,
+        grad_norm: float | None = None,
+        grad_scale: float = 1.0,
+        placement=None,
+    ):
         grads, new_states, grad_scale = transform(grads, state, params, grad_norm, grad_scale)
-        new_params, s = last.update(grads, state.states[-1], params, donate=donate,
-                                    grad_norm=grad_norm, grad_scale=grad_scale,
-                                    placement=placement)
+        new_params, s = last.update(
+            grads,
+            state.states[-1],
+            params,
+            donate=donate,
+            grad_norm=grad_norm,
+            grad_scale=grad_scale,
+            placement=placement,
+        )
         return new_params, ChainState((*new_states, s))
 
     return Optimizer(init, update, partition, last.elementwise)
@@ -137,12 +157,17 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def update(grads, state: ClipState, params, *, grad_norm=None, grad_scale=1.0):
         del params
         if grad_norm is None:
-            if any(is_per_bucket(x) for x in optree.tree_leaves(
-                    grads, is_leaf=is_per_bucket, none_is_leaf=False, namespace=NAMESPACE)):
+            if any(
+                is_per_bucket(x)
+                for x in optree.tree_leaves(
+                    grads, is_leaf=is_per_bucket, none_is_leaf=False, namespace=NAMESPACE
+                )
+            ):
                 raise ValueError(
                     "clip_by_global_norm: these gradients are shards of a TrainState and no "
                     "global norm was given; use the clip as the first element of the "
-                    "state's outermost chain (train_step passes it the global norm)")
+                    "state's outermost chain (train_step passes it the global norm)"
+                )
             grad_norm = _local_norm(grads)
         norm = grad_scale * float(grad_norm)
         coef = max_norm / (norm + 1e-6) if math.isfinite(norm) else 1.0
@@ -162,13 +187,17 @@ def _label_fn(labels: Callable | Mapping) -> Callable[[str, tuple], Hashable]:
 
         return lookup
     if not callable(labels):
-        raise TypeError("multi_transform: labels must be a callable (name, shape) -> label or a "
-                        f"dict {{name: label}}; got {type(labels).__name__}")
+        raise TypeError(
+            "multi_transform: labels must be a callable (name, shape) -> label or a "
+            f"dict {{name: label}}; got {type(labels).__name__}"
+        )
     return lambda name, shape: labels(name, tuple(shape))
 
 
-def multi_transform(optimizers_by_label: Mapping[str, Optimizer],
-                    labels: Callable[[str, tuple], str] | Mapping[str, str]) -> Optimizer:
+def multi_transform(
+    optimizers_by_label: Mapping[str, Optimizer],
+    labels: Callable[[str, tuple], str] | Mapping[str, str],
+) -> Optimizer:
     """A different optimizer per parameter label, e.g. Muon for matrices and AdamW elsewhere.
 
     Each optimizer sees only its own parameters (the others are None in its tree); its state
@@ -185,16 +214,20 @@ def multi_transform(optimizers_by_label: Mapping[str, Optimizer],
         if not isinstance(label, str):
             raise TypeError(f"multi_transform: label {label!r} must be a str")
         if not isinstance(opt, Optimizer):
-            raise TypeError(f"multi_transform: {label!r} maps to a {type(opt).__name__}; "
-                            "expected an optimizer (put gradient transformations in a chain "
-                            "around the multi_transform)")
+            raise TypeError(
+                f"multi_transform: {label!r} maps to a {type(opt).__name__}; "
+                "expected an optimizer (put gradient transformations in a chain "
+                "around the multi_transform)"
+            )
     label_fn = _label_fn(labels)
 
     def checked(name: str, shape: tuple) -> str:
         label = label_fn(name, shape)
         if label not in inner:
-            raise KeyError(f"multi_transform: parameter {name!r} has label {label!r}; expected "
-                           f"one of {sorted(inner)}")
+            raise KeyError(
+                f"multi_transform: parameter {name!r} has label {label!r}; expected "
+                f"one of {sorted(inner)}"
+            )
         return label
 
     label_of = per_leaf_rule(checked, "multi_transform labels")
@@ -209,29 +242,48 @@ def multi_transform(optimizers_by_label: Mapping[str, Optimizer],
         flat, treedef = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
         tags = iter(label_of(params))
         owner = [None if x is None else next(tags) for x in flat]
-        return {label: treedef.unflatten([x if o == label else None
-                                          for x, o in zip(flat, owner, strict=True)])
-                for label in inner}, owner, treedef
+        return (
+            {
+                label: treedef.unflatten(
+                    [x if o == label else None for x, o in zip(flat, owner, strict=True)]
+                )
+                for label in inner
+            },
+            owner,
+            treedef,
+        )
 
     def init(params: PyTree) -> MultiTransformState:
         parts, _, _ = split(params, params)
         return MultiTransformState({label: inner[label].init(parts[label]) for label in inner})
 
-    def update(grads, state: MultiTransformState, params, *, donate: bool = False,
-               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
+    def update(
+        grads,
+        state: MultiTransformState,
+        params,
+        *,
+        donate: bool = False,
+        grad_norm: float | None = None,
+        grad_scale: float = 1.0,
+        placement=None,
+    ):
         del grad_norm  # the global norm is the whole tree's; inner clips see their own part
         g_parts, _, _ = split(grads, params)
         p_parts, owner, treedef = split(params, params)
         new_params, new_state = {}, {}
         for label, opt in inner.items():
-            new_p, new_state[label] = opt.update(g_parts[label], state.inner[label],
-                                                 p_parts[label], donate=donate,
-                                                 grad_scale=grad_scale, placement=placement)
-            new_params[label] = optree.tree_flatten(new_p, none_is_leaf=True,
-                                                    namespace=NAMESPACE)[0]
+            new_p, new_state[label] = opt.update(
+                g_parts[label],
+                state.inner[label],
+                p_parts[label],
+                donate=donate,
+                grad_scale=grad_scale,
+                placement=placement,
+            )
+            new_params[label] = optree.tree_flatten(new_p, none_is_leaf=True, namespace=NAMESPACE)[
+                0
+            ]
         merged = [None if o is None else new_params[o][i] for i, o in enumerate(owner)]
         return treedef.unflatten(merged), MultiTransformState(new_state)
 
     return Optimizer(init, update, partition, all(o.elementwise for o in inner.values()))
-
-

@@ -49,8 +49,9 @@ class MuonState(NamedTuple):
     momentum: PyTree
 
 
-def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                  eps: float) -> torch.Tensor:
+def newton_schulz(
+    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
     """The orthogonalization of one whole matrix, exactly as torch.optim.Muon computes it
     (bfloat16; a tall matrix is worked on transposed). Returns a contiguous bfloat16 matrix of
     ``update``'s shape."""
@@ -72,7 +73,7 @@ def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float]
 def ns_flops(shape: Sequence[int], steps: int) -> int:
     """Multiply-add FLOPs of ``steps`` Newton-Schulz iterations on a matrix of ``shape``."""
     n, m = sorted(shape)
-    return steps * (4 * n * n * m + 2 * n ** 3)
+    return steps * (4 * n * n * m + 2 * n**3)
 
 
 def assign_owners(shapes: Sequence[Sequence[int]], size: int, steps: int = 5) -> list[int]:
@@ -122,8 +123,12 @@ def _order(shapes: Sequence[Sequence[int]], steps: int) -> list[int]:
     return sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i))
 
 
-def exchange_plan(matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]],
-                  size: int, steps: int = 5, replicas: int = 1) -> ExchangePlan:
+def exchange_plan(
+    matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]],
+    size: int,
+    steps: int = 5,
+    replicas: int = 1,
+) -> ExchangePlan:
     """Bytes of the owner-computes exchange for ``(shape, row ranges per rank)`` matrices, on
     the busiest rank of each shard rank: with ``replicas`` > 1, each replica's share within its
     shard group, then the all-gather of the results over the replicas."""
@@ -132,17 +137,19 @@ def exchange_plan(matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, 
     share = assign_owners([s for s, _ in matrices], replicas, steps)
     parts = [[m for m, q in zip(matrices, share, strict=True) if q == r] for r in range(replicas)]
     within = [_exchange_within(part, size, steps) for part in parts]
-    rows_numel = lambda part, r: sum((rows[r][1] - rows[r][0]) * shape[1]
-                                     for shape, rows in part)
+    rows_numel = lambda part, r: sum((rows[r][1] - rows[r][0]) * shape[1] for shape, rows in part)
     gather = [replicas * 2 * max(rows_numel(part, r) for part in parts) for r in range(size)]
     return ExchangePlan(
         tuple(max(w.sent_bytes[r] for w in within) + gather[r] for r in range(size)),
         tuple(max(w.owner_bytes[r] for w in within) for r in range(size)),
-        max(w.rounds for w in within), gathers=int(max(gather) > 0))
+        max(w.rounds for w in within),
+        gathers=int(max(gather) > 0),
+    )
 
 
-def _exchange_within(matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]],
-                     size: int, steps: int) -> ExchangePlan:
+def _exchange_within(
+    matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]], size: int, steps: int
+) -> ExchangePlan:
     """``exchange_plan`` of one shard group (nothing moves when it is one rank)."""
     if size == 1:
         return ExchangePlan((0,), (0,), 0)
@@ -160,8 +167,9 @@ def _exchange_within(matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[in
                 sent[r] += 2 * (b - a) * cols  # rows to the owner, bf16
             sent[o] += 2 * math.prod(shapes[i])  # the result back, bf16
             nxt = rounds[k + 1][o] if k + 1 < len(rounds) else None
-            whole = 2 * math.prod(shapes[i]) + (2 * math.prod(shapes[nxt]) if nxt is not None
-                                               else 0)
+            whole = 2 * math.prod(shapes[i]) + (
+                2 * math.prod(shapes[nxt]) if nxt is not None else 0
+            )
             n, m = sorted(shapes[i])
             workspace = 2 * (2 * n * n + 2 * n * m)  # gram, its update, the next iterate (bf16)
             held[o] = max(held[o], whole + workspace)
@@ -174,14 +182,15 @@ def _leaf_members(tree: PyTree) -> list[Members | None]:
 
 
 def _check_2d(tree: PyTree) -> None:
-    bad = [(name, shape) for pairs in leaf_params(tree) for name, shape in pairs
-           if len(shape) != 2]
+    bad = [(name, shape) for pairs in leaf_params(tree) for name, shape in pairs if len(shape) != 2]
     if bad:
         name, shape = bad[0]
-        raise ValueError(f"muon: parameter {name!r} has shape {shape}; Muon orthogonalizes 2-D "
-                         f"matrices only (give {[n for n, _ in bad]} to another optimizer, e.g. "
-                         "fs.optim.multi_transform({'muon': muon(...), 'adamw': adamw(...)}, "
-                         "labels))")
+        raise ValueError(
+            f"muon: parameter {name!r} has shape {shape}; Muon orthogonalizes 2-D "
+            f"matrices only (give {[n for n, _ in bad]} to another optimizer, e.g. "
+            "fs.optim.multi_transform({'muon': muon(...), 'adamw': adamw(...)}, "
+            "labels))"
+        )
 
 
 def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
@@ -235,8 +244,10 @@ def muon(
     if len(ns_coefficients) != 3:
         raise ValueError(f"muon: ns_coefficients must be 3 floats, got {ns_coefficients}")
     if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
-        raise ValueError(f"muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', "
-                         f"got {adjust_lr_fn!r}")
+        raise ValueError(
+            f"muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', "
+            f"got {adjust_lr_fn!r}"
+        )
     coefficients = tuple(float(c) for c in ns_coefficients)
 
     def orthogonalize(m: torch.Tensor) -> torch.Tensor:
@@ -244,27 +255,40 @@ def muon(
 
     def init(params: PyTree) -> MuonState:
         _check_2d(params)
-        return MuonState(0, optree.tree_map(torch.zeros_like, params, none_is_leaf=False,
-                                            namespace=NAMESPACE))
+        return MuonState(
+            0, optree.tree_map(torch.zeros_like, params, none_is_leaf=False, namespace=NAMESPACE)
+        )
 
-    def update(grads: PyTree, state: MuonState, params: PyTree, *, donate: bool = False,
-               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
+    def update(
+        grads: PyTree,
+        state: MuonState,
+        params: PyTree,
+        *,
+        donate: bool = False,
+        grad_norm: float | None = None,
+        grad_scale: float = 1.0,
+        placement=None,
+    ):
         del grad_norm
         _check_2d(params)
         treedef = optree.tree_structure(params, none_is_leaf=False, namespace=NAMESPACE)
         p, g, buf = leaves(params), leaves(grads), leaves(state.momentum)
         if not (len(p) == len(g) == len(buf)):
-            raise ValueError(f"muon update: {len(g)} gradient and {len(buf)} momentum leaves "
-                             f"for {len(p)} params")
+            raise ValueError(
+                f"muon update: {len(g)} gradient and {len(buf)} momentum leaves for {len(p)} params"
+            )
         if not donate:
             p, buf = [t.clone() for t in p], [t.clone() for t in buf]
         lr_now = lr_at(lr, state.count)
         matrices, targets = [], []
-        for pi, gi, bi, members, pairs in zip(p, g, buf, _leaf_members(params),
-                                              leaf_params(params), strict=True):
+        for pi, gi, bi, members, pairs in zip(
+            p, g, buf, _leaf_members(params), leaf_params(params), strict=True
+        ):
             if gi.shape != pi.shape:
-                raise ValueError(f"muon update: a gradient of shape {tuple(gi.shape)} for "
-                                 f"{[n for n, _ in pairs]} of shape {tuple(pi.shape)}")
+                raise ValueError(
+                    f"muon update: a gradient of shape {tuple(gi.shape)} for "
+                    f"{[n for n, _ in pairs]} of shape {tuple(pi.shape)}"
+                )
             gi = gi.to(pi.dtype) if gi.dtype != pi.dtype else gi
             if grad_scale != 1.0:
                 gi = gi * grad_scale
@@ -274,8 +298,7 @@ def muon(
             for name, shape, rows, u, target in _matrices_of(pi, upd, members, pairs, placement):
                 matrices.append(_Matrix(name, shape, rows, u))
                 targets.append((target, _adjusted_lr(lr_now, adjust_lr_fn, shape)))
-        results = _orthogonalize_all(matrices, placement, orthogonalize, ns_steps,
-                                     owner_computes)
+        results = _orthogonalize_all(matrices, placement, orthogonalize, ns_steps, owner_computes)
         for (target, alr), o in zip(targets, results, strict=True):
             target.add_(o.to(target.device), alpha=-alr)
         unflat = lambda xs: optree.tree_unflatten(treedef, xs)
@@ -284,17 +307,20 @@ def muon(
     return Optimizer(init, update, partition=None, elementwise=False)
 
 
-def _matrices_of(param: torch.Tensor, update: torch.Tensor, members: Members | None,
-                 pairs, placement):
+def _matrices_of(
+    param: torch.Tensor, update: torch.Tensor, members: Members | None, pairs, placement
+):
     """``(name, full shape, row ranges per rank, local update rows, local param rows)`` per
     matrix held by one leaf (a whole tensor, or a flat buffer of row shards)."""
     if members is None:  # a plain pytree leaf: the whole matrix is here
-        (name, shape), = pairs
+        ((name, shape),) = pairs
         yield name, shape, ((0, shape[0]),), update, param
         return
     if placement is None:
-        raise ValueError(f"muon: the flat buffers of {list(members.names)} came without a "
-                         "placement; step a TrainState through fs.train_step / fs.offload_step")
+        raise ValueError(
+            f"muon: the flat buffers of {list(members.names)} came without a "
+            "placement; step a TrainState through fs.train_step / fs.offload_step"
+        )
     for spec in placement.leaves(members):
         rows = tuple(spec.row_range(r) for r in range(placement.size))
         start, stop = rows[placement.rank]
@@ -303,30 +329,39 @@ def _matrices_of(param: torch.Tensor, update: torch.Tensor, members: Members | N
         yield spec.name, spec.shape, rows, update[span].view(local), param[span].view(local)
 
 
-def _orthogonalize_all(matrices: list[_Matrix], placement, orthogonalize, steps: int,
-                       owner_computes: bool) -> list[torch.Tensor]:
+def _orthogonalize_all(
+    matrices: list[_Matrix], placement, orthogonalize, steps: int, owner_computes: bool
+) -> list[torch.Tensor]:
     """This rank's rows of every matrix's orthogonalized update (bfloat16)."""
     if owner_computes and placement is not None and placement.replica_count > 1:
         return _across_replicas(matrices, placement, orthogonalize, steps)
     return _within_shards(matrices, placement, orthogonalize, steps, owner_computes)
 
 
-def _across_replicas(matrices: list[_Matrix], placement, orthogonalize,
-                     steps: int) -> list[torch.Tensor]:
+def _across_replicas(
+    matrices: list[_Matrix], placement, orthogonalize, steps: int
+) -> list[torch.Tensor]:
     """Replicas hold the same rows of the same matrices, so each works on a share of them
     (balanced by Newton-Schulz FLOPs, owner-computes within its shard group) and one all-gather
     over the replicas gives every rank its rows of the other shares. The same bits as one
     replica doing all: a matrix is orthogonalized from the same input by the same code."""
     R, me = placement.replica_count, placement.rank
     share = assign_owners([m.shape for m in matrices], R, steps)
-    done = _within_shards([m for m, q in zip(matrices, share, strict=True)
-                           if q == placement.replica_rank], placement, orthogonalize, steps, True)
+    done = _within_shards(
+        [m for m, q in zip(matrices, share, strict=True) if q == placement.replica_rank],
+        placement,
+        orthogonalize,
+        steps,
+        True,
+    )
     rows_numel = lambda m: (m.rows[me][1] - m.rows[me][0]) * m.shape[1]
     parts = [[i for i, q in enumerate(share) if q == r] for r in range(R)]
     width = max(sum(rows_numel(matrices[i]) for i in part) for part in parts)
     if width == 0:
-        return [torch.empty(0, m.shape[1], dtype=torch.bfloat16, device=placement.device)
-                for m in matrices]
+        return [
+            torch.empty(0, m.shape[1], dtype=torch.bfloat16, device=placement.device)
+            for m in matrices
+        ]
     local = torch.zeros(width, dtype=torch.bfloat16, device=placement.device)
     if done:
         mine = torch.cat([d.reshape(-1).to(placement.device) for d in done])
@@ -343,14 +378,16 @@ def _across_replicas(matrices: list[_Matrix], placement, orthogonalize,
     return results  # type: ignore[return-value]
 
 
-def _within_shards(matrices: list[_Matrix], placement, orthogonalize, steps: int,
-                   owner_computes: bool) -> list[torch.Tensor]:
+def _within_shards(
+    matrices: list[_Matrix], placement, orthogonalize, steps: int, owner_computes: bool
+) -> list[torch.Tensor]:
     """``_orthogonalize_all`` within one shard group."""
     size = 1 if placement is None else placement.size
     if size == 1:  # an offloaded bucket's rows too are orthogonalized on the state's device
         device = None if placement is None else placement.device
-        return [orthogonalize(m.update.to(device) if device is not None else m.update)
-                for m in matrices]
+        return [
+            orthogonalize(m.update.to(device) if device is not None else m.update) for m in matrices
+        ]
     if not owner_computes:
         return _replicated(matrices, placement, orthogonalize)
     return _owner_computes(matrices, placement, orthogonalize, steps)
@@ -372,8 +409,9 @@ def _replicated(matrices: list[_Matrix], placement, orthogonalize) -> list[torch
     return out
 
 
-def _owner_computes(matrices: list[_Matrix], placement, orthogonalize,
-                    steps: int) -> list[torch.Tensor]:
+def _owner_computes(
+    matrices: list[_Matrix], placement, orthogonalize, steps: int
+) -> list[torch.Tensor]:
     """Owner-computes in rounds; round k+1's rows travel while round k is orthogonalized."""
     size, me, group, device = placement.size, placement.rank, placement.group, placement.device
     shapes = [m.shape for m in matrices]
@@ -398,14 +436,21 @@ def _owner_computes(matrices: list[_Matrix], placement, orthogonalize,
         whole = pending.wait()
         pending = send_rows(rounds[k + 1]) if k + 1 < len(rounds) else None
         mine = rnd[me]
-        ortho = orthogonalize(whole.view(shapes[mine])).reshape(-1) if mine is not None else \
-            torch.empty(0, dtype=torch.bfloat16, device=device)
+        ortho = (
+            orthogonalize(whole.view(shapes[mine])).reshape(-1)
+            if mine is not None
+            else torch.empty(0, dtype=torch.bfloat16, device=device)
+        )
         in_splits = [local_rows(mine, r) if mine is not None else 0 for r in range(size)]
         out_splits = [local_rows(i, me) if i is not None else 0 for i in rnd]
         out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=device)
-        returns.append((rnd, out_splits,
-                        collectives.all_to_all(out, ortho, out_splits, in_splits, group,
-                                               kind=KIND)))
+        returns.append(
+            (
+                rnd,
+                out_splits,
+                collectives.all_to_all(out, ortho, out_splits, in_splits, group, kind=KIND),
+            )
+        )
     for rnd, splits, back in returns:
         parts = back.wait().split(splits)
         for i, part in zip(rnd, parts, strict=True):
@@ -413,4 +458,3 @@ def _owner_computes(matrices: list[_Matrix], placement, orthogonalize,
                 a, b = matrices[i].rows[me]
                 results[i] = part.view(b - a, shapes[i][1])
     return results  # type: ignore[return-value]
-

@@ -73,8 +73,10 @@ def _prepare(grads: PyTree, params: PyTree, donate: bool, grad_scale: float, *st
         raise ValueError(f"optimizer update: {len(g)} gradient leaves for {len(p)} params")
     for gi, pi in zip(g, p, strict=True):
         if gi.shape != pi.shape:
-            raise ValueError(f"optimizer update: a gradient of shape {tuple(gi.shape)} for a "
-                             f"param of shape {tuple(pi.shape)}")
+            raise ValueError(
+                f"optimizer update: a gradient of shape {tuple(gi.shape)} for a "
+                f"param of shape {tuple(pi.shape)}"
+            )
     cast = [gi if gi.dtype == pi.dtype else gi.to(pi.dtype) for gi, pi in zip(g, p, strict=True)]
     if grad_scale != 1.0 and not donate:  # the scaled kernels write the scaled grads back
         cast = [c.clone() if c is gi else c for c, gi in zip(cast, g, strict=True)]
@@ -108,16 +110,22 @@ def _vector_body_only(columns: list[list[torch.Tensor]]):
     a multiple of VECTOR_BODY: a tensor's body as a view, its tail in a zero-padded scratch.
     Returns the kernel's columns and a function that copies the stepped tails back. Zeros step
     to zeros under every rule here (no NaN), so the padding changes nothing."""
-    tails = [(i, col0.numel() % VECTOR_BODY) for i, col0 in enumerate(columns[0])
-             if col0.numel() % VECTOR_BODY and all(col[i].is_contiguous() for col in columns)]
+    tails = [
+        (i, col0.numel() % VECTOR_BODY)
+        for i, col0 in enumerate(columns[0])
+        if col0.numel() % VECTOR_BODY and all(col[i].is_contiguous() for col in columns)
+    ]
     if not tails:
         return columns, lambda: None
     cut = dict(tails)
     out, scratch = [], []
     for col in columns:
         flat = [t.view(-1) if i in cut else t for i, t in enumerate(col)]
-        body = [t[: t.numel() - cut[i]] if i in cut else t for i, t in enumerate(flat)
-                if i not in cut or t.numel() > cut[i]]
+        body = [
+            t[: t.numel() - cut[i]] if i in cut else t
+            for i, t in enumerate(flat)
+            if i not in cut or t.numel() > cut[i]
+        ]
         pads = []
         for i, n in tails:
             pad = flat[i].new_zeros(VECTOR_BODY)
@@ -210,8 +218,16 @@ def sgd(
         decay_of(params)  # a mask that does not fit the params fails here, not at step 1
         return SgdState(count=0, momentum=tree_zeros(params) if momentum else None)
 
-    def update(grads: PyTree, state: SgdState, params: PyTree, *, donate: bool = False,
-               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
+    def update(
+        grads: PyTree,
+        state: SgdState,
+        params: PyTree,
+        *,
+        donate: bool = False,
+        grad_norm: float | None = None,
+        grad_scale: float = 1.0,
+        placement=None,
+    ):
         del grad_norm, placement  # elementwise: where the rows live does not matter
         bufs = (state.momentum,) if momentum else ()
         treedef, p, g, out = _prepare(grads, params, donate, grad_scale, *bufs)
@@ -280,16 +296,25 @@ def adamw(
         decay_of(params)  # a mask that does not fit the params fails here, not at step 1
         return AdamWState(count=0, mu=tree_zeros(params), nu=tree_zeros(params))
 
-    def update(grads: PyTree, state: AdamWState, params: PyTree, *, donate: bool = False,
-               grad_norm: float | None = None, grad_scale: float = 1.0, placement=None):
+    def update(
+        grads: PyTree,
+        state: AdamWState,
+        params: PyTree,
+        *,
+        donate: bool = False,
+        grad_norm: float | None = None,
+        grad_scale: float = 1.0,
+        placement=None,
+    ):
         del grad_norm, placement  # elementwise: where the rows live does not matter
         treedef, p, g, (mu, nu) = _prepare(grads, params, donate, grad_scale, state.mu, state.nu)
         lr_now = lr_at(lr, state.count)
         steps: dict[torch.device, torch.Tensor] = {}
         for (device, _, wd), (gp, gg, gm, gv) in _kernel_groups(decay_of(params), p, g, mu, nu):
             if device not in steps:
-                steps[device] = torch.full((), float(state.count + 1), dtype=torch.float32,
-                                           device=device)
+                steps[device] = torch.full(
+                    (), float(state.count + 1), dtype=torch.float32, device=device
+                )
             torch._fused_adamw_(
                 gp,
                 gg,

@@ -21,8 +21,9 @@ def constant(value: float) -> Callable[[int], float]:
     return lambda step: float(value)
 
 
-def _warmup_then(peak: float, warmup: int, total: int, final: float, what: str,
-                 decay: Callable[[float], float]) -> Callable[[int], float]:
+def _warmup_then(
+    peak: float, warmup: int, total: int, final: float, what: str, decay: Callable[[float], float]
+) -> Callable[[int], float]:
     if warmup < 0 or total <= warmup:
         raise ValueError(f"{what}: need 0 <= warmup < total, got warmup={warmup} total={total}")
 
@@ -42,8 +43,9 @@ def warmup_cosine(peak: float, warmup: int, total: int, final: float = 0.0):
     >>> [round(s(i), 3) for i in range(7)]
     [0.5, 1.0, 1.0, 0.854, 0.5, 0.146, 0.0]
     """
-    return _warmup_then(peak, warmup, total, final, "warmup_cosine",
-                        lambda t: 0.5 * (1 + math.cos(math.pi * t)))
+    return _warmup_then(
+        peak, warmup, total, final, "warmup_cosine", lambda t: 0.5 * (1 + math.cos(math.pi * t))
+    )
 
 
 def warmup_linear(peak: float, warmup: int, total: int, final: float = 0.0):
