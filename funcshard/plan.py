@@ -123,8 +123,9 @@ class Plan:
         m = self.memory
         rows = [
             (
-                f"strategy={self.strategy} world={self.world_size} mesh=(replicate={self.replicate}, "
-                f"shard={self.shard}) microbatches={self.microbatches}"
+                f"strategy={self.strategy} world={self.world_size} "
+                f"mesh=(replicate={self.replicate}, shard={self.shard}) "
+                f"microbatches={self.microbatches}"
             ),
             (
                 f"params={self.numel:,} padded={self.padded_numel:,} buckets={self.buckets} "
