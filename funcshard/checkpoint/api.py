@@ -6,7 +6,8 @@ import os
 
 import torch
 
-from funcshard.checkpoint import hf
+from funcshard.checkpoint import checksums, hf
+from funcshard.checkpoint import dcp as dcp_lib
 from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.commit import Agreement, Saver
 from funcshard.checkpoint.format import CHUNK_BYTES
@@ -37,9 +38,11 @@ def save(
 
 
 def open_source(path: str) -> Source:
-    """The reader for the checkpoint at ``path``: Hugging Face safetensors or Orbax."""
+    """The reader for the checkpoint at ``path``: Hugging Face safetensors, DCP or Orbax."""
     if hf.is_safetensors(path):
         return hf.SafetensorsSource(path)
+    if dcp_lib.is_dcp(path):
+        return dcp_lib.DCPSource(path)
     return OrbaxSource(path)
 
 
@@ -53,6 +56,8 @@ def restore(
 
     Args:
       directory: a funcshard checkpoint (or a CheckpointManager step); with ``model_only``
+        also a torch.distributed.checkpoint (DCP) directory whose tensors are keyed by
+        parameter name (each rank reads the stored chunks that overlap its rows),
         also any Orbax checkpoint whose params tree is keyed by parameter names (nested keys
         joined with "."; a step directory of Orbax's CheckpointManager finds its single item
         or the "params" item of a Composite), or a Hugging Face safetensors checkpoint (one
@@ -69,6 +74,9 @@ def restore(
     Raises:
       CheckpointMismatchError: on every rank, listing every mismatched name, shape, dtype or
         optimizer kind beside what the checkpoint holds (``like`` is then left usable).
+      ChecksumError: on every rank, when bytes read differ from those ``save`` wrote, naming
+        the leaf, the file and the byte range; nothing is returned (``like`` is consumed).
+        A checkpoint without checksums restores with an ``UnverifiedCheckpointWarning``.
       RuntimeError: reading failed on some rank (raised on every rank).
     """
     like._check()
@@ -77,6 +85,8 @@ def restore(
     error: BaseException | None = None
     try:
         source = open_source(path)
+        if isinstance(source, OrbaxSource) and source.checksums is None:
+            checksums.warn_unverified(path)
         problems, keymap = tree_lib.match(like, source, model_only)
         if problems:
             raise tree_lib.mismatch_error(f"checkpoint {path}", problems, source)

@@ -2,12 +2,14 @@
 
 1. Rank 0 creates ``<final>.orbax-checkpoint-tmp-<ns>`` (after removing leftovers of killed
    saves of the same name) and broadcasts its name, or its error.
-2. Every rank writes its rows durably; one all-reduce of success flags decides.
-3. On success rank 0 writes the metadata and the commit file (fsync), renames the directory
-   into place and fsyncs the parent; one more all-reduce tells every rank. A failed save
-   leaves nothing behind.
+2. Every rank writes its rows durably, with a checksum of every chunk it wrote; one
+   all-reduce of success flags decides, and rank 0 gathers the checksums.
+3. On success rank 0 writes the metadata, the checksums and the commit file (fsync), renames
+   the directory into place and fsyncs the parent; one more all-reduce tells every rank. A
+   failed save leaves nothing behind.
 
-A ``Saver`` runs this, synchronously or in one background thread (at most one save in
+``write_and_commit`` is steps 2-3 for any writer (``export_safetensors`` too); a ``Saver`` runs
+it, synchronously or in one background thread (at most one save in
 flight; the next ``save``/``wait`` raises a background failure). Its collectives run on the
 state's world group, or for asynchronous saves on a gloo group of the saver's own, so that
 they never interleave with training's collectives.
@@ -34,13 +36,20 @@ import torch.distributed as dist
 from funcshard import mesh as mesh_lib
 from funcshard.checkpoint import stats
 from funcshard.checkpoint import tree as tree_lib
+from funcshard.checkpoint.checksums import (
+    ChecksumError,
+    Checksums,
+    block_crcs,
+    byte_view,
+    write_checksums,
+)
 from funcshard.checkpoint.format import (
     CHUNK_BYTES,
-    COMMIT_FILE,
     DELETE_MARK,
     TMP_MARK,
     ZARR_DTYPE,
     Keys,
+    chunk_file,
     fsync_dir,
     param_dir,
     scalar_dtype,
@@ -52,7 +61,7 @@ from funcshard.checkpoint.format import (
 from funcshard.layout import Layout
 from funcshard.state import TrainState
 
-__all__ = ["Saver", "Agreement", "remove_tree", "is_leftover"]
+__all__ = ["Saver", "Agreement", "remove_tree", "is_leftover", "start", "write_and_commit"]
 
 
 # --- agreement ------------------------------------------------------------------------------
@@ -84,12 +93,27 @@ class Agreement:
         return [r for r, f in enumerate(flags.tolist()) if f]
 
     def raise_if_failed(self, what: str, error: BaseException | None) -> None:
-        """Raises ``error`` here, or on the other ranks a RuntimeError naming the failed ones."""
+        """Raises ``error`` here, and on the other ranks an error quoting every failed rank's
+        (a ``ChecksumError`` when that is what they all raised, else a RuntimeError)."""
         failed = self.failed_ranks(error is None)
+        if not failed:
+            return
+        mine = None if error is None else (type(error).__name__, str(error))
+        errors: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, mine, group=self.group)  # only on failure: rare
         if error is not None:
             raise error
-        if failed:
-            raise RuntimeError(f"{what} failed on rank(s) {failed}; see their errors")
+        quoted = "\n  ".join(f"rank {r}: {errors[r][0]}: {errors[r][1]}" for r in failed)
+        message = f"{what} failed on rank(s) {failed}:\n  {quoted}"
+        if all(errors[r][0] == ChecksumError.__name__ for r in failed):
+            raise ChecksumError(message)
+        raise RuntimeError(message)
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` in rank order on rank 0; None on the others."""
+        out: list[Any] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        dist.gather_object(value, out, group=self.group, group_dst=0)
+        return out
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -159,6 +183,69 @@ def commit(tmp: str, final: str) -> None:
     fsync_dir(os.path.dirname(final))
 
 
+def _agree(agreement: Agreement, what: str, error: BaseException | None, tmp: str) -> None:
+    """Raises on every rank if some rank failed, once rank 0 has removed ``tmp``."""
+    failed = agreement.failed_ranks(error is None)
+    if failed:
+        if agreement.rank == 0:  # nothing of a failed save stays behind
+            remove_tree(tmp)
+        raise error or RuntimeError(f"{what} failed on rank(s) {failed}; see their errors")
+
+
+def write_and_commit(
+    agreement: Agreement,
+    tmp: str,
+    final: str,
+    what: str,
+    *,
+    write: Callable[[], Any],
+    finish: Callable[[list[Any]], None],
+    prepare: Callable[[], None] | None = None,
+    after_commit: Callable[[], None] | None = None,
+) -> None:
+    """The protocol after ``start``: every rank writes into ``tmp``, all agree, rank 0
+    finishes and renames it to ``final``; on any failure every rank raises and nothing of
+    ``tmp`` stays behind.
+
+    Args:
+      agreement: the group the ranks agree on.
+      tmp: the temporary directory ``start`` made; final: where it goes.
+      what: the operation, for messages ("save to DIR").
+      write: run on every rank; its result is handed to ``finish``.
+      finish: run on rank 0 with every rank's ``write`` result (rank order), before the rename
+        (metadata, index files, fsync).
+      prepare: run on rank 0 before any rank writes (e.g. creating files at their size).
+      after_commit: run on rank 0 once the directory is in place (e.g. retention).
+    """
+    first = agreement.rank == 0
+    error: BaseException | None = None
+    if prepare is not None:
+        if first:
+            try:
+                prepare()
+            except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
+                error = e
+        _agree(agreement, f"{what}: preparing", error, tmp)
+    result = None
+    try:
+        result = write()
+    except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
+        error = e
+    _agree(agreement, f"{what}: writing", error, tmp)
+    results = agreement.gather(result)
+    if first:
+        assert results is not None
+        try:
+            finish(results)
+            commit(tmp, final)
+            if after_commit is not None:
+                after_commit()
+        except BaseException as e:  # noqa: BLE001
+            error = e
+            remove_tree(tmp)  # gone already if the rename happened: then the save stands
+    agreement.raise_if_failed(f"{what}: commit", error)
+
+
 # --- writing arrays ---------------------------------------------------------------------------
 
 
@@ -178,11 +265,13 @@ def _settle(futures: list[Any]) -> list[Any]:
 
 def write_arrays(
     item_dir: str, arrays: list[tree_lib.ArrayWrite], scalars: dict[Keys, Any], is_first: bool
-) -> None:
+) -> Checksums:
     """Writes this rank's rows (and, on the first rank, array metadata and scalars) durably.
 
-    Returns or raises only once every write it started has finished, so that a failed save's
-    directory can be removed without a late write recreating files in it.
+    Returns the checksums of the chunks it wrote, computed from the bytes in hand while
+    tensorstore writes them. Returns or raises only once every write it started has
+    finished, so that a failed save's directory can be removed without a late write
+    recreating files in it.
     """
     os.makedirs(item_dir, exist_ok=True)
     ctx = ts.Context()
@@ -210,18 +299,44 @@ def write_arrays(
                     "metadata": zarr_metadata((), dtype, 1),
                 }
             )
-            sources.append(np.asarray(value, dtype=np.dtype(dtype)))
+            sources.append((keys, np.asarray(value, dtype=np.dtype(dtype))))
     opened = _settle([ts.open(spec, context=ctx) for spec in specs])
-    writes = []
+    writes, to_sum = [], []
     for source, arr in zip(sources, opened, strict=True):
-        if isinstance(source, np.ndarray):
-            writes.append(arr.write(source))
+        if isinstance(source, tuple):
+            keys, value = source
+            writes.append(arr.write(value))
+            to_sum.append((param_dir(keys), chunk_file(0, 0), byte_view(value.reshape(1))))
         elif source.data is not None:
             src = to_numpy(source.data)
             target = arr[source.start : source.stop] if source.shape else arr
             writes.append(target.write(src.reshape(target.shape)))
+            to_sum += _chunks_of(source, src)
             stats.count(False, src.nbytes)
-    _settle(writes)
+    checksums: Checksums = {}
+    try:  # while tensorstore writes (crc32c releases the GIL)
+        for leaf, chunk, data in to_sum:
+            checksums.setdefault(leaf, {})[chunk] = block_crcs(data)
+    finally:
+        _settle(writes)
+    return checksums
+
+
+def _chunks_of(a: tree_lib.ArrayWrite, src: np.ndarray) -> list[tuple[str, str, memoryview]]:
+    """``(leaf, chunk file, data bytes)`` of every chunk of ``a`` this rank writes (whole
+    chunks: a chunk never has two writers)."""
+    data = byte_view(src.reshape(-1).view(np.uint8))
+    leaf = param_dir(a.keys)
+    if not a.shape:
+        return [(leaf, chunk_file(0, 0), data)]
+    row_bytes = len(data) // (a.stop - a.start)
+    assert a.start % a.chunk_rows == 0, "a chunk never has two writers"
+    out = []
+    for lo in range(a.start, a.stop, a.chunk_rows):
+        hi = min(lo + a.chunk_rows, a.stop)
+        chunk = chunk_file(lo // a.chunk_rows, len(a.shape))
+        out.append((leaf, chunk, data[(lo - a.start) * row_bytes : (hi - a.start) * row_bytes]))
+    return out
 
 
 # --- one save -----------------------------------------------------------------------------------
@@ -267,8 +382,8 @@ class Saver:
         arrays: list[tree_lib.ArrayWrite],
         scalars: dict[Keys, Any],
         is_first: bool,
-    ) -> None:
-        write_arrays(item_dir, arrays, scalars, is_first)
+    ) -> Checksums:
+        return write_arrays(item_dir, arrays, scalars, is_first)
 
     def write_metadata(
         self,
@@ -280,7 +395,9 @@ class Saver:
         info: dict,
         started_ns: int,
         item: str | None,
+        checksums: Checksums,
     ) -> None:
+        write_checksums(item_dir, checksums)
         write_item_metadata(item_dir, [a.keys for a in arrays], list(scalars))
         write_checkpoint_metadata(tmp, os.path.basename(final), item, info, started_ns)
         fsync_dir(item_dir)
@@ -296,39 +413,33 @@ class Saver:
 
     def _run(self, job: _Job, agreement: Agreement) -> None:
         first = agreement.rank == 0
-        error: BaseException | None = None
-        try:
-            self.write_arrays(job.item_dir, job.arrays, job.scalars, first)
-        except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
-            error = e
-        failed = agreement.failed_ranks(error is None)
-        if failed:
-            if first:  # nothing of a failed save stays behind
-                remove_tree(job.tmp)
-            raise error or RuntimeError(
-                f"save to {job.final}: writing failed on rank(s) {failed}; see their errors"
+
+        def finish(per_rank: list[Checksums]) -> None:
+            checksums: Checksums = {}
+            for c in per_rank:
+                for leaf, chunks in c.items():
+                    checksums.setdefault(leaf, {}).update(chunks)
+            self.write_metadata(
+                job.tmp,
+                job.item_dir,
+                job.final,
+                job.arrays,
+                job.scalars,
+                job.info,
+                job.started_ns,
+                job.item,
+                checksums,
             )
-        error = None
-        if first:
-            try:
-                self.write_metadata(
-                    job.tmp,
-                    job.item_dir,
-                    job.final,
-                    job.arrays,
-                    job.scalars,
-                    job.info,
-                    job.started_ns,
-                    job.item,
-                )
-                commit(job.tmp, job.final)
-                if job.after_commit is not None:
-                    job.after_commit()
-            except BaseException as e:  # noqa: BLE001
-                error = e
-                if not os.path.exists(os.path.join(job.final, COMMIT_FILE)):
-                    remove_tree(job.tmp)  # not committed: nothing of it stays behind
-        agreement.raise_if_failed(f"save to {job.final}: commit", error)
+
+        write_and_commit(
+            agreement,
+            job.tmp,
+            job.final,
+            f"save to {job.final}",
+            write=lambda: self.write_arrays(job.item_dir, job.arrays, job.scalars, first),
+            finish=finish,
+            after_commit=job.after_commit,
+        )
 
     def save(
         self,

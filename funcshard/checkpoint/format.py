@@ -5,6 +5,8 @@ A checkpoint directory holds one *item* (Orbax's PyTreeCheckpointHandler layout)
 * one zarr v2 array per leaf in ``<item>/<key.key...>/`` (``.zarray`` + chunk files ``i.0``),
   uncompressed, C order, chunked along dim 0 only so that a chunk never has two writers;
 * ``<item>/_METADATA``: the tree (every leaf's keys and whether it is an array or a scalar);
+* ``<item>/_CHECKSUMS``: funcshard's crc32c of every chunk file's bytes (Orbax ignores it;
+  see ``funcshard.checkpoint.checksums``);
 * ``_CHECKPOINT_METADATA`` (Orbax's step metadata, with funcshard's own record under
   ``custom_metadata["funcshard"]``) and ``commit_success.txt`` at the top.
 
@@ -26,7 +28,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: chunk checksums in <item>/_CHECKSUMS (funcshard.checkpoint.checksums)
 CHUNK_BYTES = 64 << 20  # default target size of one zarr chunk
 TMP_MARK = ".orbax-checkpoint-tmp-"
 DELETE_MARK = ".orbax-checkpoint-deleting-"

@@ -264,50 +264,34 @@ def export_safetensors(
     agreement = commit_lib.Agreement.of(layout)
     final = os.path.abspath(os.fspath(directory))
     tmp = commit_lib.start(final, agreement)
-    first = agreement.rank == 0
-    error: BaseException | None = None
-    if first:  # every file at its full size, so that every rank can write into it
-        try:
-            for name, (head, _), entries_i in zip(names, headers, files, strict=True):
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(head)
-                    f.truncate(len(head) + sum(e.nbytes for e in entries_i))
-        except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
-            error = e
-    _agree(agreement, f"export to {final}: creating the files", error, tmp)
-    try:
-        _write_rows(state, tmp, names, headers, files)
-    except BaseException as e:  # noqa: BLE001
-        error = e
-    _agree(agreement, f"export to {final}: writing", error, tmp)
-    if first:
-        try:
-            if len(files) > 1:
-                total = sum(e.nbytes for e in entries)
-                weight_map = {e.name: n for n, f in zip(names, files, strict=True) for e in f}
-                with open(os.path.join(tmp, INDEX), "w") as f:
-                    json.dump(
-                        {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
-                    )
-                    f.flush()
-                    os.fsync(f.fileno())
-            fsync_dir(tmp)
-            commit_lib.commit(tmp, final)
-        except BaseException as e:  # noqa: BLE001
-            error = e
-            if not os.path.exists(final):
-                commit_lib.remove_tree(tmp)
-    agreement.raise_if_failed(f"export to {final}: commit", error)
 
+    def create_files() -> None:  # every file at its full size, so every rank can write into it
+        for name, (head, _), entries_i in zip(names, headers, files, strict=True):
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(head)
+                f.truncate(len(head) + sum(e.nbytes for e in entries_i))
 
-def _agree(
-    agreement: commit_lib.Agreement, what: str, error: BaseException | None, tmp: str
-) -> None:
-    failed = agreement.failed_ranks(error is None)
-    if failed:
-        if agreement.rank == 0:
-            commit_lib.remove_tree(tmp)
-        raise error or RuntimeError(f"{what} failed on rank(s) {failed}; see their errors")
+    def write_index(_: list[Any]) -> None:
+        if len(files) > 1:
+            total = sum(e.nbytes for e in entries)
+            weight_map = {e.name: n for n, f in zip(names, files, strict=True) for e in f}
+            with open(os.path.join(tmp, INDEX), "w") as f:
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
+                )
+                f.flush()
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+
+    commit_lib.write_and_commit(
+        agreement,
+        tmp,
+        final,
+        f"export to {final}",
+        prepare=create_files,
+        write=lambda: _write_rows(state, tmp, names, headers, files),
+        finish=write_index,
+    )
 
 
 def _write_rows(

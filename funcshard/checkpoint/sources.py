@@ -19,6 +19,7 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from funcshard.checkpoint import checksums as checksums_lib
 from funcshard.checkpoint import stats
 from funcshard.checkpoint.format import (
     CHECKPOINT_METADATA_FILE,
@@ -68,6 +69,12 @@ def _copy_rows(out: torch.Tensor, rows: torch.Tensor) -> None:
     out.copy_(rows.reshape(out.shape))
 
 
+def _pread(fd: int, out: memoryview, offset: int, leaf: str, chunk: int | str) -> None:
+    got = os.preadv(fd, [out], offset) if len(out) else 0
+    if got != len(out):
+        raise OSError(f"{leaf}: chunk {chunk} is short ({got} of {len(out)} bytes)")
+
+
 # --- Orbax ---------------------------------------------------------------------------------
 
 
@@ -111,7 +118,8 @@ class OrbaxSource:
     Nested trees match by joining keys with ".": ``{"params": {"layers": {"0": {"w": ..}}}}``
     holds ``("params", "layers.0.w")`` (which is also the leaf's directory name). Uncompressed
     C-order zarr v2 on a local disk (what ``save`` writes) is read as byte ranges of its chunk
-    files, straight into the target buffers; anything else through tensorstore.
+    files, straight into the target buffers, and verified against ``_CHECKSUMS`` when the
+    checkpoint has one (``checksums`` is then not None); anything else through tensorstore.
     """
 
     def __init__(self, path: str) -> None:
@@ -147,6 +155,9 @@ class OrbaxSource:
             if os.path.exists(ckpt_meta):
                 self.info = (read_json(ckpt_meta).get("custom_metadata") or {}).get("funcshard")
                 break
+        record = checksums_lib.read_checksums(self.directory)
+        self.checksums: checksums_lib.Checksums | None = None if record is None else record[0]
+        self.block_bytes = 0 if record is None else record[1]
         self.ctx = ts.Context()
         self._open: dict[Keys, ts.TensorStore] = {}
         self._zarray: dict[Keys, dict | None] = {}
@@ -227,37 +238,72 @@ class OrbaxSource:
     # --- data ----------------------------------------------------------------------------------
 
     def _pread_rows(self, keys: Keys, start: int, stop: int, buf: memoryview) -> bool:
-        """Rows ``[start, stop)`` of a simple array into ``buf``; False when a chunk file is
-        absent from a checkpoint funcshard did not write (Orbax omits fill-value chunks)."""
+        """Rows ``[start, stop)`` of a simple array into ``buf``, verified against the recorded
+        checksums when there are some; False when a chunk file is absent from a checkpoint
+        funcshard did not write (Orbax omits fill-value chunks).
+
+        Raises:
+          ChecksumError: the bytes read differ from those written (naming leaf, file, range).
+        """
         md = self._zarray[keys]
         assert md is not None
         shape = md["shape"]
         item = NUMPY_DTYPE[md["dtype"]].itemsize
         row_bytes = math.prod(shape[1:]) * item
         chunk = md["chunks"][0] if shape else 1
+        rows = shape[0] if shape else 1
         sep = md.get("dimension_separator", ".")
-        leaf = os.path.join(self.directory, self._leaf_dir(keys))
+        leaf_name = self._leaf_dir(keys)
+        leaf = os.path.join(self.directory, leaf_name)
+        recorded = None if self.checksums is None else self.checksums.get(leaf_name, {})
         at = 0
         for k in range(start // chunk, (stop - 1) // chunk + 1):
-            lo = max(start, k * chunk) - k * chunk
-            hi = min(stop, (k + 1) * chunk) - k * chunk
-            n = (hi - lo) * row_bytes
+            lo = (max(start, k * chunk) - k * chunk) * row_bytes
+            hi = (min(stop, (k + 1) * chunk) - k * chunk) * row_bytes
+            name = chunk_file(k, len(shape), sep)
+            path = os.path.join(leaf, name)
             try:
-                fd = os.open(os.path.join(leaf, chunk_file(k, len(shape), sep)), os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                if self.info is not None:  # funcshard writes every chunk: data was lost
+                if self.info is not None or recorded is not None:  # funcshard wrote every chunk
                     raise FileNotFoundError(
-                        f"{self.directory}: chunk {k} of {self._leaf_dir(keys)} is missing"
+                        f"{self.directory}: chunk {k} of {leaf_name} is missing"
                     ) from None
                 return False
             try:
-                got = os.preadv(fd, [buf[at : at + n]], lo * row_bytes)
+                out = buf[at : at + hi - lo]
+                if recorded is None:
+                    _pread(fd, out, lo, leaf_name, k)
+                else:
+                    size = (min(rows, (k + 1) * chunk) - k * chunk) * row_bytes
+                    crcs = recorded.get(name, [])
+                    self._pread_verified(fd, out, lo, hi, size, crcs, leaf_name, path)
             finally:
                 os.close(fd)
-            if got != n:
-                raise OSError(f"{self._leaf_dir(keys)}: chunk {k} is short ({got} of {n} bytes)")
-            at += n
+            at += hi - lo
         return True
+
+    def _pread_verified(
+        self,
+        fd: int,
+        out: memoryview,
+        lo: int,
+        hi: int,
+        size: int,
+        crcs: list[int],
+        leaf: str,
+        path: str,
+    ) -> None:
+        """Bytes ``[lo, hi)`` of a chunk file into ``out``, reading the whole checksum blocks
+        around them and verifying each."""
+        assert self.checksums is not None
+        first, a, b = checksums_lib.blocks_of(lo, hi, size, self.block_bytes)
+        whole = out if (a, b) == (lo, hi) else memoryview(bytearray(b - a))
+        _pread(fd, whole, a, leaf, path)
+        checksums_lib.verify(whole, first, crcs, self.block_bytes, leaf=leaf, file=path, at=a)
+        if whole is not out:
+            out[:] = whole[lo - a : hi - a]
+            stats.count_verified(b - a - (hi - lo))
 
     def _read_one(self, req: ReadRequest) -> int:
         keys, start, stop, out = req

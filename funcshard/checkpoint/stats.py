@@ -11,7 +11,7 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
-__all__ = ["IOStats", "io_stats", "count"]
+__all__ = ["IOStats", "io_stats", "count", "count_verified"]
 
 
 @dataclasses.dataclass
@@ -22,6 +22,7 @@ class IOStats:
     bytes_written: int = 0
     reads: int = 0
     writes: int = 0
+    bytes_verified_extra: int = 0  # read only to verify a checksum block a read cut into
 
 
 _ACTIVE: contextvars.ContextVar[tuple[IOStats, ...]] = contextvars.ContextVar(
@@ -49,3 +50,9 @@ def count(read: bool, nbytes: int) -> None:
         else:
             s.bytes_written += nbytes
             s.writes += 1
+
+
+def count_verified(nbytes: int) -> None:
+    """Adds bytes read only to complete a checksum block (not part of ``bytes_read``)."""
+    for s in _ACTIVE.get():
+        s.bytes_verified_extra += nbytes

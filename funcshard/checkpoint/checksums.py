@@ -1,0 +1,143 @@
+"""Checksums of the bytes in a checkpoint's chunk files: computed while writing, verified on
+every read.
+
+Each chunk file's data bytes (its rows inside the array's shape, in the order they lie in
+the file) are cut into blocks of ``BLOCK_BYTES``; one crc32c per block is recorded in the
+item's ``_CHECKSUMS`` file (JSON; Orbax ignores it, so JAX still restores the checkpoint)::
+
+    {"algorithm": "crc32c", "block_bytes": 1048576,
+     "arrays": {"params.fc.weight": {"0.0": [crc, ...], "1.0": [...]}, "step": {"0": [crc]}}}
+
+Blocks rather than whole chunks so that a resharding read, which takes part of a chunk,
+verifies what it reads at the cost of at most one block more on either side, not the chunk.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import crc32c
+
+from funcshard.checkpoint.format import read_json, write_json
+
+__all__ = [
+    "ALGORITHM",
+    "BLOCK_BYTES",
+    "CHECKSUM_FILE",
+    "ChecksumError",
+    "Checksums",
+    "UnverifiedCheckpointWarning",
+    "block_crcs",
+    "read_checksums",
+    "write_checksums",
+]
+
+ALGORITHM = "crc32c"
+BLOCK_BYTES = 1 << 20
+CHECKSUM_FILE = "_CHECKSUMS"
+
+# leaf directory -> chunk file name -> one crc per block of its data bytes
+Checksums = dict[str, dict[str, list[int]]]
+
+
+class ChecksumError(OSError):
+    """Bytes read from a checkpoint do not match the checksum recorded when they were written.
+
+    The message names the leaf, the file and the byte range.
+    """
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A checkpoint without checksums (written before they existed, or not by funcshard)."""
+
+
+def block_crcs(data: memoryview, block_bytes: int = BLOCK_BYTES) -> list[int]:
+    """One crc32c per ``block_bytes`` of ``data`` (the last block may be shorter)."""
+    return [
+        crc32c.crc32c(data[at : at + block_bytes]) for at in range(0, len(data), block_bytes)
+    ] or [crc32c.crc32c(b"")]
+
+
+def byte_view(a: Any) -> memoryview:
+    """``a``'s bytes as a flat unsigned-byte memoryview (no copy)."""
+    return memoryview(a).cast("B")
+
+
+def write_checksums(item_dir: str, arrays: Checksums) -> None:
+    """The item's ``_CHECKSUMS`` file (durably)."""
+    write_json(
+        os.path.join(item_dir, CHECKSUM_FILE),
+        {"algorithm": ALGORITHM, "block_bytes": BLOCK_BYTES, "arrays": arrays},
+    )
+
+
+def read_checksums(item_dir: str) -> tuple[Checksums, int] | None:
+    """``(checksums, block_bytes)`` of the item at ``item_dir``; None when it has none.
+
+    Raises:
+      ValueError: the file is damaged or uses another algorithm.
+    """
+    path = os.path.join(item_dir, CHECKSUM_FILE)
+    if not os.path.exists(path):
+        return None
+    record = read_json(path)
+    if record.get("algorithm") != ALGORITHM:
+        raise ValueError(
+            f"{path}: checksum algorithm {record.get('algorithm')!r}, expected {ALGORITHM!r}"
+        )
+    try:
+        return dict(record["arrays"]), int(record["block_bytes"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path} lacks {e}; the checkpoint is damaged") from None
+
+
+def blocks_of(lo: int, hi: int, size: int, block_bytes: int) -> tuple[int, int, int]:
+    """``(first block, byte start, byte stop)``: the whole blocks covering bytes ``[lo, hi)``
+    of a chunk's ``size`` data bytes (what a verified read of that range must read)."""
+    first = lo // block_bytes
+    last = -(-hi // block_bytes) if hi > lo else first + 1
+    return first, first * block_bytes, min(last * block_bytes, size)
+
+
+def verify(
+    data: memoryview,
+    first_block: int,
+    recorded: list[int],
+    block_bytes: int,
+    *,
+    leaf: str,
+    file: str,
+    at: int = 0,
+) -> None:
+    """Checks ``data`` (whole blocks from ``first_block``, at byte ``at`` of the file).
+
+    Raises:
+      ChecksumError: naming the leaf, the file and the byte range of the first bad block.
+    """
+    for i, (lo, got) in enumerate(_crcs(data, block_bytes)):
+        b = first_block + i
+        want = recorded[b] if b < len(recorded) else None
+        if got != want:
+            hi = lo + min(block_bytes, len(data) - lo)
+            found = "no checksum recorded" if want is None else f"recorded {want:#010x}"
+            raise ChecksumError(
+                f"checksum mismatch in {leaf}: file {file}, bytes {at + lo}:{at + hi}: "
+                f"crc32c {got:#010x}, {found}; the checkpoint is damaged"
+            )
+
+
+def _crcs(data: memoryview, block_bytes: int) -> Iterator[tuple[int, int]]:
+    for lo in range(0, max(len(data), 1), block_bytes):
+        yield lo, crc32c.crc32c(data[lo : lo + block_bytes])
+
+
+def warn_unverified(path: str) -> None:
+    warnings.warn(
+        f"{path} has no checksums (saved before funcshard recorded them, or not by "
+        "funcshard): its bytes cannot be verified",
+        UnverifiedCheckpointWarning,
+        stacklevel=3,
+    )
