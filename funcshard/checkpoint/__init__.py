@@ -13,14 +13,17 @@ is rebuilt from the values read, none of ``like``'s survive.
 Modules, along the seams:
 
 * ``format``: the on-disk contract (zarr v2 arrays, ``_METADATA``, ``_CHECKPOINT_METADATA``);
+* ``checksums``: crc32c of every chunk written (``_CHECKSUMS``), verified on every read;
 * ``tree``: a state as keyed arrays and back (what each rank writes, filling a layout);
 * ``sources``: the readers behind one protocol (Orbax/tensorstore, in-memory dicts) and
-  ``hf``: Hugging Face safetensors (a reader, and ``export_safetensors``);
+  ``hf``: Hugging Face safetensors (a reader, and ``export_safetensors``), ``dcp``:
+  torch.distributed.checkpoint directories (a reader, and a streaming writer);
 * ``commit``: agreement, temporary directory, fsync, rename, leftovers, and the ``Saver``;
 * ``manager``: ``CheckpointManager``; ``api``: ``save``, ``restore``.
 """
 
 from funcshard.checkpoint.api import rebuild_from_params, restore, save
+from funcshard.checkpoint.checksums import ChecksumError, UnverifiedCheckpointWarning
 from funcshard.checkpoint.commit import Saver
 from funcshard.checkpoint.format import CHUNK_BYTES, DELETE_MARK, TMP_MARK
 from funcshard.checkpoint.hf import export_safetensors
@@ -34,8 +37,10 @@ __all__ = [
     "TMP_MARK",
     "CheckpointManager",
     "CheckpointMismatchError",
+    "ChecksumError",
     "IOStats",
     "Saver",
+    "UnverifiedCheckpointWarning",
     "export_safetensors",
     "io_stats",
     "rebuild_from_params",
