@@ -87,6 +87,8 @@ def restore(
         source = open_source(path)
         if isinstance(source, OrbaxSource) and source.checksums is None:
             checksums.warn_unverified(path)
+        if isinstance(source, dcp_lib.DCPSource):
+            source.align(like.layout.names)
         problems, keymap = tree_lib.match(like, source, model_only)
         if problems:
             raise tree_lib.mismatch_error(f"checkpoint {path}", problems, source)

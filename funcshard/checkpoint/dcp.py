@@ -2,10 +2,11 @@
 writer and metadata (no file of it is parsed here).
 
 In: ``DCPSource`` reads a DCP directory's tensors by parameter name (FSDP2 / torchtitan, or
-``dcp.save(model.state_dict())``): a leading ``model.`` is dropped (a nested
-``{"model": ...}`` state), optimizer, scheduler, data loader and train-state entries are left
-out. Each rank asks DCP's reader for the rows it owns; DCP reads every stored chunk that
-overlaps them (a chunk is one saving rank's shard of a tensor) and copies the overlap.
+``dcp.save(model.state_dict())``): optimizer, scheduler, data loader and train-state entries
+are left out, and a nested ``{"model": state_dict, ...}`` is read without its ``model.``
+prefix when that fits the target's names better. Each rank asks DCP's reader for the rows it
+owns; DCP reads every stored chunk that overlaps them (a chunk is one saving rank's shard of
+a tensor) and copies the overlap.
 
 Out: ``save_streaming`` writes a DCP directory that ``dcp.load`` reads into a plain model's
 ``state_dict()``, one tensor in memory at a time (loaded on demand by the save planner).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,14 +49,16 @@ def read_metadata(path: str) -> Metadata:
     return dcp.FileSystemReader(path).read_metadata()
 
 
-def param_names(metadata: Metadata) -> dict[str, str]:
-    """Parameter name -> the FQN DCP stores it under, for every tensor of the model."""
+def param_names(metadata: Metadata, drop_model_prefix: bool = False) -> dict[str, str]:
+    """Parameter name -> the FQN DCP stores it under, for every tensor of the model: all but
+    optimizer, scheduler, data loader and train-state entries, or with ``drop_model_prefix``
+    those under ``model.`` (a nested ``{"model": state_dict, ...}``), without it."""
     tensors = [
         fqn
         for fqn, md in metadata.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     ]
-    if any(f.startswith("model.") for f in tensors):
+    if drop_model_prefix:
         return {f.removeprefix("model."): f for f in tensors if f.startswith("model.")}
     return {f: f for f in tensors if not f.startswith(_NOT_MODEL)}
 
@@ -100,6 +104,15 @@ class DCPSource:
         self.path = path
         self.metadata = read_metadata(path)
         self.fqn = {("params", n): f for n, f in param_names(self.metadata).items()}
+
+    def align(self, names: Sequence[str]) -> None:
+        """Reads the params under ``model.`` as the model's when that names more of ``names``
+        (the target's parameters) than the FQNs as they are: a nested ``{"model": ...}``
+        state, told apart from a model whose own names start with ``model.``."""
+        plain = param_names(self.metadata)
+        nested = param_names(self.metadata, drop_model_prefix=True)
+        if sum(n in nested for n in names) > sum(n in plain for n in names):
+            self.fqn = {("params", n): f for n, f in nested.items()}
 
     def _md(self, keys: Keys) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata[self.fqn[keys]]
@@ -175,4 +188,6 @@ def save_streaming(
         for name, (shape, dtype) in tensors.items()
     }
     writer = dcp.FileSystemWriter(directory, thread_count=1, sync_files=True)
-    dcp.save(state_dict, storage_writer=writer, planner=_LazySavePlanner(load), no_dist=True)
+    with warnings.catch_warnings():  # one process on purpose: DCP need not say so
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(state_dict, storage_writer=writer, planner=_LazySavePlanner(load), no_dist=True)
