@@ -4,6 +4,8 @@ On gloo CPU ranks, one AdamW ZeRO-3 state (masters + mu + nu, fp32):
 
 * save and same-layout restore at 2 ranks, funcshard vs ``torch.distributed.checkpoint``
   (DCP, DTensor shards, ``sync_files=True``), best of ``--reps``;
+* funcshard's save and restore with and without chunk checksums, interleaved rep by rep so
+  that both see the same machine;
 * the 2 -> 3 resharding restore vs a 3 -> 3 same-layout restore (both at 3 ranks);
 * funcshard's durable write bandwidth vs this disk's ``fdatasync`` bandwidth, measured in the
   same run by every rank writing and syncing its share of bytes at once;
@@ -17,6 +19,7 @@ Restores read what was just written, so they mostly measure the page cache; both
 GPU (NCCL; the resharding rows need more ranks than a one-GPU machine has and are skipped).
 
     python experiments/bench_checkpoint.py --dim=1536 --layers=8
+    python experiments/bench_checkpoint.py --parts=checksums --reps=5   # checksums' cost only
     python experiments/bench_checkpoint.py --device=cuda --nproc=1 --dim=4096 --layers=16
 """
 
@@ -26,6 +29,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,6 +48,12 @@ CHUNK_MIB = flags.DEFINE_float("chunk_mib", None, "override funcshard's zarr chu
 HF_DIM = flags.DEFINE_integer("hf_dim", 512, "hidden size of the Llama of the safetensors rows")
 DIR = flags.DEFINE_string("dir", None, "scratch directory (default: a fresh temporary one)")
 DEVICE = flags.DEFINE_enum("device", "cpu", ["cpu", "cuda"], "where the state lives")
+PARTS = flags.DEFINE_list(
+    "parts",
+    ["dcp", "reshard", "hf", "checksums"],
+    "rows to run beside funcshard's save / restore: dcp, reshard, hf, checksums (the same "
+    "save / restore without checksums, interleaved with the one with them)",
+)
 NPROC = flags.DEFINE_integer(
     "nproc",
     2,
@@ -140,7 +150,14 @@ def _fdatasync_seconds(path: str, nbytes: int) -> float:
 
 
 def bench_two(
-    root: str, dim: int, layers: int, reps: int, chunk_mib: float | None, device: str = "cpu"
+    root: str,
+    dim: int,
+    layers: int,
+    reps: int,
+    chunk_mib: float | None,
+    device: str = "cpu",
+    checksums_too: bool = True,
+    dcp_too: bool = True,
 ) -> dict:
     state, _ = _state(dim, layers, device)
     chunk = _chunk_bytes(chunk_mib)
@@ -157,11 +174,33 @@ def bench_two(
         like[0] = fs.restore(ours, like=like[0])
 
     out["fs_restore"] = _best(restore_ours, reps)
-    sd = _dcp_state(like[0])
-    out["dcp_save"] = _best(
-        lambda: dcp.save(sd, checkpoint_id=theirs), reps, setup=lambda: _rm(theirs)
-    )
-    out["dcp_restore"] = _best(lambda: dcp.load(sd, checkpoint_id=theirs), reps)
+    if checksums_too:  # the same, without checksums, interleaved so both see the same load
+        bare = os.path.join(root, "fs2-bare")
+        bare_saver = ckpt_lib.Saver(chunk_bytes=chunk, checksums=False)
+        times: dict[str, list[float]] = {
+            k: [] for k in ("save", "restore", "bare_save", "bare_restore")
+        }
+
+        def restore(path: str) -> None:
+            with warnings.catch_warnings():  # the bare one has no checksums: it warns so
+                warnings.simplefilter("ignore", ckpt_lib.UnverifiedCheckpointWarning)
+                like[0] = fs.restore(path, like=like[0])
+
+        for _ in range(reps):
+            for name, path, save in (
+                ("", ours, lambda p: fs.save(p, like[0], chunk_bytes=chunk)),
+                ("bare_", bare, lambda p: bare_saver.save(p, like[0])),
+            ):
+                _rm(path)
+                times[name + "save"].append(_timed(lambda p=path, s=save: s(p)))
+                times[name + "restore"].append(_timed(lambda p=path: restore(p)))
+        out.update({f"cs_{k}": min(v) for k, v in times.items()})
+    if dcp_too:
+        sd = _dcp_state(like[0])
+        out["dcp_save"] = _best(
+            lambda: dcp.save(sd, checkpoint_id=theirs), reps, setup=lambda: _rm(theirs)
+        )
+        out["dcp_restore"] = _best(lambda: dcp.load(sd, checkpoint_id=theirs), reps)
     out["fdatasync"] = min(
         _fdatasync_seconds(os.path.join(root, "sync"), total // 2) for _ in range(reps)
     )
@@ -263,6 +302,15 @@ def bench_hf(root: str, dim: int, layers: int, reps: int, device: str = "cpu") -
     return out
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        return "unknown"
+    return f"{names[0]}, {len(names)} cores" if names else "unknown"
+
+
 def main(argv: list[str]) -> None:
     del argv
     root = DIR.value or tempfile.mkdtemp(prefix="bench_checkpoint_")
@@ -276,11 +324,13 @@ def main(argv: list[str]) -> None:
             REPS.value,
             CHUNK_MIB.value,
             DEVICE.value,
+            "checksums" in PARTS.value,
+            "dcp" in PARTS.value,
             nproc=NPROC.value,
         )[0]
         three = (
             None
-            if DEVICE.value == "cuda"
+            if DEVICE.value == "cuda" or "reshard" not in PARTS.value
             else fs.launch(
                 bench_three,
                 root,
@@ -291,9 +341,17 @@ def main(argv: list[str]) -> None:
                 nproc=NPROC.value + 1,
             )[0]
         )
-        hf = fs.launch(
-            bench_hf, root, HF_DIM.value, LAYERS.value, REPS.value, DEVICE.value, nproc=NPROC.value
-        )[0]
+        hf = None
+        if "hf" in PARTS.value:
+            hf = fs.launch(
+                bench_hf,
+                root,
+                HF_DIM.value,
+                LAYERS.value,
+                REPS.value,
+                DEVICE.value,
+                nproc=NPROC.value,
+            )[0]
     finally:
         if DIR.value is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -304,10 +362,18 @@ def main(argv: list[str]) -> None:
         f"model: {two['params'] / 1e6:.1f}M params; AdamW state in files {mb:.0f} MB; "
         f"{n} ranks ({where}), best of {REPS.value}"
     )
-    print(f"{'operation':<34}{'funcshard s':>12}{'DCP s':>10}{'ratio':>8}")
-    for op in ("save", "restore"):
-        a, b = two[f"fs_{op}"], two[f"dcp_{op}"]
-        print(f"{op + f' ({n} ranks, same layout)':<34}{a:>12.3f}{b:>10.3f}{a / b:>8.2f}")
+    print(f"CPU: {_cpu_name()}")
+    if "dcp_save" in two:
+        print(f"{'operation':<34}{'funcshard s':>12}{'DCP s':>10}{'ratio':>8}")
+        for op in ("save", "restore"):
+            a, b = two[f"fs_{op}"], two[f"dcp_{op}"]
+            print(f"{op + f' ({n} ranks, same layout)':<34}{a:>12.3f}{b:>10.3f}{a / b:>8.2f}")
+    if "cs_save" in two:
+        print(f"\nchecksums (crc32c per 1 MiB block), {n} ranks, interleaved, best of {REPS.value}")
+        print(f"{'operation':<34}{'with s':>12}{'without s':>10}{'ratio':>8}")
+        for op in ("save", "restore"):
+            a, b = two[f"cs_{op}"], two[f"cs_bare_{op}"]
+            print(f"{op:<34}{a:>12.3f}{b:>10.3f}{a / b:>8.3f}")
     if three is not None:
         print(f"{f'restore {n} -> {m} (reshard)':<34}{three['reshard']:>12.3f}")
         print(f"{f'restore {m} -> {m} (same layout)':<34}{three['same']:>12.3f}")
@@ -315,15 +381,18 @@ def main(argv: list[str]) -> None:
             f"reshard / same-layout restore: {three['reshard'] / three['same']:.2f}x "
             "(target <= 1.2)"
         )
-    print(
-        f"funcshard / DCP save time: {two['fs_save'] / two['dcp_save']:.2f}x, "
-        f"restore time: {two['fs_restore'] / two['dcp_restore']:.2f}x (target <= 1)"
-    )
+    if "dcp_save" in two:
+        print(
+            f"funcshard / DCP save time: {two['fs_save'] / two['dcp_save']:.2f}x, "
+            f"restore time: {two['fs_restore'] / two['dcp_restore']:.2f}x (target <= 1)"
+        )
     bw_ours, bw_disk = mb / two["fs_save"], mb / two["fdatasync"]
     print(
         f"durable write bandwidth: funcshard {bw_ours:.0f} MB/s, fdatasync {bw_disk:.0f} MB/s "
         f"({bw_ours / bw_disk:.2f} of the disk)"
     )
+    if hf is None:
+        return
     print(
         f"\nHugging Face safetensors: Llama {hf['params'] / 1e6:.1f}M params, fp32; funcshard at "
         f"{n} ranks (ZeRO-3, import into a meta-device model), the others on one rank"

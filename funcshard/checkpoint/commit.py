@@ -264,7 +264,12 @@ def _settle(futures: list[Any]) -> list[Any]:
 
 
 def write_arrays(
-    item_dir: str, arrays: list[tree_lib.ArrayWrite], scalars: dict[Keys, Any], is_first: bool
+    item_dir: str,
+    arrays: list[tree_lib.ArrayWrite],
+    scalars: dict[Keys, Any],
+    is_first: bool,
+    *,
+    checksums: bool = True,
 ) -> Checksums:
     """Writes this rank's rows (and, on the first rank, array metadata and scalars) durably.
 
@@ -313,13 +318,13 @@ def write_arrays(
             writes.append(target.write(src.reshape(target.shape)))
             to_sum += _chunks_of(source, src)
             stats.count(False, src.nbytes)
-    checksums: Checksums = {}
+    sums: Checksums = {}
     try:  # while tensorstore writes (crc32c releases the GIL)
-        for leaf, chunk, data in to_sum:
-            checksums.setdefault(leaf, {})[chunk] = block_crcs(data)
+        for leaf, chunk, data in to_sum if checksums else ():
+            sums.setdefault(leaf, {})[chunk] = block_crcs(data)
     finally:
         _settle(writes)
-    return checksums
+    return sums
 
 
 def _chunks_of(a: tree_lib.ArrayWrite, src: np.ndarray) -> list[tuple[str, str, memoryview]]:
@@ -367,8 +372,9 @@ class Saver:
     instance may replace them, e.g. to inject failures in tests).
     """
 
-    def __init__(self, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, *, chunk_bytes: int = CHUNK_BYTES, checksums: bool = True) -> None:
         self.chunk_bytes = chunk_bytes
+        self.checksums = checksums  # False only to measure what they cost
         self._group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -383,7 +389,7 @@ class Saver:
         scalars: dict[Keys, Any],
         is_first: bool,
     ) -> Checksums:
-        return write_arrays(item_dir, arrays, scalars, is_first)
+        return write_arrays(item_dir, arrays, scalars, is_first, checksums=self.checksums)
 
     def write_metadata(
         self,
@@ -397,7 +403,8 @@ class Saver:
         item: str | None,
         checksums: Checksums,
     ) -> None:
-        write_checksums(item_dir, checksums)
+        if self.checksums:
+            write_checksums(item_dir, checksums)
         write_item_metadata(item_dir, [a.keys for a in arrays], list(scalars))
         write_checkpoint_metadata(tmp, os.path.basename(final), item, info, started_ns)
         fsync_dir(item_dir)
