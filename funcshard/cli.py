@@ -36,7 +36,7 @@ from funcshard.checkpoint import commit as commit_lib
 from funcshard.checkpoint import dcp as dcp_lib
 from funcshard.checkpoint import hf
 from funcshard.checkpoint.api import open_source
-from funcshard.checkpoint.checksums import Checksums, write_checksums
+from funcshard.checkpoint.checksums import ALGORITHM, Checksums, write_checksums
 from funcshard.checkpoint.format import (
     CHUNK_BYTES,
     COMMIT_FILE,
@@ -164,7 +164,12 @@ def verify(path: str) -> int:
     paths = manager_steps(path) or [path]
     status = 0
     for p in paths:
-        source = open_source(p)
+        try:
+            source = open_source(p)
+        except (OSError, ValueError) as e:  # e.g. its _CHECKSUMS or _METADATA is damaged
+            print(f"BAD {p}: {e}")
+            status = 1
+            continue
         if not isinstance(source, OrbaxSource) or source.checksums is None:
             print(f"{p}: {format_name(source)} without checksums: cannot be verified")
             status = max(status, 2)
@@ -276,6 +281,7 @@ def _write_orbax(tmp: str, source: Source, dtype: torch.dtype | None, final: str
         "optimizer": None,
         "step": step or 0,
         "converted_from": format_name(source),
+        "checksums": ALGORITHM,
     }
     write_checkpoint_metadata(tmp, os.path.basename(final), None, info, started)
 

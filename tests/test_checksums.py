@@ -89,6 +89,14 @@ def restore_worker(directory: str) -> dict:
     }
 
 
+def restore_error_worker(directory: str) -> str | None:
+    try:
+        fs.restore(directory, like=_state(1, "optim"))
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 @pytest.fixture(scope="module")
 def saved(pool2, tmp_path_factory):
     root = tmp_path_factory.mktemp("checksums")
@@ -176,7 +184,14 @@ def test_clean_restore_is_exact_and_unchecked_ones_warn(pool2, saved, tmp_path):
         assert models.max_rel_err(r["full"], full) == 0
     old = str(tmp_path / "old")
     shutil.copytree(directory, old)
-    os.remove(os.path.join(old, "_CHECKSUMS"))  # as saved before checksums existed
+    os.remove(os.path.join(old, "_CHECKSUMS"))  # lost: damage, on every rank
+    errors = pool2.run(restore_error_worker, old)
+    assert all("_CHECKSUMS is missing" in e for e in errors), errors
+    meta = os.path.join(old, "_CHECKPOINT_METADATA")  # as saved before checksums existed
+    record = json.load(open(meta))
+    del record["custom_metadata"]["funcshard"]["checksums"]
+    record["custom_metadata"]["funcshard"]["version"] = 1
+    json.dump(record, open(meta, "w"))
     for r in pool2.run(restore_worker, old):
         assert len(r["warned"]) == 1 and "cannot be verified" in r["warned"][0]
         assert models.max_rel_err(r["full"], full) == 0

@@ -104,9 +104,9 @@ def test_verify_names_each_bad_leaf(saved, tmp_path, capsys):
     named = sorted(x.split()[1].rstrip(":") for x in out.splitlines() if x.startswith("BAD "))
     assert status == 1 and named == sorted(flipped), out
     assert "bytes 0:" in out
-    os.remove(os.path.join(bad, "_CHECKSUMS"))
+    os.remove(os.path.join(bad, "_CHECKSUMS"))  # lost, though the save recorded them
     status, out = _run(capsys, "verify", bad)
-    assert status == 2 and "cannot be verified" in out, out
+    assert status == 1 and "_CHECKSUMS is missing" in out, out
 
 
 @pytest.mark.parametrize("dtype", [None, "bf16"])
@@ -143,6 +143,8 @@ def test_convert_to_dcp_and_back_to_orbax(pool2, saved, tmp_path, capsys):
         torch.testing.assert_close(fresh[name], t, rtol=0, atol=0, msg=name)
     status, listing = _run(capsys, "inspect", out)
     assert status == 0 and "format: torch.distributed.checkpoint (DCP)" in listing
+    status, listing = _run(capsys, "verify", out)
+    assert status == 2 and "cannot be verified" in listing, listing
 
     # DCP and safetensors -> funcshard's Orbax layout, restored model_only on 2 ranks
     hf_dir = str(tmp_path / "hf")

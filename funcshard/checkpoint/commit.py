@@ -37,6 +37,7 @@ from funcshard import mesh as mesh_lib
 from funcshard.checkpoint import stats
 from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.checksums import (
+    ALGORITHM,
     ChecksumError,
     Checksums,
     block_crcs,
@@ -481,7 +482,10 @@ class Saver:
             state, stage=background, chunk_bytes=self.chunk_bytes
         )
         tmp = start(final, agreement)
-        job = _Job(final, tmp, item, arrays, scalars, tree_lib.info(state), started, after_commit)
+        info = tree_lib.info(state)
+        if self.checksums:  # so that a lost _CHECKSUMS is damage, not an old checkpoint
+            info["checksums"] = ALGORITHM
+        job = _Job(final, tmp, item, arrays, scalars, info, started, after_commit)
         if not background:
             self._run(job, agreement)
             return

@@ -156,6 +156,11 @@ class OrbaxSource:
                 self.info = (read_json(ckpt_meta).get("custom_metadata") or {}).get("funcshard")
                 break
         record = checksums_lib.read_checksums(self.directory)
+        if record is None and (self.info or {}).get("checksums"):
+            raise FileNotFoundError(
+                f"restore: {self.directory}/{checksums_lib.CHECKSUM_FILE} is missing, though "
+                "the checkpoint was saved with checksums; the checkpoint is damaged"
+            )
         self.checksums: checksums_lib.Checksums | None = None if record is None else record[0]
         self.block_bytes = 0 if record is None else record[1]
         self.ctx = ts.Context()
@@ -299,8 +304,13 @@ class OrbaxSource:
         assert self.checksums is not None
         first, a, b = checksums_lib.blocks_of(lo, hi, size, self.block_bytes)
         whole = out if (a, b) == (lo, hi) else memoryview(bytearray(b - a))
-        _pread(fd, whole, a, leaf, path)
-        checksums_lib.verify(whole, first, crcs, self.block_bytes, leaf=leaf, file=path, at=a)
+        step = self.block_bytes
+        for at in range(0, len(whole), step):  # each block checked while it is in cache
+            block = whole[at : at + step]
+            _pread(fd, block, a + at, leaf, path)
+            checksums_lib.verify(
+                block, first + at // step, crcs, step, leaf=leaf, file=path, at=a + at
+            )
         if whole is not out:
             out[:] = whole[lo - a : hi - a]
             stats.count_verified(b - a - (hi - lo))

@@ -253,6 +253,11 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
                 "optimizer: the checkpoint was not written by funcshard (no "
                 "optimizer state it can map); restore it with model_only=True"
             )
+        elif source.info.get("optimizer") is None:
+            problems.append(
+                "optimizer: the checkpoint holds params only (converted); restore it with "
+                "model_only=True"
+            )
         elif source.info.get("optimizer") != kind:
             problems.append(
                 f"optimizer: the checkpoint holds {source.info.get('optimizer')}, "
