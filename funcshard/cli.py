@@ -113,7 +113,7 @@ def _chunks(source: Source, keys: Keys) -> str:
         ranges = source.chunk_rows(keys)
         return "-" if ranges is None else str(len(ranges))
     if isinstance(source, dcp_lib.DCPSource):
-        return str(len(source._md(keys).chunks))
+        return str(len(source.tensor_metadata(keys).chunks))
     return "1"
 
 

@@ -114,7 +114,7 @@ class DCPSource:
         if sum(n in nested for n in names) > sum(n in plain for n in names):
             self.fqn = {("params", n): f for n, f in nested.items()}
 
-    def _md(self, keys: Keys) -> TensorStorageMetadata:
+    def tensor_metadata(self, keys: Keys) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata[self.fqn[keys]]
         assert isinstance(md, TensorStorageMetadata)
         return md
@@ -122,7 +122,7 @@ class DCPSource:
     def arrays(self) -> dict[Keys, tuple[tuple[int, ...], str]]:
         out = {}
         for keys in self.fqn:
-            md = self._md(keys)
+            md = self.tensor_metadata(keys)
             out[keys] = (tuple(md.size), str(md.properties.dtype).removeprefix("torch."))
         return out
 
@@ -135,7 +135,7 @@ class DCPSource:
         targets: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         copies = []
         for keys, start, stop, out in requests:
-            md, fqn = self._md(keys), self.fqn[keys]
+            md, fqn = self.tensor_metadata(keys), self.fqn[keys]
             shape = tuple(md.size)
             offsets = (start, *(0 for _ in shape[1:])) if shape else ()
             sizes = (stop - start, *shape[1:]) if shape else ()
