@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from funcshard import mesh as mesh_lib
 from funcshard.buckets import Members, PerBucket
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
+from funcshard.strategy import Strategy
 
 __all__ = [
     "STRATEGIES",
@@ -36,13 +37,8 @@ __all__ = [
     "default_units",
 ]
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+STRATEGIES = tuple(s.value for s in Strategy)  # the names users pass
 ROOT_UNIT = 0
-
-
-def check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,7 +126,7 @@ class Layout:
 
     mesh: DeviceMesh
     policy: MixedPrecisionPolicy
-    strategy: str
+    strategy: Strategy
     leaves: tuple[LeafSpec, ...]
     buckets: tuple[Bucket, ...]
     units: tuple[str, ...]  # module prefix per unit; "" is the root unit
@@ -149,11 +145,15 @@ class Layout:
 
     @property
     def shard_size(self) -> int:
-        return 1 if self.strategy == "no_shard" else mesh_lib.axis_size(self.mesh, "shard")
+        if not self.strategy.shards_optim:
+            return 1
+        return mesh_lib.axis_size(self.mesh, "shard")
 
     @property
     def shard_rank(self) -> int:
-        return 0 if self.strategy == "no_shard" else mesh_lib.axis_rank(self.mesh, "shard")
+        if not self.strategy.shards_optim:
+            return 0
+        return mesh_lib.axis_rank(self.mesh, "shard")
 
     @property
     def dp_size(self) -> int:
@@ -166,7 +166,7 @@ class Layout:
     @property
     def replicate_group(self):
         """The group gradient shards are all-reduced over (the world when nothing is sharded)."""
-        if self.strategy == "no_shard":
+        if not self.strategy.shards_optim:
             return mesh_lib.world_group(self.mesh)
         return mesh_lib.axis_group(self.mesh, "replicate")
 
@@ -306,7 +306,7 @@ def build_layout(
     model: nn.Module | None,
     mesh: DeviceMesh,
     policy: MixedPrecisionPolicy,
-    strategy: str,
+    strategy: str | Strategy,
     offload_fraction: float = 0.0,
     units: UnitsArg = None,
     partition: Callable[[str, tuple], Hashable] | None = None,
@@ -319,11 +319,11 @@ def build_layout(
     ``deterministic`` asks for the layout-independent reductions of
     :mod:`funcshard.determinism` (it checks that the mesh and policy allow them).
     """
-    check_strategy(strategy)
+    strategy = Strategy.parse(strategy)
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
     prefixes = _resolve_units(model, units) if model is not None else list(units or [])
-    shard_size = 1 if strategy == "no_shard" else mesh_lib.axis_size(mesh, "shard")
+    shard_size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
 
     raw = []
     for name, (shape, dtype) in params.items():

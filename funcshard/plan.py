@@ -47,10 +47,12 @@ import torch
 from torch import nn
 
 from funcshard.buckets import NAMESPACE, is_per_bucket
-from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout, check_strategy
+from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
 from funcshard.policy import MixedPrecisionPolicy
+from funcshard.reduction import reduction_of
+from funcshard.strategy import Strategy
 
 __all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
 
@@ -283,7 +285,7 @@ def _memory(
     layout: Layout, n_states: list[int], device_type: str, microbatches: int, muon_owner: int = 0
 ) -> MemoryPlan:
     S = layout.shard_size
-    zero3 = layout.strategy == "optim_grads_params"
+    zero3 = layout.strategy.shards_params
     sharded_grads = not _accumulates_unreduced(layout, microbatches)
     # a deterministic step holds up to log2(M) partial sums of its microbatches
     partials = max(1, microbatches.bit_length() - 1) if layout.deterministic else 1
@@ -318,8 +320,9 @@ def _memory(
 
 def _accumulates_unreduced(layout: Layout, microbatches: int) -> bool:
     """Whether a step keeps full unreduced gradients until after its last microbatch."""
-    units = layout.strategy in ("optim_grads", "optim_grads_params")
-    return not units or (layout.deterministic and microbatches > 1)
+    return not layout.strategy.runs_units or not reduction_of(layout).reduces_each_microbatch(
+        microbatches
+    )
 
 
 def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
@@ -335,14 +338,14 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     for b in layout.buckets:
         full = S * b.numel
         w, c = _size(b.dtypes.comm), _size(b.dtypes.compute)
-        if strategy == "no_shard":
+        if not strategy.shards_optim:
             if world > 1:
                 add("all_reduce", 1, full * w)
             continue
         if S > 1:
             per_mb = not _accumulates_unreduced(layout, M)
             add("reduce_scatter", M if per_mb else 1, full * w)
-            add("all_gather", 2 * M if strategy == "optim_grads_params" else 1, full * c)
+            add("all_gather", 2 * M if strategy.shards_params else 1, full * c)
         if replicate > 1:
             add("all_reduce", 1, b.numel * w)
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
@@ -365,7 +368,7 @@ def plan(
     world_size: int,
     shard: int = -1,
     replicate: int = 1,
-    strategy: str = "optim_grads_params",
+    strategy: str | Strategy = "optim_grads_params",
     policy: MixedPrecisionPolicy | None = None,
     offload_fraction: float = 0.0,
     microbatches: int = 1,
@@ -403,7 +406,7 @@ def plan(
     >>> p.padded_numel, p.memory.master, p.comm["reduce_scatter"]
     (48, 48, 192)
     """
-    check_strategy(strategy)
+    strategy = Strategy.parse(strategy)
     if world_size < 1 or replicate < 1 or microbatches < 1:
         raise ValueError(
             f"plan: world_size ({world_size}), replicate ({replicate}) and "
