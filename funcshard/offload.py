@@ -430,7 +430,7 @@ def _cuda_step(state: Donation, grads, split, device_idx, cpu_idx, threads, grad
         bucket = layout.buckets[i]
         prev = old[i]
         reuse = (
-            layout.strategy == "optim_grads_params"
+            layout.strategy.shards_params
             and prev is not None
             and prev.device == device
             and prev.numel() == bucket.numel

@@ -117,7 +117,7 @@ class UnitGrads:
         )
         try:
             loss, aux = loss_and_aux(loss_fn(run.params, batch))
-            return loss.detach(), aux, run.reducer.backward(loss * scale)
+            return loss.detach(), aux, run.backward(loss * scale)
         finally:
             run.close()
 
