@@ -300,6 +300,26 @@ def _pick_offloaded(sizes: list[int], fraction: float) -> set[int]:
     return chosen
 
 
+def _leaf_rows(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    policy: MixedPrecisionPolicy,
+    shard_size: int,
+    deterministic: bool,
+) -> tuple:
+    """``(name, shape, dtypes, rows, rows_per_shard, row_numel)`` of one parameter."""
+    if not dtype.is_floating_point:
+        raise TypeError(f"parameter {name!r}: expected a floating dtype, got {dtype}")
+    rows = shape[0] if shape else 1
+    row_numel = math.prod(shape[1:]) if shape else 1
+    rps = -(-rows // shard_size)
+    if deterministic:  # every leaf starts 128-byte aligned in the full buffer, whatever S
+        step = DETERMINISTIC_ALIGN // math.gcd(row_numel, DETERMINISTIC_ALIGN)
+        rps = -(-rps // step) * step
+    return (name, tuple(shape), policy.resolve(dtype), rows, rps, row_numel)
+
+
 def build_layout(
     params: dict[str, tuple[tuple[int, ...], torch.dtype]],
     *,
@@ -325,33 +345,17 @@ def build_layout(
     prefixes = _resolve_units(model, units) if model is not None else list(units or [])
     shard_size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
 
-    raw = []
-    for name, (shape, dtype) in params.items():
-        if not dtype.is_floating_point:
-            raise TypeError(f"parameter {name!r}: expected a floating dtype, got {dtype}")
-        rows = shape[0] if shape else 1
-        row_numel = math.prod(shape[1:]) if shape else 1
-        rps = -(-rows // shard_size)
-        if deterministic:  # every leaf starts 128-byte aligned in the full buffer, whatever S
-            step = DETERMINISTIC_ALIGN // math.gcd(row_numel, DETERMINISTIC_ALIGN)
-            rps = -(-rps // step) * step
-        raw.append(
-            (
-                name,
-                tuple(shape),
-                policy.resolve(dtype),
-                _unit_of(name, prefixes),
-                rows,
-                rps,
-                row_numel,
-            )
-        )
-    offloaded = _pick_offloaded([r[5] * r[6] for r in raw], offload_fraction)
+    raw = [
+        _leaf_rows(name, shape, dtype, policy, shard_size, deterministic)
+        + (_unit_of(name, prefixes),)
+        for name, (shape, dtype) in params.items()
+    ]
+    offloaded = _pick_offloaded([r[4] * r[5] for r in raw], offload_fraction)
 
     # Buckets in order of first appearance of (unit, dtypes, placement, rule), leaves in model
     # order.
     keys: dict[tuple, list[int]] = {}
-    for i, (name, shape, dtypes, unit, *_rest) in enumerate(raw):
+    for i, (name, shape, dtypes, *_rest, unit) in enumerate(raw):
         rule = partition(name, shape) if partition is not None else None
         keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
     leaves: list[LeafSpec | None] = [None] * len(raw)
@@ -360,7 +364,7 @@ def build_layout(
     for b, ((unit, dtypes, off, _), members) in enumerate(ordered):
         offset = 0
         for i in members:
-            name, shape, _, _, rows, rps, row_numel = raw[i]
+            name, shape, _, rows, rps, row_numel, _ = raw[i]
             leaves[i] = LeafSpec(name, shape, dtypes, unit, rows, rps, row_numel, b, offset)
             offset += rps * row_numel
         buckets.append(Bucket(b, unit, dtypes, off, tuple(members), offset))

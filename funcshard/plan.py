@@ -361,6 +361,27 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     return nbytes, calls
 
 
+def _shard_size(world_size: int, shard: int, replicate: int, microbatches: int) -> int:
+    """The shard group size of a ``plan`` call (``-1``: the world over the replicas)."""
+    if world_size < 1 or replicate < 1 or microbatches < 1:
+        raise ValueError(
+            f"plan: world_size ({world_size}), replicate ({replicate}) and "
+            f"microbatches ({microbatches}) must be >= 1"
+        )
+    if shard == -1:
+        if world_size % replicate:
+            raise ValueError(
+                f"plan: world size {world_size} is not divisible by replicate={replicate}"
+            )
+        shard = world_size // replicate
+    if shard * replicate != world_size:
+        raise ValueError(
+            f"plan: shard ({shard}) x replicate ({replicate}) must equal the world "
+            f"size {world_size}"
+        )
+    return shard
+
+
 def plan(
     params: ShapesArg,
     /,
@@ -407,22 +428,7 @@ def plan(
     (48, 48, 192)
     """
     strategy = Strategy.parse(strategy)
-    if world_size < 1 or replicate < 1 or microbatches < 1:
-        raise ValueError(
-            f"plan: world_size ({world_size}), replicate ({replicate}) and "
-            f"microbatches ({microbatches}) must be >= 1"
-        )
-    if shard == -1:
-        if world_size % replicate:
-            raise ValueError(
-                f"plan: world size {world_size} is not divisible by replicate={replicate}"
-            )
-        shard = world_size // replicate
-    if shard * replicate != world_size:
-        raise ValueError(
-            f"plan: shard ({shard}) x replicate ({replicate}) must equal the world "
-            f"size {world_size}"
-        )
+    shard = _shard_size(world_size, shard, replicate, microbatches)
     table = _param_table(params, dtype)
     model = params if isinstance(params, nn.Module) else None
     if model is None and units is None:
