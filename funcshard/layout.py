@@ -106,6 +106,7 @@ class Placement:
     device: torch.device
     specs: dict[Members, tuple[LeafSpec, ...]]
     replicas: object = None  # the ProcessGroup of the replicas (None when replica_count == 1)
+    replicas_axis: str = "replicate"  # their mesh axis, for the accounting ("world": no_shard)
     replica_count: int = 1
     replica_rank: int = 0
 
@@ -171,6 +172,11 @@ class Layout:
         return mesh_lib.axis_group(self.mesh, "replicate")
 
     @property
+    def replicate_axis(self) -> str:
+        """The mesh axis of ``replicate_group``, as ``fs.comm_stats`` counts it."""
+        return "replicate" if self.strategy.shards_optim else "world"
+
+    @property
     def names(self) -> tuple[str, ...]:
         return tuple(leaf.name for leaf in self.leaves)
 
@@ -211,6 +217,7 @@ class Layout:
             replicas=self.replicate_group if replicas > 1 else None,
             replica_count=replicas,
             replica_rank=dist.get_rank(self.replicate_group) if replicas > 1 else 0,
+            replicas_axis=self.replicate_axis,
         )
 
     def per_bucket(self, values: Sequence) -> PerBucket:

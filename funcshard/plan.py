@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from funcshard.buckets import NAMESPACE, is_per_bucket
+from funcshard.collectives import AXES
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
@@ -119,6 +120,9 @@ class Plan:
     memory: MemoryPlan
     comm: dict[str, int]
     calls: dict[str, int]
+    # the same bytes per mesh axis ("shard", "replicate", "world"): what crosses the slow link
+    # between nodes is the "replicate" entry (see ``fs.comm_stats().bytes_by_axis``)
+    comm_by_axis: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
         """A readable summary."""
@@ -152,6 +156,9 @@ class Plan:
             rows.append(
                 f"  {kind:<14}{format_bytes(self.comm[kind]):>12}  ({self.calls[kind]} calls)"
             )
+        rows.append("by mesh axis:")
+        for axis, nbytes in self.comm_by_axis.items():
+            rows.append(f"  {axis:<14}{format_bytes(nbytes):>12}")
         return "\n".join(rows)
 
 
@@ -241,12 +248,15 @@ def _per_bucket_parts(state) -> list:
     ]
 
 
-def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int, int]:
-    """``(bytes, calls, owner bytes)`` of Muon's exchange on the busiest rank."""
+def _muon_exchange(
+    optimizer: str | Optimizer, layout: Layout
+) -> tuple[int, int, int, dict[str, int]]:
+    """``(bytes, calls, owner bytes, bytes by axis)`` of Muon's exchange on the busiest rank
+    (per axis: the busiest rank on that axis)."""
     S = layout.shard_size
     R = layout.dp_size // S  # replicas, each working on its share of the matrices
     if isinstance(optimizer, str) or S * R == 1:
-        return 0, 0, 0
+        return 0, 0, 0, {}
     owned: set[int] = set()
     muon_states = [
         x
@@ -263,7 +273,7 @@ def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int
             owned |= {i for i, x in enumerate(part) if x is not None}
     groups = [[b.index for b in layout.buckets if not b.offload and b.index in owned]]
     groups += [[b.index] for b in layout.buckets if b.offload and b.index in owned]
-    sent, calls, held = [0] * S, 0, [0] * S
+    sent, calls, held, gathered = [0] * S, 0, [0] * S, [0] * S
     for group in groups:
         specs = [s for i in group for s in layout.bucket_leaves(layout.buckets[i])]
         if not specs:
@@ -273,8 +283,13 @@ def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int
         )
         sent = [a + b for a, b in zip(sent, ex.sent_bytes, strict=True)]
         held = [max(a, b) for a, b in zip(held, ex.owner_bytes, strict=True)]
+        gathered = [a + b for a, b in zip(gathered, ex.gather_bytes or [0] * S, strict=True)]
         calls += ex.calls
-    return max(sent), calls, max(held)
+    by_axis = {
+        "shard": max(s - g for s, g in zip(sent, gathered, strict=True)),
+        layout.replicate_axis: max(gathered),
+    }
+    return max(sent), calls, max(held), by_axis
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -330,35 +345,38 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     strategy = layout.strategy
     nbytes = dict.fromkeys(KINDS, 0)
     calls = dict.fromkeys(KINDS, 0)
+    by_axis = dict.fromkeys(AXES, 0)
 
-    def add(kind: str, count: int, size: int) -> None:
+    def add(kind: str, count: int, size: int, axis: str) -> None:
         nbytes[kind] += count * size
         calls[kind] += count
+        by_axis[axis] += count * size
 
     for b in layout.buckets:
         full = S * b.numel
         w, c = _size(b.dtypes.comm), _size(b.dtypes.compute)
         if not strategy.shards_optim:
             if world > 1:
-                add("all_reduce", 1, full * w)
+                add("all_reduce", 1, full * w, "world")
             continue
         if S > 1:
             per_mb = not _accumulates_unreduced(layout, M)
-            add("reduce_scatter", M if per_mb else 1, full * w)
-            add("all_gather", 2 * M if strategy.shards_params else 1, full * c)
+            add("reduce_scatter", M if per_mb else 1, full * w, "shard")
+            add("all_gather", 2 * M if strategy.shards_params else 1, full * c, "shard")
         if replicate > 1:
-            add("all_reduce", 1, b.numel * w)
+            add("all_reduce", 1, b.numel * w, "replicate")
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
         if world > 1:
-            add("metrics", 1, world * M * _METRIC_BYTES)
+            add("metrics", 1, world * M * _METRIC_BYTES, "world")
         if S > 1:
-            add("metrics", 1, S * sum(s.rows_per_shard for s in layout.leaves) * _METRIC_BYTES)
-        return nbytes, calls
+            rows = sum(s.rows_per_shard for s in layout.leaves)
+            add("metrics", 1, S * rows * _METRIC_BYTES, "shard")
+        return nbytes, calls, by_axis
     if world > 1:
-        add("metrics", 1, _METRIC_BYTES)  # the loss
+        add("metrics", 1, _METRIC_BYTES, "world")  # the loss
     if S > 1:
-        add("metrics", 1, _METRIC_BYTES)  # the squared gradient norm
-    return nbytes, calls
+        add("metrics", 1, _METRIC_BYTES, "shard")  # the squared gradient norm
+    return nbytes, calls, by_axis
 
 
 def _shard_size(world_size: int, shard: int, replicate: int, microbatches: int) -> int:
@@ -444,8 +462,10 @@ def plan(
         partition=None if isinstance(optimizer, str) else optimizer.partition,
         deterministic=deterministic,
     )
-    comm, calls = _comm(layout, microbatches, replicate, world_size)
-    comm["muon"], calls["muon"], muon_owner = _muon_exchange(optimizer, layout)
+    comm, calls, by_axis = _comm(layout, microbatches, replicate, world_size)
+    comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
+    for axis, nbytes in muon_by_axis.items():
+        by_axis[axis] += nbytes
     return Plan(
         strategy=strategy,
         world_size=world_size,
@@ -461,6 +481,7 @@ def plan(
         ),
         comm=comm,
         calls=calls,
+        comm_by_axis=by_axis,
     )
 
 

@@ -49,7 +49,7 @@ def start_reduce_shard_axis(
         wire.div_(layout.dp_size)
     if layout.shard_size == 1:
         return collectives.Pending(None, wire)
-    return reduction_of(layout).start_reduce_scatter(wire, layout.shard_group)
+    return reduction_of(layout).start_reduce_scatter(wire, layout.shard_group, axis="shard")
 
 
 def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,8 @@ def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -
     if torch.distributed.get_world_size(group) == 1:
         return local
     wire = local.to(bucket.dtypes.comm)
-    return reduction_of(layout).all_reduce(wire, group).to(bucket.dtypes.grad)
+    reduction = reduction_of(layout)
+    return reduction.all_reduce(wire, group, axis=layout.replicate_axis).to(bucket.dtypes.grad)
 
 
 def reduce_step_grads(

@@ -142,12 +142,15 @@ class Reduction(Protocol):
     def microbatch_sum(self, microbatches: int) -> MicrobatchSum: ...
 
     def start_reduce_scatter(
-        self, wire: torch.Tensor, group: dist.ProcessGroup
+        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
     ) -> collectives.Pending:
-        """The group's sum of 1-D ``wire``, this rank's contiguous 1/size of it."""
+        """The group's sum of 1-D ``wire``, this rank's contiguous 1/size of it (``axis``:
+        the mesh axis of ``group``, for the accounting)."""
         ...
 
-    def all_reduce(self, wire: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def all_reduce(
+        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
+    ) -> torch.Tensor:
         """The group's sum of ``wire`` (a new tensor or ``wire`` reused)."""
         ...
 
@@ -177,12 +180,14 @@ class RingReduction:
         return Fold()
 
     def start_reduce_scatter(
-        self, wire: torch.Tensor, group: dist.ProcessGroup
+        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
     ) -> collectives.Pending:
-        return collectives.reduce_scatter(wire, group, async_op=True)
+        return collectives.reduce_scatter(wire, group, axis=axis, async_op=True)
 
-    def all_reduce(self, wire: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return collectives.all_reduce(wire, group)
+    def all_reduce(
+        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
+    ) -> torch.Tensor:
+        return collectives.all_reduce(wire, group, axis=axis)
 
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
         """One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite
@@ -206,13 +211,13 @@ class RingReduction:
             )
         sq = norms.square().sum().to(layout.device)
         if layout.shard_size > 1:
-            sq = collectives.all_reduce(sq, layout.shard_group, kind="metrics")
+            sq = collectives.all_reduce(sq, layout.shard_group, axis="shard", kind="metrics")
         return sq.sqrt()
 
     def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
         total = torch.stack([loss.double() for loss in losses]).sum()
         world = mesh_lib.world_group(layout.mesh)
-        total = collectives.all_reduce(total, world, kind="metrics")
+        total = collectives.all_reduce(total, world, axis="world", kind="metrics")
         return float(total) / (len(losses) * layout.dp_size)
 
 
@@ -232,12 +237,14 @@ class TreeReduction:
         return Fold() if microbatches == 1 else Tree()
 
     def start_reduce_scatter(
-        self, wire: torch.Tensor, group: dist.ProcessGroup
+        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
     ) -> collectives.Pending:
-        return determinism.start_reduce_scatter(wire, group)
+        return determinism.start_reduce_scatter(wire, group, axis=axis)
 
-    def all_reduce(self, wire: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return determinism.all_reduce(wire, group)
+    def all_reduce(
+        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
+    ) -> torch.Tensor:
+        return determinism.all_reduce(wire, group, axis=axis)
 
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
         return determinism.global_norm(layout, grads)

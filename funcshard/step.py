@@ -55,7 +55,7 @@ def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
             part = g[spec.offset : spec.offset + spec.shard_numel]
             flags[index] = float(not bool(torch.isfinite(part).all()))
     if layout.shard_size > 1:
-        flags = collectives.all_reduce(flags, layout.shard_group, kind="metrics")
+        flags = collectives.all_reduce(flags, layout.shard_group, axis="shard", kind="metrics")
     return [spec.name for spec, f in zip(layout.leaves, flags.tolist(), strict=True) if f > 0]
 
 

@@ -61,7 +61,7 @@ class Gatherer:
         for b in buckets:
             if b not in self._pending:
                 self._pending[b] = collectives.all_gather(
-                    self.buffers[b], self.layout.shard_group, async_op=True
+                    self.buffers[b], self.layout.shard_group, axis="shard", async_op=True
                 )
 
     def full(self, bucket: int) -> torch.Tensor:
