@@ -316,6 +316,12 @@ class Nodes:
         self._procs.append(p)
         return p
 
+    def kill(self, node: int) -> None:
+        """Every process in node ``node`` dies at once (SIGKILL): a lost node."""
+        for pid in _pids(self.names[node]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     def counters(self, node: int) -> LinkCounters:
         """The counters of node ``node``'s ``eth0`` (``ip -s -j link`` in its namespace)."""
         r = _ip("-j", "-s", "-n", self.names[node], "link", "show", "dev", IFNAME)
@@ -334,6 +340,7 @@ class Nodes:
         port: int = 29400,
         nodes: Sequence[int] | None = None,
         torchrun_args: Sequence[str] = (),
+        rdzv_conf: Mapping[str, object] | None = None,
         env: Mapping[str, str] | None = None,
         log_dir: str | None = None,
     ) -> NodesRun:
@@ -348,7 +355,8 @@ class Nodes:
           nnodes: torchrun's ``--nnodes`` ("2", or "1:2" for elastic); default all nodes.
           port: the rendezvous port on node 0.
           nodes: which nodes to start it in (a node started later can join an elastic run).
-          torchrun_args: more torchrun flags (``--max-restarts=3``).
+          torchrun_args: more torchrun flags (``--max-restarts=3``), not ``--rdzv-conf``.
+          rdzv_conf: more ``--rdzv-conf`` entries ({"last_call_timeout": 1}).
           env: the environment (default ``os.environ``); GLOO_SOCKET_IFNAME is added.
           log_dir: where each node's log ``node<i>.log`` goes; default a new temporary one.
         """
@@ -356,12 +364,15 @@ class Nodes:
         env = {**(os.environ if env is None else env), "GLOO_SOCKET_IFNAME": IFNAME}
         procs, logs = [], []
         for i in range(self.n) if nodes is None else nodes:
+            conf = ",".join(
+                f"{k}={v}" for k, v in {"is_host": int(i == 0), **(rdzv_conf or {})}.items()
+            )
             cmd = [
                 sys.executable, "-m", "torch.distributed.run",
                 f"--nnodes={nnodes or self.n}", f"--node-rank={i}",
                 f"--nproc-per-node={nproc_per_node}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addrs[0]}:{port}",
-                f"--rdzv-id={self.tag}", f"--rdzv-conf=is_host={int(i == 0)}",
+                f"--rdzv-id={self.tag}", f"--rdzv-conf={conf}",
                 f"--local-addr={self.addrs[i]}", *torchrun_args, *argv,
             ]  # fmt: skip
             logs.append(os.path.join(log_dir, f"node{i}.log"))
