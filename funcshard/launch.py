@@ -77,9 +77,9 @@ def init_from_env(backend: str | None = None, *, timeout: timedelta | None = Non
       ("Connection refused"). Here worker rank 0 hosts a new store of the round's own and
       publishes its port with a random nonce in the agent's store; every other rank connects
       to the port it reads there once that store answers with the same nonce, so a stale entry
-      of an earlier round (its host is dead) is skipped, whatever ``TORCHELASTIC_RESTART_COUNT``
-      says (it differs between nodes after a restart, and a membership change or a relaunched
-      agent does not advance it).
+      of an earlier round (its host is dead) is skipped. ``TORCHELASTIC_RESTART_COUNT`` cannot
+      key a round: a membership change does not advance it and a relaunched agent starts again
+      at 0, so nodes of one round can hold different counts.
 
     Args:
       backend: default NCCL with CUDA (one GPU per ``LOCAL_RANK``; CPU tensors over gloo),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import time
 
 import _nodes_job
 import pytest
@@ -84,3 +85,69 @@ def test_two_nodes_match_one_process(tmp_path, outer_strategy: str | None) -> No
     # The replicate axis really crossed the links: HSDP all-reduces every gradient shard.
     n_params = sum(p.numel() for p in ref["params"].values())
     assert all(c.tx_bytes > STEPS * n_params * 4 / 2 for c in crossed), crossed
+
+
+# --- fs.init_from_env across nodes: restarts and membership changes ------------------------------
+
+_JOB = os.path.join(ROOT, "tests", "_launch_job.py")
+# Fast rounds: a lost node is dropped after 5 missed 1 s heartbeats (with 2, a loaded machine
+# dropped live nodes), a round closes 1 s after its minimum of nodes.
+_FAST = {"last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 5}
+
+
+def _inits(log_dir) -> list[tuple[str, ...]]:
+    path = os.path.join(log_dir, "inits")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [tuple(line.split()) for line in f]
+
+
+def _wait_for(predicate, run, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            run.stop()
+            pytest.fail(f"no {what} within {seconds:.0f} s\n{run.tails()}")
+        time.sleep(0.2)
+
+
+def test_a_restart_across_nodes_with_the_shared_store(tmp_path) -> None:
+    """Rank 1 (node B) dies; both nodes start a new round in the stores of the first one, and
+    rank 0 (node A) joins 3 s late, so rank 1 meets the first round's entries first."""
+    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
+    with nodes.Nodes(2) as net:
+        run = net.torchrun(
+            [_JOB, str(tmp_path), "--die=0:1", "--slow=0"],
+            torchrun_args=["--max-restarts=1", "--monitor-interval=0.2"],
+            rdzv_conf=_FAST, env=env, log_dir=str(tmp_path),
+        )  # fmt: skip
+        assert run.wait(timeout=120) == [0, 0], run.tails()
+    rounds = [(attempt, rank, world, total) for attempt, _, rank, world, total in _inits(tmp_path)]
+    assert sorted(rounds[2:]) == [("1", "0", "2", "2"), ("1", "1", "2", "2")], run.tails()
+
+
+def test_a_node_lost_and_rejoining(tmp_path) -> None:
+    """--nnodes=1:2 without the shared store (torch 2.13 cannot take a node back with it): B is
+    killed, A goes on alone (world 1), B comes back (world 2 again); every round joins."""
+    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    kw = dict(
+        nnodes="1:2", torchrun_args=["--max-restarts=3", "--monitor-interval=0.2"],
+        rdzv_conf=_FAST, env=env, log_dir=str(tmp_path),
+    )  # fmt: skip
+    argv = [_JOB, str(tmp_path), "--until_stop"]
+    worlds = lambda: [line[3] for line in _inits(tmp_path)]  # noqa: E731
+    with nodes.Nodes(2) as net:
+        run = net.torchrun(argv, **kw)
+        _wait_for(lambda: worlds() == ["2", "2"], run, 60, "first round of 2")
+        net.kill(1)
+        _wait_for(lambda: worlds()[2:] == ["1"], run, 60, "round of 1 after the loss")
+        back = net.torchrun(argv, nodes=[1], **kw)
+        both = nodes.NodesRun([run.procs[0], back.procs[0]], [run.logs[0], back.logs[0]])
+        _wait_for(lambda: worlds()[3:] == ["2", "2"], both, 60, "round of 2 after the rejoin")
+        (tmp_path / "stop").touch()
+        assert both.wait(timeout=60) == [0, 0], both.tails()
+    inits = _inits(tmp_path)
+    assert all(line[4] == line[3] for line in inits), inits
+    # The last round: A restarted once after the loss, B's new agent counts from 0 again.
+    assert sorted(line[0] for line in inits[3:]) == ["0", "1"], inits
