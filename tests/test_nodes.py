@@ -113,18 +113,23 @@ def _wait_for(predicate, run, seconds: float, what: str) -> None:
 
 
 def test_a_restart_across_nodes_with_the_shared_store(tmp_path) -> None:
-    """Rank 1 (node B) dies; both nodes start a new round in the stores of the first one, and
-    rank 0 (node A) joins 3 s late, so rank 1 meets the first round's entries first."""
+    """Rank 1 (node B) dies; node A's rank is computing (not communicating), so A's agent
+    stops it for the new round without counting a failure: the round's nodes hold restart
+    counts 0 (A) and 1 (B), which split a key made of TORCHELASTIC_RESTART_COUNT in two (the
+    old init_from_env hung here). Rank 0 joins 3 s late, so rank 1 meets the first round's
+    entry in the agent's store first. ``--nnodes=1:2``: a fixed 2 never took B back while A
+    was healthy (A was not told of a waiting node); last_call_timeout 5 s: both nodes in the
+    first round (torch 2.13's shared store cannot take a node in later)."""
     env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
     with nodes.Nodes(2) as net:
         run = net.torchrun(
-            [_JOB, str(tmp_path), "--die=0:1", "--slow=0"],
-            torchrun_args=["--max-restarts=1", "--monitor-interval=0.2"],
-            rdzv_conf=_FAST, env=env, log_dir=str(tmp_path),
+            [_JOB, str(tmp_path), "--die=0:1", "--idle=60", "--slow=0"],
+            nnodes="1:2", torchrun_args=["--max-restarts=1", "--monitor-interval=0.2"],
+            rdzv_conf={**_FAST, "last_call_timeout": 5}, env=env, log_dir=str(tmp_path),
         )  # fmt: skip
-        assert run.wait(timeout=120) == [0, 0], run.tails()
+        assert run.wait(timeout=150) == [0, 0], run.tails()
     rounds = [(attempt, rank, world, total) for attempt, _, rank, world, total in _inits(tmp_path)]
-    assert sorted(rounds[2:]) == [("1", "0", "2", "2"), ("1", "1", "2", "2")], run.tails()
+    assert sorted(rounds[2:]) == [("0", "0", "2", "2"), ("1", "1", "2", "2")], run.tails()
 
 
 def test_a_node_lost_and_rejoining(tmp_path) -> None:
