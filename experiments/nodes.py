@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
@@ -181,8 +182,8 @@ class Nodes:
 
     Use as a context manager: entering makes everything, leaving (also on an exception or
     Ctrl-C) stops every process still in the namespaces and deletes them, which deletes the
-    veth links and the bridge with them. A SIGTERM to the process does the same (see
-    ``main``), and so does normal interpreter exit (``atexit``).
+    veth links and the bridge with them. A SIGTERM to the process does the same (while inside
+    ``with``, if nothing else handles SIGTERM), and so does interpreter exit (``atexit``).
     """
 
     def __init__(
@@ -207,11 +208,21 @@ class Nodes:
     # --- making and deleting -------------------------------------------------------------
 
     def __enter__(self) -> Nodes:
+        # A SIGTERM (a test runner's timeout, `kill`) would end Python without unwinding;
+        # where nobody handles it yet, it unwinds like Ctrl-C for as long as the nodes exist.
+        self._old_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                self._old_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
         self.up()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.down()
+        try:
+            self.down()
+        finally:
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
 
     def up(self) -> None:
         """Makes the namespaces, links and shaping; on any failure deletes what it made."""
@@ -415,14 +426,14 @@ def _pids(ns: str) -> list[int]:
     return [int(x) for x in r.stdout.split()] if r.returncode == 0 else []
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
     """SIGTERM and SIGHUP unwind like Ctrl-C, so ``with Nodes(...)`` cleans up."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
