@@ -249,3 +249,25 @@ def test_init_from_env_joins_again_after_a_restart(tmp_path, store: str, slow_ra
         ("1", "0", "0", "2", "2"),
         ("1", "0", "1", "2", "2"),
     ]
+
+
+def test_init_from_env_joins_without_torchrun(tmp_path) -> None:
+    """Any launcher that sets only MASTER_ADDR/PORT, RANK and WORLD_SIZE: the plain call."""
+    env = {k: v for k, v in _job_env(shared=True).items() if not k.startswith("TORCHELASTIC")}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(importlib.import_module("funcshard.launch").free_port()),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, _JOB, str(tmp_path)], env={**env, "RANK": str(r), "WORLD_SIZE": "2"}
+        )
+        for r in range(2)
+    ]
+    try:
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert _inits(tmp_path) == [("?", "?", "0", "2", "2"), ("?", "?", "1", "2", "2")]
