@@ -138,7 +138,11 @@ def from_rank_sections(
 
 def gather_full(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
     """All-gathers a bucket's local flat over the shard axis into the full layout."""
-    sections = collectives.all_gather(local, layout.shard_group) if layout.shard_size > 1 else local
+    sections = (
+        collectives.all_gather(local, layout.shard_group, axis="shard")
+        if layout.shard_size > 1
+        else local
+    )
     return from_rank_sections(sections, layout.bucket_leaves(bucket), layout.shard_size)
 
 
