@@ -24,7 +24,8 @@ train: venv
 
 test: venv
 	$(PY) -m ruff check funcshard experiments tests
-	$(PY) -m pytest -q tests
+	$(PY) -m ruff format --check funcshard experiments tests
+	$(PY) -m pytest -q --doctest-modules funcshard tests
 
 clean:
 	rm -rf $(VENV) out

@@ -153,9 +153,8 @@ def shard(
 
     Sharded strategies keep rows ``[r * ceil(n / S), (r + 1) * ceil(n / S))`` of dim 0 (fewer,
     possibly none, on the last ranks; padding is internal and never shown); ``no_shard`` keeps
-    everything.
-
-    >>> # on 2 ranks, rank 1:  shard({"w": torch.arange(5.)}, mesh)["w"]  ->  tensor([3., 4.])
+    everything. On a mesh of 2 shard ranks, ``shard({"w": torch.arange(5.)}, mesh)["w"]`` is
+    ``tensor([0., 1., 2.])`` on shard rank 0 and ``tensor([3., 4.])`` on shard rank 1.
     """
     layout = build_layout(
         {n: (tuple(p.shape), p.dtype) for n, p in params.items()},

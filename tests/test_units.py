@@ -7,13 +7,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
 
 import funcshard as fs
 
 import models
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, ROWS, STEPS, MICRO = 37, 7, 4, 3, 2  # equal microbatches: mean of means
 
