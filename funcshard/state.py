@@ -99,7 +99,8 @@ class TrainState:
     state (like JAX's ``donate_argnums``): they reuse its buffers. Liveness is per buffer: every
     state that shares a buffer with a donated one (made by ``replace``, ``fs.tree.map``,
     unflatten, ...) raises :class:`ConsumedStateError` on any use afterwards; a copy whose
-    tensors are new (``fs.tree.map(lambda x: x.clone(), state)``) is independent. Tensors read
+    tensors are new (``fs.tree.map(lambda x: x.clone() if torch.is_tensor(x) else x, state)``:
+    ``step`` is an int leaf) is independent. Tensors read
     out of a state (``state.master``, ``state.params``, ...) are views of its buffers, which a
     later donation overwrites; ``fs.full_params`` returns fresh tensors.
     """
