@@ -316,6 +316,26 @@ def derive_compute(
     return tuple(out)
 
 
+def _pack_masters(layout: Layout, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """This rank's master flat of every bucket, packed from the model's weights (pinned on the
+    host when offloaded beside a CUDA device)."""
+    master = []
+    for bucket in layout.buckets:
+        specs = layout.bucket_leaves(bucket)
+        device = "cpu" if bucket.offload else layout.device
+        flat = shard_lib.pack_local(
+            [named[s.name] for s in specs],
+            specs,
+            layout.shard_rank,
+            dtype=bucket.dtypes.master,
+            device=device,
+        )
+        if bucket.offload and flat.device.type == "cpu" and layout.device.type == "cuda":
+            flat = flat.pin_memory()
+        master.append(flat)
+    return tuple(master)
+
+
 def init(
     model: nn.Module,
     opt: Optimizer,
@@ -368,21 +388,7 @@ def init(
         partition=opt.partition,
         deterministic=deterministic,
     )
-    master = []
-    for bucket in layout.buckets:
-        specs = layout.bucket_leaves(bucket)
-        device = "cpu" if bucket.offload else layout.device
-        flat = shard_lib.pack_local(
-            [named[s.name] for s in specs],
-            specs,
-            layout.shard_rank,
-            dtype=bucket.dtypes.master,
-            device=device,
-        )
-        if bucket.offload and flat.device.type == "cpu" and layout.device.type == "cuda":
-            flat = flat.pin_memory()
-        master.append(flat)
-    master = tuple(master)
+    master = _pack_masters(layout, named)
     fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
     loss_scale = LossScale(float(policy.loss_scale_init), 0) if fp16 else None
     return TrainState(
