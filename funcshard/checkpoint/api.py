@@ -79,7 +79,7 @@ def restore(
         A checkpoint without checksums restores with an ``UnverifiedCheckpointWarning``.
       RuntimeError: reading failed on some rank (raised on every rank).
     """
-    like._check()
+    like.check()
     agreement = Agreement.of(like.layout)
     path = os.path.abspath(os.fspath(directory))
     error: BaseException | None = None
