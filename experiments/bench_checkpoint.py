@@ -6,6 +6,8 @@ On gloo CPU ranks, one AdamW ZeRO-3 state (masters + mu + nu, fp32):
   (DCP, DTensor shards, ``sync_files=True``), best of ``--reps``;
 * funcshard's save and restore with and without chunk checksums, interleaved rep by rep so
   that both see the same machine;
+* the peak memory (max RSS) of ``python -m funcshard convert`` of a Llama's training
+  checkpoint (``--hf_dim`` wide) to each format, beside the interpreter's own;
 * the 2 -> 3 resharding restore vs a 3 -> 3 same-layout restore (both at 3 ranks);
 * funcshard's durable write bandwidth vs this disk's ``fdatasync`` bandwidth, measured in the
   same run by every rank writing and syncing its share of bytes at once;
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -50,9 +54,10 @@ DIR = flags.DEFINE_string("dir", None, "scratch directory (default: a fresh temp
 DEVICE = flags.DEFINE_enum("device", "cpu", ["cpu", "cuda"], "where the state lives")
 PARTS = flags.DEFINE_list(
     "parts",
-    ["dcp", "reshard", "hf", "checksums"],
+    ["dcp", "reshard", "hf", "checksums", "convert"],
     "rows to run beside funcshard's save / restore: dcp, reshard, hf, checksums (the same "
-    "save / restore without checksums, interleaved with the one with them)",
+    "save / restore without checksums, interleaved with the one with them), convert (peak "
+    "memory of python -m funcshard convert of the --hf_dim Llama's training checkpoint)",
 )
 NPROC = flags.DEFINE_integer(
     "nproc",
@@ -302,6 +307,54 @@ def bench_hf(root: str, dim: int, layers: int, reps: int, device: str = "cpu") -
     return out
 
 
+def convert_save(directory: str, dim: int, layers: int) -> dict:
+    """A training checkpoint of the Llama (AdamW) to convert, and its largest leaf."""
+    state = fs.init(
+        _llama(dim, layers, meta=False),
+        fs.optim.adamw(1e-3),
+        mesh=fs.make_mesh(device_type="cpu"),
+        strategy="optim_grads_params",
+    )
+    fs.save(directory, state)
+    sizes = [s.numel * 4 for s in state.layout.leaves]
+    return {"params": sum(s.numel for s in state.layout.leaves), "largest": max(sizes)}
+
+
+def _max_rss_mb(*args: str) -> float:
+    """Peak resident memory of ``python args...`` run alone (its own rusage, by wait4)."""
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"python {' '.join(args)} exited {proc.returncode}")
+    return usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def bench_convert(root: str, dim: int, layers: int) -> dict:
+    """Peak memory of ``python -m funcshard convert`` to each format, beside the interpreter."""
+    src = os.path.join(root, "convert-src")
+    _rm_local(src)
+    info = fs.launch(convert_save, src, dim, layers, nproc=2)[0]
+    out = {"base": _max_rss_mb("-c", "import funcshard.cli"), **info}
+    for name, extra in (
+        ("safetensors", ()),
+        ("safetensors --dtype=bf16", ("--dtype=bf16",)),
+        ("dcp", ()),
+        ("orbax", ()),
+    ):
+        dst = os.path.join(root, "convert-out")
+        _rm_local(dst)
+        to = name.split()[0]
+        out[name] = _max_rss_mb("-m", "funcshard", "convert", src, dst, f"--to={to}", *extra)
+    _rm_local(dst)
+    _rm_local(src)
+    return out
+
+
+def _rm_local(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -341,6 +394,9 @@ def main(argv: list[str]) -> None:
                 nproc=NPROC.value + 1,
             )[0]
         )
+        convert = None
+        if "convert" in PARTS.value:
+            convert = bench_convert(root, HF_DIM.value, LAYERS.value)
         hf = None
         if "hf" in PARTS.value:
             hf = fs.launch(
@@ -391,6 +447,16 @@ def main(argv: list[str]) -> None:
         f"durable write bandwidth: funcshard {bw_ours:.0f} MB/s, fdatasync {bw_disk:.0f} MB/s "
         f"({bw_ours / bw_disk:.2f} of the disk)"
     )
+    if convert is not None:
+        base, leaf = convert["base"], convert["largest"] / (1 << 20)
+        print(
+            f"\npython -m funcshard convert: Llama {convert['params'] / 1e6:.1f}M params + AdamW "
+            f"(largest leaf {leaf:.0f} MiB); interpreter and imports alone {base:.0f} MiB"
+        )
+        print(f"{'--to':<28}{'max RSS MiB':>12}{'over imports / largest leaf':>30}")
+        for name in ("safetensors", "safetensors --dtype=bf16", "dcp", "orbax"):
+            mb = convert[name]
+            print(f"{name:<28}{mb:>12.0f}{(mb - base) / leaf:>30.2f}")
     if hf is None:
         return
     print(

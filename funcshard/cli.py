@@ -13,10 +13,12 @@ One process, no torch.distributed, no model class:
 A ``CheckpointManager`` root is accepted too: ``inspect`` and ``convert`` take its latest
 step, ``verify`` every step.
 
-Memory of ``convert``: one leaf at a time, so the peak is bounded by about three times the
-largest leaf (the leaf as read, its cast to ``--dtype``, and the writer's copy: tensorstore's
-chunk buffer for orbax, DCP's serialization for dcp; none for safetensors, written straight
-from the tensor) over the interpreter's own footprint, whatever the checkpoint's total size.
+Memory of ``convert``: one leaf at a time, so the peak over the interpreter's own footprint
+is a small multiple of the largest leaf, whatever the checkpoint's total size: measured
+(``experiments/bench_checkpoint.py --parts=convert``) 1.1x to safetensors (written straight
+from the tensor read), 1.7x with ``--dtype=bf16`` (the cast), 2.4x to orbax (tensorstore's
+chunk buffer) and 2-3.6x to dcp (DCP's writer holds the previous tensor while the next
+loads, and serializes each with ``torch.save``).
 """
 
 from __future__ import annotations

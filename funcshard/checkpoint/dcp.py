@@ -181,7 +181,8 @@ def save_streaming(
     """Writes a DCP checkpoint of ``tensors`` (name -> shape, dtype) at ``directory`` in one
     process, calling ``load(name)`` for each tensor's values when DCP writes it.
 
-    Peak memory: about two tensors (the one being written, and DCP's serialization of it).
+    Peak memory: two to four tensors (DCP's serial writer still holds the one it wrote while
+    the next loads, and serializes each with ``torch.save``), never the whole checkpoint.
     """
     state_dict = {
         name: torch.empty(shape, dtype=dtype, device="meta")
