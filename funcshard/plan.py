@@ -46,7 +46,7 @@ import optree
 import torch
 from torch import nn
 
-from funcshard.buckets import NAMESPACE, is_per_bucket
+from funcshard.buckets import NAMESPACE, per_bucket_parts
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout, check_strategy
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
@@ -216,7 +216,7 @@ def _optimizer_states(optimizer: str | Optimizer, layout: Layout) -> list[int]:
             )
         return [_OPTIMIZER_STATES[optimizer]] * len(layout.buckets)
     counts = [0] * len(layout.buckets)
-    for part in _per_bucket_parts(_meta_init(optimizer, layout)):
+    for part in per_bucket_parts(_meta_init(optimizer, layout)):
         for i, x in enumerate(part):
             counts[i] += isinstance(x, torch.Tensor)
     return counts
@@ -227,16 +227,6 @@ def _meta_init(optimizer: Optimizer, layout: Layout):
     return optimizer.init(
         layout.per_bucket([torch.empty(b.numel, device="meta") for b in layout.buckets])
     )
-
-
-def _per_bucket_parts(state) -> list:
-    return [
-        x
-        for x in optree.tree_leaves(
-            state, is_leaf=is_per_bucket, none_is_leaf=False, namespace=NAMESPACE
-        )
-        if is_per_bucket(x)
-    ]
 
 
 def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int, int]:
@@ -257,7 +247,7 @@ def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int
         if isinstance(x, MuonState)
     ]
     for st in muon_states:
-        for part in _per_bucket_parts(st.momentum):
+        for part in per_bucket_parts(st.momentum):
             owned |= {i for i, x in enumerate(part) if x is not None}
     groups = [[b.index for b in layout.buckets if not b.offload and b.index in owned]]
     groups += [[b.index] for b in layout.buckets if b.offload and b.index in owned]

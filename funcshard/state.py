@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import sharding as shard_lib
-from funcshard.buckets import NAMESPACE, is_per_bucket
+from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
 from funcshard.policy import MixedPrecisionPolicy
@@ -243,13 +243,7 @@ class TrainState:
         A bucket the part has no value for (a ``multi_transform`` optimizer that does not own
         it) contributes no names.
         """
-        return optree.tree_map(
-            lambda x: self._by_name(x) if is_per_bucket(x) else x,
-            self.opt_state,
-            is_leaf=is_per_bucket,
-            none_is_leaf=True,
-            namespace=NAMESPACE,
-        )
+        return map_parts(self.opt_state, lambda path, x: self._by_name(x))
 
     @property
     def filled(self) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
-from funcshard.buckets import PerBucket
+from funcshard.buckets import PerBucket, map_parts
 from funcshard.checkpoint.format import FLOAT_NAMES, FORMAT_VERSION, Keys, chunk_rows, param_dir
 from funcshard.checkpoint.sources import ReadRequest, Source
 from funcshard.layout import Bucket, Layout, LeafSpec
@@ -48,22 +48,24 @@ def map_opt(
     on_scalar: Callable[[Keys, Any], Any],
     path: Keys = (),
 ) -> Any:
-    """Rebuilds an optimizer state, calling back on each per-bucket tuple and each scalar."""
-    rec = lambda v, k: map_opt(v, n_buckets, on_buckets, on_scalar, (*path, str(k)))
-    if is_per_bucket(x, n_buckets):
-        return on_buckets(path, x)
-    if x is None:
-        return None
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(rec(getattr(x, f), f) for f in x._fields))
-    if isinstance(x, (bool, int, float)):
-        return on_scalar(path, x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(rec(v, i) for i, v in enumerate(x))
-    if isinstance(x, dict):
-        return {k: rec(v, k) for k, v in x.items()}
-    where = ".".join(("opt_state", *path))
-    raise TypeError(f"{where}: cannot checkpoint a {type(x).__name__}")
+    """Rebuilds an optimizer state, calling back on each per-bucket tuple and each scalar
+    (the walk is :func:`funcshard.buckets.map_parts`)."""
+
+    def part(p: Keys, v: PerBucket) -> Any:
+        if not is_per_bucket(v, n_buckets):
+            where = ".".join(("opt_state", *p))
+            raise TypeError(f"{where}: {len(v)} per-bucket entries, expected {n_buckets}")
+        return on_buckets(p, v)
+
+    def leaf(p: Keys, v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, (bool, int, float)):
+            return on_scalar(p, v)
+        where = ".".join(("opt_state", *p))
+        raise TypeError(f"{where}: cannot checkpoint a {type(v).__name__}")
+
+    return map_parts(x, part, leaf, path)
 
 
 def opt_layout(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import optree
 import torch
@@ -38,6 +38,9 @@ from funcshard.optim.base import (
     lr_at,
     not_negative,
 )
+
+if TYPE_CHECKING:
+    from funcshard.layout import Placement
 
 __all__ = ["MuonState", "muon", "newton_schulz", "ns_flops", "assign_owners", "exchange_plan"]
 
@@ -267,9 +270,8 @@ def muon(
         donate: bool = False,
         grad_norm: float | None = None,
         grad_scale: float = 1.0,
-        placement=None,
+        placement: Placement | None = None,
     ):
-        del grad_norm
         _check_2d(params)
         treedef = optree.tree_structure(params, none_is_leaf=False, namespace=NAMESPACE)
         p, g, buf = leaves(params), leaves(grads), leaves(state.momentum)

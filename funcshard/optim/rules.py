@@ -10,7 +10,7 @@ over lists of tensors, so the cost does not grow with Python work per leaf or pe
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
 import torch
@@ -28,6 +28,9 @@ from funcshard.optim.base import (
     not_negative,
     uniform,
 )
+
+if TYPE_CHECKING:
+    from funcshard.layout import Placement
 
 __all__ = ["SgdState", "AdamWState", "sgd", "adamw", "per_leaf_rule", "tree_zeros"]
 
@@ -226,9 +229,8 @@ def sgd(
         donate: bool = False,
         grad_norm: float | None = None,
         grad_scale: float = 1.0,
-        placement=None,
+        placement: Placement | None = None,
     ):
-        del grad_norm, placement  # elementwise: where the rows live does not matter
         bufs = (state.momentum,) if momentum else ()
         treedef, p, g, out = _prepare(grads, params, donate, grad_scale, *bufs)
         m = out[0] if momentum else None
@@ -304,9 +306,8 @@ def adamw(
         donate: bool = False,
         grad_norm: float | None = None,
         grad_scale: float = 1.0,
-        placement=None,
+        placement: Placement | None = None,
     ):
-        del grad_norm, placement  # elementwise: where the rows live does not matter
         treedef, p, g, (mu, nu) = _prepare(grads, params, donate, grad_scale, state.mu, state.nu)
         lr_now = lr_at(lr, state.count)
         steps: dict[torch.device, torch.Tensor] = {}
