@@ -26,6 +26,7 @@ __all__ = [
     "NAMESPACE",
     "Members",
     "PerBucket",
+    "BlockScales",
     "Path",
     "is_per_bucket",
     "map_parts",
@@ -78,11 +79,62 @@ class PerBucket(tuple):
         """A part of the same kind (and metadata) with other entries."""
         return type(self)(values, self.members if members is None else members)
 
+    def element_range(self, start: int, stop: int) -> PerBucket:
+        """Elements ``[start, stop)`` of each entry's flat buffer (views; None stays None)."""
+        return self.with_entries(None if x is None else x[start:stop] for x in self)
+
+    def element_numel(self, i: int) -> int:
+        """Elements of the parameters' flat buffer that entry ``i`` covers."""
+        return self[i].numel()
+
     def __reduce__(self):
         return PerBucket, (tuple(self), self.members)
 
     def __repr__(self) -> str:
         return f"PerBucket({tuple.__repr__(self)})"
+
+
+class BlockScales(PerBucket):
+    """The fp32 scales of an 8-bit blockwise moment: entry ``i`` holds one scale per
+    ``blocks[i]`` consecutive elements of bucket ``i``'s flat buffer (None where the bucket's
+    moment is not 8-bit). A block never crosses a row of a parameter, so a parameter's scales
+    are an array of shape ``(rows, row_numel // block)``."""
+
+    def __new__(
+        cls, values: Iterable[Any], members: Iterable[Members], blocks: Iterable[int | None]
+    ) -> BlockScales:
+        self = super().__new__(cls, values, members)
+        self.blocks = tuple(blocks)
+        if len(self.blocks) != len(self):
+            raise ValueError(f"BlockScales: {len(self)} entries for {len(self.blocks)} blocks")
+        return self
+
+    def with_entries(
+        self, values: Iterable[Any], members: Iterable[Members] | None = None
+    ) -> BlockScales:
+        values = tuple(values)
+        if members is None:
+            return BlockScales(values, self.members, self.blocks)
+        members = tuple(members)
+        index = {m: i for i, m in enumerate(self.members)}
+        return BlockScales(values, members, (self.blocks[index[m]] for m in members))
+
+    def element_range(self, start: int, stop: int) -> BlockScales:
+        out = []
+        for x, b in zip(self, self.blocks, strict=True):
+            if x is not None and (start % b or (stop % b and stop != x.numel() * b)):
+                raise ValueError(f"BlockScales: [{start}, {stop}) cuts a block of {b}")
+            out.append(None if x is None else x[start // b : -(-stop // b)])
+        return self.with_entries(out)
+
+    def element_numel(self, i: int) -> int:
+        return self[i].numel() * self.blocks[i]
+
+    def __reduce__(self):
+        return BlockScales, (tuple(self), self.members, self.blocks)
+
+    def __repr__(self) -> str:
+        return f"BlockScales({tuple.__repr__(self)}, blocks={self.blocks})"
 
 
 def is_per_bucket(x: Any) -> bool:
@@ -153,5 +205,11 @@ optree.register_pytree_node(
     PerBucket,
     lambda pb: (tuple(pb), pb.members, pb.members),
     lambda members, children: PerBucket(children, members),
+    namespace=NAMESPACE,
+)
+optree.register_pytree_node(
+    BlockScales,
+    lambda pb: (tuple(pb), (pb.members, pb.blocks), pb.members),
+    lambda meta, children: BlockScales(children, *meta),
     namespace=NAMESPACE,
 )

@@ -173,7 +173,7 @@ def step_and_cast(
         grad.numel() != numel
         or compute_out.numel() != numel
         or any(
-            b and x[0] is not None and x[0].numel() != numel
+            b and x[0] is not None and _numel_of(x) != numel
             for x, b in zip(leaves, is_bucket, strict=True)
         )
     ):
@@ -208,9 +208,15 @@ def _is_one_tuple(x: Any) -> bool:
     return is_per_bucket(x) or (type(x) is tuple and len(x) == 1 and isinstance(x[0], torch.Tensor))
 
 
+def _numel_of(x: tuple) -> int:
+    """Elements of the master that a one-bucket part covers (8-bit scales: one per block)."""
+    return x.element_numel(0) if is_per_bucket(x) else x[0].numel()
+
+
 def _block_of(x: tuple, start: int, stop: int) -> tuple:
-    entry = None if x[0] is None else x[0][start:stop]
-    return x.with_entries((entry,)) if is_per_bucket(x) else (entry,)
+    if is_per_bucket(x):
+        return x.element_range(start, stop)
+    return (None if x[0] is None else x[0][start:stop],)
 
 
 def _needs_cast(bucket: Bucket) -> bool:

@@ -229,11 +229,13 @@ class TrainState:
 
     def _by_name(self, flats: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
         layout, r = self.layout, self.layout.shard_rank
+        blocks = getattr(flats, "blocks", None)  # BlockScales: one scale per block of a row
         views = {}
-        for bucket, flat in zip(layout.buckets, flats, strict=True):
+        for i, (bucket, flat) in enumerate(zip(layout.buckets, flats, strict=True)):
             if flat is None:
                 continue
             for spec in layout.bucket_leaves(bucket):
+                spec = spec if blocks is None else spec.scales(blocks[i])
                 views[spec.name] = shard_lib.local_view(flat, spec, r)
         return {n: views[n] for n in layout.names if n in views}
 

@@ -1,0 +1,244 @@
+"""Precision-aware optimizer state: ``mu_dtype`` / ``nu_dtype`` (bf16, fp16, 8-bit blockwise).
+
+Moments are stored narrow and the update runs in fp32: dtypes and bytes (plan = measured),
+numerics against an fp32-moment reference within stated bounds, TrainState / offload / Muon /
+chains, bitwise determinism across layouts, and checkpoint conversion between moment dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import funcshard as fs
+from funcshard.optim.moments import MomentFormat, block_of
+
+BF16, I8, U8 = torch.bfloat16, torch.int8, torch.uint8
+
+
+class Wide(nn.Module):
+    """Leaves that take 8-bit moments (rows of 64, 75 rows: uneven over 2 and 4 ranks) beside
+    ones that keep fp32 (biases, a 5-column input, an 11-row head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 64)
+        self.fc = nn.Linear(64, 64)
+        self.up = nn.Linear(64, 75)
+        self.head = nn.Linear(75, 11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = h + torch.tanh(self.fc(h))
+        return self.head(torch.tanh(self.up(h)))
+
+
+def make_model(seed: int = 0) -> Wide:
+    torch.manual_seed(seed)
+    return Wide()
+
+
+def batch(step: int, rows: int = 16) -> dict:
+    g = torch.Generator().manual_seed(100 + step)
+    return {"x": torch.randn(rows, 5, generator=g), "y": torch.randint(0, 11, (rows,), generator=g)}
+
+
+def loss_fn_of(model: nn.Module):
+    def loss_fn(params, b):
+        return nn.functional.cross_entropy(fs.functional_call(model, params, (b["x"],)), b["y"])
+
+    return loss_fn
+
+
+def _adamw(mu=None, nu=None, **kw) -> fs.optim.Optimizer:
+    return fs.optim.adamw(1e-2, weight_decay=0.1, mu_dtype=mu, nu_dtype=nu, **kw)
+
+
+# --- formats ---------------------------------------------------------------------------------
+def test_block_rule() -> None:
+    assert block_of((75, 64)) == 64 and block_of((1024, 768)) == 256
+    assert block_of((64, 5)) is None and block_of((4096,)) is None and block_of((8, 64)) is None
+
+
+@pytest.mark.parametrize("dtype", [I8, U8])
+def test_8bit_round_trip_within_a_block_step(dtype: torch.dtype) -> None:
+    """decode(encode(x)) is within absmax/100 of x for every element of its block (the
+    companding step is at most 2 * 0.5/127 of absmax at the top of the range)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256) * torch.logspace(-6, 0, 64).unsqueeze(1)
+    x = x.square() if dtype == U8 else x
+    fmt = MomentFormat(dtype, 256)
+    values, scales = fmt.zeros(x.view(-1))
+    fmt.encode(x.reshape(-1).clone(), values, scales)
+    back = torch.empty(x.numel())
+    fmt.decode(values, scales, back)
+    absmax = x.abs().amax(1, keepdim=True)
+    assert values.dtype == dtype and scales.shape == (64,)
+    assert ((back.view_as(x) - x).abs() <= absmax / 100).all()
+    torch.testing.assert_close(scales, absmax.squeeze(1), rtol=0, atol=0)
+
+
+# --- plain trees: numerics against fp32 moments ------------------------------------------------
+def _trajectory(opt, steps: int = 30) -> dict:
+    torch.manual_seed(1)
+    shapes = {"w": (64, 128), "b": (128,), "e": (96, 64)}
+    p = {k: torch.randn(s) for k, s in shapes.items()}
+    s = opt.init(p)
+    for t in range(steps):
+        g = torch.Generator().manual_seed(t)
+        grads = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in p.items()}
+        p, s = opt.update(grads, s, p)
+    return p, s
+
+
+def test_explicit_fp32_moments_are_the_plain_bits() -> None:
+    """The chunked decode/step/encode loop runs torch's fused kernel: fp32 storage = None."""
+    want, _ = _trajectory(_adamw())
+    got, _ = _trajectory(_adamw(torch.float32, torch.float32))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize(
+    "mu,nu,stochastic,bound",
+    [
+        (BF16, BF16, False, 0.01),
+        (BF16, BF16, True, 0.01),
+        (torch.float16, BF16, False, 0.01),
+        (I8, U8, False, 0.03),
+    ],
+)
+def test_adamw_against_fp32_moments(mu, nu, stochastic, bound) -> None:
+    """30 steps of lr 1e-2 move a param by up to 0.3; narrow moments stay within ``bound``
+    of the fp32-moment trajectory (bf16: 1/30 of the way; 8-bit: 1/10) and differ from it."""
+    want, _ = _trajectory(_adamw())
+    got, state = _trajectory(_adamw(mu, nu, stochastic_rounding=stochastic))
+    assert state.mu["w"].dtype == mu and state.nu["w"].dtype == nu
+    err = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert 0 < err < bound, err
+    if mu == I8:
+        assert state.mu["b"].dtype == torch.float32 and state.mu_scale["b"] is None
+        assert state.mu_scale["w"].shape == (64 * 128 // 128,)
+
+
+def test_sgd_and_muon_momentum() -> None:
+    want, _ = _trajectory(fs.optim.sgd(0.1, momentum=0.9))
+    for dtype, bound in [(BF16, 0.02), (I8, 0.1)]:  # params move by up to 1.5
+        got, state = _trajectory(fs.optim.sgd(0.1, momentum=0.9, mu_dtype=dtype))
+        assert state.momentum["w"].dtype == dtype
+        err = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert 0 < err < bound, (dtype, err)
+    torch.manual_seed(0)
+    p = {"w": torch.randn(64, 128)}
+    g = {"w": torch.randn(64, 128)}
+    ref = fs.optim.muon(0.02)
+    pr, _ = ref.update(g, ref.init(p), p)
+    for dtype in (BF16, I8):
+        opt = fs.optim.muon(0.02, mu_dtype=dtype)
+        pn, s = opt.update(g, opt.init(p), p)
+        assert s.momentum["w"].dtype == dtype
+        torch.testing.assert_close(pn["w"], pr["w"], rtol=0, atol=1e-3)
+
+
+def test_bad_dtypes_raise() -> None:
+    with pytest.raises(ValueError, match="nu_dtype"):
+        fs.optim.adamw(nu_dtype=torch.int8)
+    with pytest.raises(ValueError, match="mu_dtype"):
+        fs.optim.adamw(mu_dtype=torch.uint8)
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        fs.optim.adamw(mu_dtype=I8, stochastic_rounding=True)
+
+
+# --- TrainState: dtypes, bytes (plan = measured), chains, masks, multi_transform ----------------
+def _state_bytes(state) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for t in fs.tree.leaves(state.opt_state)
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _recipe(mu, nu) -> fs.optim.Optimizer:
+    return fs.optim.chain(
+        fs.optim.clip_by_global_norm(0.3),
+        fs.optim.multi_transform(
+            {
+                "muon": fs.optim.muon(0.02, mu_dtype=mu),
+                "adamw": _adamw(mu, nu, mask=fs.optim.decay_mask),
+            },
+            lambda name, shape: "muon" if name == "fc.weight" else "adamw",
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "mu,nu,per_param", [(None, None, 8.0), (BF16, BF16, 4.0), (I8, U8, 2.125)]
+)  # rows of 64: blocks of 64
+def test_state_dtypes_and_bytes(pool1, mu, nu, per_param) -> None:
+    pool1.run(_state_worker, mu, nu, per_param)
+
+
+def _state_worker(mu, nu, per_param) -> None:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = make_model()
+    opt = _adamw(mu, nu)
+    state = fs.init(model, opt, mesh=mesh, strategy="optim")
+    p = fs.plan(model, world_size=1, strategy="optim", optimizer=opt)
+    assert p.memory.opt_state == _state_bytes(state)
+    moments = state.opt_state_by_name()
+    eight = {n for n, q in model.named_parameters() if block_of(tuple(q.shape))}
+    assert eight == {"fc.weight", "up.weight"}
+    for name in eight:
+        assert moments.mu[name].dtype == (mu or torch.float32)
+        assert moments.nu[name].dtype == (nu or torch.float32)
+    big = sum(model.get_parameter(n).numel() for n in eight)
+    big_bytes = sum(
+        t.numel() * t.element_size()
+        for part in (moments.mu, moments.nu, moments.mu_scale or {}, moments.nu_scale or {})
+        for n, t in part.items()
+        if n in eight
+    )
+    assert big_bytes / big <= per_param
+    if mu == I8:
+        assert moments.mu_scale["up.weight"].shape == (75, 1)
+    # a recipe with chains, masks, multi_transform and Muon: plan = measured too, and it steps
+    state = fs.init(model, _recipe(mu, nu), mesh=mesh, strategy="optim_grads_params")
+    p = fs.plan(model, world_size=1, strategy="optim_grads_params", optimizer=_recipe(mu, nu))
+    assert p.memory.opt_state == _state_bytes(state)
+    loss_fn = loss_fn_of(model)
+    for step in range(3):
+        state, m = fs.train_step(state, batch(step), loss_fn)
+        assert math.isfinite(m["loss"])
+
+
+# --- determinism: bitwise across layouts with narrow moments ------------------------------------
+def _det_worker(strategy: str, fraction: float, mu, nu) -> dict:
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(3)
+    state = fs.init(
+        model,
+        _recipe(mu, nu),
+        mesh=fs.make_mesh(device_type="cpu"),
+        strategy=strategy,
+        offload_fraction=fraction,
+        deterministic=True,
+    )
+    loss_fn = loss_fn_of(model)
+    for step in range(3):
+        b = {k: v.chunk(world)[rank] for k, v in batch(step).items()}
+        state, _ = fs.train_step(state, b, loss_fn, microbatches=4 // world)
+    full = fs.full_params(state)
+    return {k: v.clone() for k, v in full.items()}
+
+
+@pytest.mark.parametrize("mu,nu", [(BF16, BF16), (I8, U8)])
+def test_deterministic_across_layouts(pool1, pool2, mu, nu) -> None:
+    want = pool1.run(_det_worker, "optim_grads_params", 0.0, mu, nu)[0]
+    for strategy, fraction in [("optim_grads_params", 0.0), ("optim", 0.5)]:
+        for got in pool2.run(_det_worker, strategy, fraction, mu, nu):
+            differ = [k for k in want if not torch.equal(got[k], want[k])]
+            assert not differ, (strategy, fraction, differ)
