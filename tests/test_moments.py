@@ -242,3 +242,71 @@ def test_deterministic_across_layouts(pool1, pool2, mu, nu) -> None:
         for got in pool2.run(_det_worker, strategy, fraction, mu, nu):
             differ = [k for k in want if not torch.equal(got[k], want[k])]
             assert not differ, (strategy, fraction, differ)
+
+
+# --- checkpoints: stored as they are, restored across moment dtypes -----------------------------
+def _ckpt_worker(tmp: str) -> None:
+    mesh = fs.make_mesh(device_type="cpu")
+    model = make_model(5)
+    loss_fn = loss_fn_of(model)
+
+    def trained(mu, nu):
+        state = fs.init(model, _adamw(mu, nu), mesh=mesh, strategy="optim")
+        for step in range(2):
+            state, _ = fs.train_step(state, batch(step), loss_fn)
+        return state
+
+    def moments(state) -> dict:
+        by = state.opt_state_by_name()
+        return {"mu": dict(by.mu), "nu": dict(by.nu)}
+
+    def restored(directory, mu, nu):
+        like = fs.init(model, _adamw(mu, nu), mesh=mesh, strategy="optim_grads_params")
+        return fs.restore(directory, like=like)
+
+    def decoded(state) -> dict:
+        """fp32 values of a state's moments (8-bit ones dequantized)."""
+        by, out = state.opt_state_by_name(), {}
+        for field, dtype in (("mu", I8), ("nu", U8)):
+            scales = getattr(by, field + "_scale") or {}
+            out[field] = {}
+            for name, t in getattr(by, field).items():
+                if name in scales and t.dtype == dtype:
+                    s = scales[name]
+                    wide = torch.empty(t.numel())
+                    MomentFormat(dtype, t.numel() // s.numel()).decode(
+                        t.reshape(-1), s.reshape(-1), wide
+                    )
+                    out[field][name] = wide.view(t.shape)
+                else:
+                    out[field][name] = t.float()
+        return out
+
+    fp32 = trained(None, None)
+    want = moments(fp32)
+    fs.save(f"{tmp}/fp32", fp32)
+    for mu, nu, rtol in [(BF16, BF16, 1e-2), (I8, U8, 5e-2)]:
+        got = decoded(restored(f"{tmp}/fp32", mu, nu))
+        for field in ("mu", "nu"):
+            for name, t in want[field].items():
+                bound = rtol * t.abs().amax().item() + 1e-12
+                err = (got[field][name] - t).abs().max().item()
+                assert err <= bound, (mu, field, name, err, bound)
+    for mu, nu in [(BF16, BF16), (I8, U8)]:
+        narrow = trained(mu, nu)
+        want = decoded(narrow)
+        fs.save(f"{tmp}/{mu}", narrow)
+        same = restored(f"{tmp}/{mu}", mu, nu)  # as stored: bitwise
+        a, b = same.opt_state_by_name(), narrow.opt_state_by_name()
+        for field in ("mu", "nu", "mu_scale", "nu_scale"):
+            x, y = getattr(a, field) or {}, getattr(b, field) or {}
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), field
+        back = moments(restored(f"{tmp}/{mu}", None, None))  # dequantized / cast to fp32
+        for field in ("mu", "nu"):
+            for name, t in want[field].items():
+                assert back[field][name].dtype == torch.float32
+                torch.testing.assert_close(back[field][name], t, rtol=0, atol=0)
+
+
+def test_checkpoint_conversion(pool1, tmp_path) -> None:
+    pool1.run(_ckpt_worker, str(tmp_path))
