@@ -638,7 +638,7 @@ def _chunked(
             write_back()
         if wide:
             pc.copy_(p32)
+        dither = dither_of(p32, g32) if any(f.stochastic for f, _, _ in states) else None
         for (fmt, values, scales), x in zip(states, xs, strict=True):
             sc = None if scales is None else scales[start // fmt.block : stop // fmt.block]
-            dither = dither_of(p32, g32) if fmt.stochastic else None
-            fmt.encode(x, values.view(-1)[start:stop], sc, dither)
+            fmt.encode(x, values.view(-1)[start:stop], sc, dither if fmt.stochastic else None)
