@@ -310,3 +310,46 @@ def _ckpt_worker(tmp: str) -> None:
 
 def test_checkpoint_conversion(pool1, tmp_path) -> None:
     pool1.run(_ckpt_worker, str(tmp_path))
+
+
+ORBAX_READ = """
+import sys, numpy as np, orbax.checkpoint as ocp
+tree = ocp.PyTreeCheckpointer().restore(sys.argv[1])["opt_state"]
+np.savez(sys.argv[2], **{f + "/" + n: np.asarray(a) for f in ("mu", "mu_scale", "nu", "nu_scale")
+                         for n, a in tree[f].items()})
+"""
+
+
+def _save_8bit_worker(directory: str) -> dict:
+    model = make_model(5)
+    state = fs.init(model, _adamw(I8, U8), mesh=fs.make_mesh(device_type="cpu"), strategy="optim")
+    state, _ = fs.train_step(state, batch(0), loss_fn_of(model))
+    fs.save(directory, state)
+    by = state.opt_state_by_name()
+    return {f: {n: t.clone() for n, t in getattr(by, f).items()} for f in ("mu", "mu_scale")}
+
+
+def test_plain_orbax_reads_8bit_moments(pool1, tmp_path) -> None:
+    """A JAX process sees plain int8 / uint8 arrays and their fp32 (rows, row/block) scales."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    saved = pool1.run(_save_8bit_worker, str(tmp_path / "ckpt"))[0]
+    out = str(tmp_path / "out.npz")
+    proc = subprocess.run(
+        [sys.executable, "-c", ORBAX_READ, str(tmp_path / "ckpt"), out],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = np.load(out)
+    assert got["mu/up.weight"].dtype == np.int8 and got["nu/up.weight"].dtype == np.uint8
+    assert got["mu_scale/up.weight"].shape == (75, 1) and got["mu/head.weight"].dtype == np.float32
+    for field in ("mu", "mu_scale"):
+        for name, t in saved[field].items():
+            np.testing.assert_array_equal(got[f"{field}/{name}"], t.numpy(), err_msg=name)
