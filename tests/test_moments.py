@@ -353,3 +353,46 @@ def test_plain_orbax_reads_8bit_moments(pool1, tmp_path) -> None:
     for field in ("mu", "mu_scale"):
         for name, t in saved[field].items():
             np.testing.assert_array_equal(got[f"{field}/{name}"], t.numpy(), err_msg=name)
+
+
+def _blocked_worker() -> None:
+    from funcshard import offload as offload_lib
+
+    model = make_model(7)
+    opt = _adamw(I8, U8)
+    results = []
+    for block in (256, 1 << 20):  # blocks of the one-pass offloaded step cut the scales too
+        state = fs.init(
+            model,
+            opt,
+            mesh=fs.make_mesh(device_type="cpu"),
+            policy=fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+            strategy="no_shard",
+            offload_fraction=1.0,
+        )
+        i = next(
+            b.index
+            for b in state.layout.buckets
+            if "up.weight" in state.layout.members[b.index].names
+        )
+        split = offload_lib._split_opt_state(state.opt_state)
+        master = state.master[i].clone()
+        grad = torch.randn(master.numel(), generator=torch.Generator().manual_seed(0))
+        out = torch.empty(master.numel(), dtype=torch.bfloat16)
+        new = offload_lib.step_and_cast(
+            opt,
+            offload_lib._select(split, [i]),
+            master,
+            grad,
+            out,
+            block=block,
+            members=state.layout.members[i],
+        )
+        results.append((master, out, new.mu[0], new.mu_scale[0], new.nu[0], new.nu_scale[0]))
+    assert results[0][3].numel() > 1 and results[0][2].dtype == I8
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_blocked_offload_step_cuts_scales(pool1) -> None:
+    pool1.run(_blocked_worker)
