@@ -161,13 +161,13 @@ def _state_bytes(state) -> int:
     )
 
 
-def _recipe(mu, nu) -> fs.optim.Optimizer:
+def _recipe(mu, nu, sr: bool = False) -> fs.optim.Optimizer:
     return fs.optim.chain(
         fs.optim.clip_by_global_norm(0.3),
         fs.optim.multi_transform(
             {
                 "muon": fs.optim.muon(0.02, mu_dtype=mu),
-                "adamw": _adamw(mu, nu, mask=fs.optim.decay_mask),
+                "adamw": _adamw(mu, nu, mask=fs.optim.decay_mask, stochastic_rounding=sr),
             },
             lambda name, shape: "muon" if name == "fc.weight" else "adamw",
         ),
@@ -215,13 +215,13 @@ def _state_worker(mu, nu, per_param) -> None:
 
 
 # --- determinism: bitwise across layouts with narrow moments ------------------------------------
-def _det_worker(strategy: str, fraction: float, mu, nu) -> dict:
+def _det_worker(strategy: str, fraction: float, mu, nu, sr: bool = False) -> dict:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(3)
     state = fs.init(
         model,
-        _recipe(mu, nu),
+        _recipe(mu, nu, sr),
         mesh=fs.make_mesh(device_type="cpu"),
         strategy=strategy,
         offload_fraction=fraction,
@@ -235,11 +235,11 @@ def _det_worker(strategy: str, fraction: float, mu, nu) -> dict:
     return {k: v.clone() for k, v in full.items()}
 
 
-@pytest.mark.parametrize("mu,nu", [(BF16, BF16), (I8, U8)])
-def test_deterministic_across_layouts(pool1, pool2, mu, nu) -> None:
-    want = pool1.run(_det_worker, "optim_grads_params", 0.0, mu, nu)[0]
+@pytest.mark.parametrize("mu,nu,sr", [(BF16, BF16, False), (BF16, BF16, True), (I8, U8, False)])
+def test_deterministic_across_layouts(pool1, pool2, mu, nu, sr) -> None:
+    want = pool1.run(_det_worker, "optim_grads_params", 0.0, mu, nu, sr)[0]
     for strategy, fraction in [("optim_grads_params", 0.0), ("optim", 0.5)]:
-        for got in pool2.run(_det_worker, strategy, fraction, mu, nu):
+        for got in pool2.run(_det_worker, strategy, fraction, mu, nu, sr):
             differ = [k for k in want if not torch.equal(got[k], want[k])]
             assert not differ, (strategy, fraction, differ)
 

@@ -370,7 +370,8 @@ def adamw(
         dtype (torch's bits). ``torch.bfloat16`` / ``torch.float16``: computed in fp32, stored
         narrow. ``torch.int8`` (mu) / ``torch.uint8`` (nu): 8-bit blockwise with fp32 scales
         (:mod:`funcshard.optim.moments`; parameters :func:`~funcshard.optim.moments.block_of`
-        gives no block keep the master dtype).
+        gives no block keep the master dtype). An fp16 second moment flushes values below
+        6e-8 (squared gradients under 2.4e-4) to zero: prefer bf16.
       stochastic_rounding: bf16 moments are rounded stochastically (dithered) instead of to
         nearest.
 
