@@ -14,6 +14,7 @@ from funcshard.reduce import reduce_scatter_grads
 from funcshard.sharding import shard
 from funcshard.state import ConsumedStateError, LossScale, TrainState, describe, init, tree
 from funcshard.step import full_params, train_step
+from funcshard.strategy import OuterStrategy, Strategy
 from funcshard.units import UnitParamsError
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "GatheredParams",
     "LossScale",
     "MixedPrecisionPolicy",
+    "OuterStrategy",
+    "Strategy",
     "TrainState",
     "UnitParamsError",
     "comm_stats",

@@ -28,21 +28,31 @@ class CommStats:
       bytes: bytes per kind ("all_gather", "reduce_scatter", "all_reduce", "metrics", and
         "muon" for the exchange of whole matrices of ``fs.optim.muon``).
       calls: collective calls per kind.
+      bytes_by_axis: the same bytes per mesh axis the collective ran on: "shard",
+        "replicate", or "world" (a group over every data-parallel rank: the loss, and the
+        gradients of ``no_shard``); its values sum to those of ``bytes``.
       gathered_live: bytes of gathered (unsharded) ZeRO-3 params alive right now.
       gathered_peak: the most bytes of gathered ZeRO-3 params alive at one moment.
     """
 
     bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    bytes_by_axis: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     gathered_live: int = 0
     gathered_peak: int = 0
 
-    def record(self, kind: str, nbytes: int) -> None:
+    def record(self, kind: str, nbytes: int, axis: str) -> None:
+        if axis not in AXES:
+            raise ValueError(f"comm_stats: unknown axis {axis!r}; expected one of {AXES}")
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
+        self.bytes_by_axis[axis] += nbytes
 
 
 _ACTIVE: list[CommStats] = []
+
+# The mesh axes a collective is counted under.
+AXES = ("shard", "replicate", "world")
 
 # torch 2.13 named the flat-tensor collectives all_gather_single / reduce_scatter_single and
 # deprecated all_gather_into_tensor / reduce_scatter_tensor (same signatures); earlier torch
@@ -55,9 +65,17 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 def comm_stats() -> Iterator[CommStats]:
     """Counts collective bytes and gathered-param memory inside the block.
 
-    >>> with comm_stats() as stats:  # doctest: +SKIP
-    ...     state, _ = fs.train_step(state, batch, loss_fn)
-    >>> stats.bytes["all_gather"]  # doctest: +SKIP
+    Typical use, on each rank: ``with fs.comm_stats() as stats: state, _ =
+    fs.train_step(state, batch, loss_fn)``, then read ``stats.bytes["all_gather"]``. Each
+    collective of this module records its full buffer under its kind and mesh axis, as below
+    (the all-gathered output here, 4 x 8 fp32 values over the "shard" axis):
+
+    >>> with comm_stats() as stats:
+    ...     record("all_gather", torch.zeros(4, 8), "shard")
+    >>> stats.bytes["all_gather"], stats.calls["all_gather"], stats.bytes["reduce_scatter"]
+    (128, 1, 0)
+    >>> stats.bytes_by_axis["shard"], stats.bytes_by_axis["replicate"]
+    (128, 0)
     """
     stats = CommStats()
     _ACTIVE.append(stats)
@@ -67,12 +85,13 @@ def comm_stats() -> Iterator[CommStats]:
         _ACTIVE.remove(stats)
 
 
-def record(kind: str | None, tensor: torch.Tensor) -> None:
-    """Counts ``tensor``'s bytes under ``kind`` (None: counted by the caller as a whole)."""
+def record(kind: str | None, tensor: torch.Tensor, axis: str) -> None:
+    """Counts ``tensor``'s bytes under ``kind`` and ``axis`` (kind None: counted by the caller
+    as a whole)."""
     if kind is None:
         return
     for stats in _ACTIVE:
-        stats.record(kind, tensor.numel() * tensor.element_size())
+        stats.record(kind, tensor.numel() * tensor.element_size(), axis)
 
 
 def track_gathered(buffer: torch.Tensor) -> None:
@@ -127,37 +146,43 @@ def all_gather(
     local: torch.Tensor,
     group: dist.ProcessGroup,
     *,
+    axis: str,
     async_op: bool = False,
     kind: str | None = "all_gather",
 ):
-    """Concatenates every rank's 1-D ``local`` in group rank order."""
+    """Concatenates every rank's 1-D ``local`` in group rank order (``axis``: the mesh axis
+    ``group`` belongs to, for the accounting)."""
     size = dist.get_world_size(group)
     if size == 1:
         return Pending(None, local) if async_op else local
     out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
-    record(kind, out)
+    record(kind, out, axis)
     work = _all_gather_single(out, local.contiguous(), group=group, async_op=async_op)
     return Pending(work, out) if async_op else out
 
 
-def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+def reduce_scatter(
+    full: torch.Tensor, group: dist.ProcessGroup, *, axis: str, async_op: bool = False
+):
     """Sums 1-D ``full`` over the group and returns this rank's contiguous 1/size of it."""
     size = dist.get_world_size(group)
     if size == 1:
         return Pending(None, full) if async_op else full
     out = torch.empty(full.numel() // size, dtype=full.dtype, device=full.device)
-    record("reduce_scatter", full)
+    record("reduce_scatter", full, axis)
     full = full.contiguous()
     work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(work, out, keep=full) if async_op else out
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_reduce"):
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, axis: str, kind: str = "all_reduce"
+):
     """Sums ``tensor`` over the group into a new tensor (the input is left untouched)."""
     if dist.get_world_size(group) == 1:
         return tensor
     out = tensor.clone()
-    record(kind, out)
+    record(kind, out, axis)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
@@ -169,11 +194,12 @@ def all_to_all(
     in_splits: list[int],
     group: dist.ProcessGroup,
     *,
+    axis: str,
     kind: str | None,
 ) -> Pending:
     """Asynchronous all-to-all of 1-D buffers: ``in_splits[r]`` elements of ``inp`` go to rank
     ``r`` and ``out_splits[r]`` elements of ``out`` come from it, in rank order. Counts the
     input buffer (what this rank sends, its own part included) under ``kind``."""
-    record(kind, inp)
+    record(kind, inp, axis)
     work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
     return Pending(work, out, keep=inp)

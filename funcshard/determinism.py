@@ -145,7 +145,11 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def start_reduce_scatter(
-    full: torch.Tensor, group: dist.ProcessGroup, kind: str | None = "reduce_scatter"
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    kind: str | None = "reduce_scatter",
+    *,
+    axis: str = "world",
 ) -> collectives.Pending:
     """The group's sum of 1-D ``full``, this rank's contiguous 1/size of it, in tree order.
 
@@ -159,12 +163,14 @@ def start_reduce_scatter(
     block = full.numel() // size
     recv = torch.empty_like(full)
     pending = collectives.all_to_all(
-        recv, full.contiguous(), [block] * size, [block] * size, group, kind=kind
+        recv, full.contiguous(), [block] * size, [block] * size, group, axis=axis, kind=kind
     )
     return collectives.Pending.then(pending, lambda r: pairwise_sum(r.view(size, block).unbind(0)))
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, axis: str = "world"
+) -> torch.Tensor:
     """The group's sum of ``tensor`` in tree order over group ranks (a new tensor).
 
     :func:`start_reduce_scatter` on the tensor padded to a multiple of the group size, then an
@@ -176,9 +182,9 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     flat = tensor.reshape(-1)
     n = flat.numel()
     padded = torch.nn.functional.pad(flat, (0, -n % size))
-    collectives.record("all_reduce", flat)
-    part = start_reduce_scatter(padded, group, kind=None).wait()
-    return collectives.all_gather(part, group, kind=None)[:n].view(tensor.shape)
+    collectives.record("all_reduce", flat, axis)
+    part = start_reduce_scatter(padded, group, kind=None, axis=axis).wait()
+    return collectives.all_gather(part, group, axis=axis, kind=None)[:n].view(tensor.shape)
 
 
 def _row_sums(flat: torch.Tensor, spec) -> torch.Tensor:
@@ -216,7 +222,7 @@ def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
     sums = torch.cat(local)
     size = layout.shard_size
     if size > 1:
-        sums = collectives.all_gather(sums, layout.shard_group, kind="metrics")
+        sums = collectives.all_gather(sums, layout.shard_group, axis="shard", kind="metrics")
     sums = sums.view(size, at)
     rows = [
         sums[:, where[s.name] : where[s.name] + s.rows_per_shard].reshape(-1)[: s.rows]
@@ -229,5 +235,5 @@ def mean_loss(layout: Layout, losses: list[torch.Tensor], world: dist.ProcessGro
     """The mean of every chunk's loss over the world, summed by one tree in chunk order."""
     local = torch.stack([loss.double() for loss in losses]).to(layout.device)
     if dist.get_world_size(world) > 1:
-        local = collectives.all_gather(local, world, kind="metrics")
+        local = collectives.all_gather(local, world, axis="world", kind="metrics")
     return float(halving_sum(local)) / local.numel()

@@ -6,7 +6,9 @@ import os
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -56,15 +58,37 @@ def _backend(backend: str | None, local_rank: int) -> str:
     return backend
 
 
-def init_from_env(backend: str | None = None) -> None:
+def init_from_env(backend: str | None = None, *, timeout: timedelta | None = None) -> None:
     """Joins the process group that torchrun (or any launcher setting ``MASTER_ADDR``,
-    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) describes; restart-safe under torchrun.
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) describes, in every torchrun mode.
 
-    After ``torchrun --max-restarts`` restarts a job, its store still holds the keys of the
-    failed attempt, and a plain ``dist.init_process_group("gloo")`` connects to the dead
-    ranks' addresses ("Connection refused"). Here each attempt
-    (``TORCHELASTIC_RESTART_COUNT``) gets its own key space. ``backend`` defaults to NCCL with
-    CUDA (one GPU per ``LOCAL_RANK``; CPU tensors over gloo) and gloo otherwise.
+    torchrun starts a new set of workers in every rendezvous round: after a failure
+    (``--max-restarts``) and after a membership change (a node lost or joining under
+    ``--nnodes=MIN:MAX``). What the workers must do then depends on who hosts the store at
+    ``MASTER_ADDR:MASTER_PORT``:
+
+    - Not shared (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which a node needs to rejoin),
+      and launchers other than torchrun: worker rank 0 hosts a new store, at a port the agent
+      picks anew every round. ``dist.init_process_group`` is restart-safe as it is; this calls
+      it.
+    - Shared (torchrun's default, ``TORCHELASTIC_USE_AGENT_STORE=True``): the rank-0 node's
+      agent hosts the store and keeps it across rounds, with the keys of the round before. A
+      plain ``dist.init_process_group`` then reads a dead rank's address and fails
+      ("Connection refused"). Here worker rank 0 hosts a new store of the round's own and
+      publishes its port with a random nonce in the agent's store; every other rank connects
+      to the port it reads there once that store answers with the same nonce, so a stale entry
+      of an earlier round (its host is dead) is skipped. ``TORCHELASTIC_RESTART_COUNT`` cannot
+      key a round: a membership change does not advance it and a relaunched agent starts again
+      at 0, so nodes of one round can hold different counts.
+
+    Args:
+      backend: default NCCL with CUDA (one GPU per ``LOCAL_RANK``; CPU tensors over gloo),
+        gloo otherwise.
+      timeout: for joining and for the group's collectives; default torch's.
+
+    Raises:
+      RuntimeError: a variable is missing (not under torchrun).
+      TimeoutError: shared mode, and no live store of this round appeared within ``timeout``.
     """
     env = os.environ
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]
@@ -74,15 +98,55 @@ def init_from_env(backend: str | None = None) -> None:
         )
     backend = _backend(backend, int(env.get("LOCAL_RANK", 0)))
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        dist.init_process_group(backend, rank=rank, world_size=world)
+    kw = {} if timeout is None else {"timeout": timeout}
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, rank=rank, world_size=world, **kw)
         return
-    store = dist.TCPStore(
-        env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False
-    )
-    store = dist.PrefixStore(f"funcshard/attempt_{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    store = _round_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), rank, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+
+
+_ROUND_KEY = "funcshard/round_store"  # in the agent's store: "<port> <nonce>" of this round's
+_NONCE_KEY = "funcshard/nonce"  # in the round's store: its nonce
+
+
+def _round_store(addr: str, agent_port: int, rank: int, timeout: timedelta | None) -> dist.Store:
+    """A store of this rendezvous round only, hosted by rank 0 (see ``init_from_env``)."""
+    timeout = timeout or timedelta(minutes=30)
+    agent = dist.TCPStore(addr, agent_port, is_master=False, timeout=timeout)
+    if rank == 0:
+        store = dist.TCPStore(addr, 0, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = uuid.uuid4().hex
+        store.set(_NONCE_KEY, nonce)
+        agent.set(_ROUND_KEY, f"{store.port} {nonce}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, nonce = agent.get(_ROUND_KEY).decode().split()
+        store = _connect_if_live(addr, int(port), nonce, timeout)
+        if store is not None:
+            return store
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"init_from_env: rank {rank} found no live store of this round at {addr} "
+                f"within {timeout} (the agent's store at port {agent_port} names port {port})"
+            )
+        time.sleep(0.05)  # rank 0 of this round has not published yet: the entry is stale
+
+
+def _connect_if_live(addr: str, port: int, nonce: str, timeout: timedelta) -> dist.Store | None:
+    """A client of the store at ``addr:port`` if it is up and holds ``nonce``, else None."""
+    try:  # a plain socket first: a dead port refuses at once, where TCPStore retries and logs
+        socket.create_connection((addr, port), timeout=5.0).close()
+    except OSError:
+        return None
+    try:
+        store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == nonce:
+            return store
+    except RuntimeError:  # something else took the port (DistError is a RuntimeError)
+        pass
+    return None
 
 
 def _run_rank(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> Any:

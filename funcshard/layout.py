@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from funcshard import mesh as mesh_lib
 from funcshard.buckets import Members, PerBucket
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
+from funcshard.strategy import Strategy
 
 __all__ = [
     "STRATEGIES",
@@ -36,13 +37,8 @@ __all__ = [
     "default_units",
 ]
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+STRATEGIES = tuple(s.value for s in Strategy)  # the names users pass
 ROOT_UNIT = 0
-
-
-def check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,6 +117,7 @@ class Placement:
     device: torch.device
     specs: dict[Members, tuple[LeafSpec, ...]]
     replicas: object = None  # the ProcessGroup of the replicas (None when replica_count == 1)
+    replicas_axis: str = "replicate"  # their mesh axis, for the accounting ("world": no_shard)
     replica_count: int = 1
     replica_rank: int = 0
 
@@ -141,7 +138,7 @@ class Layout:
 
     mesh: DeviceMesh
     policy: MixedPrecisionPolicy
-    strategy: str
+    strategy: Strategy
     leaves: tuple[LeafSpec, ...]
     buckets: tuple[Bucket, ...]
     units: tuple[str, ...]  # module prefix per unit; "" is the root unit
@@ -160,11 +157,15 @@ class Layout:
 
     @property
     def shard_size(self) -> int:
-        return 1 if self.strategy == "no_shard" else mesh_lib.axis_size(self.mesh, "shard")
+        if not self.strategy.shards_optim:
+            return 1
+        return mesh_lib.axis_size(self.mesh, "shard")
 
     @property
     def shard_rank(self) -> int:
-        return 0 if self.strategy == "no_shard" else mesh_lib.axis_rank(self.mesh, "shard")
+        if not self.strategy.shards_optim:
+            return 0
+        return mesh_lib.axis_rank(self.mesh, "shard")
 
     @property
     def dp_size(self) -> int:
@@ -177,9 +178,14 @@ class Layout:
     @property
     def replicate_group(self):
         """The group gradient shards are all-reduced over (the world when nothing is sharded)."""
-        if self.strategy == "no_shard":
+        if not self.strategy.shards_optim:
             return mesh_lib.world_group(self.mesh)
         return mesh_lib.axis_group(self.mesh, "replicate")
+
+    @property
+    def replicate_axis(self) -> str:
+        """The mesh axis of ``replicate_group``, as ``fs.comm_stats`` counts it."""
+        return "replicate" if self.strategy.shards_optim else "world"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -222,6 +228,7 @@ class Layout:
             replicas=self.replicate_group if replicas > 1 else None,
             replica_count=replicas,
             replica_rank=dist.get_rank(self.replicate_group) if replicas > 1 else 0,
+            replicas_axis=self.replicate_axis,
         )
 
     def per_bucket(self, values: Sequence) -> PerBucket:
@@ -311,13 +318,33 @@ def _pick_offloaded(sizes: list[int], fraction: float) -> set[int]:
     return chosen
 
 
+def _leaf_rows(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    policy: MixedPrecisionPolicy,
+    shard_size: int,
+    deterministic: bool,
+) -> tuple:
+    """``(name, shape, dtypes, rows, rows_per_shard, row_numel)`` of one parameter."""
+    if not dtype.is_floating_point:
+        raise TypeError(f"parameter {name!r}: expected a floating dtype, got {dtype}")
+    rows = shape[0] if shape else 1
+    row_numel = math.prod(shape[1:]) if shape else 1
+    rps = -(-rows // shard_size)
+    if deterministic:  # every leaf starts 128-byte aligned in the full buffer, whatever S
+        step = DETERMINISTIC_ALIGN // math.gcd(row_numel, DETERMINISTIC_ALIGN)
+        rps = -(-rps // step) * step
+    return (name, tuple(shape), policy.resolve(dtype), rows, rps, row_numel)
+
+
 def build_layout(
     params: dict[str, tuple[tuple[int, ...], torch.dtype]],
     *,
     model: nn.Module | None,
     mesh: DeviceMesh,
     policy: MixedPrecisionPolicy,
-    strategy: str,
+    strategy: str | Strategy,
     offload_fraction: float = 0.0,
     units: UnitsArg = None,
     partition: Callable[[str, tuple], Hashable] | None = None,
@@ -330,39 +357,23 @@ def build_layout(
     ``deterministic`` asks for the layout-independent reductions of
     :mod:`funcshard.determinism` (it checks that the mesh and policy allow them).
     """
-    check_strategy(strategy)
+    strategy = Strategy.parse(strategy)
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
     prefixes = _resolve_units(model, units) if model is not None else list(units or [])
-    shard_size = 1 if strategy == "no_shard" else mesh_lib.axis_size(mesh, "shard")
+    shard_size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
 
-    raw = []
-    for name, (shape, dtype) in params.items():
-        if not dtype.is_floating_point:
-            raise TypeError(f"parameter {name!r}: expected a floating dtype, got {dtype}")
-        rows = shape[0] if shape else 1
-        row_numel = math.prod(shape[1:]) if shape else 1
-        rps = -(-rows // shard_size)
-        if deterministic:  # every leaf starts 128-byte aligned in the full buffer, whatever S
-            step = DETERMINISTIC_ALIGN // math.gcd(row_numel, DETERMINISTIC_ALIGN)
-            rps = -(-rps // step) * step
-        raw.append(
-            (
-                name,
-                tuple(shape),
-                policy.resolve(dtype),
-                _unit_of(name, prefixes),
-                rows,
-                rps,
-                row_numel,
-            )
-        )
-    offloaded = _pick_offloaded([r[5] * r[6] for r in raw], offload_fraction)
+    raw = [
+        _leaf_rows(name, shape, dtype, policy, shard_size, deterministic)
+        + (_unit_of(name, prefixes),)
+        for name, (shape, dtype) in params.items()
+    ]
+    offloaded = _pick_offloaded([r[4] * r[5] for r in raw], offload_fraction)
 
     # Buckets in order of first appearance of (unit, dtypes, placement, rule), leaves in model
     # order.
     keys: dict[tuple, list[int]] = {}
-    for i, (name, shape, dtypes, unit, *_rest) in enumerate(raw):
+    for i, (name, shape, dtypes, *_rest, unit) in enumerate(raw):
         rule = partition(name, shape) if partition is not None else None
         keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
     leaves: list[LeafSpec | None] = [None] * len(raw)
@@ -371,7 +382,7 @@ def build_layout(
     for b, ((unit, dtypes, off, _), members) in enumerate(ordered):
         offset = 0
         for i in members:
-            name, shape, _, _, rows, rps, row_numel = raw[i]
+            name, shape, _, rows, rps, row_numel, _ = raw[i]
             leaves[i] = LeafSpec(name, shape, dtypes, unit, rows, rps, row_numel, b, offset)
             offset += rps * row_numel
         buckets.append(Bucket(b, unit, dtypes, off, tuple(members), offset))

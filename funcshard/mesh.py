@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -84,14 +85,16 @@ def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
     return mesh.get_group(axis)
 
 
-_FLAT_GROUPS: dict[int, dist.ProcessGroup] = {}
+# The flattened group of each mesh, kept while the mesh lives (keyed by the mesh itself:
+# an id would be reused by a later mesh once this one is collected).
+_FLAT_GROUPS: weakref.WeakKeyDictionary[DeviceMesh, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 
 
 def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """A group over every rank of the mesh (the data-parallel world)."""
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD
-    key = id(mesh)
-    if key not in _FLAT_GROUPS:
-        _FLAT_GROUPS[key] = mesh._flatten("dp").get_group()
-    return _FLAT_GROUPS[key]
+    group = _FLAT_GROUPS.get(mesh)
+    if group is None:
+        group = _FLAT_GROUPS[mesh] = mesh._flatten("dp").get_group()
+    return group

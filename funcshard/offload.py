@@ -33,9 +33,16 @@ from funcshard import sharding as shard_lib
 from funcshard.buckets import Members, PerBucket, flatten_parts, is_per_bucket
 from funcshard.layout import Bucket, Placement
 from funcshard.optim import Optimizer
-from funcshard.state import TrainState, derive_compute
+from funcshard.state import Donation, TrainState, derive_compute
 
-__all__ = ["offload_step", "offload_threads", "default_threads", "step_and_cast", "BLOCK_NUMEL"]
+__all__ = [
+    "offload_step",
+    "apply_update",
+    "offload_threads",
+    "default_threads",
+    "step_and_cast",
+    "BLOCK_NUMEL",
+]
 
 THREADS_ENV = "FUNCSHARD_OFFLOAD_THREADS"
 # Elements per block of the blocked step: p, g, m, v of one block (16 MiB in fp32) stay in the
@@ -224,7 +231,7 @@ def _needs_cast(bucket: Bucket) -> bool:
 
 
 # --- inputs ---------------------------------------------------------------------------------
-def _as_bucket_flats(state: TrainState, grads: Any) -> tuple[torch.Tensor, ...]:
+def _as_bucket_flats(state: TrainState | Donation, grads: Any) -> tuple[torch.Tensor, ...]:
     """Accepts per-bucket flats, or ``{name: shard}`` as ``reduce_scatter_grads`` returns."""
     layout = state.layout
     if isinstance(grads, dict):
@@ -283,17 +290,16 @@ def offload_step(
     Raises:
       ValueError / KeyError: a gradient is missing or has the wrong size.
     """
-    return step_donating(
-        state, grads, threads=threads, grad_norm=grad_norm, consumer="offload_step"
-    )
+    grads = _as_bucket_flats(state, grads)  # bad input raises before anything is consumed
+    return apply_update(state.donate("offload_step"), grads, threads=threads, grad_norm=grad_norm)
 
 
-def step_donating(
-    state: TrainState, grads: Any, *, threads: int | None, grad_norm: float | None, consumer: str
+def apply_update(
+    state: Donation, grads: Any, *, threads: int | None, grad_norm: float | None
 ) -> TrainState:
-    """``offload_step`` for a caller that names itself as the consumer (``train_step``)."""
+    """The update of ``offload_step`` on a donated state's leaves (``train_step``'s last part):
+    masters and optimizer state stepped in place, compute copies derived from them."""
     layout = state.layout
-    state._check()
     grads = _as_bucket_flats(state, grads)
     master = state.master
     split = _split_opt_state(state.opt_state)
@@ -314,18 +320,15 @@ def step_donating(
         )
     new_opt = _merge(split, parts)
     assert all(m is master[i] for i, m in enumerate(new_master)), "masters step in place"
-    state._consume(consumer)
-    return TrainState(
+    return state.state(
         master=tuple(new_master),
         compute=derive_compute(layout, tuple(new_master), local),
         opt_state=new_opt,
-        step=state._step + 1,
-        loss_scale=state._loss_scale,
-        static=state._static,
+        step=state.step + 1,
     )
 
 
-def _device_step(state: TrainState, grads, split, device_idx: list[int], grad_norm: float):
+def _device_step(state: Donation, grads, split, device_idx: list[int], grad_norm: float):
     """One fused update over every device bucket (asynchronous on CUDA)."""
     if not device_idx:
         return []
@@ -343,7 +346,7 @@ def _device_step(state: TrainState, grads, split, device_idx: list[int], grad_no
     return [(device_idx, new)]
 
 
-def _host_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, grad_norm):
+def _host_step(state: Donation, grads, split, device_idx, cpu_idx, threads, grad_norm):
     """The step when the device is the CPU (or nothing is offloaded): no copies to overlap.
 
     Offloaded buckets that need a cast step blocked and write their compute shard directly.
@@ -399,7 +402,7 @@ def _reusable(
     return prev
 
 
-def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, grad_norm):
+def _cuda_step(state: Donation, grads, split, device_idx, cpu_idx, threads, grad_norm):
     """The overlapped step: GPU buckets on the GPU while the CPU steps offloaded ones.
 
     Streams: ``main`` (the current one) runs the device step and later the gathers; ``d2h``
@@ -424,7 +427,7 @@ def _cuda_step(state: TrainState, grads, split, device_idx, cpu_idx, threads, gr
         bucket = layout.buckets[i]
         prev = old[i]
         reuse = (
-            layout.strategy == "optim_grads_params"
+            layout.strategy.shards_params
             and prev is not None
             and prev.device == device
             and prev.numel() == bucket.numel

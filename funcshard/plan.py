@@ -47,10 +47,13 @@ import torch
 from torch import nn
 
 from funcshard.buckets import NAMESPACE, per_bucket_parts
-from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout, check_strategy
+from funcshard.collectives import AXES
+from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
 from funcshard.policy import MixedPrecisionPolicy
+from funcshard.reduction import reduction_of
+from funcshard.strategy import Strategy
 
 __all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
 
@@ -117,6 +120,9 @@ class Plan:
     memory: MemoryPlan
     comm: dict[str, int]
     calls: dict[str, int]
+    # the same bytes per mesh axis ("shard", "replicate", "world"): what crosses the slow link
+    # between nodes is the "replicate" entry (see ``fs.comm_stats().bytes_by_axis``)
+    comm_by_axis: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
         """A readable summary."""
@@ -150,6 +156,9 @@ class Plan:
             rows.append(
                 f"  {kind:<14}{format_bytes(self.comm[kind]):>12}  ({self.calls[kind]} calls)"
             )
+        rows.append("by mesh axis:")
+        for axis, nbytes in self.comm_by_axis.items():
+            rows.append(f"  {axis:<14}{format_bytes(nbytes):>12}")
         return "\n".join(rows)
 
 
@@ -235,12 +244,15 @@ def _meta_init(optimizer: Optimizer, layout: Layout):
     )
 
 
-def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int, int]:
-    """``(bytes, calls, owner bytes)`` of Muon's exchange on the busiest rank."""
+def _muon_exchange(
+    optimizer: str | Optimizer, layout: Layout
+) -> tuple[int, int, int, dict[str, int]]:
+    """``(bytes, calls, owner bytes, bytes by axis)`` of Muon's exchange on the busiest rank
+    (per axis: the busiest rank on that axis)."""
     S = layout.shard_size
     R = layout.dp_size // S  # replicas, each working on its share of the matrices
     if isinstance(optimizer, str) or S * R == 1:
-        return 0, 0, 0
+        return 0, 0, 0, {}
     owned: set[int] = set()
     muon_states = [
         x
@@ -257,7 +269,7 @@ def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int
             owned |= {i for i, x in enumerate(part) if x is not None}
     groups = [[b.index for b in layout.buckets if not b.offload and b.index in owned]]
     groups += [[b.index] for b in layout.buckets if b.offload and b.index in owned]
-    sent, calls, held = [0] * S, 0, [0] * S
+    sent, calls, held, gathered = [0] * S, 0, [0] * S, [0] * S
     for group in groups:
         specs = [s for i in group for s in layout.bucket_leaves(layout.buckets[i])]
         if not specs:
@@ -267,8 +279,13 @@ def _muon_exchange(optimizer: str | Optimizer, layout: Layout) -> tuple[int, int
         )
         sent = [a + b for a, b in zip(sent, ex.sent_bytes, strict=True)]
         held = [max(a, b) for a, b in zip(held, ex.owner_bytes, strict=True)]
+        gathered = [a + b for a, b in zip(gathered, ex.gather_bytes or [0] * S, strict=True)]
         calls += ex.calls
-    return max(sent), calls, max(held)
+    by_axis = {
+        "shard": max(s - g for s, g in zip(sent, gathered, strict=True)),
+        layout.replicate_axis: max(gathered),
+    }
+    return max(sent), calls, max(held), by_axis
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -279,7 +296,7 @@ def _memory(
     layout: Layout, state_bytes: list[int], device_type: str, microbatches: int, muon_owner: int = 0
 ) -> MemoryPlan:
     S = layout.shard_size
-    zero3 = layout.strategy == "optim_grads_params"
+    zero3 = layout.strategy.shards_params
     sharded_grads = not _accumulates_unreduced(layout, microbatches)
     # a deterministic step holds up to log2(M) partial sums of its microbatches
     partials = max(1, microbatches.bit_length() - 1) if layout.deterministic else 1
@@ -314,8 +331,9 @@ def _memory(
 
 def _accumulates_unreduced(layout: Layout, microbatches: int) -> bool:
     """Whether a step keeps full unreduced gradients until after its last microbatch."""
-    units = layout.strategy in ("optim_grads", "optim_grads_params")
-    return not units or (layout.deterministic and microbatches > 1)
+    return not layout.strategy.runs_units or not reduction_of(layout).reduces_each_microbatch(
+        microbatches
+    )
 
 
 def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
@@ -323,35 +341,59 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     strategy = layout.strategy
     nbytes = dict.fromkeys(KINDS, 0)
     calls = dict.fromkeys(KINDS, 0)
+    by_axis = dict.fromkeys(AXES, 0)
 
-    def add(kind: str, count: int, size: int) -> None:
+    def add(kind: str, count: int, size: int, axis: str) -> None:
         nbytes[kind] += count * size
         calls[kind] += count
+        by_axis[axis] += count * size
 
     for b in layout.buckets:
         full = S * b.numel
         w, c = _size(b.dtypes.comm), _size(b.dtypes.compute)
-        if strategy == "no_shard":
+        if not strategy.shards_optim:
             if world > 1:
-                add("all_reduce", 1, full * w)
+                add("all_reduce", 1, full * w, "world")
             continue
         if S > 1:
             per_mb = not _accumulates_unreduced(layout, M)
-            add("reduce_scatter", M if per_mb else 1, full * w)
-            add("all_gather", 2 * M if strategy == "optim_grads_params" else 1, full * c)
+            add("reduce_scatter", M if per_mb else 1, full * w, "shard")
+            add("all_gather", 2 * M if strategy.shards_params else 1, full * c, "shard")
         if replicate > 1:
-            add("all_reduce", 1, b.numel * w)
+            add("all_reduce", 1, b.numel * w, "replicate")
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
         if world > 1:
-            add("metrics", 1, world * M * _METRIC_BYTES)
+            add("metrics", 1, world * M * _METRIC_BYTES, "world")
         if S > 1:
-            add("metrics", 1, S * sum(s.rows_per_shard for s in layout.leaves) * _METRIC_BYTES)
-        return nbytes, calls
+            rows = sum(s.rows_per_shard for s in layout.leaves)
+            add("metrics", 1, S * rows * _METRIC_BYTES, "shard")
+        return nbytes, calls, by_axis
     if world > 1:
-        add("metrics", 1, _METRIC_BYTES)  # the loss
+        add("metrics", 1, _METRIC_BYTES, "world")  # the loss
     if S > 1:
-        add("metrics", 1, _METRIC_BYTES)  # the squared gradient norm
-    return nbytes, calls
+        add("metrics", 1, _METRIC_BYTES, "shard")  # the squared gradient norm
+    return nbytes, calls, by_axis
+
+
+def _shard_size(world_size: int, shard: int, replicate: int, microbatches: int) -> int:
+    """The shard group size of a ``plan`` call (``-1``: the world over the replicas)."""
+    if world_size < 1 or replicate < 1 or microbatches < 1:
+        raise ValueError(
+            f"plan: world_size ({world_size}), replicate ({replicate}) and "
+            f"microbatches ({microbatches}) must be >= 1"
+        )
+    if shard == -1:
+        if world_size % replicate:
+            raise ValueError(
+                f"plan: world size {world_size} is not divisible by replicate={replicate}"
+            )
+        shard = world_size // replicate
+    if shard * replicate != world_size:
+        raise ValueError(
+            f"plan: shard ({shard}) x replicate ({replicate}) must equal the world "
+            f"size {world_size}"
+        )
+    return shard
 
 
 def plan(
@@ -361,7 +403,7 @@ def plan(
     world_size: int,
     shard: int = -1,
     replicate: int = 1,
-    strategy: str = "optim_grads_params",
+    strategy: str | Strategy = "optim_grads_params",
     policy: MixedPrecisionPolicy | None = None,
     offload_fraction: float = 0.0,
     microbatches: int = 1,
@@ -399,23 +441,8 @@ def plan(
     >>> p.padded_numel, p.memory.master, p.comm["reduce_scatter"]
     (48, 48, 192)
     """
-    check_strategy(strategy)
-    if world_size < 1 or replicate < 1 or microbatches < 1:
-        raise ValueError(
-            f"plan: world_size ({world_size}), replicate ({replicate}) and "
-            f"microbatches ({microbatches}) must be >= 1"
-        )
-    if shard == -1:
-        if world_size % replicate:
-            raise ValueError(
-                f"plan: world size {world_size} is not divisible by replicate={replicate}"
-            )
-        shard = world_size // replicate
-    if shard * replicate != world_size:
-        raise ValueError(
-            f"plan: shard ({shard}) x replicate ({replicate}) must equal the world "
-            f"size {world_size}"
-        )
+    strategy = Strategy.parse(strategy)
+    shard = _shard_size(world_size, shard, replicate, microbatches)
     table = _param_table(params, dtype)
     model = params if isinstance(params, nn.Module) else None
     if model is None and units is None:
@@ -431,8 +458,10 @@ def plan(
         partition=None if isinstance(optimizer, str) else optimizer.partition,
         deterministic=deterministic,
     )
-    comm, calls = _comm(layout, microbatches, replicate, world_size)
-    comm["muon"], calls["muon"], muon_owner = _muon_exchange(optimizer, layout)
+    comm, calls, by_axis = _comm(layout, microbatches, replicate, world_size)
+    comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
+    for axis, nbytes in muon_by_axis.items():
+        by_axis[axis] += nbytes
     return Plan(
         strategy=strategy,
         world_size=world_size,
@@ -448,6 +477,7 @@ def plan(
         ),
         comm=comm,
         calls=calls,
+        comm_by_axis=by_axis,
     )
 
 

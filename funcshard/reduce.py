@@ -12,12 +12,21 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from funcshard import collectives, determinism
+from funcshard import collectives
 from funcshard import sharding as shard_lib
 from funcshard.layout import Bucket, Layout, build_layout
 from funcshard.policy import MixedPrecisionPolicy
+from funcshard.reduction import reduction_of
+from funcshard.strategy import Strategy
 
-__all__ = ["reduce_scatter_grads", "reduce_shard_axis", "reduce_replicate_axis", "global_norm"]
+__all__ = [
+    "reduce_scatter_grads",
+    "reduce_shard_axis",
+    "start_reduce_shard_axis",
+    "reduce_replicate_axis",
+    "reduce_step_grads",
+    "global_norm",
+]
 
 
 def reduce_shard_axis(layout: Layout, bucket: Bucket, sections: torch.Tensor) -> torch.Tensor:
@@ -40,9 +49,7 @@ def start_reduce_shard_axis(
         wire.div_(layout.dp_size)
     if layout.shard_size == 1:
         return collectives.Pending(None, wire)
-    if layout.deterministic:
-        return determinism.start_reduce_scatter(wire, layout.shard_group)
-    return collectives.reduce_scatter(wire, layout.shard_group, async_op=True)
+    return reduction_of(layout).start_reduce_scatter(wire, layout.shard_group, axis="shard")
 
 
 def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
@@ -51,9 +58,34 @@ def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -
     if torch.distributed.get_world_size(group) == 1:
         return local
     wire = local.to(bucket.dtypes.comm)
-    if layout.deterministic:
-        return determinism.all_reduce(wire, group).to(bucket.dtypes.grad)
-    return collectives.all_reduce(wire, group).to(bucket.dtypes.grad)
+    reduction = reduction_of(layout)
+    return reduction.all_reduce(wire, group, axis=layout.replicate_axis).to(bucket.dtypes.grad)
+
+
+def reduce_step_grads(
+    layout: Layout, grads: list[torch.Tensor | None], *, shard_reduced: bool
+) -> list[torch.Tensor]:
+    """A step's summed microbatch gradients -> this rank's shards of their global mean.
+
+    Args:
+      layout: the state's layout.
+      grads: per bucket, the microbatches' sum: this rank's shard already reduced over
+        "shard" (``shard_reduced``, ZeRO-2/3) or the unreduced rank sections (ZeRO-0/1);
+        None where no gradient reached the bucket (it counts as zeros).
+      shard_reduced: whether the shard-axis reduction already ran.
+
+    Returns:
+      Per bucket, this rank's shard of the mean in main-grads dtype (summed over "replicate").
+    """
+    out = []
+    for bucket, g in zip(layout.buckets, grads, strict=True):
+        if g is None:
+            numel = bucket.numel * (1 if shard_reduced else layout.shard_size)
+            g = torch.zeros(numel, dtype=bucket.dtypes.grad, device=layout.device)
+        if not shard_reduced:
+            g = reduce_shard_axis(layout, bucket, g)
+        out.append(reduce_replicate_axis(layout, bucket, g))
+    return out
 
 
 def reduce_scatter_grads(
@@ -62,7 +94,7 @@ def reduce_scatter_grads(
     policy: MixedPrecisionPolicy,
     /,
     *,
-    strategy: str = "optim_grads_params",
+    strategy: str | Strategy = "optim_grads_params",
 ) -> dict[str, torch.Tensor]:
     """Full local gradients -> this rank's shard of their data-parallel mean.
 
@@ -94,32 +126,6 @@ def reduce_scatter_grads(
 
 
 def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of the averaged gradient over all ranks; padding holds zeros and adds nothing.
-
-    One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite gradients of
-    norm above ~1e19) or is not finite are the norms redone in fp64, so that a large but
-    finite gradient is never mistaken for an overflow. A deterministic layout takes
-    :func:`funcshard.determinism.global_norm` (the same bits on every layout).
-    """
-    if layout.deterministic:
-        return determinism.global_norm(layout, grads)
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    norms = torch.stack(
-        [
-            n.to(layout.device, torch.float64)
-            for gs in by_device.values()
-            for n in torch._foreach_norm(gs, 2, dtype=torch.float32)
-        ]
-    )
-    if not bool(torch.isfinite(norms).all()):
-        norms = torch.stack(
-            [torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device) for g in grads]
-        )
-    sq = norms.square().sum().to(layout.device)
-    if layout.shard_size > 1:
-        sq = collectives.all_reduce(sq, layout.shard_group, kind="metrics")
-    return sq.sqrt()
+    """L2 norm of the averaged gradient over all ranks (0-d fp64), by the layout's reduction
+    (:meth:`funcshard.reduction.Reduction.global_norm`); padding holds zeros and adds nothing."""
+    return reduction_of(layout).global_norm(layout, grads)

@@ -138,7 +138,11 @@ def from_rank_sections(
 
 def gather_full(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
     """All-gathers a bucket's local flat over the shard axis into the full layout."""
-    sections = collectives.all_gather(local, layout.shard_group) if layout.shard_size > 1 else local
+    sections = (
+        collectives.all_gather(local, layout.shard_group, axis="shard")
+        if layout.shard_size > 1
+        else local
+    )
     return from_rank_sections(sections, layout.bucket_leaves(bucket), layout.shard_size)
 
 
@@ -149,9 +153,8 @@ def shard(
 
     Sharded strategies keep rows ``[r * ceil(n / S), (r + 1) * ceil(n / S))`` of dim 0 (fewer,
     possibly none, on the last ranks; padding is internal and never shown); ``no_shard`` keeps
-    everything.
-
-    >>> # on 2 ranks, rank 1:  shard({"w": torch.arange(5.)}, mesh)["w"]  ->  tensor([3., 4.])
+    everything. On a mesh of 2 shard ranks, ``shard({"w": torch.arange(5.)}, mesh)["w"]`` is
+    ``tensor([0., 1., 2.])`` on shard rank 0 and ``tensor([3., 4.])`` on shard rank 1.
     """
     layout = build_layout(
         {n: (tuple(p.shape), p.dtype) for n, p in params.items()},

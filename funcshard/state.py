@@ -10,9 +10,7 @@ is cast from the master at gather time.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -20,19 +18,27 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from funcshard import donation
 from funcshard import sharding as shard_lib
 from funcshard.buckets import NAMESPACE, map_parts
+from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
 from funcshard.policy import MixedPrecisionPolicy
+from funcshard.strategy import Strategy
 
-__all__ = ["TrainState", "LossScale", "init", "derive_compute", "describe", "tree"]
+__all__ = [
+    "TrainState",
+    "Donation",
+    "ConsumedStateError",
+    "LossScale",
+    "init",
+    "derive_compute",
+    "describe",
+    "tree",
+]
 
 tree = optree.pytree.reexport(namespace=NAMESPACE, module="funcshard.tree")
-
-
-class ConsumedStateError(RuntimeError):
-    """A TrainState was used after a function consumed it."""
 
 
 class LossScale(NamedTuple):
@@ -48,55 +54,37 @@ class _Static:
     optimizer: Optimizer
 
 
-class _Liveness:
-    """Whether the buffers of a group of states are still theirs (None) or were donated."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Donation:
+    """What a consuming function gets of the state it consumed: the leaves (whose buffers it
+    may now reuse) and the static metadata, to build the state it returns."""
 
-    __slots__ = ("consumed_by",)
+    master: tuple[torch.Tensor, ...]
+    compute: tuple[torch.Tensor | None, ...]
+    opt_state: Any
+    step: int
+    loss_scale: LossScale | None
+    static: _Static
 
-    def __init__(self) -> None:
-        self.consumed_by: str | None = None
+    @property
+    def layout(self) -> Layout:
+        return self.static.layout
 
+    @property
+    def optimizer(self) -> Optimizer:
+        return self.static.optimizer
 
-# Per storage: the liveness of the states whose buffers it holds. A storage is named by the
-# id of its Python object, which torch keeps alive (and unique) as long as the storage lives;
-# the weak reference tells a live entry from one whose storage has gone.
-_OWNERS: dict[int, tuple[weakref.ref, _Liveness]] = {}
-
-
-def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _OWNERS.get(key)
-    if entry is not None and entry[0] is ref:
-        del _OWNERS[key]
-
-
-def _liveness(tensors: Iterable[Any]) -> tuple[_Liveness, ...]:
-    """The liveness tokens of the storages under ``tensors``, one fresh token for the storages
-    that have none or whose token was donated (a state built on buffers a donation handed on).
-
-    Every state holding a storage shares its token, so donating one state refuses every state
-    that shares a buffer with it, however it was made (``replace``, a tree map, unflatten).
-    """
-    tokens: list[_Liveness] = []
-    fresh: _Liveness | None = None
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.is_meta:
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0:
-            continue
-        key = id(storage)
-        entry = _OWNERS.get(key)
-        token = None
-        if entry is not None and entry[0]() is storage and entry[1].consumed_by is None:
-            token = entry[1]
-        if token is None:
-            fresh = fresh or _Liveness()
-            token = fresh
-            ref = weakref.ref(storage, functools.partial(_forget, key))
-            _OWNERS[key] = (ref, token)
-        if not any(token is seen for seen in tokens):
-            tokens.append(token)
-    return tuple(tokens) or (_Liveness(),)
+    def state(self, **changes: Any) -> TrainState:
+        """A new state with this one's static metadata and leaves, ``changes`` replaced."""
+        fields = dict(
+            master=self.master,
+            compute=self.compute,
+            opt_state=self.opt_state,
+            step=self.step,
+            loss_scale=self.loss_scale,
+        )
+        fields.update(changes)
+        return TrainState(**fields, static=self.static)
 
 
 class TrainState:
@@ -111,7 +99,8 @@ class TrainState:
     state (like JAX's ``donate_argnums``): they reuse its buffers. Liveness is per buffer: every
     state that shares a buffer with a donated one (made by ``replace``, ``fs.tree.map``,
     unflatten, ...) raises :class:`ConsumedStateError` on any use afterwards; a copy whose
-    tensors are new (``fs.tree.map(lambda x: x.clone(), state)``) is independent. Tensors read
+    tensors are new (``fs.tree.map(lambda x: x.clone() if torch.is_tensor(x) else x, state)``:
+    ``step`` is an int leaf) is independent. Tensors read
     out of a state (``state.master``, ``state.params``, ...) are views of its buffers, which a
     later donation overwrites; ``fs.full_params`` returns fresh tensors.
     """
@@ -137,38 +126,27 @@ class TrainState:
         ):
             object.__setattr__(self, name, value)
         buffers = (*self._master, *self._compute, *optree.tree_leaves(opt_state, none_is_leaf=True))
-        object.__setattr__(self, "_live", _liveness(buffers))
+        object.__setattr__(self, "_live", donation.liveness(buffers))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("TrainState is immutable; functions return a new one")
 
-    def _check(self) -> None:
-        for live in self._live:
-            if live.consumed_by is not None:
-                raise ConsumedStateError(
-                    f"this TrainState was consumed by {live.consumed_by}: it, or a state "
-                    "sharing buffers with it, was donated and its buffers reused; use the state "
-                    "that call returned"
-                )
+    def check(self) -> None:
+        """Raises :class:`ConsumedStateError` if this state (or one sharing a buffer with it)
+        was donated."""
+        donation.check(self._live)
 
-    def _consume(self, by: str) -> None:
-        """Donates this state's buffers: this state and every state sharing one refuse use."""
-        self._check()
-        for live in self._live:
-            live.consumed_by = by
+    def donate(self, by: str) -> Donation:
+        """Consumes this state for the function ``by``: this state and every state sharing a
+        buffer with it refuse use from now on; the caller gets the leaves to reuse.
 
-    def _donate(self, by: str, **changes: Any) -> TrainState:
-        """Consumes this state and returns one holding the same buffers (with ``changes``)."""
-        fields = dict(
-            master=self._master,
-            compute=self._compute,
-            opt_state=self._opt_state,
-            step=self._step,
-            loss_scale=self._loss_scale,
+        Raises:
+          ConsumedStateError: the state was consumed already.
+        """
+        donation.consume(self._live, by)
+        return Donation(
+            self._master, self._compute, self._opt_state, self._step, self._loss_scale, self._static
         )
-        fields.update(changes)
-        self._consume(by)
-        return TrainState(**fields, static=self._static)
 
     @property
     def consumed(self) -> bool:
@@ -177,27 +155,27 @@ class TrainState:
     # --- leaves -------------------------------------------------------------------------
     @property
     def master(self) -> tuple[torch.Tensor, ...]:
-        self._check()
+        self.check()
         return self._master
 
     @property
     def compute(self) -> tuple[torch.Tensor | None, ...]:
-        self._check()
+        self.check()
         return self._compute
 
     @property
     def opt_state(self) -> Any:
-        self._check()
+        self.check()
         return self._opt_state
 
     @property
     def step(self) -> int:
-        self._check()
+        self.check()
         return self._step
 
     @property
     def loss_scale(self) -> LossScale | None:
-        self._check()
+        self.check()
         return self._loss_scale
 
     # --- static -------------------------------------------------------------------------
@@ -218,7 +196,7 @@ class TrainState:
         return self.layout.policy
 
     @property
-    def strategy(self) -> str:
+    def strategy(self) -> Strategy:
         return self.layout.strategy
 
     # --- views by parameter name ----------------------------------------------------------
@@ -278,7 +256,7 @@ class TrainState:
 
 
 def _flatten(state: TrainState):
-    state._check()
+    state.check()
     children = (state._master, state._compute, state._opt_state, state._step, state._loss_scale)
     return children, state._static, ("master", "compute", "opt_state", "step", "loss_scale")
 
@@ -310,11 +288,12 @@ def derive_compute(
     out = []
     for i, (bucket, m) in enumerate(zip(layout.buckets, master, strict=True)):
         dtype = bucket.dtypes.compute
+        sharded = layout.strategy.shards_params
         if m.is_meta:
-            size = m.numel() * (1 if layout.strategy == "optim_grads_params" else layout.shard_size)
+            size = m.numel() * (1 if sharded else layout.shard_size)
             out.append(
                 None
-                if layout.strategy == "optim_grads_params" and not bucket.offload
+                if sharded and not bucket.offload
                 else torch.empty(size, dtype=dtype, device="meta")
             )
             continue
@@ -326,11 +305,31 @@ def derive_compute(
             if given is not None
             else m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
         )
-        if layout.strategy == "optim_grads_params":
+        if sharded:
             out.append(local_i if bucket.offload else None)
         else:
             out.append(shard_lib.gather_full(layout, bucket, local_i))
     return tuple(out)
+
+
+def _pack_masters(layout: Layout, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """This rank's master flat of every bucket, packed from the model's weights (pinned on the
+    host when offloaded beside a CUDA device)."""
+    master = []
+    for bucket in layout.buckets:
+        specs = layout.bucket_leaves(bucket)
+        device = "cpu" if bucket.offload else layout.device
+        flat = shard_lib.pack_local(
+            [named[s.name] for s in specs],
+            specs,
+            layout.shard_rank,
+            dtype=bucket.dtypes.master,
+            device=device,
+        )
+        if bucket.offload and flat.device.type == "cpu" and layout.device.type == "cuda":
+            flat = flat.pin_memory()
+        master.append(flat)
+    return tuple(master)
 
 
 def init(
@@ -339,7 +338,7 @@ def init(
     *,
     mesh: DeviceMesh,
     policy: MixedPrecisionPolicy | None = None,
-    strategy: str = "optim_grads_params",
+    strategy: str | Strategy = "optim_grads_params",
     offload_fraction: float = 0.0,
     units: UnitsArg = None,
     deterministic: bool = False,
@@ -385,21 +384,7 @@ def init(
         partition=opt.partition,
         deterministic=deterministic,
     )
-    master = []
-    for bucket in layout.buckets:
-        specs = layout.bucket_leaves(bucket)
-        device = "cpu" if bucket.offload else layout.device
-        flat = shard_lib.pack_local(
-            [named[s.name] for s in specs],
-            specs,
-            layout.shard_rank,
-            dtype=bucket.dtypes.master,
-            device=device,
-        )
-        if bucket.offload and flat.device.type == "cpu" and layout.device.type == "cuda":
-            flat = flat.pin_memory()
-        master.append(flat)
-    master = tuple(master)
+    master = _pack_masters(layout, named)
     fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
     loss_scale = LossScale(float(policy.loss_scale_init), 0) if fp16 else None
     return TrainState(

@@ -35,3 +35,9 @@ def pool3():
 @pytest.fixture(scope="session")
 def pool4():
     yield from _pool(4)
+
+
+@pytest.fixture
+def pool_of(request):
+    """``pool_of(n)``: the session pool of ``n`` ranks, for tests parametrized over meshes."""
+    return lambda n: request.getfixturevalue(f"pool{n}")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
@@ -37,6 +39,10 @@ class MLP(nn.Module):
         return (self.head(h) * self.scale).float()
 
 
+# (shard, replicate) of the meshes the optimizer parity tests run on
+MESHES = {"2": (2, 1), "3": (3, 1), "2x2": (2, 2)}
+
+
 def make_model(seed: int = 0, **kw) -> MLP:
     torch.manual_seed(seed)
     return MLP(**kw)
@@ -62,22 +68,133 @@ def make_loss_fn(model: nn.Module):
     return loss_fn
 
 
-def reference_run(model: nn.Module, torch_opt_fn, steps: int, rows: int) -> dict:
-    """Single-process plain torch on the concatenated global batch."""
+def train(
+    state: fs.TrainState,
+    model: nn.Module,
+    steps,
+    *,
+    rows: int,
+    microbatches: int = 1,
+    d_in: int = 5,
+) -> tuple[fs.TrainState, list[dict]]:
+    """``fs.train_step`` on this rank's part of the global batch of each step in ``steps``.
+
+    Returns the last state and every step's metrics.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss_fn = make_loss_fn(model)
+    history = []
+    for step in steps:
+        batch = local_batch(global_batch(step, rows, d_in=d_in), rank, world)
+        state, metrics = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
+        history.append(metrics)
+    return state, history
+
+
+def reference_run(
+    model: nn.Module,
+    make_opts: Callable[[nn.Module], torch.optim.Optimizer | list[torch.optim.Optimizer]],
+    steps: int,
+    rows: int,
+    *,
+    clip: float | None = None,
+    lr_lambda: Callable[[int], float] | None = None,
+    d_in: int = 5,
+) -> dict:
+    """Single-process plain torch on the concatenated global batch.
+
+    ``make_opts(model)`` gives the torch optimizer(s) of a copy of ``model``; ``lr_lambda`` a
+    ``LambdaLR`` on each; ``clip`` a ``clip_grad_norm_`` before each step, whose norms are
+    returned. Returns ``{"params", "losses", "norms"}``.
+    """
     model = copy.deepcopy(model)
-    opt = torch_opt_fn(model.parameters())
-    losses = []
+    opts = make_opts(model)
+    opts = opts if isinstance(opts, list) else [opts]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts] if lr_lambda else []
+    losses, norms = [], []
     for step in range(steps):
-        batch = global_batch(step, rows)
+        batch = global_batch(step, rows, d_in=d_in)
         loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
-        opt.zero_grad()
+        for o in opts:
+            o.zero_grad()
         loss.backward()
-        opt.step()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        for o in opts:
+            o.step()
+        for s in scheds:
+            s.step()
         losses.append(loss.item())
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "losses": losses,
+        "norms": norms,
     }
+
+
+# --- rank functions shared by the optimizer tests (importable: RankPool pickles them) ---------
+
+
+def offload_runs(
+    make_opt: Callable[[], fs.optim.Optimizer],
+    strategy: str,
+    *,
+    seed: int,
+    steps: int,
+    rows: int,
+    d_in: int = 5,
+) -> dict[float, dict]:
+    """Full params after ``steps`` (2 microbatches) at offload fractions 0, 0.5 and 1."""
+    mesh = fs.make_mesh(device_type="cpu")
+    out = {}
+    for fraction in (0.0, 0.5, 1.0):
+        model = make_model(seed=seed, d_in=d_in)
+        state = fs.init(model, make_opt(), mesh=mesh, strategy=strategy, offload_fraction=fraction)
+        assert fraction == 0.0 or any(b.offload for b in state.layout.buckets)
+        state, _ = train(state, model, range(steps), rows=rows, microbatches=2, d_in=d_in)
+        out[fraction] = fs.full_params(state)
+    return out
+
+
+def save_trained(
+    directory: str,
+    make_opt: Callable[[], fs.optim.Optimizer],
+    *,
+    seed: int,
+    steps: int,
+    rows: int,
+    d_in: int = 5,
+) -> None:
+    """Trains ``steps`` steps under ZeRO-3 with half the optimizer offloaded, then saves."""
+    mesh = fs.make_mesh(device_type="cpu")
+    model = make_model(seed=seed, d_in=d_in)
+    state = fs.init(
+        model, make_opt(), mesh=mesh, strategy="optim_grads_params", offload_fraction=0.5
+    )
+    state, _ = train(state, model, range(steps), rows=rows, d_in=d_in)
+    fs.save(directory, state)
+
+
+def resume_trained(
+    directory: str,
+    make_opt: Callable[[], fs.optim.Optimizer],
+    strategy: str,
+    fraction: float,
+    *,
+    start: int,
+    stop: int,
+    rows: int,
+    d_in: int = 5,
+) -> dict:
+    """Restores ``directory`` (saved at step ``start``) onto this layout, from a model with
+    other weights (none may survive the restore), and trains up to ``stop``: full params."""
+    mesh = fs.make_mesh(device_type="cpu")
+    model = make_model(seed=12, d_in=d_in)
+    like = fs.init(model, make_opt(), mesh=mesh, strategy=strategy, offload_fraction=fraction)
+    state = fs.restore(directory, like=like)
+    assert state.step == start, state.step
+    state, _ = train(state, model, range(start, stop), rows=rows, d_in=d_in)
+    return fs.full_params(state)
 
 
 def max_rel_err(a: dict, b: dict) -> float:

@@ -34,8 +34,8 @@ def _adamw() -> fs.optim.Optimizer:
     return fs.optim.adamw(LR, weight_decay=WD)
 
 
-def _torch_adamw(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+def _torch_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
 
 
 def _train(state: fs.TrainState, model: nn.Module, steps: range) -> fs.TrainState:

@@ -12,14 +12,13 @@ import json
 import os
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
 import torch.distributed as dist
+import transformers
 
 import funcshard as fs
 from funcshard import checkpoint as ckpt_lib
-
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 VOCAB = 101  # uneven over 2 and 3 ranks
 

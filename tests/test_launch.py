@@ -12,6 +12,8 @@ import importlib
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -182,3 +184,90 @@ def cuda_mesh_without_gpus() -> str:
 def test_cuda_mesh_needs_a_gpu_per_rank(pool2) -> None:
     for message in pool2.run(cuda_mesh_without_gpus):
         assert "2 ranks and 0 visible GPU(s)" in message, message
+
+
+# --- fs.init_from_env under torchrun, in each mode of its store ----------------------------------
+
+_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch_job.py")
+_ROOT = os.path.dirname(os.path.dirname(_JOB))
+
+
+def _torchrun(args: list[str], env: dict[str, str], log: str, timeout: float) -> int:
+    """torchrun's exit code; past ``timeout`` it is stopped (and its workers): a failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
+    with open(log, "ab") as out:
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.terminate()  # torchrun stops its workers on SIGTERM
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            with open(log, errors="replace") as f:
+                pytest.fail(f"torchrun hung for {timeout:.0f} s:\n{f.read()[-4000:]}")
+
+
+def _job_env(shared: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    if not shared:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+def _inits(log_dir) -> list[tuple[str, ...]]:
+    with open(os.path.join(log_dir, "inits")) as f:
+        return sorted(tuple(line.split()) for line in f)
+
+
+@pytest.mark.parametrize(
+    ("store", "slow_rank"),
+    [("shared", 0), ("shared", 1), ("not_shared", 1)],
+    ids=["shared-rank0-late", "shared-rank1-late", "not_shared"],
+)
+def test_init_from_env_joins_again_after_a_restart(tmp_path, store: str, slow_rank: int) -> None:
+    """Rank 1 dies after joining; torchrun's second attempt must join (and all-reduce) again.
+
+    A late rank 0 leaves the shared store's entry of the first attempt for rank 1 to read; a
+    late rank 1 leaves its dead address in the store for gloo (a plain init_process_group fails
+    then with "Connection refused"). Without the shared store, rank 0 hosts a store at a new
+    port each attempt; fs.init_from_env used to wait for a host there forever.
+    """
+    args = [
+        "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.2",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+        _JOB, str(tmp_path), "--die=0:1", f"--slow={slow_rank}",
+    ]  # fmt: skip
+    code = _torchrun(args, _job_env(store == "shared"), str(tmp_path / "log"), timeout=90)
+    assert code == 0, (tmp_path / "log").read_text()[-4000:]
+    assert _inits(tmp_path) == [
+        ("0", "0", "0", "2", "2"),
+        ("0", "0", "1", "2", "2"),
+        ("1", "0", "0", "2", "2"),
+        ("1", "0", "1", "2", "2"),
+    ]
+
+
+def test_init_from_env_joins_without_torchrun(tmp_path) -> None:
+    """Any launcher that sets only MASTER_ADDR/PORT, RANK and WORLD_SIZE: the plain call."""
+    env = {k: v for k, v in _job_env(shared=True).items() if not k.startswith("TORCHELASTIC")}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(importlib.import_module("funcshard.launch").free_port()),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, _JOB, str(tmp_path)], env={**env, "RANK": str(r), "WORLD_SIZE": "2"}
+        )
+        for r in range(2)
+    ]
+    try:
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert _inits(tmp_path) == [("?", "?", "0", "2", "2"), ("?", "?", "1", "2", "2")]

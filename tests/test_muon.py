@@ -27,7 +27,6 @@ Two kinds of checks:
 from __future__ import annotations
 
 import collections
-import copy
 
 import pytest
 import torch
@@ -70,45 +69,37 @@ def ours() -> fs.optim.Optimizer:
     )
 
 
-def reference(
-    model: nn.Module, rows: int, steps: int = STEPS, adamw_only: bool = False, start: int = 0
-) -> dict:
-    model = copy.deepcopy(model)
+def torch_opts(model: nn.Module, adamw_only: bool = False) -> list:
     named = list(model.named_parameters())
     mats = [p for n, p in named if is_muon(n, tuple(p.shape))]
     decay = [p for n, p in named if not is_muon(n, tuple(p.shape)) and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     if adamw_only:
-        opts = [
-            torch.optim.AdamW(
-                [
-                    {"params": mats + decay, "weight_decay": WD},
-                    {"params": rest, "weight_decay": 0.0},
-                ],
-                lr=ADAM_LR,
-            )
+        groups = [
+            {"params": mats + decay, "weight_decay": WD},
+            {"params": rest, "weight_decay": 0.0},
         ]
-    else:
-        opts = [
-            torch.optim.Muon(mats, lr=LR, weight_decay=WD),
-            torch.optim.AdamW(
-                [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
-                lr=ADAM_LR,
-            ),
-        ]
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in opts]
-    for step in range(start, start + steps):
-        batch = models.global_batch(step, rows, d_in=D_IN)
-        loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
-        for o in opts:
-            o.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        for o in opts:
-            o.step()
-        for s in scheds:
-            s.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return [torch.optim.AdamW(groups, lr=ADAM_LR)]
+    return [
+        torch.optim.Muon(mats, lr=LR, weight_decay=WD),
+        torch.optim.AdamW(
+            [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
+            lr=ADAM_LR,
+        ),
+    ]
+
+
+def reference(model: nn.Module, rows: int, steps: int = STEPS, adamw_only: bool = False) -> dict:
+    run = models.reference_run(
+        model,
+        lambda m: torch_opts(m, adamw_only),
+        steps,
+        rows,
+        clip=CLIP,
+        lr_lambda=schedule,
+        d_in=D_IN,
+    )
+    return run["params"]
 
 
 def movement_err(ours: dict, ref: dict, init: dict) -> float:
@@ -122,13 +113,8 @@ def movement_err(ours: dict, ref: dict, init: dict) -> float:
 
 
 def _train(state, model, steps, microbatches: int = 1, rows: int | None = None):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = rows or LOCAL_ROWS * world
-    loss_fn = models.make_loss_fn(model)
-    for step in steps:
-        batch = models.local_batch(models.global_batch(step, rows, d_in=D_IN), rank, world)
-        state, _ = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
-    return state
+    rows = rows or LOCAL_ROWS * dist.get_world_size()
+    return models.train(state, model, steps, rows=rows, microbatches=microbatches, d_in=D_IN)[0]
 
 
 # --- one process ------------------------------------------------------------------------------
@@ -202,9 +188,6 @@ def parity_worker(strategy: str, shard: int, replicate: int) -> dict:
     return out
 
 
-MESHES = {"2": (2, 1), "3": (3, 1), "2x2": (2, 2)}
-
-
 def plain() -> fs.optim.Optimizer:
     return fs.optim.multi_transform(
         {
@@ -242,21 +225,21 @@ def exact_worker(strategy: str, shard: int, replicate: int, fraction: float) -> 
 @pytest.mark.parametrize(
     "strategy,fraction", [(s, 0.0) for s in fs.STRATEGIES] + [("optim_grads_params", 0.5)]
 )
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("mesh", list(models.MESHES))
 def test_sharded_step_equals_one_process_bitwise(
-    request, mesh: str, strategy: str, fraction: float
+    pool_of, mesh: str, strategy: str, fraction: float
 ) -> None:
-    shard, replicate = MESHES[mesh]
-    pool = request.getfixturevalue(f"pool{shard * replicate}")
+    shard, replicate = models.MESHES[mesh]
+    pool = pool_of(shard * replicate)
     for same in pool.run(exact_worker, strategy, shard, replicate, fraction):
         assert all(same.values()), [n for n, ok in same.items() if not ok]
 
 
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_muon_parity_with_torch(request, mesh: str, strategy: str) -> None:
-    shard, replicate = MESHES[mesh]
-    pool = request.getfixturevalue(f"pool{shard * replicate}")
+@pytest.mark.parametrize("mesh", list(models.MESHES))
+def test_muon_parity_with_torch(pool_of, mesh: str, strategy: str) -> None:
+    shard, replicate = models.MESHES[mesh]
+    pool = pool_of(shard * replicate)
     results = pool.run(parity_worker, strategy, shard, replicate)
     model = models.make_model(seed=7, d_in=D_IN)
     whole = sorted(
@@ -275,14 +258,8 @@ def test_muon_parity_with_torch(request, mesh: str, strategy: str) -> None:
 
 
 def offload_worker(strategy: str) -> dict:
-    mesh = fs.make_mesh(device_type="cpu")
-    out = {}
-    for fraction in (0.0, 0.5, 1.0):
-        model = models.make_model(seed=9, d_in=D_IN)
-        state = fs.init(model, ours(), mesh=mesh, strategy=strategy, offload_fraction=fraction)
-        assert fraction == 0.0 or any(b.offload for b in state.layout.buckets)
-        state = _train(state, model, range(STEPS), microbatches=2)
-        out[fraction] = fs.full_params(state)
+    rows = LOCAL_ROWS * dist.get_world_size()
+    out = models.offload_runs(ours, strategy, seed=9, steps=STEPS, rows=rows, d_in=D_IN)
     diff = lambda f, n: float((out[f][n] - out[0.0][n]).abs().max())
     return {
         (f, kind): max(
@@ -306,33 +283,24 @@ def test_offloaded_muon_is_identical_to_offload_zero(pool2, strategy: str) -> No
 RESUME_ROWS = 48  # one global batch for 2 and 3 ranks
 
 
-def save_worker(directory: str) -> dict:
-    mesh = fs.make_mesh(device_type="cpu")
-    model = models.make_model(seed=11, d_in=D_IN)
-    state = fs.init(model, ours(), mesh=mesh, strategy="optim_grads_params", offload_fraction=0.5)
-    state = _train(state, model, range(2), rows=RESUME_ROWS)
-    fs.save(directory, state)
-    return {}
-
-
-def resume_worker(directory: str, strategy: str, fraction: float) -> dict:
-    mesh = fs.make_mesh(device_type="cpu")
-    model = models.make_model(seed=12, d_in=D_IN)  # other weights: none may survive the restore
-    like = fs.init(model, ours(), mesh=mesh, strategy=strategy, offload_fraction=fraction)
-    state = fs.restore(directory, like=like)
-    assert state.step == 2
-    state = _train(state, model, range(2, STEPS), rows=RESUME_ROWS)
-    return fs.full_params(state)
-
-
 def test_muon_state_restores_across_layouts(pool2, pool3, tmp_path) -> None:
     """Saved on 2 ranks (ZeRO-3, half offloaded), resumed on 3 ranks under ZeRO-1 with nothing
     offloaded: the momentum buffers come back, so the last steps equal torch's uninterrupted
     run (within the bf16 tolerance)."""
     directory = str(tmp_path / "ckpt")
-    pool2.run(save_worker, directory)
+    pool2.run(models.save_trained, directory, ours, seed=11, steps=2, rows=RESUME_ROWS, d_in=D_IN)
     model = models.make_model(seed=11, d_in=D_IN)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     ref = reference(model, RESUME_ROWS)
-    resumed = pool3.run(resume_worker, directory, "optim", 0.0)[0]
+    resumed = pool3.run(
+        models.resume_trained,
+        directory,
+        ours,
+        "optim",
+        0.0,
+        start=2,
+        stop=STEPS,
+        rows=RESUME_ROWS,
+        d_in=D_IN,
+    )[0]
     assert movement_err(resumed, ref, init) < TOL

@@ -8,8 +8,6 @@ weights (the Megatron Bridge #3949 bug, where stale CPU clones overwrote them).
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,7 +34,6 @@ MESHES = {"2": (2, 1), "2x2": (2, 2)}
 # One optimizer per mesh, mixed precision on one mesh: keeps the test short.
 CASES = {"2": ("adamw", True), "2x2": ("sgd", False)}
 MIXED_STRATEGIES = ("optim_grads", "optim_grads_params")  # gathered full / device shard
-HAVE_CHECKPOINT = importlib.util.find_spec("funcshard.checkpoint") is not None
 
 
 def _loss_fn(model, dtype: torch.dtype = torch.float32):
@@ -285,9 +282,6 @@ def test_replaced_masters_are_what_steps(pool2, strategy: str) -> None:
         assert all(v == 0.0 for v in errors.values()), errors
 
 
-@pytest.mark.skipif(
-    not HAVE_CHECKPOINT, reason="funcshard/checkpoint.py (fs.save, fs.restore) is not written yet"
-)
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_model_only_restore_then_step_keeps_loaded_weights(pool2, tmp_path, strategy) -> None:
     directory = str(tmp_path / "other_weights")

@@ -19,30 +19,27 @@ LOCAL_ROWS = 6  # divisible by 1 and 3 microbatches
 OPTIMIZERS = {
     "sgd": (
         lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
-        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
     ),
     "adamw": (
         lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
-        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
     ),
 }
 
 
 def parity_worker(strategy: str, shard: int, replicate: int) -> dict:
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = LOCAL_ROWS * world
+    rows = LOCAL_ROWS * dist.get_world_size()
     errors = {}
     for opt_name, (ours, theirs) in OPTIMIZERS.items():
         for microbatches in (1, 3):
             model = models.make_model(seed=7)
             state = fs.init(model, ours(), mesh=mesh, strategy=strategy)
-            loss_fn = models.make_loss_fn(model)
-            losses = []
-            for step in range(STEPS):
-                batch = models.local_batch(models.global_batch(step, rows), rank, world)
-                state, metrics = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
-                losses.append(metrics["loss"])
+            state, history = models.train(
+                state, model, range(STEPS), rows=rows, microbatches=microbatches
+            )
+            losses = [m["loss"] for m in history]
             ref = models.reference_run(model, theirs, STEPS, rows)
             key = f"{opt_name}/mb{microbatches}"
             errors[key + "/params"] = models.max_rel_err(fs.full_params(state), ref["params"])
@@ -57,9 +54,9 @@ MESHES = {"1": (1, 1), "2": (2, 1), "3": (3, 1), "4": (4, 1), "1x2": (1, 2), "2x
 
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_parity_with_single_process_torch(request, mesh: str, strategy: str) -> None:
+def test_parity_with_single_process_torch(pool_of, mesh: str, strategy: str) -> None:
     shard, replicate = MESHES[mesh]
-    pool = request.getfixturevalue(f"pool{shard * replicate}")
+    pool = pool_of(shard * replicate)
     for rank_errors in pool.run(parity_worker, strategy, shard, replicate):
         bad = {k: v for k, v in rank_errors.items() if not v < 1e-4}
         assert not bad, f"relative error >= 1e-4: {bad}"

@@ -49,58 +49,45 @@ def ours(recipe: str, clip: float = CLIP) -> fs.optim.Optimizer:
     return fs.optim.chain(fs.optim.clip_by_global_norm(clip), inner)
 
 
-def torch_recipe(recipe: str, model: nn.Module, drop: str | None = None):
-    """(optimizers, schedulers, clip) for plain torch; ``drop`` ignores one rule."""
+def multi() -> fs.optim.Optimizer:
+    return ours("multi")
+
+
+def torch_opts(recipe: str, model: nn.Module, drop: str | None = None) -> list:
+    """Plain torch's optimizers for ``recipe``; ``drop="mask"`` decays every parameter."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     wd = WD if drop == "mask" else 0.0  # the no-decay group; decays when the mask is dropped
     if recipe == "adamw":
         groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": wd}]
-        opts = [torch.optim.AdamW(groups, lr=PEAK)]
-    elif recipe == "sgd_nesterov":
+        return [torch.optim.AdamW(groups, lr=PEAK)]
+    if recipe == "sgd_nesterov":
         groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": wd}]
-        opts = [torch.optim.SGD(groups, lr=PEAK, momentum=0.9, nesterov=True)]
-    else:
-        opts = [
-            torch.optim.AdamW(decay, lr=PEAK, weight_decay=WD),
-            torch.optim.SGD(rest, lr=PEAK, momentum=0.9),
-        ]
-    lam = (lambda s: 1.0) if drop == "schedule" else (lambda s: schedule(s) / PEAK)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in opts]
-    return opts, scheds, (None if drop == "clip" else CLIP)
+        return [torch.optim.SGD(groups, lr=PEAK, momentum=0.9, nesterov=True)]
+    return [
+        torch.optim.AdamW(decay, lr=PEAK, weight_decay=WD),
+        torch.optim.SGD(rest, lr=PEAK, momentum=0.9),
+    ]
 
 
 def reference(
     model: nn.Module, recipe: str, rows: int, steps: int = STEPS, drop: str | None = None
 ) -> dict:
-    model = copy.deepcopy(model)
-    opts, scheds, clip = torch_recipe(recipe, model, drop)
-    norms = []
-    for step in range(steps):
-        batch = models.global_batch(step, rows)
-        loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
-        for o in opts:
-            o.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else 1e30)
-        norms.append(float(norm))
-        for o in opts:
-            o.step()
-        for s in scheds:
-            s.step()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+    """Plain torch's run of ``recipe``; ``drop`` ignores one rule (mask, clip or schedule)."""
+    return models.reference_run(
+        model,
+        lambda m: torch_opts(recipe, m, drop),
+        steps,
+        rows,
+        clip=None if drop == "clip" else CLIP,
+        lr_lambda=(lambda s: 1.0) if drop == "schedule" else (lambda s: schedule(s) / PEAK),
+    )
 
 
 def _train(state, model, steps, microbatches: int = 1, rows: int | None = None):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = rows or LOCAL_ROWS * world
-    loss_fn = models.make_loss_fn(model)
-    norms = []
-    for step in steps:
-        batch = models.local_batch(models.global_batch(step, rows), rank, world)
-        state, metrics = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
-        norms.append(metrics["grad_norm"])
-    return state, norms
+    rows = rows or LOCAL_ROWS * dist.get_world_size()
+    state, history = models.train(state, model, steps, rows=rows, microbatches=microbatches)
+    return state, [m["grad_norm"] for m in history]
 
 
 # --- single process: the optimizers on plain pytrees ------------------------------------------
@@ -196,14 +183,11 @@ def parity_worker(strategy: str, shard: int, replicate: int) -> dict:
     return errors
 
 
-MESHES = {"2": (2, 1), "3": (3, 1), "2x2": (2, 2)}
-
-
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_recipe_parity_with_torch(request, mesh: str, strategy: str) -> None:
-    shard, replicate = MESHES[mesh]
-    pool = request.getfixturevalue(f"pool{shard * replicate}")
+@pytest.mark.parametrize("mesh", list(models.MESHES))
+def test_recipe_parity_with_torch(pool_of, mesh: str, strategy: str) -> None:
+    shard, replicate = models.MESHES[mesh]
+    pool = pool_of(shard * replicate)
     for errors in pool.run(parity_worker, strategy, shard, replicate):
         clipped = {k: v for k, v in errors.items() if k.endswith("clipped_steps")}
         assert all(v >= STEPS - 1 for v in clipped.values()), clipped
@@ -212,15 +196,8 @@ def test_recipe_parity_with_torch(request, mesh: str, strategy: str) -> None:
 
 
 def offload_worker(strategy: str) -> dict:
-    mesh = fs.make_mesh(device_type="cpu")
-    out = {}
-    for fraction in (0.0, 0.5, 1.0):
-        model = models.make_model(seed=9)
-        state = fs.init(
-            model, ours("multi"), mesh=mesh, strategy=strategy, offload_fraction=fraction
-        )
-        state, _ = _train(state, model, range(STEPS), microbatches=2)
-        out[fraction] = fs.full_params(state)
+    rows = LOCAL_ROWS * dist.get_world_size()
+    out = models.offload_runs(multi, strategy, seed=9, steps=STEPS, rows=rows)
     return {
         f: max(float((out[f][n] - out[0.0][n]).abs().max()) for n in out[f]) for f in (0.5, 1.0)
     }
@@ -235,34 +212,23 @@ def test_offloaded_recipe_is_identical_to_offload_zero(pool2, strategy: str) -> 
 RESUME_ROWS = 12  # one global batch for 2 and 3 ranks
 
 
-def save_worker(directory: str) -> dict:
-    mesh = fs.make_mesh(device_type="cpu")
-    model = models.make_model(seed=11)
-    state = fs.init(
-        model, ours("multi"), mesh=mesh, strategy="optim_grads_params", offload_fraction=0.5
-    )
-    state, _ = _train(state, model, range(2), rows=RESUME_ROWS)
-    fs.save(directory, state)
-    return {}
-
-
-def resume_worker(directory: str, strategy: str, fraction: float) -> dict:
-    mesh = fs.make_mesh(device_type="cpu")
-    model = models.make_model(seed=12)  # other weights: none may survive the restore
-    like = fs.init(model, ours("multi"), mesh=mesh, strategy=strategy, offload_fraction=fraction)
-    state = fs.restore(directory, like=like)
-    assert state.step == 2
-    state, _ = _train(state, model, range(2, STEPS), rows=RESUME_ROWS)
-    ref = reference(models.make_model(seed=11), "multi", RESUME_ROWS)
-    return {"error": models.max_rel_err(fs.full_params(state), ref["params"])}
-
-
 def test_chained_multi_transform_state_restores_across_layouts(pool2, pool3, tmp_path) -> None:
     """Saved on 2 ranks (ZeRO-3, half offloaded), resumed on 3 ranks under ZeRO-1 and ZeRO-2
     with other offload fractions: the run continues exactly (AdamW moments and SGD momentum
     of each label come back, so the last steps match torch's uninterrupted run)."""
     directory = str(tmp_path / "ckpt")
-    pool2.run(save_worker, directory)
+    pool2.run(models.save_trained, directory, multi, seed=11, steps=2, rows=RESUME_ROWS)
+    ref = reference(models.make_model(seed=11), "multi", RESUME_ROWS)["params"]
     for strategy, fraction in (("optim", 0.0), ("optim_grads", 1.0)):
-        for result in pool3.run(resume_worker, directory, strategy, fraction):
-            assert result["error"] < 1e-4, (strategy, fraction, result)
+        resumed = pool3.run(
+            models.resume_trained,
+            directory,
+            multi,
+            strategy,
+            fraction,
+            start=2,
+            stop=STEPS,
+            rows=RESUME_ROWS,
+        )
+        for params in resumed:
+            assert models.max_rel_err(params, ref) < 1e-4, (strategy, fraction)

@@ -7,13 +7,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
 
 import funcshard as fs
 
 import models
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, ROWS, STEPS, MICRO = 37, 7, 4, 3, 2  # equal microbatches: mean of means
 
@@ -209,3 +208,89 @@ def outside_worker(strategy: str) -> str:
 def test_a_unit_param_used_outside_its_unit_is_named(pool2, strategy: str) -> None:
     for e in pool2.run(outside_worker, strategy):
         assert "'blocks.1.fc.weight'" in e and "'blocks.1'" in e and "params[name]" in e, e
+
+
+def backward_inside_worker(strategy: str) -> dict:
+    torch.manual_seed(0)
+    model = models.MLP()
+    state = fs.init(
+        model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy
+    )
+    batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
+    base = models.make_loss_fn(model)
+
+    def backward_inside(params, b):
+        loss = base(params, b)
+        loss.backward()  # the step takes the one backward itself
+        return loss
+
+    try:
+        fs.train_step(state, batch, backward_inside)
+    except RuntimeError as e:
+        error = str(e)
+    else:
+        error = "no error"
+    # the failed step consumed nothing: the state still steps
+    state, metrics = fs.train_step(state, batch, base)
+    return {"error": error, "step": state.step}
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_a_backward_inside_loss_fn_is_refused(pool2, strategy: str) -> None:
+    for r in pool2.run(backward_inside_worker, strategy):
+        assert "inside loss_fn" in r["error"] and strategy in r["error"], r
+        assert r["step"] == 1
+
+
+class Checkpointed(models.MLP):
+    """Each block under non-reentrant activation checkpointing (recomputed in backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return self.head(h) * self.scale
+
+
+def phases_worker(strategy: str) -> list[str]:
+    """The run's stored phase as each unit's pre-forward hook sees it."""
+    from funcshard.units import UnitRun
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    state = fs.init(
+        model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy
+    )
+    seen: list[str] = []
+    original = UnitRun.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for unit in self.units[1:]:
+
+            def wrapped(module, args, _pre=unit.pre_forward, _unit=unit, _run=self):
+                seen.append(f"{_unit.prefix}:{_run.phase.value}")
+                return _pre(module, args)
+
+            unit.pre_forward = wrapped
+
+    batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
+    UnitRun.__init__ = spy
+    try:
+        fs.train_step(state, batch, models.make_loss_fn(model))
+    finally:
+        UnitRun.__init__ = original
+    return seen
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_a_recomputation_runs_in_the_stored_backward_phase(pool2, strategy: str) -> None:
+    """A forward inside backward (activation checkpointing) is told apart by the run's stored
+    phase: each block runs once in forward, then once more in backward (its recomputation)."""
+    blocks = ["blocks.0", "blocks.1", "blocks.2"]
+    for seen in pool2.run(phases_worker, strategy):
+        assert seen == [f"{b}:forward" for b in blocks] + [
+            f"{b}:backward" for b in reversed(blocks)
+        ], seen

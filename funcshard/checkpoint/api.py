@@ -71,7 +71,7 @@ def restore(
         optimizer kind beside what the checkpoint holds (``like`` is then left usable).
       RuntimeError: reading failed on some rank (raised on every rank).
     """
-    like._check()
+    like.check()
     agreement = Agreement.of(like.layout)
     path = os.path.abspath(os.fspath(directory))
     error: BaseException | None = None

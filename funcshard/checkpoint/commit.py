@@ -349,7 +349,7 @@ class Saver:
             ``directory/<item>/`` with Orbax's step metadata (a CheckpointManager step).
           after_commit: run on rank 0 once the checkpoint is in place (e.g. retention).
         """
-        state._check()
+        state.check()
         if not state.filled:
             raise RuntimeError(
                 "save: the state holds no values (built from a meta-device "

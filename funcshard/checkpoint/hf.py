@@ -243,7 +243,7 @@ def export_safetensors(
       OSError: ``directory`` exists or cannot be created.
       RuntimeError: the state holds no values, or writing failed on some rank (on every rank).
     """
-    state._check()
+    state.check()
     if not state.filled:
         raise RuntimeError(
             "export_safetensors: the state holds no values (built from a "

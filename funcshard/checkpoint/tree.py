@@ -30,7 +30,7 @@ from funcshard.checkpoint.format import (
 from funcshard.checkpoint.sources import ReadRequest, Source
 from funcshard.layout import Bucket, Layout, LeafSpec
 from funcshard.optim.moments import MomentFormat
-from funcshard.state import LossScale, TrainState, derive_compute
+from funcshard.state import Donation, LossScale, TrainState, derive_compute
 
 __all__ = ["CheckpointMismatchError", "is_per_bucket", "plan_writes", "match", "read"]
 
@@ -124,7 +124,7 @@ def info(state: TrainState) -> dict:
         "version": FORMAT_VERSION,
         "optimizer": opt_kind(state.opt_state),
         "opt_arrays": [list(p) for p in opt_layout(state.opt_state, len(layout.buckets))[0]],
-        "strategy": layout.strategy,
+        "strategy": str(layout.strategy),
         "mesh": list(layout.mesh.shape),
         "step": int(state.step),
     }
@@ -145,7 +145,7 @@ class Writers:
     @classmethod
     def of(cls, layout: Layout) -> Writers:
         mesh = layout.mesh
-        if layout.strategy == "no_shard":  # every rank holds everything: split the rows
+        if not layout.strategy.shards_optim:  # every rank holds everything: split the rows
             shard = mesh_lib.axis_size(mesh, "shard")
             index = mesh_lib.axis_rank(mesh, "replicate") * shard + mesh_lib.axis_rank(
                 mesh, "shard"
@@ -452,7 +452,7 @@ def _fill(
 class Read:
     """What ``read`` produced: every leaf of the new state but the derived compute copies."""
 
-    like: TrainState
+    like: Donation
     master: tuple[torch.Tensor, ...]
     opt_state: Any
     step: int
@@ -460,14 +460,12 @@ class Read:
 
     def assemble(self) -> TrainState:
         """The new state (``derive_compute`` is a collective under ZeRO 1-2)."""
-        layout = self.like.layout
-        return TrainState(
+        return self.like.state(
             master=self.master,
-            compute=derive_compute(layout, self.master),
+            compute=derive_compute(self.like.layout, self.master),
             opt_state=self.opt_state,
             step=self.step,
             loss_scale=self.loss_scale,
-            static=self.like._static,
         )
 
 
@@ -483,8 +481,8 @@ def read(
     layout = like.layout
     keymap = keymap or {}
     n = len(layout.buckets)
-    old_master, old_opt = like._master, like._opt_state
-    like._consume("restore")
+    like = like.donate("restore")
+    old_master, old_opt = like.master, like.opt_state
     master = tuple(
         _flat_like(old, b, layout, b.dtypes.master, pin=True)
         for old, b in zip(old_master, layout.buckets, strict=True)
@@ -510,7 +508,7 @@ def read(
         if convert:
             _convert_moments(layout, source, opt_state, convert)
         step = int(source.read_scalar(("step",)))
-    loss_scale = like._loss_scale
+    loss_scale = like.loss_scale
     if loss_scale is not None:
         loss_scale = LossScale(float(layout.policy.loss_scale_init), 0)
         if not model_only and ("loss_scale", "scale") in source.scalars():

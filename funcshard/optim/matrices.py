@@ -110,6 +110,7 @@ class ExchangePlan:
     owner_bytes: tuple[int, ...]  # per shard rank: the most whole-matrix bytes held at once
     rounds: int  # of all-to-alls (two each), in the busiest replica
     gathers: int = 0  # all-gathers over the replicas (0 or 1)
+    gather_bytes: tuple[int, ...] = ()  # per shard rank: the part of sent_bytes gathered
 
     @property
     def calls(self) -> int:
@@ -150,6 +151,7 @@ def exchange_plan(
         tuple(max(w.owner_bytes[r] for w in within) for r in range(size)),
         max(w.rounds for w in within),
         gathers=int(max(gather) > 0),
+        gather_bytes=tuple(gather),
     )
 
 
@@ -405,7 +407,9 @@ def _across_replicas(
     if done:
         mine = torch.cat([d.reshape(-1).to(placement.device) for d in done])
         local[: mine.numel()].copy_(mine)
-    gathered = collectives.all_gather(local, placement.replicas, kind=KIND).view(R, width)
+    gathered = collectives.all_gather(
+        local, placement.replicas, axis=placement.replicas_axis, kind=KIND
+    ).view(R, width)
     results: list[torch.Tensor | None] = [None] * len(matrices)
     for r, part in enumerate(parts):
         offset = 0
@@ -440,7 +444,7 @@ def _replicated(matrices: list[_Matrix], placement, orthogonalize) -> list[torch
         cols = m.shape[1]
         local = torch.zeros(rps * cols, dtype=torch.bfloat16, device=placement.device)
         local[: m.update.numel()].copy_(m.update.reshape(-1))
-        full = collectives.all_gather(local, placement.group, kind=KIND)
+        full = collectives.all_gather(local, placement.group, axis="shard", kind=KIND)
         full = full.view(placement.size, rps, cols)
         whole = torch.cat([full[r, : b - a] for r, (a, b) in enumerate(m.rows)])
         a, b = m.rows[placement.rank]
@@ -466,7 +470,9 @@ def _owner_computes(
         mine = rnd[me]
         out_splits = [local_rows(mine, r) if mine is not None else 0 for r in range(size)]
         out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=device)
-        return collectives.all_to_all(out, inp, out_splits, in_splits, group, kind=KIND)
+        return collectives.all_to_all(
+            out, inp, out_splits, in_splits, group, axis="shard", kind=KIND
+        )
 
     results: list[torch.Tensor | None] = [None] * len(matrices)
     returns = []
@@ -487,7 +493,9 @@ def _owner_computes(
             (
                 rnd,
                 out_splits,
-                collectives.all_to_all(out, ortho, out_splits, in_splits, group, kind=KIND),
+                collectives.all_to_all(
+                    out, ortho, out_splits, in_splits, group, axis="shard", kind=KIND
+                ),
             )
         )
     for rnd, splits, back in returns:

@@ -1,4 +1,4 @@
-"""ZeRO-2/3 unit by unit: each unit's params enter the autograd graph when the unit runs.
+"""The run and its units: each unit's params enter the autograd graph when the unit runs.
 
 One :class:`UnitRun` serves one forward/backward of ``train_step``. It owns a :class:`Unit` per
 gather unit of the layout (the root, then every unit module), a :class:`Gatherer` (the
@@ -37,339 +37,24 @@ it, instead of silently taking the module's own (stale) weights.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
-import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from funcshard import collectives, determinism
-from funcshard import reduce as reduce_lib
-from funcshard import sharding as shard_lib
+from funcshard import determinism
 from funcshard.functional import GatheredParams, _Swap
 from funcshard.layout import ROOT_UNIT, Layout
+from funcshard.units.gather import Gatherer, GatherFn
+from funcshard.units.phase import Phase, UnitState
+from funcshard.units.placeholders import absent
+from funcshard.units.reducer import Reducer
+from funcshard.units.saved import SavedParams
 
-__all__ = ["UnitRun", "Unit", "Gatherer", "Reducer", "SavedParams", "UnitParamsError"]
-
-
-class UnitParamsError(RuntimeError):
-    """A unit's parameter was used where the unit was not running (ZeRO-2/3)."""
-
-
-# Metadata reads a placeholder answers; any other use raises.
-_METADATA = frozenset(
-    {
-        torch.Tensor.size,
-        torch.Tensor.dim,
-        torch.Tensor.numel,
-        torch.Tensor.element_size,
-        torch.Tensor.is_floating_point,
-        torch.Tensor.is_complex,
-        torch.Tensor.__repr__,
-        torch.Tensor.__format__,
-        torch.Tensor.__hash__,
-    }
-)
-
-
-class _Absent(torch.Tensor):
-    """A meta tensor standing in for a parameter outside the unit that holds it."""
-
-    _why: str
-
-    @staticmethod
-    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, why: str) -> _Absent:
-        t = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
-        t._why = why
-        return t
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _METADATA or getattr(func, "__name__", None) == "__get__":
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        absent = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _Absent))
-        raise UnitParamsError(absent._why)
-
-
-def _absent(layout: Layout, names: list[str]) -> dict[str, _Absent]:
-    out = {}
-    for name in names:
-        spec = layout.leaf(name)
-        if spec.unit == ROOT_UNIT:
-            why = (
-                f"parameter {name!r} (root unit) was used after forward: under "
-                f"{layout.strategy} the root's params are gathered for forward only, so "
-                "code outside the units cannot be recomputed in backward (activation "
-                "checkpointing); checkpoint units, or code inside them, instead"
-            )
-        else:
-            why = (
-                f"parameter {name!r} of unit {layout.units[spec.unit]!r} was used where "
-                f"that unit was not running: under {layout.strategy} a unit's params exist "
-                "only inside its forward (and its backward). Take a param outside of its "
-                "unit through params[name] in loss_fn"
-            )
-        out[name] = _Absent(spec.shape, spec.dtypes.compute, why)
-    return out
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: a bucket's full params (views of ``source.graph_full``). Backward: the
-    reduce-scatter of their gradient, and the post-backward phase of ``source``."""
-
-    @staticmethod
-    def forward(ctx, carrier: torch.Tensor, source: Any, bucket: int):  # noqa: ARG004
-        ctx.source, ctx.bucket = source, bucket
-        run = source.run
-        if not _in_backward():
-            run.reducer.entries[bucket] += 1
-        full = source.graph_full(bucket)
-        specs = run.layout.bucket_leaves(run.layout.buckets[bucket])
-        return tuple(shard_lib.full_view(full, s, run.layout.shard_size) for s in specs)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        out = ctx.source.run.reducer.reduce(ctx.bucket, grads)
-        ctx.source.post_backward(ctx.bucket)
-        return out, None, None
-
-
-class Reducer:
-    """The backward half of the params: each bucket's gradient, reduced over "shard" and
-    accumulated into ``acc`` (this rank's shards, in main-grads dtype) as backward goes.
-
-    A bucket's reduce-scatter starts as soon as backward has its gradient and overlaps the
-    rest of backward; at most one is in flight, so about one unit's unreduced gradient waits
-    beside the one being computed. The result goes straight into the accumulator, not through
-    autograd: the carrier only receives a zero-stride zero, so no second copy of the gradients
-    is alive at the end of a microbatch, and a bucket that entered the graph twice is simply
-    reduced twice (the reduction is linear). ``backward`` waits for everything it started.
-
-    A deterministic layout must sum a bucket's uses before the ranks' contributions (as
-    autograd does for ZeRO-0/1), so when forward took a bucket into the graph more than once
-    (``params[name]`` beside its unit) the whole backward keeps unreduced sections and reduces
-    each bucket once after it.
-    """
-
-    def __init__(
-        self,
-        layout: Layout,
-        acc: list[torch.Tensor | None] | None = None,
-        *,
-        local: bool = False,
-        complete: determinism.PairwiseSum | None = None,
-    ) -> None:
-        self.layout = layout
-        self.local = local  # keep the unreduced rank sections (a deterministic step's subtrees)
-        self.acc: list[torch.Tensor | None] = (
-            acc if acc is not None else [None] * len(layout.buckets)
-        )
-        # A deterministic step's last microbatch: once a bucket's every use has given its
-        # sections, the earlier microbatches' tree is completed with them and the bucket's
-        # reduce-scatter starts, overlapping the rest of backward.
-        self.complete = complete
-        self._sections: dict[int, torch.Tensor] = {}
-        self._arrived: collections.Counter[int] = collections.Counter()
-        self._completed: set[int] = set()
-        zero = {
-            b.dtypes.grad: torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
-            for b in layout.buckets
-        }
-        self._zeros = [zero[b.dtypes.grad].expand(b.numel) for b in layout.buckets]
-        self.carriers = tuple(z.detach().requires_grad_() for z in self._zeros)
-        self._in_flight: list[tuple[int, collectives.Pending]] = []
-        self.entries: collections.Counter[int] = collections.Counter()  # uses in forward
-
-    def reduce(self, bucket: int, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-        """Starts reducing a bucket's full gradients; returns the carrier's (dummy) gradient."""
-        b = self.layout.buckets[bucket]
-        specs = self.layout.bucket_leaves(b)
-        S = self.layout.shard_size
-        if self.complete is not None and bucket not in self._completed:
-            # (a use beyond those counted in forward, e.g. taken inside a recomputation, comes
-            # after its bucket's reduction started: it is reduced on its own and added, below)
-            mine = self._sections.get(bucket)
-            if mine is None:
-                self._sections[bucket] = shard_lib.to_rank_sections(
-                    list(grads), specs, S, b.dtypes.grad, self.layout.device
-                )
-            else:  # another use of the bucket, summed in arrival order as autograd would
-                shard_lib.add_to_rank_sections(mine, list(grads), specs, S)
-            self._arrived[bucket] += 1
-            if self._arrived[bucket] >= self.entries[bucket]:
-                self._complete(bucket)
-            return self._zeros[bucket]
-        # With one data-parallel rank the reduction is the identity: a later microbatch (or
-        # use) adds its gradient straight into the accumulator, as the unreduced sections do.
-        # (With replicas but one shard it is a division by their count, left to the wire.)
-        direct = self.local or (self.layout.dp_size == 1 and b.dtypes.comm == b.dtypes.grad)
-        if direct and self.acc[bucket] is not None:
-            self.finish()  # an earlier use of the bucket lands first
-            shard_lib.add_to_rank_sections(self.acc[bucket], list(grads), specs, S)
-            return self._zeros[bucket]
-        if self.local:
-            self.acc[bucket] = shard_lib.to_rank_sections(
-                list(grads), specs, S, b.dtypes.grad, self.layout.device
-            )
-            return self._zeros[bucket]
-        self._start(
-            bucket,
-            shard_lib.to_rank_sections(list(grads), specs, S, b.dtypes.comm, self.layout.device),
-        )
-        return self._zeros[bucket]
-
-    def _complete(self, bucket: int) -> None:
-        """Completes a bucket's microbatch tree and starts reducing it (once per bucket)."""
-        if bucket in self._completed:
-            return
-        self._completed.add(bucket)
-        total = self.complete.total(bucket, self._sections.pop(bucket, None))
-        if total is not None:
-            self._start(bucket, total)
-
-    def _start(self, bucket: int, sections: torch.Tensor) -> None:
-        """Waits for the reduction in flight, then starts reducing ``sections``."""
-        self.finish()
-        self._in_flight.append(
-            (
-                bucket,
-                reduce_lib.start_reduce_shard_axis(
-                    self.layout, self.layout.buckets[bucket], sections
-                ),
-            )
-        )
-
-    def finish(self) -> None:
-        """Waits for the reductions started so far and adds them to the accumulator."""
-        for bucket, pending in self._in_flight:
-            shard = pending.wait()
-            if self.acc[bucket] is None:
-                self.acc[bucket] = shard.to(self.layout.buckets[bucket].dtypes.grad)
-            else:
-                self.acc[bucket].add_(shard)
-        self._in_flight.clear()
-
-    def backward(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
-        """Backpropagates ``loss``; returns the accumulator (None: no gradient reached yet)."""
-        deferred = (
-            self.layout.deterministic
-            and not self.local
-            and self.complete is None
-            and any(n > 1 for n in self.entries.values())
-        )
-        if deferred:
-            reduced, self.acc, self.local = self.acc, [None] * len(self.acc), True
-        try:
-            torch.autograd.grad(loss, self.carriers, allow_unused=True)
-            if self.complete is not None:  # buckets this microbatch did not (fully) reach
-                for bucket in range(len(self.layout.buckets)):
-                    self._complete(bucket)
-        finally:
-            self.finish()
-        if deferred:
-            sections, self.acc, self.local = self.acc, reduced, False
-            for bucket, value in enumerate(sections):
-                if value is not None:
-                    self._start(bucket, value)
-            self.finish()
-        return self.acc
-
-
-class Gatherer:
-    """Full buffers of buckets: all-gathered under ZeRO-3, at most one gather in flight per
-    bucket (a prefetch); the replicated full buffer itself under ZeRO-2."""
-
-    def __init__(
-        self,
-        layout: Layout,
-        buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
-        replicated: bool,
-    ) -> None:
-        self.layout = layout
-        self.buffers = buffers
-        self.replicated = replicated
-        self._pending: dict[int, collectives.Pending] = {}
-
-    def prefetch(self, buckets: Iterator[int] | list[int]) -> None:
-        """Starts gathering ``buckets`` (those not in flight already)."""
-        if self.replicated:
-            return
-        for b in buckets:
-            if b not in self._pending:
-                self._pending[b] = collectives.all_gather(
-                    self.buffers[b], self.layout.shard_group, async_op=True
-                )
-
-    def full(self, bucket: int) -> torch.Tensor:
-        """The bucket's full buffer, from a prefetch if one is in flight."""
-        if self.replicated:
-            return self.buffers[bucket].detach()  # outputs alias it, not autograd views of it
-        self.prefetch([bucket])
-        specs = self.layout.bucket_leaves(self.layout.buckets[bucket])
-        full = shard_lib.from_rank_sections(
-            self._pending.pop(bucket).wait(), specs, self.layout.shard_size
-        )
-        if self.layout.shard_size > 1:  # with one shard the "full" buffer is the shard itself
-            collectives.track_gathered(full)
-        return full
-
-    def drop_prefetches(self) -> None:
-        """Forgets gathers started for a unit that did not run."""
-        self._pending.clear()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Token:
-    """A gathered param saved for backward, as a recipe to re-gather it."""
-
-    bucket: int
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-
-class SavedParams:
-    """Saved-tensor hooks (ZeRO-3): a gathered param that autograd saves for backward is
-    stored as a token, and backward unpacks it from its unit's re-gathered buffer, so full
-    params are not kept alive between forward and backward and no unit is recomputed."""
-
-    def __init__(self, run: UnitRun) -> None:
-        self.run = run
-        self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
-        self.refs: dict[int, int] = {}  # tokens of a bucket not unpacked yet
-
-    def register(self, bucket: int, full: torch.Tensor) -> None:
-        self._storages[full.untyped_storage().data_ptr()] = (bucket, weakref.ref(full))
-
-    def hooks(self) -> contextlib.AbstractContextManager:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-    def pack(self, t: torch.Tensor) -> Any:
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return t
-        entry = self._storages.get(ptr)
-        if entry is None or entry[1]() is None:
-            return t
-        bucket = entry[0]
-        self.refs[bucket] = self.refs.get(bucket, 0) + 1
-        return _Token(bucket, t.size(), t.stride(), t.storage_offset())
-
-    def unpack(self, x: Any) -> torch.Tensor:
-        if not isinstance(x, _Token):
-            return x
-        unit = self.run.units[self.run.layout.buckets[x.bucket].unit]
-        full = unit.backward_full(x.bucket)
-        self.refs[x.bucket] -= 1
-        unit.maybe_release(x.bucket)
-        return full.as_strided(x.size, x.stride, x.offset)
+__all__ = ["UnitRun", "Unit"]
 
 
 def _grad_tensors(out: Any) -> list[torch.Tensor]:
@@ -381,10 +66,6 @@ def _grad_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, Mapping):
         return [t for o in out.values() for t in _grad_tensors(o)]
     return []
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class Unit:
@@ -403,6 +84,7 @@ class Unit:
         self.buckets = run.buckets_of.get(index, [])
         self.held: dict[int, torch.Tensor] = {}
         self._swap: _Swap | None = None  # the module's params while gathered in backward
+        self.state = UnitState.IDLE
         self._awaiting_post: set[int] = set()  # buckets re-gathered whose backward is due
 
     # --- what the gather hands out -----------------------------------------------------
@@ -417,7 +99,7 @@ class Unit:
         params = {}
         for b in self.buckets:
             specs = self.run.layout.bucket_leaves(self.run.layout.buckets[b])
-            views = _Gather.apply(self.run.reducer.carriers[b], self, b)
+            views = GatherFn.apply(self.run.reducer.carriers[b], self, b)
             params.update({s.name[strip:]: v for s, v in zip(specs, views, strict=True)})
         return params
 
@@ -430,9 +112,10 @@ class Unit:
     def pre_forward(self, module: nn.Module, args: Any) -> None:  # noqa: ARG002
         if not self.buckets:
             return
-        if _in_backward():  # recompute (activation checkpointing around the unit)
+        if self.run.phase is Phase.BACKWARD:  # recompute (activation checkpointing)
             self.enter_backward(module)
             return
+        self.state = UnitState.FORWARD
         self.run.order.append(self.index)
         self._gather(self.buckets)
         params = self._views()
@@ -447,8 +130,9 @@ class Unit:
             self._swap = swap
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG002
-        if not self.buckets or self.run.replicated or _in_backward():
+        if not self.buckets or self.run.replicated or self.run.phase is Phase.BACKWARD:
             return
+        self.state = UnitState.IDLE
         if self._swap is not None:
             self._swap.restore()
             self._swap = None
@@ -471,8 +155,9 @@ class Unit:
         """Pre-backward: re-gather the unit and put it into the module (for a recomputation),
         prefetch the unit that ran before it. Idempotent while the unit is in backward."""
         self._awaiting_post.update(self.buckets)
-        if self._swap is not None:
+        if self.state is UnitState.BACKWARD:
             return
+        self.state = UnitState.BACKWARD
         self._gather(self.buckets)
         self.run.prefetch_backward(self.index)
         # Backward runs without grad mode; the recomputation must see params that require
@@ -506,14 +191,16 @@ class Unit:
         if self.run.saved is not None and self.run.saved.refs.get(bucket, 0) > 0:
             return
         self.held.pop(bucket, None)
-        if not self.held and self._swap is not None:
+        if not self.held and self.state is UnitState.BACKWARD:
             self._swap.restore()
             self._swap = None
+            self.state = UnitState.IDLE
 
     def close(self) -> None:
         if self._swap is not None:
             self._swap.restore()
             self._swap = None
+        self.state = UnitState.IDLE
         self.held.clear()
         self._awaiting_post.clear()
 
@@ -530,7 +217,7 @@ class _RootUnit(Unit):
         params = self._views()
         # Unit params stand in as placeholders until the unit runs: a use outside of it fails
         # loudly instead of silently taking the module's stale weights.
-        params.update(_absent(layout, [s.name for s in layout.leaves if s.unit != ROOT_UNIT]))
+        params.update(absent(layout, [s.name for s in layout.leaves if s.unit != ROOT_UNIT]))
         self.run.prefetch_forward(ROOT_UNIT + 1)
         self._forward_swap = _Swap(module, params)
         self.run.stack.callback(self._forward_swap.restore)
@@ -541,7 +228,7 @@ class _RootUnit(Unit):
             return
         # The gathered root goes with forward (backward re-gathers what it saved).
         names = [s.name for s in self.run.layout.leaves if s.unit == ROOT_UNIT]
-        self._forward_swap.replace(_absent(self.run.layout, names))
+        self._forward_swap.replace(absent(self.run.layout, names))
         self.held.clear()
 
 
@@ -563,7 +250,7 @@ class _Outside:
         spec = layout.leaf(name)  # KeyError naming the param when unknown
         views = self.views.get(spec.bucket)
         if views is None:
-            views = _Gather.apply(self.run.reducer.carriers[spec.bucket], self, spec.bucket)
+            views = GatherFn.apply(self.run.reducer.carriers[spec.bucket], self, spec.bucket)
             self.views[spec.bucket] = views
         specs = layout.bucket_leaves(layout.buckets[spec.bucket])
         return views[[s.name for s in specs].index(name)]
@@ -575,7 +262,7 @@ class UnitRun:
 
     ZeRO-3 (``optim_grads_params``): ``buffers`` are this rank's compute shards, each unit is
     gathered just before it runs. ZeRO-2 (``replicated=True``): ``buffers`` are the replicated
-    full compute buffers, used as they are. ``run.reducer.backward(loss)`` adds, per bucket,
+    full compute buffers, used as they are. ``run.backward(loss)`` adds, per bucket,
     this rank's shard of the gradient reduced over the shard axis to ``acc``, in the bucket's
     main-grads dtype; with ``local=True`` it adds the unreduced rank sections instead (a
     deterministic step reduces its microbatches' sum once). ``run.params`` is what ``loss_fn``
@@ -594,6 +281,7 @@ class UnitRun:
     ) -> None:
         self.layout = layout
         self.replicated = replicated
+        self.phase = Phase.FORWARD
         self.gatherer = Gatherer(layout, buffers, replicated)
         self.reducer = Reducer(layout, acc, local=local, complete=complete)
         self.saved = None if replicated else SavedParams(self)
@@ -669,6 +357,17 @@ class UnitRun:
             if b not in held and (previous != ROOT_UNIT or self.saved.refs.get(b, 0) > 0)
         ]
         self.gatherer.prefetch(wanted)
+
+    def backward(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
+        """The run's backward: backpropagates ``loss`` and returns the reducer's accumulator
+        (None where no gradient reached a bucket)."""
+        if self.phase is not Phase.FORWARD:
+            raise RuntimeError(f"UnitRun.backward: the run is in phase {self.phase.value}")
+        self.phase = Phase.BACKWARD
+        try:
+            return self.reducer.backward(loss)
+        finally:
+            self.phase = Phase.DONE
 
     def close(self) -> None:
         """Removes the hooks and gives the model its own parameters back (after backward)."""

@@ -1,0 +1,140 @@
+"""Gradient producers: one microbatch's forward and backward, per way params are held.
+
+* :class:`ReplicatedGrads` (ZeRO-0/1): the full compute params are views of persistent
+  buffers; backward gives full gradients, packed into rank sections (unreduced).
+* :class:`UnitGrads` (ZeRO-2/3): forward and backward run unit by unit
+  (:class:`funcshard.units.UnitRun`); each bucket's gradient is reduce-scattered over "shard"
+  as backward finishes with it (or kept unreduced, as the step's :class:`Sink` says).
+
+A producer returns ``(loss, aux, grads)``: grads per bucket, in main-grads dtype, where the
+sink said (added into ``sink.acc`` when given). ``shard_reduced`` says whether they are
+already reduced over the shard axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from funcshard import sharding as shard_lib
+from funcshard.functional import StepParams
+from funcshard.layout import Layout
+from funcshard.reduction import Grads, Sink
+from funcshard.units import UnitRun
+
+__all__ = ["GradProducer", "ReplicatedGrads", "UnitGrads", "producer_for", "loss_and_aux"]
+
+LossFn = Callable[[Any, Any], Any]
+
+
+def loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
+    """Splits what ``loss_fn`` returned into a 0-d loss and its aux (None when absent)."""
+    loss, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"loss_fn must return a scalar tensor or (loss, aux); got {type(loss)}")
+    return loss.reshape(()), aux
+
+
+class GradProducer(Protocol):
+    """Runs one microbatch's forward and backward."""
+
+    shard_reduced: bool
+    """Whether the gradients it returns are this rank's shards, reduced over "shard"."""
+
+    def microbatch(
+        self, batch: Any, loss_fn: LossFn, scale: float, sink: Sink
+    ) -> tuple[torch.Tensor, Any, Grads]:
+        """``(loss, aux, grads)`` of ``loss_fn(params, batch)``, backward of ``loss * scale``."""
+        ...
+
+
+class ReplicatedGrads:
+    """ZeRO-0/1: full compute params in, unreduced rank sections out."""
+
+    shard_reduced = False
+
+    def __init__(self, layout: Layout, compute: tuple[torch.Tensor, ...]) -> None:
+        self.layout = layout
+        self.compute = compute
+
+    def microbatch(
+        self, batch: Any, loss_fn: LossFn, scale: float, sink: Sink
+    ) -> tuple[torch.Tensor, Any, Grads]:
+        layout, S = self.layout, self.layout.shard_size
+        params, order = {}, []
+        for bucket, full in zip(layout.buckets, self.compute, strict=True):
+            for spec in layout.bucket_leaves(bucket):
+                params[spec.name] = shard_lib.full_view(full, spec, S).detach().requires_grad_()
+                order.append(spec.name)
+        step_params = StepParams((n, params[n]) for n in layout.names)
+        try:
+            loss, aux = loss_and_aux(loss_fn(step_params, batch))
+            leaves = [params[n] for n in order]
+            grads = torch.autograd.grad(loss * scale, leaves, allow_unused=True)
+        finally:
+            step_params.close()
+        by_name = dict(zip(order, grads, strict=True))
+        return loss.detach(), aux, self._sections(by_name, sink.acc)
+
+    def _sections(self, grads: dict[str, torch.Tensor | None], acc: Grads | None) -> Grads:
+        """Per bucket, the gradients as rank sections: new, or added into ``acc``."""
+        layout, S = self.layout, self.layout.shard_size
+        out: Grads = []
+        for i, bucket in enumerate(layout.buckets):
+            specs = layout.bucket_leaves(bucket)
+            bucket_grads = [grads[s.name] for s in specs]
+            if acc is None:
+                dtype = bucket.dtypes.grad
+                out.append(shard_lib.to_rank_sections(bucket_grads, specs, S, dtype, layout.device))
+            else:  # a later microbatch: straight into the accumulator, no sections built
+                shard_lib.add_to_rank_sections(acc[i], bucket_grads, specs, S)
+                out.append(acc[i])
+        return out
+
+
+class UnitGrads:
+    """ZeRO-2/3: unit by unit; ``buffers`` are the compute shards to gather (ZeRO-3) or the
+    replicated full compute buffers (ZeRO-2)."""
+
+    shard_reduced = True
+
+    def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple) -> None:
+        self.layout = layout
+        self.buffers = buffers
+
+    def microbatch(
+        self, batch: Any, loss_fn: LossFn, scale: float, sink: Sink
+    ) -> tuple[torch.Tensor, Any, Grads]:
+        run = UnitRun(
+            self.layout,
+            self.buffers,
+            replicated=not self.layout.strategy.shards_params,
+            acc=sink.acc,
+            local=sink.local,
+            complete=sink.complete,
+        )
+        try:
+            loss, aux = loss_and_aux(loss_fn(run.params, batch))
+            return loss.detach(), aux, run.backward(loss * scale)
+        finally:
+            run.close()
+
+
+def producer_for(
+    layout: Layout, master: tuple[torch.Tensor, ...], compute: tuple[torch.Tensor | None, ...]
+) -> GradProducer:
+    """The producer of ``layout``'s strategy over a state's masters and compute copies.
+
+    ZeRO-3 casts each device bucket's shard from its master once per step (an offloaded
+    bucket keeps a device compute shard, derived by ``offload_step``)."""
+    if not layout.strategy.runs_units:
+        return ReplicatedGrads(layout, compute)
+    if not layout.strategy.shards_params:
+        return UnitGrads(layout, compute)
+    shards = [
+        c if c is not None else m.to(layout.device, b.dtypes.compute)
+        for b, m, c in zip(layout.buckets, master, compute, strict=True)
+    ]
+    return UnitGrads(layout, shards)

@@ -1,0 +1,63 @@
+"""Saved-tensor hooks (ZeRO-3): gathered params saved for backward travel as tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from funcshard.units.run import UnitRun
+
+__all__ = ["SavedParams"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Token:
+    """A gathered param saved for backward, as a recipe to re-gather it."""
+
+    bucket: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class SavedParams:
+    """Saved-tensor hooks (ZeRO-3): a gathered param that autograd saves for backward is
+    stored as a token, and backward unpacks it from its unit's re-gathered buffer, so full
+    params are not kept alive between forward and backward and no unit is recomputed."""
+
+    def __init__(self, run: UnitRun) -> None:
+        self.run = run
+        self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
+        self.refs: dict[int, int] = {}  # tokens of a bucket not unpacked yet
+
+    def register(self, bucket: int, full: torch.Tensor) -> None:
+        self._storages[full.untyped_storage().data_ptr()] = (bucket, weakref.ref(full))
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t
+        entry = self._storages.get(ptr)
+        if entry is None or entry[1]() is None:
+            return t
+        bucket = entry[0]
+        self.refs[bucket] = self.refs.get(bucket, 0) + 1
+        return _Token(bucket, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _Token):
+            return x
+        unit = self.run.units[self.run.layout.buckets[x.bucket].unit]
+        full = unit.backward_full(x.bucket)
+        self.refs[x.bucket] -= 1
+        unit.maybe_release(x.bucket)
+        return full.as_strided(x.size, x.stride, x.offset)

@@ -1,0 +1,65 @@
+"""funcshard.mesh: the ("replicate", "shard") mesh over every rank, and its checks.
+
+``make_mesh`` builds a replicate x shard mesh with the shard axis fastest (the ranks of one
+shard group are neighbours), ``shard=-1`` takes what ``replicate`` leaves, and a shape that
+does not cover the world, or a call before ``torch.distributed`` is initialized, is refused
+with the numbers in the message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import funcshard as fs
+from funcshard import mesh as mesh_lib
+
+
+def axes_worker(shard: int, replicate: int) -> dict:
+    mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
+    return {
+        "names": mesh.mesh_dim_names,
+        "shape": tuple(mesh.shape),
+        "shard": (mesh_lib.axis_size(mesh, "shard"), mesh_lib.axis_rank(mesh, "shard")),
+        "replicate": (mesh_lib.axis_size(mesh, "replicate"), mesh_lib.axis_rank(mesh, "replicate")),
+        "shard_group": dist.get_process_group_ranks(mesh_lib.axis_group(mesh, "shard")),
+        "world": dist.get_world_size(mesh_lib.world_group(mesh)),
+        "device": str(mesh_lib.local_device(mesh)),
+    }
+
+
+@pytest.mark.parametrize("shard, replicate", [(-1, 1), (2, 2), (-1, 2), (1, 4)])
+def test_the_shard_axis_is_fastest_and_covers_the_world(pool4, shard, replicate) -> None:
+    size = 4 // replicate if shard == -1 else shard
+    for rank, r in enumerate(pool4.run(axes_worker, shard, replicate)):
+        assert r["names"] == ("replicate", "shard") and r["shape"] == (replicate, size)
+        assert r["shard"] == (size, rank % size)
+        assert r["replicate"] == (replicate, rank // size)
+        first = rank - rank % size
+        assert r["shard_group"] == list(range(first, first + size))
+        assert r["world"] == 4 and r["device"] == "cpu"
+
+
+def errors_worker() -> list[str]:
+    messages = []
+    for kw in ({"shard": 3}, {"replicate": 3}, {"replicate": 0}, {"shard": 2, "replicate": 1}):
+        try:
+            fs.make_mesh(device_type="cpu", **kw)
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_a_shape_that_does_not_cover_the_world_is_refused(pool4) -> None:
+    shard3, replicate3, replicate0, short = pool4.run(errors_worker)[0]
+    assert "shard (3) x replicate (1)" in shard3 and "world size 4" in shard3
+    assert "not divisible by replicate=3" in replicate3
+    assert "replicate must be >= 1, got 0" in replicate0
+    assert "shard (2) x replicate (1)" in short
+
+
+def test_make_mesh_needs_an_initialized_process_group() -> None:
+    # The test process itself never joins a group (ranks live in the pools).
+    with pytest.raises(RuntimeError, match="not initialized; run under torchrun or fs.launch"):
+        fs.make_mesh(device_type="cpu")
