@@ -9,7 +9,9 @@ For ``--leaves`` x ``--numel`` fp32 master params on the CPU (default 8 x 6.25M 
 * with a bf16 compute copy: two passes (the fused step, then a separate cast of the master
   into a preallocated bf16 buffer) against one blocked pass (fused step + cast per block, the
   master re-read from cache): ``offload_step`` itself, ``step_and_cast`` at several block
-  sizes, and the bare kernel calls per block (no Python optimizer wrapper) for the floor.
+  sizes, and the bare kernel calls per block (no Python optimizer wrapper) for the floor;
+* ``offload_step`` with moments stored fp32, bf16 and 8-bit (``--moments``), on the same
+  elements as rows of 1024 (8-bit moments need 2-D leaves), bytes counted as stored.
 
 Run:  python experiments/bench_offload.py --threads=2
 """
@@ -35,6 +37,9 @@ flags.DEFINE_integer("leaves", 8, "number of parameter leaves")
 flags.DEFINE_integer("numel", 6_250_000, "elements per leaf")
 flags.DEFINE_integer("threads", None, "CPU threads (torch.set_num_threads); default: all cores")
 flags.DEFINE_integer("repeats", 5, "timed repetitions (the median is reported)")
+flags.DEFINE_list(
+    "moments", ["fp32", "bf16", "8-bit"], "moment storages to time (fp32, bf16, 8-bit)"
+)
 flags.DEFINE_list("blocks", ["65536", "262144", "1048576", "4194304"], "block sizes to try")
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -46,6 +51,22 @@ class Leaves(nn.Module):
     def __init__(self, leaves: int, numel: int) -> None:
         super().__init__()
         self.w = nn.ParameterList(nn.Parameter(torch.randn(numel)) for _ in range(leaves))
+
+
+class Matrices(nn.Module):
+    """The same elements as rows of 1024 (2-D leaves take 8-bit moments in blocks of 256)."""
+
+    def __init__(self, leaves: int, numel: int) -> None:
+        super().__init__()
+        rows = max(1, numel // 1024)
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(rows, 1024)) for _ in range(leaves))
+
+
+MOMENTS = {  # label: (adamw keywords, bytes per param moved: p r/w, g, mu r/w, nu r/w)
+    "fp32": ({}, ADAMW_BYTES),
+    "bf16": ({"mu_dtype": torch.bfloat16, "nu_dtype": torch.bfloat16}, 20),
+    "8-bit": ({"mu_dtype": torch.int8, "nu_dtype": torch.uint8}, 16),
+}
 
 
 def _copy_bandwidth(numel: int, repeats: int) -> float:
@@ -124,6 +145,15 @@ def main(argv: list[str]) -> None:
     t_ours, state = time_offload_step(offload_state(fs.MixedPrecisionPolicy()))
     rows.append(("fs.offload_step (fp32 compute)", t_ours, ADAMW_BYTES))
     del state
+
+    matrices = Matrices(FLAGS.leaves, FLAGS.numel)
+    for label in FLAGS.moments:
+        kw, nbytes = MOMENTS[label]
+        opt = fs.optim.adamw(LR, BETAS, EPS, WD, **kw)
+        state = fs.init(matrices, opt, mesh=mesh, strategy="no_shard", offload_fraction=1.0)
+        t, state = time_offload_step(state)
+        rows.append((f"fs.offload_step, {label} moments, rows of 1024", t, nbytes))
+        del state
 
     # One pass vs two with a bf16 compute copy.
     t_single, state = time_offload_step(

@@ -8,6 +8,9 @@ On one CPU rank, for a GPT-shaped set of fp32 leaves (matrices, embeddings, bias
   ``chain(clip_by_global_norm, adamw(mask=decay_mask))``, the clip active on every step. Both
   include the global-norm pass that ``train_step`` always makes (for ``metrics["grad_norm"]``);
   the clip itself is folded into the fused kernel, so the chain adds no pass over memory.
+* funcshard with moments stored narrow (``adamw(mu_dtype=, nu_dtype=)``): bf16 (rounded to
+  nearest, and stochastically), and 8-bit blockwise (int8 mu, uint8 nu); with the optimizer
+  state's bytes per parameter, measured on the state and predicted by ``fs.plan``.
 
 Run:  python experiments/bench_optim.py --threads=1
 """
@@ -33,6 +36,11 @@ flags.DEFINE_integer("layers", 4, "blocks (12 d^2 params each, plus biases and n
 flags.DEFINE_integer("vocab", 8192, "embedding rows")
 flags.DEFINE_integer("threads", 1, "CPU threads (torch.set_num_threads)")
 flags.DEFINE_integer("repeats", 7, "timed repetitions (the median is reported)")
+flags.DEFINE_list(
+    "moments",
+    ["fp32", "bf16", "bf16 stochastic", "8-bit"],
+    "moment storages to time (fp32, bf16, 'bf16 stochastic', 8-bit)",
+)
 
 LR, BETAS, EPS, WD, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1e-3  # the clip is always active
 
@@ -114,16 +122,48 @@ def main(argv: list[str]) -> None:
         )
     )
 
+    state_bytes: dict[str, tuple[float, float]] = {}
+    narrow = {
+        "fp32": {},
+        "bf16": {"mu_dtype": torch.bfloat16, "nu_dtype": torch.bfloat16},
+        "bf16 stochastic": {
+            "mu_dtype": torch.bfloat16,
+            "nu_dtype": torch.bfloat16,
+            "stochastic_rounding": True,
+        },
+        "8-bit": {"mu_dtype": torch.int8, "nu_dtype": torch.uint8},
+    }
+    for label, kw in narrow.items():
+        if label not in FLAGS.moments:
+            continue
+        opt = fs.optim.adamw(LR, BETAS, EPS, WD, **kw)
+        name = f"fs adamw, {label} moments"
+        rows.append((name, fs_step(opt)))
+        state = fs.init(model, opt, mesh=mesh, strategy="no_shard")
+        measured = sum(
+            t.numel() * t.element_size()
+            for t in fs.tree.leaves(state.opt_state)
+            if isinstance(t, torch.Tensor)
+        )
+        predicted = fs.plan(model, world_size=1, strategy="no_shard", optimizer=opt)
+        state_bytes[name] = (measured / n, predicted.memory.opt_state / n)
+        del state
+
     base = dict(rows)
     print(
         f"\n{n / 1e6:.1f}M fp32 params in {len(params)} leaves, {FLAGS.threads} thread(s), "
         f"median of {FLAGS.repeats}"
     )
-    print(f"{'step':<50} {'ms':>8} {'vs fs plain':>12} {'vs torch recipe':>16}")
+    print(
+        f"{'step':<50} {'ms':>8} {'vs fs plain':>12} {'vs torch recipe':>16} "
+        f"{'state B/param (measured, plan)':>31}"
+    )
     for name, t in rows:
+        sb = state_bytes.get(name)
         print(
             f"{name:<50} {t * 1e3:8.1f} {t / base['fs adamw (plain)']:12.3f} "
-            f"{t / base['torch clip_grad_norm_ + AdamW(fused), 2 groups']:16.3f}"
+            f"{t / base['torch clip_grad_norm_ + AdamW(fused), 2 groups']:16.3f} "
+            + (f"{sb[0]:15.3f} {sb[1]:15.3f}" if sb else "")
         )
 
 

@@ -40,6 +40,7 @@ DTYPES = {
     "double": torch.float64,
     "none": None,
 }
+MOMENT_DTYPES = {**DTYPES, "int8": torch.int8, "uint8": torch.uint8}
 _DTYPE_HELP = " ('bf16', 'fp16', 'fp32', 'fp64' or their long names, or 'none')"
 
 flags.DEFINE_integer("nproc", 1, "Local ranks to launch (ignored under torchrun).", lower_bound=1)
@@ -98,6 +99,19 @@ flags.DEFINE_enum(
 flags.DEFINE_float(
     "muon_lr", 0.02, "Peak Muon learning rate (same warmup and cosine shape).", lower_bound=0.0
 )
+flags.DEFINE_string(
+    "mu_dtype",
+    "none",
+    "Stored dtype of the first moment (AdamW mu, Muon momentum); 'none' = the master "
+    "dtype. bf16/fp16, or int8 (8-bit blockwise).",
+)
+flags.DEFINE_string(
+    "nu_dtype",
+    "none",
+    "Stored dtype of AdamW's second moment; 'none' = the master dtype. bf16/fp16, or uint8 "
+    "(8-bit blockwise).",
+)
+flags.DEFINE_bool("stochastic_rounding", False, "Round bf16 moments stochastically.")
 flags.DEFINE_float(
     "clip", 1.0, "Clip the global gradient norm to this; 0 = no clipping.", lower_bound=0.0
 )
@@ -130,6 +144,12 @@ FLAGS = flags.FLAGS
 for _name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
     flags.register_validator(
         _name, lambda v: v.lower() in DTYPES, message=f"--{_name}: expected one of {sorted(DTYPES)}"
+    )
+for _name in ("mu_dtype", "nu_dtype"):
+    flags.register_validator(
+        _name,
+        lambda v: v.lower() in MOMENT_DTYPES,
+        message=f"--{_name}: expected one of {sorted(MOMENT_DTYPES)}",
     )
 flags.register_validator(
     "param_dtype",
@@ -208,7 +228,11 @@ def _config() -> Config:
     }
     dtypes["param_dtype"] = _param_dtype()
     return _from_flags(
-        Config, model=_from_flags(GPTConfig), policy=fs.MixedPrecisionPolicy(**dtypes)
+        Config,
+        model=_from_flags(GPTConfig),
+        policy=fs.MixedPrecisionPolicy(**dtypes),
+        mu_dtype=MOMENT_DTYPES[FLAGS.mu_dtype.lower()],
+        nu_dtype=MOMENT_DTYPES[FLAGS.nu_dtype.lower()],
     )
 
 

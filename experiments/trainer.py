@@ -51,6 +51,10 @@ class Config:
     clip: float = 1.0  # clip_by_global_norm threshold; 0 = no clipping
     optimizer: str = "adamw"  # "adamw", or "muon" (the blocks' matrices; AdamW for the rest)
     muon_lr: float = 0.02  # Muon's peak learning rate (same warmup and cosine shape)
+    # moment storage (fs.optim.adamw mu_dtype / nu_dtype; Muon's momentum takes mu_dtype)
+    mu_dtype: torch.dtype | None = None
+    nu_dtype: torch.dtype | None = None
+    stochastic_rounding: bool = False  # bf16 moments rounded stochastically
     # the model; its vocab is the Markov source's (a text file's own vocab replaces it)
     model: GPTConfig = dataclasses.field(default_factory=lambda: GPTConfig(vocab=16, seq_len=32))
     concentration: float = 0.1
@@ -88,6 +92,9 @@ def make_optimizer(cfg: Config) -> fs.optim.Optimizer:
         betas=(0.9, 0.95),
         weight_decay=cfg.weight_decay,
         mask=fs.optim.decay_mask if cfg.decay_mask else None,
+        mu_dtype=cfg.mu_dtype,
+        nu_dtype=cfg.nu_dtype,
+        stochastic_rounding=cfg.stochastic_rounding,
     )
     if cfg.optimizer == "muon":
         muon_lr = fs.optim.warmup_cosine(
@@ -97,7 +104,12 @@ def make_optimizer(cfg: Config) -> fs.optim.Optimizer:
             final=cfg.muon_lr / 10,
         )
         opt = fs.optim.multi_transform(
-            {"muon": fs.optim.muon(muon_lr, weight_decay=cfg.weight_decay), "adamw": opt},
+            {
+                "muon": fs.optim.muon(
+                    muon_lr, weight_decay=cfg.weight_decay, mu_dtype=cfg.mu_dtype
+                ),
+                "adamw": opt,
+            },
             lambda name, shape: "muon" if is_hidden_matrix(name, shape) else "adamw",
         )
     return fs.optim.chain(fs.optim.clip_by_global_norm(cfg.clip), opt) if cfg.clip else opt

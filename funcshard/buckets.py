@@ -7,17 +7,32 @@ which parameters it packs (:class:`Members`). The optimizer state built from it 
 ``tree.map`` is again ``PerBucket`` with the same metadata, which is how checkpoints and the
 offloaded step recognise the per-bucket parts of any optimizer state. An entry may be None:
 a bucket that an inner optimizer of ``multi_transform`` does not own.
+
+:func:`map_parts` and :func:`flatten_parts` are THE walk over an optimizer state down to its
+per-bucket parts (offload, checkpoints, ``fs.plan`` and ``TrainState.opt_state_by_name`` all
+use them): NamedTuples by field name, tuples and lists by index, dicts by key; anything else
+(None, a step count, a stray tensor) is a leaf.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optree
 
-__all__ = ["NAMESPACE", "Members", "PerBucket", "is_per_bucket"]
+__all__ = [
+    "NAMESPACE",
+    "Members",
+    "PerBucket",
+    "BlockScales",
+    "Path",
+    "is_per_bucket",
+    "map_parts",
+    "flatten_parts",
+    "per_bucket_parts",
+]
 
 NAMESPACE = "funcshard"
 
@@ -56,7 +71,21 @@ class PerBucket(tuple):
 
     def select(self, index: Sequence[int]) -> PerBucket:
         """The entries ``index`` only, with their members."""
-        return PerBucket((self[i] for i in index), (self.members[i] for i in index))
+        return self.with_entries((self[i] for i in index), (self.members[i] for i in index))
+
+    def with_entries(
+        self, values: Iterable[Any], members: Iterable[Members] | None = None
+    ) -> PerBucket:
+        """A part of the same kind (and metadata) with other entries."""
+        return type(self)(values, self.members if members is None else members)
+
+    def element_range(self, start: int, stop: int) -> PerBucket:
+        """Elements ``[start, stop)`` of each entry's flat buffer (views; None stays None)."""
+        return self.with_entries(None if x is None else x[start:stop] for x in self)
+
+    def element_numel(self, i: int) -> int:
+        """Elements of the parameters' flat buffer that entry ``i`` covers."""
+        return self[i].numel()
 
     def __reduce__(self):
         return PerBucket, (tuple(self), self.members)
@@ -65,13 +94,122 @@ class PerBucket(tuple):
         return f"PerBucket({tuple.__repr__(self)})"
 
 
+class BlockScales(PerBucket):
+    """The fp32 scales of an 8-bit blockwise moment: entry ``i`` holds one scale per
+    ``blocks[i]`` consecutive elements of bucket ``i``'s flat buffer (None where the bucket's
+    moment is not 8-bit). A block never crosses a row of a parameter, so a parameter's scales
+    are an array of shape ``(rows, row_numel // block)``."""
+
+    def __new__(
+        cls, values: Iterable[Any], members: Iterable[Members], blocks: Iterable[int | None]
+    ) -> BlockScales:
+        self = super().__new__(cls, values, members)
+        self.blocks = tuple(blocks)
+        if len(self.blocks) != len(self):
+            raise ValueError(f"BlockScales: {len(self)} entries for {len(self.blocks)} blocks")
+        return self
+
+    def with_entries(
+        self, values: Iterable[Any], members: Iterable[Members] | None = None
+    ) -> BlockScales:
+        values = tuple(values)
+        if members is None:
+            return BlockScales(values, self.members, self.blocks)
+        members = tuple(members)
+        index = {m: i for i, m in enumerate(self.members)}
+        return BlockScales(values, members, (self.blocks[index[m]] for m in members))
+
+    def element_range(self, start: int, stop: int) -> BlockScales:
+        out = []
+        for x, b in zip(self, self.blocks, strict=True):
+            if x is not None and (start % b or (stop % b and stop != x.numel() * b)):
+                raise ValueError(f"BlockScales: [{start}, {stop}) cuts a block of {b}")
+            out.append(None if x is None else x[start // b : -(-stop // b)])
+        return self.with_entries(out)
+
+    def element_numel(self, i: int) -> int:
+        return self[i].numel() * self.blocks[i]
+
+    def __reduce__(self):
+        return BlockScales, (tuple(self), self.members, self.blocks)
+
+    def __repr__(self) -> str:
+        return f"BlockScales({tuple.__repr__(self)}, blocks={self.blocks})"
+
+
 def is_per_bucket(x: Any) -> bool:
     return isinstance(x, PerBucket)
+
+
+Path = tuple[str, ...]
+
+
+def map_parts(
+    tree: Any,
+    on_part: Callable[[Path, PerBucket], Any],
+    on_leaf: Callable[[Path, Any], Any] | None = None,
+    path: Path = (),
+    *,
+    is_part: Callable[[Any], bool] = is_per_bucket,
+) -> Any:
+    """Rebuilds an optimizer state, calling ``on_part(path, part)`` on every per-bucket part
+    and ``on_leaf(path, x)`` (default: keep it) on everything else that is not a container.
+
+    ``path`` names a part by NamedTuple field, tuple/list index and dict key, as strings
+    (checkpoint keys are made of them). ``is_part`` says what a part is (by default a
+    :class:`PerBucket`).
+
+    >>> import torch
+    >>> pb = PerBucket([torch.zeros(3)], [Members(("w",), ((3,),))])
+    >>> map_parts({"mu": pb, "count": 0}, lambda p, x: p, lambda p, x: x + 1)
+    {'mu': ('mu',), 'count': 1}
+    """
+    if is_part(tree):
+        return on_part(path, tree)
+
+    def rec(value: Any, key: Any) -> Any:
+        return map_parts(value, on_part, on_leaf, (*path, str(key)), is_part=is_part)
+
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(rec(getattr(tree, f), f) for f in tree._fields))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(rec(v, i) for i, v in enumerate(tree))
+    if isinstance(tree, dict):
+        return {k: rec(v, k) for k, v in tree.items()}
+    return tree if on_leaf is None else on_leaf(path, tree)
+
+
+def flatten_parts(
+    tree: Any, *, is_part: Callable[[Any], bool] = is_per_bucket
+) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """``(leaves, unflatten)``: the per-bucket parts and other leaves of ``tree`` in walk
+    order, and the function that rebuilds the same tree from as many new leaves."""
+    leaves: list[Any] = []
+    keep = lambda p, x: leaves.append(x)
+    map_parts(tree, keep, keep, is_part=is_part)
+
+    def unflatten(values: Sequence[Any]) -> Any:
+        it = iter(values)
+        take = lambda p, x: next(it)
+        return map_parts(tree, take, take, is_part=is_part)
+
+    return leaves, unflatten
+
+
+def per_bucket_parts(tree: Any) -> list[PerBucket]:
+    """Every per-bucket part of ``tree``, in walk order."""
+    return [x for x in flatten_parts(tree)[0] if isinstance(x, PerBucket)]
 
 
 optree.register_pytree_node(
     PerBucket,
     lambda pb: (tuple(pb), pb.members, pb.members),
     lambda members, children: PerBucket(children, members),
+    namespace=NAMESPACE,
+)
+optree.register_pytree_node(
+    BlockScales,
+    lambda pb: (tuple(pb), (pb.members, pb.blocks), pb.members),
+    lambda meta, children: BlockScales(children, *meta),
     namespace=NAMESPACE,
 )

@@ -69,6 +69,17 @@ class LeafSpec:
         start = min(shard_rank * self.rows_per_shard, self.rows)
         return start, min(start + self.rows_per_shard, self.rows)
 
+    def scales(self, block: int) -> LeafSpec:
+        """The spec of this leaf's 8-bit blockwise scales (one per ``block`` elements of a
+        row; ``block`` divides the row and the leaf's offset): shape ``(rows, row_numel //
+        block)``, placed in the bucket's scale buffer at ``offset // block``."""
+        return dataclasses.replace(
+            self,
+            shape=(self.rows, self.row_numel // block),
+            row_numel=self.row_numel // block,
+            offset=self.offset // block,
+        )
+
     def shard_shape(self, shard_rank: int) -> tuple[int, ...]:
         start, stop = self.row_range(shard_rank)
         if not self.shape:  # a 0-d leaf is one row, held whole by the first rank

@@ -26,12 +26,11 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import optree
 import torch
 
 from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
-from funcshard.buckets import NAMESPACE, Members, PerBucket, is_per_bucket
+from funcshard.buckets import Members, PerBucket, flatten_parts, is_per_bucket
 from funcshard.layout import Bucket, Placement
 from funcshard.optim import Optimizer
 from funcshard.state import Donation, TrainState, derive_compute
@@ -84,10 +83,8 @@ def offload_threads(n: int | None) -> Iterator[None]:
 
 # --- the optimizer state of a subset of buckets ------------------------------------------------
 def _split_opt_state(opt_state: Any):
-    """``(leaves, treedef, is_bucket)``: the state flattened down to its PerBucket parts."""
-    leaves, treedef = optree.tree_flatten(
-        opt_state, is_leaf=is_per_bucket, none_is_leaf=True, namespace=NAMESPACE
-    )
+    """``(leaves, unflatten, is_bucket)``: the state flattened down to its PerBucket parts."""
+    leaves, unflatten = flatten_parts(opt_state)
     is_bucket = [is_per_bucket(x) for x in leaves]
     stray = [
         x for x, b in zip(leaves, is_bucket, strict=True) if not b and isinstance(x, torch.Tensor)
@@ -98,21 +95,19 @@ def _split_opt_state(opt_state: Any):
             "per-bucket parts; build it as opt.init(state.layout.per_bucket(master)), "
             "not from a plain tuple of buffers"
         )
-    return leaves, treedef, is_bucket
+    return leaves, unflatten, is_bucket
 
 
 def _select(split, index: Sequence[int]) -> Any:
     """The optimizer state of buckets ``index`` only (same tree, shorter PerBucket parts)."""
-    leaves, treedef, is_bucket = split
-    return treedef.unflatten(
-        [x.select(index) if b else x for x, b in zip(leaves, is_bucket, strict=True)]
-    )
+    leaves, unflatten, is_bucket = split
+    return unflatten([x.select(index) if b else x for x, b in zip(leaves, is_bucket, strict=True)])
 
 
 def _merge(split, parts: list[tuple[Sequence[int], Any]]) -> Any:
     """Reassembles the full optimizer state from the new states of disjoint bucket subsets."""
-    leaves, treedef, is_bucket = split
-    flat_parts = [(index, treedef.flatten_up_to(sub)) for index, sub in parts]
+    leaves, unflatten, is_bucket = split
+    flat_parts = [(index, flatten_parts(sub)[0]) for index, sub in parts]
     out = []
     for j, (x, b) in enumerate(zip(leaves, is_bucket, strict=True)):
         if b:
@@ -122,7 +117,7 @@ def _merge(split, parts: list[tuple[Sequence[int], Any]]) -> Any:
                 for k, i in enumerate(index):
                     slots[i], covered[i] = sub[j][k], True
             assert all(covered), "bucket subsets must cover every bucket"
-            out.append(PerBucket(slots, x.members))
+            out.append(x.with_entries(slots))
         else:
             values = [sub[j] for _, sub in flat_parts]
             if any(v != values[0] for v in values[1:]):
@@ -131,7 +126,7 @@ def _merge(split, parts: list[tuple[Sequence[int], Any]]) -> Any:
                     f"device and CPU buckets after the step: {values}"
                 )
             out.append(values[0] if values else x)
-    return treedef.unflatten(out)
+    return unflatten(out)
 
 
 # --- the CPU step --------------------------------------------------------------------------------
@@ -179,15 +174,13 @@ def step_and_cast(
             compute_out.copy_(master)
         return new_state
     numel = master.numel()
-    leaves, treedef = optree.tree_flatten(
-        opt_state, is_leaf=_is_one_tuple, none_is_leaf=True, namespace=NAMESPACE
-    )
+    leaves, unflatten = flatten_parts(opt_state, is_part=_is_one_tuple)
     is_bucket = [_is_one_tuple(x) for x in leaves]
     if (
         grad.numel() != numel
         or compute_out.numel() != numel
         or any(
-            b and x[0] is not None and x[0].numel() != numel
+            b and x[0] is not None and _numel_of(x) != numel
             for x, b in zip(leaves, is_bucket, strict=True)
         )
     ):
@@ -200,7 +193,7 @@ def step_and_cast(
     new_state = opt_state
     for start in range(0, max(numel, 1), block):
         stop = min(start + block, numel)
-        chunk = treedef.unflatten(
+        chunk = unflatten(
             [_block_of(x, start, stop) if b else x for x, b in zip(leaves, is_bucket, strict=True)]
         )
         _, new_state = optimizer.update(
@@ -213,10 +206,8 @@ def step_and_cast(
         )
         compute_out[start:stop].copy_(master[start:stop])
     # The blocks updated the state's buffers in place; keep them, take the scalars (count).
-    new_leaves = treedef.flatten_up_to(new_state)
-    return treedef.unflatten(
-        [x if b else y for x, y, b in zip(leaves, new_leaves, is_bucket, strict=True)]
-    )
+    new_leaves = flatten_parts(new_state, is_part=_is_one_tuple)[0]
+    return unflatten([x if b else y for x, y, b in zip(leaves, new_leaves, is_bucket, strict=True)])
 
 
 def _is_one_tuple(x: Any) -> bool:
@@ -224,9 +215,15 @@ def _is_one_tuple(x: Any) -> bool:
     return is_per_bucket(x) or (type(x) is tuple and len(x) == 1 and isinstance(x[0], torch.Tensor))
 
 
+def _numel_of(x: tuple) -> int:
+    """Elements of the master that a one-bucket part covers (8-bit scales: one per block)."""
+    return x.element_numel(0) if is_per_bucket(x) else x[0].numel()
+
+
 def _block_of(x: tuple, start: int, stop: int) -> tuple:
-    entry = None if x[0] is None else x[0][start:stop]
-    return PerBucket((entry,), x.members) if is_per_bucket(x) else (entry,)
+    if is_per_bucket(x):
+        return x.element_range(start, stop)
+    return (None if x[0] is None else x[0][start:stop],)
 
 
 def _needs_cast(bucket: Bucket) -> bool:

@@ -46,7 +46,7 @@ import optree
 import torch
 from torch import nn
 
-from funcshard.buckets import NAMESPACE, is_per_bucket
+from funcshard.buckets import NAMESPACE, per_bucket_parts
 from funcshard.collectives import AXES
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
 from funcshard.optim import MuonState, Optimizer
@@ -215,37 +215,33 @@ def _units_from_names(names: Sequence[str]) -> list[str]:
     return list(units)
 
 
-def _optimizer_states(optimizer: str | Optimizer, layout: Layout) -> list[int]:
-    """State tensors per bucket (an optimizer of ``multi_transform`` keeps its own count)."""
+def _optimizer_state_bytes(optimizer: str | Optimizer, layout: Layout) -> list[int]:
+    """Optimizer-state bytes per bucket: every tensor of every per-bucket part (moments in
+    their stored dtype, 8-bit scales), from a meta-device init (an optimizer of
+    ``multi_transform`` keeps its own parts)."""
     if isinstance(optimizer, str):
         if optimizer not in _OPTIMIZER_STATES:
             raise ValueError(
                 f"plan: unknown optimizer {optimizer!r}; expected one of "
                 f"{sorted(_OPTIMIZER_STATES)} or an fs.optim optimizer"
             )
-        return [_OPTIMIZER_STATES[optimizer]] * len(layout.buckets)
-    counts = [0] * len(layout.buckets)
-    for part in _per_bucket_parts(_meta_init(optimizer, layout)):
+        n = _OPTIMIZER_STATES[optimizer]
+        return [n * b.numel * _size(b.dtypes.master) for b in layout.buckets]
+    nbytes = [0] * len(layout.buckets)
+    for part in per_bucket_parts(_meta_init(optimizer, layout)):
         for i, x in enumerate(part):
-            counts[i] += isinstance(x, torch.Tensor)
-    return counts
+            if isinstance(x, torch.Tensor):
+                nbytes[i] += x.numel() * x.element_size()
+    return nbytes
 
 
 def _meta_init(optimizer: Optimizer, layout: Layout):
     """The optimizer's initial state over meta buffers of the layout (nothing allocated)."""
     return optimizer.init(
-        layout.per_bucket([torch.empty(b.numel, device="meta") for b in layout.buckets])
-    )
-
-
-def _per_bucket_parts(state) -> list:
-    return [
-        x
-        for x in optree.tree_leaves(
-            state, is_leaf=is_per_bucket, none_is_leaf=False, namespace=NAMESPACE
+        layout.per_bucket(
+            [torch.empty(b.numel, dtype=b.dtypes.master, device="meta") for b in layout.buckets]
         )
-        if is_per_bucket(x)
-    ]
+    )
 
 
 def _muon_exchange(
@@ -269,7 +265,7 @@ def _muon_exchange(
         if isinstance(x, MuonState)
     ]
     for st in muon_states:
-        for part in _per_bucket_parts(st.momentum):
+        for part in per_bucket_parts(st.momentum):
             owned |= {i for i, x in enumerate(part) if x is not None}
     groups = [[b.index for b in layout.buckets if not b.offload and b.index in owned]]
     groups += [[b.index] for b in layout.buckets if b.offload and b.index in owned]
@@ -297,7 +293,7 @@ def _size(dtype: torch.dtype) -> int:
 
 
 def _memory(
-    layout: Layout, n_states: list[int], device_type: str, microbatches: int, muon_owner: int = 0
+    layout: Layout, state_bytes: list[int], device_type: str, microbatches: int, muon_owner: int = 0
 ) -> MemoryPlan:
     S = layout.shard_size
     zero3 = layout.strategy.shards_params
@@ -313,10 +309,10 @@ def _memory(
         on_device = not b.offload or device_type == "cpu"
         same = d.compute == d.master and on_device  # m.to(device, compute) returns m itself
         if b.offload:
-            host += p_bytes * (1 + n_states[b.index])
+            host += p_bytes + state_bytes[b.index]
         else:
             master += p_bytes
-            opt += p_bytes * n_states[b.index]
+            opt += state_bytes[b.index]
         if zero3:
             if b.offload:
                 compute += 0 if same else c_bytes
@@ -477,7 +473,7 @@ def plan(
         buckets=len(layout.buckets),
         units=len(layout.units),
         memory=_memory(
-            layout, _optimizer_states(optimizer, layout), device_type, microbatches, muon_owner
+            layout, _optimizer_state_bytes(optimizer, layout), device_type, microbatches, muon_owner
         ),
         comm=comm,
         calls=calls,

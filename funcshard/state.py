@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import donation
 from funcshard import sharding as shard_lib
-from funcshard.buckets import NAMESPACE, is_per_bucket
+from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
@@ -207,11 +207,13 @@ class TrainState:
 
     def _by_name(self, flats: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
         layout, r = self.layout, self.layout.shard_rank
+        blocks = getattr(flats, "blocks", None)  # BlockScales: one scale per block of a row
         views = {}
-        for bucket, flat in zip(layout.buckets, flats, strict=True):
+        for i, (bucket, flat) in enumerate(zip(layout.buckets, flats, strict=True)):
             if flat is None:
                 continue
             for spec in layout.bucket_leaves(bucket):
+                spec = spec if blocks is None else spec.scales(blocks[i])
                 views[spec.name] = shard_lib.local_view(flat, spec, r)
         return {n: views[n] for n in layout.names if n in views}
 
@@ -221,13 +223,7 @@ class TrainState:
         A bucket the part has no value for (a ``multi_transform`` optimizer that does not own
         it) contributes no names.
         """
-        return optree.tree_map(
-            lambda x: self._by_name(x) if is_per_bucket(x) else x,
-            self.opt_state,
-            is_leaf=is_per_bucket,
-            none_is_leaf=True,
-            namespace=NAMESPACE,
-        )
+        return map_parts(self.opt_state, lambda path, x: self._by_name(x))
 
     @property
     def filled(self) -> bool:

@@ -47,12 +47,16 @@ ZARR_DTYPE = {
     torch.float64: "<f8",
     torch.float16: "<f2",
     torch.bfloat16: "bfloat16",
+    torch.int8: "|i1",  # 8-bit optimizer moments (their fp32 scales are arrays beside them)
+    torch.uint8: "|u1",
 }
 NUMPY_DTYPE = {  # zarr dtype string -> numpy dtype (what chunk files hold, little-endian)
     "<f4": np.dtype("<f4"),
     "<f8": np.dtype("<f8"),
     "<f2": np.dtype("<f2"),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "|i1": np.dtype("i1"),
+    "|u1": np.dtype("u1"),
     "<i8": np.dtype("<i8"),
     "<i4": np.dtype("<i4"),
     "|b1": np.dtype(bool),
@@ -64,8 +68,11 @@ TORCH_FROM_NUMPY = {
     np.dtype(np.float64): torch.float64,
     np.dtype(np.float16): torch.float16,
     np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.uint8): torch.uint8,
 }
 FLOAT_NAMES = ("float32", "float64", "float16", "bfloat16")
+EIGHT_BIT_NAMES = ("int8", "uint8")  # 8-bit optimizer moments
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -11,17 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
 
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
-from funcshard.buckets import PerBucket
-from funcshard.checkpoint.format import FLOAT_NAMES, FORMAT_VERSION, Keys, chunk_rows, param_dir
+from funcshard.buckets import BlockScales, PerBucket, map_parts
+from funcshard.checkpoint.format import (
+    EIGHT_BIT_NAMES,
+    FLOAT_NAMES,
+    FORMAT_VERSION,
+    Keys,
+    chunk_rows,
+    param_dir,
+)
 from funcshard.checkpoint.sources import ReadRequest, Source
 from funcshard.layout import Bucket, Layout, LeafSpec
+from funcshard.optim.moments import MomentFormat
 from funcshard.state import Donation, LossScale, TrainState, derive_compute
 
 __all__ = ["CheckpointMismatchError", "is_per_bucket", "plan_writes", "match", "read"]
@@ -48,22 +56,24 @@ def map_opt(
     on_scalar: Callable[[Keys, Any], Any],
     path: Keys = (),
 ) -> Any:
-    """Rebuilds an optimizer state, calling back on each per-bucket tuple and each scalar."""
-    rec = lambda v, k: map_opt(v, n_buckets, on_buckets, on_scalar, (*path, str(k)))
-    if is_per_bucket(x, n_buckets):
-        return on_buckets(path, x)
-    if x is None:
-        return None
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(rec(getattr(x, f), f) for f in x._fields))
-    if isinstance(x, (bool, int, float)):
-        return on_scalar(path, x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(rec(v, i) for i, v in enumerate(x))
-    if isinstance(x, dict):
-        return {k: rec(v, k) for k, v in x.items()}
-    where = ".".join(("opt_state", *path))
-    raise TypeError(f"{where}: cannot checkpoint a {type(x).__name__}")
+    """Rebuilds an optimizer state, calling back on each per-bucket tuple and each scalar
+    (the walk is :func:`funcshard.buckets.map_parts`)."""
+
+    def part(p: Keys, v: PerBucket) -> Any:
+        if not is_per_bucket(v, n_buckets):
+            where = ".".join(("opt_state", *p))
+            raise TypeError(f"{where}: {len(v)} per-bucket entries, expected {n_buckets}")
+        return on_buckets(p, v)
+
+    def leaf(p: Keys, v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, (bool, int, float)):
+            return on_scalar(p, v)
+        where = ".".join(("opt_state", *p))
+        raise TypeError(f"{where}: cannot checkpoint a {type(v).__name__}")
+
+    return map_parts(x, part, leaf, path)
 
 
 def opt_layout(
@@ -79,6 +89,28 @@ def opt_layout(
         lambda p, x: scalars.__setitem__(p, x),
     )
     return arrays, scalars
+
+
+def opt_blocks(opt_state: Any, n_buckets: int) -> dict[Keys, tuple[int | None, ...]]:
+    """The 8-bit scale parts of a state (``BlockScales``): per path, the block per bucket. A
+    scale part at ``(..., f + "_scale")`` belongs to the moment at ``(..., f)``."""
+    out: dict[Keys, tuple[int | None, ...]] = {}
+    map_opt(
+        opt_state,
+        n_buckets,
+        lambda p, x: out.__setitem__(p, x.blocks) if isinstance(x, BlockScales) else None,
+        lambda p, x: x,
+    )
+    return out
+
+
+def _scale_path(path: Keys) -> Keys:
+    return (*path[:-1], path[-1] + "_scale")
+
+
+def _spec_in(spec: LeafSpec, blocks: tuple[int | None, ...] | None, bucket: int) -> LeafSpec:
+    """``spec``, or the spec of its 8-bit scales when the part is a ``BlockScales``."""
+    return spec if blocks is None else spec.scales(blocks[bucket])
 
 
 def opt_kind(opt_state: Any) -> str:
@@ -164,10 +196,12 @@ def plan_writes(
 
     def rows_of(flats: tuple[torch.Tensor | None, ...], prefix: Keys) -> list[ArrayWrite]:
         out = []
+        blocks = getattr(flats, "blocks", None)  # 8-bit scales: (rows, row_numel // block)
         for bucket, flat in zip(layout.buckets, flats, strict=True):
             if flat is None:  # this bucket has no value here
                 continue
             for spec in layout.bucket_leaves(bucket):
+                spec = _spec_in(spec, blocks, bucket.index)
                 start, stop, piece = writers.rows(spec)
                 data = None
                 if stop > start:
@@ -228,10 +262,43 @@ def expected_arrays(like: TrainState, model_only: bool) -> dict[Keys, tuple[int,
     out: dict[Keys, tuple[int, ...]] = {("params", s.name): s.shape for s in layout.leaves}
     if not model_only:
         paths, _ = opt_layout(like.opt_state, len(layout.buckets))
+        blocks = opt_blocks(like.opt_state, len(layout.buckets))
         for p, present in paths.items():
             for s in layout.leaves:
                 if present[s.bucket]:
-                    out[("opt_state", *p, s.name)] = s.shape
+                    out[("opt_state", *p, s.name)] = _spec_in(s, blocks.get(p), s.bucket).shape
+    return out
+
+
+def _is_8bit(dtype_name: str) -> bool:
+    return dtype_name in EIGHT_BIT_NAMES
+
+
+def conversions(
+    layout: Layout, opt_state: Any, found: dict[Keys, tuple]
+) -> dict[Keys, Keys | None]:
+    """Optimizer moments stored 8-bit on one side and not on the other: per target moment key,
+    the source scale key it must be dequantized with (None: the source is not 8-bit and the
+    target quantizes it); the target's scale keys of a moment it quantizes map to None."""
+    n = len(layout.buckets)
+    paths, _ = opt_layout(opt_state, n)
+    blocks = opt_blocks(opt_state, n)
+    out: dict[Keys, Keys | None] = {}
+    for p, present in paths.items():
+        if p in blocks:
+            continue
+        scale_blocks = blocks.get(_scale_path(p))
+        for s in layout.leaves:
+            keys = ("opt_state", *p, s.name)
+            if not present[s.bucket] or keys not in found:
+                continue
+            target_8bit = scale_blocks is not None and scale_blocks[s.bucket] is not None
+            source_8bit = _is_8bit(found[keys][1])
+            if target_8bit and not source_8bit:
+                out[keys] = None
+                out[("opt_state", *_scale_path(p), s.name)] = None
+            elif source_8bit and not target_8bit:
+                out[keys] = ("opt_state", *_scale_path(p), s.name)
     return out
 
 
@@ -268,7 +335,10 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
             if p not in have_scalars:
                 problems.append(f"{param_dir(p)}: missing from the checkpoint")
     missing: list[Keys] = []
+    convert = {} if model_only else conversions(layout, like.opt_state, found)
     for keys, shape in expected.items():
+        if keys in convert and convert[keys] is None and keys not in found:
+            continue  # the scales of a moment the target quantizes from a wider one
         src = keys
         if keys not in found and keys[0] == "params":
             alias = next(
@@ -284,12 +354,13 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
             problems.append(
                 f"{param_dir(src)}: shape {got_shape} in the checkpoint, expected {shape}"
             )
-        if got_dtype not in FLOAT_NAMES:
+        if got_dtype not in FLOAT_NAMES and not (keys[0] == "opt_state" and _is_8bit(got_dtype)):
             problems.append(
                 f"{param_dir(src)}: dtype {got_dtype} in the checkpoint, expected a floating dtype"
             )
     prefixes = {("params",)} | {("opt_state", *p) for p in paths}
     used = set(keymap.values()) | {("params", a) for a, _ in layout.aliases}
+    used |= {k for k in convert.values() if k is not None and k in found}
     extra = [k for k in found if k not in used and k[:-1] in prefixes]
     held = {param_dir(k): s for k, (s, _) in found.items()}
     wanted = {param_dir(k): s for k, s in expected.items()}
@@ -357,19 +428,22 @@ def _fill(
     source: Source,
     prefix: Keys,
     keymap: dict[Keys, Keys],
+    skip: Container[Keys] = (),
 ) -> None:
     """Copies this rank's real rows of every leaf from ``source`` into the bucket flats and
-    zeroes their padding rows."""
+    zeroes their padding rows (leaves in ``skip``: padding only; they are converted)."""
     r = layout.shard_rank
+    blocks = getattr(flats, "blocks", None)
     requests = []
     for bucket, flat in zip(layout.buckets, flats, strict=True):
         if flat is None:
             continue
         for spec in layout.bucket_leaves(bucket):
+            spec = _spec_in(spec, blocks, bucket.index)
             start, stop = spec.row_range(r)
             real = (stop - start) * spec.row_numel
             flat[spec.offset + real : spec.offset + spec.shard_numel].zero_()
-            if stop > start:
+            if stop > start and (*prefix, spec.name) not in skip:
                 keys = (*prefix, spec.name)
                 requests.append(
                     ReadRequest(
@@ -423,18 +497,21 @@ def read(
         opt_state = like.optimizer.init(layout.per_bucket(master))
         step = 0
     else:
+        convert = conversions(layout, old_opt, source.arrays())
 
-        def buckets(path: Keys, olds: tuple) -> tuple:
-            flats = layout.per_bucket(
+        def buckets(path: Keys, olds: PerBucket) -> tuple:
+            flats = olds.with_entries(
                 None if o is None else _flat_like(o, b, layout, o.dtype)
                 for o, b in zip(olds, layout.buckets, strict=True)
             )
-            _fill(flats, layout, source, ("opt_state", *path), keymap)
+            _fill(flats, layout, source, ("opt_state", *path), keymap, convert)
             return flats
 
         opt_state = map_opt(
             old_opt, n, buckets, lambda p, x: type(x)(source.read_scalar(("opt_state", *p)))
         )
+        if convert:
+            _convert_moments(layout, source, opt_state, convert)
         step = int(source.read_scalar(("step",)))
     loss_scale = like.loss_scale
     if loss_scale is not None:
@@ -445,3 +522,54 @@ def read(
                 int(source.read_scalar(("loss_scale", "good_steps"))),
             )
     return Read(like, master, opt_state, step, loss_scale)
+
+
+def _convert_moments(
+    layout: Layout, source: Source, opt_state: Any, convert: dict[Keys, Keys | None]
+) -> None:
+    """Fills the moments stored 8-bit on one side only: this rank's rows are read as stored,
+    dequantized to fp32 (with the source's scales) and cast, or quantized (scales computed)."""
+    n, r = len(layout.buckets), layout.shard_rank
+    parts: dict[Keys, PerBucket] = {}
+    map_opt(opt_state, n, lambda p, x: parts.__setitem__(("opt_state", *p), x), lambda p, x: x)
+    found = source.arrays()
+    requests, jobs = [], []
+    for keys, scale_src in convert.items():
+        part = parts[keys[:-1]]
+        if isinstance(part, BlockScales):
+            continue  # computed with its moment
+        spec = layout.leaf(keys[-1])
+        start, stop = spec.row_range(r)
+        if stop == start:
+            continue
+        shape = (stop - start, *spec.shape[1:])
+        dtype_name = found[keys][1]
+        src = torch.empty(shape, dtype=_TORCH_8BIT.get(dtype_name, torch.float32))
+        requests.append(ReadRequest(keys, start, stop, src))
+        src_scales = None
+        if scale_src is not None:
+            cols = found[scale_src][0][1]
+            src_scales = torch.empty(stop - start, cols, dtype=torch.float32)
+            requests.append(ReadRequest(scale_src, start, stop, src_scales))
+        jobs.append((keys, spec, src, src_scales))
+    source.read_into(requests)
+    for keys, spec, src, src_scales in jobs:
+        wide = src.float().reshape(-1)
+        if src_scales is not None:
+            block = src.numel() // src_scales.numel()
+            fmt = MomentFormat(src.dtype, block)
+            wide = torch.empty(src.numel(), dtype=torch.float32)
+            fmt.decode(src.reshape(-1), src_scales.reshape(-1), wide)
+        flat = parts[keys[:-1]][spec.bucket]
+        values = shard_lib.rows_view(flat, spec, r)
+        scale_part = parts.get((*keys[:-2], keys[-2] + "_scale"))
+        wide = wide.to(flat.device)
+        if src_scales is None and isinstance(scale_part, BlockScales):
+            block = scale_part.blocks[spec.bucket]
+            scales = shard_lib.rows_view(scale_part[spec.bucket], spec.scales(block), r)
+            MomentFormat(flat.dtype, block).encode(wide, values.view(-1), scales.view(-1))
+        else:
+            values.copy_(wide.view(values.shape).to(values.device))
+
+
+_TORCH_8BIT = {"int8": torch.int8, "uint8": torch.uint8}

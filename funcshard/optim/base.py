@@ -1,20 +1,23 @@
 """The optimizer protocol and what every rule shares: per-parameter rules on flat buffers.
 
-An :class:`Optimizer` is a pure ``init``/``update`` pair. ``update(grads, state, params, *,
-donate=False, grad_norm=None, grad_scale=1.0, placement=None)`` returns ``(new_params,
-new_state)``; the
-gradients it applies are ``grad_scale * grads``, the factor folded into the fused kernel (so a
-clip costs no pass of its own). ``grad_norm`` is the global L2 norm of ``grads`` when the caller
-knows it (``train_step`` does: the norm over every shard and replica); a clip uses it instead of
-the local leaves' norm. ``placement`` (a :class:`funcshard.layout.Placement`, given with the
-buffers of a TrainState) says where every row of the parameters lives; elementwise rules ignore
-it, a matrix rule (``muon``) uses it to assemble whole matrices. An optimizer whose update is not
-elementwise says so (``elementwise=False``): the offloaded step then never splits its buffers
-into blocks.
+An :class:`Optimizer` is a pure ``init``/``update`` pair (:class:`InitFn`, :class:`UpdateFn`).
+UNLIKE OPTAX, ``update`` returns the NEW PARAMS, not updates to add: ``update(grads, state,
+params, *, donate=False, grad_norm=None, grad_scale=1.0, placement=None) -> (new_params,
+new_state)``. The fused kernels underneath (torch's ``_fused_adamw_``, ``_fused_sgd_``) write
+the parameters in place, and returning updates would cost a pass over memory of its own.
+The gradients it applies are ``grad_scale * grads``, the factor folded into the fused kernel
+(so a clip costs no pass of its own). ``grad_norm`` is the global L2 norm of ``grads`` when the
+caller knows it (``train_step`` does: the norm over every shard and replica); a clip uses it
+instead of the local leaves' norm. ``placement`` (a :class:`funcshard.layout.Placement`, given
+with the buffers of a TrainState) says where every row of the parameters lives; elementwise
+rules ignore it, a matrix rule (``muon``) uses it to assemble whole matrices. An optimizer
+whose update is not elementwise says so (``elementwise=False``): the offloaded step then never
+splits its buffers into blocks.
 
 A :class:`GradientTransformation` maps gradients to gradients; ``chain`` puts any number of them
-before one optimizer. Its ``update`` returns ``(grads, new_state, grad_scale)``: a transform that
-only scales (a clip) returns the grads untouched and the new factor.
+before one optimizer. Its ``update`` (:class:`TransformFn`) returns ``(grads, new_state,
+grad_scale)``: a transform that only scales (a clip) returns the grads untouched and the new
+factor.
 
 Rules are per parameter: ``mask(name, shape)`` and ``labels(name, shape)``. On a plain pytree a
 leaf's name is its path joined with "."; inside a TrainState the leaves are per-bucket flat
@@ -27,16 +30,22 @@ buffers with the same rule share one fused kernel call.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import optree
 import torch
 
 from funcshard.buckets import NAMESPACE, Members
 
+if TYPE_CHECKING:
+    from funcshard.layout import Placement
+
 __all__ = [
     "Optimizer",
     "GradientTransformation",
+    "InitFn",
+    "UpdateFn",
+    "TransformFn",
     "Schedule",
     "Mask",
     "Partition",
@@ -52,24 +61,76 @@ Partition = Callable[[str, tuple], Hashable]
 ParamPairs = tuple[tuple[str, tuple[int, ...]], ...]
 
 
-class Optimizer(NamedTuple):
-    """A pure optimizer: ``init(params) -> state``; ``update(grads, state, params, *, donate,
-    grad_norm, grad_scale, placement) -> (new_params, new_state)``; ``partition(name, shape)``
-    the key of its per-parameter rules (None: one rule for every parameter); ``elementwise``
-    False when an element's update reads other elements (a matrix orthogonalization)."""
+class InitFn(Protocol):
+    """``init(params) -> state``: numerically inert (zeros, count 0; no synthetic step)."""
 
-    init: Callable[..., Any]
-    update: Callable[..., tuple[PyTree, Any]]
+    def __call__(self, params: PyTree, /) -> Any: ...
+
+
+class UpdateFn(Protocol):
+    """``update(grads, state, params, *, ...) -> (new_params, new_state)``.
+
+    Returns the NEW PARAMS (not optax's updates): the fused kernels write them in place.
+
+    Args:
+      grads: gradients, the structure of ``params``.
+      state: what ``init`` (or the last ``update``) returned.
+      params: the current params.
+      donate: True lets the update write ``params``, ``state`` and ``grads`` in place (the
+        caller treats them as consumed); False leaves every input untouched.
+      grad_norm: the global L2 norm of ``grads`` when the caller knows it (for a clip).
+      grad_scale: the factor the applied gradients are ``grads`` times (folded into the kernel).
+      placement: where the rows of a TrainState's flat buffers live (for matrix rules).
+    """
+
+    def __call__(
+        self,
+        grads: PyTree,
+        state: Any,
+        params: PyTree,
+        /,
+        *,
+        donate: bool = False,
+        grad_norm: float | None = None,
+        grad_scale: float = 1.0,
+        placement: Placement | None = None,
+    ) -> tuple[PyTree, Any]: ...
+
+
+class TransformFn(Protocol):
+    """A gradient transformation's ``update(grads, state, params, *, grad_norm, grad_scale) ->
+    (grads, new_state, grad_scale)``."""
+
+    def __call__(
+        self,
+        grads: PyTree,
+        state: Any,
+        params: PyTree,
+        /,
+        *,
+        grad_norm: float | None = None,
+        grad_scale: float = 1.0,
+    ) -> tuple[PyTree, Any, float]: ...
+
+
+class Optimizer(NamedTuple):
+    """A pure optimizer: ``init`` (:class:`InitFn`), ``update`` (:class:`UpdateFn`, which
+    returns new params, unlike optax); ``partition(name, shape)`` the key of its
+    per-parameter rules (None: one rule for every parameter); ``elementwise`` False when an
+    element's update reads other elements (a matrix orthogonalization)."""
+
+    init: InitFn
+    update: UpdateFn
     partition: Partition | None = None
     elementwise: bool = True
 
 
 class GradientTransformation(NamedTuple):
-    """Gradients to gradients: ``update(grads, state, params, *, grad_norm, grad_scale)`` ->
-    ``(grads, new_state, grad_scale)``. Put before an optimizer with ``chain``."""
+    """Gradients to gradients: ``init`` (:class:`InitFn`) and ``update``
+    (:class:`TransformFn`). Put before an optimizer with ``chain``."""
 
-    init: Callable[..., Any]
-    update: Callable[..., tuple[PyTree, Any, float]]
+    init: InitFn
+    update: TransformFn
     partition: Partition | None = None
 
 

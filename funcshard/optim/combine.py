@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import optree
 import torch
@@ -12,6 +12,9 @@ import torch
 from funcshard.buckets import NAMESPACE, is_per_bucket
 from funcshard.optim.base import GradientTransformation, Optimizer, PyTree, leaves
 from funcshard.optim.rules import per_leaf_rule
+
+if TYPE_CHECKING:
+    from funcshard.layout import Placement
 
 __all__ = [
     "ChainState",
@@ -115,7 +118,7 @@ def chain(*transforms: GradientTransformation | Optimizer) -> Optimizer | Gradie
         donate: bool = False,
         grad_norm: float | None = None,
         grad_scale: float = 1.0,
-        placement=None,
+        placement: Placement | None = None,
     ):
         grads, new_states, grad_scale = transform(grads, state, params, grad_norm, grad_scale)
         new_params, s = last.update(
@@ -265,7 +268,7 @@ def multi_transform(
         donate: bool = False,
         grad_norm: float | None = None,
         grad_scale: float = 1.0,
-        placement=None,
+        placement: Placement | None = None,
     ):
         del grad_norm  # the global norm is the whole tree's; inner clips see their own part
         g_parts, _, _ = split(grads, params)

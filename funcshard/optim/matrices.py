@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import optree
 import torch
@@ -38,6 +38,11 @@ from funcshard.optim.base import (
     lr_at,
     not_negative,
 )
+from funcshard.optim.moments import decode_flat, encode_flat
+from funcshard.optim.rules import Moments, _block_rule
+
+if TYPE_CHECKING:
+    from funcshard.layout import Placement
 
 __all__ = ["MuonState", "muon", "newton_schulz", "ns_flops", "assign_owners", "exchange_plan"]
 
@@ -47,6 +52,7 @@ KIND = "muon"  # fs.comm_stats() kind of the exchange
 class MuonState(NamedTuple):
     count: int
     momentum: PyTree
+    momentum_scale: PyTree = None  # mu_dtype=torch.int8: the blocks' fp32 scales
 
 
 def newton_schulz(
@@ -213,6 +219,7 @@ def muon(
     adjust_lr_fn: str | None = None,
     *,
     owner_computes: bool = True,
+    mu_dtype: torch.dtype | None = None,
 ) -> Optimizer:
     """torch.optim.Muon's update for 2-D parameters, as a pure optimizer.
 
@@ -234,6 +241,8 @@ def muon(
         ``torch.optim.Muon``.
       owner_computes: False makes every rank gather every whole matrix and orthogonalize all of
         them (the replicated way, kept as the baseline of ``experiments/bench_muon.py``).
+      mu_dtype: the dtype the momentum buffer is STORED in (None: the master dtype);
+        bf16 / fp16 / int8 as ``fs.optim.adamw``'s ``mu_dtype`` (the update runs in fp32).
 
     Raises:
       ValueError: a parameter is not 2-D (named), or a hyperparameter is out of range.
@@ -255,8 +264,13 @@ def muon(
     def orthogonalize(m: torch.Tensor) -> torch.Tensor:
         return newton_schulz(m, coefficients, ns_steps, eps)
 
+    mu_rule = Moments(mu_dtype, "muon mu_dtype", signed=True, stochastic=False)
+    block_rule, blocks_of = _block_rule(mu_rule.quantized, "muon")
+
     def init(params: PyTree) -> MuonState:
         _check_2d(params)
+        if mu_dtype is not None:
+            return MuonState(0, *mu_rule.zeros(params, blocks_of(params)))
         return MuonState(
             0, optree.tree_map(torch.zeros_like, params, none_is_leaf=False, namespace=NAMESPACE)
         )
@@ -269,9 +283,8 @@ def muon(
         donate: bool = False,
         grad_norm: float | None = None,
         grad_scale: float = 1.0,
-        placement=None,
+        placement: Placement | None = None,
     ):
-        del grad_norm
         _check_2d(params)
         treedef = optree.tree_structure(params, none_is_leaf=False, namespace=NAMESPACE)
         p, g, buf = leaves(params), leaves(grads), leaves(state.momentum)
@@ -279,12 +292,20 @@ def muon(
             raise ValueError(
                 f"muon update: {len(g)} gradient and {len(buf)} momentum leaves for {len(p)} params"
             )
+        scales = [None] * len(buf)
+        if state.momentum_scale is not None:
+            scales = optree.tree_flatten(
+                state.momentum_scale, none_is_leaf=True, namespace=NAMESPACE
+            )[0]
+            scales = [x for x, q in zip(scales, _flat_params(params), strict=True) if q is not None]
         if not donate:
             p, buf = [t.clone() for t in p], [t.clone() for t in buf]
+            scales = [None if t is None else t.clone() for t in scales]
+        formats = [mu_rule.format(b, t.dtype) for b, t in zip(blocks_of(params), p, strict=True)]
         lr_now = lr_at(lr, state.count)
         matrices, targets = [], []
-        for pi, gi, bi, members, pairs in zip(
-            p, g, buf, _leaf_members(params), leaf_params(params), strict=True
+        for pi, gi, stored, members, pairs, fmt, si in zip(
+            p, g, buf, _leaf_members(params), leaf_params(params), formats, scales, strict=True
         ):
             if gi.shape != pi.shape:
                 raise ValueError(
@@ -294,8 +315,14 @@ def muon(
             gi = gi.to(pi.dtype) if gi.dtype != pi.dtype else gi
             if grad_scale != 1.0:
                 gi = gi * grad_scale
+            narrow = stored.dtype != pi.dtype or si is not None
+            bi = decode_flat(fmt, stored, si) if narrow else stored
+            if narrow and gi.dtype != torch.float32:
+                gi = gi.float()
             bi.lerp_(gi, 1 - momentum)
             upd = gi.lerp(bi, momentum) if nesterov else bi
+            if narrow:
+                encode_flat(fmt, bi, stored, si)
             pi.mul_(1 - lr_now * weight_decay)
             for name, shape, rows, u, target in _matrices_of(pi, upd, members, pairs, placement):
                 matrices.append(_Matrix(name, shape, rows, u))
@@ -304,9 +331,21 @@ def muon(
         for (target, alr), o in zip(targets, results, strict=True):
             target.add_(o.to(target.device), alpha=-alr)
         unflat = lambda xs: optree.tree_unflatten(treedef, xs)
-        return unflat(p), MuonState(state.count + 1, unflat(buf))
+        new_scales = state.momentum_scale
+        if new_scales is not None:
+            flat_s, sdef = optree.tree_flatten(new_scales, none_is_leaf=True, namespace=NAMESPACE)
+            it = iter(scales)
+            new_scales = sdef.unflatten(
+                [None if q is None else next(it) for q in _flat_params(params)]
+            )
+            del flat_s
+        return unflat(p), MuonState(state.count + 1, unflat(buf), new_scales)
 
-    return Optimizer(init, update, partition=None, elementwise=False)
+    return Optimizer(init, update, partition=block_rule, elementwise=False)
+
+
+def _flat_params(params: PyTree) -> list:
+    return optree.tree_flatten(params, none_is_leaf=True, namespace=NAMESPACE)[0]
 
 
 def _matrices_of(

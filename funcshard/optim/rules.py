@@ -10,12 +10,12 @@ over lists of tensors, so the cost does not grow with Python work per leaf or pe
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
 import torch
 
-from funcshard.buckets import NAMESPACE
+from funcshard.buckets import NAMESPACE, BlockScales, is_per_bucket
 from funcshard.optim.base import (
     Mask,
     Optimizer,
@@ -28,6 +28,17 @@ from funcshard.optim.base import (
     not_negative,
     uniform,
 )
+from funcshard.optim.moments import (
+    CHUNK,
+    EIGHT_BIT,
+    MomentFormat,
+    block_of,
+    check_dtype,
+    dither_of,
+)
+
+if TYPE_CHECKING:
+    from funcshard.layout import Placement
 
 __all__ = ["SgdState", "AdamWState", "sgd", "adamw", "per_leaf_rule", "tree_zeros"]
 
@@ -35,12 +46,15 @@ __all__ = ["SgdState", "AdamWState", "sgd", "adamw", "per_leaf_rule", "tree_zero
 class SgdState(NamedTuple):
     count: int
     momentum: PyTree  # None when momentum == 0, as torch keeps no buffer then
+    momentum_scale: PyTree = None  # mu_dtype=torch.int8: the blocks' fp32 scales
 
 
 class AdamWState(NamedTuple):
     count: int
     mu: PyTree
     nu: PyTree
+    mu_scale: PyTree = None  # mu_dtype=torch.int8: the blocks' fp32 scales (BlockScales)
+    nu_scale: PyTree = None  # nu_dtype=torch.uint8: likewise
 
 
 def tree_zeros(params: PyTree) -> PyTree:
@@ -180,6 +194,33 @@ def _scale_arg(grad_scale: float, device: torch.device) -> torch.Tensor | None:
     return torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=device)
 
 
+def _check_stochastic(on: bool, what: str, *dtypes: torch.dtype | None) -> None:
+    if on and torch.bfloat16 not in dtypes:
+        raise ValueError(
+            f"{what}: stochastic_rounding=True rounds bf16 moments; no moment is bf16 "
+            f"(got {[str(d) for d in dtypes]})"
+        )
+
+
+def _block_rule(quantized: bool, what: str):
+    """``(rule, blocks_of)``: the 8-bit block of a parameter (None when it keeps its master
+    dtype, or when nothing is 8-bit), as a partition rule and per leaf of a tree."""
+    if not quantized:
+        return None, lambda params: [None] * len(leaves(params))
+    rule = lambda name, shape: block_of(tuple(shape))
+    return rule, per_leaf_rule(rule, f"{what} 8-bit blocks")
+
+
+def _partition(*rules: Callable[[str, tuple], Hashable] | None):
+    """The key of an optimizer's rules: one rule, a tuple of several, or None."""
+    rules = tuple(r for r in rules if r is not None)
+    if not rules:
+        return None
+    if len(rules) == 1:
+        return rules[0]
+    return lambda name, shape: tuple(r(name, shape) for r in rules)
+
+
 def _decay_rule(weight_decay: float, mask: Mask, what: str):
     decays = as_predicate(mask, what)
     return (lambda name, shape: weight_decay if decays(name, shape) else 0.0), decays
@@ -191,6 +232,9 @@ def sgd(
     weight_decay: float = 0.0,
     nesterov: bool = False,
     mask: Mask = None,
+    *,
+    mu_dtype: torch.dtype | None = None,
+    stochastic_rounding: bool = False,
 ) -> Optimizer:
     """torch.optim.SGD's rule (dampening 0) as a pure optimizer.
 
@@ -200,6 +244,8 @@ def sgd(
       weight_decay: L2 penalty added to the gradient, where ``mask`` says so.
       nesterov: Nesterov momentum, as ``torch.optim.SGD(nesterov=True)``.
       mask: which parameters decay: None (all), ``(name, shape) -> bool`` or ``{name: bool}``.
+      mu_dtype: the dtype the momentum buffer is stored in (as ``adamw``'s ``mu_dtype``).
+      stochastic_rounding: a bf16 momentum buffer is rounded stochastically.
 
     >>> opt = sgd(0.1, momentum=0.9)
     >>> p = {"w": torch.ones(2)}
@@ -213,10 +259,46 @@ def sgd(
         raise ValueError("sgd: nesterov=True needs momentum > 0 (as torch.optim.SGD)")
     decay, decays = _decay_rule(weight_decay, mask, "sgd")
     decay_of = per_leaf_rule(decay, "sgd mask")
+    mu_rule = Moments(mu_dtype, "sgd mu_dtype", signed=True, stochastic=stochastic_rounding)
+    _check_stochastic(stochastic_rounding, "sgd", mu_dtype)
+    narrow_moments = mu_dtype is not None and momentum > 0
+    block_rule, blocks_of = _block_rule(narrow_moments and mu_rule.quantized, "sgd")
 
     def init(params: PyTree) -> SgdState:
         decay_of(params)  # a mask that does not fit the params fails here, not at step 1
-        return SgdState(count=0, momentum=tree_zeros(params) if momentum else None)
+        if not narrow_moments:
+            return SgdState(count=0, momentum=tree_zeros(params) if momentum else None)
+        return SgdState(0, *mu_rule.zeros(params, blocks_of(params)))
+
+    def narrow_update(grads, state: SgdState, params, donate: bool, grad_scale: float):
+        lr_now = lr_at(lr, state.count)
+
+        def kernel(wd, device, gp, gg, gm) -> None:
+            torch._fused_sgd_(
+                gp,
+                gg,
+                gm,
+                weight_decay=wd,
+                momentum=momentum,
+                lr=lr_now,
+                dampening=0.0,
+                nesterov=nesterov,
+                maximize=False,
+                is_first_step=False,
+                grad_scale=_scale_arg(grad_scale, device),
+                found_inf=None,
+            )
+
+        new_p, ((m, m_s),) = _narrow_step(
+            params,
+            grads,
+            [(mu_rule, state.momentum, state.momentum_scale)],
+            blocks_of(params),
+            decay_of(params),
+            donate,
+            kernel,
+        )
+        return new_p, SgdState(state.count + 1, m, m_s)
 
     def update(
         grads: PyTree,
@@ -226,9 +308,10 @@ def sgd(
         donate: bool = False,
         grad_norm: float | None = None,
         grad_scale: float = 1.0,
-        placement=None,
+        placement: Placement | None = None,
     ):
-        del grad_norm, placement  # elementwise: where the rows live does not matter
+        if narrow_moments:
+            return narrow_update(grads, state, params, donate, grad_scale)
         bufs = (state.momentum,) if momentum else ()
         treedef, p, g, out = _prepare(grads, params, donate, grad_scale, *bufs)
         m = out[0] if momentum else None
@@ -259,7 +342,9 @@ def sgd(
         new_m = optree.tree_unflatten(treedef, m) if momentum else None
         return optree.tree_unflatten(treedef, p), SgdState(state.count + 1, new_m)
 
-    return Optimizer(init, update, partition=decays if mask is not None else None)
+    return Optimizer(
+        init, update, partition=_partition(decays if mask is not None else None, block_rule)
+    )
 
 
 def adamw(
@@ -268,6 +353,10 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     mask: Mask = None,
+    *,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    stochastic_rounding: bool = False,
 ) -> Optimizer:
     """torch.optim.AdamW's rule as a pure optimizer (fused kernel on CPU and CUDA).
 
@@ -277,6 +366,14 @@ def adamw(
       weight_decay: decoupled weight decay, where ``mask`` says so.
       mask: which parameters decay: None (all), ``(name, shape) -> bool`` or ``{name: bool}``;
         ``fs.optim.decay_mask`` is nanoGPT's rule (matrices and embeddings only).
+      mu_dtype, nu_dtype: the dtype the first / second moment is STORED in; None the master
+        dtype (torch's bits). ``torch.bfloat16`` / ``torch.float16``: computed in fp32, stored
+        narrow. ``torch.int8`` (mu) / ``torch.uint8`` (nu): 8-bit blockwise with fp32 scales
+        (:mod:`funcshard.optim.moments`; parameters :func:`~funcshard.optim.moments.block_of`
+        gives no block keep the master dtype). An fp16 second moment flushes values below
+        6e-8 (squared gradients under 2.4e-4) to zero: prefer bf16.
+      stochastic_rounding: bf16 moments are rounded stochastically (dithered) instead of to
+        nearest.
 
     >>> opt = adamw(0.1)
     >>> p = {"w": torch.zeros(2)}
@@ -291,10 +388,58 @@ def adamw(
     not_negative("weight_decay", weight_decay)
     decay, decays = _decay_rule(weight_decay, mask, "adamw")
     decay_of = per_leaf_rule(decay, "adamw mask")
+    mu_rule = Moments(mu_dtype, "adamw mu_dtype", signed=True, stochastic=stochastic_rounding)
+    nu_rule = Moments(nu_dtype, "adamw nu_dtype", signed=False, stochastic=stochastic_rounding)
+    _check_stochastic(stochastic_rounding, "adamw", mu_dtype, nu_dtype)
+    narrow = mu_dtype is not None or nu_dtype is not None
+    block_rule, blocks_of = _block_rule(mu_rule.quantized or nu_rule.quantized, "adamw")
 
     def init(params: PyTree) -> AdamWState:
         decay_of(params)  # a mask that does not fit the params fails here, not at step 1
-        return AdamWState(count=0, mu=tree_zeros(params), nu=tree_zeros(params))
+        if not narrow:
+            return AdamWState(count=0, mu=tree_zeros(params), nu=tree_zeros(params))
+        blocks = blocks_of(params)
+        mu, mu_scale = mu_rule.zeros(params, blocks)
+        nu, nu_scale = nu_rule.zeros(params, blocks)
+        return AdamWState(0, mu, nu, mu_scale, nu_scale)
+
+    def narrow_update(grads, state: AdamWState, params, donate: bool, grad_scale: float):
+        lr_now = lr_at(lr, state.count)
+        steps: dict[torch.device, torch.Tensor] = {}
+
+        def kernel(wd, device, gp, gg, gm, gv) -> None:
+            if device not in steps:
+                steps[device] = torch.full(
+                    (), float(state.count + 1), dtype=torch.float32, device=device
+                )
+            torch._fused_adamw_(
+                gp,
+                gg,
+                gm,
+                gv,
+                [],
+                [steps[device]] * len(gp),
+                amsgrad=False,
+                lr=lr_now,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=wd,
+                eps=eps,
+                maximize=False,
+                grad_scale=_scale_arg(grad_scale, device),
+                found_inf=None,
+            )
+
+        new_p, ((mu, mu_s), (nu, nu_s)) = _narrow_step(
+            params,
+            grads,
+            [(mu_rule, state.mu, state.mu_scale), (nu_rule, state.nu, state.nu_scale)],
+            blocks_of(params),
+            decay_of(params),
+            donate,
+            kernel,
+        )
+        return new_p, AdamWState(state.count + 1, mu, nu, mu_s, nu_s)
 
     def update(
         grads: PyTree,
@@ -304,9 +449,10 @@ def adamw(
         donate: bool = False,
         grad_norm: float | None = None,
         grad_scale: float = 1.0,
-        placement=None,
+        placement: Placement | None = None,
     ):
-        del grad_norm, placement  # elementwise: where the rows live does not matter
+        if narrow:
+            return narrow_update(grads, state, params, donate, grad_scale)
         treedef, p, g, (mu, nu) = _prepare(grads, params, donate, grad_scale, state.mu, state.nu)
         lr_now = lr_at(lr, state.count)
         steps: dict[torch.device, torch.Tensor] = {}
@@ -335,4 +481,165 @@ def adamw(
         unflat = lambda xs: optree.tree_unflatten(treedef, xs)
         return unflat(p), AdamWState(state.count + 1, unflat(mu), unflat(nu))
 
-    return Optimizer(init, update, partition=decays if mask is not None else None)
+    return Optimizer(
+        init, update, partition=_partition(decays if mask is not None else None, block_rule)
+    )
+
+
+# --- moments stored narrow (mu_dtype / nu_dtype) ---------------------------------------------
+class Moments:
+    """The storage rule of one moment of an optimizer (``mu_dtype=`` / ``nu_dtype=``).
+
+    ``dtype`` None keeps the master dtype (the plain path, torch's bits). Under an 8-bit dtype a
+    parameter that :func:`funcshard.optim.moments.block_of` gives no block keeps the master
+    dtype; the others get int8 / uint8 values and a :class:`BlockScales` part.
+    """
+
+    def __init__(self, dtype: torch.dtype | None, what: str, *, signed: bool, stochastic: bool):
+        check_dtype(dtype, what, signed=signed)
+        self.dtype, self.stochastic = dtype, stochastic and dtype == torch.bfloat16
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in EIGHT_BIT
+
+    def format(self, block: int | None, master: torch.dtype) -> MomentFormat:
+        if self.dtype is None or (self.quantized and block is None):
+            return MomentFormat(master)
+        return MomentFormat(self.dtype, block if self.quantized else None, self.stochastic)
+
+    def zeros(self, params: PyTree, blocks: list[int | None]) -> tuple[PyTree, PyTree]:
+        """``(values, scales)`` trees of a zero moment (``scales`` None unless 8-bit)."""
+        if self.dtype is None:
+            return tree_zeros(params), None
+        fmts = iter(blocks)
+        make = lambda t: self.format(next(fmts), t.dtype).zeros(t)
+
+        def part(x: Any) -> Any:
+            if is_per_bucket(x):
+                pairs = [None if t is None else make(t) for t in x]
+                return (x.with_entries(None if q is None else q[0] for q in pairs), pairs)
+            return make(x)
+
+        built = optree.tree_map(
+            part, params, is_leaf=is_per_bucket, none_is_leaf=False, namespace=NAMESPACE
+        )
+        values = optree.tree_map(
+            lambda x: x[0], built, is_leaf=_is_built, none_is_leaf=False, namespace=NAMESPACE
+        )
+        if not self.quantized:
+            return values, None
+        scales = optree.tree_map(
+            _scales_of,
+            built,
+            is_leaf=_is_built,
+            none_is_leaf=False,
+            namespace=NAMESPACE,
+        )
+        return values, scales
+
+
+def _is_built(x: Any) -> bool:
+    return type(x) is tuple and len(x) == 2 and not is_per_bucket(x)
+
+
+def _scales_of(x: tuple) -> Any:
+    values, pairs = x
+    if isinstance(pairs, list):  # a PerBucket part: (values part, [(values, scales) | None])
+        blocks = [
+            None if q is None or q[1] is None else q[0].numel() // q[1].numel() for q in pairs
+        ]
+        return BlockScales([None if q is None else q[1] for q in pairs], values.members, blocks)
+    return pairs
+
+
+def _flat(tree: PyTree) -> tuple[list, Any]:
+    return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def _narrow_step(
+    params: PyTree,
+    grads: PyTree,
+    moments: list[tuple[Moments, PyTree, PyTree]],
+    blocks: list[int | None],
+    keys: list[Hashable],
+    donate: bool,
+    kernel: Callable[..., None],
+) -> tuple[PyTree, list[tuple[PyTree, PyTree]]]:
+    """One step with moments stored narrow: per buffer, chunks of ``CHUNK`` elements are
+    decoded into fp32 scratch, stepped by ``kernel(key, device, params, grads, *moments)``
+    (lists of one tensor each, fp32) and encoded back. Returns the new params and, per moment,
+    its new ``(values, scales)``."""
+    flat_p, treedef = _flat(params)
+    flat_g = _flat(grads)[0]
+    keep = [i for i, x in enumerate(flat_p) if x is not None]
+    if len(flat_g) != len(flat_p):
+        raise ValueError(f"optimizer update: {len(flat_g)} gradient leaves for {len(flat_p)}")
+    cols = []
+    for rule, values, scales in moments:
+        vals, vdef = _flat(values)
+        scs, sdef = _flat(scales) if scales is not None else ([None] * len(vals), None)
+        if not donate:
+            vals = [None if t is None else t.clone() for t in vals]
+            scs = [None if t is None else t.clone() for t in scs]
+        cols.append((rule, vals, vdef, scs, sdef, scales is not None))
+    out_p = list(flat_p)
+    for j, i in enumerate(keep):
+        p, g = flat_p[i], flat_g[i]
+        if g.shape != p.shape:
+            raise ValueError(
+                f"optimizer update: a gradient of shape {tuple(g.shape)} for a "
+                f"param of shape {tuple(p.shape)}"
+            )
+        if g.dtype != p.dtype:
+            g = g.to(p.dtype)
+        elif not donate:  # the scaled kernels write the scaled grads back
+            g = g.clone()
+        if not donate:
+            p = p.clone()
+        out_p[i] = p
+        states = [
+            (rule.format(blocks[j], p.dtype), vals[i], scs[i]) for rule, vals, _, scs, _, _ in cols
+        ]
+        _chunked(p, g, states, lambda *c, k=keys[j], d=p.device: kernel(k, d, *c))
+    new_moments = [
+        (vdef.unflatten(vals), sdef.unflatten(scs) if has else None)
+        for _, vals, vdef, scs, sdef, has in cols
+    ]
+    return treedef.unflatten(out_p), new_moments
+
+
+def _chunked(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: list[tuple[MomentFormat, torch.Tensor, torch.Tensor | None]],
+    kernel: Callable[..., None],
+) -> None:
+    """Steps one buffer in place, chunk by chunk (decode, fused fp32 kernel, encode)."""
+    n = param.numel()
+    p, g = param.view(-1), grad.reshape(-1)
+    wide = p.dtype != torch.float32
+    width = min(CHUNK, n)
+    scratch = [torch.empty(width, dtype=torch.float32, device=p.device) for _ in states]
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        xs = []
+        for (fmt, values, scales), buf in zip(states, scratch, strict=True):
+            sc = None if scales is None else scales[start // fmt.block : stop // fmt.block]
+            xs.append(fmt.decode(values.view(-1)[start:stop], sc, buf[: stop - start]))
+        pc, gc = p[start:stop], g[start:stop]
+        p32 = pc.float() if wide else pc
+        g32 = gc.float() if gc.dtype != torch.float32 else gc
+        columns = [[p32], [g32], *[[x] for x in xs]]
+        write_back = None
+        if p.device.type == "cpu":
+            columns, write_back = _vector_body_only(columns)
+        kernel(*columns)
+        if write_back is not None:
+            write_back()
+        if wide:
+            pc.copy_(p32)
+        dither = dither_of(p32, g32) if any(f.stochastic for f, _, _ in states) else None
+        for (fmt, values, scales), x in zip(states, xs, strict=True):
+            sc = None if scales is None else scales[start // fmt.block : stop // fmt.block]
+            fmt.encode(x, values.view(-1)[start:stop], sc, dither if fmt.stochastic else None)
