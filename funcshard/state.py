@@ -125,7 +125,8 @@ class TrainState:
             ("_static", static),
         ):
             object.__setattr__(self, name, value)
-        buffers = (*self._master, *self._compute, *optree.tree_leaves(opt_state, none_is_leaf=True))
+        opt_leaves = optree.tree_leaves(opt_state, none_is_leaf=True, namespace=NAMESPACE)
+        buffers = (*self._master, *self._compute, *opt_leaves)
         object.__setattr__(self, "_live", donation.liveness(buffers))
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -45,3 +45,31 @@ def test_a_new_storage_never_inherits_a_collected_ones_token() -> None:
 def test_meta_and_empty_tensors_carry_no_token() -> None:
     (token,) = donation.liveness([torch.empty(4, device="meta"), torch.empty(0)])
     assert token.consumed_by is None
+
+
+def opt_buffer_worker() -> dict:
+    import funcshard as fs
+
+    import models
+
+    model = models.make_model()
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+    state = fs.init(model, opt, mesh=fs.make_mesh(device_type="cpu"), strategy="optim")
+    batch = models.local_batch(models.global_batch(0, 8), 0, 1)
+    state, _ = fs.train_step(state, batch, models.make_loss_fn(model))
+    # a state that shares only the optimizer state's buffers (new masters)
+    fresh = lambda ts: tuple(t.clone() if t is not None else None for t in ts)  # noqa: E731
+    sharer = state.replace(master=fresh(state.master), compute=fresh(state.compute))
+    fs.train_step(state, batch, models.make_loss_fn(model))
+    try:
+        _ = sharer.opt_state
+    except fs.ConsumedStateError as e:
+        return {"refused": str(e)}
+    return {"refused": ""}
+
+
+def test_a_state_sharing_only_optimizer_buffers_is_refused(pool1) -> None:
+    """The optimizer state's per-bucket buffers carry tokens too (found by review: they were
+    flattened as opaque leaves)."""
+    (r,) = pool1.run(opt_buffer_worker)
+    assert "consumed by train_step" in r["refused"], r
