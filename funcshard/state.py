@@ -76,15 +76,15 @@ class Donation:
 
     def state(self, **changes: Any) -> TrainState:
         """A new state with this one's static metadata and leaves, ``changes`` replaced."""
-        fields = dict(
-            master=self.master,
-            compute=self.compute,
-            opt_state=self.opt_state,
-            step=self.step,
-            loss_scale=self.loss_scale,
-        )
-        fields.update(changes)
-        return TrainState(**fields, static=self.static)
+        return TrainState(**{**_leaves(self), **changes}, static=self.static)
+
+
+_LEAVES = ("master", "compute", "opt_state", "step", "loss_scale")
+
+
+def _leaves(obj: Any) -> dict[str, Any]:
+    """The leaves of a state (or of a donation) by name."""
+    return {name: getattr(obj, name) for name in _LEAVES}
 
 
 class TrainState:
@@ -237,15 +237,7 @@ class TrainState:
         The two share the buffers they have in common: donating either (``train_step``, ...)
         refuses both.
         """
-        fields = dict(
-            master=self.master,
-            compute=self.compute,
-            opt_state=self.opt_state,
-            step=self.step,
-            loss_scale=self.loss_scale,
-        )
-        fields.update(changes)
-        return TrainState(**fields, static=self._static)
+        return TrainState(**{**_leaves(self), **changes}, static=self._static)
 
     def __repr__(self) -> str:
         if self.consumed:
