@@ -9,6 +9,7 @@ over lists of tensors, so the cost does not grow with Python work per leaf or pe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -403,33 +404,31 @@ def adamw(
         nu, nu_scale = nu_rule.zeros(params, blocks)
         return AdamWState(0, mu, nu, mu_scale, nu_scale)
 
+    def fused(count: int, lr_now: float, steps: dict, grad_scale: float, wd, device, *bufs):
+        """torch's fused AdamW on one group of same-device buffers (p, g, mu, nu lists)."""
+        if device not in steps:
+            steps[device] = torch.full((), float(count + 1), dtype=torch.float32, device=device)
+        gp, gg, gm, gv = bufs
+        torch._fused_adamw_(
+            gp,
+            gg,
+            gm,
+            gv,
+            [],
+            [steps[device]] * len(gp),
+            amsgrad=False,
+            lr=lr_now,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=wd,
+            eps=eps,
+            maximize=False,
+            grad_scale=_scale_arg(grad_scale, device),
+            found_inf=None,
+        )
+
     def narrow_update(grads, state: AdamWState, params, donate: bool, grad_scale: float):
-        lr_now = lr_at(lr, state.count)
-        steps: dict[torch.device, torch.Tensor] = {}
-
-        def kernel(wd, device, gp, gg, gm, gv) -> None:
-            if device not in steps:
-                steps[device] = torch.full(
-                    (), float(state.count + 1), dtype=torch.float32, device=device
-                )
-            torch._fused_adamw_(
-                gp,
-                gg,
-                gm,
-                gv,
-                [],
-                [steps[device]] * len(gp),
-                amsgrad=False,
-                lr=lr_now,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=wd,
-                eps=eps,
-                maximize=False,
-                grad_scale=_scale_arg(grad_scale, device),
-                found_inf=None,
-            )
-
+        kernel = functools.partial(fused, state.count, lr_at(lr, state.count), {}, grad_scale)
         new_p, ((mu, mu_s), (nu, nu_s)) = _narrow_step(
             params,
             grads,
@@ -454,30 +453,9 @@ def adamw(
         if narrow:
             return narrow_update(grads, state, params, donate, grad_scale)
         treedef, p, g, (mu, nu) = _prepare(grads, params, donate, grad_scale, state.mu, state.nu)
-        lr_now = lr_at(lr, state.count)
-        steps: dict[torch.device, torch.Tensor] = {}
-        for (device, _, wd), (gp, gg, gm, gv) in _kernel_groups(decay_of(params), p, g, mu, nu):
-            if device not in steps:
-                steps[device] = torch.full(
-                    (), float(state.count + 1), dtype=torch.float32, device=device
-                )
-            torch._fused_adamw_(
-                gp,
-                gg,
-                gm,
-                gv,
-                [],
-                [steps[device]] * len(gp),
-                amsgrad=False,
-                lr=lr_now,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=wd,
-                eps=eps,
-                maximize=False,
-                grad_scale=_scale_arg(grad_scale, device),
-                found_inf=None,
-            )
+        lr_now, steps = lr_at(lr, state.count), {}
+        for (device, _, wd), bufs in _kernel_groups(decay_of(params), p, g, mu, nu):
+            fused(state.count, lr_now, steps, grad_scale, wd, device, *bufs)
         unflat = lambda xs: optree.tree_unflatten(treedef, xs)
         return unflat(p), AdamWState(state.count + 1, unflat(mu), unflat(nu))
 
