@@ -14,29 +14,19 @@ import sys
 import warnings
 
 import pytest
+import test_hf
 import torch
 import torch.distributed.checkpoint as dcp
+import transformers
 
 import funcshard as fs
 from funcshard import cli
 
-transformers = pytest.importorskip("transformers")
-VOCAB = 101
+VOCAB = test_hf.VOCAB
 
 
 def make_llama(seed: int = 0) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
+    return test_hf.make_hf("llama", seed)
 
 
 def save_worker(directory: str) -> None:
