@@ -271,25 +271,26 @@ def sgd(
             return SgdState(count=0, momentum=tree_zeros(params) if momentum else None)
         return SgdState(0, *mu_rule.zeros(params, blocks_of(params)))
 
+    def fused(lr_now: float, grad_scale: float, wd, device, gp, gg, gm) -> None:
+        """torch's fused SGD on one group of same-device buffers (gm: [] without momentum)."""
+        torch._fused_sgd_(
+            gp,
+            gg,
+            gm,
+            weight_decay=wd,
+            momentum=momentum,
+            lr=lr_now,
+            dampening=0.0,
+            nesterov=nesterov,
+            maximize=False,
+            # zero-initialised buffers make step 1 (buf = g) and later steps one formula
+            is_first_step=False,
+            grad_scale=_scale_arg(grad_scale, device),
+            found_inf=None,
+        )
+
     def narrow_update(grads, state: SgdState, params, donate: bool, grad_scale: float):
-        lr_now = lr_at(lr, state.count)
-
-        def kernel(wd, device, gp, gg, gm) -> None:
-            torch._fused_sgd_(
-                gp,
-                gg,
-                gm,
-                weight_decay=wd,
-                momentum=momentum,
-                lr=lr_now,
-                dampening=0.0,
-                nesterov=nesterov,
-                maximize=False,
-                is_first_step=False,
-                grad_scale=_scale_arg(grad_scale, device),
-                found_inf=None,
-            )
-
+        kernel = functools.partial(fused, lr_at(lr, state.count), grad_scale)
         new_p, ((m, m_s),) = _narrow_step(
             params,
             grads,
@@ -323,21 +324,7 @@ def sgd(
             if narrow:
                 cols, write_back = _in_fp32(cols)
             gp, gg, *gm = cols
-            torch._fused_sgd_(
-                gp,
-                gg,
-                gm[0] if momentum else [],
-                weight_decay=wd,
-                momentum=momentum,
-                lr=lr_now,
-                dampening=0.0,
-                nesterov=nesterov,
-                maximize=False,
-                # zero-initialised buffers make step 1 (buf = g) and later steps one formula
-                is_first_step=False,
-                grad_scale=_scale_arg(grad_scale, device),
-                found_inf=None,
-            )
+            fused(lr_now, grad_scale, wd, device, gp, gg, gm[0] if momentum else [])
             if narrow:
                 write_back()
         new_m = optree.tree_unflatten(treedef, m) if momentum else None
