@@ -32,8 +32,8 @@ def fs_optimizer() -> fs.optim.Optimizer:
     return fs.optim.sgd(LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
 
 
-def torch_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+def torch_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
 
 
 def run(
