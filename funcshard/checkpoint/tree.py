@@ -302,38 +302,71 @@ def conversions(
     return out
 
 
+def _optimizer_problems(like: TrainState, source: Source) -> tuple[list[str], dict]:
+    """What keeps ``source``'s optimizer state from ``like``'s, and the paths of its
+    per-bucket parts."""
+    paths, scalars = opt_layout(like.opt_state, len(like.layout.buckets))
+    kind = opt_kind(like.opt_state)
+    problems: list[str] = []
+    if source.info is None:
+        problems.append(
+            "optimizer: the checkpoint was not written by funcshard (no "
+            "optimizer state it can map); restore it with model_only=True"
+        )
+    elif source.info.get("optimizer") is None:
+        problems.append(
+            "optimizer: the checkpoint holds params only (converted); restore it with "
+            "model_only=True"
+        )
+    elif source.info.get("optimizer") != kind:
+        problems.append(
+            f"optimizer: the checkpoint holds {source.info.get('optimizer')}, "
+            f"the target state has {kind}"
+        )
+    have_scalars = source.scalars()
+    for p in [("opt_state", *p) for p in scalars] + [("step",)]:
+        if p not in have_scalars:
+            problems.append(f"{param_dir(p)}: missing from the checkpoint")
+    return problems, paths
+
+
+def _unpaired_problems(
+    expected: dict[Keys, tuple[int, ...]],
+    found: dict,
+    missing: list[Keys],
+    extra: list[Keys],
+) -> list[str]:
+    """Expected arrays the checkpoint lacks and arrays it holds that nothing expects, each
+    with the closest name on the other side."""
+    held = {param_dir(k): s for k, (s, _) in found.items()}
+    wanted = {param_dir(k): s for k, s in expected.items()}
+    unpaired_held = {param_dir(k) for k in extra}
+    unpaired_wanted = {param_dir(k) for k in missing}
+    problems = []
+    for keys in missing:
+        near = _closest(param_dir(keys), expected[keys], held, unpaired_held)
+        problems.append(
+            f"{param_dir(keys)}: missing from the checkpoint (expected shape "
+            f"{expected[keys]})" + (f"; closest there: {near}" if near else "")
+        )
+    for keys in extra:
+        near = _closest(param_dir(keys), found[keys][0], wanted, unpaired_wanted)
+        problems.append(
+            f"{param_dir(keys)}: in the checkpoint but not in the target state "
+            f"(shape {found[keys][0]})" + (f"; closest expected: {near}" if near else "")
+        )
+    return problems
+
+
 def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str], dict[Keys, Keys]]:
     """Every way ``source`` does not fit ``like`` (empty when it fits), and for each expected
     key the source key that feeds it (itself, or a tied alias under which the source holds
     the weight)."""
     layout = like.layout
     found = source.arrays()
-    problems: list[str] = []
     expected = expected_arrays(like, model_only)
     keymap: dict[Keys, Keys] = {}
-    paths: dict[Keys, tuple[bool, ...]] = {}
-    if not model_only:
-        paths, scalars = opt_layout(like.opt_state, len(layout.buckets))
-        kind = opt_kind(like.opt_state)
-        if source.info is None:
-            problems.append(
-                "optimizer: the checkpoint was not written by funcshard (no "
-                "optimizer state it can map); restore it with model_only=True"
-            )
-        elif source.info.get("optimizer") is None:
-            problems.append(
-                "optimizer: the checkpoint holds params only (converted); restore it with "
-                "model_only=True"
-            )
-        elif source.info.get("optimizer") != kind:
-            problems.append(
-                f"optimizer: the checkpoint holds {source.info.get('optimizer')}, "
-                f"the target state has {kind}"
-            )
-        have_scalars = source.scalars()
-        for p in [("opt_state", *p) for p in scalars] + [("step",)]:
-            if p not in have_scalars:
-                problems.append(f"{param_dir(p)}: missing from the checkpoint")
+    problems, paths = ([], {}) if model_only else _optimizer_problems(like, source)
     missing: list[Keys] = []
     convert = {} if model_only else conversions(layout, like.opt_state, found)
     for keys, shape in expected.items():
@@ -362,22 +395,7 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
     used = set(keymap.values()) | {("params", a) for a, _ in layout.aliases}
     used |= {k for k in convert.values() if k is not None and k in found}
     extra = [k for k in found if k not in used and k[:-1] in prefixes]
-    held = {param_dir(k): s for k, (s, _) in found.items()}
-    wanted = {param_dir(k): s for k, s in expected.items()}
-    unpaired_held = {param_dir(k) for k in extra}
-    unpaired_wanted = {param_dir(k) for k in missing}
-    for keys in missing:
-        near = _closest(param_dir(keys), expected[keys], held, unpaired_held)
-        problems.append(
-            f"{param_dir(keys)}: missing from the checkpoint (expected shape "
-            f"{expected[keys]})" + (f"; closest there: {near}" if near else "")
-        )
-    for keys in extra:
-        near = _closest(param_dir(keys), found[keys][0], wanted, unpaired_wanted)
-        problems.append(
-            f"{param_dir(keys)}: in the checkpoint but not in the target state "
-            f"(shape {found[keys][0]})" + (f"; closest expected: {near}" if near else "")
-        )
+    problems += _unpaired_problems(expected, found, missing, extra)
     if not model_only:
         problems += [
             f"{param_dir(k)}: optimizer state the target optimizer lacks"
