@@ -295,12 +295,18 @@ def offload_step(
 
 
 def apply_update(
-    state: Donation, grads: Any, *, threads: int | None, grad_norm: float | None
+    state: Donation,
+    grads: tuple[torch.Tensor, ...],
+    *,
+    threads: int | None,
+    grad_norm: float | None,
 ) -> TrainState:
     """The update of ``offload_step`` on a donated state's leaves (``train_step``'s last part):
-    masters and optimizer state stepped in place, compute copies derived from them."""
+    masters and optimizer state stepped in place, compute copies derived from them.
+
+    ``grads`` are per-bucket flats the caller has checked (``offload_step`` checks them before
+    it donates; ``train_step`` builds them)."""
     layout = state.layout
-    grads = _as_bucket_flats(state, grads)
     master = state.master
     split = _split_opt_state(state.opt_state)
     if grad_norm is None:

@@ -8,6 +8,7 @@ optimizer update (:func:`funcshard.offload.apply_update`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -112,14 +113,15 @@ def train_step(
     if ls is not None:
         torch._foreach_mul_(grads, 1.0 / ls.scale)
     norm = float(reduction.global_norm(layout, grads))
-    new_ls = _next_loss_scale(ls, math.isfinite(norm), layout.policy.loss_scale_growth_interval)
+    finite = math.isfinite(norm)
+    new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
     metrics = _metrics(reduction.mean_loss(layout, losses), norm, new_ls, aux)
-    if not math.isfinite(norm):
+    if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
-        return state.donate("train_step").state(loss_scale=new_ls), metrics
-    donated = state.donate("train_step")
-    new_state = offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm)
-    return new_state.replace(loss_scale=new_ls), metrics
+    donated = dataclasses.replace(state.donate("train_step"), loss_scale=new_ls)
+    if not finite:  # nothing but the loss scale changes
+        return donated.state(), metrics
+    return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
 
 
 def _check_steppable(state: TrainState) -> None:
