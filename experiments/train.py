@@ -3,6 +3,9 @@
     python experiments/train.py --nproc=2                       # 2 local ranks (gloo / NCCL)
     torchrun --nproc_per_node=2 experiments/train.py            # the same under torchrun
     python experiments/train.py --nproc=2 --data=input.txt      # char-level text, no floor
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --max-restarts=3 \
+        --rdzv-backend=c10d ... experiments/train.py --grad_chunks=4 --deterministic \
+        --checkpoint_dir=ckpt --save_every=50 --resume     # elastic: README, "Elastic training"
 
 Ends with ``final loss X nats/token, floor Y, gap Z%`` and writes ``metrics.jsonl`` and
 ``loss.png`` into ``--out_dir``.
@@ -10,10 +13,14 @@ Ends with ``final loss X nats/token, floor Y, gap Z%`` and writes ``metrics.json
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import sys
-from pathlib import Path
+import time
+
+STARTED = time.time()  # this process's start, for metrics.jsonl's start rows (before imports)
+
+import dataclasses  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` as a package
 
@@ -23,7 +30,7 @@ from absl import app, flags  # noqa: E402
 
 import funcshard as fs  # noqa: E402
 from experiments.gpt import GPTConfig  # noqa: E402
-from experiments.trainer import Config, run  # noqa: E402
+from experiments.trainer import Config, microbatches_for, run  # noqa: E402
 from funcshard.policy import native_bf16_reason  # noqa: E402
 
 DTYPES = {
@@ -72,6 +79,14 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_integer(
     "microbatches", 1, "Microbatches per step (gradient accumulation).", lower_bound=1
+)
+flags.DEFINE_integer(
+    "grad_chunks",
+    0,
+    "Gradient chunks per step G, kept whatever the world size: microbatches = G / world "
+    "(for elastic runs; with --deterministic the bits do not depend on the world). "
+    "0 = world x --microbatches.",
+    lower_bound=0,
 )
 flags.DEFINE_integer("batch_size", 64, "Global batch size (sequences per step).", lower_bound=1)
 flags.DEFINE_integer("seq_len", 32, "Tokens per sequence fed to the model.", lower_bound=3)
@@ -131,7 +146,12 @@ flags.DEFINE_string("checkpoint_dir", "", "Root of numbered checkpoints (fs.Chec
 flags.DEFINE_integer(
     "save_every", 0, "Save every N steps and at the end; 0 = never.", lower_bound=0
 )
-flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --checkpoint_dir.")
+flags.DEFINE_bool(
+    "resume",
+    False,
+    "Continue from the latest complete checkpoint in --checkpoint_dir, on whatever world "
+    "this start has; start afresh where there is none (so an elastic run passes it always).",
+)
 flags.DEFINE_integer("seed", 0, "Seeds the initial weights and the data order.")
 flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where the shards live.")
 flags.DEFINE_integer("threads", 0, "CPU threads per rank; 0 = cores / local ranks.", lower_bound=0)
@@ -164,6 +184,11 @@ flags.register_multi_flags_validator(
     lambda f: f["checkpoint_dir"] or not (f["save_every"] or f["resume"]),
     message="--save_every and --resume need --checkpoint_dir",
 )
+flags.register_multi_flags_validator(
+    ["grad_chunks", "microbatches"],
+    lambda f: not (f["grad_chunks"] and f["microbatches"] != 1),
+    message="--grad_chunks sets the microbatches (G / world): leave --microbatches out",
+)
 
 
 def _under_torchrun() -> bool:
@@ -183,10 +208,19 @@ def _check_world(world: int) -> None:
         )
     if FLAGS.shard == -1 and world % FLAGS.replicate:
         _fail(f"--replicate={FLAGS.replicate} does not divide the world size {world}")
-    if FLAGS.batch_size % (world * FLAGS.microbatches):
+    try:
+        given = Config(
+            grad_chunks=FLAGS.grad_chunks,
+            microbatches=FLAGS.microbatches,
+            batch_size=FLAGS.batch_size,
+        )
+        microbatches = microbatches_for(given, world)
+    except ValueError as e:
+        _fail(str(e))
+    if FLAGS.batch_size % (world * microbatches):
         _fail(
             f"--batch_size={FLAGS.batch_size} must be divisible by world size "
-            f"{world} x --microbatches={FLAGS.microbatches}"
+            f"{world} x --microbatches={microbatches}"
         )
     if FLAGS.d_model % FLAGS.n_head:
         _fail(f"--d_model={FLAGS.d_model} must be divisible by --n_head={FLAGS.n_head}")
@@ -238,9 +272,9 @@ def _config() -> Config:
 
 def _torchrun_main(cfg: Config) -> None:
     backend = None if cfg.device != "cpu" and torch.cuda.is_available() else "gloo"
-    fs.init_from_env(backend)  # restart-safe under torchrun --max-restarts
+    fs.init_from_env(backend)  # every round of torchrun: restarts, nodes lost and rejoining
     try:
-        run(cfg)
+        run(cfg, started=STARTED)
     finally:
         dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from experiments import data as data_lib
 from experiments.gpt import GPT, GPTConfig
 from funcshard.mesh import local_device
 
-__all__ = ["Config", "run", "lr_schedule", "final_line"]
+__all__ = ["Config", "run", "lr_schedule", "final_line", "microbatches_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Config:
     offload_fraction: float = 0.0
     deterministic: bool = False  # the same bits on every layout with as many gradient chunks
     microbatches: int = 1
+    grad_chunks: int = 0  # G per step, whatever the world (microbatches = G / world); 0: unset
     batch_size: int = 64
     steps: int = 500
     stop_at: int = 0
@@ -68,6 +70,30 @@ class Config:
     threads: int = 0
     out_dir: str = "out/train"
     log_every: int = 0
+
+
+def microbatches_for(cfg: Config, world: int) -> int:
+    """Microbatches per step on ``world`` data-parallel ranks: ``cfg.grad_chunks / world`` when
+    G is set (so a world that grows or shrinks keeps G, hence the bits), else
+    ``cfg.microbatches``.
+
+    Raises:
+      ValueError: G is not a multiple of ``world``, or the batch does not split into G equal
+        chunks (the message names the numbers).
+    """
+    g = cfg.grad_chunks
+    if not g:
+        return cfg.microbatches
+    if g % world:
+        raise ValueError(
+            f"--grad_chunks={g} gradient chunks per step do not split over {world} data-parallel "
+            f"ranks (world size {world}): G must be a multiple of every world size the run takes"
+        )
+    if cfg.batch_size % g:
+        raise ValueError(
+            f"--batch_size={cfg.batch_size} does not split into --grad_chunks={g} equal chunks"
+        )
+    return g // world
 
 
 def lr_schedule(cfg: Config):
@@ -137,8 +163,11 @@ def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 class Progress:
     """Rank 0's view of the run: a ``\\r`` bar on a terminal, absl log lines otherwise."""
 
-    def __init__(self, start: int, total: int, tokens_per_step: int, every: int) -> None:
+    def __init__(
+        self, start: int, total: int, tokens_per_step: int, every: int, world: int
+    ) -> None:
         self.start, self.total, self.tokens_per_step = start, total, tokens_per_step
+        self.world = world
         self.every = every or max(1, (total - start) // 20)
         self.tty = sys.stderr.isatty()
         self.t0 = time.perf_counter()
@@ -150,7 +179,8 @@ class Progress:
         tps = done * self.tokens_per_step / max(elapsed, 1e-9)
         eta = elapsed / max(done, 1) * (self.total - step)
         line = (
-            f"step {step}/{self.total}  loss {loss:.4f}  {tps / 1e3:.1f}k tok/s  "
+            f"step {step}/{self.total}  loss {loss:.4f}  world {self.world}  "
+            f"{tps / 1e3:.1f}k tok/s  "
             f"ETA {int(eta) // 60}:{int(eta) % 60:02d}"
         )
         if self.tty:
@@ -177,18 +207,32 @@ def _set_threads(cfg: Config, device: torch.device) -> None:
 
 
 def _load_rows(path: Path, before: int) -> list[dict[str, Any]]:
-    """The step rows of an earlier run's metrics.jsonl, up to the step a resumed run starts at."""
+    """The step and start rows of an earlier run's metrics.jsonl, up to the step a resumed run
+    starts at (the steps after it are replayed)."""
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "step" in r and r["step"] <= before]
+    return [r for r in rows if r.get("step", r.get("start", before + 1)) <= before]
 
 
-def evaluate(model: GPT, state: fs.TrainState, source, cfg: Config, device: torch.device) -> float:
-    """Mean loss of the master weights on ``cfg.eval_batches`` held-out global batches."""
+def evaluate(
+    model: GPT,
+    state: fs.TrainState,
+    source,
+    cfg: Config,
+    device: torch.device,
+    microbatches: int = 1,
+) -> float:
+    """Mean loss of the master weights on ``cfg.eval_batches`` held-out global batches.
+
+    With ``cfg.deterministic`` each rank cuts its rows into ``microbatches`` chunks (the
+    training step's G chunks) and every rank sums the same (batches, G) losses: the result is
+    the same bits on every world with the same G, as the training metrics are.
+    """
     params = fs.full_params(state)  # collective: every rank gathers the full model
     rank, world = dist.get_rank(), dist.get_world_size()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    chunks = microbatches if cfg.deterministic else 1
+    losses = torch.zeros(cfg.eval_batches, chunks, dtype=torch.float64, device=device)
     with torch.no_grad():
         for i in range(cfg.eval_batches):
             x = source.batch(
@@ -199,11 +243,13 @@ def evaluate(model: GPT, state: fs.TrainState, source, cfg: Config, device: torc
                 world=world,
                 stream=data_lib.EVAL,
             ).to(device)
-            logits = torch.func.functional_call(model, params, (x[:, :-1],))
-            total[0] += _loss(logits, x).double() * x[:, 2:].numel()
-            total[1] += x[:, 2:].numel()
-    dist.all_reduce(total)
-    return float(total[0] / total[1])
+            for m, part in enumerate(x.chunk(chunks)):
+                logits = torch.func.functional_call(model, params, (part[:, :-1],))
+                losses[i, m] = _loss(logits, part)
+    gathered = [torch.empty_like(losses) for _ in range(world)]
+    dist.all_gather(gathered, losses)
+    # Every chunk holds as many tokens: the mean of the chunks' means is the mean.
+    return float(torch.cat(gathered, dim=1).mean())
 
 
 def _plot(rows: list[dict[str, Any]], floor: float | None, final: float, path: Path) -> None:
@@ -226,13 +272,31 @@ def _plot(rows: list[dict[str, Any]], floor: float | None, final: float, path: P
     plt.close(fig)
 
 
-def run(cfg: Config) -> dict[str, Any]:
+def run(
+    cfg: Config,
+    *,
+    started: float | None = None,
+    after_step: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Trains on every rank of the initialized process group; rank 0 writes ``cfg.out_dir``.
 
+    With ``cfg.resume`` it continues from the latest checkpoint in ``cfg.checkpoint_dir``, if
+    there is one, on the world it finds (``cfg.grad_chunks`` keeps G across worlds). Each start
+    adds a row ``{"start", "world", "microbatches", "time", "joined", "restore_s"}`` to
+    metrics.jsonl, each step a row with its ``world`` and ``time`` (Unix seconds).
+
+    Args:
+      cfg: the run.
+      started: when the process started (Unix seconds), for the start row; default now.
+      after_step: called on every rank after each step (and its save is issued) with the
+        number of steps done and the world size: a pause point for a scheduler or a test.
+
     Returns:
-      {"final_loss", "floor", "steps", "start_step"} (the same on every rank).
+      {"final_loss", "floor", "steps", "start_step", "world"} (the same on every rank).
     """
+    joined = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
+    microbatches = microbatches_for(cfg, world)
     _init_logging(rank)
     device_type = None if cfg.device == "auto" else cfg.device
     mesh = fs.make_mesh(shard=cfg.shard, replicate=cfg.replicate, device_type=device_type)
@@ -254,8 +318,10 @@ def run(cfg: Config) -> dict[str, Any]:
     )
 
     mgr = fs.CheckpointManager(cfg.checkpoint_dir, max_to_keep=3) if cfg.checkpoint_dir else None
+    t0 = time.perf_counter()
     if cfg.resume and mgr is not None and mgr.latest_step() is not None:
         state = mgr.restore(mgr.latest_step(), like=state)
+    restore_s = time.perf_counter() - t0
     start = state.step
 
     out = Path(cfg.out_dir)
@@ -265,15 +331,26 @@ def run(cfg: Config) -> dict[str, Any]:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         log = open(out / "metrics.jsonl", "w")  # noqa: SIM115 - closed at the end of the run
+        rows.append(
+            {
+                "start": start,
+                "world": world,
+                "microbatches": microbatches,
+                "time": started or joined,
+                "joined": joined,
+                "restore_s": restore_s,
+            }
+        )
         log.writelines(json.dumps(row) + "\n" for row in rows)
         logging.info(
-            "%s; model %d params; %d ranks, strategy %s, mesh %s%s",
+            "%s; model %d params; %d ranks x %d microbatches, strategy %s, mesh %s%s",
             data_lib.describe(source),
             n_params,
             world,
+            microbatches,
             cfg.strategy,
             tuple(mesh.shape),
-            f"; resumed at step {start}" if start else "",
+            f"; resumed at step {start} (restore {restore_s:.2f} s)" if start else "",
         )
 
     def loss_fn(params, batch):
@@ -282,12 +359,12 @@ def run(cfg: Config) -> dict[str, Any]:
 
     schedule = lr_schedule(cfg)
     end = min(cfg.stop_at or cfg.steps, cfg.steps)
-    progress = Progress(start, end, cfg.batch_size * (cfg.model.seq_len - 1), cfg.log_every)
+    progress = Progress(start, end, cfg.batch_size * (cfg.model.seq_len - 1), cfg.log_every, world)
     for step in range(start, end):
         x = source.batch(
             step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, rank=rank, world=world
         ).to(device)
-        state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=cfg.microbatches)
+        state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=microbatches)
         if (
             mgr is not None
             and cfg.save_every
@@ -302,14 +379,18 @@ def run(cfg: Config) -> dict[str, Any]:
                 "nonfinite": metrics["nonfinite"],
                 "lr": schedule(step),
                 "tokens_per_s": progress.update(state.step, metrics["loss"]),
+                "world": world,
+                "time": time.time(),
             }
             rows.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
+        if after_step is not None:
+            after_step(state.step, world)
     if mgr is not None:
         mgr.wait()
 
-    final = evaluate(model, state, source, cfg, device)
+    final = evaluate(model, state, source, cfg, device, microbatches)
     if log is not None:
         summary = {
             "final_loss": final,
@@ -319,6 +400,12 @@ def run(cfg: Config) -> dict[str, Any]:
         }
         log.write(json.dumps(summary) + "\n")
         log.close()
-        _plot(rows, source.floor, final, out / "loss.png")
+        _plot([r for r in rows if "step" in r], source.floor, final, out / "loss.png")
         print(final_line(final, source.floor), flush=True)
-    return {"final_loss": final, "floor": source.floor, "steps": state.step, "start_step": start}
+    return {
+        "final_loss": final,
+        "floor": source.floor,
+        "steps": state.step,
+        "start_step": start,
+        "world": world,
+    }

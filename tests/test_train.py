@@ -128,6 +128,7 @@ def test_text_source_windows_come_from_the_file(tmp_path):
         (["--shard=3", "--replicate=1"], "--shard"),
         (["--offload_fraction=1.5"], "--offload_fraction"),
         (["--param_dtype=bf17"], "--param_dtype"),
+        (["--grad_chunks=3"], "--grad_chunks=3 gradient chunks per step do not split over 2"),
     ],
 )
 def test_bad_flags_fail_before_launching_and_name_the_flag(args, flag):
@@ -152,11 +153,13 @@ def _checkpoint(path: Path) -> dict:
         return mgr.restore(int(path.name))
 
 
-def test_train_runs_and_resumes_bit_identically(tmp_path):
+def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
+    """2 ranks straight; 2 ranks to step 3, then 1 rank from its checkpoint: --grad_chunks
+    keeps G = 2 (1 then 2 microbatches) and --deterministic the bits."""
     whole, split = tmp_path / "whole", tmp_path / "split"
-    common = ["--nproc=2", "--steps=6", "--save_every=3", *TINY]
+    common = ["--steps=6", "--save_every=3", "--grad_chunks=2", "--deterministic", *TINY]
 
-    a = _train(*common, f"--checkpoint_dir={whole / 'ckpt'}", f"--out_dir={whole}")
+    a = _train(*common, "--nproc=2", f"--checkpoint_dir={whole / 'ckpt'}", f"--out_dir={whole}")
     assert a.returncode == 0, a.stderr[-4000:]
     # The smoke test: the final line, the metrics and the plot.
     final = FINAL.search(a.stdout)
@@ -166,17 +169,23 @@ def test_train_runs_and_resumes_bit_identically(tmp_path):
     assert float(final.group(1)) == pytest.approx(summary["final_loss"], abs=1e-4)
     assert (whole / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    b1 = _train(*common, "--stop_at=3", f"--checkpoint_dir={split / 'ckpt'}", f"--out_dir={split}")
+    ckpt = f"--checkpoint_dir={split / 'ckpt'}"
+    b1 = _train(*common, "--nproc=2", "--stop_at=3", ckpt, f"--out_dir={split}")
     assert b1.returncode == 0, b1.stderr[-4000:]
-    b2 = _train(*common, "--resume", f"--checkpoint_dir={split / 'ckpt'}", f"--out_dir={split}")
+    b2 = _train(*common, "--nproc=1", "--resume", ckpt, f"--out_dir={split}")
     assert b2.returncode == 0, b2.stderr[-4000:]
-    assert "resumed at step 3" in b2.stderr
+    assert "1 ranks x 2 microbatches" in b2.stderr and "resumed at step 3" in b2.stderr
+    assert re.search(r"step 4/6 .* world 1 ", b2.stderr), b2.stderr[-2000:]
 
     rows_b, summary_b = _rows(split)
-    assert len(rows_b) == len(rows)
-    for r, rb in zip(rows, rows_b, strict=True):  # the same steps, up to their speed
-        assert dict(r, tokens_per_s=None) == dict(rb, tokens_per_s=None)
-    assert summary_b == summary
+    assert [r["world"] for r in rows] == [2] * 6
+    assert [r["world"] for r in rows_b] == [2, 2, 2, 1, 1, 1]
+    for r, rb in zip(rows, rows_b, strict=True):  # the same steps, up to speed, time, world
+        assert dict(r, tokens_per_s=0, time=0, world=0) == dict(rb, tokens_per_s=0, time=0, world=0)
+    assert summary_b == summary  # the held-out loss too (deterministic: chunked as training)
+    starts = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    starts = [(r["start"], r["world"], r["microbatches"]) for r in starts if "start" in r]
+    assert starts == [(0, 2, 1), (3, 1, 2)]
     assert FINAL.search(b2.stdout).group(0) == final.group(0)
     ckpt_a, ckpt_b = _checkpoint(whole / "ckpt" / "6"), _checkpoint(split / "ckpt" / "6")
     assert ckpt_a["step"] == ckpt_b["step"] == 6
