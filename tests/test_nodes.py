@@ -2,18 +2,24 @@
 
 HSDP (replicate across nodes, shard within) trains a few SGD-momentum fp32 steps and must equal
 one plain-torch process on the concatenated global batch. The HFSDP case (outer_strategy
-"optim") runs once ``fs.init`` takes that keyword. Skipped, with the reason, only where network
-namespaces cannot be made (not root, no iproute2, no netns support).
+"optim") runs once ``fs.init`` takes that keyword. ``fs.init_from_env`` joins a restart with
+the shared store; experiments/train.py, elastic (``--nnodes=1:2``), loses a node in the middle
+of a save, finishes on the smaller world while the node comes back, and ends with the bits of
+a run that lost nothing. Skipped, with the reason, only where network namespaces cannot be
+made (not root, no iproute2, no netns support).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import subprocess
 import sys
 import time
 
 import _nodes_job
+import numpy as np
 import pytest
 import torch
 
@@ -131,27 +137,88 @@ def test_a_restart_across_nodes_with_the_shared_store(tmp_path) -> None:
     assert sorted(rounds[2:]) == [("0", "0", "2", "2"), ("1", "1", "2", "2")], run.tails()
 
 
-def test_a_node_lost_and_rejoining(tmp_path) -> None:
-    """--nnodes=1:2 without the shared store (torch 2.13 cannot take a node back with it): B is
-    killed, A goes on alone (world 1), B comes back (world 2 again); every round joins."""
+# --- The main job, elastic: a node lost after a checkpoint and rejoining, bit for bit -------------
+
+_ELASTIC_JOB = os.path.join(ROOT, "tests", "_elastic_job.py")
+_TRAIN = os.path.join(ROOT, "experiments", "train.py")
+# A tiny GPT, 10 steps of G = 4 gradient chunks (1 row each), a checkpoint every 2 steps.
+_ELASTIC = [
+    "--n_layer=1", "--d_model=16", "--n_head=2", "--batch_size=4", "--seq_len=8",
+    "--eval_batches=1", "--threads=1", "--warmup=2", "--log_every=1", "--steps=10",
+    "--save_every=2", "--grad_chunks=4", "--deterministic", "--param_dtype=fp32",
+    "--device=cpu", "--resume",
+]  # fmt: skip
+
+
+def _metrics(out_dir) -> tuple[list[dict], list[dict], dict]:
+    """metrics.jsonl's step rows, start rows and summary."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in rows if "final_loss" in r)
+    return [r for r in rows if "step" in r], [r for r in rows if "start" in r], summary
+
+
+def _params(ckpt_step_dir) -> dict:
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(ckpt_step_dir.parent) as mgr:  # a JAX user's way to read a step
+        return mgr.restore(int(ckpt_step_dir.name))["params"]
+
+
+def test_a_node_lost_and_rejoining_finishes_bit_identically(tmp_path) -> None:
+    """experiments/train.py on 2 nodes x 2 ranks under torchrun --nnodes=1:2 (no shared store:
+    torch 2.13 cannot take a node back with it), G = 4, deterministic, an asynchronous
+    checkpoint every 2 steps. Node B is killed after step 6, in the middle of the step-6 save
+    (no rank has written yet; checkpoint 4 is complete): node A restarts alone, resumes at step
+    4 on 2 ranks (2 microbatches), saves 6 again and reaches step 7; B comes back: A's ranks
+    are stopped and 4 ranks resume at 6 and finish. Every step's loss and grad norm, the
+    held-out loss and the final params are bitwise those of a straight 4-rank run."""
+    ref_dir, out, ckpt = tmp_path / "ref", tmp_path / "out", tmp_path / "ckpt"
+    reference = subprocess.Popen(  # beside the elastic run, which mostly waits
+        [sys.executable, _TRAIN, "--nproc=4", *_ELASTIC, f"--out_dir={ref_dir}",
+         f"--checkpoint_dir={ref_dir / 'ckpt'}"],
+        env={**_env(), "CUDA_VISIBLE_DEVICES": ""}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     kw = dict(
-        nnodes="1:2", torchrun_args=["--max-restarts=3", "--monitor-interval=0.2"],
-        rdzv_conf=_FAST, env=env, log_dir=str(tmp_path),
+        nnodes="1:2", nproc_per_node=2, rdzv_conf=_FAST, env=env, log_dir=str(tmp_path),
+        torchrun_args=["--max-restarts=3", "--monitor-interval=0.2"],
     )  # fmt: skip
-    argv = [_JOB, str(tmp_path), "--until_stop"]
-    worlds = lambda: [line[3] for line in _inits(tmp_path)]  # noqa: E731
-    with nodes.Nodes(2) as net:
-        run = net.torchrun(argv, **kw)
-        _wait_for(lambda: worlds() == ["2", "2"], run, 60, "first round of 2")
-        net.kill(1)
-        _wait_for(lambda: worlds()[2:] == ["1"], run, 60, "round of 1 after the loss")
-        back = net.torchrun(argv, nodes=[1], **kw)
-        both = nodes.NodesRun([run.procs[0], back.procs[0]], [run.logs[0], back.logs[0]])
-        _wait_for(lambda: worlds()[3:] == ["2", "2"], both, 60, "round of 2 after the rejoin")
-        (tmp_path / "stop").touch()
-        assert both.wait(timeout=60) == [0, 0], both.tails()
-    inits = _inits(tmp_path)
-    assert all(line[4] == line[3] for line in inits), inits
-    # The last round: A restarted once after the loss, B's new agent counts from 0 again.
-    assert sorted(line[0] for line in inits[3:]) == ["0", "1"], inits
+    argv = [_ELASTIC_JOB, f"--hold_dir={tmp_path}", "--hold=6:4,7:2", *_ELASTIC,
+            f"--out_dir={out}", f"--checkpoint_dir={ckpt}"]  # fmt: skip
+    at = lambda step: (tmp_path / f"held{step}").exists()  # noqa: E731
+    saved = lambda step: (ckpt / str(step) / "commit_success.txt").exists()  # noqa: E731
+    try:
+        with nodes.Nodes(2) as net:
+            run = net.torchrun(argv, **kw)
+            _wait_for(lambda: at(6) and saved(4), run, 120, "step 6 on 4 ranks, checkpoint 4")
+            assert not saved(6)  # held until go6
+            net.kill(1)
+            (tmp_path / "go6").touch()  # node A's save threads write, and find B gone
+            _wait_for(lambda: at(7) and saved(6), run, 120, "step 7 on 2 ranks, checkpoint 6")
+            back = net.torchrun(argv, nodes=[1], **kw)
+            both = nodes.NodesRun([run.procs[0], back.procs[0]], [run.logs[0], back.logs[0]])
+            assert both.wait(timeout=120) == [0, 0], both.tails()
+        ref_log, _ = reference.communicate(timeout=120)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait()
+    assert reference.returncode == 0, ref_log[-4000:]
+
+    rows, starts, summary = _metrics(out)
+    ref_rows, ref_starts, ref_summary = _metrics(ref_dir)
+    assert [(r["start"], r["world"], r["microbatches"]) for r in starts] == [
+        (0, 4, 1), (4, 2, 2), (6, 4, 1)
+    ], starts  # fmt: skip
+    assert [r["world"] for r in rows] == [4, 4, 4, 4, 2, 2, 4, 4, 4, 4]
+    assert [r["world"] for r in ref_rows] == [4] * 10
+    keys = ("step", "loss", "grad_norm", "nonfinite", "lr")
+    for r, ref in zip(rows, ref_rows, strict=True):  # floats round-trip JSON exactly
+        assert [r[k] for k in keys] == [ref[k] for k in keys], (r, ref)
+    assert summary == ref_summary
+    assert sorted(os.listdir(ckpt)) == ["10", "6", "8"]  # nothing left of the killed save
+    got, want = _params(ckpt / "10"), _params(ref_dir / "ckpt" / "10")
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert np.asarray(got[name]).tobytes() == np.asarray(value).tobytes(), name
