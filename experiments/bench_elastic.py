@@ -3,12 +3,16 @@
     sudo python experiments/bench_elastic.py       # torch's rendezvous defaults
     sudo python experiments/bench_elastic.py --keep_alive_interval=1 \\
         --keep_alive_max_attempt=5 --last_call_timeout=1          # the fast settings
+    sudo python experiments/bench_elastic.py --loss=cut --collective_timeout=10   # B cut off
 
 Two network-namespace nodes (experiments/nodes.py) x ``--nproc_per_node`` ranks run
 experiments/train.py by the README's recipe: ``torchrun --nnodes=1:2 --max-restarts=3
 --rdzv-backend=c10d`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, ``--grad_chunks=4
 --deterministic --resume`` and a checkpoint every ``--save_every`` steps. Once step
-``--kill_at`` is logged, node B is killed (SIGKILL to every process in it); once node A has
+``--kill_at`` is logged, node B is killed (SIGKILL to every process in it: its peers' sockets
+get a reset at once), or with ``--loss=cut`` its link goes down (its peers hear nothing and
+wait for ``--collective_timeout``; B's processes are killed unheard once A has resumed, and
+the link comes back up); once node A has
 done ``--rejoin_after`` steps alone, B's torchrun starts again. The times come from node A's
 torchrun log (``LOGLEVEL=INFO``: a worker failed, a round formed, new nodes detected) and from
 metrics.jsonl (each start's process start, join and restore time; each step's time). Printed:
@@ -41,6 +45,15 @@ flags.DEFINE_integer("steps", 150, "Steps of the run.", lower_bound=1)
 flags.DEFINE_integer("save_every", 10, "Checkpoint interval (steps).", lower_bound=1)
 flags.DEFINE_integer("kill_at", 25, "Kill node B once this step is logged.", lower_bound=1)
 flags.DEFINE_integer("rejoin_after", 15, "Start B again after A's steps alone.", lower_bound=1)
+flags.DEFINE_enum(
+    "loss",
+    "kill",
+    ["kill", "cut"],
+    "kill: every process of B dies (their peers get a reset at once); cut: B's link goes "
+    "down (a silent loss: A's collectives wait --collective_timeout), B is killed once A "
+    "has resumed, then its link comes back.",
+)
+flags.DEFINE_float("collective_timeout", 30.0, "train.py --collective_timeout (seconds).")
 flags.DEFINE_integer("keep_alive_interval", None, "rdzv-conf (torch's default 5 s).")
 flags.DEFINE_integer("keep_alive_max_attempt", None, "rdzv-conf (torch's default 3).")
 flags.DEFINE_integer("last_call_timeout", None, "rdzv-conf (torch's default 30 s).")
@@ -49,7 +62,7 @@ flags.DEFINE_string("rate", None, "Each node's link rate per direction (tc synta
 flags.DEFINE_list("train_args", [], "More experiments/train.py flags (--d_model=128,...).")
 flags.DEFINE_float("timeout", 600.0, "Seconds before everything is stopped.")
 
-_AGENT = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+) +\d+ torch/distributed/\S+\] (.*)$")
+_AGENT = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+) +\d+ \S*torch/distributed/\S+\] (.*)$")
 
 
 def _agent_events(log: str) -> list[tuple[float, str]]:
@@ -157,6 +170,7 @@ def main(argv: list[str]) -> None:
             "--threads=1",
             "--device=cpu",
             "--resume",
+            f"--collective_timeout={FLAGS.collective_timeout}",
             f"--out_dir={out}",
             f"--checkpoint_dir={Path(tmp) / 'ckpt'}",
             *FLAGS.train_args,
@@ -176,8 +190,14 @@ def main(argv: list[str]) -> None:
         run = net.torchrun(argv, **kw)
         _wait(lambda: any(r["step"] >= FLAGS.kill_at for r in steps()), run, "kill step")
         t_kill = time.time()
-        net.kill(1)
+        if FLAGS.loss == "kill":
+            net.kill(1)
+        else:
+            net.set_link(1, up=False)
         _wait(lambda: len(starts()) >= 2, run, "round after the loss")
+        if FLAGS.loss == "cut":  # B's processes end unheard; a new B finds its link back
+            net.kill(1)
+            net.set_link(1, up=True)
         resumed = starts()[1]["start"]
         _wait(
             lambda: any(r["step"] >= resumed + FLAGS.rejoin_after for r in steps()),
@@ -205,16 +225,23 @@ def main(argv: list[str]) -> None:
     resumed, caught = _recovery(all_steps, reached, lost)
     print(
         f"2 nodes x {FLAGS.nproc_per_node} ranks, G = 4, checkpoint every {FLAGS.save_every} "
-        f"steps, rdzv-conf {conf or 'torch defaults'}, load {load[0]:.1f} -> {load[1]:.1f}; "
+        f"steps, rdzv-conf {conf or 'torch defaults'}, collective timeout "
+        f"{FLAGS.collective_timeout:g} s, load {load[0]:.1f} -> {load[1]:.1f}; "
         f"step {pace[first['world']]:.3f} s on {first['world']} ranks, "
         f"{pace[lost['world']]:.3f} s on {lost['world']}"
     )
     _report(
-        f"node B killed at step {reached}: node A resumes at checkpoint {lost['start']} "
+        f"node B {'killed' if FLAGS.loss == 'kill' else 'cut off'} at step {reached}: "
+        f"node A resumes at checkpoint {lost['start']} "
         f"on {lost['world']} ranks",
         t_kill,
         [
-            ("A's ranks fail (a collective finds B gone), agent sees it", t_fail),
+            (
+                "A's ranks fail (a collective finds B gone), agent sees it"
+                if FLAGS.loss == "kill"
+                else "A's ranks fail (a collective times out), agent sees it",
+                t_fail,
+            ),
             ("a round of 1 node forms (B's heartbeats expire, last call)", t_round),
             ("the workers start", lost["time"]),
             ("joined: imports, fs.init_from_env", lost["joined"]),

@@ -333,6 +333,11 @@ class Nodes:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
+    def set_link(self, node: int, up: bool) -> None:
+        """Node ``node``'s ``eth0`` down (a cable pulled: its processes live on, nothing
+        reaches them and nothing of theirs gets out, not even a reset) or up again."""
+        _sh(["ip", "-n", self.names[node], "link", "set", IFNAME, "up" if up else "down"])
+
     def counters(self, node: int) -> LinkCounters:
         """The counters of node ``node``'s ``eth0`` (``ip -s -j link`` in its namespace)."""
         r = _ip("-j", "-s", "-n", self.names[node], "link", "show", "dev", IFNAME)

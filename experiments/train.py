@@ -20,6 +20,7 @@ STARTED = time.time()  # this process's start, for metrics.jsonl's start rows (b
 import dataclasses  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` as a package
@@ -153,6 +154,13 @@ flags.DEFINE_bool(
     "this start has; start afresh where there is none (so an elastic run passes it always).",
 )
 flags.DEFINE_integer("seed", 0, "Seeds the initial weights and the data order.")
+flags.DEFINE_float(
+    "collective_timeout",
+    0.0,
+    "Seconds a collective may wait for a peer before it fails (under torchrun: a node cut "
+    "off without its processes dying is found this way); 0 = torch's default (30 min).",
+    lower_bound=0.0,
+)
 flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where the shards live.")
 flags.DEFINE_integer("threads", 0, "CPU threads per rank; 0 = cores / local ranks.", lower_bound=0)
 flags.DEFINE_string("out_dir", "out/train", "Where metrics.jsonl and loss.png go.")
@@ -272,7 +280,8 @@ def _config() -> Config:
 
 def _torchrun_main(cfg: Config) -> None:
     backend = None if cfg.device != "cpu" and torch.cuda.is_available() else "gloo"
-    fs.init_from_env(backend)  # every round of torchrun: restarts, nodes lost and rejoining
+    timeout = timedelta(seconds=FLAGS.collective_timeout) if FLAGS.collective_timeout else None
+    fs.init_from_env(backend, timeout=timeout)  # every torchrun round: restarts, nodes lost, back
     try:
         run(cfg, started=STARTED)
     finally:
