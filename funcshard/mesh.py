@@ -9,7 +9,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["make_mesh", "local_device", "axis_size", "axis_rank", "axis_group", "world_group"]
+__all__ = [
+    "make_mesh",
+    "local_device",
+    "axis_size",
+    "axis_rank",
+    "axis_group",
+    "world_group",
+    "master_group",
+]
 
 AXES = ("replicate", "shard")
 
@@ -97,4 +105,26 @@ def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     group = _FLAT_GROUPS.get(mesh)
     if group is None:
         group = _FLAT_GROUPS[mesh] = mesh._flatten("dp").get_group()
+    return group
+
+
+_MASTER_GROUPS: weakref.WeakKeyDictionary[DeviceMesh, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """Every rank of the mesh, rank ``(r, s)`` at place ``s * R + r`` (HFSDP's master order).
+
+    A collective on first use for a mesh (every rank must call it: ``fs.init`` does). Where
+    that order is the mesh's own (``R == 1`` or ``S == 1``) it is the world group.
+    """
+    replicate, shard = mesh.size(0), mesh.size(1)
+    if replicate == 1 or shard == 1:
+        return world_group(mesh)
+    group = _MASTER_GROUPS.get(mesh)
+    if group is None:
+        ranks = mesh.mesh  # (replicate, shard) global ranks
+        order = [int(ranks[r, s]) for s in range(shard) for r in range(replicate)]
+        group = _MASTER_GROUPS[mesh] = dist.new_group(order, sort_ranks=False)
     return group
