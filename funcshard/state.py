@@ -296,7 +296,8 @@ def derive_compute(
         keep = sharded and (bucket.offload or layout.hierarchical)
         if m.is_meta:
             size = inner.buckets[i].numel * (1 if sharded else inner.shard_size)
-            out.append(torch.empty(size, dtype=dtype, device="meta") if keep or not sharded else None)
+            kept = keep or not sharded
+            out.append(torch.empty(size, dtype=dtype, device="meta") if kept else None)
             continue
         given = local[i] if local is not None else None
         if given is not None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
+from funcshard.plan import transformer_shapes
 
 import models
 
@@ -81,3 +82,78 @@ def test_parity_with_offload(pool4) -> None:
     for rank_errors in pool4.run(parity_worker, 2, 2, ("optim", "optim_grads_params"), 0.5):
         bad = {k: v for k, v in rank_errors.items() if not v < 1e-4}
         assert not bad, f"relative error >= 1e-4: {bad}"
+
+
+# --- 1/R of HSDP's state per rank, as planned -------------------------------------------------
+def memory_worker(outer: str) -> dict:
+    mesh = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
+    model = models.make_model(seed=1, dim=64)
+    state = fs.init(
+        model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads", outer_strategy=outer
+    )
+    opt = [t for t in fs.tree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {"master": nbytes(state.master), "opt_state": nbytes(opt)}
+
+
+def test_state_per_rank_is_one_over_r_of_hsdp(pool4) -> None:
+    model = models.make_model(seed=1, dim=64)
+    measured, planned = {}, {}
+    for outer in ("no_shard", "optim"):
+        measured[outer] = pool4.run(memory_worker, outer)
+        p = fs.plan(
+            model,
+            world_size=4,
+            replicate=2,
+            strategy="optim_grads",
+            optimizer="adamw",
+            device_type="cpu",
+            outer_strategy=outer,
+        )
+        planned[outer] = {"master": p.memory.master, "opt_state": p.memory.opt_state}
+        for rank in measured[outer]:
+            assert rank == planned[outer], (outer, rank, planned[outer])
+    hsdp, hfsdp = (sum(planned[o].values()) for o in ("no_shard", "optim"))
+    # 64-row leaves halve exactly; the 11-row head and the 0-d scale pad to whole rows
+    assert 1.9 < hsdp / hfsdp <= 2.0, (hsdp, hfsdp)
+
+
+@pytest.mark.parametrize("replicate", [2, 4, 8])
+def test_plan_of_a_large_model(replicate: int) -> None:
+    """Shapes that split evenly: masters and optimizer state exactly 1/R of HSDP's; what
+    crosses "replicate" is a reduce-scatter and an all-gather of the inner shard (HSDP: one
+    all-reduce of it: the same link bytes, since a ring all-reduce is a reduce-scatter and an
+    all-gather), and the shard axis carries the same bytes under both."""
+    shapes = transformer_shapes(n_layers=2, dim=1024, ffn_dim=4096, n_heads=8, n_kv_heads=8)
+    kw = dict(world_size=8 * replicate, replicate=replicate, strategy="optim_grads_params")
+    hsdp = fs.plan(shapes, **kw)
+    hfsdp = fs.plan(shapes, **kw, outer_strategy="optim")
+    assert hfsdp.memory.master * replicate == hsdp.memory.master
+    assert hfsdp.memory.opt_state * replicate == hsdp.memory.opt_state
+    # the norm's 8-byte sum runs over every rank (the masters' group) instead of "shard"
+    assert hfsdp.comm_by_axis["shard"] == hsdp.comm_by_axis["shard"] - 8
+    assert hfsdp.comm_by_axis["world"] == hsdp.comm_by_axis["world"] + 8
+    assert hfsdp.comm_by_axis["replicate"] == 2 * hsdp.comm_by_axis["replicate"]
+    assert hfsdp.outer_strategy == "optim" and "outer_strategy=optim" in hfsdp.table()
+
+
+def error_worker() -> str:
+    mesh = fs.make_mesh(device_type="cpu")
+    try:
+        fs.init(
+            models.make_model(),
+            fs.optim.sgd(0.1),
+            mesh=mesh,
+            strategy="no_shard",
+            outer_strategy="optim",
+        )
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_no_shard_inside_is_refused_with_the_equivalent(pool1) -> None:
+    message = pool1.run(error_worker)[0]
+    assert 'strategy="optim" on a 1-D mesh' in message, message
+    with pytest.raises(ValueError, match="outer_strategy 'optim_grads'"):
+        fs.plan({"w": (4, 4)}, world_size=4, replicate=2, outer_strategy="optim_grads")
