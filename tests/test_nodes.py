@@ -1,14 +1,13 @@
 """Real multi-node runs: 2 network-namespace nodes x 2 ranks under torchrun (c10d rendezvous).
 
 HSDP (replicate across nodes, shard within) trains a few SGD-momentum fp32 steps and must equal
-one plain-torch process on the concatenated global batch. The HFSDP case (outer_strategy
-"optim") runs once ``fs.init`` takes that keyword. Skipped, with the reason, only where network
+one plain-torch process on the concatenated global batch, and so must HFSDP (outer_strategy
+"optim": the optimizer sharded across the nodes too). Skipped, with the reason, only where network
 namespaces cannot be made (not root, no iproute2, no netns support).
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import time
@@ -16,8 +15,6 @@ import time
 import _nodes_job
 import pytest
 import torch
-
-import funcshard as fs
 
 import models
 
@@ -31,32 +28,13 @@ _WHY = nodes.unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"no network namespaces: {_WHY}")
 
 
-def _outer_strategy_missing() -> bool:
-    """True when ``fs.init`` would raise TypeError for the keyword ``outer_strategy``."""
-    try:
-        inspect.signature(fs.init).bind(None, None, mesh=None, outer_strategy="optim")
-    except TypeError:
-        return True
-    return False
-
-
 def _env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize(
-    "outer_strategy",
-    [
-        None,
-        pytest.param(
-            "optim",
-            marks=pytest.mark.skipif(_outer_strategy_missing(), reason="HFSDP not implemented yet"),
-        ),
-    ],
-    ids=["hsdp", "hfsdp"],
-)
-def test_two_nodes_match_one_process(tmp_path, outer_strategy: str | None) -> None:
+@pytest.mark.parametrize("outer_strategy", ["no_shard", "optim"], ids=["hsdp", "hfsdp"])
+def test_two_nodes_match_one_process(tmp_path, outer_strategy: str) -> None:
     out = tmp_path / "result.pt"
     argv = [
         os.path.join(ROOT, "tests", "_nodes_job.py"),
@@ -65,9 +43,8 @@ def test_two_nodes_match_one_process(tmp_path, outer_strategy: str | None) -> No
         "--shard=2",
         "--replicate=2",
         "--strategy=optim_grads_params",
+        f"--outer_strategy={outer_strategy}",
     ]
-    if outer_strategy is not None:
-        argv.append(f"--outer_strategy={outer_strategy}")
     with nodes.Nodes(2, rate="1gbit") as net:
         run = net.torchrun(argv, nproc_per_node=2, env=_env(), log_dir=str(tmp_path))
         codes = run.wait(timeout=180)  # 27 s on a quiet 2-core machine, 83 s at load 60
