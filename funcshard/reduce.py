@@ -25,6 +25,7 @@ __all__ = [
     "reduce_shard_axis",
     "start_reduce_shard_axis",
     "reduce_replicate_axis",
+    "start_reduce_replicate_axis",
     "reduce_step_grads",
     "global_norm",
 ]
@@ -59,18 +60,29 @@ def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -
     HFSDP: ``local`` is the inner shard (:attr:`Layout.inner`), reduce-scattered over
     "replicate" into this rank's master shard.
     """
+    return start_reduce_replicate_axis(layout, bucket, local).wait()
+
+
+def start_reduce_replicate_axis(
+    layout: Layout, bucket: Bucket, local: torch.Tensor
+) -> collectives.Pending:
+    """``reduce_replicate_axis`` without waiting for HFSDP's reduce-scatter (the all-reduce
+    of HSDP is done when this returns)."""
     group = layout.replicate_group
     reduction = reduction_of(layout)
+    grad = bucket.dtypes.grad
     if layout.hierarchical:
         specs, replicas = layout.bucket_leaves(bucket), layout.replicas
         wire = shard_lib.to_sections(local, specs, replicas, bucket.dtypes.comm)
-        if replicas > 1:
-            wire = reduction.start_reduce_scatter(wire, group, axis="replicate").wait()
-        return wire.to(bucket.dtypes.grad)
+        if replicas == 1:
+            return collectives.Pending(None, wire.to(grad))
+        pending = reduction.start_reduce_scatter(wire, group, axis="replicate")
+        return collectives.Pending.then(pending, lambda shard: shard.to(grad))
     if torch.distributed.get_world_size(group) == 1:
-        return local
+        return collectives.Pending(None, local)
     wire = local.to(bucket.dtypes.comm)
-    return reduction.all_reduce(wire, group, axis=layout.replicate_axis).to(bucket.dtypes.grad)
+    summed = reduction.all_reduce(wire, group, axis=layout.replicate_axis)
+    return collectives.Pending(None, summed.to(grad))
 
 
 def reduce_step_grads(
@@ -88,18 +100,19 @@ def reduce_step_grads(
 
     Returns:
       Per bucket, this rank's master shard of the mean in main-grads dtype (summed over
-      "replicate", or reduce-scattered over it under HFSDP).
+      "replicate", or reduce-scattered over it under HFSDP: every bucket's reduce-scatter is
+      started before the first is waited for).
     """
     inner = layout.inner
-    out = []
+    pending = []
     for bucket, part, g in zip(layout.buckets, inner.buckets, grads, strict=True):
         if g is None:
             numel = part.numel * (1 if shard_reduced else inner.shard_size)
             g = torch.zeros(numel, dtype=part.dtypes.grad, device=layout.device)
         if not shard_reduced:
             g = reduce_shard_axis(inner, part, g)
-        out.append(reduce_replicate_axis(layout, bucket, g))
-    return out
+        pending.append(start_reduce_replicate_axis(layout, bucket, g))
+    return [p.wait() for p in pending]
 
 
 def reduce_scatter_grads(
