@@ -9,6 +9,8 @@ Muon.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,3 +159,34 @@ def test_no_shard_inside_is_refused_with_the_equivalent(pool1) -> None:
     assert 'strategy="optim" on a 1-D mesh' in message, message
     with pytest.raises(ValueError, match="outer_strategy 'optim_grads'"):
         fs.plan({"w": (4, 4)}, world_size=4, replicate=2, outer_strategy="optim_grads")
+
+
+# --- what reads master rows: export, full_params, params by name ------------------------------
+def export_worker(directory: str) -> dict:
+    from safetensors.torch import load_file
+
+    mesh = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
+    model = models.make_model(seed=4)
+    state = fs.init(model, fs.optim.adamw(1e-2), mesh=mesh, outer_strategy="optim")
+    rows = LOCAL_ROWS * dist.get_world_size()
+    state, _ = models.train(state, model, range(2), rows=rows)
+    full = fs.full_params(state)
+    fs.export_safetensors(directory, state, max_shard_bytes=4096)  # several files
+    dist.barrier()
+    loaded = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            loaded.update(load_file(f"{directory}/{name}"))
+    return {
+        "same": all(torch.equal(loaded[n], full[n]) for n in full) and loaded.keys() == full.keys(),
+        "rows": {n: tuple(t.shape) for n, t in state.params.items()},
+        "shard_rank": state.layout.shard_rank,
+    }
+
+
+def test_export_and_views_read_the_master_rows(pool4, tmp_path) -> None:
+    results = pool4.run(export_worker, str(tmp_path / "hf"))
+    assert all(r["same"] for r in results)
+    # global rank r * S + s holds master s * R + r: 10 rows of 37 each, 7 on the last
+    assert [r["shard_rank"] for r in results] == [0, 2, 1, 3]
+    assert [r["rows"]["inp.weight"][0] for r in results] == [10, 10, 10, 7]
