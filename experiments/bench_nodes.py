@@ -1,4 +1,4 @@
-"""Two nodes on a slow link: funcshard flat ZeRO-3 and HSDP beside FSDP2 flat and HSDP.
+"""Two nodes on a slow link: funcshard flat ZeRO-3, HSDP and HFSDP beside FSDP2 flat and HSDP.
 
     sudo python experiments/bench_nodes.py                 # 2 nodes x 2 ranks, 1gbit link
     sudo python experiments/bench_nodes.py --microbatches=2   # + FSDP2 HSDP all-reducing once
@@ -12,7 +12,8 @@ row sees the same link and load:
 
 * funcshard flat ZeRO-3: ``make_mesh(shard=4)``, the shard axis spans both nodes;
 * funcshard HSDP: ``make_mesh(shard=2, replicate=2)``, ZeRO-3 in a node, replicas across;
-* funcshard HFSDP (``outer_strategy="optim"``): runs once ``fs.init`` takes that argument;
+* funcshard HFSDP: the HSDP mesh with ``outer_strategy="optim"`` (masters and AdamW state
+  sharded over both nodes too);
 * FSDP2 flat: ``fully_shard`` per block, then the root, on 4 ranks;
 * FSDP2 HSDP: the same on ``init_device_mesh("cpu", (2, 2), ("replicate", "shard"))``;
   with ``--microbatches`` > 1 also "all-reduce once" (``set_requires_all_reduce(False)``
@@ -33,7 +34,6 @@ alone would set every time.
 from __future__ import annotations
 
 import copy
-import inspect
 import itertools
 import json
 import os
@@ -68,10 +68,6 @@ NODES, PER_NODE = 2, 2
 ONCE = "FSDP2 HSDP, all-reduce once"
 
 
-def hfsdp_supported() -> bool:
-    return "outer_strategy" in inspect.signature(fs.init).parameters
-
-
 def _link() -> tuple[int, int]:
     """(rx, tx) bytes of this node's ``eth0`` (the veth; /proc/net is the namespace's)."""
     with open("/proc/net/dev") as f:
@@ -99,11 +95,9 @@ class _Fsdp2Hsdp(bs._Fsdp2):
             )
 
 
-def _funcshard(model: GPT, mesh, cfg: bs.Config, **outer) -> bs._Funcshard:
-    runner = bs._Funcshard(model, mesh, "optim_grads_params", fs.MixedPrecisionPolicy(), cfg)
-    if outer:  # the same runner on a state whose optimizer is sharded over the replicas too
-        runner.state = fs.init(model, fs.optim.adamw(bs.LR, weight_decay=0.1), mesh=mesh, **outer)
-    return runner
+def _funcshard(model: GPT, mesh, cfg: bs.Config, outer: str = "no_shard") -> bs._Funcshard:
+    policy = fs.MixedPrecisionPolicy()
+    return bs._Funcshard(model, mesh, "optim_grads_params", policy, cfg, outer_strategy=outer)
 
 
 def worker(cfg: bs.Config, out: str) -> None:
@@ -125,12 +119,12 @@ def worker(cfg: bs.Config, out: str) -> None:
     }
     if cfg.microbatches > 1:
         rows[ONCE] = _Fsdp2Hsdp(copy.deepcopy(model), mesh2d, cfg, once=True)
-    plan_kw = {"funcshard flat ZeRO-3": dict(shard=4), "funcshard HSDP": dict(replicate=2)}
-    if hfsdp_supported():  # HFSDP: this row and its plan are all it takes
-        rows["funcshard HFSDP"] = _funcshard(
-            copy.deepcopy(model), hsdp, cfg, outer_strategy="optim"
-        )
-        plan_kw["funcshard HFSDP"] = dict(replicate=2, outer_strategy="optim")
+    rows["funcshard HFSDP"] = _funcshard(copy.deepcopy(model), hsdp, cfg, outer="optim")
+    plan_kw = {
+        "funcshard flat ZeRO-3": dict(shard=4),
+        "funcshard HSDP": dict(replicate=2),
+        "funcshard HFSDP": dict(replicate=2, outer_strategy="optim"),
+    }
     times = {k: [] for k in rows}
     link = {k: [] for k in rows}
     measured = {}
@@ -227,11 +221,9 @@ def report(cfg: bs.Config, r: dict, rate: str, load: tuple[float, float]) -> Non
             f"{_mb(r['measured'][name]) if plan else '-':>18}{_mb(state):>15}"
             f"{_mb(plan['state']) if plan else '-':>8}"
         )
-    if not hfsdp_supported():
-        print(f"{'funcshard HFSDP':<28}not implemented yet (fs.init has no outer_strategy)")
     pairs = [("funcshard HSDP", "FSDP2 HSDP"), ("funcshard flat ZeRO-3", "FSDP2 flat")]
     pairs += [("funcshard HSDP", ONCE)] if ONCE in names else []
-    pairs += [("funcshard HFSDP", "funcshard HSDP")] if "funcshard HFSDP" in names else []
+    pairs += [("funcshard HFSDP", "funcshard HSDP")]
     for a, b in pairs:
         ratio = statistics.median(x / y for x, y in zip(slowest[a], slowest[b], strict=True))
         print(f"{a} / {b}: {ratio:.2f}")

@@ -228,6 +228,7 @@ class _Funcshard:
         policy: fs.MixedPrecisionPolicy,
         cfg: Config,
         deterministic: bool = False,
+        outer_strategy: str = "no_shard",
     ) -> None:
         self.model, self.cfg = model, cfg
         opt = fs.optim.adamw(LR, weight_decay=0.1)
@@ -239,6 +240,7 @@ class _Funcshard:
             strategy=strategy,
             deterministic=deterministic,
             offload_fraction=cfg.offload_fraction,
+            outer_strategy=outer_strategy,
         )
 
         def loss_fn(params, batch):

@@ -2,6 +2,7 @@
 
 python experiments/plan.py                                   # Llama-2-70B on 1024 ranks
 python experiments/plan.py --model=zero_7.5b --world_size=64 --policy=fp16_grads16
+python experiments/plan.py --model=llama8b --world_size=32 --replicate=4 --outer_strategy=optim
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "llama70b", ["llama70b", "llama8b", "zero_7.5b"], "Shapes to plan.")
 flags.DEFINE_integer("world_size", 1024, "Data-parallel ranks.")
 flags.DEFINE_integer("replicate", 1, "Replicas (HSDP when > 1).")
+flags.DEFINE_enum(
+    "outer_strategy", "no_shard", ["no_shard", "optim"], "optim: HFSDP (sharded over replicas)."
+)
 flags.DEFINE_integer("microbatches", 1, "Microbatches per step.")
 flags.DEFINE_float("offload_fraction", 0.0, "Share of the optimizer stepped on the host.")
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "sgd_momentum", "sgd"], "Optimizer kind.")
@@ -58,13 +62,16 @@ def main(argv: list[str]) -> None:
             microbatches=FLAGS.microbatches,
             offload_fraction=FLAGS.offload_fraction,
             optimizer=FLAGS.optimizer,
+            outer_strategy=FLAGS.outer_strategy,
         )
         for s in fs.STRATEGIES
+        if s != "no_shard" or FLAGS.outer_strategy == "no_shard"
     ]
     p0 = plans[-1]
     print(
         f"{FLAGS.model}: {p0.numel:,} params, {p0.units} units; world={FLAGS.world_size} "
-        f"replicate={FLAGS.replicate} policy={FLAGS.policy} optimizer={FLAGS.optimizer} "
+        f"replicate={FLAGS.replicate} outer_strategy={FLAGS.outer_strategy} "
+        f"policy={FLAGS.policy} optimizer={FLAGS.optimizer} "
         f"microbatches={FLAGS.microbatches}"
     )
     print("\nmemory per rank (GB = 1e9 B)")
@@ -78,6 +85,11 @@ def main(argv: list[str]) -> None:
     for p in plans:
         cells = [f"{format_bytes(p.comm[k])} ({p.calls[k]})" for k in kinds]
         print(f"{p.strategy:<20}" + "".join(f"{c:>24}" for c in cells))
+    print('\nthe same per mesh axis ("replicate": between nodes)')
+    print(f"{'strategy':<20}" + "".join(f"{a:>15}" for a in p0.comm_by_axis))
+    for p in plans:
+        cells = [format_bytes(v) for v in p.comm_by_axis.values()]
+        print(f"{p.strategy:<20}" + "".join(f"{c:>15}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,12 @@ flags.DEFINE_integer("nproc", 1, "Local ranks to launch (ignored under torchrun)
 flags.DEFINE_integer("shard", -1, "Ranks per shard group; -1 = world size / replicate.")
 flags.DEFINE_integer("replicate", 1, "Replicas (HSDP when > 1).", lower_bound=1)
 flags.DEFINE_enum("strategy", "optim_grads_params", list(fs.STRATEGIES), "What is sharded.")
+flags.DEFINE_enum(
+    "outer_strategy",
+    "no_shard",
+    [s.value for s in fs.OuterStrategy],
+    'What is sharded over "replicate": optim = HFSDP (masters and optimizer over every rank).',
+)
 flags.DEFINE_string(
     "param_dtype",
     "auto",

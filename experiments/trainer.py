@@ -36,6 +36,7 @@ class Config:
     shard: int = -1
     replicate: int = 1
     strategy: str = "optim_grads_params"
+    outer_strategy: str = "no_shard"  # "optim": HFSDP (the optimizer sharded over replicas too)
     policy: fs.MixedPrecisionPolicy = dataclasses.field(
         default_factory=lambda: fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     )
@@ -313,6 +314,7 @@ def run(
         mesh=mesh,
         policy=cfg.policy,
         strategy=cfg.strategy,
+        outer_strategy=cfg.outer_strategy,
         offload_fraction=cfg.offload_fraction,
         deterministic=cfg.deterministic,
     )

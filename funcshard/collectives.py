@@ -122,9 +122,11 @@ class Pending:
 
     @classmethod
     def then(cls, pending: Pending, finish: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
-        """``pending`` whose ``wait()`` gives ``finish`` of its result (run once, at wait)."""
+        """``pending`` whose ``wait()`` gives ``finish`` of its result (run once, at wait;
+        after ``pending``'s own finish, if it has one)."""
         out = cls(pending._work, pending._result, pending._keep)
-        out._finish = finish
+        first = pending._finish
+        out._finish = finish if first is None else (lambda result: finish(first(result)))
         return out
 
     @property

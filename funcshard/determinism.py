@@ -222,7 +222,9 @@ def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
     sums = torch.cat(local)
     size = layout.shard_size
     if size > 1:
-        sums = collectives.all_gather(sums, layout.shard_group, axis="shard", kind="metrics")
+        sums = collectives.all_gather(
+            sums, layout.shard_group, axis=layout.shard_axis, kind="metrics"
+        )
     sums = sums.view(size, at)
     rows = [
         sums[:, where[s.name] : where[s.name] + s.rows_per_shard].reshape(-1)[: s.rows]

@@ -5,6 +5,14 @@ Every parameter is sharded on dim 0 over the "shard" axis, FSDP2 style: ``rows``
 of which only the ones below ``rows`` are real. A 0-d parameter counts as one row. ``no_shard``
 is the same layout with a shard size of 1 (everything is replicated over the whole world).
 
+HFSDP (``outer_strategy="optim"``) shards the masters and the optimizer state over every rank
+of an ``R x S`` mesh: the layout's shard size is ``R * S`` and rank ``(r, s)`` holds master
+index ``m = s * R + r``, so the ``R`` masters of shard rank ``s`` are consecutive rows, and
+together they are exactly the rows ``s`` holds as an inner (HSDP) shard of ``R * rps`` rows
+per leaf. :attr:`Layout.inner` is that inner layout: compute params, gathers and gradients
+within a replica use it; what crosses "replicate" is a reduce-scatter of the inner gradient
+shard into masters and an all-gather of the updated masters back into it.
+
 Leaves of one gather unit with the same dtypes and placement form a bucket: one flat buffer,
 one collective, one fused optimizer call. The layout is computed locally from parameter shapes
 and the mesh shape alone, so every rank derives the same one without communicating.
@@ -25,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from funcshard import mesh as mesh_lib
 from funcshard.buckets import Members, PerBucket
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
-from funcshard.strategy import Strategy
+from funcshard.strategy import OuterStrategy, Strategy
 
 __all__ = [
     "STRATEGIES",
@@ -120,6 +128,7 @@ class Placement:
     replicas_axis: str = "replicate"  # their mesh axis, for the accounting ("world": no_shard)
     replica_count: int = 1
     replica_rank: int = 0
+    axis: str = "shard"  # the mesh axis of ``group``, for the accounting ("world": HFSDP)
 
     def leaves(self, members: Members) -> tuple[LeafSpec, ...]:
         """The specs of the parameters one flat buffer packs, in buffer order."""
@@ -150,22 +159,40 @@ class Layout:
     # bitwise the same results on every layout with the same number of gradient chunks
     # (funcshard.determinism)
     deterministic: bool = False
+    # what is sharded over "replicate" (HFSDP: masters and optimizer state, see the module)
+    outer: OuterStrategy = OuterStrategy.NO_SHARD
 
     def aliases_of(self, name: str) -> tuple[str, ...]:
         """The other names of parameter ``name`` in the model's state_dict (tied weights)."""
         return tuple(a for a, p in self.aliases if p == name)
 
     @property
+    def hierarchical(self) -> bool:
+        """HFSDP: masters and optimizer state sharded over "replicate" x "shard"."""
+        return self.outer.shards_optim
+
+    @property
+    def replicas(self) -> int:
+        """The size of the mesh's "replicate" axis."""
+        return mesh_lib.axis_size(self.mesh, "replicate")
+
+    @property
     def shard_size(self) -> int:
+        """Ranks the master rows are spread over (``R * S`` under HFSDP)."""
         if not self.strategy.shards_optim:
             return 1
-        return mesh_lib.axis_size(self.mesh, "shard")
+        size = mesh_lib.axis_size(self.mesh, "shard")
+        return size * self.replicas if self.hierarchical else size
 
     @property
     def shard_rank(self) -> int:
+        """This rank's master index (``s * R + r`` under HFSDP)."""
         if not self.strategy.shards_optim:
             return 0
-        return mesh_lib.axis_rank(self.mesh, "shard")
+        rank = mesh_lib.axis_rank(self.mesh, "shard")
+        if self.hierarchical:
+            return rank * self.replicas + mesh_lib.axis_rank(self.mesh, "replicate")
+        return rank
 
     @property
     def dp_size(self) -> int:
@@ -173,11 +200,20 @@ class Layout:
 
     @property
     def shard_group(self):
+        """The group of ``shard_size`` ranks, its rank order that of ``shard_rank``."""
+        if self.hierarchical:
+            return mesh_lib.master_group(self.mesh)
         return mesh_lib.axis_group(self.mesh, "shard")
 
     @property
+    def shard_axis(self) -> str:
+        """The mesh axis of ``shard_group``, as ``fs.comm_stats`` counts it."""
+        return "world" if self.hierarchical else "shard"
+
+    @property
     def replicate_group(self):
-        """The group gradient shards are all-reduced over (the world when nothing is sharded)."""
+        """The group gradient shards are all-reduced over (the world when nothing is sharded;
+        under HFSDP the "replicate" axis they are reduce-scattered over)."""
         if not self.strategy.shards_optim:
             return mesh_lib.world_group(self.mesh)
         return mesh_lib.axis_group(self.mesh, "replicate")
@@ -186,6 +222,27 @@ class Layout:
     def replicate_axis(self) -> str:
         """The mesh axis of ``replicate_group``, as ``fs.comm_stats`` counts it."""
         return "replicate" if self.strategy.shards_optim else "world"
+
+    @functools.cached_property
+    def inner(self) -> Layout:
+        """The layout within one replica: compute params, gathers and gradients over "shard".
+
+        Itself unless HFSDP; under HFSDP the HSDP layout whose shard ``s`` holds exactly the
+        rows of masters ``s * R .. s * R + R - 1`` (``R * rows_per_shard`` rows per leaf, in
+        master order), so an inner shard is ``R`` master sections leaf by leaf
+        (:func:`funcshard.sharding.from_rank_sections` over ``R``).
+        """
+        if not self.hierarchical:
+            return self
+        r = self.replicas
+        leaves = tuple(
+            dataclasses.replace(s, rows_per_shard=r * s.rows_per_shard, offset=r * s.offset)
+            for s in self.leaves
+        )
+        buckets = tuple(dataclasses.replace(b, numel=r * b.numel) for b in self.buckets)
+        return dataclasses.replace(
+            self, leaves=leaves, buckets=buckets, outer=OuterStrategy.NO_SHARD
+        )
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -229,6 +286,7 @@ class Layout:
             replica_count=replicas,
             replica_rank=dist.get_rank(self.replicate_group) if replicas > 1 else 0,
             replicas_axis=self.replicate_axis,
+            axis=self.shard_axis,
         )
 
     def per_bucket(self, values: Sequence) -> PerBucket:
@@ -349,6 +407,7 @@ def build_layout(
     units: UnitsArg = None,
     partition: Callable[[str, tuple], Hashable] | None = None,
     deterministic: bool = False,
+    outer_strategy: str | OuterStrategy = OuterStrategy.NO_SHARD,
 ) -> Layout:
     """Computes the layout from ``{name: (shape, dtype)}`` in ``named_parameters`` order.
 
@@ -356,12 +415,22 @@ def build_layout(
     with different keys never share a bucket, so every flat buffer has one rule.
     ``deterministic`` asks for the layout-independent reductions of
     :mod:`funcshard.determinism` (it checks that the mesh and policy allow them).
+    ``outer_strategy`` is what is sharded over "replicate" (``"optim"``: HFSDP).
     """
     strategy = Strategy.parse(strategy)
+    outer = OuterStrategy.parse(outer_strategy, what="outer_strategy")
+    if outer.shards_optim and not strategy.shards_optim:
+        raise ValueError(
+            'outer_strategy="optim" shards the optimizer over "replicate" x "shard", but '
+            'strategy="no_shard" shards nothing over "shard"; the same placement is '
+            'strategy="optim" on a 1-D mesh (fs.make_mesh(shard=world_size))'
+        )
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
     prefixes = _resolve_units(model, units) if model is not None else list(units or [])
     shard_size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
+    if outer.shards_optim:
+        shard_size *= mesh_lib.axis_size(mesh, "replicate")
 
     raw = [
         _leaf_rows(name, shape, dtype, policy, shard_size, deterministic)
@@ -401,6 +470,7 @@ def build_layout(
         if model is not None
         else (),
         deterministic=deterministic,
+        outer=outer,
     )
 
 

@@ -9,7 +9,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["make_mesh", "local_device", "axis_size", "axis_rank", "axis_group", "world_group"]
+__all__ = [
+    "make_mesh",
+    "local_device",
+    "axis_size",
+    "axis_rank",
+    "axis_group",
+    "world_group",
+    "master_group",
+]
 
 AXES = ("replicate", "shard")
 
@@ -98,3 +106,28 @@ def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     if group is None:
         group = _FLAT_GROUPS[mesh] = mesh._flatten("dp").get_group()
     return group
+
+
+# HFSDP's master-order groups, one per rank order of a world: keyed by the order and the default
+# group (held, so that its id cannot come back), not by the mesh, which compares by value. Every
+# rank then makes a group at the same call (the first for that order), whatever the
+# garbage collector has done with older meshes of the same shape.
+_MASTER_GROUPS: dict[tuple[int, tuple[int, ...]], tuple[object, dist.ProcessGroup]] = {}
+
+
+def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """Every rank of the mesh, rank ``(r, s)`` at place ``s * R + r`` (HFSDP's master order).
+
+    A collective on first use for a rank order (every rank must call it: ``fs.init`` does).
+    Where that order is the mesh's own (``R == 1`` or ``S == 1``) it is the world group.
+    """
+    replicate, shard = mesh.size(0), mesh.size(1)
+    if replicate == 1 or shard == 1:
+        return world_group(mesh)
+    ranks = mesh.mesh  # (replicate, shard) global ranks
+    order = tuple(int(ranks[r, s]) for s in range(shard) for r in range(replicate))
+    world = dist.group.WORLD
+    key = (id(world), order)
+    if key not in _MASTER_GROUPS:
+        _MASTER_GROUPS[key] = (world, dist.new_group(list(order), sort_ranks=False))
+    return _MASTER_GROUPS[key][1]

@@ -16,7 +16,10 @@ dtype and ``c`` those of the compute dtype::
     optim_grads         reduce_scatter M*Pp*w, all_reduce Pp/S*w (R > 1), all_gather Pp*c
     optim_grads_params  all_gather 2*M*Pp*c, reduce_scatter M*Pp*w, all_reduce Pp/S*w (R > 1)
 
-(reduce-scatter and all-gather only when ``S > 1``). With ``deterministic=True`` and ``M > 1``
+(reduce-scatter and all-gather only when ``S > 1``). Under HFSDP (``outer_strategy="optim"``,
+``Pp`` padded to a multiple of ``R * S``) the all-reduce over "replicate" becomes a
+reduce-scatter ``Pp/S*w`` and an all-gather ``Pp/S*c`` over it, once per step, and the norm's
+metrics run over every rank ("world"). With ``deterministic=True`` and ``M > 1``
 ``optim_grads`` and ``optim_grads_params`` reduce-scatter once per step (``Pp*w``): a rank sums
 its microbatches first; the tree collectives move and count the same bytes as the ring ones,
 and the metrics are all-gathers (the norm's per-row sums, ``S * rows_per_shard * 8``; every
@@ -53,7 +56,7 @@ from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
 from funcshard.policy import MixedPrecisionPolicy
 from funcshard.reduction import reduction_of
-from funcshard.strategy import Strategy
+from funcshard.strategy import OuterStrategy, Strategy
 
 __all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
 
@@ -123,13 +126,15 @@ class Plan:
     # the same bytes per mesh axis ("shard", "replicate", "world"): what crosses the slow link
     # between nodes is the "replicate" entry (see ``fs.comm_stats().bytes_by_axis``)
     comm_by_axis: dict[str, int] = dataclasses.field(default_factory=dict)
+    outer_strategy: str = "no_shard"
 
     def table(self) -> str:
         """A readable summary."""
         m = self.memory
         rows = [
             (
-                f"strategy={self.strategy} world={self.world_size} "
+                f"strategy={self.strategy} outer_strategy={self.outer_strategy} "
+                f"world={self.world_size} "
                 f"mesh=(replicate={self.replicate}, shard={self.shard}) "
                 f"microbatches={self.microbatches}"
             ),
@@ -281,10 +286,9 @@ def _muon_exchange(
         held = [max(a, b) for a, b in zip(held, ex.owner_bytes, strict=True)]
         gathered = [a + b for a, b in zip(gathered, ex.gather_bytes or [0] * S, strict=True)]
         calls += ex.calls
-    by_axis = {
-        "shard": max(s - g for s, g in zip(sent, gathered, strict=True)),
-        layout.replicate_axis: max(gathered),
-    }
+    by_axis = {layout.shard_axis: max(s - g for s, g in zip(sent, gathered, strict=True))}
+    if R > 1:
+        by_axis[layout.replicate_axis] = max(gathered)
     return max(sent), calls, max(held), by_axis
 
 
@@ -295,26 +299,29 @@ def _size(dtype: torch.dtype) -> int:
 def _memory(
     layout: Layout, state_bytes: list[int], device_type: str, microbatches: int, muon_owner: int = 0
 ) -> MemoryPlan:
-    S = layout.shard_size
+    inner = layout.inner  # compute params and gradients live in it (itself but under HFSDP)
+    S = inner.shard_size
+    gathered_compute = layout.hierarchical and layout.replicas > 1
     zero3 = layout.strategy.shards_params
     sharded_grads = not _accumulates_unreduced(layout, microbatches)
     # a deterministic step holds up to log2(M) partial sums of its microbatches
     partials = max(1, microbatches.bit_length() - 1) if layout.deterministic else 1
     master = compute = compute_shard = grads = opt = host = 0
     unit_full: dict[int, int] = {}
-    for b in layout.buckets:
+    for b, part in zip(layout.buckets, inner.buckets, strict=True):
         d = b.dtypes
-        p_bytes, c_bytes = b.numel * _size(d.master), b.numel * _size(d.compute)
-        g_bytes = b.numel * _size(d.grad)
+        p_bytes, c_bytes = b.numel * _size(d.master), part.numel * _size(d.compute)
+        g_bytes = part.numel * _size(d.grad)
         on_device = not b.offload or device_type == "cpu"
-        same = d.compute == d.master and on_device  # m.to(device, compute) returns m itself
+        # m.to(device, compute) returns m itself (not under HFSDP: a gathered copy)
+        same = d.compute == d.master and on_device and not gathered_compute
         if b.offload:
             host += p_bytes + state_bytes[b.index]
         else:
             master += p_bytes
             opt += state_bytes[b.index]
         if zero3:
-            if b.offload:
+            if b.offload or layout.hierarchical:  # a kept compute shard
                 compute += 0 if same else c_bytes
             else:
                 compute_shard += 0 if same else c_bytes
@@ -337,7 +344,8 @@ def _accumulates_unreduced(layout: Layout, microbatches: int) -> bool:
 
 
 def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
-    S, M = layout.shard_size, microbatches
+    inner = layout.inner  # gathers and gradients within a replica (itself but under HFSDP)
+    S, M = inner.shard_size, microbatches
     strategy = layout.strategy
     nbytes = dict.fromkeys(KINDS, 0)
     calls = dict.fromkeys(KINDS, 0)
@@ -348,8 +356,8 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
         calls[kind] += count
         by_axis[axis] += count * size
 
-    for b in layout.buckets:
-        full = S * b.numel
+    for b, part in zip(layout.buckets, inner.buckets, strict=True):
+        full = S * part.numel
         w, c = _size(b.dtypes.comm), _size(b.dtypes.compute)
         if not strategy.shards_optim:
             if world > 1:
@@ -359,19 +367,24 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
             per_mb = not _accumulates_unreduced(layout, M)
             add("reduce_scatter", M if per_mb else 1, full * w, "shard")
             add("all_gather", 2 * M if strategy.shards_params else 1, full * c, "shard")
-        if replicate > 1:
+        if replicate > 1 and layout.hierarchical:  # into the masters and back, once a step
+            add("reduce_scatter", 1, part.numel * w, "replicate")
+            add("all_gather", 1, part.numel * c, "replicate")
+        elif replicate > 1:
             add("all_reduce", 1, b.numel * w, "replicate")
+    # the norm's sums run over the masters' group (every rank under HFSDP)
+    masters, axis = layout.shard_size, layout.shard_axis
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
         if world > 1:
             add("metrics", 1, world * M * _METRIC_BYTES, "world")
-        if S > 1:
+        if masters > 1:
             rows = sum(s.rows_per_shard for s in layout.leaves)
-            add("metrics", 1, S * rows * _METRIC_BYTES, "shard")
+            add("metrics", 1, masters * rows * _METRIC_BYTES, axis)
         return nbytes, calls, by_axis
     if world > 1:
         add("metrics", 1, _METRIC_BYTES, "world")  # the loss
-    if S > 1:
-        add("metrics", 1, _METRIC_BYTES, "shard")  # the squared gradient norm
+    if masters > 1:
+        add("metrics", 1, _METRIC_BYTES, axis)  # the squared gradient norm
     return nbytes, calls, by_axis
 
 
@@ -412,6 +425,7 @@ def plan(
     dtype: torch.dtype = torch.float32,
     device_type: str = "cuda",
     deterministic: bool = False,
+    outer_strategy: str | OuterStrategy = "no_shard",
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -433,6 +447,8 @@ def plan(
       dtype: the model dtype of shape-only entries.
       device_type: where the state lives; on "cpu" an offloaded master is also the device's.
       deterministic: as in ``fs.init`` (its reductions and gradient accumulation).
+      outer_strategy: as in ``fs.init`` ("optim": HFSDP, masters and optimizer state over
+        replicate x shard, a reduce-scatter and an all-gather over "replicate" per step).
 
     Returns:
       A :class:`Plan`.
@@ -457,6 +473,7 @@ def plan(
         units=units,
         partition=None if isinstance(optimizer, str) else optimizer.partition,
         deterministic=deterministic,
+        outer_strategy=outer_strategy,
     )
     comm, calls, by_axis = _comm(layout, microbatches, replicate, world_size)
     comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
@@ -478,6 +495,7 @@ def plan(
         comm=comm,
         calls=calls,
         comm_by_axis=by_axis,
+        outer_strategy=str(layout.outer),
     )
 
 

@@ -1,4 +1,5 @@
-"""Gradient reduction: reduce-scatter over "shard", then all-reduce over "replicate".
+"""Gradient reduction: reduce-scatter over "shard", then all-reduce over "replicate" (HSDP)
+or reduce-scatter over it into the masters (HFSDP).
 
 The reduced result REPLACES a gradient; it is never added to the local unreduced one (the
 ``g_i + sum(g)`` bug of seed 003 cannot be written with these functions: the only input of the
@@ -24,6 +25,7 @@ __all__ = [
     "reduce_shard_axis",
     "start_reduce_shard_axis",
     "reduce_replicate_axis",
+    "start_reduce_replicate_axis",
     "reduce_step_grads",
     "global_norm",
 ]
@@ -53,13 +55,34 @@ def start_reduce_shard_axis(
 
 
 def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
-    """Sums a gradient shard over the replicas (the whole world under ``no_shard``)."""
+    """Sums a gradient shard over the replicas (the whole world under ``no_shard``).
+
+    HFSDP: ``local`` is the inner shard (:attr:`Layout.inner`), reduce-scattered over
+    "replicate" into this rank's master shard.
+    """
+    return start_reduce_replicate_axis(layout, bucket, local).wait()
+
+
+def start_reduce_replicate_axis(
+    layout: Layout, bucket: Bucket, local: torch.Tensor
+) -> collectives.Pending:
+    """``reduce_replicate_axis`` without waiting for HFSDP's reduce-scatter (the all-reduce
+    of HSDP is done when this returns)."""
     group = layout.replicate_group
-    if torch.distributed.get_world_size(group) == 1:
-        return local
-    wire = local.to(bucket.dtypes.comm)
     reduction = reduction_of(layout)
-    return reduction.all_reduce(wire, group, axis=layout.replicate_axis).to(bucket.dtypes.grad)
+    grad = bucket.dtypes.grad
+    if layout.hierarchical:
+        specs, replicas = layout.bucket_leaves(bucket), layout.replicas
+        wire = shard_lib.to_sections(local, specs, replicas, bucket.dtypes.comm)
+        if replicas == 1:
+            return collectives.Pending(None, wire.to(grad))
+        pending = reduction.start_reduce_scatter(wire, group, axis="replicate")
+        return collectives.Pending.then(pending, lambda shard: shard.to(grad))
+    if torch.distributed.get_world_size(group) == 1:
+        return collectives.Pending(None, local)
+    wire = local.to(bucket.dtypes.comm)
+    summed = reduction.all_reduce(wire, group, axis=layout.replicate_axis)
+    return collectives.Pending(None, summed.to(grad))
 
 
 def reduce_step_grads(
@@ -69,23 +92,27 @@ def reduce_step_grads(
 
     Args:
       layout: the state's layout.
-      grads: per bucket, the microbatches' sum: this rank's shard already reduced over
-        "shard" (``shard_reduced``, ZeRO-2/3) or the unreduced rank sections (ZeRO-0/1);
-        None where no gradient reached the bucket (it counts as zeros).
+      grads: per bucket, the microbatches' sum, in the inner layout (:attr:`Layout.inner`,
+        the layout itself but under HFSDP): this rank's shard already reduced over "shard"
+        (``shard_reduced``, ZeRO-2/3) or the unreduced rank sections (ZeRO-0/1); None where
+        no gradient reached the bucket (it counts as zeros).
       shard_reduced: whether the shard-axis reduction already ran.
 
     Returns:
-      Per bucket, this rank's shard of the mean in main-grads dtype (summed over "replicate").
+      Per bucket, this rank's master shard of the mean in main-grads dtype (summed over
+      "replicate", or reduce-scattered over it under HFSDP: every bucket's reduce-scatter is
+      started before the first is waited for).
     """
-    out = []
-    for bucket, g in zip(layout.buckets, grads, strict=True):
+    inner = layout.inner
+    pending = []
+    for bucket, part, g in zip(layout.buckets, inner.buckets, grads, strict=True):
         if g is None:
-            numel = bucket.numel * (1 if shard_reduced else layout.shard_size)
-            g = torch.zeros(numel, dtype=bucket.dtypes.grad, device=layout.device)
+            numel = part.numel * (1 if shard_reduced else inner.shard_size)
+            g = torch.zeros(numel, dtype=part.dtypes.grad, device=layout.device)
         if not shard_reduced:
-            g = reduce_shard_axis(layout, bucket, g)
-        out.append(reduce_replicate_axis(layout, bucket, g))
-    return out
+            g = reduce_shard_axis(inner, part, g)
+        pending.append(start_reduce_replicate_axis(layout, bucket, g))
+    return [p.wait() for p in pending]
 
 
 def reduce_scatter_grads(

@@ -211,7 +211,9 @@ class RingReduction:
             )
         sq = norms.square().sum().to(layout.device)
         if layout.shard_size > 1:
-            sq = collectives.all_reduce(sq, layout.shard_group, axis="shard", kind="metrics")
+            sq = collectives.all_reduce(
+                sq, layout.shard_group, axis=layout.shard_axis, kind="metrics"
+            )
         return sq.sqrt()
 
     def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:

@@ -136,10 +136,40 @@ def from_rank_sections(
     return full
 
 
+def to_sections(
+    full: torch.Tensor, specs: list[LeafSpec], shard_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The inverse of :func:`from_rank_sections`, cast to ``dtype`` on the way (a new tensor):
+    a full-layout flat into the rank sections a reduce-scatter takes."""
+    out = torch.empty(full.numel(), dtype=dtype, device=full.device)
+    if shard_size == 1:
+        return out.copy_(full)
+    sections = out.view(shard_size, -1)
+    dst = [sections[:, s.offset : s.offset + s.shard_numel] for s in specs]
+    src = [
+        full[shard_size * s.offset : shard_size * (s.offset + s.shard_numel)].view(shard_size, -1)
+        for s in specs
+    ]
+    torch._foreach_copy_(dst, src)
+    return out
+
+
+def gather_replicas(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
+    """HFSDP: this rank's inner shard (:attr:`Layout.inner`) of a bucket, all-gathered over
+    "replicate" from the replicas' master flats (``local``: this rank's)."""
+    replicas = layout.replicas
+    sections = (
+        collectives.all_gather(local, layout.replicate_group, axis="replicate")
+        if replicas > 1
+        else local
+    )
+    return from_rank_sections(sections, layout.bucket_leaves(bucket), replicas)
+
+
 def gather_full(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
     """All-gathers a bucket's local flat over the shard axis into the full layout."""
     sections = (
-        collectives.all_gather(local, layout.shard_group, axis="shard")
+        collectives.all_gather(local, layout.shard_group, axis=layout.shard_axis)
         if layout.shard_size > 1
         else local
     )

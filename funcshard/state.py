@@ -19,13 +19,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import donation
+from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
 from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
 from funcshard.policy import MixedPrecisionPolicy
-from funcshard.strategy import Strategy
+from funcshard.strategy import OuterStrategy, Strategy
 
 __all__ = [
     "TrainState",
@@ -200,6 +201,10 @@ class TrainState:
     def strategy(self) -> Strategy:
         return self.layout.strategy
 
+    @property
+    def outer_strategy(self) -> OuterStrategy:
+        return self.layout.outer
+
     # --- views by parameter name ----------------------------------------------------------
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -244,7 +249,8 @@ class TrainState:
             return "TrainState(<consumed>)"
         return (
             f"TrainState(step={self._step}, strategy={self.strategy!r}, "
-            f"params={len(self.layout.leaves)}, buckets={len(self.layout.buckets)})"
+            + (f"outer_strategy={self.outer_strategy!r}, " if self.layout.hierarchical else "")
+            + f"params={len(self.layout.leaves)}, buckets={len(self.layout.buckets)})"
         )
 
 
@@ -270,7 +276,9 @@ def derive_compute(
 
     ZeRO 0-2: per bucket the full compute params (full layout, compute dtype, on the device),
     the master itself when no cast or move is needed. ZeRO-3: only offloaded buckets keep a
-    device compute shard; the others are cast at gather time.
+    device compute shard; the others are cast at gather time. HFSDP first all-gathers the
+    replicas' masters over "replicate" into the inner shard (:attr:`Layout.inner`), which
+    ZeRO-3 keeps for every bucket.
 
     Args:
       layout: the state's layout.
@@ -278,17 +286,18 @@ def derive_compute(
       local: optional, per bucket, the master already cast to the compute dtype on the device
         (``offload_step`` writes it during the CPU step); None entries are cast here.
     """
+    inner = layout.inner
     out = []
     for i, (bucket, m) in enumerate(zip(layout.buckets, master, strict=True)):
         dtype = bucket.dtypes.compute
         sharded = layout.strategy.shards_params
+        # ZeRO-3 keeps a compute shard where it cannot be cast from the master at gather
+        # time: an offloaded master, or (HFSDP) a master that is 1/R of the shard
+        keep = sharded and (bucket.offload or layout.hierarchical)
         if m.is_meta:
-            size = m.numel() * (1 if sharded else layout.shard_size)
-            out.append(
-                None
-                if sharded and not bucket.offload
-                else torch.empty(size, dtype=dtype, device="meta")
-            )
+            size = inner.buckets[i].numel * (1 if sharded else inner.shard_size)
+            kept = keep or not sharded
+            out.append(torch.empty(size, dtype=dtype, device="meta") if kept else None)
             continue
         given = local[i] if local is not None else None
         if given is not None:
@@ -298,10 +307,12 @@ def derive_compute(
             if given is not None
             else m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
         )
+        if layout.hierarchical:  # the updated masters of every replica: the inner shard
+            local_i = shard_lib.gather_replicas(layout, bucket, local_i)
         if sharded:
-            out.append(local_i if bucket.offload else None)
+            out.append(local_i if keep else None)
         else:
-            out.append(shard_lib.gather_full(layout, bucket, local_i))
+            out.append(shard_lib.gather_full(inner, inner.buckets[i], local_i))
     return tuple(out)
 
 
@@ -335,6 +346,7 @@ def init(
     offload_fraction: float = 0.0,
     units: UnitsArg = None,
     deterministic: bool = False,
+    outer_strategy: str | OuterStrategy = "no_shard",
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -354,10 +366,17 @@ def init(
         save/restore between such layouts (see :mod:`funcshard.determinism` for the cost).
         On CUDA the offload fraction must match too (offloaded buckets step with the CPU
         kernel, which may round differently from the CUDA one).
+      outer_strategy: what is sharded over the mesh's "replicate" axis. "no_shard" (HSDP):
+        each replica keeps its shard group's masters and optimizer state whole, gradient
+        shards are all-reduced over "replicate". "optim" (HFSDP): masters and optimizer
+        state are sharded over replicate x shard (1/(R*S) per rank); gradient shards are
+        reduce-scattered over "replicate" once per step, after the last microbatch, and the
+        updated compute params all-gathered over it once per step.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
-        or with a ``grad_comm_dtype`` other than ``main_grads_dtype``.
+        or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
+        "optim"`` with ``strategy="no_shard"``.
     """
     if not isinstance(opt, Optimizer):
         raise TypeError(
@@ -376,7 +395,10 @@ def init(
         units=units,
         partition=opt.partition,
         deterministic=deterministic,
+        outer_strategy=outer_strategy,
     )
+    if layout.hierarchical:
+        mesh_lib.master_group(mesh)  # made here, where every rank is: a collective
     master = _pack_masters(layout, named)
     fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
     loss_scale = LossScale(float(policy.loss_scale_init), 0) if fp16 else None
@@ -396,8 +418,8 @@ def describe(state: TrainState) -> str:
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
     opt_leaves = [t for t in tree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
     lines = [
-        f"strategy={layout.strategy} mesh={tuple(layout.mesh.shape)} "
-        f"shard_size={layout.shard_size}",
+        f"strategy={layout.strategy} outer_strategy={layout.outer} "
+        f"mesh={tuple(layout.mesh.shape)} shard_size={layout.shard_size}",
         f"params={len(layout.leaves)} buckets={len(layout.buckets)} units={len(layout.units)}",
         f"offload_fraction requested={layout.offload_fraction:.3f} "
         f"achieved={layout.achieved_offload_fraction():.3f} "

@@ -56,7 +56,9 @@ def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
             part = g[spec.offset : spec.offset + spec.shard_numel]
             flags[index] = float(not bool(torch.isfinite(part).all()))
     if layout.shard_size > 1:
-        flags = collectives.all_reduce(flags, layout.shard_group, axis="shard", kind="metrics")
+        flags = collectives.all_reduce(
+            flags, layout.shard_group, axis=layout.shard_axis, kind="metrics"
+        )
     return [spec.name for spec, f in zip(layout.leaves, flags.tolist(), strict=True) if f > 0]
 
 
@@ -96,7 +98,7 @@ def train_step(
     scale = (ls.scale if ls is not None else 1.0) / microbatches
 
     # split -> produce: each microbatch's gradients join the step's sum where it says
-    producer = producer_for(layout, state.master, state.compute)
+    producer = producer_for(layout.inner, state.master, state.compute)
     summed = reduction.microbatch_sum(microbatches)
     parts = split_microbatches(batch, microbatches)
     losses, aux = [], None

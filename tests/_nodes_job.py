@@ -5,8 +5,7 @@
 
 Trains the small MLP of ``models.py`` with SGD momentum (fp32) on this rank's slice of
 ``models.global_batch``; rank 0 writes ``{"params", "losses", "world"}`` to OUT with
-``torch.save``. ``--outer_strategy`` is passed to ``fs.init`` only when given, so the HFSDP
-variant is this one flag.
+``torch.save``. ``--outer_strategy=optim`` makes it HFSDP.
 """
 
 from __future__ import annotations
@@ -42,14 +41,15 @@ def run(
     shard: int,
     replicate: int,
     strategy: str,
-    outer_strategy: str | None,
+    outer_strategy: str,
 ) -> None:
     fs.init_from_env("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     model = models.make_model(seed=7)
-    kw = {} if outer_strategy is None else {"outer_strategy": outer_strategy}
-    state = fs.init(model, fs_optimizer(), mesh=mesh, strategy=strategy, **kw)
+    state = fs.init(
+        model, fs_optimizer(), mesh=mesh, strategy=strategy, outer_strategy=outer_strategy
+    )
     loss_fn = models.make_loss_fn(model)
     losses = []
     for step in range(steps):
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard", type=int, default=-1)
     p.add_argument("--replicate", type=int, default=1)
     p.add_argument("--strategy", default="optim_grads_params")
-    p.add_argument("--outer_strategy", default=None)
+    p.add_argument("--outer_strategy", default="no_shard")
     a = p.parse_args(argv)
     run(a.out, a.steps, a.shard, a.replicate, a.strategy, a.outer_strategy)
 

@@ -37,6 +37,11 @@ def pool4():
     yield from _pool(4)
 
 
+@pytest.fixture(scope="session")
+def pool6():
+    yield from _pool(6)
+
+
 @pytest.fixture
 def pool_of(request):
     """``pool_of(n)``: the session pool of ``n`` ranks, for tests parametrized over meshes."""

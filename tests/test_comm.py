@@ -225,7 +225,7 @@ def test_muon_exchange_bytes_equal_the_plan(
 
 # --- bytes per mesh axis ------------------------------------------------------------------------
 def by_axis_worker(
-    strategy: str, replicate: int, microbatches: int, deterministic: bool, muon: bool
+    strategy: str, replicate: int, microbatches: int, deterministic: bool, muon: bool, outer: str
 ) -> dict:
     mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
     if muon:
@@ -233,7 +233,14 @@ def by_axis_worker(
         opt, d_in = test_muon.ours(), test_muon.D_IN
     else:
         model, opt, d_in = models.make_model(), fs.optim.sgd(0.1, momentum=0.9), 5
-    state = fs.init(model, opt, mesh=mesh, strategy=strategy, deterministic=deterministic)
+    state = fs.init(
+        model,
+        opt,
+        mesh=mesh,
+        strategy=strategy,
+        deterministic=deterministic,
+        outer_strategy=outer,
+    )
     world = dist.get_world_size()
     batch = models.local_batch(models.global_batch(0, 4 * world, d_in=d_in), dist.get_rank(), world)
     with fs.comm_stats() as stats:
@@ -248,25 +255,33 @@ BY_AXIS_CASES = [
     (strategy, *case)
     for strategy in fs.STRATEGIES
     for case in [
-        (2, 1, 2, False, False),
-        (3, 1, 1, False, False),
-        (4, 2, 2, False, False),
-        (4, 2, 2, True, False),
-        (4, 4, 1, False, False),
-        (4, 2, 1, False, True),
+        (2, 1, 2, False, False, "no_shard"),
+        (3, 1, 1, False, False, "no_shard"),
+        (4, 2, 2, False, False, "no_shard"),
+        (4, 2, 2, True, False, "no_shard"),
+        (4, 4, 1, False, False, "no_shard"),
+        (4, 2, 1, False, True, "no_shard"),
+        # HFSDP (outer_strategy="optim"): every inner strategy but no_shard
+        (4, 2, 2, False, False, "optim"),
+        (4, 2, 2, True, False, "optim"),
+        (6, 3, 1, False, False, "optim"),
+        (4, 2, 1, False, True, "optim"),
     ]
-    if not (case[-1] and strategy == "optim_grads_params")
+    if not (case[4] and strategy == "optim_grads_params")
+    and not (case[5] == "optim" and strategy == "no_shard")
 ]
 
 
-@pytest.mark.parametrize("strategy,world,replicate,microbatches,deterministic,muon", BY_AXIS_CASES)
+@pytest.mark.parametrize(
+    "strategy,world,replicate,microbatches,deterministic,muon,outer", BY_AXIS_CASES
+)
 def test_bytes_by_axis_equal_the_plan(
-    request, strategy, world, replicate, microbatches, deterministic, muon
+    request, strategy, world, replicate, microbatches, deterministic, muon, outer
 ) -> None:
     """What crosses each mesh axis (the "replicate" one is the slow link between nodes)
     equals fs.plan's comm_by_axis, and the axes add up to the kinds."""
     results = request.getfixturevalue(f"pool{world}").run(
-        by_axis_worker, strategy, replicate, microbatches, deterministic, muon
+        by_axis_worker, strategy, replicate, microbatches, deterministic, muon, outer
     )
     model = models.make_model(seed=3, d_in=test_muon.D_IN) if muon else models.make_model()
     p = fs.plan(
@@ -278,6 +293,7 @@ def test_bytes_by_axis_equal_the_plan(
         optimizer=test_muon.ours() if muon else "sgd_momentum",
         device_type="cpu",
         deterministic=deterministic,
+        outer_strategy=outer,
     )
     for r in results:
         assert sum(r["by_axis"].values()) == sum(r["bytes"].values()), r

@@ -54,9 +54,13 @@ RECIPES = {"adamw": recipe, "muon": muon_recipe}
 
 
 def _full(layout, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full tensors from every rank's rows (the replicas of shard group 0)."""
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
+    """Full tensors from every rank's rows (one holder of each master shard, in shard order:
+    under HFSDP the master index is not the global rank)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (layout.shard_rank, local))
+    parts: dict = {}
+    for shard_rank, rows in gathered:
+        parts.setdefault(shard_rank, rows)
     size = layout.shard_size
     out = {}
     for name in local:
@@ -113,6 +117,7 @@ def _init(
     deterministic: bool = True,
     seed: int = 3,
     optimizer: str = "adamw",
+    outer: str = "no_shard",
 ):
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     return fs.init(
@@ -122,6 +127,7 @@ def _init(
         strategy=strategy,
         offload_fraction=fraction,
         deterministic=deterministic,
+        outer_strategy=outer,
     )
 
 
@@ -134,9 +140,12 @@ def train_worker(
     penalty: bool = False,
     optimizer: str = "adamw",
     twice: bool = False,
+    outer: str = "no_shard",
 ) -> dict:
     torch.set_num_threads(1)
-    state = _init(strategy, shard, replicate, fraction, deterministic, optimizer=optimizer)
+    state = _init(
+        strategy, shard, replicate, fraction, deterministic, optimizer=optimizer, outer=outer
+    )
     state, metrics = _run(state, range(STEPS), CHUNKS // dist.get_world_size(), penalty, twice)
     return {**snapshot(state), "metrics": metrics}
 
@@ -182,6 +191,13 @@ def test_2x2_mesh(pool4, golden, strategy: str) -> None:
         _assert_bitwise(result, golden, f"2x2 {strategy} rank {rank}")
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES[1:])
+def test_hfsdp(pool4, golden, strategy: str) -> None:
+    """HFSDP (masters and optimizer state over replicate x shard) gives HSDP's bits."""
+    for rank, result in enumerate(pool4.run(train_worker, strategy, 2, 2, outer="optim")):
+        _assert_bitwise(result, golden, f"HFSDP {strategy} rank {rank}")
+
+
 @pytest.mark.parametrize("strategy,fraction", [("optim_grads_params", 0.5), ("optim", 1.0)])
 def test_offloaded(pool2, golden, strategy: str, fraction: float) -> None:
     for rank, result in enumerate(pool2.run(train_worker, strategy, -1, 1, fraction)):
@@ -219,36 +235,64 @@ def test_a_bucket_used_three_times(pool1, pool2, pool4, strategy: str) -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_muon_too(pool1, pool2, pool4, strategy: str) -> None:
-    """Muon's owners orthogonalize the same bits whatever the layout (half offloaded too)."""
+    """Muon's owners orthogonalize the same bits whatever the layout (half offloaded too;
+    and under HFSDP, where each matrix has one owner in the whole world)."""
     want = pool1.run(train_worker, "no_shard", optimizer="muon")[0]
     for pool, fraction in ((pool4, 0.0), (pool2, 0.5)):
         for rank, result in enumerate(
             pool.run(train_worker, strategy, fraction=fraction, optimizer="muon")
         ):
             _assert_bitwise(result, want, f"muon {strategy} offload {fraction} rank {rank}")
+    if strategy == "no_shard":
+        return
+    hfsdp = pool4.run(train_worker, strategy, 2, 2, 0.5, optimizer="muon", outer="optim")
+    for rank, result in enumerate(hfsdp):
+        _assert_bitwise(result, want, f"muon HFSDP {strategy} offload 0.5 rank {rank}")
 
 
 # --- save on 2 ranks, restore on 4, continue == the straight run --------------------------------
-def save_worker(directory: str) -> None:
+def save_worker(directory: str, **layout) -> None:
     torch.set_num_threads(1)
-    state, _ = _run(_init("optim_grads_params", fraction=0.5), range(2), 2)
+    state = _init(layout.pop("strategy", "optim_grads_params"), **layout)
+    state, _ = _run(state, range(2), CHUNKS // dist.get_world_size())
     fs.save(directory, state)
 
 
-def resume_worker(directory: str, strategy: str) -> dict:
+def resume_worker(directory: str, strategy: str, **layout) -> dict:
     torch.set_num_threads(1)
-    like = _init(strategy, seed=11)  # other weights: none may survive the restore
+    like = _init(strategy, seed=11, **layout)  # other weights: none may survive the restore
     state = fs.restore(directory, like=like)
-    state, metrics = _run(state, range(2, STEPS), 1)
+    state, metrics = _run(state, range(2, STEPS), CHUNKS // dist.get_world_size())
     return {**snapshot(state), "metrics": metrics}
 
 
 def test_resume_on_another_layout_equals_the_straight_run(pool2, pool4, golden, tmp_path) -> None:
     directory = str(tmp_path / "ckpt")
-    pool2.run(save_worker, directory)
+    pool2.run(save_worker, directory, fraction=0.5)
     want = {**golden, "metrics": golden["metrics"][2:]}
     for rank, result in enumerate(pool4.run(resume_worker, directory, "optim")):
         _assert_bitwise(result, want, f"resumed rank {rank}")
+
+
+def test_resume_across_outer_strategies(pool2, pool4, golden, tmp_path) -> None:
+    """Saved under HFSDP (2x2), restored under HSDP (2x2) and on 2 flat ranks; saved on 2
+    flat ranks, restored under HFSDP: every continuation equals the straight run."""
+    hfsdp = {"shard": 2, "replicate": 2, "outer": "optim"}
+    want = {**golden, "metrics": golden["metrics"][2:]}
+    pool4.run(save_worker, str(tmp_path / "hfsdp"), strategy="optim_grads", **hfsdp)
+    for rank, result in enumerate(
+        pool4.run(resume_worker, str(tmp_path / "hfsdp"), "optim", shard=2, replicate=2)
+    ):
+        _assert_bitwise(result, want, f"HFSDP -> HSDP rank {rank}")
+    for rank, result in enumerate(
+        pool2.run(resume_worker, str(tmp_path / "hfsdp"), "optim_grads_params")
+    ):
+        _assert_bitwise(result, want, f"HFSDP -> 2 flat ranks, rank {rank}")
+    pool2.run(save_worker, str(tmp_path / "flat"), strategy="optim")
+    for rank, result in enumerate(
+        pool4.run(resume_worker, str(tmp_path / "flat"), "optim_grads_params", **hfsdp)
+    ):
+        _assert_bitwise(result, want, f"2 flat ranks -> HFSDP rank {rank}")
 
 
 class _Thin(torch.nn.Module):

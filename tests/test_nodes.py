@@ -1,8 +1,8 @@
 """Real multi-node runs: 2 network-namespace nodes x 2 ranks under torchrun (c10d rendezvous).
 
 HSDP (replicate across nodes, shard within) trains a few SGD-momentum fp32 steps and must equal
-one plain-torch process on the concatenated global batch. The HFSDP case (outer_strategy
-"optim") runs once ``fs.init`` takes that keyword. ``fs.init_from_env`` joins a restart with
+one plain-torch process on the concatenated global batch, and so must HFSDP (outer_strategy
+"optim": the optimizer sharded across the nodes too). ``fs.init_from_env`` joins a restart with
 the shared store; experiments/train.py, elastic (``--nnodes=1:2``), loses a node in the middle
 of a save, finishes on the smaller world while the node comes back, and ends with the bits of
 a run that lost nothing. Skipped, with the reason, only where network namespaces cannot be
@@ -11,7 +11,6 @@ made (not root, no iproute2, no netns support).
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -22,8 +21,6 @@ import _nodes_job
 import numpy as np
 import pytest
 import torch
-
-import funcshard as fs
 
 import models
 
@@ -37,32 +34,13 @@ _WHY = nodes.unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"no network namespaces: {_WHY}")
 
 
-def _outer_strategy_missing() -> bool:
-    """True when ``fs.init`` would raise TypeError for the keyword ``outer_strategy``."""
-    try:
-        inspect.signature(fs.init).bind(None, None, mesh=None, outer_strategy="optim")
-    except TypeError:
-        return True
-    return False
-
-
 def _env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize(
-    "outer_strategy",
-    [
-        None,
-        pytest.param(
-            "optim",
-            marks=pytest.mark.skipif(_outer_strategy_missing(), reason="HFSDP not implemented yet"),
-        ),
-    ],
-    ids=["hsdp", "hfsdp"],
-)
-def test_two_nodes_match_one_process(tmp_path, outer_strategy: str | None) -> None:
+@pytest.mark.parametrize("outer_strategy", ["no_shard", "optim"], ids=["hsdp", "hfsdp"])
+def test_two_nodes_match_one_process(tmp_path, outer_strategy: str) -> None:
     out = tmp_path / "result.pt"
     argv = [
         os.path.join(ROOT, "tests", "_nodes_job.py"),
@@ -71,9 +49,8 @@ def test_two_nodes_match_one_process(tmp_path, outer_strategy: str | None) -> No
         "--shard=2",
         "--replicate=2",
         "--strategy=optim_grads_params",
+        f"--outer_strategy={outer_strategy}",
     ]
-    if outer_strategy is not None:
-        argv.append(f"--outer_strategy={outer_strategy}")
     with nodes.Nodes(2, rate="1gbit") as net:
         run = net.torchrun(argv, nproc_per_node=2, env=_env(), log_dir=str(tmp_path))
         codes = run.wait(timeout=180)  # 27 s on a quiet 2-core machine, 83 s at load 60

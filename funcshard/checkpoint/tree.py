@@ -125,6 +125,7 @@ def info(state: TrainState) -> dict:
         "optimizer": opt_kind(state.opt_state),
         "opt_arrays": [list(p) for p in opt_layout(state.opt_state, len(layout.buckets))[0]],
         "strategy": str(layout.strategy),
+        "outer_strategy": str(layout.outer),
         "mesh": list(layout.mesh.shape),
         "step": int(state.step),
     }
@@ -151,7 +152,8 @@ class Writers:
                 mesh, "shard"
             )
             return cls(layout.dp_size, index, True, split=True)
-        return cls(layout.shard_size, layout.shard_rank, mesh_lib.axis_rank(mesh, "replicate") == 0)
+        # the first replica writes (under HFSDP every rank holds rows no other rank holds)
+        return cls(layout.shard_size, layout.shard_rank, layout.placement.replica_rank == 0)
 
     def rows(self, spec: LeafSpec) -> tuple[int, int, int]:
         """``(start, stop, piece)``: ``spec``'s rows this writer writes, and the rows each

