@@ -132,12 +132,19 @@ def _report(title: str, t0: float, phases: list[tuple[str, float]]) -> None:
     print(f"  {'total':<58} {last - t0:6.2f} s")
 
 
-def _recovery(steps: list[dict], reached: int, start: dict) -> tuple[dict, dict]:
-    """The first step of the round ``start`` began, and its step back at ``reached``."""
+def _round_phases(steps: list[dict], reached: int, start: dict) -> list[tuple[str, float]]:
+    """The round that ``start`` began: its workers' start, join, first step, and the step that
+    brings it back to ``reached``."""
     after = [r for r in steps if r["time"] > start["time"]]
     if not after:
         sys.exit(f"bench_elastic: the round resumed at {start['start']} did no step: more --steps")
-    return after[0], next(r for r in after if r["step"] >= reached)
+    back = next(r for r in after if r["step"] >= reached)
+    return [
+        ("the workers start", start["time"]),
+        ("joined: imports, fs.init_from_env", start["joined"]),
+        (f"first step done: build, restore ({start['restore_s']:.2f} s), step", after[0]["time"]),
+        (f"back at step {reached}: {reached - start['start']} steps replayed", back["time"]),
+    ]
 
 
 def main(argv: list[str]) -> None:
@@ -222,7 +229,6 @@ def main(argv: list[str]) -> None:
     t_fail = _first(events, "failed (exitcode", t_kill)
     t_round = _first(events, "Rendezvous complete", t_fail)
     reached = seen.reached(t_kill)
-    resumed, caught = _recovery(all_steps, reached, lost)
     print(
         f"2 nodes x {FLAGS.nproc_per_node} ranks, G = 4, checkpoint every {FLAGS.save_every} "
         f"steps, rdzv-conf {conf or 'torch defaults'}, collective timeout "
@@ -243,16 +249,12 @@ def main(argv: list[str]) -> None:
                 t_fail,
             ),
             ("a round of 1 node forms (B's heartbeats expire, last call)", t_round),
-            ("the workers start", lost["time"]),
-            ("joined: imports, fs.init_from_env", lost["joined"]),
-            (f"first step done: build, restore ({lost['restore_s']:.2f} s), step", resumed["time"]),
-            (f"back at step {reached}: {reached - lost['start']} steps replayed", caught["time"]),
+            *_round_phases(all_steps, reached, lost),
         ],
     )
     t_seen = _first(events, "new nodes", t_back)
     t_round2 = _first(events, "Rendezvous complete", t_seen)
     reached2 = seen.reached(t_seen)
-    resumed2, caught2 = _recovery(all_steps, reached2, joined)
     _report(
         f"node B back (torchrun started at step {seen.reached(t_back)}): "
         f"{joined['world']} ranks resume at checkpoint {joined['start']}",
@@ -260,16 +262,7 @@ def main(argv: list[str]) -> None:
         [
             ("A's agent sees B waiting (B's torchrun starts, joins)", t_seen),
             ("a round of 2 nodes forms (A's ranks stopped)", t_round2),
-            ("the workers start", joined["time"]),
-            ("joined: imports, fs.init_from_env", joined["joined"]),
-            (
-                f"first step done: build, restore ({joined['restore_s']:.2f} s), step",
-                resumed2["time"],
-            ),
-            (
-                f"back at step {reached2}: {reached2 - joined['start']} steps replayed",
-                caught2["time"],
-            ),
+            *_round_phases(all_steps, reached2, joined),
         ],
     )
 
