@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import collectives
 from funcshard import sharding as shard_lib
+from funcshard import wire as wire_lib
 from funcshard.layout import Bucket, Layout, build_layout
 from funcshard.policy import MixedPrecisionPolicy
 from funcshard.reduction import reduction_of
@@ -43,7 +44,10 @@ def start_reduce_shard_axis(
 ) -> collectives.Pending:
     """``reduce_shard_axis`` without waiting and without the final cast: ``wait()`` gives this
     rank's shard of the mean in ``grad_comm_dtype`` (summed in tree order when the layout is
-    deterministic)."""
+    deterministic); a low-precision wire (:func:`funcshard.wire.reduces_in_fp32`) gives it in
+    fp32 instead, summed there."""
+    if wire_lib.reduces_in_fp32(bucket.dtypes):
+        return wire_lib.start_reduce_shard_axis(layout, bucket, sections)
     wire = sections.to(bucket.dtypes.comm)
     if layout.dp_size > 1:  # a division by one would be a pass over the gradient for nothing
         wire.div_(layout.dp_size)
@@ -57,6 +61,8 @@ def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -
     group = layout.replicate_group
     if torch.distributed.get_world_size(group) == 1:
         return local
+    if wire_lib.reduces_in_fp32(bucket.dtypes):
+        return wire_lib.reduce_replicate_axis(layout, bucket, local)
     wire = local.to(bucket.dtypes.comm)
     reduction = reduction_of(layout)
     return reduction.all_reduce(wire, group, axis=layout.replicate_axis).to(bucket.dtypes.grad)
@@ -118,7 +124,10 @@ def reduce_scatter_grads(
     for bucket in layout.buckets:
         specs = layout.bucket_leaves(bucket)
         sections = shard_lib.to_rank_sections(
-            [grads[s.name] for s in specs], specs, layout.shard_size, bucket.dtypes.comm
+            [grads[s.name] for s in specs],
+            specs,
+            layout.shard_size,
+            wire_lib.sections_dtype(bucket.dtypes),
         )
         local = reduce_replicate_axis(layout, bucket, reduce_shard_axis(layout, bucket, sections))
         out.update({s.name: shard_lib.local_view(local, s, layout.shard_rank) for s in specs})

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import donation
 from funcshard import sharding as shard_lib
+from funcshard import wire as wire_lib
 from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
@@ -301,7 +302,7 @@ def derive_compute(
         if sharded:
             out.append(local_i if bucket.offload else None)
         else:
-            out.append(shard_lib.gather_full(layout, bucket, local_i))
+            out.append(wire_lib.gather_full(layout, bucket, local_i))
     return tuple(out)
 
 
