@@ -247,7 +247,9 @@ def decode(
     dtype, ``(..., numel)``); returns ``out``. A block whose scale is not finite (a NaN or an
     infinity in the block) comes back not finite."""
     top = _TOP[dtype]
-    scales = packed[..., : _SCALE * layout.count].contiguous().view(torch.float32)
+    raw = packed[..., : _SCALE * layout.count]
+    scales = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device).copy_(raw)
+    scales = scales.view(torch.float32)  # a fresh buffer: aligned for the fp32 view
     values = packed[..., _SCALE * layout.count :].view(dtype)
     for run in layout.runs:
         for ov, vv, sv in _views(run, out, values, scales):
