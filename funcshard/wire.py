@@ -142,23 +142,27 @@ class Blocks:
         return _SCALE * self.count + self.values
 
     def split(self, parts: int) -> list[tuple[int, Blocks]]:
-        """``parts`` consecutive pieces ``(first element, blocks)`` covering the section, cut at
-        the first block boundary at or after each ``k * numel / parts`` (a piece may be
-        empty). Cutting inside a row keeps its blocks: the cut falls on a block boundary."""
-        cuts = [self._boundary(-(-k * self.numel // parts)) for k in range(1, parts)]
+        """``parts`` consecutive pieces ``(first element, blocks)`` covering the section, of
+        about equal bytes on the wire: cut at the first block boundary at or after each
+        ``k * nbytes / parts`` bytes (a piece may be empty). Cutting inside a row keeps its
+        blocks, since the cut falls on a block boundary."""
+        cuts = [self._boundary(-(-k * self.nbytes // parts)) for k in range(1, parts)]
         bounds = [0, *cuts, self.numel]
         return [(a, blocks(self._piece(a, b))) for a, b in zip(bounds, bounds[1:], strict=False)]
 
     def _boundary(self, target: int) -> int:
-        """The first block boundary at or after element ``target``."""
-        offset = 0
+        """The element at the first block boundary at or after ``target`` wire bytes."""
+        offset = at_bytes = 0
         for rows, width in self.segments:
-            end = offset + rows * width
-            if target < end:
-                row, at = divmod(target - offset, width)
-                at = min(-(-at // BLOCK) * BLOCK, width)
+            per_block = _SCALE + min(width, BLOCK) if width > 1 else _SCALE
+            row_bytes = _SCALE if width == 1 else width + _SCALE * -(-width // BLOCK)
+            if target < at_bytes + rows * row_bytes:
+                row, rest = divmod(target - at_bytes, row_bytes)
+                block = -(-rest // per_block)  # full blocks before the cut
+                at = min(block * BLOCK, width)
                 return offset + row * width + at
-            offset = end
+            offset += rows * width
+            at_bytes += rows * row_bytes
         return self.numel
 
     def _piece(self, a: int, b: int) -> tuple[tuple[int, int], ...]:

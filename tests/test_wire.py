@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import funcshard as fs
 from funcshard import wire
+from funcshard.plan import transformer_shapes
 
 import models
 
@@ -452,3 +453,19 @@ def refuse_worker(dtype) -> str:
 @pytest.mark.parametrize("wire_name", ["bf16", "int8", "fp8"])
 def test_deterministic_refuses_a_low_precision_grad_wire(pool1, wire_name) -> None:
     assert "grad_comm_dtype" in pool1.run(refuse_worker, WIRES[wire_name])[0]
+
+
+# --- bytes -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim", "no_shard"])
+def test_8bit_wires_move_a_quarter_of_fp32_plus_the_scales(strategy: str) -> None:
+    """On rows of 256 and more (a Llama-shaped model) an 8-bit wire moves 1 + 4/256 bytes an
+    element: <= 0.27x fp32 for the gradients (both axes) and the param gathers."""
+    shapes = transformer_shapes(n_layers=2, dim=256, ffn_dim=1024, n_heads=4, n_kv_heads=4)
+    kw = dict(world_size=8, replicate=2, strategy=strategy, optimizer="sgd", device_type="cpu")
+    fp32 = fs.plan(shapes, **kw)
+    for dtype in (INT8, FP8):
+        policy = fs.MixedPrecisionPolicy(grad_comm_dtype=dtype, param_comm_dtype=dtype)
+        p = fs.plan(shapes, policy=policy, **kw)
+        for kind in ("reduce_scatter", "all_reduce", "all_gather"):
+            if fp32.comm[kind]:
+                assert 0.25 * fp32.comm[kind] < p.comm[kind] <= 0.27 * fp32.comm[kind], kind
