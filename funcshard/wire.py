@@ -192,55 +192,42 @@ def blocks(segments: tuple[tuple[int, int], ...]) -> Blocks:
     return Blocks(segments)
 
 
-def _views(run: _Run, x: torch.Tensor, v: torch.Tensor | None, s: torch.Tensor):
-    """``(elements, values, scales)`` views of ``run`` in tensors of shape ``(..., n)``: per
-    block kind ``(..., blocks, width)``, ``(..., blocks, width)`` and ``(..., blocks)``."""
-
-    def cut(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-        return t[..., start : start + n]
-
-    n = run.count * run.width
-    if run.kind == "exact":
-        yield cut(x, run.offset, n), None, cut(s, run.scale, n)
-        return
-    xs, vs = cut(x, run.offset, n), cut(v, run.value, n)
+def _block_views(run: _Run, chunk: torch.Tensor, scales: torch.Tensor):
+    """``(elements, scales)`` of the blocks of a uniform or ragged ``run``: views of ``chunk``
+    (the run's own elements, shape ``(..., n)``) as ``(..., blocks, width)`` and of the
+    section's ``scales`` as ``(..., blocks)``."""
+    s = scales[..., run.scale : run.scale + run.scales]
     if run.kind == "uniform":
-        shape = (run.count, run.width)
-        yield xs.unflatten(-1, shape), vs.unflatten(-1, shape), cut(s, run.scale, run.count)
+        yield chunk.unflatten(-1, (run.count, run.width)), s
         return
     full = run.width // BLOCK
-    rows = (run.count, run.width)
-    xs, vs = xs.unflatten(-1, rows), vs.unflatten(-1, rows)
-    ss = cut(s, run.scale, run.scales).unflatten(-1, (run.count, full + 1))
-    body = (full, BLOCK)
-    yield (
-        xs[..., : full * BLOCK].unflatten(-1, body),
-        vs[..., : full * BLOCK].unflatten(-1, body),
-        ss[..., :full],
-    )
-    yield xs[..., full * BLOCK :], vs[..., full * BLOCK :], ss[..., full]
+    rows = chunk.unflatten(-1, (run.count, run.width))
+    s = s.unflatten(-1, (run.count, full + 1))
+    yield rows[..., : full * BLOCK].unflatten(-1, (full, BLOCK)), s[..., :full]
+    yield rows[..., full * BLOCK :], s[..., full]
 
 
 def encode(x: torch.Tensor, dtype: torch.dtype, layout: Blocks, out: torch.Tensor) -> None:
     """Quantizes ``x`` (shape ``(..., layout.numel)``, floating) into ``out`` (uint8, shape
     ``(..., layout.nbytes)``): per section its fp32 scales, then its values in ``dtype``."""
     top = _TOP[dtype]
-    lead = x.shape[:-1]
-    scales = torch.empty(*lead, layout.count, dtype=torch.float32, device=x.device)
+    scales = torch.empty(*x.shape[:-1], layout.count, dtype=torch.float32, device=x.device)
     values = out[..., _SCALE * layout.count :].view(dtype)
     for run in layout.runs:
-        for xv, vv, sv in _views(run, x, values, scales):
-            if vv is None:  # one-element rows: the scale is the value
-                sv.copy_(xv)
-                continue
-            xv = xv.float()
-            s = xv.abs().amax(-1)
-            sv.copy_(s)
-            inv = torch.where(s > 0, top / s, torch.zeros_like(s))  # inf/NaN s: see decode
-            q = xv * inv.unsqueeze(-1)
-            if dtype == torch.int8:
-                q.round_()
-            vv.copy_(q.clamp_(-top, top))
+        n = run.count * run.width
+        xs = x[..., run.offset : run.offset + n]
+        if run.kind == "exact":  # one-element rows: the scale is the value
+            scales[..., run.scale : run.scale + n].copy_(xs)
+            continue
+        q = torch.empty(xs.shape, dtype=torch.float32, device=x.device).copy_(xs)
+        for qv, sv in _block_views(run, q, scales):
+            absmax = qv.abs().amax(-1)
+            sv.copy_(absmax)
+            inv = torch.where(absmax > 0, top / absmax, torch.zeros_like(absmax))
+            qv.mul_(inv.unsqueeze(-1))  # an inf or NaN absmax: see decode
+        if dtype == torch.int8:
+            q.round_()
+        values[..., run.value : run.value + n].copy_(q.clamp_(-top, top))
     out[..., : _SCALE * layout.count].copy_(scales.view(torch.uint8))
 
 
@@ -254,16 +241,32 @@ def decode(
     raw = packed[..., : _SCALE * layout.count]
     scales = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device).copy_(raw)
     scales = scales.view(torch.float32)  # a fresh buffer: aligned for the fp32 view
-    values = packed[..., _SCALE * layout.count :].view(dtype)
+    values = packed[..., _SCALE * layout.count :]
     for run in layout.runs:
-        for ov, vv, sv in _views(run, out, values, scales):
-            if vv is None:
-                ov.copy_(sv)
-                continue
-            x = vv.to(torch.float32)
-            x.mul_((sv / top).unsqueeze(-1))
-            ov.copy_(x)
+        n = run.count * run.width
+        if run.kind == "exact":
+            out[..., run.offset : run.offset + n].copy_(scales[..., run.scale : run.scale + n])
+            continue
+        q, unit = _to_float(values[..., run.value : run.value + n], dtype)
+        for qv, sv in _block_views(run, q, scales):
+            qv.mul_((sv / top * unit).unsqueeze(-1))
+        out[..., run.offset : run.offset + n].copy_(q)
     return out
+
+
+def _to_float(raw: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """The bytes ``raw`` (uint8) as ``dtype`` values in a new fp32 tensor, times ``1 / unit``.
+
+    On the CPU, fp8 converts element by element (several times slower than the rest of the
+    decode); shifted into fp16's bit positions an e4m3 byte is the same value times 2^-8 (the
+    subnormals too), which converts vectorized. The factor ``unit = 2^8`` goes into the
+    block's scale, a power of two: the products are the same bits.
+    """
+    if dtype == torch.float8_e4m3fn and raw.device.type == "cpu":
+        bits = raw.to(torch.int16)
+        half = (bits & 0x80).bitwise_left_shift_(8).bitwise_or_((bits & 0x7F) << 7)
+        return half.view(torch.float16).to(torch.float32), 256.0
+    return raw.view(dtype).to(torch.float32), 1.0
 
 
 def roundtrip(x: torch.Tensor, dtype: torch.dtype, layout: Blocks | None) -> torch.Tensor:
@@ -331,7 +334,9 @@ def start_reduce_scatter(
         scratch = full.view(size, section) if full.dtype == acc else None
 
         def finish(recv: torch.Tensor) -> torch.Tensor:
-            out = scratch if scratch is not None else torch.empty(size, section, dtype=acc)
+            out = scratch
+            if out is None:
+                out = torch.empty(size, section, dtype=acc, device=recv.device)
             return decode(recv.view(size, -1), dtype, layout, out).sum(0)
 
         return _all_to_all(send, group, axis, kind, finish)
