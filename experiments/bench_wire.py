@@ -15,8 +15,13 @@ the fp64 mean (relative L2 error, over the whole tensor):
 
 The fp32 wire is the reference and runs the ring collectives (it is ``main_grads_dtype``).
 
+Then the bytes of one ZeRO-3 step of the main job's GPT (experiments/train.py's default
+size) on ``--bytes_nproc`` ranks with ``--bytes_replicate`` replicas, each wire set as both
+``grad_comm_dtype`` and ``param_comm_dtype``: measured by ``fs.comm_stats`` per mesh axis
+beside ``fs.plan``'s prediction, and the ratio to the fp32 wire.
+
 Run:  python experiments/bench_wire.py                 (2, 4 and 8 ranks)
-      python experiments/bench_wire.py --ranks=2,4 --rows=1024
+      python experiments/bench_wire.py --ranks=2,4 --rows=1024 --bytes_nproc=0
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ flags.DEFINE_list("ranks", ["2", "4", "8"], "world sizes to measure")
 flags.DEFINE_integer("rows", 4096, "gradient rows per rank")
 flags.DEFINE_integer("cols", 64, "gradient columns (a row: the 8-bit formats' blocks)")
 flags.DEFINE_integer("seed", 0, "seed of rank 0's gradient (rank r: seed + r)")
+flags.DEFINE_integer("bytes_nproc", 4, "ranks of the bytes table (0: no bytes table)")
+flags.DEFINE_integer("bytes_replicate", 2, "replicas of the bytes table's mesh")
 
 WIRES = {
     "fp32": torch.float32,
@@ -114,6 +121,65 @@ def worker(rows: int, cols: int, seed: int) -> dict:
     return out
 
 
+def _gpt():
+    from experiments.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=16, seq_len=32, n_layer=2, n_head=4, d_model=64))
+
+
+def bytes_worker(replicate: int) -> dict:
+    """Per wire, one ZeRO-3 step's bytes per mesh axis (this rank)."""
+    torch.set_num_threads(1)
+    mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
+    tokens = torch.randint(0, 16, (2, 33), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, dtype in WIRES.items():
+        model = _gpt()
+        wire_dtype = None if name == "fp32" else dtype
+        policy = fs.MixedPrecisionPolicy(grad_comm_dtype=wire_dtype, param_comm_dtype=wire_dtype)
+        state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, policy=policy)
+
+        def loss_fn(params, batch, model=model):
+            logits = fs.functional_call(model, params, (batch[:, :-1],))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+        with fs.comm_stats() as stats:
+            state, _ = fs.train_step(state, tokens, loss_fn)
+        out[name] = {k: v for k, v in stats.bytes_by_axis.items() if v}
+        out[name]["kinds"] = {k: v for k, v in stats.bytes.items() if v and k != "metrics"}
+    return out
+
+
+def _bytes_table(nproc: int, replicate: int) -> None:
+    measured = fs.launch(bytes_worker, replicate, nproc=nproc)[0]
+    print(
+        f"\nbytes per rank of one ZeRO-3 step of the main job's GPT ({nproc} ranks, "
+        f"replicate={replicate}; grads and params on the wire)"
+    )
+    head = ("shard", "replicate", "plan shard", "plan repl.", "vs fp32 shard", "vs fp32 repl.")
+    print(f"{'wire':<6}" + "".join(f"{h:>15}" for h in head))
+    base = measured["fp32"]
+    for name, dtype in WIRES.items():
+        wire_dtype = None if name == "fp32" else dtype
+        policy = fs.MixedPrecisionPolicy(grad_comm_dtype=wire_dtype, param_comm_dtype=wire_dtype)
+        p = fs.plan(_gpt(), world_size=nproc, replicate=replicate, policy=policy, optimizer="sgd")
+        row = measured[name]
+        cells = [
+            row.get("shard", 0),
+            row.get("replicate", 0),
+            p.comm_by_axis["shard"],
+            p.comm_by_axis["replicate"],
+        ]
+        ratios = [
+            f"{row.get(a, 0) / base[a]:.3f}x" if base.get(a) else "-"
+            for a in ("shard", "replicate")
+        ]
+        print(
+            f"{name:<6}" + "".join(f"{c:>15,}" for c in cells) + "".join(f"{r:>15}" for r in ratios)
+        )
+
+
 COLUMNS = ("ring rs", "wire rs", "out", "ring ar", "wire ar", "out+back")
 
 
@@ -139,6 +205,8 @@ def main(argv: list[str]) -> None:
             )
             cells = "".join(f"{_cell(row[c]):>11}" for c in COLUMNS)
             print(f"{name:<6}{n:>6}{cells}{ratio:>11}")
+    if FLAGS.bytes_nproc:
+        _bytes_table(FLAGS.bytes_nproc, FLAGS.bytes_replicate)
 
 
 if __name__ == "__main__":

@@ -404,7 +404,7 @@ def test_params_compute_through_the_wire_and_masters_stay_exact(
 
 
 # --- deterministic=True keeps its bits with a param wire ---------------------------------------
-def det_worker(strategy: str, shard: int, replicate: int, dtype, deterministic=True) -> dict:
+def det_worker(strategy: str, shard: int, replicate: int, dtype, fraction: float = 0.0) -> dict:
     torch.set_num_threads(1)
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     policy = fs.MixedPrecisionPolicy(param_comm_dtype=dtype)
@@ -414,7 +414,8 @@ def det_worker(strategy: str, shard: int, replicate: int, dtype, deterministic=T
         mesh=mesh,
         policy=policy,
         strategy=strategy,
-        deterministic=deterministic,
+        offload_fraction=fraction,
+        deterministic=True,
     )
     state, metrics = det._run(state, range(2), det.CHUNKS // dist.get_world_size())
     return {**det.snapshot(state), "metrics": metrics}
@@ -432,9 +433,12 @@ def test_deterministic_layouts_agree_with_a_param_wire(pool1, pool2, pool4, wire
         (pool2, ("no_shard", -1, 1)),
         (pool4, ("optim_grads_params", 2, 2)),
         (pool4, ("optim_grads", -1, 1)),
+        (pool2, ("optim_grads_params", -1, 1, dtype, 0.5)),
+        (pool2, ("optim", -1, 1, dtype, 1.0)),
     ]
     for pool, args in runs:
-        for rank, result in enumerate(pool.run(det_worker, *args, dtype)):
+        args = args if len(args) > 3 else (*args, dtype)
+        for rank, result in enumerate(pool.run(det_worker, *args)):
             det._assert_bitwise(result, want, f"{args} rank {rank}")
 
 
