@@ -49,6 +49,13 @@ DTYPES = {
     "none": None,
 }
 MOMENT_DTYPES = {**DTYPES, "int8": torch.int8, "uint8": torch.uint8}
+# the wires: the floating dtypes and the 8-bit blockwise formats (funcshard.wire)
+WIRE_DTYPES = {
+    **DTYPES,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 _DTYPE_HELP = " ('bf16', 'fp16', 'fp32', 'fp64' or their long names, or 'none')"
 
 flags.DEFINE_integer("nproc", 1, "Local ranks to launch (ignored under torchrun).", lower_bound=1)
@@ -69,7 +76,18 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string("main_params_dtype", "fp32", "Master weight dtype." + _DTYPE_HELP)
 flags.DEFINE_string("main_grads_dtype", "fp32", "Gradient accumulation dtype." + _DTYPE_HELP)
-flags.DEFINE_string("grad_comm_dtype", "none", "Gradient dtype on the wire." + _DTYPE_HELP)
+flags.DEFINE_string(
+    "grad_comm_dtype",
+    "none",
+    "Gradient dtype on the wire, summed in fp32 when narrower than main_grads_dtype; int8 / "
+    "fp8: 8-bit blockwise." + _DTYPE_HELP,
+)
+flags.DEFINE_string(
+    "param_comm_dtype",
+    "none",
+    "Param dtype on the all-gather wire ('none' = the compute dtype); int8 / fp8: 8-bit "
+    "blockwise, decoded to the compute dtype on arrival." + _DTYPE_HELP,
+)
 flags.DEFINE_float(
     "offload_fraction",
     0.0,
@@ -175,9 +193,15 @@ flags.DEFINE_integer(
 )
 
 FLAGS = flags.FLAGS
-for _name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+for _name in ("main_params_dtype", "main_grads_dtype"):
     flags.register_validator(
         _name, lambda v: v.lower() in DTYPES, message=f"--{_name}: expected one of {sorted(DTYPES)}"
+    )
+for _name in ("grad_comm_dtype", "param_comm_dtype"):
+    flags.register_validator(
+        _name,
+        lambda v: v.lower() in WIRE_DTYPES,
+        message=f"--{_name}: expected one of {sorted(WIRE_DTYPES)}",
     )
 for _name in ("mu_dtype", "nu_dtype"):
     flags.register_validator(
@@ -270,10 +294,9 @@ def _param_dtype() -> torch.dtype | None:
 
 
 def _config() -> Config:
-    dtypes = {
-        n: DTYPES[FLAGS[n].value.lower()]
-        for n in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype")
-    }
+    dtypes = {n: DTYPES[FLAGS[n].value.lower()] for n in ("main_params_dtype", "main_grads_dtype")}
+    for n in ("grad_comm_dtype", "param_comm_dtype"):
+        dtypes[n] = WIRE_DTYPES[FLAGS[n].value.lower()]
     dtypes["param_dtype"] = _param_dtype()
     return _from_flags(
         Config,

@@ -428,6 +428,12 @@ def build_layout(
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
     prefixes = _resolve_units(model, units) if model is not None else list(units or [])
+    if outer.shards_optim and policy.param_comm_dtype is not None:
+        raise ValueError(
+            f'outer_strategy="optim" with param_comm_dtype={policy.param_comm_dtype}: not '
+            'supported yet (the params would be quantized twice, gathered over "replicate" '
+            'and then over "shard"); use param_comm_dtype=None or outer_strategy="no_shard"'
+        )
     shard_size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
     if outer.shards_optim:
         shard_size *= mesh_lib.axis_size(mesh, "replicate")

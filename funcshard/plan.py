@@ -27,6 +27,11 @@ microbatch's loss, ``W * M * 8``). The ZeRO-3 all-gather counts a forward
 gather and a backward re-gather of every bucket: exact when every unit saves one of its params
 for backward (a Linear weight does), an upper bound otherwise.
 
+The all-gathers move ``param_comm_dtype`` instead of ``c`` when it is set. An 8-bit wire
+(grads or params, :mod:`funcshard.wire`) counts its bytes instead of ``numel * w``: per
+section of ``L`` elements in ``K`` blocks ``L + 4K`` (a one-element row: 4, no value byte);
+its all-reduce over ``n`` ranks counts ``n`` times its largest part.
+
 ``fs.optim.muon`` adds the kind "muon" when more than one rank holds the state: per optimizer
 call (the device buckets together, each offloaded bucket on its own) the matrices are shared
 out between the ``R`` replicas (``W / S``; the world under ``no_shard``) by Newton-Schulz FLOPs.
@@ -49,6 +54,7 @@ import optree
 import torch
 from torch import nn
 
+from funcshard import wire as wire_lib
 from funcshard.buckets import NAMESPACE, per_bucket_parts
 from funcshard.collectives import AXES
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
@@ -327,7 +333,8 @@ def _memory(
                 compute_shard += 0 if same else c_bytes
             unit_full[b.unit] = unit_full.get(b.unit, 0) + S * c_bytes
         else:
-            compute += 0 if (same and S == 1) else S * c_bytes
+            kept = same and S == 1 and wire_lib.param_wire(layout, b) is None  # the master itself
+            compute += 0 if kept else S * c_bytes
         grads += g_bytes if sharded_grads else partials * S * g_bytes
     gathered = 0
     if zero3 and S > 1:
@@ -357,21 +364,26 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
         by_axis[axis] += count * size
 
     for b, part in zip(layout.buckets, inner.buckets, strict=True):
-        full = S * part.numel
-        w, c = _size(b.dtypes.comm), _size(b.dtypes.compute)
         if not strategy.shards_optim:
             if world > 1:
-                add("all_reduce", 1, full * w, "world")
+                add("all_reduce", 1, wire_lib.all_reduce_nbytes(layout, b, world), "world")
             continue
         if S > 1:
             per_mb = not _accumulates_unreduced(layout, M)
-            add("reduce_scatter", M if per_mb else 1, full * w, "shard")
-            add("all_gather", 2 * M if strategy.shards_params else 1, full * c, "shard")
+            rs, ag = (
+                wire_lib.reduce_scatter_nbytes(inner, part),
+                wire_lib.all_gather_nbytes(inner, part),
+            )
+            add("reduce_scatter", M if per_mb else 1, rs, "shard")
+            add("all_gather", 2 * M if strategy.shards_params else 1, ag, "shard")
         if replicate > 1 and layout.hierarchical:  # into the masters and back, once a step
-            add("reduce_scatter", 1, part.numel * w, "replicate")
-            add("all_gather", 1, part.numel * c, "replicate")
+            comm = b.dtypes.comm
+            eight_bit = comm in wire_lib.EIGHT_BIT
+            section = wire_lib.blocks_of(layout, b).nbytes if eight_bit else b.numel * comm.itemsize
+            add("reduce_scatter", 1, replicate * section, "replicate")
+            add("all_gather", 1, part.numel * _size(b.dtypes.compute), "replicate")
         elif replicate > 1:
-            add("all_reduce", 1, b.numel * w, "replicate")
+            add("all_reduce", 1, wire_lib.all_reduce_nbytes(layout, b, replicate), "replicate")
     # the norm's sums run over the masters' group (every rank under HFSDP)
     masters, axis = layout.shard_size, layout.shard_axis
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares

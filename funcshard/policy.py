@@ -7,6 +7,7 @@ With ``c`` the compute dtype, the promotion table is::
     master params   p = main_params_dtype  if set, else c   (None: the compute params are master)
     main grads      g = main_grads_dtype   if set, else c   (accumulation over microbatches)
     wire dtype      w = grad_comm_dtype    if set, else g   (reduce-scatter / all-reduce)
+    param wire          param_comm_dtype   if set, else c   (the params' all-gathers)
     optimizer state     p                                  (moments live beside the master)
 
 Examples (model in fp32 unless noted)::
@@ -21,7 +22,11 @@ Examples (model in fp32 unless noted)::
     None   None         None        None  | m        m       m           m     (bf16 model: bf16)
 
 Gradients are cast to ``w`` only on the wire; the reduced result is cast to ``g`` and added to
-the accumulator exactly once per microbatch, then cast to ``p`` for the optimizer step.
+the accumulator exactly once per microbatch, then cast to ``p`` for the optimizer step. A ``w``
+narrower than ``g`` (or 8-bit) is the wire only: each rank's contribution is rounded to it once
+and the sum over ranks runs in fp32 (:mod:`funcshard.wire`); ``w == g`` keeps the ring
+collectives of ``w``. Both wires also take the 8-bit blockwise formats ``torch.int8`` and
+``torch.float8_e4m3fn`` (one fp32 scale per block of at most 256 elements of a row).
 """
 
 from __future__ import annotations
@@ -86,13 +91,14 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
 
 
 _FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_WIRES = (*_FLOATING, torch.int8, torch.float8_e4m3fn)  # the comm dtypes: 8-bit blockwise too
 
 
-def _check_dtype(field: str, value: torch.dtype | None) -> None:
-    if value is not None and value not in _FLOATING:
+def _check_dtype(field: str, value: torch.dtype | None, allowed: tuple = _FLOATING) -> None:
+    if value is not None and value not in allowed:
         raise TypeError(
             f"MixedPrecisionPolicy.{field}: expected None or one of "
-            f"{[str(d) for d in _FLOATING]}, got {value!r}"
+            f"{[str(d) for d in allowed]}, got {value!r}"
         )
 
 
@@ -117,8 +123,12 @@ class MixedPrecisionPolicy:
         the compute params the master weights.
       main_grads_dtype: dtype gradients are accumulated and reduced into; None = compute dtype.
       grad_comm_dtype: dtype on the wire for reduce-scatter / all-reduce; None = main grads.
+        Narrower than main grads (or 8-bit): the wire only, the sum runs in fp32.
       loss_scale_init: initial dynamic loss scale, used only when the compute dtype is fp16.
       loss_scale_growth_interval: finite steps after which the fp16 loss scale doubles.
+      param_comm_dtype: dtype of the params on the all-gather wire (ZeRO-3's gathers, ZeRO 0-2's
+        compute copies); None = the compute dtype. Decoded to the compute dtype on arrival;
+        the masters and the optimizer never see it.
     """
 
     param_dtype: torch.dtype | None = None
@@ -127,10 +137,13 @@ class MixedPrecisionPolicy:
     grad_comm_dtype: torch.dtype | None = None
     loss_scale_init: float = 2.0**16
     loss_scale_growth_interval: int = 2000
+    param_comm_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for field in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+        for field in ("param_dtype", "main_params_dtype", "main_grads_dtype"):
             _check_dtype(field, getattr(self, field))
+        for field in ("grad_comm_dtype", "param_comm_dtype"):
+            _check_dtype(field, getattr(self, field), _WIRES)
         if not self.loss_scale_init > 0:
             raise ValueError(f"loss_scale_init must be > 0, got {self.loss_scale_init}")
         if self.loss_scale_growth_interval < 1:

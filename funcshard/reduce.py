@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import collectives
 from funcshard import sharding as shard_lib
+from funcshard import wire as wire_lib
 from funcshard.layout import Bucket, Layout, build_layout
 from funcshard.policy import MixedPrecisionPolicy
 from funcshard.reduction import reduction_of
@@ -45,7 +46,10 @@ def start_reduce_shard_axis(
 ) -> collectives.Pending:
     """``reduce_shard_axis`` without waiting and without the final cast: ``wait()`` gives this
     rank's shard of the mean in ``grad_comm_dtype`` (summed in tree order when the layout is
-    deterministic)."""
+    deterministic); a low-precision wire (:func:`funcshard.wire.reduces_in_fp32`) gives it in
+    fp32 instead, summed there."""
+    if wire_lib.reduces_in_fp32(bucket.dtypes):
+        return wire_lib.start_reduce_shard_axis(layout, bucket, sections)
     wire = sections.to(bucket.dtypes.comm)
     if layout.dp_size > 1:  # a division by one would be a pass over the gradient for nothing
         wire.div_(layout.dp_size)
@@ -73,13 +77,27 @@ def start_reduce_replicate_axis(
     grad = bucket.dtypes.grad
     if layout.hierarchical:
         specs, replicas = layout.bucket_leaves(bucket), layout.replicas
-        wire = shard_lib.to_sections(local, specs, replicas, bucket.dtypes.comm)
+        in_fp32 = wire_lib.reduces_in_fp32(bucket.dtypes)
+        dtype = wire_lib.sections_dtype(bucket.dtypes)
+        sections = shard_lib.to_sections(local, specs, replicas, dtype)
         if replicas == 1:
-            return collectives.Pending(None, wire.to(grad))
-        pending = reduction.start_reduce_scatter(wire, group, axis="replicate")
+            return collectives.Pending(None, sections.to(grad))
+        if in_fp32:  # each replica's part rounded to the wire once, summed in fp32
+            comm = bucket.dtypes.comm
+            pending = wire_lib.start_reduce_scatter(
+                sections,
+                group,
+                axis="replicate",
+                dtype=comm,
+                layout=wire_lib.blocks_of(layout, bucket) if comm in wire_lib.EIGHT_BIT else None,
+            )
+        else:
+            pending = reduction.start_reduce_scatter(sections, group, axis="replicate")
         return collectives.Pending.then(pending, lambda shard: shard.to(grad))
     if torch.distributed.get_world_size(group) == 1:
         return collectives.Pending(None, local)
+    if wire_lib.reduces_in_fp32(bucket.dtypes):
+        return collectives.Pending(None, wire_lib.reduce_replicate_axis(layout, bucket, local))
     wire = local.to(bucket.dtypes.comm)
     summed = reduction.all_reduce(wire, group, axis=layout.replicate_axis)
     return collectives.Pending(None, summed.to(grad))
@@ -145,7 +163,10 @@ def reduce_scatter_grads(
     for bucket in layout.buckets:
         specs = layout.bucket_leaves(bucket)
         sections = shard_lib.to_rank_sections(
-            [grads[s.name] for s in specs], specs, layout.shard_size, bucket.dtypes.comm
+            [grads[s.name] for s in specs],
+            specs,
+            layout.shard_size,
+            wire_lib.sections_dtype(bucket.dtypes),
         )
         local = reduce_replicate_axis(layout, bucket, reduce_shard_axis(layout, bucket, sections))
         out.update({s.name: shard_lib.local_view(local, s, layout.shard_rank) for s in specs})

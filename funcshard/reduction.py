@@ -10,8 +10,10 @@ fixes the order of those sums:
   (``deterministic=True``): a rank's microbatches are summed in a tree before any rank's
   contribution, so with several microbatches the shard-axis reduction runs once per step.
 
-Both move the same bytes per collective. A new summation rule (a low-precision wire summed
-in fp32, say) is one more class with these methods; ``train_step`` does not change.
+Both move the same bytes per collective. A new summation rule is one more class with these
+methods; ``train_step`` does not change. A low-precision wire summed in fp32 is not one: its
+format (8-bit blocks follow a bucket's rows) is a bucket's, so :mod:`funcshard.reduce` hands
+such buckets to :mod:`funcshard.wire`.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from funcshard import donation
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
+from funcshard import wire as wire_lib
 from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
@@ -312,7 +313,7 @@ def derive_compute(
         if sharded:
             out.append(local_i if keep else None)
         else:
-            out.append(shard_lib.gather_full(inner, inner.buckets[i], local_i))
+            out.append(wire_lib.gather_full(inner, inner.buckets[i], local_i))
     return tuple(out)
 
 

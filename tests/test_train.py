@@ -129,6 +129,7 @@ def test_text_source_windows_come_from_the_file(tmp_path):
         (["--offload_fraction=1.5"], "--offload_fraction"),
         (["--param_dtype=bf17"], "--param_dtype"),
         (["--grad_chunks=3"], "--grad_chunks=3 gradient chunks per step do not split over 2"),
+        (["--param_comm_dtype=int4"], "--param_comm_dtype"),
     ],
 )
 def test_bad_flags_fail_before_launching_and_name_the_flag(args, flag):
@@ -194,3 +195,17 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
         np.testing.assert_array_equal(
             np.asarray(value), np.asarray(ckpt_b["params"][name]), err_msg=name
         )
+
+
+@pytest.mark.parametrize("grad_wire,param_wire", [("int8", "fp8"), ("bf16", "int8")])
+def test_train_runs_with_low_precision_wires(tmp_path, grad_wire, param_wire):
+    out = _train(
+        "--nproc=2",
+        "--steps=3",
+        *TINY,
+        f"--grad_comm_dtype={grad_wire}",
+        f"--param_comm_dtype={param_wire}",
+        f"--out_dir={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert FINAL.search(out.stdout), out.stdout

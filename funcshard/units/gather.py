@@ -12,6 +12,7 @@ import torch
 
 from funcshard import collectives
 from funcshard import sharding as shard_lib
+from funcshard import wire as wire_lib
 from funcshard.layout import Layout
 from funcshard.units.phase import Phase
 
@@ -60,8 +61,8 @@ class Gatherer:
             return
         for b in buckets:
             if b not in self._pending:
-                self._pending[b] = collectives.all_gather(
-                    self.buffers[b], self.layout.shard_group, axis="shard", async_op=True
+                self._pending[b] = wire_lib.all_gather_params(
+                    self.layout, self.layout.buckets[b], self.buffers[b]
                 )
 
     def full(self, bucket: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 from funcshard import collectives, determinism
 from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
+from funcshard import wire as wire_lib
 from funcshard.layout import Layout
 from funcshard.reduction import reduction_of
 
@@ -92,7 +93,8 @@ class Reducing:
             self.finish()  # an earlier use of the bucket lands first
             shard_lib.add_to_rank_sections(self.acc[bucket], grads, specs, S)
             return
-        sections = shard_lib.to_rank_sections(grads, specs, S, b.dtypes.comm, layout.device)
+        dtype = wire_lib.sections_dtype(b.dtypes)
+        sections = shard_lib.to_rank_sections(grads, specs, S, dtype, layout.device)
         self.start(bucket, sections)
 
     def start(self, bucket: int, sections: torch.Tensor) -> None:
