@@ -306,13 +306,22 @@ def test_bytes_by_axis_equal_the_plan(
 
 
 # --- low-precision and 8-bit wires (grad_comm_dtype, param_comm_dtype) -------------------------
-def wire_worker(strategy: str, shard: int, replicate: int, grad_wire, param_wire) -> dict:
+def wire_worker(
+    strategy: str, shard: int, replicate: int, grad_wire, param_wire, outer: str = "no_shard"
+) -> dict:
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     model = models.make_model()
     policy = fs.MixedPrecisionPolicy(
         param_dtype=BF16, grad_comm_dtype=grad_wire, param_comm_dtype=param_wire
     )
-    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, policy=policy, strategy=strategy)
+    state = fs.init(
+        model,
+        fs.optim.sgd(0.1),
+        mesh=mesh,
+        policy=policy,
+        strategy=strategy,
+        outer_strategy=outer,
+    )
     world = dist.get_world_size()
     batch = models.local_batch(models.global_batch(0, 4 * world), dist.get_rank(), world)
     with fs.comm_stats() as stats:
@@ -324,25 +333,32 @@ WIRE_CASES = [
     (strategy, *case)
     for strategy in fs.STRATEGIES
     for case in [
-        (3, 1, torch.int8, torch.int8),
-        (2, 2, torch.float8_e4m3fn, BF16),
-        (2, 2, BF16, torch.float8_e4m3fn),
-        (1, 4, torch.int8, torch.float8_e4m3fn),
+        (3, 1, torch.int8, torch.int8, "no_shard"),
+        (2, 2, torch.float8_e4m3fn, BF16, "no_shard"),
+        (2, 2, BF16, torch.float8_e4m3fn, "no_shard"),
+        (1, 4, torch.int8, torch.float8_e4m3fn, "no_shard"),
+        # HFSDP: the reduce-scatter over "replicate" into the masters on the same wires
+        (2, 2, torch.int8, None, "optim"),
+        (2, 2, BF16, None, "optim"),
     ]
+    if not (case[-1] == "optim" and strategy == "no_shard")
 ]
 
 
-@pytest.mark.parametrize("strategy,shard,replicate,grad_wire,param_wire", WIRE_CASES)
-def test_wire_bytes_equal_the_plan(request, strategy, shard, replicate, grad_wire, param_wire):
+@pytest.mark.parametrize("strategy,shard,replicate,grad_wire,param_wire,outer", WIRE_CASES)
+def test_wire_bytes_equal_the_plan(
+    request, strategy, shard, replicate, grad_wire, param_wire, outer
+):
     """Every kind and every axis of a step with low-precision and 8-bit wires (their scales
     included, and the all-reduce's parts padded to the largest) equals fs.plan's prediction;
     8-bit gradient bytes are well under half of fp32's on this model of short rows (5 and 37
     wide: a 4-byte scale per row) and many 1-D params (exact, 4 bytes); test_wire checks the
     quarter on long rows."""
     results = request.getfixturevalue(f"pool{shard * replicate}").run(
-        wire_worker, strategy, shard, replicate, grad_wire, param_wire
+        wire_worker, strategy, shard, replicate, grad_wire, param_wire, outer
     )
     kw = dict(world_size=shard * replicate, replicate=replicate, strategy=strategy)
+    kw |= dict(outer_strategy=outer)
     kw |= dict(microbatches=2, optimizer="sgd", device_type="cpu")
     policy = fs.MixedPrecisionPolicy(
         param_dtype=BF16, grad_comm_dtype=grad_wire, param_comm_dtype=param_wire
