@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from test_parity import OPTIMIZERS  # SGD momentum and AdamW, ours beside torch's
 
 import funcshard as fs
 from funcshard.plan import transformer_shapes
@@ -23,22 +24,6 @@ import models
 STEPS = 3
 LOCAL_ROWS = 6  # divisible by 1 and 3 microbatches
 INNER = ("optim", "optim_grads", "optim_grads_params")
-
-OPTIMIZERS = {
-    "sgd": (
-        lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
-        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
-    ),
-    "adamw": (
-        lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
-        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
-    ),
-}
-
-
-def _state_bytes(state: fs.TrainState) -> int:
-    opt = [t for t in fs.tree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in (*state.master, *opt))
 
 
 def parity_worker(shard: int, replicate: int, strategies=INNER, offload: float = 0.0) -> dict:
