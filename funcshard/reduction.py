@@ -184,6 +184,11 @@ class RingReduction:
     def start_reduce_scatter(
         self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
     ) -> collectives.Pending:
+        if wire.device.type == "cpu":
+            # gloo (the CPU backend) reduce-scatters by an all-reduce, twice a ring
+            # reduce-scatter's bytes (measured on a veth link: experiments/bench_nodes.py);
+            # an all-to-all and a local sum move exactly the ring's
+            return determinism.start_reduce_scatter(wire, group, axis=axis)
         return collectives.reduce_scatter(wire, group, axis=axis, async_op=True)
 
     def all_reduce(
