@@ -123,12 +123,13 @@ class ReplicateAxis:
         self._late: set[int] = set()
         self._dropped: list[collectives.Pending] = []
         self._closed = False
-        self._wire = torch.distributed.get_world_size(layout.replicate_group) > 1
+        # more than one replica (else there is nothing to put on the wire early)
+        self.on_wire = torch.distributed.get_world_size(layout.replicate_group) > 1
 
     def start(self, bucket: int, shard: torch.Tensor) -> None:
         """``shard``, ``bucket``'s inner shard, is final: issues its reduction once every
         bucket before it in the order is issued (``shard`` is read then)."""
-        if self._closed or not self._wire or bucket in self._late:
+        if self._closed or not self.on_wire or bucket in self._late:
             return
         self._final[bucket] = shard
         self._advance()

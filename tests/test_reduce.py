@@ -143,8 +143,8 @@ class _Recompute(torch.autograd.Function):
 
 class _HalfRecomputed(models.Block):
     """A unit whose ``fc`` is recomputed in backward by :class:`_Recompute` and whose ``norm``
-    is not: its bucket gets a use forward did not count (the recomputation's) beside the
-    counted one, first."""
+    is not: its bucket gets a use forward did not count (the recomputation's) first, which
+    makes it look final, then the counted one."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + _Recompute.apply(lambda h: torch.tanh(self.fc(h)), self.norm(x))
@@ -156,19 +156,19 @@ class _Inside(models.MLP):
         self.blocks = torch.nn.ModuleList(_HalfRecomputed(37) for _ in range(3))
 
 
-class _SideUse(models.MLP):
-    """Block 2 runs first, then blocks 0 and 1, then block 2's ``fc`` again under
-    :class:`_Recompute`. Backward brings that use (forward did not count it) first: block 2's
-    bucket looks final and, first in the order, goes on the wire while blocks 1 and 0 are
-    computed; then block 2's own use arrives. (ZeRO-2 only: under ZeRO-3 block 2's params
-    are placeholders once it ran.)"""
+class _Behind(models.MLP):
+    """Block 2 runs first, then blocks 0 and 1, then block 1's ``fc`` again under
+    :class:`_Recompute`. Backward brings that use (forward did not count it) first: block 1's
+    bucket looks final but waits for block 2's, whose gradient comes last; block 1's own use
+    arrives while it waits. (ZeRO-2 only: under ZeRO-3 block 1's params are placeholders once
+    it ran.)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         first = self.blocks[2](h)
         h = self.blocks[1](self.blocks[0](h))
-        h = h + first + _Recompute.apply(self.blocks[2].fc, h)
-        return (self.head(h) * self.scale).float()
+        h = h + _Recompute.apply(self.blocks[1].fc, h)
+        return (self.head(h + first) * self.scale).float()
 
 
 def _loss_fn(model: torch.nn.Module, kind: str):
@@ -212,7 +212,7 @@ def overlap_worker(
     runs = {}
     for overlap in (True, False):
         torch.manual_seed(5)
-        model = {"inside": _Inside, "side": _SideUse}.get(kind, models.MLP)()
+        model = {"inside": _Inside, "behind": _Behind}.get(kind, models.MLP)()
         state = fs.init(
             model,
             fs.optim.adamw(1e-2, weight_decay=0.1),
@@ -265,7 +265,7 @@ OVERLAP_CASES = [
     for kind, strategies in [
         ("twice", ("optim_grads", "optim_grads_params")),
         ("inside", ("optim_grads", "optim_grads_params")),
-        ("side", ("optim_grads",)),
+        ("behind", ("optim_grads",)),
     ]
     for strategy in strategies
     for outer in ("no_shard", "optim")
@@ -277,31 +277,30 @@ OVERLAP_CASES = [
 def test_replicate_reductions_started_in_backward_change_no_bit(
     pool4, strategy, outer, deterministic, microbatches, kind
 ) -> None:
-    """HSDP and HFSDP under ZeRO-2/3 start a bucket's replicate reduction in the last
-    microbatch's backward once its sum is final: params, optimizer state and metrics are the
-    same bits as with every bucket reduced after backward, with the same bytes and calls on
-    every axis. A bucket used twice in forward waits for both uses (under the deterministic
-    rule with one microbatch its uses are summed first and it is reduced after backward). A
-    use forward did not count (a recomputation's) makes its bucket reduce after backward:
-    "inside" (it comes first, beside the counted use) costs nothing more; "side" (it comes
-    after another bucket landed this one) drops the reduction started too early, one more of
-    that bucket on the wire."""
+    """HSDP and HFSDP under ZeRO-2/3 issue a bucket's replicate reduction in the last
+    microbatch's backward once its sum is final and its turn has come: params, optimizer
+    state and metrics are the same bits as with every bucket reduced after backward, with the
+    same bytes and calls on every axis. A bucket used twice in forward waits for both uses
+    (under the deterministic rule with one microbatch its uses are summed first and it is
+    reduced after backward). A use forward did not count (a recomputation's) sends its bucket
+    after backward: "inside", it comes after the bucket was issued, whose reduction is
+    dropped (one more on the wire); "behind", the bucket was waiting for its turn, and the
+    buckets after it go on without it."""
     results = pool4.run(overlap_worker, strategy, outer, deterministic, microbatches, kind)
     for r in results:
         assert r["bitwise"] and r["metrics"], r
         assert len(r["started"]) == 2, r  # one ReplicateAxis per step
-        if kind in ("plain", "twice"):
-            assert not r["late"] and r["same_comm"], r
-        else:
-            assert r["late"], r
+        assert bool(r["late"]) == (kind in ("inside", "behind")), r
         if kind == "plain":  # every bucket (the root's as backward ends: it comes last)
             assert all(len(s) == r["buckets"] for s in r["started"]), r
         elif kind == "twice" and deterministic and microbatches == 1:
             assert r["started"] == [[], []], r
+        elif kind == "behind":  # block 1's bucket (2) after backward, the others in backward
+            assert r["started"] == [[0, 1, 3], [0, 1, 3]], r
         else:
             assert all(s for s in r["started"]), r
         if kind == "inside":
-            assert r["same_comm"], r
-        if kind == "side":
             early_bytes, late_bytes = r["replicate_bytes"]
             assert early_bytes > late_bytes, r
+        else:
+            assert r["same_comm"], r

@@ -85,7 +85,8 @@ class Reducing:
     """Reduce-scatters each gradient as it comes, at most one in flight, adding into ``acc``.
 
     With ``replicate``, a bucket whose reduced uses reach ``entries`` (forward's count) is
-    final when the last of them lands in ``acc``, and handed to ``replicate`` then.
+    final when the last of them lands in ``acc``, which it does at once, and is handed to
+    ``replicate`` then.
     """
 
     def __init__(
@@ -126,6 +127,11 @@ class Reducing:
         self._in_flight.append(
             (bucket, reduce_lib.start_reduce_shard_axis(self.layout, b, sections))
         )
+        if self.replicate is not None and self._uses[bucket] == self.entries[bucket]:
+            # The bucket's sum is final once this lands: wait for the reduction over "shard"
+            # (the fast link) now rather than at the next bucket, so that the one over
+            # "replicate" (the slow link) goes on the wire a unit's backward earlier.
+            self.finish()
 
     def drain(self) -> None:
         pass
@@ -212,7 +218,7 @@ class Reducer:
         self.layout = layout
         self.local = local
         self.complete = complete
-        self.replicate = replicate
+        self.replicate = replicate if replicate is not None and replicate.on_wire else None
         self.acc: Acc = acc if acc is not None else [None] * len(layout.buckets)
         zero = {
             b.dtypes.grad: torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
