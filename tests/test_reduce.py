@@ -304,3 +304,83 @@ def test_replicate_reductions_started_in_backward_change_no_bit(
             assert early_bytes > late_bytes, r
         else:
             assert r["same_comm"], r
+
+
+class _FailingBackward(models.MLP):
+    """Raises from backward when it reaches block 0's output (``fail`` set): blocks 2 and 1
+    are done by then, their replicate reductions on the wire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](self.inp(x))
+        if self.fail and h.requires_grad:
+            h.register_hook(self._raise)
+        for block in self.blocks[1:]:
+            h = block(h)
+        return (self.head(h) * self.scale).float()
+
+    def _raise(self, grad: torch.Tensor) -> None:
+        raise RuntimeError("disk full while logging activations")
+
+
+def failing_backward_worker(strategy: str, outer: str, deterministic: bool) -> dict:
+    """A step whose backward fails after replicate reductions went out, then the same step
+    again on the same (unconsumed) state: as a state that never failed."""
+    mesh = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = models.local_batch(models.global_batch(0, 4 * world), rank, world)
+    states = []
+    for fail in (True, False):
+        torch.manual_seed(5)
+        model = _FailingBackward()
+        state = fs.init(
+            model,
+            fs.optim.adamw(1e-2),
+            mesh=mesh,
+            strategy=strategy,
+            outer_strategy=outer,
+            deterministic=deterministic,
+        )
+        loss_fn = models.make_loss_fn(model)
+        error, replicate_bytes = None, 0
+        if fail:
+            model.fail = True
+            with fs.comm_stats() as stats:
+                try:
+                    fs.train_step(state, batch, loss_fn)
+                except RuntimeError as e:
+                    error = str(e)
+            replicate_bytes = stats.bytes_by_axis["replicate"]
+            model.fail = False
+        state, metrics = fs.train_step(state, batch, loss_fn)
+        states.append(([*state.master, *fs.tree.leaves(state.opt_state)], metrics["loss"]))
+        if fail:
+            failed = {"error": error, "replicate_bytes": replicate_bytes}
+    (after, loss_after), (fresh, loss_fresh) = states
+    return {
+        **failed,
+        "bitwise": loss_after == loss_fresh
+        and all(
+            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(after, fresh, strict=True)
+        ),
+    }
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_a_backward_failing_with_replicate_reductions_out_comes_back_and_leaves_the_state(
+    pool4, strategy, outer, deterministic
+) -> None:
+    """Backward fails after blocks 2 and 1 issued their replicate reductions (the failed step
+    put bytes on "replicate"): the error comes back unchanged, and the same step on the same
+    state then gives the bits of a state that never failed, so no reduction of the failed
+    step was left to pair with the next step's collectives."""
+    for r in pool4.run(failing_backward_worker, strategy, outer, deterministic):
+        assert r["error"] == "disk full while logging activations", r
+        assert r["replicate_bytes"] > 0, r
+        assert r["bitwise"], r
