@@ -143,6 +143,13 @@ class Pending:
             self._result, self._finish = self._finish(self._result), None
         return self._result
 
+    def discard(self) -> None:
+        """Waits for the collective in flight and drops its result: no ``then`` runs (one
+        that would issue a collective of its own issues none)."""
+        if self._work is not None:
+            self._work.wait()
+        self._work, self._keep, self._finish = None, None, None
+
 
 def all_gather(
     local: torch.Tensor,
@@ -178,15 +185,21 @@ def reduce_scatter(
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, *, axis: str, kind: str = "all_reduce"
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    axis: str,
+    kind: str = "all_reduce",
+    async_op: bool = False,
 ):
-    """Sums ``tensor`` over the group into a new tensor (the input is left untouched)."""
+    """Sums ``tensor`` over the group into a new tensor (the input is read before this returns
+    and left untouched, so it may change while an ``async_op`` one is in flight)."""
     if dist.get_world_size(group) == 1:
-        return tensor
+        return Pending(None, tensor) if async_op else tensor
     out = tensor.clone()
     record(kind, out, axis)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
+    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return Pending(work, out) if async_op else out
 
 
 def all_to_all(

@@ -49,6 +49,7 @@ __all__ = [
     "halving_sum",
     "start_reduce_scatter",
     "all_reduce",
+    "start_all_reduce",
     "global_norm",
     "mean_loss",
     "check_microbatches",
@@ -176,15 +177,30 @@ def all_reduce(
     :func:`start_reduce_scatter` on the tensor padded to a multiple of the group size, then an
     all-gather: the bytes of a ring all-reduce. Counted as an all-reduce of ``tensor``.
     """
+    return start_all_reduce(tensor, group, axis=axis).wait()
+
+
+def start_all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, axis: str = "world"
+) -> collectives.Pending:
+    """:func:`all_reduce` as a chain: the reduce-scatter starts now (on a copy of
+    ``tensor``); ``wait()`` sums it and all-gathers the sum. So the all-gather is issued where
+    the caller waits: every rank must wait for a group's chains in the same order.
+    """
     size = dist.get_world_size(group)
     if size == 1:
-        return tensor
-    flat = tensor.reshape(-1)
+        return collectives.Pending(None, tensor)
+    flat, shape = tensor.reshape(-1), tensor.shape
     n = flat.numel()
-    padded = torch.nn.functional.pad(flat, (0, -n % size))
+    padded = torch.nn.functional.pad(flat, (0, -n % size))  # a copy, even with no padding
     collectives.record("all_reduce", flat, axis)
-    part = start_reduce_scatter(padded, group, kind=None, axis=axis).wait()
-    return collectives.all_gather(part, group, axis=axis, kind=None)[:n].view(tensor.shape)
+    part = start_reduce_scatter(padded, group, kind=None, axis=axis)
+
+    def gather(summed: torch.Tensor) -> torch.Tensor:
+        full = collectives.all_gather(summed, group, axis=axis, kind=None)
+        return full[:n].view(shape)
+
+    return collectives.Pending.then(part, gather)
 
 
 def _row_sums(flat: torch.Tensor, spec) -> torch.Tensor:

@@ -4,7 +4,8 @@
   buffers; backward gives full gradients, packed into rank sections (unreduced).
 * :class:`UnitGrads` (ZeRO-2/3): forward and backward run unit by unit
   (:class:`funcshard.units.UnitRun`); each bucket's gradient is reduce-scattered over "shard"
-  as backward finishes with it (or kept unreduced, as the step's :class:`Sink` says).
+  as backward finishes with it (or kept unreduced, as the step's :class:`Sink` says), and in
+  the step's last microbatch its reduction over "replicate" starts as soon as its sum is final.
 
 A producer returns ``(loss, aux, grads)``: grads per bucket, in main-grads dtype, where the
 sink said (added into ``sink.acc`` when given). ``shard_reduced`` says whether they are
@@ -114,6 +115,7 @@ class UnitGrads:
             acc=sink.acc,
             local=sink.local,
             complete=sink.complete,
+            replicate=sink.replicate,
         )
         try:
             loss, aux = loss_and_aux(loss_fn(run.params, batch))

@@ -1,6 +1,11 @@
 """Gradient reduction: reduce-scatter over "shard", then all-reduce over "replicate" (HSDP)
 or reduce-scatter over it into the masters (HFSDP).
 
+Under ZeRO-2/3 the replicate-axis reduction of a bucket starts in the step's last backward,
+as soon as the bucket's sum is final (:class:`ReplicateAxis`), so the slow link between nodes
+carries it while backward computes the earlier units; :func:`reduce_step_grads` waits for
+those and reduces the rest.
+
 The reduced result REPLACES a gradient; it is never added to the local unreduced one (the
 ``g_i + sum(g)`` bug of seed 003 cannot be written with these functions: the only input of the
 accumulator is a reduce-scatter output). Gradients reach the wire in ``grad_comm_dtype``,
@@ -27,6 +32,7 @@ __all__ = [
     "start_reduce_shard_axis",
     "reduce_replicate_axis",
     "start_reduce_replicate_axis",
+    "ReplicateAxis",
     "reduce_step_grads",
     "global_norm",
 ]
@@ -70,8 +76,9 @@ def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -
 def start_reduce_replicate_axis(
     layout: Layout, bucket: Bucket, local: torch.Tensor
 ) -> collectives.Pending:
-    """``reduce_replicate_axis`` without waiting for HFSDP's reduce-scatter (the all-reduce
-    of HSDP is done when this returns)."""
+    """``reduce_replicate_axis`` without waiting. ``local`` is read before this returns (it
+    may change while the reduction is in flight); every rank waits for the replicate group's
+    reductions in the same order (a deterministic all-reduce all-gathers at ``wait()``)."""
     group = layout.replicate_group
     reduction = reduction_of(layout)
     grad = bucket.dtypes.grad
@@ -97,14 +104,116 @@ def start_reduce_replicate_axis(
     if torch.distributed.get_world_size(group) == 1:
         return collectives.Pending(None, local)
     if wire_lib.reduces_in_fp32(bucket.dtypes):
-        return collectives.Pending(None, wire_lib.reduce_replicate_axis(layout, bucket, local))
+        return wire_lib.start_reduce_replicate_axis(layout, bucket, local)
     wire = local.to(bucket.dtypes.comm)
-    summed = reduction.all_reduce(wire, group, axis=layout.replicate_axis)
-    return collectives.Pending(None, summed.to(grad))
+    pending = reduction.start_all_reduce(wire, group, axis=layout.replicate_axis)
+    return collectives.Pending.then(pending, lambda summed: summed.to(grad))
+
+
+class ReplicateAxis:
+    """One step's replicate-axis reductions: issued in one fixed order, the first ones during
+    the last microbatch's backward, the rest after it.
+
+    The order is descending bucket index, the order in which backward finishes the buckets of
+    a model whose units run in the order of their parameters (the last unit first, the root
+    last). The step's last microbatch (ZeRO-2/3, :class:`funcshard.units.reducer.Reducer`)
+    calls :meth:`start` for a bucket once every use forward counted has been reduced over
+    "shard" into the accumulator: its sum over microbatches and "shard" is final. A final
+    bucket is issued (:func:`start_reduce_replicate_axis`) as soon as every bucket before it
+    in the order is, and goes on the wire while backward computes the earlier units;
+    :func:`reduce_step_grads` issues the rest, in the same order, and waits for all. The data
+    of each reduction is what it would be after backward: the same bits, bytes and calls.
+
+    So every rank issues the replicate group's collectives in the same order whatever its
+    backward does: a bucket that finishes out of order, or that no gradient reaches on one
+    rank (a branch its data skipped), only holds the ones after it back until it is final or
+    backward is over. Nothing else runs on that group during backward. The one exception to
+    the order is a bucket :meth:`late` names (a recomputation gave it a use forward did not
+    count, on every rank alike): it goes after backward, and does not hold the others back.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.order = tuple(reversed(range(len(layout.buckets))))
+        self._next = 0  # the position in ``order`` of the next bucket to issue
+        self._final: dict[int, torch.Tensor] = {}  # final, waiting for their turn
+        self._issued: dict[int, collectives.Pending] = {}
+        self._late: set[int] = set()
+        self._dropped: list[collectives.Pending] = []
+        self._closed = False
+        # more than one replica (else there is nothing to put on the wire early)
+        self.on_wire = torch.distributed.get_world_size(layout.replicate_group) > 1
+
+    def start(self, bucket: int, shard: torch.Tensor) -> None:
+        """``shard``, ``bucket``'s inner shard, is final: issues its reduction once every
+        bucket before it in the order is issued (``shard`` is read then)."""
+        if self._closed or not self.on_wire or bucket in self._late:
+            return
+        self._final[bucket] = shard
+        self._advance()
+
+    def _advance(self) -> None:
+        """Issues the final buckets whose turn it is (a late one's turn is after backward)."""
+        while self._next < len(self.order):
+            index = self.order[self._next]
+            if index in self._final:
+                b = self.layout.buckets[index]
+                shard = self._final.pop(index)
+                self._issued[index] = start_reduce_replicate_axis(self.layout, b, shard)
+            elif index not in self._late:
+                return
+            self._next += 1
+
+    def late(self, bucket: int) -> None:
+        """A use of ``bucket`` beyond those forward counted (a recomputation in backward) is
+        on its way: its sum was not final. It is issued after backward, on its whole sum; if
+        it was issued already, that reduction is dropped (one reduction of it more on the
+        wire)."""
+        self._late.add(bucket)
+        self._final.pop(bucket, None)
+        pending = self._issued.pop(bucket, None)
+        if pending is not None:
+            self._dropped.append(pending)
+        if not self._closed:
+            self._advance()
+
+    def abandon(self) -> None:
+        """Backward failed: nothing more is issued, and what was is waited for (no collective
+        is left in flight) and dropped."""
+        self._closed = True
+        for pending in [*self._dropped, *self._issued.values()]:
+            pending.discard()
+        self._dropped.clear()
+        self._issued.clear()
+        self._final.clear()
+
+    def rest(self) -> list[int]:
+        """After backward: the buckets still to issue, in their order; nothing is issued by
+        :meth:`start` from now on."""
+        self._closed = True
+        for pending in self._dropped:
+            pending.discard()
+        self._dropped.clear()
+        self._final.clear()
+        return [b for b in self.order if b not in self._issued]
+
+    def issue(self, bucket: int, shard: torch.Tensor) -> None:
+        """Issues ``bucket``'s reduction on ``shard`` (after backward, in :meth:`rest`'s
+        order)."""
+        b = self.layout.buckets[bucket]
+        self._issued[bucket] = start_reduce_replicate_axis(self.layout, b, shard)
+
+    def wait(self) -> list[torch.Tensor]:
+        """Every bucket's reduced master shard, waited for in bucket order."""
+        return [self._issued.pop(b).wait() for b in range(len(self.layout.buckets))]
 
 
 def reduce_step_grads(
-    layout: Layout, grads: list[torch.Tensor | None], *, shard_reduced: bool
+    layout: Layout,
+    grads: list[torch.Tensor | None],
+    *,
+    shard_reduced: bool,
+    replicate: ReplicateAxis | None = None,
 ) -> list[torch.Tensor]:
     """A step's summed microbatch gradients -> this rank's shards of their global mean.
 
@@ -115,22 +224,25 @@ def reduce_step_grads(
         (``shard_reduced``, ZeRO-2/3) or the unreduced rank sections (ZeRO-0/1); None where
         no gradient reached the bucket (it counts as zeros).
       shard_reduced: whether the shard-axis reduction already ran.
+      replicate: the step's replicate-axis reductions, some of which backward may have
+        issued (their buckets' ``grads`` are not read again); None: a new one.
 
     Returns:
       Per bucket, this rank's master shard of the mean in main-grads dtype (summed over
-      "replicate", or reduce-scattered over it under HFSDP: every bucket's reduce-scatter is
-      started before the first is waited for).
+      "replicate", or reduce-scattered over it under HFSDP): every bucket's reduction is
+      issued before the first is waited for.
     """
     inner = layout.inner
-    pending = []
-    for bucket, part, g in zip(layout.buckets, inner.buckets, grads, strict=True):
+    replicate = replicate if replicate is not None else ReplicateAxis(layout)
+    for index in replicate.rest():
+        part, g = inner.buckets[index], grads[index]
         if g is None:
             numel = part.numel * (1 if shard_reduced else inner.shard_size)
             g = torch.zeros(numel, dtype=part.dtypes.grad, device=layout.device)
         if not shard_reduced:
             g = reduce_shard_axis(inner, part, g)
-        pending.append(start_reduce_replicate_axis(layout, bucket, g))
-    return [p.wait() for p in pending]
+        replicate.issue(index, g)
+    return replicate.wait()
 
 
 def reduce_scatter_grads(

@@ -29,6 +29,7 @@ from funcshard import mesh as mesh_lib
 
 if TYPE_CHECKING:
     from funcshard.layout import Layout
+    from funcshard.reduce import ReplicateAxis
 
 __all__ = [
     "Reduction",
@@ -55,19 +56,26 @@ class Sink:
       local: keep the unreduced rank sections (no reduce-scatter in backward).
       complete: the earlier microbatches' tree, which this (last) microbatch completes bucket
         by bucket and then reduces, overlapped with the rest of backward.
+      replicate: given to the step's last microbatch only: the step's replicate-axis
+        reductions, told of each bucket whose sum over microbatches and "shard" is final, so
+        that they overlap the rest of backward (those not issued by then follow it).
     """
 
     acc: Grads | None = None
     local: bool = False
     complete: determinism.PairwiseSum | None = None
+    replicate: ReplicateAxis | None = None
 
 
 class MicrobatchSum(Protocol):
     """The running sum of one step's microbatch gradients."""
 
-    def sink(self, *, last: bool, in_backward: bool) -> Sink:
+    def sink(
+        self, *, last: bool, in_backward: bool, replicate: ReplicateAxis | None = None
+    ) -> Sink:
         """Where the next microbatch goes; ``in_backward``: its producer reduces per bucket
-        as backward goes (ZeRO-2/3) rather than handing back unreduced sections."""
+        as backward goes (ZeRO-2/3) rather than handing back unreduced sections; then the
+        ``last`` microbatch's sink carries ``replicate``, for backward to issue from."""
         ...
 
     def add(self, grads: Grads) -> None:
@@ -85,8 +93,10 @@ class Fold:
     def __init__(self) -> None:
         self._acc: Grads | None = None
 
-    def sink(self, *, last: bool, in_backward: bool) -> Sink:  # noqa: ARG002
-        return Sink(acc=self._acc)
+    def sink(
+        self, *, last: bool, in_backward: bool, replicate: ReplicateAxis | None = None
+    ) -> Sink:
+        return Sink(acc=self._acc, replicate=replicate if last and in_backward else None)
 
     def add(self, grads: Grads) -> None:
         self._acc = grads  # the producer added into the sink's buffers (or made them)
@@ -108,12 +118,14 @@ class Tree:
         self._done: Grads | None = None
         self._completing = False
 
-    def sink(self, *, last: bool, in_backward: bool) -> Sink:
+    def sink(
+        self, *, last: bool, in_backward: bool, replicate: ReplicateAxis | None = None
+    ) -> Sink:
         if not in_backward:
             return Sink()
         if last:
             self._completing = True
-            return Sink(complete=self._tree)
+            return Sink(complete=self._tree, replicate=replicate)
         return Sink(local=True)
 
     def add(self, grads: Grads) -> None:
@@ -150,10 +162,12 @@ class Reduction(Protocol):
         the mesh axis of ``group``, for the accounting)."""
         ...
 
-    def all_reduce(
+    def start_all_reduce(
         self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-    ) -> torch.Tensor:
-        """The group's sum of ``wire`` (a new tensor or ``wire`` reused)."""
+    ) -> collectives.Pending:
+        """The group's sum of ``wire``; ``wire`` is read before this returns (it may change
+        while the sum is in flight). Every rank waits for a group's sums in the same order
+        (a sum may issue another collective at ``wait()``)."""
         ...
 
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -191,10 +205,10 @@ class RingReduction:
             return _exchange_and_sum(wire, group, axis=axis)
         return collectives.reduce_scatter(wire, group, axis=axis, async_op=True)
 
-    def all_reduce(
+    def start_all_reduce(
         self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-    ) -> torch.Tensor:
-        return collectives.all_reduce(wire, group, axis=axis)
+    ) -> collectives.Pending:
+        return collectives.all_reduce(wire, group, axis=axis, async_op=True)
 
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
         """One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite
@@ -267,10 +281,10 @@ class TreeReduction:
     ) -> collectives.Pending:
         return determinism.start_reduce_scatter(wire, group, axis=axis)
 
-    def all_reduce(
+    def start_all_reduce(
         self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-    ) -> torch.Tensor:
-        return determinism.all_reduce(wire, group, axis=axis)
+    ) -> collectives.Pending:
+        return determinism.start_all_reduce(wire, group, axis=axis)
 
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
         return determinism.global_norm(layout, grads)

@@ -97,20 +97,24 @@ def train_step(
     ls = state.loss_scale
     scale = (ls.scale if ls is not None else 1.0) / microbatches
 
-    # split -> produce: each microbatch's gradients join the step's sum where it says
+    # split -> produce: each microbatch's gradients join the step's sum where it says; the
+    # last one's backward (ZeRO-2/3) issues replicate reductions as bucket sums become final
     producer = producer_for(layout.inner, state.master, state.compute)
     summed = reduction.microbatch_sum(microbatches)
+    replicate = reduce_lib.ReplicateAxis(layout)
     parts = split_microbatches(batch, microbatches)
     losses, aux = [], None
     for k, mb in enumerate(parts):
-        sink = summed.sink(last=k == len(parts) - 1, in_backward=producer.shard_reduced)
+        sink = summed.sink(
+            last=k == len(parts) - 1, in_backward=producer.shard_reduced, replicate=replicate
+        )
         loss, aux, grads = producer.microbatch(mb, loss_fn, scale, sink)
         summed.add(grads)
         losses.append(loss)
 
-    # reduce -> norm/metrics -> update
+    # reduce (the rest of it) -> norm/metrics -> update
     grads = reduce_lib.reduce_step_grads(
-        layout, summed.result(), shard_reduced=producer.shard_reduced
+        layout, summed.result(), shard_reduced=producer.shard_reduced, replicate=replicate
     )
     if ls is not None:
         torch._foreach_mul_(grads, 1.0 / ls.scale)

@@ -62,13 +62,14 @@ __all__ = [
     "roundtrip",
     "start_reduce_scatter",
     "all_reduce",
+    "start_all_reduce",
     "start_all_gather",
     "reduces_in_fp32",
     "sections_dtype",
     "param_wire",
     "blocks_of",
     "start_reduce_shard_axis",
-    "reduce_replicate_axis",
+    "start_reduce_replicate_axis",
     "all_gather_params",
     "gather_full",
     "reduce_scatter_nbytes",
@@ -376,18 +377,37 @@ def all_reduce(
       dtype: the wire, as for :func:`start_reduce_scatter`.
       layout: the blocks of ``tensor`` (8-bit wires); the parts are cut on block boundaries.
     """
+    return start_all_reduce(tensor, group, axis=axis, dtype=dtype, layout=layout).wait()
+
+
+def start_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    axis: str,
+    dtype: torch.dtype,
+    layout: Blocks | None = None,
+) -> collectives.Pending:
+    """:func:`all_reduce` as a chain: the reduce-scatter (an all-to-all) starts now, reading
+    ``tensor`` before this returns; ``wait()`` sums the parts and all-gathers the sum. So the
+    all-gather is issued where the caller waits: every rank waits for a group's chains in the
+    same order."""
     size = _size(group)
     acc = _acc_dtype(tensor.dtype)
     if size == 1:
-        return tensor.to(acc)
-    flat = tensor.reshape(-1)
+        return collectives.Pending(None, tensor.to(acc))
+    flat, shape = tensor.reshape(-1), tensor.shape
     n = flat.numel()
     if dtype not in EIGHT_BIT:
         wire = torch.nn.functional.pad(flat.to(dtype), (0, -n % size))
         collectives.record("all_reduce", wire[:n], axis)
-        part = start_reduce_scatter(wire, group, axis=axis, dtype=dtype, kind=None).wait()
-        back = collectives.all_gather(part.to(dtype), group, axis=axis, kind=None)
-        return back[:n].to(acc).view(tensor.shape)
+        part = start_reduce_scatter(wire, group, axis=axis, dtype=dtype, kind=None)
+
+        def gather(summed: torch.Tensor) -> torch.Tensor:
+            back = collectives.all_gather(summed.to(dtype), group, axis=axis, kind=None)
+            return back[:n].to(acc).view(shape)
+
+        return collectives.Pending.then(part, gather)
     layout = _check(layout, n)
     parts = layout.split(size)
     width = max(p.nbytes for _, p in parts)
@@ -399,16 +419,16 @@ def all_reduce(
 
     def finish(recv: torch.Tensor) -> torch.Tensor:
         out = torch.empty(size, mine.numel, dtype=acc, device=flat.device)
-        return decode(recv.view(size, width)[:, : mine.nbytes], dtype, mine, out).sum(0)
+        reduced = decode(recv.view(size, width)[:, : mine.nbytes], dtype, mine, out).sum(0)
+        packed = torch.zeros(width, dtype=torch.uint8, device=flat.device)
+        encode(reduced, dtype, mine, packed[: mine.nbytes])
+        gathered = collectives.all_gather(packed, group, axis=axis, kind=None).view(size, width)
+        full = torch.empty(n, dtype=acc, device=flat.device)
+        for r, (begin, p) in enumerate(parts):
+            decode(gathered[r, : p.nbytes], dtype, p, full[begin : begin + p.numel])
+        return full.view(shape)
 
-    reduced = _all_to_all(send, group, axis, None, finish).wait()
-    packed = torch.zeros(width, dtype=torch.uint8, device=flat.device)
-    encode(reduced, dtype, mine, packed[: mine.nbytes])
-    gathered = collectives.all_gather(packed, group, axis=axis, kind=None).view(size, width)
-    out = torch.empty(n, dtype=acc, device=flat.device)
-    for r, (start, p) in enumerate(parts):
-        decode(gathered[r, : p.nbytes], dtype, p, out[start : start + p.numel])
-    return out.view(tensor.shape)
+    return _all_to_all(send, group, axis, None, finish)
 
 
 def start_all_gather(
@@ -503,18 +523,21 @@ def start_reduce_shard_axis(
     )
 
 
-def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
+def start_reduce_replicate_axis(
+    layout: Layout, bucket: Bucket, local: torch.Tensor
+) -> collectives.Pending:
     """A gradient shard summed over the replicas (the world under ``no_shard``) on the wire,
-    in the main-grads dtype."""
+    in the main-grads dtype (``local`` is read before this returns; :func:`start_all_reduce`
+    says in which order to wait)."""
     comm = bucket.dtypes.comm
-    out = all_reduce(
+    pending = start_all_reduce(
         local,
         layout.replicate_group,
         axis=layout.replicate_axis,
         dtype=comm,
         layout=_blocks_for(layout, bucket, comm),
     )
-    return out.to(bucket.dtypes.grad)
+    return collectives.Pending.then(pending, lambda out: out.to(bucket.dtypes.grad))
 
 
 def all_gather_params(layout: Layout, bucket: Bucket, local: torch.Tensor) -> collectives.Pending:

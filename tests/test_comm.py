@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -157,6 +158,46 @@ def test_gradients_leave_for_the_wire_during_backward(pool2, strategy: str) -> N
     r = pool2.run(reduce_in_backward_worker, strategy)[0]
     assert r["total"] == r["units"], r  # one reduce-scatter per unit and microbatch
     assert len(r["before_first_block"]) == 1 and r["before_first_block"][0] >= 7, r
+
+
+def replicate_in_backward_worker(strategy: str, outer: str) -> dict:
+    mesh = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
+    torch.manual_seed(0)
+    seen = []
+    model = Probed(lambda: seen.append(stats.bytes_by_axis["replicate"]))
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy=strategy, outer_strategy=outer)
+    layout = state.layout
+
+    def loss_fn(params, x):
+        return fs.functional_call(model, params, (x,)).square().mean()
+
+    with fs.comm_stats() as stats:
+        state, _ = fs.train_step(state, torch.randn(4, 3), loss_fn)
+    # what each bucket's replicate reduction puts on the wire: its inner shard, fp32
+    wire = collections.Counter()
+    for bucket in layout.inner.buckets:
+        wire[bucket.unit] += 4 * bucket.numel
+    return {
+        "before_first_block": seen,
+        "last_unit": wire[len(layout.units) - 1],
+        "root": wire[0],
+        "total": stats.bytes_by_axis["replicate"],
+        "all": sum(wire.values()),
+    }
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_replicate_reductions_leave_during_backward(pool4, strategy: str, outer: str) -> None:
+    """On 2 replicas x 2 shards (HSDP, and HFSDP: ``outer="optim"``), a bucket's reduction
+    over "replicate" (the slow link between nodes) starts as soon as its sum is final: by the
+    time backward reaches the first block, the last block's is already on the wire, and
+    nothing of the root's (its gradient comes last)."""
+    for r in pool4.run(replicate_in_backward_worker, strategy, outer):
+        # one reduction per bucket (HFSDP: and the updated params' all-gather, as many bytes)
+        assert r["total"] == r["all"] * (2 if outer == "optim" else 1), r
+        [before] = r["before_first_block"]
+        assert r["last_unit"] <= before <= r["all"] - r["root"], r
 
 
 # --- fs.optim.muon: the owner-computes exchange ------------------------------------------------

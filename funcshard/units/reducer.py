@@ -16,6 +16,13 @@ of three paths, fixed when backward starts:
   given its sections, the earlier microbatches' tree is completed with them and the bucket's
   reduce-scatter starts, overlapping the rest of backward.
 
+In the step's last microbatch (``replicate`` given), a bucket whose every use counted in
+forward has landed in the accumulator has its final sum: :class:`Reducing` hands it to
+``replicate`` (:class:`funcshard.reduce.ReplicateAxis`), which issues its replicate-axis
+reduction in its turn, overlapping the rest of backward too. A use beyond those counted
+(taken inside a recomputation) tells ``replicate`` that the sum was not final: the bucket is
+reduced after backward instead.
+
 A reduction that sums a bucket's uses before the ranks' contributions (the deterministic
 tree, as autograd does for ZeRO-0/1) keeps sections for the whole backward when forward took
 a bucket into the graph more than once (``params[name]`` beside its unit), and reduces each
@@ -76,10 +83,24 @@ class Sections:
 
 
 class Reducing:
-    """Reduce-scatters each gradient as it comes, at most one in flight, adding into ``acc``."""
+    """Reduce-scatters each gradient as it comes, at most one in flight, adding into ``acc``.
 
-    def __init__(self, layout: Layout, acc: Acc) -> None:
+    With ``replicate``, a bucket whose reduced uses reach ``entries`` (forward's count) is
+    final when the last of them lands in ``acc``, which it does at once, and is handed to
+    ``replicate`` then.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        acc: Acc,
+        entries: collections.Counter[int] | None = None,
+        replicate: reduce_lib.ReplicateAxis | None = None,
+    ) -> None:
         self.layout, self.acc = layout, acc
+        self.entries = entries if entries is not None else collections.Counter()
+        self.replicate = replicate
+        self._uses: collections.Counter[int] = collections.Counter()  # landed or in flight
         self._in_flight: list[tuple[int, collectives.Pending]] = []
 
     def take(self, bucket: int, grads: list[torch.Tensor | None]) -> None:
@@ -97,13 +118,22 @@ class Reducing:
         sections = shard_lib.to_rank_sections(grads, specs, S, dtype, layout.device)
         self.start(bucket, sections)
 
-    def start(self, bucket: int, sections: torch.Tensor) -> None:
-        """Waits for the reduction in flight, then starts reducing ``sections``."""
+    def start(self, bucket: int, sections: torch.Tensor, uses: int = 1) -> None:
+        """Waits for the reduction in flight, then starts reducing ``sections`` (the sum of
+        ``uses`` uses of ``bucket``)."""
+        if self.replicate is not None and self._uses[bucket] + uses > self.entries[bucket]:
+            self.replicate.late(bucket)  # before the use in flight lands as if final
         self.finish()
+        self._uses[bucket] += uses
         b = self.layout.buckets[bucket]
         self._in_flight.append(
             (bucket, reduce_lib.start_reduce_shard_axis(self.layout, b, sections))
         )
+        if self.replicate is not None and self._uses[bucket] == self.entries[bucket]:
+            # The bucket's sum is final once this lands: wait for the reduction over "shard"
+            # (the fast link) now rather than at the next bucket, so that the one over
+            # "replicate" (the slow link) goes on the wire a unit's backward earlier.
+            self.finish()
 
     def drain(self) -> None:
         pass
@@ -116,15 +146,17 @@ class Reducing:
                 self.acc[bucket] = shard.to(self.layout.buckets[bucket].dtypes.grad)
             else:
                 self.acc[bucket].add_(shard)
+            if self.replicate is not None and self._uses[bucket] == self.entries[bucket]:
+                self.replicate.start(bucket, self.acc[bucket])
         self._in_flight.clear()
 
 
 class Completing:
     """The last microbatch of a tree sum: each bucket's uses are gathered into sections; when
     the last use counted in forward arrives, ``tree`` is completed with them and the bucket's
-    reduce-scatter starts (through ``reducing``). A use beyond those counted (taken inside a
-    recomputation) comes after its bucket's reduction started: it is reduced on its own and
-    added."""
+    reduce-scatter starts (through ``reducing``, told how many uses it sums). A use beyond
+    those counted (taken inside a recomputation) comes after its bucket's reduction started:
+    it is reduced on its own and added."""
 
     def __init__(
         self,
@@ -154,7 +186,7 @@ class Completing:
         mine, self._sections.acc[bucket] = self._sections.acc[bucket], None
         total = self.tree.total(bucket, mine)
         if total is not None:
-            self.reducing.start(bucket, total)
+            self.reducing.start(bucket, total, uses=self._arrived[bucket])
 
     def drain(self) -> None:
         for bucket in range(len(self.layout.buckets)):  # buckets not (fully) reached
@@ -172,6 +204,8 @@ class Reducer:
       acc: per bucket, the accumulator to add into (None entries: start one).
       local: keep the unreduced rank sections (a deterministic step's microbatch).
       complete: the earlier microbatches' tree, completed by this (last) microbatch.
+      replicate: the step's replicate-axis reductions, told of each bucket whose sum this
+        (last) microbatch makes final.
     """
 
     def __init__(
@@ -181,10 +215,12 @@ class Reducer:
         *,
         local: bool = False,
         complete: determinism.PairwiseSum | None = None,
+        replicate: reduce_lib.ReplicateAxis | None = None,
     ) -> None:
         self.layout = layout
         self.local = local
         self.complete = complete
+        self.replicate = replicate if replicate is not None and replicate.on_wire else None
         self.acc: Acc = acc if acc is not None else [None] * len(layout.buckets)
         zero = {
             b.dtypes.grad: torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
@@ -221,20 +257,23 @@ class Reducer:
         if self.local or deferred:
             sections = self.acc if self.local else [None] * len(self.acc)
             path: _Path = Sections(self.layout, sections)
-        elif self.complete is not None:
-            path = Completing(
-                self.layout, self.complete, self.entries, Reducing(self.layout, self.acc)
-            )
         else:
-            path = Reducing(self.layout, self.acc)
+            reducing = Reducing(self.layout, self.acc, self.entries, self.replicate)
+            path = reducing
+            if self.complete is not None:
+                path = Completing(self.layout, self.complete, self.entries, reducing)
         self._path = path
         try:
             torch.autograd.grad(loss, self.carriers, allow_unused=True)
             path.drain()
+        except BaseException:
+            if self.replicate is not None:  # issue nothing more, leave nothing in flight
+                self.replicate.abandon()
+            raise
         finally:
             path.finish()
             self._path = None
-        if deferred:  # each bucket's summed uses, reduced once
+        if deferred:  # each bucket's summed uses, reduced once (over "replicate" after it)
             reducing = Reducing(self.layout, self.acc)
             for bucket, value in enumerate(sections):
                 if value is not None:

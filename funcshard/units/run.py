@@ -48,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 from funcshard import determinism
 from funcshard.functional import GatheredParams, _Swap
 from funcshard.layout import ROOT_UNIT, Layout
+from funcshard.reduce import ReplicateAxis
 from funcshard.units.gather import Gatherer, GatherFn
 from funcshard.units.phase import Phase, UnitState
 from funcshard.units.placeholders import absent
@@ -265,8 +266,9 @@ class UnitRun:
     full compute buffers, used as they are. ``run.backward(loss)`` adds, per bucket,
     this rank's shard of the gradient reduced over the shard axis to ``acc``, in the bucket's
     main-grads dtype; with ``local=True`` it adds the unreduced rank sections instead (a
-    deterministic step reduces its microbatches' sum once). ``run.params`` is what ``loss_fn``
-    gets.
+    deterministic step reduces its microbatches' sum once); with ``replicate`` (the step's last
+    microbatch) it starts each bucket's replicate-axis reduction once the bucket's sum is
+    final. ``run.params`` is what ``loss_fn`` gets.
     """
 
     def __init__(
@@ -278,12 +280,13 @@ class UnitRun:
         acc: list[torch.Tensor | None] | None = None,
         local: bool = False,
         complete: determinism.PairwiseSum | None = None,
+        replicate: ReplicateAxis | None = None,
     ) -> None:
         self.layout = layout
         self.replicated = replicated
         self.phase = Phase.FORWARD
         self.gatherer = Gatherer(layout, buffers, replicated)
-        self.reducer = Reducer(layout, acc, local=local, complete=complete)
+        self.reducer = Reducer(layout, acc, local=local, complete=complete, replicate=replicate)
         self.saved = None if replicated else SavedParams(self)
         self.buckets_of: dict[int, list[int]] = {}
         for b in layout.buckets:
