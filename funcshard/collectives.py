@@ -17,7 +17,15 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "comm_stats", "all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
+__all__ = [
+    "CommStats",
+    "comm_stats",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "exchange_blocks",
+]
 
 
 @dataclasses.dataclass
@@ -218,3 +226,26 @@ def all_to_all(
     record(kind, inp, axis)
     work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
     return Pending(work, out, keep=inp)
+
+
+def exchange_blocks(
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    combine: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    axis: str,
+    kind: str | None = "reduce_scatter",
+) -> Pending:
+    """A reduce-scatter as an all-to-all and a local sum: 1-D ``full`` is ``size`` equal
+    blocks, block r goes to rank r, and ``wait()`` gives ``combine`` of the ``(size, block)``
+    blocks received (the order of the sum is the caller's). The bytes of a ring
+    reduce-scatter; counted as one of ``full`` under ``kind``."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return Pending(None, full)
+    block = full.numel() // size
+    recv = torch.empty_like(full)
+    pending = all_to_all(
+        recv, full.contiguous(), [block] * size, [block] * size, group, axis=axis, kind=kind
+    )
+    return Pending.then(pending, lambda r: combine(r.view(size, block)))

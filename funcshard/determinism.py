@@ -158,15 +158,9 @@ def start_reduce_scatter(
     reduce-scatter: all but its own block out, as many in); ``wait()`` sums them by
     :func:`pairwise_sum` over group ranks. Counted as a reduce-scatter of ``full``.
     """
-    size = dist.get_world_size(group)
-    if size == 1:
-        return collectives.Pending(None, full)
-    block = full.numel() // size
-    recv = torch.empty_like(full)
-    pending = collectives.all_to_all(
-        recv, full.contiguous(), [block] * size, [block] * size, group, axis=axis, kind=kind
+    return collectives.exchange_blocks(
+        full, group, lambda blocks: pairwise_sum(blocks.unbind(0)), axis=axis, kind=kind
     )
-    return collectives.Pending.then(pending, lambda r: pairwise_sum(r.view(size, block).unbind(0)))
 
 
 def all_reduce(

@@ -202,7 +202,7 @@ class RingReduction:
             # gloo (the CPU backend) reduce-scatters by an all-reduce, twice a ring
             # reduce-scatter's bytes (measured on a veth link: experiments/bench_nodes.py);
             # an all-to-all and a local sum move exactly the ring's
-            return _exchange_and_sum(wire, group, axis=axis)
+            return collectives.exchange_blocks(wire, group, _sum_blocks, axis=axis)
         return collectives.reduce_scatter(wire, group, axis=axis, async_op=True)
 
     def start_all_reduce(
@@ -244,21 +244,9 @@ class RingReduction:
         return float(total) / (len(losses) * layout.dp_size)
 
 
-def _exchange_and_sum(
-    wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-) -> collectives.Pending:
-    """A reduce-scatter as an all-to-all of rank blocks and one local sum over them (in
-    ``torch.sum``'s order, not the deterministic tree's). Counted as a reduce-scatter."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return collectives.Pending(None, wire)
-    block = wire.numel() // size
-    recv = torch.empty_like(wire)
-    pending = collectives.all_to_all(
-        recv, wire.contiguous(), [block] * size, [block] * size, group, axis=axis,
-        kind="reduce_scatter",
-    )  # fmt: skip
-    return collectives.Pending.then(pending, lambda r: r.view(size, block).sum(0))
+def _sum_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """The received blocks' sum in ``torch.sum``'s order (not the deterministic tree's)."""
+    return blocks.sum(0)
 
 
 class TreeReduction:
