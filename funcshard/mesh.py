@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import weakref
 
@@ -17,6 +18,8 @@ __all__ = [
     "axis_group",
     "world_group",
     "master_group",
+    "world_timeout",
+    "inherit_timeout",
 ]
 
 AXES = ("replicate", "shard")
@@ -57,7 +60,32 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         _use_own_gpu()
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
+    mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
+    for axis in AXES:
+        inherit_timeout(mesh.get_group(axis))
+    return mesh
+
+
+def world_timeout() -> datetime.timedelta | None:
+    """The default group's collective timeout (``init_process_group(timeout=)``,
+    ``fs.init_from_env(timeout=)``), or None where the backend does not say."""
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def inherit_timeout(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """``group`` waiting on a collective as long as the default group does, not the 30
+    minutes torch gives every group made after it (a node cut off from the others would
+    hold the survivors that long on a mesh axis or a checkpoint's group)."""
+    timeout = world_timeout()
+    if timeout is not None and group is not dist.group.WORLD:
+        group.set_timeout(timeout)
+    return group
 
 
 def _use_own_gpu() -> None:
@@ -104,7 +132,7 @@ def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
         return dist.group.WORLD
     group = _FLAT_GROUPS.get(mesh)
     if group is None:
-        group = _FLAT_GROUPS[mesh] = mesh._flatten("dp").get_group()
+        group = _FLAT_GROUPS[mesh] = inherit_timeout(mesh._flatten("dp").get_group())
     return group
 
 
@@ -130,4 +158,4 @@ def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     key = (id(world), order)
     if key not in _MASTER_GROUPS:
         _MASTER_GROUPS[key] = (world, dist.new_group(list(order), sort_ranks=False))
-    return _MASTER_GROUPS[key][1]
+    return inherit_timeout(_MASTER_GROUPS[key][1])

@@ -8,7 +8,10 @@ with the numbers in the message.
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
+import torch
 import torch.distributed as dist
 
 import funcshard as fs
@@ -63,3 +66,34 @@ def test_make_mesh_needs_an_initialized_process_group() -> None:
     # The test process itself never joins a group (ranks live in the pools).
     with pytest.raises(RuntimeError, match="not initialized; run under torchrun or fs.launch"):
         fs.make_mesh(device_type="cpu")
+
+
+def timeouts_worker(seconds: float) -> dict:
+    """Every group funcshard makes, on a world whose timeout is ``seconds``."""
+    from funcshard.checkpoint.commit import Saver
+
+    world = dist.group.WORLD
+    before = mesh_lib.world_timeout()
+    world.set_timeout(datetime.timedelta(seconds=seconds))
+    try:
+        mesh = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
+        groups = {
+            "shard": mesh_lib.axis_group(mesh, "shard"),
+            "replicate": mesh_lib.axis_group(mesh, "replicate"),
+            "master": mesh_lib.master_group(mesh),
+            "saver": Saver()._agreement(None, background=True).group,
+        }
+        return {
+            name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, g in groups.items()
+        }
+    finally:
+        world.set_timeout(before)
+
+
+def test_groups_wait_as_long_as_the_world(pool4) -> None:
+    """A mesh axis, HFSDP's master-order group and a checkpoint saver's group give up on a
+    collective when the default group does (``fs.init_from_env(timeout=)``), not after
+    torch's 30 minutes: a node cut off must not hold the survivors longer than they asked."""
+    for r in pool4.run(timeouts_worker, 42.0):
+        assert r == {"shard": 42.0, "replicate": 42.0, "master": 42.0, "saver": 42.0}, r

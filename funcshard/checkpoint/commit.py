@@ -416,7 +416,7 @@ class Saver:
         if not background:
             return Agreement.of(layout)
         if self._group is None:  # collective: every rank saves
-            self._group = dist.new_group(backend="gloo")
+            self._group = mesh_lib.inherit_timeout(dist.new_group(backend="gloo"))
         return Agreement(self._group, torch.device("cpu"))
 
     def _run(self, job: _Job, agreement: Agreement) -> None:
