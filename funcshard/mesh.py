@@ -33,6 +33,8 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
       replicate: number of replicas (HSDP when > 1).
       device_type: "cuda" or "cpu"; None picks "cuda" when available.
 
+    The same shape on the same world gives the same mesh: its groups are made once.
+
     Raises:
       RuntimeError: torch.distributed is not initialized.
       ValueError: shard x replicate does not equal the world size, or a cuda mesh has more
@@ -60,10 +62,23 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         _use_own_gpu()
-    mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
+    world_pg = dist.group.WORLD
+    key = (id(world_pg), device_type, replicate, shard)
+    if key not in _MESHES:
+        mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
+        _MESHES[key] = (world_pg, mesh)
+    mesh = _MESHES[key][1]
     for axis in AXES:
         inherit_timeout(mesh.get_group(axis))
     return mesh
+
+
+# One mesh per shape of a world: a DeviceMesh's groups live as long as the world (torch never
+# frees them), and gloo gives each group its own TCP event-loop threads. A program (or a test
+# pool) making the same mesh again and again piled them up: 1,160 threads in each rank of a
+# test pool, a few dozen of them running at any time. Keyed by the default group (held, so
+# that its id cannot come back) and the shape.
+_MESHES: dict[tuple[int, str, int, int], tuple[object, DeviceMesh]] = {}
 
 
 def world_timeout() -> datetime.timedelta | None:

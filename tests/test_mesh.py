@@ -9,6 +9,7 @@ with the numbers in the message.
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -87,8 +88,9 @@ def timeouts_worker(seconds: float) -> dict:
             name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
             for name, g in groups.items()
         }
-    finally:
+    finally:  # the mesh is shared with later tests: give its groups the world's again
         world.set_timeout(before)
+        mesh_lib.master_group(fs.make_mesh(shard=2, replicate=2, device_type="cpu"))
 
 
 def test_groups_wait_as_long_as_the_world(pool4) -> None:
@@ -97,3 +99,22 @@ def test_groups_wait_as_long_as_the_world(pool4) -> None:
     torch's 30 minutes: a node cut off must not hold the survivors longer than they asked."""
     for r in pool4.run(timeouts_worker, 42.0):
         assert r == {"shard": 42.0, "replicate": 42.0, "master": 42.0, "saver": 42.0}, r
+
+
+def reuse_worker() -> dict:
+    first = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
+    threads = len(os.listdir("/proc/self/task"))
+    again = [fs.make_mesh(shard=2, replicate=2, device_type="cpu") for _ in range(5)]
+    return {
+        "same": all(m is first for m in again),
+        "new_threads": len(os.listdir("/proc/self/task")) - threads,
+        "other": fs.make_mesh(shard=4, device_type="cpu") is not first,
+    }
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_same_mesh_again_makes_no_groups(pool4) -> None:
+    """A mesh's groups live as long as the world, each with gloo's event-loop threads: the
+    same shape on the same world is the same mesh, so asking again starts no thread."""
+    for r in pool4.run(reuse_worker):
+        assert r == {"same": True, "new_threads": 0, "other": True}, r
