@@ -18,10 +18,12 @@ The fp32 wire is the reference and runs the ring collectives (it is ``main_grads
 Then the bytes of one ZeRO-3 step of the main job's GPT (experiments/train.py's default
 size) on ``--bytes_nproc`` ranks with ``--bytes_replicate`` replicas, each wire set as both
 ``grad_comm_dtype`` and ``param_comm_dtype``: measured by ``fs.comm_stats`` per mesh axis
-beside ``fs.plan``'s prediction, and the ratio to the fp32 wire.
+beside ``fs.plan``'s prediction, and the ratio to the fp32 wire; and the bytes of the compute
+copies the state keeps (under HFSDP, ``--bytes_outer_strategy=optim``: the packed inner shard).
 
 Run:  python experiments/bench_wire.py                 (2, 4 and 8 ranks)
       python experiments/bench_wire.py --ranks=2,4 --rows=1024 --bytes_nproc=0
+      python experiments/bench_wire.py --ranks=2 --rows=64 --bytes_outer_strategy=optim  (HFSDP)
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ flags.DEFINE_integer("cols", 64, "gradient columns (a row: the 8-bit formats' bl
 flags.DEFINE_integer("seed", 0, "seed of rank 0's gradient (rank r: seed + r)")
 flags.DEFINE_integer("bytes_nproc", 4, "ranks of the bytes table (0: no bytes table)")
 flags.DEFINE_integer("bytes_replicate", 2, "replicas of the bytes table's mesh")
+flags.DEFINE_enum(
+    "bytes_outer_strategy",
+    "no_shard",
+    ["no_shard", "optim"],
+    "the bytes table's outer_strategy (optim: HFSDP, the masters packed once and kept so)",
+)
 
 WIRES = {
     "fp32": torch.float32,
@@ -128,8 +136,9 @@ def _gpt():
     return GPT(GPTConfig(vocab=16, seq_len=32, n_layer=2, n_head=4, d_model=64))
 
 
-def bytes_worker(replicate: int) -> dict:
-    """Per wire, one ZeRO-3 step's bytes per mesh axis (this rank)."""
+def bytes_worker(replicate: int, outer: str = "no_shard") -> dict:
+    """Per wire, one ZeRO-3 step's bytes per mesh axis (this rank), and the bytes of the
+    compute copies the state keeps after it (HFSDP: the inner shard)."""
     torch.set_num_threads(1)
     mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
     tokens = torch.randint(0, 16, (2, 33), generator=torch.Generator().manual_seed(1))
@@ -138,7 +147,7 @@ def bytes_worker(replicate: int) -> dict:
         model = _gpt()
         wire_dtype = None if name == "fp32" else dtype
         policy = fs.MixedPrecisionPolicy(grad_comm_dtype=wire_dtype, param_comm_dtype=wire_dtype)
-        state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, policy=policy)
+        state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, policy=policy, outer_strategy=outer)
 
         def loss_fn(params, batch, model=model):
             logits = fs.functional_call(model, params, (batch[:, :-1],))
@@ -148,22 +157,34 @@ def bytes_worker(replicate: int) -> dict:
             state, _ = fs.train_step(state, tokens, loss_fn)
         out[name] = {k: v for k, v in stats.bytes_by_axis.items() if v}
         out[name]["kinds"] = {k: v for k, v in stats.bytes.items() if v and k != "metrics"}
+        out[name]["kept"] = sum(
+            c.numel() * c.element_size() for c in state.compute if c is not None
+        )
     return out
 
 
-def _bytes_table(nproc: int, replicate: int) -> None:
-    measured = fs.launch(bytes_worker, replicate, nproc=nproc)[0]
+def _bytes_table(nproc: int, replicate: int, outer: str) -> None:
+    measured = fs.launch(bytes_worker, replicate, outer, nproc=nproc)[0]
     print(
         f"\nbytes per rank of one ZeRO-3 step of the main job's GPT ({nproc} ranks, "
-        f"replicate={replicate}; grads and params on the wire)"
+        f"replicate={replicate}, outer_strategy={outer}; grads and params on the wire), and "
+        "of the compute copies the state keeps"
     )
     head = ("shard", "replicate", "plan shard", "plan repl.", "vs fp32 shard", "vs fp32 repl.")
+    head += ("kept", "plan kept")
     print(f"{'wire':<6}" + "".join(f"{h:>15}" for h in head))
     base = measured["fp32"]
     for name, dtype in WIRES.items():
         wire_dtype = None if name == "fp32" else dtype
         policy = fs.MixedPrecisionPolicy(grad_comm_dtype=wire_dtype, param_comm_dtype=wire_dtype)
-        p = fs.plan(_gpt(), world_size=nproc, replicate=replicate, policy=policy, optimizer="sgd")
+        p = fs.plan(
+            _gpt(),
+            world_size=nproc,
+            replicate=replicate,
+            policy=policy,
+            optimizer="sgd",
+            outer_strategy=outer,
+        )
         row = measured[name]
         cells = [
             row.get("shard", 0),
@@ -175,8 +196,12 @@ def _bytes_table(nproc: int, replicate: int) -> None:
             f"{row.get(a, 0) / base[a]:.3f}x" if base.get(a) else "-"
             for a in ("shard", "replicate")
         ]
+        kept = [row["kept"], p.memory.compute]
         print(
-            f"{name:<6}" + "".join(f"{c:>15,}" for c in cells) + "".join(f"{r:>15}" for r in ratios)
+            f"{name:<6}"
+            + "".join(f"{c:>15,}" for c in cells)
+            + "".join(f"{r:>15}" for r in ratios)
+            + "".join(f"{c:>15,}" for c in kept)
         )
 
 
@@ -206,7 +231,7 @@ def main(argv: list[str]) -> None:
             cells = "".join(f"{_cell(row[c]):>11}" for c in COLUMNS)
             print(f"{name:<6}{n:>6}{cells}{ratio:>11}")
     if FLAGS.bytes_nproc:
-        _bytes_table(FLAGS.bytes_nproc, FLAGS.bytes_replicate)
+        _bytes_table(FLAGS.bytes_nproc, FLAGS.bytes_replicate, FLAGS.bytes_outer_strategy)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,13 @@
 python experiments/plan.py                                   # Llama-2-70B on 1024 ranks
 python experiments/plan.py --model=zero_7.5b --world_size=64 --policy=fp16_grads16
 python experiments/plan.py --model=llama8b --world_size=32 --replicate=4 --outer_strategy=optim
+python experiments/plan.py --model=llama8b --world_size=32 --replicate=4 --outer_strategy=optim \
+    --grad_comm_dtype=int8 --param_comm_dtype=int8
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from absl import app, flags
@@ -31,6 +35,12 @@ flags.DEFINE_enum(
     "(fp16 params and grads, fp32 master)",
 )
 
+WIRES = {"none": None, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+flags.DEFINE_enum(
+    "grad_comm_dtype", "none", list(WIRES), "The gradients' wire (none: the policy's)."
+)
+flags.DEFINE_enum("param_comm_dtype", "none", list(WIRES), "The params' wire (none: the policy's).")
+
 POLICIES = {
     "fp32": fs.MixedPrecisionPolicy(),
     "bf16": fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
@@ -49,16 +59,27 @@ SHAPES = {
 COLUMNS = ("master", "compute", "compute_shard", "grads", "opt_state", "gathered_peak", "host")
 
 
+def _policy() -> fs.MixedPrecisionPolicy:
+    """``--policy`` with the wires the flags name instead of its own."""
+    wires = {
+        name: WIRES[getattr(FLAGS, name)]
+        for name in ("grad_comm_dtype", "param_comm_dtype")
+        if getattr(FLAGS, name) != "none"
+    }
+    return dataclasses.replace(POLICIES[FLAGS.policy], **wires)
+
+
 def main(argv: list[str]) -> None:
     del argv
     shapes = SHAPES[FLAGS.model]()
+    policy = _policy()
     plans = [
         fs.plan(
             shapes,
             world_size=FLAGS.world_size,
             replicate=FLAGS.replicate,
             strategy=s,
-            policy=POLICIES[FLAGS.policy],
+            policy=policy,
             microbatches=FLAGS.microbatches,
             offload_fraction=FLAGS.offload_fraction,
             optimizer=FLAGS.optimizer,
@@ -71,7 +92,8 @@ def main(argv: list[str]) -> None:
     print(
         f"{FLAGS.model}: {p0.numel:,} params, {p0.units} units; world={FLAGS.world_size} "
         f"replicate={FLAGS.replicate} outer_strategy={FLAGS.outer_strategy} "
-        f"policy={FLAGS.policy} optimizer={FLAGS.optimizer} "
+        f"policy={FLAGS.policy} grad_comm_dtype={FLAGS.grad_comm_dtype} "
+        f"param_comm_dtype={FLAGS.param_comm_dtype} optimizer={FLAGS.optimizer} "
         f"microbatches={FLAGS.microbatches}"
     )
     print("\nmemory per rank (GB = 1e9 B)")

@@ -11,7 +11,8 @@ index ``m = s * R + r``, so the ``R`` masters of shard rank ``s`` are consecutiv
 together they are exactly the rows ``s`` holds as an inner (HSDP) shard of ``R * rps`` rows
 per leaf. :attr:`Layout.inner` is that inner layout: compute params, gathers and gradients
 within a replica use it; what crosses "replicate" is a reduce-scatter of the inner gradient
-shard into masters and an all-gather of the updated masters back into it.
+shard into masters and an all-gather of the updated masters back into it (with a param wire,
+the masters encoded once by their owners and the inner shard kept so: :mod:`funcshard.wire`).
 
 Leaves of one gather unit with the same dtypes and placement form a bucket: one flat buffer,
 one collective, one fused optimizer call. The layout is computed locally from parameter shapes
@@ -161,6 +162,10 @@ class Layout:
     deterministic: bool = False
     # what is sharded over "replicate" (HFSDP: masters and optimizer state, see the module)
     outer: OuterStrategy = OuterStrategy.NO_SHARD
+    # HFSDP's inner layout (:attr:`inner`): the R master sections a shard is made of, which a
+    # param wire keeps encoded as they crossed "replicate" (:mod:`funcshard.wire`); 0 for
+    # every other layout, whose compute shard is one section, encoded only to be gathered
+    packed_sections: int = 0
 
     def aliases_of(self, name: str) -> tuple[str, ...]:
         """The other names of parameter ``name`` in the model's state_dict (tied weights)."""
@@ -230,7 +235,8 @@ class Layout:
         Itself unless HFSDP; under HFSDP the HSDP layout whose shard ``s`` holds exactly the
         rows of masters ``s * R .. s * R + R - 1`` (``R * rows_per_shard`` rows per leaf, in
         master order), so an inner shard is ``R`` master sections leaf by leaf
-        (:func:`funcshard.sharding.from_rank_sections` over ``R``).
+        (:func:`funcshard.sharding.from_rank_sections` over ``R``). With a param wire the
+        shard is kept as those ``R`` sections, encoded (:attr:`packed_sections`).
         """
         if not self.hierarchical:
             return self
@@ -241,7 +247,7 @@ class Layout:
         )
         buckets = tuple(dataclasses.replace(b, numel=r * b.numel) for b in self.buckets)
         return dataclasses.replace(
-            self, leaves=leaves, buckets=buckets, outer=OuterStrategy.NO_SHARD
+            self, leaves=leaves, buckets=buckets, outer=OuterStrategy.NO_SHARD, packed_sections=r
         )
 
     @property
@@ -428,12 +434,6 @@ def build_layout(
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
     prefixes = _resolve_units(model, units) if model is not None else list(units or [])
-    if outer.shards_optim and policy.param_comm_dtype is not None:
-        raise ValueError(
-            f'outer_strategy="optim" with param_comm_dtype={policy.param_comm_dtype}: not '
-            'supported yet (the params would be quantized twice, gathered over "replicate" '
-            'and then over "shard"); use param_comm_dtype=None or outer_strategy="no_shard"'
-        )
     shard_size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
     if outer.shards_optim:
         shard_size *= mesh_lib.axis_size(mesh, "replicate")

@@ -27,7 +27,9 @@ microbatch's loss, ``W * M * 8``). The ZeRO-3 all-gather counts a forward
 gather and a backward re-gather of every bucket: exact when every unit saves one of its params
 for backward (a Linear weight does), an upper bound otherwise.
 
-The all-gathers move ``param_comm_dtype`` instead of ``c`` when it is set. An 8-bit wire
+The all-gathers move ``param_comm_dtype`` instead of ``c`` when it is set (under HFSDP both
+the one over "replicate" and those over "shard": the masters are encoded once and the bytes
+move on unchanged; ZeRO-3 keeps the inner shard so, in ``memory.compute``). An 8-bit wire
 (grads or params, :mod:`funcshard.wire`) counts its bytes instead of ``numel * w``: per
 section of ``L`` elements in ``K`` blocks ``L + 4K`` (a one-element row: 4, no value byte);
 its all-reduce over ``n`` ranks counts ``n`` times its largest part.
@@ -79,7 +81,8 @@ class MemoryPlan:
       master: master weight shards on the device.
       compute: compute copies the state keeps (``derive_compute``): ZeRO 0-2 the full compute
         params per bucket (0 where the master itself serves), ZeRO-3 only the device shard of
-        offloaded buckets.
+        offloaded buckets, and under HFSDP the inner shard of every bucket (packed on
+        ``param_comm_dtype`` when it is set).
       compute_shard: ZeRO-3, the compute-dtype shards cast from the masters at step time
         (0 where no cast is needed).
       grads: the gradient accumulator during a step: the full unreduced gradient under
@@ -327,7 +330,11 @@ def _memory(
             master += p_bytes
             opt += state_bytes[b.index]
         if zero3:
-            if b.offload or layout.hierarchical:  # a kept compute shard
+            if layout.hierarchical:  # the inner shard, kept as it crossed "replicate"
+                packed = wire_lib.packs_shard(inner, part)
+                kept = layout.replicas * wire_lib.packed_nbytes(layout, b)
+                compute += 0 if same and not packed else kept
+            elif b.offload:  # a kept compute shard
                 compute += 0 if same else c_bytes
             else:
                 compute_shard += 0 if same else c_bytes
@@ -381,7 +388,8 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
             eight_bit = comm in wire_lib.EIGHT_BIT
             section = wire_lib.blocks_of(layout, b).nbytes if eight_bit else b.numel * comm.itemsize
             add("reduce_scatter", 1, replicate * section, "replicate")
-            add("all_gather", 1, part.numel * _size(b.dtypes.compute), "replicate")
+            # the updated masters, packed on the param wire when there is one
+            add("all_gather", 1, replicate * wire_lib.packed_nbytes(layout, b), "replicate")
         elif replicate > 1:
             add("all_reduce", 1, wire_lib.all_reduce_nbytes(layout, b, replicate), "replicate")
     # the norm's sums run over the masters' group (every rank under HFSDP)

@@ -127,7 +127,8 @@ class MixedPrecisionPolicy:
       loss_scale_init: initial dynamic loss scale, used only when the compute dtype is fp16.
       loss_scale_growth_interval: finite steps after which the fp16 loss scale doubles.
       param_comm_dtype: dtype of the params on the all-gather wire (ZeRO-3's gathers, ZeRO 0-2's
-        compute copies); None = the compute dtype. Decoded to the compute dtype on arrival;
+        compute copies, HFSDP's gather over "replicate", which moves each master encoded
+        once); None = the compute dtype. Decoded to the compute dtype on arrival;
         the masters and the optimizer never see it.
     """
 

@@ -279,7 +279,8 @@ def derive_compute(
     the master itself when no cast or move is needed. ZeRO-3: only offloaded buckets keep a
     device compute shard; the others are cast at gather time. HFSDP first all-gathers the
     replicas' masters over "replicate" into the inner shard (:attr:`Layout.inner`), which
-    ZeRO-3 keeps for every bucket.
+    ZeRO-3 keeps for every bucket: in the compute dtype, or with a param wire as the ``R``
+    masters packed on it (each encoded once by its owner; :func:`funcshard.wire.gather_replicas`).
 
     Args:
       layout: the state's layout.
@@ -290,13 +291,16 @@ def derive_compute(
     inner = layout.inner
     out = []
     for i, (bucket, m) in enumerate(zip(layout.buckets, master, strict=True)):
-        dtype = bucket.dtypes.compute
+        dtype, part = bucket.dtypes.compute, inner.buckets[i]
         sharded = layout.strategy.shards_params
         # ZeRO-3 keeps a compute shard where it cannot be cast from the master at gather
         # time: an offloaded master, or (HFSDP) a master that is 1/R of the shard
         keep = sharded and (bucket.offload or layout.hierarchical)
         if m.is_meta:
-            size = inner.buckets[i].numel * (1 if sharded else inner.shard_size)
+            if keep and wire_lib.packs_shard(inner, part):
+                out.append(wire_lib.empty_packed(inner, part, "meta"))
+                continue
+            size = part.numel * (1 if sharded else inner.shard_size)
             kept = keep or not sharded
             out.append(torch.empty(size, dtype=dtype, device="meta") if kept else None)
             continue
@@ -309,11 +313,11 @@ def derive_compute(
             else m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
         )
         if layout.hierarchical:  # the updated masters of every replica: the inner shard
-            local_i = shard_lib.gather_replicas(layout, bucket, local_i)
+            local_i = wire_lib.gather_replicas(layout, bucket, local_i)
         if sharded:
             out.append(local_i if keep else None)
         else:
-            out.append(wire_lib.gather_full(inner, inner.buckets[i], local_i))
+            out.append(wire_lib.gather_full(inner, part, local_i))
     return tuple(out)
 
 

@@ -32,7 +32,8 @@ Wire formats (the ``dtype`` argument):
   its scales (fp32), then its values.
 
 The layout glue at the bottom is what :mod:`funcshard.reduce`, the ZeRO-3 gather, the ZeRO 0-2
-compute copies and :func:`funcshard.plan.plan` call.
+compute copies, HFSDP's gather of the masters over "replicate" and :func:`funcshard.plan.plan`
+call.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from funcshard import collectives
 from funcshard import sharding as shard_lib
 
 if TYPE_CHECKING:
-    from funcshard.layout import Bucket, Layout
+    from funcshard.layout import Bucket, Layout, LeafSpec
     from funcshard.policy import LeafDtypes
 
 __all__ = [
@@ -63,6 +64,8 @@ __all__ = [
     "start_reduce_scatter",
     "all_reduce",
     "start_all_reduce",
+    "pack",
+    "unpack",
     "start_all_gather",
     "reduces_in_fp32",
     "sections_dtype",
@@ -70,6 +73,13 @@ __all__ = [
     "blocks_of",
     "start_reduce_shard_axis",
     "start_reduce_replicate_axis",
+    "section_leaves",
+    "section_blocks",
+    "packs_shard",
+    "packed_nbytes",
+    "empty_packed",
+    "pack_params",
+    "gather_replicas",
     "all_gather_params",
     "gather_full",
     "reduce_scatter_nbytes",
@@ -431,6 +441,39 @@ def start_all_reduce(
     return _all_to_all(send, group, axis, None, finish)
 
 
+def pack(local: torch.Tensor, dtype: torch.dtype, layout: Blocks | None = None) -> torch.Tensor:
+    """1-D ``local`` as it travels on the ``dtype`` wire: 8-bit, one byte buffer of
+    ``layout.nbytes`` (its scales, then its values); otherwise the cast (``local`` itself
+    when it has that dtype already).
+
+    >>> pack(torch.tensor([1.0, -0.5]), torch.int8, blocks(((1, 2),))).tolist()  # scale 1.0
+    [0, 0, 128, 63, 127, 192]
+    """
+    if dtype not in EIGHT_BIT:
+        return local.to(dtype)
+    layout = _check(layout, local.numel())
+    packed = torch.empty(layout.nbytes, dtype=torch.uint8, device=local.device)
+    encode(local, dtype, layout, packed)
+    return packed
+
+
+def unpack(
+    packed: torch.Tensor,
+    dtype: torch.dtype,
+    layout: Blocks | None,
+    count: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`pack`'s inverse over ``count`` packed sections back to back: their values, one
+    section after the other, in a new 1-D ``out_dtype`` tensor (``layout``: the blocks of one
+    section, for an 8-bit wire)."""
+    if dtype not in EIGHT_BIT:
+        return packed.to(out_dtype)
+    assert layout is not None and packed.numel() == count * layout.nbytes, "packed sections"
+    out = torch.empty(count, layout.numel, dtype=out_dtype, device=packed.device)
+    return decode(packed.view(count, layout.nbytes), dtype, layout, out).view(-1)
+
+
 def start_all_gather(
     local: torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -456,23 +499,12 @@ def start_all_gather(
       kind: what ``fs.comm_stats`` counts the gathered wire under.
     """
     size = _size(group)
-    if dtype in EIGHT_BIT:
-        layout = _check(layout, local.numel())
-        packed = torch.empty(layout.nbytes, dtype=torch.uint8, device=local.device)
-        encode(local, dtype, layout, packed)
-        unpack = lambda r: decode(  # noqa: E731
-            r.view(size, -1),
-            dtype,
-            layout,
-            torch.empty(size, layout.numel, dtype=out_dtype, device=r.device),
-        ).view(-1)
-    else:
-        packed = local.to(dtype)
-        unpack = lambda r: r.to(out_dtype)  # noqa: E731
+    packed = pack(local, dtype, layout)
+    unpack_all = lambda r: unpack(r, dtype, layout, size, out_dtype)  # noqa: E731
     if size == 1:
-        return collectives.Pending(None, unpack(packed))
+        return collectives.Pending(None, unpack_all(packed))
     pending = collectives.all_gather(packed, group, axis=axis, async_op=True, kind=kind)
-    return collectives.Pending.then(pending, unpack)
+    return collectives.Pending.then(pending, unpack_all)
 
 
 # --- the layout's wires ------------------------------------------------------------------------
@@ -540,19 +572,106 @@ def start_reduce_replicate_axis(
     return collectives.Pending.then(pending, lambda out: out.to(bucket.dtypes.grad))
 
 
+# The params' wire. A rank encodes (packs) its compute shard once, on the sending side; the
+# gathers move the packed bytes and decode exactly once, into the full compute params, by the
+# blocks of the master sections. HFSDP packs each master where it is updated: the outer gather
+# over "replicate" moves the packed masters into the inner shard, which stays packed (ZeRO-3
+# keeps it so between steps, ``Layout.packed_sections``), and the gather over "shard" moves
+# those bytes again, unchanged. Blocks never cross a row and rows are never split, so the
+# decoded params are a function of the masters alone, the same bits on every layout.
+def _sections(layout: Layout) -> int:
+    """Master sections per shard of ``layout`` (R for HFSDP's inner layout, else 1)."""
+    return max(1, layout.packed_sections)
+
+
+def section_leaves(layout: Layout, bucket: Bucket) -> list[LeafSpec]:
+    """The leaves of one master section of a bucket's shard, as a master flat packs them (the
+    bucket's own specs; 1/R of the rows and offsets of each under HFSDP's inner layout)."""
+    specs, k = layout.bucket_leaves(bucket), _sections(layout)
+    if k == 1:
+        return specs
+    return [
+        dataclasses.replace(s, rows_per_shard=s.rows_per_shard // k, offset=s.offset // k)
+        for s in specs
+    ]
+
+
+def section_blocks(layout: Layout, bucket: Bucket) -> Blocks:
+    """The blocks of one master section of a bucket's shard (what a param wire packs)."""
+    return blocks(tuple((s.rows_per_shard, s.row_numel) for s in section_leaves(layout, bucket)))
+
+
+def packs_shard(layout: Layout, bucket: Bucket) -> bool:
+    """Whether a bucket's compute shard is kept packed: HFSDP's inner layout with a param
+    wire (its ``packed_sections`` master sections, as they crossed "replicate")."""
+    return layout.packed_sections > 0 and param_wire(layout, bucket) is not None
+
+
+def packed_nbytes(layout: Layout, bucket: Bucket) -> int:
+    """Bytes of one master section of a bucket's shard on its param wire (the compute dtype
+    when there is none)."""
+    wire = param_wire(layout, bucket) or bucket.dtypes.compute
+    if wire in EIGHT_BIT:
+        return section_blocks(layout, bucket).nbytes
+    return bucket.numel // _sections(layout) * wire.itemsize
+
+
+def empty_packed(layout: Layout, bucket: Bucket, device: torch.device | str) -> torch.Tensor:
+    """An uninitialized packed shard of a bucket (its ``packed_sections`` sections)."""
+    wire = param_wire(layout, bucket)
+    dtype = torch.uint8 if wire in EIGHT_BIT else wire
+    numel = _sections(layout) * packed_nbytes(layout, bucket) // dtype.itemsize
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def pack_params(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
+    """A bucket's compute shard (one master section) packed on its param wire."""
+    wire = param_wire(layout, bucket)
+    assert wire is not None, "a param wire"
+    return pack(local, wire, section_blocks(layout, bucket) if wire in EIGHT_BIT else None)
+
+
+def gather_replicas(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
+    """HFSDP: this rank's inner shard of a bucket from every replica's updated master
+    (``local``: this rank's, in the compute dtype). With a param wire each master is packed
+    once, here, and the inner shard is the ``R`` packed sections in replica order: they
+    cross "replicate" and stay packed (:func:`packs_shard`); else the compute-dtype shard
+    of :func:`funcshard.sharding.gather_replicas`."""
+    if param_wire(layout, bucket) is None:
+        return shard_lib.gather_replicas(layout, bucket, local)
+    packed = pack_params(layout, bucket, local)
+    if layout.replicas == 1:
+        return packed
+    return collectives.all_gather(packed, layout.replicate_group, axis="replicate")
+
+
 def all_gather_params(layout: Layout, bucket: Bucket, local: torch.Tensor) -> collectives.Pending:
-    """ZeRO-3's gather of a bucket's compute shard over "shard" (asynchronous): the rank
-    sections in the compute dtype, through ``param_comm_dtype`` when it differs."""
+    """A bucket's full compute params (the full layout, compute dtype) gathered over the
+    layout's shard group from this rank's compute shard (asynchronous; ZeRO-3's gathers,
+    ZeRO 0-2's compute copies).
+
+    Without a param wire the compute-dtype shards move. With one, the packed shards do
+    (``local`` packed here, or already packed under :func:`packs_shard`), and the result is
+    decoded once, section by section, on arrival."""
+    specs, S = layout.bucket_leaves(bucket), layout.shard_size
     wire = param_wire(layout, bucket)
     if wire is None:
-        return collectives.all_gather(local, layout.shard_group, axis="shard", async_op=True)
-    return start_all_gather(
-        local,
-        layout.shard_group if layout.shard_size > 1 else None,
-        axis="shard",
-        dtype=wire,
-        layout=_blocks_for(layout, bucket, wire),
-        out_dtype=bucket.dtypes.compute,
+        count, sections, packed = S, specs, local
+        finish = lambda r: r  # noqa: E731
+    else:
+        count, sections = S * _sections(layout), section_leaves(layout, bucket)
+        eight_bit = section_blocks(layout, bucket) if wire in EIGHT_BIT else None
+        packed = local if packs_shard(layout, bucket) else pack_params(layout, bucket, local)
+        compute = bucket.dtypes.compute
+        finish = lambda r: unpack(r, wire, eight_bit, count, compute)  # noqa: E731
+    if S == 1:
+        pending = collectives.Pending(None, packed)
+    else:
+        pending = collectives.all_gather(
+            packed, layout.shard_group, axis=layout.shard_axis, async_op=True
+        )
+    return collectives.Pending.then(
+        pending, lambda r: shard_lib.from_rank_sections(finish(r), sections, count)
     )
 
 
@@ -562,8 +681,7 @@ def gather_full(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Te
     compute params are the same function of the masters on every layout)."""
     if param_wire(layout, bucket) is None:
         return shard_lib.gather_full(layout, bucket, local)
-    sections = all_gather_params(layout, bucket, local).wait()
-    return shard_lib.from_rank_sections(sections, layout.bucket_leaves(bucket), layout.shard_size)
+    return all_gather_params(layout, bucket, local).wait()
 
 
 # --- bytes, for fs.plan --------------------------------------------------------------------------
@@ -585,7 +703,4 @@ def all_reduce_nbytes(layout: Layout, bucket: Bucket, size: int) -> int:
 
 def all_gather_nbytes(layout: Layout, bucket: Bucket) -> int:
     """Bytes counted for one shard-axis all-gather of a bucket's compute params."""
-    wire = param_wire(layout, bucket) or bucket.dtypes.compute
-    if wire in EIGHT_BIT:
-        return layout.shard_size * blocks_of(layout, bucket).nbytes
-    return layout.shard_size * bucket.numel * wire.itemsize
+    return layout.shard_size * _sections(layout) * packed_nbytes(layout, bucket)

@@ -348,12 +348,18 @@ def test_bytes_by_axis_equal_the_plan(
 
 # --- low-precision and 8-bit wires (grad_comm_dtype, param_comm_dtype) -------------------------
 def wire_worker(
-    strategy: str, shard: int, replicate: int, grad_wire, param_wire, outer: str = "no_shard"
+    strategy: str,
+    shard: int,
+    replicate: int,
+    grad_wire,
+    param_wire,
+    outer: str = "no_shard",
+    compute=BF16,
 ) -> dict:
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     model = models.make_model()
     policy = fs.MixedPrecisionPolicy(
-        param_dtype=BF16, grad_comm_dtype=grad_wire, param_comm_dtype=param_wire
+        param_dtype=compute, grad_comm_dtype=grad_wire, param_comm_dtype=param_wire
     )
     state = fs.init(
         model,
@@ -371,7 +377,7 @@ def wire_worker(
 
 
 WIRE_CASES = [
-    (strategy, *case)
+    (strategy, *case, *(() if len(case) == 6 else (BF16,)))  # compute dtype: bf16 unless given
     for strategy in fs.STRATEGIES
     for case in [
         (3, 1, torch.int8, torch.int8, "no_shard"),
@@ -381,14 +387,19 @@ WIRE_CASES = [
         # HFSDP: the reduce-scatter over "replicate" into the masters on the same wires
         (2, 2, torch.int8, None, "optim"),
         (2, 2, BF16, None, "optim"),
+        # HFSDP: the masters packed once, gathered over "replicate" and again over "shard"
+        (2, 2, torch.int8, torch.int8, "optim"),
+        (2, 2, None, torch.float8_e4m3fn, "optim"),
+        (1, 4, BF16, torch.int8, "optim"),
+        (2, 2, None, BF16, "optim", None),  # fp32 compute, a bf16 param wire
     ]
-    if not (case[-1] == "optim" and strategy == "no_shard")
+    if not (case[4] == "optim" and strategy == "no_shard")
 ]
 
 
-@pytest.mark.parametrize("strategy,shard,replicate,grad_wire,param_wire,outer", WIRE_CASES)
+@pytest.mark.parametrize("strategy,shard,replicate,grad_wire,param_wire,outer,compute", WIRE_CASES)
 def test_wire_bytes_equal_the_plan(
-    request, strategy, shard, replicate, grad_wire, param_wire, outer
+    request, strategy, shard, replicate, grad_wire, param_wire, outer, compute
 ):
     """Every kind and every axis of a step with low-precision and 8-bit wires (their scales
     included, and the all-reduce's parts padded to the largest) equals fs.plan's prediction;
@@ -396,13 +407,13 @@ def test_wire_bytes_equal_the_plan(
     wide: a 4-byte scale per row) and many 1-D params (exact, 4 bytes); test_wire checks the
     quarter on long rows."""
     results = request.getfixturevalue(f"pool{shard * replicate}").run(
-        wire_worker, strategy, shard, replicate, grad_wire, param_wire, outer
+        wire_worker, strategy, shard, replicate, grad_wire, param_wire, outer, compute
     )
     kw = dict(world_size=shard * replicate, replicate=replicate, strategy=strategy)
     kw |= dict(outer_strategy=outer)
     kw |= dict(microbatches=2, optimizer="sgd", device_type="cpu")
     policy = fs.MixedPrecisionPolicy(
-        param_dtype=BF16, grad_comm_dtype=grad_wire, param_comm_dtype=param_wire
+        param_dtype=compute, grad_comm_dtype=grad_wire, param_comm_dtype=param_wire
     )
     p = fs.plan(models.make_model(), policy=policy, **kw)
     for r in results:
@@ -411,7 +422,8 @@ def test_wire_bytes_equal_the_plan(
         assert {k: v for k, v in r["by_axis"].items() if v} == {
             k: v for k, v in p.comm_by_axis.items() if v
         }
-    fp32 = fs.plan(models.make_model(), policy=fs.MixedPrecisionPolicy(param_dtype=BF16), **kw)
+    plain = fs.MixedPrecisionPolicy(param_dtype=compute)
+    fp32 = fs.plan(models.make_model(), policy=plain, **kw)
     grads = lambda q: q.comm["reduce_scatter"] + q.comm["all_reduce"]  # noqa: E731
     if grad_wire == torch.int8 or grad_wire == torch.float8_e4m3fn:
         assert 0.25 * grads(fp32) < grads(p) < 0.45 * grads(fp32)

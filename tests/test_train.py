@@ -197,10 +197,17 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
         )
 
 
-@pytest.mark.parametrize("grad_wire,param_wire", [("int8", "fp8"), ("bf16", "int8")])
-def test_train_runs_with_low_precision_wires(tmp_path, grad_wire, param_wire):
+HFSDP = ("--nproc=4", "--replicate=2", "--outer_strategy=optim")
+
+
+@pytest.mark.parametrize(
+    "grad_wire,param_wire,mesh",
+    [("int8", "fp8", ("--nproc=2",)), ("bf16", "int8", ("--nproc=2",)), ("int8", "int8", HFSDP)],
+    ids=["int8-fp8", "bf16-int8", "hfsdp-int8-int8"],
+)
+def test_train_runs_with_low_precision_wires(tmp_path, grad_wire, param_wire, mesh):
     out = _train(
-        "--nproc=2",
+        *mesh,
         "--steps=3",
         *TINY,
         f"--grad_comm_dtype={grad_wire}",

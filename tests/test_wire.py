@@ -356,13 +356,22 @@ def test_a_nonfinite_gradient_survives_the_8bit_wire(pool2, wire_name: str, stra
 
 
 # --- param_comm_dtype -------------------------------------------------------------------------
-def seen_worker(strategy: str, shard: int, replicate: int, param_dtype, dtype) -> dict:
+def seen_worker(
+    strategy: str, shard: int, replicate: int, param_dtype, dtype, outer: str = "no_shard"
+) -> dict:
     """The params loss_fn computes with, the masters (full_params) and the initial weights."""
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     model = models.make_model(seed=3)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     policy = fs.MixedPrecisionPolicy(param_dtype=param_dtype, param_comm_dtype=dtype)
-    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, policy=policy, strategy=strategy)
+    state = fs.init(
+        model,
+        fs.optim.sgd(0.1),
+        mesh=mesh,
+        policy=policy,
+        strategy=strategy,
+        outer_strategy=outer,
+    )
     seen = {}
     base = models.make_loss_fn(model)
 
@@ -387,26 +396,35 @@ def _through_wire(x: torch.Tensor, compute: torch.dtype, dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("wire_name", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize(
-    "strategy,shard,replicate,param_dtype",
+    "strategy,shard,replicate,param_dtype,outer",
     [
-        ("optim_grads_params", 3, 1, None),
-        ("optim_grads_params", 2, 2, BF16),
-        ("optim_grads", 4, 1, BF16),
-        ("optim", 2, 1, None),
-        ("no_shard", 2, 1, None),
-        ("optim_grads_params", 1, 2, None),
+        ("optim_grads_params", 3, 1, None, "no_shard"),
+        ("optim_grads_params", 2, 2, BF16, "no_shard"),
+        ("optim_grads", 4, 1, BF16, "no_shard"),
+        ("optim", 2, 1, None, "no_shard"),
+        ("no_shard", 2, 1, None, "no_shard"),
+        ("optim_grads_params", 1, 2, None, "no_shard"),
+        # HFSDP: the masters packed once by their owners, over "replicate" and then "shard"
+        ("optim_grads_params", 2, 2, None, "optim"),
+        ("optim_grads_params", 2, 2, BF16, "optim"),
+        ("optim_grads", 2, 2, BF16, "optim"),
+        ("optim", 2, 2, None, "optim"),
+        ("optim_grads_params", 1, 4, None, "optim"),
+        ("optim_grads", 3, 1, None, "optim"),
     ],
 )
 def test_params_compute_through_the_wire_and_masters_stay_exact(
-    pool_of, wire_name, strategy, shard, replicate, param_dtype
+    pool_of, wire_name, strategy, shard, replicate, param_dtype, outer
 ) -> None:
     """Every param loss_fn sees is its master through ``param_comm_dtype`` (quantized on the
     sending rank per row-local block, decoded to the compute dtype), bit for bit as the
-    reference quantizer gives it, with one shard too; the masters are the weights, exact."""
+    reference quantizer gives it, with one shard too, and under HFSDP (the masters packed
+    where they are updated, the bytes gathered over both axes); the masters are the
+    weights, exact."""
     dtype = WIRES[wire_name]
     compute = param_dtype or FP32
     pool = pool_of(shard * replicate)
-    for r in pool.run(seen_worker, strategy, shard, replicate, param_dtype, dtype):
+    for r in pool.run(seen_worker, strategy, shard, replicate, param_dtype, dtype, outer):
         for n, w in r["weights"].items():
             assert torch.equal(r["masters"][n], w), n
             want = _through_wire(w, compute, dtype)
@@ -416,7 +434,14 @@ def test_params_compute_through_the_wire_and_masters_stay_exact(
 
 
 # --- deterministic=True keeps its bits with a param wire ---------------------------------------
-def det_worker(strategy: str, shard: int, replicate: int, dtype, fraction: float = 0.0) -> dict:
+def det_worker(
+    strategy: str,
+    shard: int,
+    replicate: int,
+    dtype,
+    fraction: float = 0.0,
+    outer: str = "no_shard",
+) -> dict:
     torch.set_num_threads(1)
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     policy = fs.MixedPrecisionPolicy(param_comm_dtype=dtype)
@@ -428,6 +453,7 @@ def det_worker(strategy: str, shard: int, replicate: int, dtype, fraction: float
         strategy=strategy,
         offload_fraction=fraction,
         deterministic=True,
+        outer_strategy=outer,
     )
     state, metrics = det._run(state, range(2), det.CHUNKS // dist.get_world_size())
     return {**det.snapshot(state), "metrics": metrics}
@@ -447,6 +473,11 @@ def test_deterministic_layouts_agree_with_a_param_wire(pool1, pool2, pool4, wire
         (pool4, ("optim_grads", -1, 1)),
         (pool2, ("optim_grads_params", -1, 1, dtype, 0.5)),
         (pool2, ("optim", -1, 1, dtype, 1.0)),
+        # HFSDP: masters packed once by their owners, gathered over "replicate" then "shard"
+        (pool4, ("optim_grads_params", 2, 2, dtype, 0.0, "optim")),
+        (pool4, ("optim_grads", 2, 2, dtype, 0.5, "optim")),
+        (pool4, ("optim", 2, 2, dtype, 0.0, "optim")),
+        (pool4, ("optim_grads_params", 1, 4, dtype, 0.0, "optim")),
     ]
     for pool, args in runs:
         args = args if len(args) > 3 else (*args, dtype)

@@ -41,8 +41,10 @@ class GatherFn(torch.autograd.Function):
 
 
 class Gatherer:
-    """Full buffers of buckets: all-gathered under ZeRO-3, at most one gather in flight per
-    bucket (a prefetch); the replicated full buffer itself under ZeRO-2."""
+    """Full buffers of buckets: all-gathered under ZeRO-3 from ``buffers``, the compute
+    shards (packed on the param wire under HFSDP: :func:`funcshard.wire.packs_shard`), at
+    most one gather in flight per bucket (a prefetch); the replicated full buffer itself
+    under ZeRO-2."""
 
     def __init__(
         self,
@@ -70,10 +72,7 @@ class Gatherer:
         if self.replicated:
             return self.buffers[bucket].detach()  # outputs alias it, not autograd views of it
         self.prefetch([bucket])
-        specs = self.layout.bucket_leaves(self.layout.buckets[bucket])
-        full = shard_lib.from_rank_sections(
-            self._pending.pop(bucket).wait(), specs, self.layout.shard_size
-        )
+        full = self._pending.pop(bucket).wait()
         if self.layout.shard_size > 1:  # with one shard the "full" buffer is the shard itself
             collectives.track_gathered(full)
         return full
