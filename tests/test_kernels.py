@@ -167,6 +167,55 @@ def test_overflow_to_inf(native) -> None:
     _assert_same_bits(want, _run(make, True, 2, scale=1e7, steps=1))
 
 
+def _near_ties(top: float, root: float) -> torch.Tensor:
+    """Rows of 256 whose absmax is 1 and whose other elements x make the encode's root of
+    x * top land next to each half integer k + 0.5 (``root``: 2 for int8's sqrt, 4 for uint8's
+    fourth root), a few ulps to either side: where torch's sqrt (MKL's, not IEEE's) decides."""
+    k = torch.arange(int(top ** (1 / root)) + 1, dtype=torch.float64) + 0.5
+    centre = (k**root / top).float().view(torch.int32)
+    x = (centre.unsqueeze(1) + torch.arange(-12, 13, dtype=torch.int32)).view(torch.float32)
+    x = x.flatten()[: (x.numel() // 255) * 255].view(-1, 255).clamp(max=1.0)
+    return torch.cat([torch.ones(x.shape[0], 1), x], dim=1)
+
+
+def test_8bit_codes_next_to_rounding_ties(native, monkeypatch) -> None:
+    """int8 and uint8 codes whose roots lie next to half integers equal the torch path's, and
+    only because the kernel asks torch's sqrt there: with IEEE's sqrt instead, they differ."""
+    x8 = _near_ties(127.0**2, 2)  # SGD from a zero momentum: the new momentum is the grad
+    g8 = {"w": torch.cat([x8, -x8])}
+    c2 = 1 - 0.999  # AdamW from zero moments: nu = (c2 * g) * g
+    g_u8 = {"w": (_near_ties(255.0**4, 4) / c2).sqrt()}
+
+    def run(use: bool, make, g) -> tuple:
+        before = kernels.enabled
+        kernels.enabled = use
+        try:
+            opt = make()
+            p = {"w": torch.zeros_like(g["w"])}
+            return opt.update({"w": g["w"].clone()}, opt.init(p), p)
+        finally:
+            kernels.enabled = before
+
+    cases = [
+        (lambda: fs.optim.sgd(0.1, 0.9, mu_dtype=I8), g8),
+        (lambda: fs.optim.adamw(1e-3, (0.9, 0.999), mu_dtype=I8, nu_dtype=U8), g_u8),
+    ]
+    lib = kernels.library()
+    for make, g in cases:
+        want = run(False, make, g)
+        _assert_same_bits(want, run(True, make, g))
+        lib.fs_set_sqrt(None, 0)  # IEEE's sqrt: the near-tie codes must now differ
+        try:
+            ieee = run(True, make, g)
+        finally:
+            lib.fs_set_sqrt(kernels._torch_sqrt(), kernels.VML_MODE)
+        state_want, state_ieee = fs.tree.leaves(want[1]), fs.tree.leaves(ieee[1])
+        assert any(
+            isinstance(a, torch.Tensor) and not a.is_floating_point() and not torch.equal(a, b)
+            for a, b in zip(state_want, state_ieee, strict=True)
+        ), "the inputs did not reach a near-tie where MKL's sqrt and IEEE's round apart"
+
+
 def test_kernel_is_used(native, monkeypatch) -> None:
     """The narrow step takes the kernel (a test that fails if the wiring is removed)."""
     calls = []

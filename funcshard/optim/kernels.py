@@ -2,23 +2,30 @@
 
 torch's fused kernels take one dtype, so the torch path of a narrow step (``rules._chunked``)
 decodes a chunk into fp32 scratch, runs the fused fp32 kernel and encodes it back: several
-passes and many torch ops per chunk. ``_kernels.c`` does it in one pass per tile, with the same
-bits (tests/test_kernels.py compares the two on random and edge inputs).
+passes and many torch ops per chunk. ``_kernels.c`` loads, decodes, steps and encodes eight
+elements at a time in one loop (8-bit moments: a block into an L1 scratch, encoded while the
+next block steps), with the same bits as the torch path: tests/test_kernels.py compares the
+two on random, edge and near-tie inputs, and a check at load compares the fp32 step with
+torch's fused kernels (their FMAs are those the compiler of torch's build chose).
+
+torch.sqrt, which the torch path's 8-bit encode calls, is MKL's vmsSqrt: within 1 ulp of
+IEEE's sqrt but not it. The kernel rounds a fast root and calls that vmsSqrt (from
+libtorch_cpu, checked at load) for the codes next to a rounding tie; without it (no MKL in this
+torch), 8-bit buffers take the torch path.
 
 The build rule: on first use, ``_kernels.c`` is compiled with the system C compiler (``$CC``,
-else ``cc``; plain C, no torch headers: well under a second) into ``$FUNCSHARD_CACHE_DIR``
+else ``cc``; plain C, no torch headers: about a second) into ``$FUNCSHARD_CACHE_DIR``
 (default ``~/.cache/funcshard``), under a name keyed by a hash of the source, the flags, the
 compiler and the CPU (model and flags), written to a temporary name and renamed into place, so
 ranks starting together never load a half-written library. The kernel is used when:
 
 * ``$FUNCSHARD_KERNELS`` is not ``0`` (and :data:`enabled` is true);
-* the tensors are on the CPU, contiguous, the param fp32 / bf16 / fp16, the moments stored
-  fp32, bf16, fp16, int8 or uint8;
-* the CPU is x86-64 with AVX2, FMA and F16C and torch's CPU capability is AVX2 or AVX512:
-  the kernel mirrors the fused kernels as torch's vector build computes them (FMAs included),
-  which is what the torch path gives on such a machine;
-* the library builds. If there is no compiler or the build fails, one warning says so and
-  every step takes the torch path (the same bits, slower); never an error.
+* the tensors are on the CPU (CUDA always takes the torch path), contiguous, the param fp32 /
+  bf16 / fp16, the moments stored fp32, bf16, fp16, int8 or uint8;
+* the CPU is x86-64 with AVX2, FMA and F16C and torch's CPU capability is AVX2 or AVX512;
+* the library builds and passes the load check. If there is no compiler, the build fails or
+  the check finds a difference, one warning says so and every step takes the torch path
+  (the same bits, slower); never an error.
 
 Threads: ``torch.get_num_threads()`` threads, each a range of whole tiles of 512 elements (8-bit
 blocks never straddle two threads); the result does not depend on the count (elementwise).
@@ -302,19 +309,26 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
 
 def _torch_sqrt() -> int | None:
     """The address of the vmsSqrt that torch.sqrt runs on fp32 CPU tensors, or None (then
-    8-bit moments take the torch path): found in libtorch_cpu, and checked against torch.sqrt
-    on values where MKL's result and IEEE's differ."""
+    8-bit moments take the torch path): found in libtorch_cpu, checked against torch.sqrt, and
+    within 1 ulp of IEEE's sqrt (the kernel's encode assumes it), on random values and on
+    values whose roots lie next to the half integers where the 8-bit codes round."""
     try:
         fn = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).vmsSqrt
     except (OSError, AttributeError):
         return None
     fn.restype = None
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    x = torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 65025.0
-    x[:256] = torch.arange(256.0).square()  # exact squares, and the 8-bit range's ends
+    halves = (torch.arange(256.0) + 0.5).square().view(torch.int32)
+    near = (halves.unsqueeze(1) + torch.arange(-8, 9, dtype=torch.int32)).view(torch.float32)
+    spread = torch.rand(4096, generator=torch.Generator().manual_seed(0))
+    x = torch.cat([near.flatten(), spread * 65025.0, spread * 4.3e9])
     out = torch.empty_like(x)
     fn(x.numel(), x.data_ptr(), out.data_ptr(), VML_MODE)
-    return ctypes.cast(fn, ctypes.c_void_p).value if torch.equal(out, x.sqrt()) else None
+    ieee = x.double().sqrt().float()
+    ulps = (out.view(torch.int32) - ieee.view(torch.int32)).abs().max().item()
+    if not torch.equal(out, x.sqrt()) or ulps > 1:
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def available() -> bool:
@@ -357,6 +371,8 @@ def step(
         for f, v, s in states
     ):
         return False
+    if any(f.quantized and (f.block % 32 or f.block > 256) for f, _, _ in states):
+        return False  # the kernel encodes 32 elements at a time, a block in an L1 scratch
     lib = library()
     if lib is None or (not _eight_bit and any(f.quantized for f, _, _ in states)):
         return False
