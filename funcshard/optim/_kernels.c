@@ -151,14 +151,11 @@ INLINE __m256 sqrt_approx(__m256 y) {
   return _mm256_fmadd_ps(s, _mm256_fnmadd_ps(s, h, _mm256_set1_ps(0.5f)), s);
 }
 
-/* lanes where s lies within 2^-20 (relative) of a half integer (q: s rounded). torch's sqrt
- * is within 1.5 ulp of the exact root (the fourth root: 2.5 ulp, < 2^-21.6), sqrt_approx
- * within 2^-22.4 (the fourth root): outside these lanes both round to the same integer. */
-INLINE int near_half(__m256 s, __m256 q) {
-  const __m256 d = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(s, q));
-  const __m256 edge = _mm256_fnmadd_ps(s, _mm256_set1_ps(0x1p-20f), _mm256_set1_ps(0.5f));
-  return _mm256_movemask_ps(_mm256_cmp_ps(d, edge, _CMP_GE_OQ));
-}
+/* |s - q| at or above this (q: s rounded), s lies within 2^-11 of a half integer. For the
+ * roots here (s < 256) torch's sqrt is within 1.5 ulp of the exact root (the fourth root: 2.5
+ * ulp; < 2^-21.6 relative), sqrt_approx within 2^-22.4 (the fourth root): together under
+ * 256 * 2^-20.96 < 2^-12.9, so elsewhere both round to the same integer. */
+#define NEAR_HALF (0.5f - 0x1p-11f)
 
 /* Elements whose rounding needs torch's own sqrt, patched in batches (one vmsSqrt call for
  * many blocks: they are rare, ~1e-4 of the elements). */
@@ -200,23 +197,23 @@ static void __attribute__((noinline)) defer_near(fs_near *near, int fmt, int lan
 }
 
 /* 8 elements x of a block as int8 / uint8 codes in int32 lanes: round(sqrt(|x| * f)) with x's
- * sign (int8) or round(sqrt(sqrt(x * f))) (uint8), f = top / the block's absmax; a NaN as 0
- * (a C cast's low byte). *near gets the lanes to redo with torch's sqrt. */
-INLINE __m256i code8(int fmt, __m256 x, __m256 f, int *near) {
+ * sign (int8) or round(sqrt(sqrt(x * f))) (uint8), f = top / the block's absmax; a NaN (and
+ * x = 0, whose root sqrt_approx gives as NaN) as 0, a C cast's low byte. *d: |root - code|. */
+INLINE __m256i code8(int fmt, __m256 x, __m256 f, __m256 *d) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 y = _mm256_mul_ps(fmt == FS_I8 ? _mm256_andnot_ps(sign, x) : x, f);
   __m256 s = sqrt_approx(y);
   if (fmt == FS_U8) s = sqrt_approx(s);
   __m256 q = _mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  *near = near_half(s, q);
-  q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q)); /* NaN: from y = 0 (its root), or x */
-  if (fmt == FS_I8) q = _mm256_or_ps(q, _mm256_and_ps(sign, x)); /* copysign (q >= 0) */
-  return _mm256_cvttps_epi32(q);
+  *d = _mm256_andnot_ps(sign, _mm256_sub_ps(s, q));
+  if (fmt == FS_U8) return _mm256_cvttps_epi32(q); /* NaN: INT_MIN, which packus makes 0 */
+  q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q));
+  return _mm256_cvttps_epi32(_mm256_or_ps(q, _mm256_and_ps(sign, x))); /* copysign (q >= 0) */
 }
 
-/* Four vectors of codes (32 elements) stored as int8 / uint8 at out; near: their near-half
- * lanes, x the elements (f their factor), for the batch of torch's sqrt. */
-INLINE void store32(fs_near *near, int fmt, const __m256i *codes, const int *lanes,
+/* Four vectors of codes (32 elements) stored as int8 / uint8 at out; d: their distances to
+ * the rounding (code8), x the elements (f their factor), for the batch of torch's sqrt. */
+INLINE void store32(fs_near *near, int fmt, const __m256i *codes, const __m256 *d,
                     const float *x, float f, uint8_t *out) {
   /* the codes fit: packing saturates nothing; packs interleave the 128-bit lanes, undone by
    * the permutation */
@@ -229,9 +226,13 @@ INLINE void store32(fs_near *near, int fmt, const __m256i *codes, const int *lan
     b = _mm256_packus_epi16(_mm256_packus_epi32(codes[0], codes[1]),
                             _mm256_packus_epi32(codes[2], codes[3]));
   _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(b, order));
-  if (__builtin_expect((lanes[0] | lanes[1] | lanes[2] | lanes[3]) != 0, 0))
-    for (int t = 0; t < 4; t++)
-      if (lanes[t]) defer_near(near, fmt, lanes[t], _mm256_loadu_ps(x + 8 * t), f, out + 8 * t);
+  const __m256 edge = _mm256_set1_ps(NEAR_HALF);
+  const __m256 dmax = _mm256_max_ps(_mm256_max_ps(d[0], d[1]), _mm256_max_ps(d[2], d[3]));
+  if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(dmax, edge, _CMP_GE_OQ)) != 0, 0))
+    for (int t = 0; t < 4; t++) {
+      const int lanes = _mm256_movemask_ps(_mm256_cmp_ps(d[t], edge, _CMP_GE_OQ));
+      if (lanes) defer_near(near, fmt, lanes, _mm256_loadu_ps(x + 8 * t), f, out + 8 * t);
+    }
 }
 
 /* top / safe (torch: safe = absmax where > 0, else 1) */
@@ -408,15 +409,19 @@ INLINE void block_pass(const fs_args *a, const fs_consts *c, int rule, int pdt, 
   const __m256 ef1 = _mm256_set1_ps(encode ? fprev[1] : 0.0f);
   for (int j = 0; j < block; j += 32) {
     __m256i codes[2][4];
-    int lanes[2][4] = {{0}};
+    __m256 dist[2][4];
+    for (int t = 0; t < 4; t++) { /* set below where used; zeros keep -Wmaybe-uninitialized quiet */
+      codes[0][t] = codes[1][t] = _mm256_setzero_si256();
+      dist[0][t] = dist[1][t] = _mm256_setzero_ps();
+    }
     for (int t = 0; t < 4; t++) { /* a step and its moments' codes of the previous block */
       const int k = j + 8 * t;
       if (step) block_step8(a, c, rule, pdt, f0, f1, pp, gp, mp, vp, b0 + k, k, mf, vf, cur, max, nan);
-      if (encode && q0) codes[0][t] = code8(f0, _mm256_loadu_ps(prev[0] + k), ef0, &lanes[0][t]);
-      if (encode && q1) codes[1][t] = code8(f1, _mm256_loadu_ps(prev[1] + k), ef1, &lanes[1][t]);
+      if (encode && q0) codes[0][t] = code8(f0, _mm256_loadu_ps(prev[0] + k), ef0, &dist[0][t]);
+      if (encode && q1) codes[1][t] = code8(f1, _mm256_loadu_ps(prev[1] + k), ef1, &dist[1][t]);
     }
-    if (encode && q0) store32(&near[0], f0, codes[0], lanes[0], prev[0] + j, fprev[0], oprev[0] + j);
-    if (encode && q1) store32(&near[1], f1, codes[1], lanes[1], prev[1] + j, fprev[1], oprev[1] + j);
+    if (encode && q0) store32(&near[0], f0, codes[0], dist[0], prev[0] + j, fprev[0], oprev[0] + j);
+    if (encode && q1) store32(&near[1], f1, codes[1], dist[1], prev[1] + j, fprev[1], oprev[1] + j);
   }
 }
 
