@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import shutil
 import threading
 import warnings
 
@@ -20,16 +21,31 @@ from funcshard.optim import kernels
 
 BF16, F16, I8, U8, F32 = torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.float32
 
-# 2-D leaves with 8-bit blocks of 64, 32 and 256 (and uneven over 3 threads: 9 tiles of 512),
-# leaves that keep fp32 moments under 8-bit (1-D, a 300-column row), sizes that are not a
-# multiple of the vector width or of a tile.
-SHAPES = {"a": (75, 64), "b": (33, 96), "c": (18, 256), "e": (7,), "f": (1000,), "h": (9, 300)}
+# 2-D leaves with 8-bit blocks of 64, 32 and 256, leaves that keep fp32 moments under 8-bit
+# (1-D, a 300-column row), sizes that are not a multiple of the vector width or of a tile, and
+# two leaves large enough for 3 threads (a thread takes at least 64 tiles of 512 elements),
+# split unevenly.
+SHAPES = {
+    "a": (75, 64),
+    "b": (33, 96),
+    "c": (18, 256),
+    "d": (400, 256),
+    "e": (7,),
+    "f": (1000,),
+    "h": (9, 300),
+    "k": (100_003,),
+}
 
 
 @pytest.fixture
 def native():
-    if not kernels.available():
+    """Skips where the kernel is not meant to run; fails where it should but does not (its
+    build failed, or its load check found torch's fused kernels rounding differently)."""
+    if not kernels._cpu_supported() or not shutil.which(kernels.compiler):
         pytest.skip("no kernel on this machine (not x86-64 AVX2/FMA/F16C, or no compiler)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback's warning, as an error naming the cause
+        assert kernels.available()
 
 
 def _params(seed: int, dtype: torch.dtype = F32) -> dict[str, torch.Tensor]:
@@ -93,10 +109,10 @@ def _assert_same_bits(want, got) -> None:
             assert w == g
 
 
-def _check(make, *, scale: float = 1.0, dtype=F32) -> None:
-    want = _run(make, False, 1, scale=scale, dtype=dtype)
-    _assert_same_bits(want, _run(make, True, 1, scale=scale, dtype=dtype))
-    _assert_same_bits(want, _run(make, True, 3, scale=scale, dtype=dtype))
+def _check(make, *, scale: float = 1.0, dtype=F32, steps: int = 3, threads=(1, 3)) -> None:
+    want = _run(make, False, 1, scale=scale, dtype=dtype, steps=steps)
+    for n in threads:
+        _assert_same_bits(want, _run(make, True, n, scale=scale, dtype=dtype, steps=steps))
 
 
 ADAMW_FORMATS = [
@@ -149,11 +165,12 @@ def test_narrow_masters(native, dtype) -> None:
 def test_scalars_over_many_hyperparameters(native) -> None:
     """The per-step scalars (bias corrections, 1 - lr * wd, ...) as torch computes them."""
     gen = torch.Generator().manual_seed(7)
-    for i in range(40):
+    for i in range(24):
         lr = 10 ** (-4 + 3 * torch.rand((), generator=gen).item())
         wd = torch.rand((), generator=gen).item()
         betas = (torch.rand((), generator=gen).item(), 1 - 10 ** (-1 - 3 * (i % 4) / 3))
-        _check(lambda lr=lr, wd=wd, b=betas: fs.optim.adamw(lr, b, 1e-8, wd, mu_dtype=BF16))
+        make = lambda lr=lr, wd=wd, b=betas: fs.optim.adamw(lr, b, 1e-8, wd, mu_dtype=BF16)  # noqa: E731
+        _check(make, steps=1 + i % 3, threads=(1,))
 
 
 def test_overflow_to_inf(native) -> None:
@@ -258,7 +275,7 @@ def test_concurrent_builds(monkeypatch, tmp_path) -> None:
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)
 
-    threads = [threading.Thread(target=build) for _ in range(3)]
+    threads = [threading.Thread(target=build) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:

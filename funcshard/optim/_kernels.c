@@ -550,6 +550,7 @@ static void *run_thread(void *job) {
 }
 
 #define MAX_THREADS 256
+#define MIN_TILES_PER_THREAD 64 /* 32768 elements: a thread's start costs ~20 us */
 
 /* Steps n elements in place on `threads` threads (ranges of whole tiles: a block never
  * straddles two). Returns 0. */
@@ -557,7 +558,7 @@ int fs_step(const fs_args *a, void *p, void *g, void *m, float *ms, void *v, flo
             int threads) {
   const int64_t tiles = (n + TILE - 1) / TILE;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
-  if (threads > tiles) threads = (int)tiles;
+  if (threads > tiles / MIN_TILES_PER_THREAD) threads = (int)(tiles / MIN_TILES_PER_THREAD);
   if (threads < 1) threads = 1;
   const int64_t per = (tiles + threads - 1) / threads * TILE;
   fs_job jobs[MAX_THREADS];
