@@ -10,8 +10,9 @@ For ``--leaves`` x ``--numel`` fp32 master params on the CPU (default 8 x 6.25M 
   into a preallocated bf16 buffer) against one blocked pass (fused step + cast per block, the
   master re-read from cache): ``offload_step`` itself, ``step_and_cast`` at several block
   sizes, and the bare kernel calls per block (no Python optimizer wrapper) for the floor;
-* ``offload_step`` with moments stored fp32, bf16 and 8-bit (``--moments``), on the same
-  elements as rows of 1024 (8-bit moments need 2-D leaves), bytes counted as stored.
+* ``offload_step`` with moments stored fp32, bf16 (to nearest, and stochastically) and 8-bit
+  (``--moments``), on the same elements as rows of 1024 (8-bit moments need 2-D leaves),
+  bytes counted as stored.
 
 Run:  python experiments/bench_offload.py --threads=2
 """
@@ -38,7 +39,9 @@ flags.DEFINE_integer("numel", 6_250_000, "elements per leaf")
 flags.DEFINE_integer("threads", None, "CPU threads (torch.set_num_threads); default: all cores")
 flags.DEFINE_integer("repeats", 5, "timed repetitions (the median is reported)")
 flags.DEFINE_list(
-    "moments", ["fp32", "bf16", "8-bit"], "moment storages to time (fp32, bf16, 8-bit)"
+    "moments",
+    ["fp32", "bf16", "bf16 stochastic", "8-bit"],
+    "moment storages to time (fp32, bf16, 'bf16 stochastic', 8-bit)",
 )
 flags.DEFINE_list("blocks", ["65536", "262144", "1048576", "4194304"], "block sizes to try")
 
@@ -65,6 +68,10 @@ class Matrices(nn.Module):
 MOMENTS = {  # label: (adamw keywords, bytes per param moved: p r/w, g, mu r/w, nu r/w)
     "fp32": ({}, ADAMW_BYTES),
     "bf16": ({"mu_dtype": torch.bfloat16, "nu_dtype": torch.bfloat16}, 20),
+    "bf16 stochastic": (
+        {"mu_dtype": torch.bfloat16, "nu_dtype": torch.bfloat16, "stochastic_rounding": True},
+        20,
+    ),
     "8-bit": ({"mu_dtype": torch.int8, "nu_dtype": torch.uint8}, 16),
 }
 

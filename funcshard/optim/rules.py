@@ -17,6 +17,7 @@ import optree
 import torch
 
 from funcshard.buckets import NAMESPACE, BlockScales, is_per_bucket
+from funcshard.optim import kernels
 from funcshard.optim.base import (
     Mask,
     Optimizer,
@@ -290,7 +291,9 @@ def sgd(
         )
 
     def narrow_update(grads, state: SgdState, params, donate: bool, grad_scale: float):
-        kernel = functools.partial(fused, lr_at(lr, state.count), grad_scale)
+        lr_now = lr_at(lr, state.count)
+        kernel = functools.partial(fused, lr_now, grad_scale)
+        native = lambda wd: kernels.sgd_args(lr_now, momentum, wd, nesterov, grad_scale)
         new_p, ((m, m_s),) = _narrow_step(
             params,
             grads,
@@ -299,6 +302,7 @@ def sgd(
             decay_of(params),
             donate,
             kernel,
+            native,
         )
         return new_p, SgdState(state.count + 1, m, m_s)
 
@@ -415,7 +419,11 @@ def adamw(
         )
 
     def narrow_update(grads, state: AdamWState, params, donate: bool, grad_scale: float):
-        kernel = functools.partial(fused, state.count, lr_at(lr, state.count), {}, grad_scale)
+        lr_now = lr_at(lr, state.count)
+        kernel = functools.partial(fused, state.count, lr_now, {}, grad_scale)
+        native = lambda wd: kernels.adamw_args(
+            state.count, lr_now, beta1, beta2, eps, wd, grad_scale
+        )
         new_p, ((mu, mu_s), (nu, nu_s)) = _narrow_step(
             params,
             grads,
@@ -424,6 +432,7 @@ def adamw(
             decay_of(params),
             donate,
             kernel,
+            native,
         )
         return new_p, AdamWState(state.count + 1, mu, nu, mu_s, nu_s)
 
@@ -530,11 +539,14 @@ def _narrow_step(
     keys: list[Hashable],
     donate: bool,
     kernel: Callable[..., None],
+    native: Callable[[Hashable], kernels.Args] | None = None,
 ) -> tuple[PyTree, list[tuple[PyTree, PyTree]]]:
-    """One step with moments stored narrow: per buffer, chunks of ``CHUNK`` elements are
-    decoded into fp32 scratch, stepped by ``kernel(key, device, params, grads, *moments)``
-    (lists of one tensor each, fp32) and encoded back. Returns the new params and, per moment,
-    its new ``(values, scales)``."""
+    """One step with moments stored narrow. Per buffer, the one-pass CPU kernel
+    (:mod:`funcshard.optim.kernels`, given its scalars ``native(key)``) where it applies; else
+    chunks of ``CHUNK`` elements are decoded into fp32 scratch, stepped by
+    ``kernel(key, device, params, grads, *moments)`` (lists of one tensor each, fp32) and
+    encoded back: the same bits. Returns the new params and, per moment, its new
+    ``(values, scales)``."""
     flat_p, treedef = _flat(params)
     flat_g = _flat(grads)[0]
     keep = [i for i, x in enumerate(flat_p) if x is not None]
@@ -566,7 +578,8 @@ def _narrow_step(
         states = [
             (rule.format(blocks[j], p.dtype), vals[i], scs[i]) for rule, vals, _, scs, _, _ in cols
         ]
-        _chunked(p, g, states, lambda *c, k=keys[j], d=p.device: kernel(k, d, *c))
+        if native is None or not kernels.step(native(keys[j]), p, g, states):
+            _chunked(p, g, states, lambda *c, k=keys[j], d=p.device: kernel(k, d, *c))
     new_moments = [
         (vdef.unflatten(vals), sdef.unflatten(scs) if has else None)
         for _, vals, vdef, scs, sdef, has in cols
