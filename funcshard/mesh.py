@@ -84,10 +84,13 @@ _MESHES: dict[tuple[int, str, int, int], tuple[object, DeviceMesh]] = {}
 def world_timeout() -> datetime.timedelta | None:
     """The default group's collective timeout (``init_process_group(timeout=)``,
     ``fs.init_from_env(timeout=)``), or None where the backend does not say."""
-    world = dist.group.WORLD
+    return _timeout_of(dist.group.WORLD)
+
+
+def _timeout_of(group: dist.ProcessGroup) -> datetime.timedelta | None:
     for device in ("cpu", "cuda"):
         try:
-            return world._get_backend(torch.device(device)).options._timeout
+            return group._get_backend(torch.device(device)).options._timeout
         except (AttributeError, RuntimeError):
             continue
     return None
@@ -96,9 +99,10 @@ def world_timeout() -> datetime.timedelta | None:
 def inherit_timeout(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """``group`` waiting on a collective as long as the default group does, not the 30
     minutes torch gives every group made after it (a node cut off from the others would
-    hold the survivors that long on a mesh axis or a checkpoint's group)."""
+    hold the survivors that long on a mesh axis or a checkpoint's group). Set only where it
+    differs: a group's timeout is not changed under a collective in flight on it."""
     timeout = world_timeout()
-    if timeout is not None and group is not dist.group.WORLD:
+    if timeout is not None and group is not dist.group.WORLD and _timeout_of(group) != timeout:
         group.set_timeout(timeout)
     return group
 
