@@ -15,11 +15,13 @@
  *  - conversions round as torch's do (bf16 and fp16 to nearest even; 8-bit to nearest even);
  *  - torch.sqrt in the 8-bit encode is MKL's vmsSqrt, not IEEE's sqrt (within 1 ulp of it,
  *    differing in 17% of the floats in [0, 2^32], checked exhaustively on an AMD EPYC). The
- *    encode rounds a fast root (rsqrt and a Newton step: FMAs, leaving the divider to the
- *    step), and where that lies within 2^-20 (relative) of a half integer, so that the error
- *    of either root could move the rounding, it calls vmsSqrt itself (batched: ~1e-4 of the
- *    elements). Checked exhaustively against round(vmsSqrt) on that EPYC for every float the
- *    int8 and uint8 encodes can meet: no difference.
+ *    encode rounds a root of its own (int8: rsqrt and a Newton step on the FMA units; uint8:
+ *    the root of the step's own sqrt(nu) times sqrt(factor), on the divider), and where that
+ *    lies within 2^-11 of a half integer, so that the error of either root could move the
+ *    rounding, it calls vmsSqrt itself (batched: ~1e-4 of the elements);
+ *  - a block whose absmax or roots are not finite (a NaN, an inf, a denormal absmax) is
+ *    encoded again element by element as torch does (encode_exact), so the vector loop tracks
+ *    no NaNs.
  * NaN payloads are not matched (torch's own vector and scalar loops disagree on them).
  */
 #include <math.h>
@@ -142,31 +144,13 @@ static void torch_sqrt(float *x, int n) {
 }
 
 /* sqrt(y) within 2^-22.7 (relative; measured over every float in [2^-64, 2^32], and the bound
- * of rsqrtps's 1.5 * 2^-12 after one Newton step): rsqrt and FMAs, no divider. y below 2^-64
- * (0, denormals) is taken as 2^-64, whose root rounds to 0 as torch's root of y does; a NaN
- * stays a NaN (max returns its second operand where either is a NaN). */
+ * of rsqrtps's 1.5 * 2^-12 after one Newton step): rsqrt and FMAs, no divider. For y >= 2^-64
+ * (below, rsqrt's inf makes a NaN); a NaN stays a NaN. */
 INLINE __m256 sqrt_approx(__m256 y) {
-  y = _mm256_max_ps(_mm256_set1_ps(0x1p-64f), y);
   const __m256 r = _mm256_rsqrt_ps(y);
   const __m256 s = _mm256_mul_ps(y, r), h = _mm256_mul_ps(_mm256_set1_ps(0.5f), r);
   return _mm256_fmadd_ps(s, _mm256_fnmadd_ps(s, h, _mm256_set1_ps(0.5f)), s);
 }
-
-/* The roots of the encode: int8's square root on the FMA units (sqrt_approx), uint8's two on
- * the divider (IEEE's, correctly rounded), which the encode loop leaves idle otherwise: the
- * split measured fastest on Zen 3 (experiments/bench_optim.py). */
-#ifndef FS_ROOT_I8
-#define FS_ROOT_I8(y) sqrt_approx(y)
-#endif
-#ifndef FS_ROOT_U8A
-#define FS_ROOT_U8A(y) _mm256_sqrt_ps(y)
-#endif
-#ifndef FS_ROOT_U8B
-#define FS_ROOT_U8B(y) _mm256_sqrt_ps(y)
-#endif
-#ifndef FS_ROOT_U8
-#define FS_ROOT_U8(y) _mm256_sqrt_ps(y)
-#endif
 
 /* |s - q| at or above this (q: s rounded), s lies within 2^-11 of a half integer. For the
  * roots here (s < 256) torch's sqrt is within 1.5 ulp of the exact root (the fourth root: 2.5
@@ -218,18 +202,30 @@ static void __attribute__((noinline)) defer_near(fs_near *near, int fmt, int lan
   }
 }
 
-/* 8 elements x of a block as int8 / uint8 codes in int32 lanes: round(sqrt(|x| * f)) with x's
- * sign (int8) or round(sqrt(sqrt(x * f))) (uint8), f = top / the block's absmax. *d: the bits
- * of |root - code|, a NaN where the root is not finite (its code is then wrong, and the
- * block is encoded again by encode_exact). */
-INLINE __m256i code8(int fmt, __m256 x, __m256 f, __m256i *d) {
+/* 8 elements x of a block as int8 codes in int32 lanes: round(sqrt(|x| * f)) with x's sign,
+ * f = 127^2 / the block's absmax. The root is sqrt_approx's of |x| * f + 2^-64 (one FMA: at
+ * most an ulp from torch's product, and >= 2^-64, whose root rounds to 0 as torch's root of a
+ * 0 or a denormal does). *d: the bits of |root - code|, a NaN where the root is not finite
+ * (its code is then wrong, and the block is encoded again by encode_exact). */
+INLINE __m256i code8_i8(__m256 x, __m256 f, __m256i *d) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 y = _mm256_mul_ps(fmt == FS_I8 ? _mm256_andnot_ps(sign, x) : x, f);
-  const __m256 s = fmt == FS_I8 ? FS_ROOT_I8(y) : FS_ROOT_U8B(FS_ROOT_U8A(y));
+  const __m256 y = _mm256_fmadd_ps(_mm256_andnot_ps(sign, x), f, _mm256_set1_ps(0x1p-64f));
+  const __m256 s = sqrt_approx(y);
   const __m256 q = _mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   *d = _mm256_castps_si256(_mm256_andnot_ps(sign, _mm256_sub_ps(s, q)));
-  if (fmt == FS_U8) return _mm256_cvttps_epi32(q);
-  return _mm256_cvttps_epi32(_mm256_or_ps(q, _mm256_and_ps(sign, x))); /* copysign (q >= 0) */
+  return _mm256_sign_epi32(_mm256_cvttps_epi32(q), _mm256_castps_si256(x)); /* x's sign */
+}
+
+/* uint8 codes of x from r = sqrt(x), the root the step took for its denominator:
+ * round(sqrt(r * sqrt(f))), f = 255^4 / the block's absmax, on the divider (idle in the
+ * encode). Three roundings to sqrt(x * f) (2^-22.4), halved by the last root, and its own:
+ * within 2^-22.8 of the exact fourth root. *d as code8_i8's. */
+INLINE __m256i code8_u8(__m256 r, __m256 sqrt_f, __m256i *d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 s = _mm256_sqrt_ps(_mm256_mul_ps(r, sqrt_f));
+  const __m256 q = _mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  *d = _mm256_castps_si256(_mm256_andnot_ps(sign, _mm256_sub_ps(s, q)));
+  return _mm256_cvttps_epi32(q);
 }
 
 /* Four vectors of codes (32 elements) stored as int8 / uint8 at out; d: their distances to
@@ -298,21 +294,15 @@ static void __attribute__((noinline)) encode_exact(fs_near *near, int fmt, const
   }
 }
 
-/* uint8 codes from the roots r = sqrt(x) the step computed: round(sqrt(r * sqrt(f))), within
- * 2^-22.8 of the exact fourth root (three roundings to sqrt(x * f), halved by the last root,
- * and its own) */
-INLINE __m256i code8_root(__m256 r, __m256 sf, __m256i *d) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 s = _mm256_sqrt_ps(_mm256_mul_ps(r, sf));
-  const __m256 q = _mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  *d = _mm256_castps_si256(_mm256_andnot_ps(sign, _mm256_sub_ps(s, q)));
-  return _mm256_cvttps_epi32(q);
-}
-
-INLINE int encode32(fs_near *near, int fmt, const float *x, const float *root, __m256 vf, float f, uint8_t *out) {
+/* 32 elements of a block of an 8-bit moment stored at out: x (fp32) and, for uint8, their
+ * roots r; vf the factor (uint8: its root) the codes take, f the factor for torch's sqrt.
+ * Returns 1 where a root was not finite. */
+INLINE int encode32(fs_near *near, int fmt, const float *x, const float *r, __m256 vf, float f,
+                    uint8_t *out) {
   __m256i codes[4], d[4];
   for (int t = 0; t < 4; t++)
-    codes[t] = root ? code8_root(_mm256_loadu_ps(root + 8 * t), vf, &d[t]) : code8(fmt, _mm256_loadu_ps(x + 8 * t), vf, &d[t]);
+    codes[t] = fmt == FS_I8 ? code8_i8(_mm256_loadu_ps(x + 8 * t), vf, &d[t])
+                            : code8_u8(_mm256_loadu_ps(r + 8 * t), vf, &d[t]);
   return store32(near, fmt, codes, d, x, f, out);
 }
 
@@ -321,25 +311,6 @@ static float hmax(__m256 absmax) {
   _mm256_storeu_ps(lanes, absmax);
   for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
   return m;
-}
-
-/* Stores the block x (fp32, its elements' absmax over the non-NaN ones given) of an 8-bit
- * moment: codes at out, the absmax at *scale. */
-INLINE void encode_block(fs_near *near, int fmt, const float *x, int block, __m256 absmax,
-                         float *scale, uint8_t *out) {
-  float lanes[8], m = 0.0f;
-  _mm256_storeu_ps(lanes, absmax);
-  for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
-  *scale = m;
-  const float f = encode_factor(fmt, m);
-  const __m256 vf = _mm256_set1_ps(f);
-  int bad = 0;
-  for (int j = 0; j < block; j += 32) {
-    __m256i codes[4], d[4];
-    for (int t = 0; t < 4; t++) codes[t] = code8(fmt, _mm256_loadu_ps(x + j + 8 * t), vf, &d[t]);
-    bad |= store32(near, fmt, codes, d, x + j, f, out + j);
-  }
-  if (__builtin_expect(bad, 0)) encode_exact(near, fmt, x, block, scale, out);
 }
 
 /* --- the fp32 steps: torch's fused vector bodies ----------------------------------------------- */
@@ -450,15 +421,15 @@ static plain_fn plain_of(const fs_args *a) {
   return plain_generic;
 }
 
-/* The step of 8 elements at i of a buffer with an 8-bit moment: the param stored, an 8-bit
- * moment's new values into its scratch at j (the maxima of their magnitudes into max: NaNs
- * drop out, encode_block finds them), another moment stored. Format arguments are constants
- * where inlined. */
+/* The step of 8 elements at i of a buffer with an 8-bit moment: the param stored; an 8-bit
+ * moment's new values into its scratch at j (uint8: their roots too, which the step takes
+ * anyway) and the maxima of their magnitudes into max (NaNs drop out: the encode finds
+ * them); another moment stored. Format arguments are constants where inlined. */
 INLINE void block_step8(const fs_args *a, const fs_consts *c, int rule, int pdt, int f0, int f1,
                         void *pp, void *gp, void *mp, void *vp, int64_t i, int j, __m256 mf,
                         __m256 vf, float (*tile)[MAX_BLOCK], __m256 *max) {
   const int two = rule == FS_ADAMW;
-  const int q0 = f0 >= FS_I8, q1 = two && f1 >= FS_I8;
+  const int q0 = f0 == FS_I8, q1 = two && f1 == FS_U8;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 g = load8(pdt, gp, i);
   __m256 m = q0 ? load8_8bit(f0, mp, i, mf) : load8(f0, mp, i);
@@ -468,7 +439,7 @@ INLINE void block_step8(const fs_args *a, const fs_consts *c, int rule, int pdt,
   store8(pdt, pp, i, p);
   if (a->write_grad) store8(pdt, gp, i, g);
   if (q0) {
-    max[0] = _mm256_max_ps(max[0], f0 == FS_I8 ? _mm256_and_ps(m, abs_mask) : m);
+    max[0] = _mm256_max_ps(max[0], _mm256_and_ps(m, abs_mask));
     _mm256_storeu_ps(tile[0] + j, m);
   } else if (a->stochastic[0]) {
     store8_dithered(mp, i, m, p, g);
@@ -476,9 +447,9 @@ INLINE void block_step8(const fs_args *a, const fs_consts *c, int rule, int pdt,
     store8(f0, mp, i, m);
   }
   if (q1) {
-    max[1] = _mm256_max_ps(max[1], f1 == FS_I8 ? _mm256_and_ps(v, abs_mask) : v);
+    max[1] = _mm256_max_ps(max[1], v);
     _mm256_storeu_ps(tile[1] + j, v);
-    if (f1 == FS_U8) _mm256_storeu_ps(tile[2] + j, root);
+    _mm256_storeu_ps(tile[2] + j, root);
   } else if (two && a->stochastic[1]) {
     store8_dithered(vp, i, v, p, g);
   } else if (two) {
@@ -486,10 +457,10 @@ INLINE void block_step8(const fs_args *a, const fs_consts *c, int rule, int pdt,
   }
 }
 
-/* Elements [lo, hi) with an 8-bit moment (whole blocks): each block stepped into an L1
- * scratch, then encoded. Two loops rather than one that interleaves them: each keeps its
- * values in the 16 vector registers, and the step's divides and the encode's ALU work did
- * not overlap in one loop anyway (measured). */
+/* Elements [lo, hi) with an 8-bit moment (int8 mu, uint8 nu; whole blocks), software-pipelined
+ * by one block: the step of a block into an L1 scratch and, in the same loop, 32 elements at
+ * a time, the encode of the previous one, whose ALU work fills the step's waits on the
+ * divider. A block with a value that is not finite is encoded again by encode_exact. */
 INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int f1, void *pp,
                             void *gp, void *mp, float *ms, void *vp, float *vs, int64_t lo,
                             int64_t hi) {
@@ -498,7 +469,7 @@ INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int 
   const fs_consts c = consts_of(a);
   const int two = rule == FS_ADAMW;
   if (!two) f1 = FS_F32;
-  const int q0 = f0 >= FS_I8, q1 = two && f1 >= FS_I8;
+  const int q0 = f0 == FS_I8, q1 = two && f1 == FS_U8; /* mu is signed, nu unsigned */
   const int block = q0 ? a->block[0] : a->block[1];
   float tiles[2][3][MAX_BLOCK]; /* [block parity][mu, nu, sqrt(nu) (uint8)] */
   fs_near near[2] = {{.fmt = f0}, {.fmt = f1}};
@@ -509,19 +480,21 @@ INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int 
   for (int64_t b0 = lo; b0 <= hi; b0 += block) {
     const int step = b0 < hi, encode = b0 > lo;
     const int64_t blk = b0 / block;
-    const __m256 mf = _mm256_set1_ps(q0 && step ? ms[blk] * (f0 == FS_I8 ? I8_FACTOR : U8_FACTOR) : 0.0f);
-    const __m256 vf = _mm256_set1_ps(q1 && step ? vs[blk] * (f1 == FS_I8 ? I8_FACTOR : U8_FACTOR) : 0.0f);
-    const __m256 ef0 = _mm256_set1_ps(fprev[0]);
-    const __m256 ef1 = _mm256_set1_ps(f1 == FS_U8 ? sqrtf(fprev[1]) : fprev[1]);
+    /* decode factors of this block, encode factors of the previous one (uint8: its root) */
+    const __m256 mf = _mm256_set1_ps(q0 && step ? ms[blk] * I8_FACTOR : 0.0f);
+    const __m256 vf = _mm256_set1_ps(q1 && step ? vs[blk] * U8_FACTOR : 0.0f);
+    const __m256 ef0 = _mm256_set1_ps(fprev[0]), ef1 = _mm256_set1_ps(sqrtf(fprev[1]));
     float(*tc)[MAX_BLOCK] = tiles[cur], (*tp)[MAX_BLOCK] = tiles[cur ^ 1];
     __m256 max[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     int bad0 = 0, bad1 = 0;
     for (int j = 0; j < block; j += 32) {
       if (step)
-        for (int t = 0; t < 4; t++)
-          block_step8(a, &c, rule, pdt, f0, f1, pp, gp, mp, vp, b0 + j + 8 * t, j + 8 * t, mf, vf, tc, max);
-      if (encode && q0) bad0 |= encode32(&near[0], f0, tp[0] + j, 0, ef0, fprev[0], oprev[0] + j);
-      if (encode && q1) bad1 |= encode32(&near[1], f1, tp[1] + j, f1 == FS_U8 ? tp[2] + j : 0, ef1, fprev[1], oprev[1] + j);
+        for (int k = j; k < j + 32; k += 8)
+          block_step8(a, &c, rule, pdt, f0, f1, pp, gp, mp, vp, b0 + k, k, mf, vf, tc, max);
+      if (encode && q0)
+        bad0 |= encode32(&near[0], f0, tp[0] + j, 0, ef0, fprev[0], oprev[0] + j);
+      if (encode && q1)
+        bad1 |= encode32(&near[1], f1, tp[1] + j, tp[2] + j, ef1, fprev[1], oprev[1] + j);
     }
     if (__builtin_expect(bad0, 0)) encode_exact(&near[0], f0, tp[0], block, sprev[0], oprev[0]);
     if (__builtin_expect(bad1, 0)) encode_exact(&near[1], f1, tp[1], block, sprev[1], oprev[1]);
@@ -544,9 +517,27 @@ INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int 
   flush_near(&near[1]);
 }
 
+/* The usual case, its flags constants the compiler folds: no grad_scale, the lerp's base mu
+ * (beta1 > 0.5), weight decay on or off. */
+#define BLOCKS_ADAMW(name, decay_on)                                                           \
+  static void name(const fs_args *args, void *p, void *g, void *m, float *ms, void *v,       \
+                   float *vs, int64_t lo, int64_t hi) {                                     \
+    fs_args a = *args;                                                                       \
+    a.scaled = a.write_grad = 0;                                                             \
+    a.lerp_small = 1;                                                                        \
+    a.decay = decay_on;                                                                      \
+    a.stochastic[0] = a.stochastic[1] = 0;                                                   \
+    run_blocks_impl(&a, FS_ADAMW, FS_F32, FS_I8, FS_U8, p, g, m, ms, v, vs, lo, hi);         \
+  }
+BLOCKS_ADAMW(blocks_adamw_i8_u8_decay, 1)
+BLOCKS_ADAMW(blocks_adamw_i8_u8_plain, 0)
+
 static void blocks_adamw_i8_u8(const fs_args *a, void *p, void *g, void *m, float *ms, void *v,
                                float *vs, int64_t lo, int64_t hi) {
-  run_blocks_impl(a, FS_ADAMW, FS_F32, FS_I8, FS_U8, p, g, m, ms, v, vs, lo, hi);
+  if (!a->scaled && a->lerp_small)
+    (a->decay ? blocks_adamw_i8_u8_decay : blocks_adamw_i8_u8_plain)(a, p, g, m, ms, v, vs, lo, hi);
+  else
+    run_blocks_impl(a, FS_ADAMW, FS_F32, FS_I8, FS_U8, p, g, m, ms, v, vs, lo, hi);
 }
 
 static void blocks_sgd_i8(const fs_args *a, void *p, void *g, void *m, float *ms, void *v,
