@@ -184,6 +184,65 @@ def test_overflow_to_inf(native) -> None:
     _assert_same_bits(want, _run(make, True, 2, scale=1e7, steps=1))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_8bit_blocks_with_nan_or_inf(native, bad) -> None:
+    """A NaN or an inf gradient in a block: the kernel's vector encode (whose absmax skips
+    NaNs) finds the root that is not finite and encodes that block as torch does (NaN or inf
+    scale, codes from ``safe = 1`` or a zero factor); the other blocks keep their bits."""
+
+    def make():
+        return fs.optim.adamw(1e-3, (0.9, 0.999), weight_decay=0.1, mu_dtype=I8, nu_dtype=U8)
+
+    def run(use: bool):
+        before = kernels.enabled
+        kernels.enabled = use
+        try:
+            opt, p = make(), _params(0)
+            s = opt.init(p)
+            for t in range(3):
+                g = _grads(t)
+                g["d"][5 + t, 7] = bad  # a new block each step; the old ones stay NaN / inf
+                g["a"][0, 63] = bad if t == 1 else g["a"][0, 63]
+                p, s = opt.update(g, s, p, donate=True)
+            return p, s
+        finally:
+            kernels.enabled = before
+
+    want = run(False)
+    scales = torch.cat([want[1].mu_scale["d"].flatten(), want[1].nu_scale["d"].flatten()])
+    assert not scales.isfinite().all()  # the case is reached
+    _assert_same_bits(want, run(True))
+
+
+def test_8bit_random_blocks_many_seeds(native) -> None:
+    """int8 / uint8 moments over many random blocks (magnitudes spread over 12 decades, so
+    that codes of every size, and many next to a rounding tie, are met): the torch path's
+    bits, step after step."""
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        shape = (512, 256)
+        spread = 10.0 ** (-8 + 12 * torch.rand(shape, generator=gen))
+
+        def make():
+            return fs.optim.adamw(3e-3, (0.8, 0.99), weight_decay=0.01, mu_dtype=I8, nu_dtype=U8)
+
+        def run(use: bool, seed=seed, spread=spread):
+            before = kernels.enabled
+            kernels.enabled = use
+            try:
+                g0 = torch.Generator().manual_seed(100 + seed)
+                opt, p = make(), {"w": torch.randn(shape, generator=g0)}
+                s = opt.init(p)
+                for _ in range(3):
+                    g = {"w": torch.randn(shape, generator=g0) * spread}
+                    p, s = opt.update(g, s, p, donate=True)
+                return p, s
+            finally:
+                kernels.enabled = before
+
+        _assert_same_bits(run(False), run(True))
+
+
 def _near_ties(top: float, root: float) -> torch.Tensor:
     """Rows of 256 whose absmax is 1 and whose other elements x make the encode's root of
     x * top land next to each half integer k + 0.5 (``root``: 2 for int8's sqrt, 4 for uint8's

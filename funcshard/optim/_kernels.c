@@ -15,11 +15,13 @@
  *  - conversions round as torch's do (bf16 and fp16 to nearest even; 8-bit to nearest even);
  *  - torch.sqrt in the 8-bit encode is MKL's vmsSqrt, not IEEE's sqrt (within 1 ulp of it,
  *    differing in 17% of the floats in [0, 2^32], checked exhaustively on an AMD EPYC). The
- *    encode rounds a fast root (rsqrt and a Newton step: FMAs, leaving the divider to the
- *    step), and where that lies within 2^-20 (relative) of a half integer, so that the error
- *    of either root could move the rounding, it calls vmsSqrt itself (batched: ~1e-4 of the
- *    elements). Checked exhaustively against round(vmsSqrt) on that EPYC for every float the
- *    int8 and uint8 encodes can meet: no difference.
+ *    encode rounds a root of its own (int8: rsqrt and a Newton step on the FMA units; uint8:
+ *    the root of the step's own sqrt(nu) times sqrt(factor), on the divider), and where that
+ *    lies within 2^-11 of a half integer, so that the error of either root could move the
+ *    rounding, it calls vmsSqrt itself (batched: ~1e-4 of the elements);
+ *  - a block whose absmax or roots are not finite (a NaN, an inf, a denormal absmax) is
+ *    encoded again element by element as torch does (encode_exact), so the vector loop tracks
+ *    no NaNs.
  * NaN payloads are not matched (torch's own vector and scalar loops disagree on them).
  */
 #include <math.h>
@@ -142,9 +144,8 @@ static void torch_sqrt(float *x, int n) {
 }
 
 /* sqrt(y) within 2^-22.7 (relative; measured over every float in [2^-64, 2^32], and the bound
- * of rsqrtps's 1.5 * 2^-12 after one Newton step): rsqrt and FMAs, so the encode leaves the
- * divider, which bounds the step, to the step. NaN for y = 0 (0 * inf), where the caller
- * wants 0, and maybe for y < 2^-64 (where it rounds to 0 anyway). */
+ * of rsqrtps's 1.5 * 2^-12 after one Newton step): rsqrt and FMAs, no divider. For y >= 2^-64
+ * (below, rsqrt's inf makes a NaN); a NaN stays a NaN. */
 INLINE __m256 sqrt_approx(__m256 y) {
   const __m256 r = _mm256_rsqrt_ps(y);
   const __m256 s = _mm256_mul_ps(y, r), h = _mm256_mul_ps(_mm256_set1_ps(0.5f), r);
@@ -153,9 +154,12 @@ INLINE __m256 sqrt_approx(__m256 y) {
 
 /* |s - q| at or above this (q: s rounded), s lies within 2^-11 of a half integer. For the
  * roots here (s < 256) torch's sqrt is within 1.5 ulp of the exact root (the fourth root: 2.5
- * ulp; < 2^-21.6 relative), sqrt_approx within 2^-22.4 (the fourth root): together under
- * 256 * 2^-20.96 < 2^-12.9, so elsewhere both round to the same integer. */
+ * ulp; < 2^-21.6 relative), the kernel's within 2^-22.4 (the fourth root): together under
+ * 256 * 2^-20.96 < 2^-12.9, so elsewhere both round to the same integer. As int32 bits: the
+ * distances are >= 0, whose bits order as their values, and a NaN's above them all. */
 #define NEAR_HALF (0.5f - 0x1p-11f)
+#define NEAR_HALF_BITS 0x3effe000
+#define INF_BITS 0x7f800000
 
 /* Elements whose rounding needs torch's own sqrt, patched in batches (one vmsSqrt call for
  * many blocks: they are rare, ~1e-4 of the elements). */
@@ -167,16 +171,18 @@ typedef struct {
   float sign[NEAR_BATCH];    /* int8: the value whose sign the byte takes */
 } fs_near;
 
+/* torch's conversion of a rounded root to the stored byte: a C cast's low byte; NaN as 0 */
+static uint8_t byte_of(float q) {
+  return q == q && fabsf(q) < 0x1p31f ? (uint8_t)(int32_t)q : 0;
+}
+
 static void flush_near(fs_near *b) {
   if (!b->n) return;
   torch_sqrt(b->y, b->n);
   if (b->fmt == FS_U8) torch_sqrt(b->y, b->n);
   for (int k = 0; k < b->n; k++) {
     const float q = nearbyintf(b->y[k]); /* torch.round_: half to even */
-    if (b->fmt == FS_I8)
-      *(int8_t *)b->at[k] = (int8_t)copysignf(q, b->sign[k]);
-    else
-      *b->at[k] = (uint8_t)q;
+    *b->at[k] = byte_of(b->fmt == FS_I8 ? copysignf(q, b->sign[k]) : q);
   }
   b->n = 0;
 }
@@ -196,25 +202,37 @@ static void __attribute__((noinline)) defer_near(fs_near *near, int fmt, int lan
   }
 }
 
-/* 8 elements x of a block as int8 / uint8 codes in int32 lanes: round(sqrt(|x| * f)) with x's
- * sign (int8) or round(sqrt(sqrt(x * f))) (uint8), f = top / the block's absmax; a NaN (and
- * x = 0, whose root sqrt_approx gives as NaN) as 0, a C cast's low byte. *d: |root - code|. */
-INLINE __m256i code8(int fmt, __m256 x, __m256 f, __m256 *d) {
+/* 8 elements x of a block as int8 codes in int32 lanes: round(sqrt(|x| * f)) with x's sign,
+ * f = 127^2 / the block's absmax. The root is sqrt_approx's of |x| * f + 2^-64 (one FMA: at
+ * most an ulp from torch's product, and >= 2^-64, whose root rounds to 0 as torch's root of a
+ * 0 or a denormal does). *d: the bits of |root - code|, a NaN where the root is not finite
+ * (its code is then wrong, and the block is encoded again by encode_exact). */
+INLINE __m256i code8_i8(__m256 x, __m256 f, __m256i *d) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 y = _mm256_mul_ps(fmt == FS_I8 ? _mm256_andnot_ps(sign, x) : x, f);
-  __m256 s = sqrt_approx(y);
-  if (fmt == FS_U8) s = sqrt_approx(s);
-  __m256 q = _mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  *d = _mm256_andnot_ps(sign, _mm256_sub_ps(s, q));
-  if (fmt == FS_U8) return _mm256_cvttps_epi32(q); /* NaN: INT_MIN, which packus makes 0 */
-  q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q));
-  return _mm256_cvttps_epi32(_mm256_or_ps(q, _mm256_and_ps(sign, x))); /* copysign (q >= 0) */
+  const __m256 y = _mm256_fmadd_ps(_mm256_andnot_ps(sign, x), f, _mm256_set1_ps(0x1p-64f));
+  const __m256 s = sqrt_approx(y);
+  const __m256 q = _mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  *d = _mm256_castps_si256(_mm256_andnot_ps(sign, _mm256_sub_ps(s, q)));
+  return _mm256_sign_epi32(_mm256_cvttps_epi32(q), _mm256_castps_si256(x)); /* x's sign */
+}
+
+/* uint8 codes of x from r = sqrt(x), the root the step took for its denominator:
+ * round(sqrt(r * sqrt(f))), f = 255^4 / the block's absmax, on the divider (idle in the
+ * encode). Three roundings to sqrt(x * f) (2^-22.4), halved by the last root, and its own:
+ * within 2^-22.8 of the exact fourth root. *d as code8_i8's. */
+INLINE __m256i code8_u8(__m256 r, __m256 sqrt_f, __m256i *d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 s = _mm256_sqrt_ps(_mm256_mul_ps(r, sqrt_f));
+  const __m256 q = _mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  *d = _mm256_castps_si256(_mm256_andnot_ps(sign, _mm256_sub_ps(s, q)));
+  return _mm256_cvttps_epi32(q);
 }
 
 /* Four vectors of codes (32 elements) stored as int8 / uint8 at out; d: their distances to
- * the rounding (code8), x the elements (f their factor), for the batch of torch's sqrt. */
-INLINE void store32(fs_near *near, int fmt, const __m256i *codes, const __m256 *d,
-                    const float *x, float f, uint8_t *out) {
+ * the rounding (code8), x the elements (f their factor), for the batch of torch's sqrt.
+ * Returns 1 where a root was not finite (the caller encodes the block again). */
+INLINE int store32(fs_near *near, int fmt, const __m256i *codes, const __m256i *d,
+                   const float *x, float f, uint8_t *out) {
   /* the codes fit: packing saturates nothing; packs interleave the 128-bit lanes, undone by
    * the permutation */
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -226,13 +244,17 @@ INLINE void store32(fs_near *near, int fmt, const __m256i *codes, const __m256 *
     b = _mm256_packus_epi16(_mm256_packus_epi32(codes[0], codes[1]),
                             _mm256_packus_epi32(codes[2], codes[3]));
   _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(b, order));
-  const __m256 edge = _mm256_set1_ps(NEAR_HALF);
-  const __m256 dmax = _mm256_max_ps(_mm256_max_ps(d[0], d[1]), _mm256_max_ps(d[2], d[3]));
-  if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(dmax, edge, _CMP_GE_OQ)) != 0, 0))
+  const __m256i edge = _mm256_set1_epi32(NEAR_HALF_BITS - 1);
+  const __m256i dmax = _mm256_max_epi32(_mm256_max_epi32(d[0], d[1]), _mm256_max_epi32(d[2], d[3]));
+  if (__builtin_expect(!_mm256_testz_si256(_mm256_cmpgt_epi32(dmax, edge), _mm256_cmpgt_epi32(dmax, edge)), 0)) {
+    if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(dmax, _mm256_set1_epi32(INF_BITS)))))
+      return 1;
     for (int t = 0; t < 4; t++) {
-      const int lanes = _mm256_movemask_ps(_mm256_cmp_ps(d[t], edge, _CMP_GE_OQ));
+      const int lanes = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(d[t], edge)));
       if (lanes) defer_near(near, fmt, lanes, _mm256_loadu_ps(x + 8 * t), f, out + 8 * t);
     }
+  }
+  return 0;
 }
 
 /* top / safe (torch: safe = absmax where > 0, else 1) */
@@ -240,13 +262,55 @@ static float encode_factor(int fmt, float absmax) {
   return (1.0f / (absmax > 0.0f ? absmax : 1.0f)) * (fmt == FS_I8 ? I8_TOP : U8_TOP);
 }
 
-/* a block's absmax from its lanes' maxima, as torch.amax (exact in any order; NaN if any
- * element is NaN) */
-static float absmax_of(__m256 max, __m256 nan) {
+/* A block of an 8-bit moment stored as torch's encode does, one element at a time, NaN
+ * propagating into its scale: for blocks with a NaN, an inf or a denormal absmax, which the
+ * vector encode (whose absmax ignores NaNs) finds by a root that is not finite. Drops what the
+ * batch of torch's sqrt holds for the block. */
+static void __attribute__((noinline)) encode_exact(fs_near *near, int fmt, const float *x,
+                                                   int block, float *scale, uint8_t *out) {
+  int keep = 0;
+  for (int k = 0; k < near->n; k++) {
+    if (near->at[k] >= out && near->at[k] < out + block) continue;
+    near->y[keep] = near->y[k];
+    near->at[keep] = near->at[k];
+    near->sign[keep++] = near->sign[k];
+  }
+  near->n = keep;
+  float m = 0.0f, y[MAX_BLOCK];
+  int nan = 0;
+  for (int k = 0; k < block; k++) {
+    const float a = fmt == FS_I8 ? fabsf(x[k]) : x[k];
+    if (a != a) nan = 1;
+    else if (a > m) m = a;
+  }
+  *scale = nan ? NAN : m;
+  const float f = encode_factor(fmt, *scale);
+  for (int k = 0; k < block; k++) y[k] = (fmt == FS_I8 ? fabsf(x[k]) : x[k]) * f;
+  torch_sqrt(y, block);
+  if (fmt == FS_U8) torch_sqrt(y, block);
+  for (int k = 0; k < block; k++) {
+    const float q = nearbyintf(y[k]);
+    out[k] = byte_of(fmt == FS_I8 ? copysignf(q, x[k]) : q);
+  }
+}
+
+/* 32 elements of a block of an 8-bit moment stored at out: x (fp32) and, for uint8, their
+ * roots r; vf the factor (uint8: its root) the codes take, f the factor for torch's sqrt.
+ * Returns 1 where a root was not finite. */
+INLINE int encode32(fs_near *near, int fmt, const float *x, const float *r, __m256 vf, float f,
+                    uint8_t *out) {
+  __m256i codes[4], d[4];
+  for (int t = 0; t < 4; t++)
+    codes[t] = fmt == FS_I8 ? code8_i8(_mm256_loadu_ps(x + 8 * t), vf, &d[t])
+                            : code8_u8(_mm256_loadu_ps(r + 8 * t), vf, &d[t]);
+  return store32(near, fmt, codes, d, x, f, out);
+}
+
+static float hmax(__m256 absmax) {
   float lanes[8], m = 0.0f;
-  _mm256_storeu_ps(lanes, max);
+  _mm256_storeu_ps(lanes, absmax);
   for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
-  return _mm256_movemask_ps(nan) ? NAN : m;
+  return m;
 }
 
 /* --- the fp32 steps: torch's fused vector bodies ----------------------------------------------- */
@@ -272,7 +336,7 @@ static fs_consts consts_of(const fs_args *a) {
 /* One vector: p, g in; m, v (sgd: m only) updated in place; returns the new p. g is the
  * (scaled) grad afterwards, as the fused kernels leave it. */
 INLINE __m256 step8(const fs_args *a, const fs_consts *c, int rule, __m256 p, __m256 *g, __m256 *m,
-                    __m256 *v) {
+                    __m256 *v, __m256 *root) {
   __m256 gi = *g;
   if (a->scaled) gi = _mm256_div_ps(gi, c->inv);
   *g = gi;
@@ -281,7 +345,8 @@ INLINE __m256 step8(const fs_args *a, const fs_consts *c, int rule, __m256 p, __
     const __m256 mi = *m;
     *m = _mm256_fmadd_ps(c->w, _mm256_sub_ps(gi, mi), a->lerp_small ? mi : gi);
     *v = _mm256_fmadd_ps(_mm256_mul_ps(c->c2, gi), gi, _mm256_mul_ps(*v, c->b2));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(*v), c->bc), c->eps);
+    *root = _mm256_sqrt_ps(*v);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(*root, c->bc), c->eps);
     return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->ns, *m), denom));
   }
   if (a->decay) gi = _mm256_fmadd_ps(p, c->df, gi);
@@ -297,7 +362,8 @@ INLINE void plain8(const fs_args *a, const fs_consts *c, int rule, int pdt, int 
   const int two = rule == FS_ADAMW;
   __m256 g = load8(pdt, gp, i), m = load8(f0, mp, i);
   __m256 v = two ? load8(f1, vp, i) : _mm256_setzero_ps();
-  const __m256 p = step8(a, c, rule, load8(pdt, pp, i), &g, &m, &v);
+  __m256 root = _mm256_setzero_ps();
+  const __m256 p = step8(a, c, rule, load8(pdt, pp, i), &g, &m, &v, &root);
   store8(pdt, pp, i, p);
   if (a->write_grad) store8(pdt, gp, i, g);
   if (sr0)
@@ -355,36 +421,35 @@ static plain_fn plain_of(const fs_args *a) {
   return plain_generic;
 }
 
-/* The step of 8 elements at i of a buffer with an 8-bit moment: the param stored, an 8-bit
- * moment's new values into its scratch at j (their absmax into max / nan), another moment
- * stored. Format arguments are constants where inlined. */
+/* The step of 8 elements at i of a buffer with an 8-bit moment: the param stored; an 8-bit
+ * moment's new values into its scratch at j (uint8: their roots too, which the step takes
+ * anyway) and the maxima of their magnitudes into max (NaNs drop out: the encode finds
+ * them); another moment stored. Format arguments are constants where inlined. */
 INLINE void block_step8(const fs_args *a, const fs_consts *c, int rule, int pdt, int f0, int f1,
                         void *pp, void *gp, void *mp, void *vp, int64_t i, int j, __m256 mf,
-                        __m256 vf, float (*cur)[MAX_BLOCK], __m256 *max, __m256 *nan) {
+                        __m256 vf, float (*tile)[MAX_BLOCK], __m256 *max) {
   const int two = rule == FS_ADAMW;
-  const int q0 = f0 >= FS_I8, q1 = two && f1 >= FS_I8;
+  const int q0 = f0 == FS_I8, q1 = two && f1 == FS_U8;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 g = load8(pdt, gp, i);
   __m256 m = q0 ? load8_8bit(f0, mp, i, mf) : load8(f0, mp, i);
   __m256 v = !two ? _mm256_setzero_ps() : q1 ? load8_8bit(f1, vp, i, vf) : load8(f1, vp, i);
-  const __m256 p = step8(a, c, rule, load8(pdt, pp, i), &g, &m, &v);
+  __m256 root = _mm256_setzero_ps();
+  const __m256 p = step8(a, c, rule, load8(pdt, pp, i), &g, &m, &v, &root);
   store8(pdt, pp, i, p);
   if (a->write_grad) store8(pdt, gp, i, g);
   if (q0) {
-    const __m256 x = f0 == FS_I8 ? _mm256_and_ps(m, abs_mask) : m;
-    max[0] = _mm256_max_ps(max[0], x);
-    nan[0] = _mm256_or_ps(nan[0], _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    _mm256_storeu_ps(cur[0] + j, m);
+    max[0] = _mm256_max_ps(max[0], _mm256_and_ps(m, abs_mask));
+    _mm256_storeu_ps(tile[0] + j, m);
   } else if (a->stochastic[0]) {
     store8_dithered(mp, i, m, p, g);
   } else {
     store8(f0, mp, i, m);
   }
   if (q1) {
-    const __m256 x = f1 == FS_I8 ? _mm256_and_ps(v, abs_mask) : v;
-    max[1] = _mm256_max_ps(max[1], x);
-    nan[1] = _mm256_or_ps(nan[1], _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    _mm256_storeu_ps(cur[1] + j, v);
+    max[1] = _mm256_max_ps(max[1], v);
+    _mm256_storeu_ps(tile[1] + j, v);
+    _mm256_storeu_ps(tile[2] + j, root);
   } else if (two && a->stochastic[1]) {
     store8_dithered(vp, i, v, p, g);
   } else if (two) {
@@ -392,40 +457,10 @@ INLINE void block_step8(const fs_args *a, const fs_consts *c, int rule, int pdt,
   }
 }
 
-/* One pass over a block of 8-bit buffers: the step of the block at b0 into the scratch cur
- * and, in the same loop so that its ALU work fills the step's waits on the divider, the
- * encode of the previous block (scratch prev, factors fprev, bytes at oprev). 32 elements a
- * round (blocks are multiples of 32): four independent steps, then 32 codes per moment. */
-INLINE void block_pass(const fs_args *a, const fs_consts *c, int rule, int pdt, int f0, int f1,
-                       int step, int encode, void *pp, void *gp, void *mp, void *vp, int64_t b0,
-                       int block, const float *scale, float (*cur)[MAX_BLOCK],
-                       float (*prev)[MAX_BLOCK], const float *fprev, uint8_t *const *oprev,
-                       fs_near *near, __m256 *max, __m256 *nan) {
-  const int two = rule == FS_ADAMW;
-  const int q0 = f0 >= FS_I8, q1 = two && f1 >= FS_I8;
-  const __m256 mf = _mm256_set1_ps(q0 && step ? scale[0] * (f0 == FS_I8 ? I8_FACTOR : U8_FACTOR) : 0.0f);
-  const __m256 vf = _mm256_set1_ps(q1 && step ? scale[1] * (f1 == FS_I8 ? I8_FACTOR : U8_FACTOR) : 0.0f);
-  const __m256 ef0 = _mm256_set1_ps(encode ? fprev[0] : 0.0f);
-  const __m256 ef1 = _mm256_set1_ps(encode ? fprev[1] : 0.0f);
-  for (int j = 0; j < block; j += 32) {
-    __m256i codes[2][4];
-    __m256 dist[2][4];
-    for (int t = 0; t < 4; t++) { /* set below where used; zeros keep -Wmaybe-uninitialized quiet */
-      codes[0][t] = codes[1][t] = _mm256_setzero_si256();
-      dist[0][t] = dist[1][t] = _mm256_setzero_ps();
-    }
-    for (int t = 0; t < 4; t++) { /* a step and its moments' codes of the previous block */
-      const int k = j + 8 * t;
-      if (step) block_step8(a, c, rule, pdt, f0, f1, pp, gp, mp, vp, b0 + k, k, mf, vf, cur, max, nan);
-      if (encode && q0) codes[0][t] = code8(f0, _mm256_loadu_ps(prev[0] + k), ef0, &dist[0][t]);
-      if (encode && q1) codes[1][t] = code8(f1, _mm256_loadu_ps(prev[1] + k), ef1, &dist[1][t]);
-    }
-    if (encode && q0) store32(&near[0], f0, codes[0], dist[0], prev[0] + j, fprev[0], oprev[0] + j);
-    if (encode && q1) store32(&near[1], f1, codes[1], dist[1], prev[1] + j, fprev[1], oprev[1] + j);
-  }
-}
-
-/* Elements [lo, hi) with an 8-bit moment (whole blocks), software-pipelined by one block. */
+/* Elements [lo, hi) with an 8-bit moment (int8 mu, uint8 nu; whole blocks), software-pipelined
+ * by one block: the step of a block into an L1 scratch and, in the same loop, 32 elements at
+ * a time, the encode of the previous one, whose ALU work fills the step's waits on the
+ * divider. A block with a value that is not finite is encoded again by encode_exact. */
 INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int f1, void *pp,
                             void *gp, void *mp, float *ms, void *vp, float *vs, int64_t lo,
                             int64_t hi) {
@@ -434,38 +469,46 @@ INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int 
   const fs_consts c = consts_of(a);
   const int two = rule == FS_ADAMW;
   if (!two) f1 = FS_F32;
-  const int q0 = f0 >= FS_I8, q1 = two && f1 >= FS_I8;
+  const int q0 = f0 == FS_I8, q1 = two && f1 == FS_U8; /* mu is signed, nu unsigned */
   const int block = q0 ? a->block[0] : a->block[1];
-  float tiles[2][2][MAX_BLOCK]; /* [cur / prev][moment] */
-  float fprev[2] = {0.0f, 0.0f};
-  uint8_t *oprev[2] = {0, 0};
+  float tiles[2][3][MAX_BLOCK]; /* [block parity][mu, nu, sqrt(nu) (uint8)] */
   fs_near near[2] = {{.fmt = f0}, {.fmt = f1}};
+  float fprev[2] = {0.0f, 0.0f};
+  float *sprev[2] = {0, 0};
+  uint8_t *oprev[2] = {0, 0};
   int cur = 0;
   for (int64_t b0 = lo; b0 <= hi; b0 += block) {
-    const int64_t blk = b0 / block;
     const int step = b0 < hi, encode = b0 > lo;
-    const float scale[2] = {q0 && step ? ms[blk] : 0.0f, q1 && step ? vs[blk] : 0.0f};
-    __m256 max[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256 nan[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int64_t blk = b0 / block;
+    /* decode factors of this block, encode factors of the previous one (uint8: its root) */
+    const __m256 mf = _mm256_set1_ps(q0 && step ? ms[blk] * I8_FACTOR : 0.0f);
+    const __m256 vf = _mm256_set1_ps(q1 && step ? vs[blk] * U8_FACTOR : 0.0f);
+    const __m256 ef0 = _mm256_set1_ps(fprev[0]), ef1 = _mm256_set1_ps(sqrtf(fprev[1]));
     float(*tc)[MAX_BLOCK] = tiles[cur], (*tp)[MAX_BLOCK] = tiles[cur ^ 1];
-    if (step && encode)
-      block_pass(a, &c, rule, pdt, f0, f1, 1, 1, pp, gp, mp, vp, b0, block, scale, tc, tp, fprev,
-                 oprev, near, max, nan);
-    else if (step)
-      block_pass(a, &c, rule, pdt, f0, f1, 1, 0, pp, gp, mp, vp, b0, block, scale, tc, tp, fprev,
-                 oprev, near, max, nan);
-    else
-      block_pass(a, &c, rule, pdt, f0, f1, 0, 1, pp, gp, mp, vp, b0, block, scale, tc, tp, fprev,
-                 oprev, near, max, nan);
+    __m256 max[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int bad0 = 0, bad1 = 0;
+    for (int j = 0; j < block; j += 32) {
+      if (step)
+        for (int k = j; k < j + 32; k += 8)
+          block_step8(a, &c, rule, pdt, f0, f1, pp, gp, mp, vp, b0 + k, k, mf, vf, tc, max);
+      if (encode && q0)
+        bad0 |= encode32(&near[0], f0, tp[0] + j, 0, ef0, fprev[0], oprev[0] + j);
+      if (encode && q1)
+        bad1 |= encode32(&near[1], f1, tp[1] + j, tp[2] + j, ef1, fprev[1], oprev[1] + j);
+    }
+    if (__builtin_expect(bad0, 0)) encode_exact(&near[0], f0, tp[0], block, sprev[0], oprev[0]);
+    if (__builtin_expect(bad1, 0)) encode_exact(&near[1], f1, tp[1], block, sprev[1], oprev[1]);
     if (!step) break;
     if (q0) {
-      ms[blk] = absmax_of(max[0], nan[0]);
+      ms[blk] = hmax(max[0]);
       fprev[0] = encode_factor(f0, ms[blk]);
+      sprev[0] = ms + blk;
       oprev[0] = (uint8_t *)mp + b0;
     }
     if (q1) {
-      vs[blk] = absmax_of(max[1], nan[1]);
+      vs[blk] = hmax(max[1]);
       fprev[1] = encode_factor(f1, vs[blk]);
+      sprev[1] = vs + blk;
       oprev[1] = (uint8_t *)vp + b0;
     }
     cur ^= 1;
@@ -474,9 +517,27 @@ INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int 
   flush_near(&near[1]);
 }
 
+/* The usual case, its flags constants the compiler folds: no grad_scale, the lerp's base mu
+ * (beta1 > 0.5), weight decay on or off. */
+#define BLOCKS_ADAMW(name, decay_on)                                                           \
+  static void name(const fs_args *args, void *p, void *g, void *m, float *ms, void *v,       \
+                   float *vs, int64_t lo, int64_t hi) {                                     \
+    fs_args a = *args;                                                                       \
+    a.scaled = a.write_grad = 0;                                                             \
+    a.lerp_small = 1;                                                                        \
+    a.decay = decay_on;                                                                      \
+    a.stochastic[0] = a.stochastic[1] = 0;                                                   \
+    run_blocks_impl(&a, FS_ADAMW, FS_F32, FS_I8, FS_U8, p, g, m, ms, v, vs, lo, hi);         \
+  }
+BLOCKS_ADAMW(blocks_adamw_i8_u8_decay, 1)
+BLOCKS_ADAMW(blocks_adamw_i8_u8_plain, 0)
+
 static void blocks_adamw_i8_u8(const fs_args *a, void *p, void *g, void *m, float *ms, void *v,
                                float *vs, int64_t lo, int64_t hi) {
-  run_blocks_impl(a, FS_ADAMW, FS_F32, FS_I8, FS_U8, p, g, m, ms, v, vs, lo, hi);
+  if (!a->scaled && a->lerp_small)
+    (a->decay ? blocks_adamw_i8_u8_decay : blocks_adamw_i8_u8_plain)(a, p, g, m, ms, v, vs, lo, hi);
+  else
+    run_blocks_impl(a, FS_ADAMW, FS_F32, FS_I8, FS_U8, p, g, m, ms, v, vs, lo, hi);
 }
 
 static void blocks_sgd_i8(const fs_args *a, void *p, void *g, void *m, float *ms, void *v,
