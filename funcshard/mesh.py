@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import weakref
 
@@ -62,6 +64,7 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         _use_own_gpu()
+    _forget_dead_worlds()
     world_pg = dist.group.WORLD
     key = (id(world_pg), device_type, replicate, shard)
     if key not in _MESHES:
@@ -77,7 +80,8 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
 # frees them), and gloo gives each group its own TCP event-loop threads. A program (or a test
 # pool) making the same mesh again and again piled them up: 1,160 threads in each rank of a
 # test pool, a few dozen of them running at any time. Keyed by the default group (held, so
-# that its id cannot come back) and the shape.
+# that its id cannot come back) and the shape. Let go of once that group is destroyed
+# (``_forget_dead_worlds``).
 _MESHES: dict[tuple[int, str, int, int], tuple[object, DeviceMesh]] = {}
 
 
@@ -173,8 +177,38 @@ def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
         return world_group(mesh)
     ranks = mesh.mesh  # (replicate, shard) global ranks
     order = tuple(int(ranks[r, s]) for s in range(shard) for r in range(replicate))
+    _forget_dead_worlds()
     world = dist.group.WORLD
     key = (id(world), order)
     if key not in _MASTER_GROUPS:
         _MASTER_GROUPS[key] = (world, dist.new_group(list(order), sort_ranks=False))
     return inherit_timeout(_MASTER_GROUPS[key][1])
+
+
+def _forget_dead_worlds() -> bool:
+    """Drops the cached meshes and groups of a default group that is no longer the current one
+    (``dist.destroy_process_group``, then maybe a new ``init_process_group``); True if any.
+
+    ``destroy_process_group`` only unregisters the groups: a gloo group's worker threads stop
+    when the group itself is freed, and these caches (a DeviceMesh holds its groups) would
+    keep every group, and its threads, to the end of the interpreter. There a worker still
+    dropping its last collective (the tensors' Python objects need the GIL) while Python
+    finalizes is ended by the interpreter inside a C++ destructor: std::terminate, "terminate
+    called without an active exception", about 1 exit in 5-30 of a 4-rank gloo job."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    dead = [k for k, (w, _) in _MESHES.items() if w is not world]
+    dead_master = [k for k, (w, _) in _MASTER_GROUPS.items() if w is not world]
+    for k in dead:
+        del _MESHES[k]
+    for k in dead_master:
+        del _MASTER_GROUPS[k]
+    return bool(dead or dead_master)
+
+
+@atexit.register
+def _free_groups_at_exit() -> None:
+    """Frees the groups of a destroyed world while the interpreter is whole (before it
+    finalizes): each gloo group joins its worker threads as it is freed (see
+    ``_forget_dead_worlds``). A world still initialized at exit is left as it is."""
+    if _forget_dead_worlds():
+        gc.collect()  # meshes in reference cycles (a flattened mesh and its root)
