@@ -218,9 +218,9 @@ def test_8bit_random_blocks_many_seeds(native) -> None:
     """int8 / uint8 moments over many random blocks (magnitudes spread over 12 decades, so
     that codes of every size, and many next to a rounding tie, are met): the torch path's
     bits, step after step."""
+    shape = (512, 256)
     for seed in range(6):
         gen = torch.Generator().manual_seed(seed)
-        shape = (512, 256)
         spread = 10.0 ** (-8 + 12 * torch.rand(shape, generator=gen))
 
         def make():
