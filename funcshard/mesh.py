@@ -177,7 +177,6 @@ def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
         return world_group(mesh)
     ranks = mesh.mesh  # (replicate, shard) global ranks
     order = tuple(int(ranks[r, s]) for s in range(shard) for r in range(replicate))
-    _forget_dead_worlds()
     world = dist.group.WORLD
     key = (id(world), order)
     if key not in _MASTER_GROUPS:
@@ -188,6 +187,8 @@ def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 def _forget_dead_worlds() -> bool:
     """Drops the cached meshes and groups of a default group that is no longer the current one
     (``dist.destroy_process_group``, then maybe a new ``init_process_group``); True if any.
+    Run by ``make_mesh`` (a new world's first mesh comes before its master group, so
+    ``master_group``, on the step's path, need not) and at exit.
 
     ``destroy_process_group`` only unregisters the groups: a gloo group's worker threads stop
     when the group itself is freed, and these caches (a DeviceMesh holds its groups) would

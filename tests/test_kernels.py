@@ -7,6 +7,7 @@ it cannot be built; and build safely when several processes start at once.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import shutil
@@ -69,24 +70,34 @@ def _grads(seed: int, dtype: torch.dtype = F32) -> dict[str, torch.Tensor]:
     return g
 
 
+@contextlib.contextmanager
+def _kernel(use: bool):
+    """The kernel switched on or off (the torch path) for the block, then as it was."""
+    before = kernels.enabled
+    kernels.enabled = use
+    try:
+        yield
+    finally:
+        kernels.enabled = before
+
+
 def _run(make, use: bool, threads: int, *, scale: float = 1.0, dtype=F32, steps: int = 3):
     """``steps`` donated updates; returns (params, state, grads as the step left them)."""
-    before = (kernels.enabled, torch.get_num_threads())
-    kernels.enabled = use
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        opt = make()
-        p = _params(0, dtype)
-        s = opt.init(p)
-        seen = []
-        for t in range(steps):
-            g = _grads(t, dtype)
-            p, s = opt.update(g, s, p, donate=True, grad_scale=scale)
-            seen.append(g)
-        return p, s, seen
+        with _kernel(use):
+            opt = make()
+            p = _params(0, dtype)
+            s = opt.init(p)
+            seen = []
+            for t in range(steps):
+                g = _grads(t, dtype)
+                p, s = opt.update(g, s, p, donate=True, grad_scale=scale)
+                seen.append(g)
+            return p, s, seen
     finally:
-        kernels.enabled = before[0]
-        torch.set_num_threads(before[1])
+        torch.set_num_threads(before)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -194,9 +205,7 @@ def test_8bit_blocks_with_nan_or_inf(native, bad) -> None:
         return fs.optim.adamw(1e-3, (0.9, 0.999), weight_decay=0.1, mu_dtype=I8, nu_dtype=U8)
 
     def run(use: bool):
-        before = kernels.enabled
-        kernels.enabled = use
-        try:
+        with _kernel(use):
             opt, p = make(), _params(0)
             s = opt.init(p)
             for t in range(3):
@@ -205,8 +214,6 @@ def test_8bit_blocks_with_nan_or_inf(native, bad) -> None:
                 g["a"][0, 63] = bad if t == 1 else g["a"][0, 63]
                 p, s = opt.update(g, s, p, donate=True)
             return p, s
-        finally:
-            kernels.enabled = before
 
     want = run(False)
     scales = torch.cat([want[1].mu_scale["d"].flatten(), want[1].nu_scale["d"].flatten()])
@@ -227,9 +234,7 @@ def test_8bit_random_blocks_many_seeds(native) -> None:
             return fs.optim.adamw(3e-3, (0.8, 0.99), weight_decay=0.01, mu_dtype=I8, nu_dtype=U8)
 
         def run(use: bool, seed=seed, spread=spread):
-            before = kernels.enabled
-            kernels.enabled = use
-            try:
+            with _kernel(use):
                 g0 = torch.Generator().manual_seed(100 + seed)
                 opt, p = make(), {"w": torch.randn(shape, generator=g0)}
                 s = opt.init(p)
@@ -237,8 +242,6 @@ def test_8bit_random_blocks_many_seeds(native) -> None:
                     g = {"w": torch.randn(shape, generator=g0) * spread}
                     p, s = opt.update(g, s, p, donate=True)
                 return p, s
-            finally:
-                kernels.enabled = before
 
         _assert_same_bits(run(False), run(True))
 
@@ -263,14 +266,10 @@ def test_8bit_codes_next_to_rounding_ties(native, monkeypatch) -> None:
     g_u8 = {"w": (_near_ties(255.0**4, 4) / c2).sqrt()}
 
     def run(use: bool, make, g) -> tuple:
-        before = kernels.enabled
-        kernels.enabled = use
-        try:
+        with _kernel(use):
             opt = make()
             p = {"w": torch.zeros_like(g["w"])}
             return opt.update({"w": g["w"].clone()}, opt.init(p), p)
-        finally:
-            kernels.enabled = before
 
     cases = [
         (lambda: fs.optim.sgd(0.1, 0.9, mu_dtype=I8), g8),
