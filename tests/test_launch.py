@@ -5,8 +5,7 @@ their seed. Ranks that die without answering (``os._exit``, SIGKILL) must be rep
 the rank and its exit code or signal, long before any timeout, with no child left running.
 
 A script written like README's loop (tests/_exit_job.py) exits cleanly under torchrun
-``FUNCSHARD_EXIT_RUNS`` times (10 by default; the measurement in the commit that added it ran
-100)::
+``FUNCSHARD_EXIT_RUNS`` times (10 by default; more to measure)::
 
     FUNCSHARD_EXIT_RUNS=100 python -m pytest -q tests/test_launch.py -k keeps
 """
@@ -288,7 +287,8 @@ def test_a_script_that_keeps_its_state_in_globals_exits_cleanly(tmp_path) -> Non
     """README's loop keeps mesh, state and a CheckpointManager that saved in module globals to
     the end; the groups they hold used to reach interpreter finalization, where a gloo worker
     could be ended inside a C++ destructor (std::terminate, a failed rank for torchrun: 6 runs
-    in 196 with the job's long switch interval). Every run must exit 0 with no "terminate"."""
+    in 196 with the job's long switch interval, as issue 33 measured). Every run must exit 0
+    with no "terminate"."""
     args = [
         "--nnodes=1", "--nproc-per-node=2", "--monitor-interval=0.2",
         "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", _EXIT_JOB,
