@@ -276,9 +276,11 @@ class Layout:
 
     @functools.cached_property
     def placement(self) -> Placement:
-        """Row placement of every bucket over the "shard" axis (see :class:`Placement`)."""
+        """Row placement of every bucket over the "shard" axis (see :class:`Placement`).
+        Its groups are dropped once their world is destroyed (:func:`funcshard.mesh.hold`)."""
         size = self.shard_size
         replicas = self.dp_size // size
+        mesh_lib.hold(self, _drop_groups)
         return Placement(
             group=self.shard_group if size > 1 else None,
             size=size,
@@ -305,6 +307,13 @@ class Layout:
 
 
 UnitsArg = Sequence[str] | Callable[[str, nn.Module], bool] | None
+
+
+def _drop_groups(layout: Layout) -> None:
+    """What a layout of a destroyed world keeps of its groups: its placement, its mesh's."""
+    layout.__dict__.pop("placement", None)
+    if layout.mesh is not None:
+        mesh_lib.drop_mesh_groups(layout.mesh)
 
 
 def default_units(model: nn.Module) -> list[str]:

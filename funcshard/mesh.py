@@ -5,8 +5,11 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import itertools
 import os
 import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,7 @@ __all__ = [
     "master_group",
     "world_timeout",
     "inherit_timeout",
+    "hold",
 ]
 
 AXES = ("replicate", "shard")
@@ -69,7 +73,7 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
     key = (id(world_pg), device_type, replicate, shard)
     if key not in _MESHES:
         mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
-        _MESHES[key] = (world_pg, mesh)
+        _MESHES[key] = (world_pg, hold(mesh, drop_mesh_groups))
     mesh = _MESHES[key][1]
     for axis in AXES:
         inherit_timeout(mesh.get_group(axis))
@@ -156,6 +160,7 @@ def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     group = _FLAT_GROUPS.get(mesh)
     if group is None:
         group = _FLAT_GROUPS[mesh] = inherit_timeout(mesh._flatten("dp").get_group())
+        hold(mesh, lambda m: _FLAT_GROUPS.pop(m, None))
     return group
 
 
@@ -184,11 +189,43 @@ def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return inherit_timeout(_MASTER_GROUPS[key][1])
 
 
+# Every object that keeps groups of a world (a mesh, a layout's placement, a checkpoint saver's
+# group, the flattened group of a mesh), with what drops them: once that world is destroyed they
+# are dropped (``_forget_dead_worlds``), even where the program still holds the object (README's
+# loop keeps mesh, state and a CheckpointManager in module globals to the end). Keyed by a
+# counter, the entry going with its object; the default group held as in ``_MESHES``.
+_HOLDERS: dict[int, tuple[object, weakref.ref, Callable[[Any], None]]] = {}
+_HOLDER_KEYS = itertools.count()
+
+T = TypeVar("T")
+
+
+def hold(owner: T, release: Callable[[T], None]) -> T:
+    """Registers ``owner`` as keeping process groups of the current world; ``release(owner)``
+    drops them once that world is destroyed (at exit, before the interpreter finalizes, or when
+    a new world makes its first mesh). Every funcshard object that stores a group calls it."""
+    key = next(_HOLDER_KEYS)
+    ref = weakref.ref(owner, lambda _, key=key, holders=_HOLDERS: holders.pop(key, None))
+    _HOLDERS[key] = (dist.group.WORLD, ref, release)
+    return owner
+
+
+def drop_mesh_groups(mesh: DeviceMesh) -> None:
+    """Empties a mesh's registry of groups (a DeviceMesh holds its groups and its flattened
+    meshes' in the root mesh's registry); for a mesh of a destroyed world only."""
+    root = getattr(mesh, "_root_mesh", None) or mesh
+    for m in (mesh, root, *getattr(root, "_flatten_mapping", {}).values()):
+        registry = getattr(m, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+
+
 def _forget_dead_worlds() -> bool:
     """Drops the cached meshes and groups of a default group that is no longer the current one
-    (``dist.destroy_process_group``, then maybe a new ``init_process_group``); True if any.
-    Run by ``make_mesh`` (a new world's first mesh comes before its master group, so
-    ``master_group``, on the step's path, need not) and at exit.
+    (``dist.destroy_process_group``, then maybe a new ``init_process_group``), and has every
+    holder of that world's groups (``hold``) drop them; True if any. Run by ``make_mesh`` (a
+    new world's first mesh comes before its master group, so ``master_group``, on the step's
+    path, need not) and at exit.
 
     ``destroy_process_group`` only unregisters the groups: a gloo group's worker threads stop
     when the group itself is freed, and these caches (a DeviceMesh holds its groups) would
@@ -199,17 +236,24 @@ def _forget_dead_worlds() -> bool:
     world = dist.group.WORLD if dist.is_initialized() else None
     dead = [k for k, (w, _) in _MESHES.items() if w is not world]
     dead_master = [k for k, (w, _) in _MASTER_GROUPS.items() if w is not world]
+    dead_holders = [k for k, (w, _, _) in _HOLDERS.items() if w is not world]
     for k in dead:
         del _MESHES[k]
     for k in dead_master:
         del _MASTER_GROUPS[k]
-    return bool(dead or dead_master)
+    for k in dead_holders:
+        entry = _HOLDERS.pop(k, None)
+        owner = entry[1]() if entry is not None else None
+        if owner is not None:
+            entry[2](owner)
+    return bool(dead or dead_master or dead_holders)
 
 
 @atexit.register
 def _free_groups_at_exit() -> None:
     """Frees the groups of a destroyed world while the interpreter is whole (before it
-    finalizes): each gloo group joins its worker threads as it is freed (see
-    ``_forget_dead_worlds``). A world still initialized at exit is left as it is."""
+    finalizes), whatever objects the program still holds: each gloo group joins its worker
+    threads as it is freed (see ``_forget_dead_worlds``). A world still initialized at exit is
+    left as it is."""
     if _forget_dead_worlds():
         gc.collect()  # meshes in reference cycles (a flattened mesh and its root)

@@ -24,8 +24,9 @@ metrics run over every rank ("world"). With ``deterministic=True`` and ``M > 1``
 its microbatches first; the tree collectives move and count the same bytes as the ring ones,
 and the metrics are all-gathers (the norm's per-row sums, ``S * rows_per_shard * 8``; every
 microbatch's loss, ``W * M * 8``). The ZeRO-3 all-gather counts a forward
-gather and a backward re-gather of every bucket: exact when every unit saves one of its params
-for backward (a Linear weight does), an upper bound otherwise.
+gather and a backward re-gather of every bucket: a unit is re-gathered whole, the root too
+(however optimizer rules, dtypes or offload split it into buckets), so this is exact when every
+unit saves one of its params for backward (a Linear weight does), an upper bound otherwise.
 
 The all-gathers move ``param_comm_dtype`` instead of ``c`` when it is set (under HFSDP both
 the one over "replicate" and those over "shard": the masters are encoded once and the bytes

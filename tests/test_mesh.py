@@ -19,6 +19,8 @@ import funcshard as fs
 from funcshard import collectives
 from funcshard import mesh as mesh_lib
 
+import models
+
 
 def axes_worker(shard: int, replicate: int) -> dict:
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
@@ -150,3 +152,45 @@ def test_no_gloo_thread_outlives_a_destroyed_world() -> None:
     for r in fs.launch(exit_worker, nproc=4):
         assert len(r["destroyed"]) > len(r["before"]), r  # the groups' threads were there
         assert len(r["at_exit"]) < len(r["before"]), r  # and are gone, the world's with them
+
+
+def kept_worker(directory: str, replicate: int) -> dict:
+    """README's loop, everything kept to the end as its module globals are: the mesh, a state
+    (its layout caches the groups), a CheckpointManager that saved (its saver's own group)."""
+    before = _threads()
+    mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
+    model = models.make_model()
+    state = fs.init(
+        model,
+        fs.optim.adamw(1e-3),
+        mesh=mesh,
+        strategy="optim_grads_params",
+        outer_strategy="optim" if replicate > 1 else "no_shard",
+    )
+    world = dist.get_world_size()
+    batch = models.local_batch(models.global_batch(0, 4 * world), dist.get_rank(), world)
+    state, _ = fs.train_step(state, batch, models.make_loss_fn(model), 2)
+    mgr = fs.CheckpointManager(directory)
+    mgr.save(1, state)
+    mgr.wait()
+    kept = (mesh, model, state, mgr)
+    dist.destroy_process_group()
+    destroyed = _threads()
+    mesh_lib._free_groups_at_exit()
+    return {"before": before, "destroyed": destroyed, "at_exit": _threads(), "kept": len(kept)}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize(("nproc", "replicate"), [(2, 1), (4, 2)], ids=["2", "2x2-hfsdp"])
+def test_no_gloo_thread_outlives_the_world_whatever_the_program_keeps(
+    tmp_path, nproc: int, replicate: int
+) -> None:
+    """A program that keeps the mesh, the state and a CheckpointManager in its globals (as
+    README's loop does) still has every group funcshard made freed at exit, before the
+    interpreter finalizes (see test_no_gloo_thread_outlives_a_destroyed_world): the holders
+    drop the groups of a destroyed world, and no gloo thread is left (a checkpoint leaves
+    threads of its own, tensorstore's). test_launch.py runs such a script under torchrun."""
+    for r in fs.launch(kept_worker, str(tmp_path), replicate, nproc=nproc):
+        gloo = {k: [t for t in v if "gloo" in t] for k, v in r.items() if k != "kept"}
+        assert len(gloo["destroyed"]) > len(gloo["before"]), r  # the groups' threads were there
+        assert gloo["at_exit"] == [], r  # and are gone, the world's with them

@@ -417,7 +417,11 @@ class Saver:
             return Agreement.of(layout)
         if self._group is None:  # collective: every rank saves
             self._group = mesh_lib.inherit_timeout(dist.new_group(backend="gloo"))
+            mesh_lib.hold(self, Saver._drop_group)  # dropped with its world
         return Agreement(self._group, torch.device("cpu"))
+
+    def _drop_group(self) -> None:
+        self._group = None
 
     def _run(self, job: _Job, agreement: Agreement) -> None:
         first = agreement.rank == 0

@@ -87,6 +87,7 @@ class Unit:
         self._swap: _Swap | None = None  # the module's params while gathered in backward
         self.state = UnitState.IDLE
         self._awaiting_post: set[int] = set()  # buckets re-gathered whose backward is due
+        self._reduced: set[int] = set()  # buckets whose post-backward has run
 
     # --- what the gather hands out -----------------------------------------------------
     def graph_full(self, bucket: int) -> torch.Tensor:
@@ -182,6 +183,7 @@ class Unit:
         return full
 
     def post_backward(self, bucket: int) -> None:
+        self._reduced.add(bucket)
         self._awaiting_post.discard(bucket)
         self.maybe_release(bucket)
 
@@ -204,12 +206,13 @@ class Unit:
         self.state = UnitState.IDLE
         self.held.clear()
         self._awaiting_post.clear()
+        self._reduced.clear()
 
 
 class _RootUnit(Unit):
     """The root: gathered before the model runs, kept to the end of forward. Backward
-    re-gathers what it saved (through tokens) and nothing else: it is not hooked for a
-    recomputation, which would keep the root gathered through all of backward."""
+    re-gathers it when it first needs a param the root saved (a token), not before: it is not
+    hooked for a recomputation, which would keep the root gathered through all of backward."""
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:  # noqa: ARG002
         layout = self.run.layout
@@ -231,6 +234,32 @@ class _RootUnit(Unit):
         names = [s.name for s in self.run.layout.leaves if s.unit == ROOT_UNIT]
         self._forward_swap.replace(absent(self.run.layout, names))
         self.held.clear()
+
+    def backward_full(self, bucket: int) -> torch.Tensor:
+        """The re-gathered bucket for a saved token. The first one re-gathers the root whole
+        (every bucket whose backward is still due), as pre-backward does a unit: what moves
+        depends on the units, not on how optimizer rules, dtypes or offload split a unit into
+        buckets (a bucket of the first layer's weight saves nothing, its input needing no
+        gradient, yet moves with the rest), so ``fs.plan`` counts it from shapes alone."""
+        if bucket not in self.held:
+            due = self.due()  # holds ``bucket``: its token is being unpacked
+            self._awaiting_post.update(b for b in due if b not in self._reduced)
+            self._gather(due)
+            self.run.prefetch_backward(self.index)
+        return self.held[bucket]
+
+    def due(self) -> list[int]:
+        """What a re-gather of the root brings: nothing while no token of a bucket not held
+        waits (none will be unpacked), else every bucket not held whose backward is still due
+        or whose tokens wait."""
+        refs = self.run.saved.refs
+        if not any(refs.get(b, 0) > 0 for b in self.buckets if b not in self.held):
+            return []
+        return [
+            b
+            for b in self.buckets
+            if b not in self.held and (b not in self._reduced or refs.get(b, 0) > 0)
+        ]
 
 
 class _Outside:
@@ -345,7 +374,7 @@ class UnitRun:
 
         The root unit spans the whole forward; backward reaches it first (the head), so after
         the root comes the unit that ran last. A unit is re-gathered whole (its pre-backward);
-        the root only where it saved tokens.
+        the root where its backward is still due (see ``_RootUnit.backward_full``).
         """
         if self.replicated or not self.order:
             return
@@ -353,13 +382,11 @@ class UnitRun:
         previous = self.order[-1] if i == 0 else self.order[i - 1]
         if previous == unit:
             return
-        held = self.units[previous].held
-        wanted = [
-            b
-            for b in self.buckets_of.get(previous, [])
-            if b not in held and (previous != ROOT_UNIT or self.saved.refs.get(b, 0) > 0)
-        ]
-        self.gatherer.prefetch(wanted)
+        source = self.units[previous]
+        if isinstance(source, _RootUnit):
+            self.gatherer.prefetch(source.due())
+        else:
+            self.gatherer.prefetch(b for b in source.buckets if b not in source.held)
 
     def backward(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
         """The run's backward: backpropagates ``loss`` and returns the reducer's accumulator
