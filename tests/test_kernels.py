@@ -246,6 +246,32 @@ def test_8bit_random_blocks_many_seeds(native) -> None:
         _assert_same_bits(run(False), run(True))
 
 
+def test_8bit_tiny_blocks(native) -> None:
+    """Blocks whose absmax is below 2^-64 (each row of the gradient 10x smaller than the last,
+    down to fp32's subnormals, so that mu and nu blocks of every magnitude are met) are coded
+    shifted by 2^64 (``moments._shift``): the torch path's bits, decoded and encoded again."""
+    shape = (48, 256)
+
+    def make():
+        return fs.optim.adamw(3e-3, (0.9, 0.999), weight_decay=0.01, mu_dtype=I8, nu_dtype=U8)
+
+    def run(use: bool):
+        with _kernel(use):
+            g0 = torch.Generator().manual_seed(7)
+            opt, p = make(), {"w": torch.randn(shape, generator=g0)}
+            s = opt.init(p)
+            rows = torch.logspace(0, -47, shape[0]).unsqueeze(1)
+            for _ in range(3):
+                g = {"w": torch.randn(shape, generator=g0) * rows}
+                p, s = opt.update(g, s, p, donate=True)
+            return p, s
+
+    want = run(False)
+    for scale in (want[1].mu_scale["w"], want[1].nu_scale["w"]):
+        assert ((scale > 0) & (scale < 2.0**-64)).sum() >= 5  # the case is reached
+    _assert_same_bits(want, run(True))
+
+
 def _near_ties(top: float, root: float) -> torch.Tensor:
     """Rows of 256 whose absmax is 1 and whose other elements x make the encode's root of
     x * top land next to each half integer k + 0.5 (``root``: 2 for int8's sqrt, 4 for uint8's

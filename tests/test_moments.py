@@ -82,6 +82,28 @@ def test_8bit_round_trip_within_a_block_step(dtype: torch.dtype) -> None:
     torch.testing.assert_close(scales, absmax.squeeze(1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [I8, U8])
+def test_8bit_tiny_blocks_keep_the_formats_error(dtype: torch.dtype) -> None:
+    """Blocks of any magnitude keep that bound, relative to their own absmax: ``top / absmax``
+    overflows fp32 below absmax ~1e-29 (uint8's top is 255^4) and ~5e-35 (int8's 127^2),
+    and ``absmax / top`` turns subnormal; such blocks came back as zeros. Absmax 1e-20 to
+    1e-45 (fp32's subnormals), an all-zero block; zeros stay zero, nothing is NaN or inf.
+    The decoded value's own rounding to a multiple of 2^-149 is added to the bound."""
+    absmax = torch.tensor([1.0, 1e-20, 1e-30, 1e-33, 1e-36, 3e-38, 1e-40, 1e-45, 0.0])
+    x = torch.randn(len(absmax), 256, generator=torch.Generator().manual_seed(0))
+    x = x.abs() if dtype == U8 else x
+    x[:, ::9] = 0.0
+    x = x / x.abs().amax(1, keepdim=True) * absmax.unsqueeze(1)
+    fmt = MomentFormat(dtype, 256)
+    values, scales = fmt.zeros(x.view(-1))
+    fmt.encode(x.reshape(-1).clone(), values, scales)
+    back = fmt.decode(values, scales, torch.empty(x.numel())).view_as(x)
+    a = x.abs().amax(1, keepdim=True)
+    assert back.isfinite().all() and (back[x == 0] == 0).all() and (back[-1] == 0).all()
+    assert ((back - x).abs() <= a / 100 + 2.0**-150).all()
+    assert (back[:-1] != 0).sum(1).min() > 0  # every block with a nonzero kept one
+
+
 # --- plain trees: numerics against fp32 moments ------------------------------------------------
 def _trajectory(opt, steps: int = 30) -> dict:
     torch.manual_seed(1)

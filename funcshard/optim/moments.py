@@ -109,13 +109,16 @@ class MomentFormat:
         out.copy_(values)
         if not self.quantized:
             return out
+        shift = _shift(scales)
         if self.dtype == torch.int8:  # x = absmax * sign(q) * (q / 127)^2
             out.mul_(out.abs())
-            factor = scales * (1.0 / _I8_TOP**2)
+            factor = (scales * shift) * (1.0 / _I8_TOP**2)
         else:  # x = absmax * (q / 255)^4
             out.square_().square_()
-            factor = scales * (1.0 / _U8_TOP**4)
-        out.view(-1, self.block).mul_(_per_element(factor, self.block))
+            factor = (scales * shift) * (1.0 / _U8_TOP**4)
+        blocks = out.view(-1, self.block)
+        blocks.mul_(_per_element(factor, self.block))
+        blocks.mul_(_per_element(1.0 / shift, self.block))
         return out
 
     def encode(
@@ -135,8 +138,10 @@ class MomentFormat:
         signed = self.dtype == torch.int8
         magnitude = torch.abs(x) if signed else x
         torch.amax(magnitude.view(-1, self.block), dim=1, out=scales)
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        shift = _shift(scales)
+        safe = torch.where(scales > 0, scales * shift, torch.ones_like(scales))
         top = _I8_TOP**2 if signed else _U8_TOP**4  # companding folded into one factor
+        magnitude.view(-1, self.block).mul_(_per_element(shift, self.block))
         magnitude.view(-1, self.block).mul_(_per_element(top / safe, self.block))
         magnitude.sqrt_()
         if not signed:
@@ -148,6 +153,16 @@ class MomentFormat:
 
 
 _I8_TOP, _U8_TOP = 127.0, 255.0
+_TINY, _UNTINY = 2.0**-64, 2.0**64
+
+
+def _shift(scales: torch.Tensor) -> torch.Tensor:
+    """Per block the power of two its values are coded at: 2^64 where the absmax is below
+    2^-64, else 1. ``top / absmax`` overflows fp32 below absmax ~1e-29 (uint8's top is 255^4)
+    and ``absmax / top`` loses bits to the subnormals; scaled by 2^64 (exact) neither happens.
+    Where the factor is 1 the bits are the plain formula's; everywhere they are the formula's
+    in fp32 with an unbounded exponent. The kernel (``_kernels.c``) does the same."""
+    return torch.where(scales < _TINY, _UNTINY, 1.0).to(scales.dtype)
 
 
 def _per_element(per_block: torch.Tensor, block: int) -> torch.Tensor:
