@@ -23,9 +23,10 @@ from funcshard.optim import kernels
 BF16, F16, I8, U8, F32 = torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.float32
 
 # 2-D leaves with 8-bit blocks of 64, 32 and 256, leaves that keep fp32 moments under 8-bit
-# (1-D, a 300-column row), sizes that are not a multiple of the vector width or of a tile, and
-# two leaves large enough for 3 threads (a thread takes at least 64 tiles of 512 elements),
-# split unevenly.
+# (1-D, 2700 elements), 8-bit rows that the kernel leaves to the torch path (ragged rows of
+# 300: blocks of 256 and 44; rows of 129: one block each), sizes that are not a multiple of
+# the vector width or of a tile, and two leaves large enough for 3 threads (a thread takes
+# at least 64 tiles of 512 elements), split unevenly.
 SHAPES = {
     "a": (75, 64),
     "b": (33, 96),
@@ -34,6 +35,8 @@ SHAPES = {
     "e": (7,),
     "f": (1000,),
     "h": (9, 300),
+    "r": (16, 300),
+    "o": (37, 129),
     "k": (100_003,),
 }
 
