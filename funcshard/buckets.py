@@ -27,6 +27,9 @@ __all__ = [
     "Members",
     "PerBucket",
     "BlockScales",
+    "Ragged",
+    "Block",
+    "scale_index",
     "Path",
     "is_per_bucket",
     "map_parts",
@@ -94,11 +97,61 @@ class PerBucket(tuple):
         return f"PerBucket({tuple.__repr__(self)})"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ragged:
+    """The 8-bit blocks of rows of ``row`` > ``size`` elements that ``size`` does not divide:
+    each row cut into blocks of ``size``, the last one shorter (a block never crosses a row).
+    A row of at most ``size`` elements is one block: a plain ``int`` block.
+
+    >>> b = Ragged(256, 769)  # 256 + 256 + 256 + 1
+    >>> b.per_row, scale_index(b, 769), scale_index(b, 769 + 512), scale_index(b, 2 * 769)
+    (4, 4, 6, 8)
+    """
+
+    size: int
+    row: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.row <= self.size or self.row % self.size == 0:
+            raise ValueError(f"Ragged: rows of {self.row} in blocks of {self.size} are not ragged")
+
+    @property
+    def per_row(self) -> int:
+        return -(-self.row // self.size)
+
+
+# Elements per scale of an 8-bit moment: an int divides every row of its parameters (a buffer
+# is blocks of that size back to back); a Ragged cuts rows of its length.
+Block = int | Ragged
+
+
+def scale_index(block: Block, element: int) -> int:
+    """The first scale at or after element ``element`` of a buffer of whole rows (at a block
+    boundary: the index of the block that starts there)."""
+    if isinstance(block, Ragged):
+        rows, rest = divmod(element, block.row)
+        return rows * block.per_row + -(-rest // block.size)
+    return -(-element // block)
+
+
+def _at_boundary(block: Block, element: int) -> bool:
+    if isinstance(block, Ragged):
+        return element % block.row % block.size == 0
+    return element % block == 0
+
+
+def _elements(block: Block, scales: int) -> int:
+    """Elements of a buffer of whole rows with ``scales`` scales."""
+    if isinstance(block, Ragged):
+        return scales // block.per_row * block.row
+    return scales * block
+
+
 class BlockScales(PerBucket):
-    """The fp32 scales of an 8-bit blockwise moment: entry ``i`` holds one scale per
-    ``blocks[i]`` consecutive elements of bucket ``i``'s flat buffer (None where the bucket's
-    moment is not 8-bit). A block never crosses a row of a parameter, so a parameter's scales
-    are an array of shape ``(rows, row_numel // block)``."""
+    """The fp32 scales of an 8-bit blockwise moment: entry ``i`` holds one scale per block of
+    bucket ``i``'s flat buffer, ``blocks[i]`` (a :data:`Block`; None where the bucket's moment
+    is not 8-bit). A block never crosses a row of a parameter, so a parameter's scales are an
+    array of shape ``(rows, blocks per row)``."""
 
     def __new__(
         cls, values: Iterable[Any], members: Iterable[Members], blocks: Iterable[int | None]
@@ -122,13 +175,16 @@ class BlockScales(PerBucket):
     def element_range(self, start: int, stop: int) -> BlockScales:
         out = []
         for x, b in zip(self, self.blocks, strict=True):
-            if x is not None and (start % b or (stop % b and stop != x.numel() * b)):
+            end = None if x is None else _elements(b, x.numel())
+            if x is not None and not (
+                _at_boundary(b, start) and (_at_boundary(b, stop) or stop == end)
+            ):
                 raise ValueError(f"BlockScales: [{start}, {stop}) cuts a block of {b}")
-            out.append(None if x is None else x[start // b : -(-stop // b)])
+            out.append(None if x is None else x[scale_index(b, start) : scale_index(b, stop)])
         return self.with_entries(out)
 
     def element_numel(self, i: int) -> int:
-        return self[i].numel() * self.blocks[i]
+        return _elements(self.blocks[i], self[i].numel())
 
     def __reduce__(self):
         return BlockScales, (tuple(self), self.members, self.blocks)

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import mesh as mesh_lib
-from funcshard.buckets import Members, PerBucket
+from funcshard.buckets import Block, Members, PerBucket, scale_index
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
 from funcshard.strategy import OuterStrategy, Strategy
 
@@ -78,15 +78,17 @@ class LeafSpec:
         start = min(shard_rank * self.rows_per_shard, self.rows)
         return start, min(start + self.rows_per_shard, self.rows)
 
-    def scales(self, block: int) -> LeafSpec:
-        """The spec of this leaf's 8-bit blockwise scales (one per ``block`` elements of a
-        row; ``block`` divides the row and the leaf's offset): shape ``(rows, row_numel //
-        block)``, placed in the bucket's scale buffer at ``offset // block``."""
+    def scales(self, block: Block) -> LeafSpec:
+        """The spec of this leaf's 8-bit blockwise scales (one per block of a row: ``block``
+        divides the row and the leaf's offset, or cuts rows of this leaf's length, a
+        :class:`~funcshard.buckets.Ragged`): shape ``(rows, blocks per row)``, placed in the
+        bucket's scale buffer at the scale of its first element."""
+        per_row = scale_index(block, self.row_numel)
         return dataclasses.replace(
             self,
-            shape=(self.rows, self.row_numel // block),
-            row_numel=self.row_numel // block,
-            offset=self.offset // block,
+            shape=(self.rows, per_row),
+            row_numel=per_row,
+            offset=scale_index(block, self.offset),
         )
 
     def shard_shape(self, shard_rank: int) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ round an element differently (an ulp); trajectories then agree to rounding, not 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,9 +31,10 @@ import torch
 
 from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
-from funcshard.buckets import Members, PerBucket, flatten_parts, is_per_bucket
+from funcshard.buckets import BlockScales, Members, PerBucket, flatten_parts, is_per_bucket
 from funcshard.layout import Bucket, Placement
 from funcshard.optim import Optimizer
+from funcshard.optim.moments import granule
 from funcshard.state import Donation, TrainState, derive_compute
 
 __all__ = [
@@ -155,7 +157,8 @@ def step_and_cast(
       master: the flat master buffer (donated, updated in place).
       grad: the flat gradient, any floating dtype (cast to the master dtype per block).
       compute_out: a flat buffer of the master's numel for the compute dtype copy, or None.
-      block: elements per block (a multiple of 64).
+      block: elements per block (a multiple of 64; rounded down to whole 8-bit blocks of the
+        state, or whole rows of ragged ones, where it cuts them).
       members: the parameters the master packs (their rules: masks, labels); None for a
         plain one-tuple state.
       grad_norm: the global gradient norm, for a clip in the optimizer.
@@ -190,6 +193,11 @@ def step_and_cast(
         )
     if block % 64:
         raise ValueError(f"step_and_cast: block must be a multiple of 64, got {block}")
+    # whole 8-bit blocks: a multiple of every block, or of the row of ragged ones
+    unit = math.lcm(
+        64, *[granule(b) for x in leaves if isinstance(x, BlockScales) for b in x.blocks]
+    )
+    block = max(1, block // unit) * unit
     new_state = opt_state
     for start in range(0, max(numel, 1), block):
         stop = min(start + block, numel)

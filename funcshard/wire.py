@@ -91,6 +91,7 @@ BLOCK = 256  # elements per scale at most (ZeRO++ qwZ, bitsandbytes, torchao)
 EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 _TOP = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # the largest value a byte holds
 _SCALE = 4  # bytes of one fp32 scale
+_TINY, _UNTINY = 2.0**-64, 2.0**64  # blocks with an absmax below _TINY are coded times _UNTINY
 
 
 # --- the blocks of a flat section ------------------------------------------------------------
@@ -234,8 +235,9 @@ def encode(x: torch.Tensor, dtype: torch.dtype, layout: Blocks, out: torch.Tenso
         for qv, sv in _block_views(run, q, scales):
             absmax = qv.abs().amax(-1)
             sv.copy_(absmax)
-            inv = torch.where(absmax > 0, top / absmax, torch.zeros_like(absmax))
-            qv.mul_(inv.unsqueeze(-1))  # an inf or NaN absmax: see decode
+            shift = _shift(absmax)
+            inv = torch.where(absmax > 0, top / (absmax * shift), torch.zeros_like(absmax))
+            qv.mul_(shift.unsqueeze(-1)).mul_(inv.unsqueeze(-1))  # inf or NaN absmax: decode
         if dtype == torch.int8:
             q.round_()
         values[..., run.value : run.value + n].copy_(q.clamp_(-top, top))
@@ -260,9 +262,22 @@ def decode(
             continue
         q, unit = _to_float(values[..., run.value : run.value + n], dtype)
         for qv, sv in _block_views(run, q, scales):
-            qv.mul_((sv / top * unit).unsqueeze(-1))
+            shift = _shift(sv)
+            qv.mul_((sv * shift / top * unit).unsqueeze(-1)).mul_((1.0 / shift).unsqueeze(-1))
         out[..., run.offset : run.offset + n].copy_(q)
     return out
+
+
+def _shift(absmax: torch.Tensor) -> torch.Tensor:
+    """Per block a power of two the codec scales a tiny block's values by (1 elsewhere).
+
+    ``top / absmax`` overflows fp32 below absmax ~1e-36, and ``absmax / top`` loses bits to
+    the subnormals: a block whose absmax is below 2^-64 is coded as its values times 2^64
+    (exact: a power of two, and the block's values are below 1 after it), then scaled back.
+    Elsewhere the factor is 1, so the bits are what the plain formula gives; everywhere they
+    are the formula's in fp32 with an unbounded exponent.
+    """
+    return torch.where(absmax < _TINY, _UNTINY, 1.0).to(absmax.dtype)
 
 
 def _to_float(raw: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:

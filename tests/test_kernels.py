@@ -23,9 +23,10 @@ from funcshard.optim import kernels
 BF16, F16, I8, U8, F32 = torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.float32
 
 # 2-D leaves with 8-bit blocks of 64, 32 and 256, leaves that keep fp32 moments under 8-bit
-# (1-D, a 300-column row), sizes that are not a multiple of the vector width or of a tile, and
-# two leaves large enough for 3 threads (a thread takes at least 64 tiles of 512 elements),
-# split unevenly.
+# (1-D, 2700 elements), 8-bit rows that the kernel leaves to the torch path (ragged rows of
+# 300: blocks of 256 and 44; rows of 129: one block each), sizes that are not a multiple of
+# the vector width or of a tile, and two leaves large enough for 3 threads (a thread takes
+# at least 64 tiles of 512 elements), split unevenly.
 SHAPES = {
     "a": (75, 64),
     "b": (33, 96),
@@ -34,6 +35,8 @@ SHAPES = {
     "e": (7,),
     "f": (1000,),
     "h": (9, 300),
+    "r": (16, 300),
+    "o": (37, 129),
     "k": (100_003,),
 }
 
@@ -244,6 +247,32 @@ def test_8bit_random_blocks_many_seeds(native) -> None:
                 return p, s
 
         _assert_same_bits(run(False), run(True))
+
+
+def test_8bit_tiny_blocks(native) -> None:
+    """Blocks whose absmax is below 2^-64 (each row of the gradient 10x smaller than the last,
+    down to fp32's subnormals, so that mu and nu blocks of every magnitude are met) are coded
+    shifted by 2^64 (``moments._shift``): the torch path's bits, decoded and encoded again."""
+    shape = (48, 256)
+
+    def make():
+        return fs.optim.adamw(3e-3, (0.9, 0.999), weight_decay=0.01, mu_dtype=I8, nu_dtype=U8)
+
+    def run(use: bool):
+        with _kernel(use):
+            g0 = torch.Generator().manual_seed(7)
+            opt, p = make(), {"w": torch.randn(shape, generator=g0)}
+            s = opt.init(p)
+            rows = torch.logspace(0, -47, shape[0]).unsqueeze(1)
+            for _ in range(3):
+                g = {"w": torch.randn(shape, generator=g0) * rows}
+                p, s = opt.update(g, s, p, donate=True)
+            return p, s
+
+    want = run(False)
+    for scale in (want[1].mu_scale["w"], want[1].nu_scale["w"]):
+        assert ((scale > 0) & (scale < 2.0**-64)).sum() >= 5  # the case is reached
+    _assert_same_bits(want, run(True))
 
 
 def _near_ties(top: float, root: float) -> torch.Tensor:

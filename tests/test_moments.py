@@ -15,14 +15,16 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
+from funcshard.buckets import Ragged
 from funcshard.optim.moments import MomentFormat, block_of
 
 BF16, I8, U8 = torch.bfloat16, torch.int8, torch.uint8
 
 
 class Wide(nn.Module):
-    """Leaves that take 8-bit moments (rows of 64, 75 rows: uneven over 2 and 4 ranks) beside
-    ones that keep fp32 (biases, a 5-column input, an 11-row head)."""
+    """Leaves that take 8-bit moments (rows of 64, 75 rows: uneven over 2 and 4 ranks; 37 rows
+    of 300: blocks of 256 and 44; 37 rows of 129: one block a row) beside ones that keep fp32
+    (biases, a 5-column input, 11-row heads)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,11 +32,19 @@ class Wide(nn.Module):
         self.fc = nn.Linear(64, 64)
         self.up = nn.Linear(64, 75)
         self.head = nn.Linear(75, 11)
+        self.mid = nn.Linear(64, 300, bias=False)
+        self.rag = nn.Linear(300, 37)  # (37, 300): ragged blocks
+        self.wid = nn.Linear(64, 129, bias=False)
+        self.odd = nn.Linear(129, 37)  # (37, 129): one block of 129 a row
+        self.out = nn.Linear(37, 11)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
         h = h + torch.tanh(self.fc(h))
-        return self.head(torch.tanh(self.up(h)))
+        side = torch.tanh(self.rag(torch.tanh(self.mid(h)))) + torch.tanh(
+            self.odd(torch.tanh(self.wid(h)))
+        )
+        return self.head(torch.tanh(self.up(h))) + self.out(side)
 
 
 def make_model(seed: int = 0) -> Wide:
@@ -62,6 +72,29 @@ def _adamw(mu=None, nu=None, **kw) -> fs.optim.Optimizer:
 def test_block_rule() -> None:
     assert block_of((75, 64)) == 64 and block_of((1024, 768)) == 256
     assert block_of((64, 5)) is None and block_of((4096,)) is None and block_of((8, 64)) is None
+    # any row length: a short row is one block, a long one ends in a shorter block
+    assert block_of((37, 129)) == 129 and block_of((4096, 1)) == 1
+    assert block_of((256, 769)) == Ragged(256, 769) and block_of((16, 300)) == Ragged(256, 300)
+
+
+@pytest.mark.parametrize("dtype", [I8, U8])
+def test_8bit_ragged_rows_within_a_block_step(dtype: torch.dtype) -> None:
+    """Rows of 769 in blocks of 256, 256, 256 and 1: each block scaled by its own absmax (the
+    round trip within absmax/100 of its own block; a row's last element is its own scale)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 769, generator=g) * torch.logspace(-6, 0, 769)
+    x = x.square() if dtype == U8 else x
+    fmt = MomentFormat(dtype, block_of(x.shape))
+    values, scales = fmt.zeros(x.view(-1))
+    assert scales.shape == (12 * 4,)
+    fmt.encode(x.reshape(-1).clone(), values, scales)
+    back = fmt.decode(values, scales, torch.empty(x.numel())).view_as(x)
+    a = torch.cat([x[:, k : k + 256].abs().amax(1, keepdim=True) for k in (0, 256, 512, 768)], 1)
+    torch.testing.assert_close(scales.view(12, 4), a, rtol=0, atol=0)
+    per_element = torch.cat([a[:, :3].repeat_interleave(256, 1), a[:, 3:]], 1)
+    assert ((back - x).abs() <= per_element / 100).all()
+    # its own absmax: back to itself but for the decode's fp32 roundings (factor, products)
+    torch.testing.assert_close(back[:, 768], x[:, 768], rtol=2.0**-21, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [I8, U8])
@@ -80,6 +113,28 @@ def test_8bit_round_trip_within_a_block_step(dtype: torch.dtype) -> None:
     assert values.dtype == dtype and scales.shape == (64,)
     assert ((back.view_as(x) - x).abs() <= absmax / 100).all()
     torch.testing.assert_close(scales, absmax.squeeze(1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [I8, U8])
+def test_8bit_tiny_blocks_keep_the_formats_error(dtype: torch.dtype) -> None:
+    """Blocks of any magnitude keep that bound, relative to their own absmax: ``top / absmax``
+    overflows fp32 below absmax ~1e-29 (uint8's top is 255^4) and ~5e-35 (int8's 127^2),
+    and ``absmax / top`` turns subnormal; such blocks came back as zeros. Absmax 1e-20 to
+    1e-45 (fp32's subnormals), an all-zero block; zeros stay zero, nothing is NaN or inf.
+    The decoded value's own rounding to a multiple of 2^-149 is added to the bound."""
+    absmax = torch.tensor([1.0, 1e-20, 1e-30, 1e-33, 1e-36, 3e-38, 1e-40, 1e-45, 0.0])
+    x = torch.randn(len(absmax), 256, generator=torch.Generator().manual_seed(0))
+    x = x.abs() if dtype == U8 else x
+    x[:, ::9] = 0.0
+    x = x / x.abs().amax(1, keepdim=True) * absmax.unsqueeze(1)
+    fmt = MomentFormat(dtype, 256)
+    values, scales = fmt.zeros(x.view(-1))
+    fmt.encode(x.reshape(-1).clone(), values, scales)
+    back = fmt.decode(values, scales, torch.empty(x.numel())).view_as(x)
+    a = x.abs().amax(1, keepdim=True)
+    assert back.isfinite().all() and (back[x == 0] == 0).all() and (back[-1] == 0).all()
+    assert ((back - x).abs() <= a / 100 + 2.0**-150).all()
+    assert (back[:-1] != 0).sum(1).min() > 0  # every block with a nonzero kept one
 
 
 # --- plain trees: numerics against fp32 moments ------------------------------------------------
@@ -176,7 +231,7 @@ def _recipe(mu, nu, sr: bool = False) -> fs.optim.Optimizer:
 
 @pytest.mark.parametrize(
     "mu,nu,per_param", [(None, None, 8.0), (BF16, BF16, 4.0), (I8, U8, 2.125)]
-)  # rows of 64: blocks of 64
+)  # 8-bit: one scale per <= 129 elements
 def test_state_dtypes_and_bytes(pool1, mu, nu, per_param) -> None:
     pool1.run(_state_worker, mu, nu, per_param)
 
@@ -190,7 +245,14 @@ def _state_worker(mu, nu, per_param) -> None:
     assert p.memory.opt_state == _state_bytes(state)
     moments = state.opt_state_by_name()
     eight = {n for n, q in model.named_parameters() if block_of(tuple(q.shape))}
-    assert eight == {"fc.weight", "up.weight"}
+    assert eight == {
+        "fc.weight",
+        "up.weight",
+        "mid.weight",
+        "rag.weight",
+        "wid.weight",
+        "odd.weight",
+    }
     for name in eight:
         assert moments.mu[name].dtype == (mu or torch.float32)
         assert moments.nu[name].dtype == (nu or torch.float32)
@@ -204,6 +266,9 @@ def _state_worker(mu, nu, per_param) -> None:
     assert big_bytes / big <= per_param
     if mu == I8:
         assert moments.mu_scale["up.weight"].shape == (75, 1)
+        assert moments.mu_scale["rag.weight"].shape == moments.nu_scale["rag.weight"].shape
+        assert moments.nu_scale["rag.weight"].shape == (37, 2)  # 256 + 44
+        assert moments.mu_scale["odd.weight"].shape == (37, 1)
     # a recipe with chains, masks, multi_transform and Muon: plan = measured too, and it steps
     state = fs.init(model, _recipe(mu, nu), mesh=mesh, strategy="optim_grads_params")
     p = fs.plan(model, world_size=1, strategy="optim_grads_params", optimizer=_recipe(mu, nu))
@@ -274,7 +339,7 @@ def _ckpt_worker(tmp: str) -> None:
                 if name in scales and t.dtype == dtype:
                     s = scales[name]
                     wide = torch.empty(t.numel())
-                    MomentFormat(dtype, t.numel() // s.numel()).decode(
+                    MomentFormat(dtype, block_of(tuple(t.shape))).decode(
                         t.reshape(-1), s.reshape(-1), wide
                     )
                     out[field][name] = wide.view(t.shape)
@@ -310,6 +375,42 @@ def _ckpt_worker(tmp: str) -> None:
 
 def test_checkpoint_conversion(pool1, tmp_path) -> None:
     pool1.run(_ckpt_worker, str(tmp_path))
+
+
+def _saved_8bit_worker(directory: str) -> dict:
+    """Trains and saves 8-bit moments on one rank; returns them by name (full tensors)."""
+    model = make_model(5)
+    state = fs.init(model, _adamw(I8, U8), mesh=fs.make_mesh(device_type="cpu"), strategy="optim")
+    for step in range(2):
+        state, _ = fs.train_step(state, batch(step), loss_fn_of(model))
+    fs.save(directory, state)
+    by = state.opt_state_by_name()
+    return {f: {n: t.clone() for n, t in getattr(by, f).items()} for f in by._fields[1:]}
+
+
+def _restored_8bit_worker(directory: str, strategy: str) -> dict:
+    """This rank's rows of the moments restored onto ``strategy`` over the pool's ranks."""
+    model = make_model(0)
+    like = fs.init(model, _adamw(I8, U8), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy)
+    by = fs.restore(directory, like=like).opt_state_by_name()
+    rows = {s.name: s.row_range(like.layout.shard_rank) for s in like.layout.leaves}
+    return {"rows": rows, **{f: dict(getattr(by, f)) for f in by._fields[1:]}}
+
+
+def test_8bit_moments_restore_across_layouts(pool1, pool3, tmp_path) -> None:
+    """Saved on one rank, restored onto 3 (37 rows: 13, 13, 11; the ragged rows of 300 and the
+    rows of 129 among them): every rank's rows of values and scales as saved, bit for bit."""
+    saved = pool1.run(_saved_8bit_worker, str(tmp_path / "ckpt"))[0]
+    assert saved["nu_scale"]["rag.weight"].shape == (37, 2)
+    for got in pool3.run(_restored_8bit_worker, str(tmp_path / "ckpt"), "optim_grads_params"):
+        for field, by_name in saved.items():
+            for name, want in by_name.items():
+                start, stop = got["rows"][name]
+                mine = got[field][name]
+                if mine.dim() == 0 or want.dim() == 0:
+                    assert torch.equal(mine, want), (field, name)
+                    continue
+                assert torch.equal(mine, want[start:stop]), (field, name)
 
 
 ORBAX_READ = """
@@ -355,7 +456,7 @@ def test_plain_orbax_reads_8bit_moments(pool1, tmp_path) -> None:
             np.testing.assert_array_equal(got[f"{field}/{name}"], t.numpy(), err_msg=name)
 
 
-def _blocked_worker() -> None:
+def _blocked_worker(leaf: str) -> None:
     from funcshard import offload as offload_lib
 
     model = make_model(7)
@@ -371,9 +472,7 @@ def _blocked_worker() -> None:
             offload_fraction=1.0,
         )
         i = next(
-            b.index
-            for b in state.layout.buckets
-            if "up.weight" in state.layout.members[b.index].names
+            b.index for b in state.layout.buckets if leaf in state.layout.members[b.index].names
         )
         split = offload_lib._split_opt_state(state.opt_state)
         master = state.master[i].clone()
@@ -394,5 +493,6 @@ def _blocked_worker() -> None:
         assert torch.equal(a, b)
 
 
-def test_blocked_offload_step_cuts_scales(pool1) -> None:
-    pool1.run(_blocked_worker)
+@pytest.mark.parametrize("leaf", ["up.weight", "rag.weight"])  # rag: ragged rows of 300
+def test_blocked_offload_step_cuts_scales(pool1, leaf: str) -> None:
+    pool1.run(_blocked_worker, leaf)

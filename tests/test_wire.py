@@ -41,9 +41,21 @@ ERROR = {
 
 
 # --- the formats -----------------------------------------------------------------------------
+def _round24(x: torch.Tensor) -> torch.Tensor:
+    """fp64 ``x`` rounded to fp32's 24-bit significand with no bound on the exponent: what an
+    fp32 operation gives where fp32's range does not cut in (rounding an fp64 quotient or
+    product of fp32 values once more to 24 bits is the correctly rounded fp32 result)."""
+    mantissa, exponent = torch.frexp(x)
+    return torch.ldexp(mantissa.float().double(), exponent)
+
+
 def reference_roundtrip(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Independent of funcshard.wire: each row of ``x`` (rows, row_numel) in blocks of 256
-    (the last shorter), each block scaled by its absmax; a one-element row is exact."""
+    (the last shorter), each block scaled by its absmax; a one-element row is exact. The
+    scales are computed in fp64, each step rounded as fp32 would with an unbounded exponent:
+    ``top / absmax`` is finite for the tiny blocks too, and only a result lands in fp32's
+    range (its subnormals). ``top / absmax`` rounds as torch's ``scalar / tensor`` does:
+    the reciprocal, then the product."""
     top = 127.0 if dtype == INT8 else 448.0
     out = torch.empty_like(x)
     for r in range(x.shape[0]):
@@ -51,12 +63,13 @@ def reference_roundtrip(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             out[r] = x[r]
             continue
         for j in range(0, x.shape[1], 256):
-            block = x[r, j : j + 256].float()
+            block = x[r, j : j + 256].double()
             s = block.abs().max()
-            inv = top / s if s > 0 else torch.zeros(())
-            q = block * inv
+            inv = _round24(_round24(1.0 / s) * top) if s > 0 else torch.zeros_like(s)
+            q = (block * inv).float()
             q = q.round().clamp(-top, top) if dtype == INT8 else q.clamp(-top, top)
-            out[r, j : j + 256] = q.to(dtype).float() * (s / top)
+            decoded = _round24(q.to(dtype).double() * _round24(s / top))
+            out[r, j : j + 256] = decoded.float()
     return out
 
 
@@ -98,6 +111,33 @@ def test_8bit_blocks_decode_as_the_reference_quantizer(dtype) -> None:
     again = wire.decode(packed, dtype, layout, torch.empty_like(x))
     assert torch.equal(again[:, 600:], got[:, 600:])
     assert torch.equal(again[:, 600:1200], reference_roundtrip(y[:, 600:1200], dtype))
+
+
+@pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
+def test_tiny_and_subnormal_blocks_keep_the_formats_error(dtype) -> None:
+    """A block's error is the format's relative to its absmax at any magnitude: fp32's
+    ``top / absmax`` overflows below absmax ~1e-36 (every element then arrived as +-absmax,
+    a zero as NaN or -absmax). Blocks of absmax 3e-38, 1e-40 and 1e-45 (subnormal), an
+    all-zero block and a normal one; the bits are the reference's."""
+    g = torch.Generator().manual_seed(1)
+    absmax = torch.tensor([3e-38, 1e-40, 1e-45, 0.0, 1.0, 1e-20])
+    x = torch.randn(len(absmax), 300, generator=g)
+    x[:, ::7] = 0.0
+    x = x / x.abs().amax(1, keepdim=True) * absmax.unsqueeze(1)
+    layout = wire.Blocks([(len(absmax), 300)])
+    got = wire.roundtrip(x.flatten(), dtype, layout).view_as(x)
+    assert got.isfinite().all()
+    assert torch.equal(got, reference_roundtrip(x, dtype))
+    assert torch.equal(got[x == 0], torch.zeros_like(got[x == 0]))  # +0 (and -0) alone
+    assert (got[3] == 0).all()
+    # the format's error, plus fp32's own: 4 roundings of 2^-24 relative to at most the
+    # absmax (scale factors, products), and the result's rounding to a multiple of 2^-149
+    rel, absolute = ERROR[dtype]
+    block_a = torch.stack([x[:, :256].abs().amax(1), x[:, 256:].abs().amax(1)], 1)
+    a_of = torch.cat([block_a[:, :1].expand(-1, 256), block_a[:, 1:].expand(-1, 44)], 1)
+    bound = rel * x.abs() + (absolute + 4 * 2.0**-24) * a_of + 2.0**-150
+    assert ((got.double() - x.double()).abs() <= bound.double()).all()
+    assert ((got - x).abs() > 0.1 * absolute * a_of).any()  # it did quantize
 
 
 @pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])

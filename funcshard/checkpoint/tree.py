@@ -18,7 +18,7 @@ import torch
 
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
-from funcshard.buckets import BlockScales, PerBucket, map_parts
+from funcshard.buckets import BlockScales, PerBucket, map_parts, scale_index
 from funcshard.checkpoint.format import (
     EIGHT_BIT_NAMES,
     FLOAT_NAMES,
@@ -29,7 +29,7 @@ from funcshard.checkpoint.format import (
 )
 from funcshard.checkpoint.sources import ReadRequest, Source
 from funcshard.layout import Bucket, Layout, LeafSpec
-from funcshard.optim.moments import MomentFormat
+from funcshard.optim.moments import MomentFormat, block_of
 from funcshard.state import Donation, LossScale, TrainState, derive_compute
 
 __all__ = ["CheckpointMismatchError", "is_per_bucket", "plan_writes", "match", "read"]
@@ -576,7 +576,13 @@ def _convert_moments(
     for keys, spec, src, src_scales in jobs:
         wide = src.float().reshape(-1)
         if src_scales is not None:
-            block = src.numel() // src_scales.numel()
+            block = block_of(spec.shape)
+            if block is None or src_scales.shape[1] != scale_index(block, spec.row_numel):
+                raise ValueError(
+                    f"checkpoint: {'/'.join(scale_src)} has {src_scales.shape[1]} scales a row "
+                    f"for {spec.name!r} of shape {spec.shape}; expected the blocks of "
+                    f"funcshard.optim.moments.block_of: {block}"
+                )
             fmt = MomentFormat(src.dtype, block)
             wide = torch.empty(src.numel(), dtype=torch.float32)
             fmt.decode(src.reshape(-1), src_scales.reshape(-1), wide)

@@ -19,9 +19,9 @@
  *    the root of the step's own sqrt(nu) times sqrt(factor), on the divider), and where that
  *    lies within 2^-11 of a half integer, so that the error of either root could move the
  *    rounding, it calls vmsSqrt itself (batched: ~1e-4 of the elements);
- *  - a block whose absmax or roots are not finite (a NaN, an inf, a denormal absmax) is
- *    encoded again element by element as torch does (encode_exact), so the vector loop tracks
- *    no NaNs.
+ *  - a block whose roots are not finite (a NaN or an inf in it) is encoded again element by
+ *    element as torch does (encode_exact), so the vector loop tracks no NaNs; so is a block
+ *    whose absmax is below 2^-64 (TINY: torch codes it shifted by 2^64, moments._shift).
  * NaN payloads are not matched (torch's own vector and scalar loops disagree on them).
  */
 #include <math.h>
@@ -62,6 +62,9 @@ static const float I8_FACTOR = (float)(1.0 / 16129.0);      /* decode: 1 / 127^2
 static const float U8_FACTOR = (float)(1.0 / 4228250625.0); /* decode: 1 / 255^4 */
 static const float I8_TOP = 16129.0f;                       /* encode: 127^2 */
 static const float U8_TOP = (float)4228250625.0;            /* encode: 255^4, as torch rounds it */
+/* A block whose absmax is below TINY is coded at its values times UNTINY, then scaled back
+ * (moments._shift): its factors would overflow or lose bits to the subnormals. */
+static const float TINY = 0x1p-64f, UNTINY = 0x1p64f, UNTINY_INV = 0x1p-64f;
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -114,17 +117,28 @@ INLINE void store8_dithered(void *base, int64_t i, __m256 x, __m256 p, __m256 g)
 }
 
 /* --- 8-bit blocks (funcshard.optim.moments.MomentFormat.decode / encode) --------------------- */
-INLINE __m256 load8_8bit(int fmt, const void *base, int64_t i, __m256 factor) {
+/* factor: the block's (absmax * shift) / top, unshift: 1 / shift (decode_factor) */
+INLINE __m256 load8_8bit(int fmt, const void *base, int64_t i, __m256 factor, __m256 unshift) {
   const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + i));
   if (fmt == FS_I8) { /* absmax * sign(q) * (q / 127)^2 */
     const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     const __m256 absq = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), q);
-    return _mm256_mul_ps(_mm256_mul_ps(q, absq), factor);
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(q, absq), factor), unshift);
   }
   const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); /* absmax * (q / 255)^4 */
   const __m256 q2 = _mm256_mul_ps(q, q);
-  return _mm256_mul_ps(_mm256_mul_ps(q2, q2), factor);
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(q2, q2), factor), unshift);
 }
+
+/* torch's shift of a block (moments._shift): NaN compares false */
+static float shift_of(float absmax) { return absmax < TINY ? UNTINY : 1.0f; }
+
+/* The decode factor of a block, (absmax * shift) * (1 / top), as torch forms it */
+static float decode_factor(int fmt, float absmax) {
+  return absmax * shift_of(absmax) * (fmt == FS_I8 ? I8_FACTOR : U8_FACTOR);
+}
+
+static float unshift_of(float absmax) { return absmax < TINY ? UNTINY_INV : 1.0f; }
 
 typedef void (*fs_vml_fn)(int64_t n, const float *in, float *out, int64_t mode);
 static fs_vml_fn vml_sqrt = 0;
@@ -257,15 +271,20 @@ INLINE int store32(fs_near *near, int fmt, const __m256i *codes, const __m256i *
   return 0;
 }
 
-/* top / safe (torch: safe = absmax where > 0, else 1) */
+/* top / safe (torch: safe = absmax * shift where absmax > 0, else 1) */
 static float encode_factor(int fmt, float absmax) {
-  return (1.0f / (absmax > 0.0f ? absmax : 1.0f)) * (fmt == FS_I8 ? I8_TOP : U8_TOP);
+  const float safe = absmax > 0.0f ? absmax * shift_of(absmax) : 1.0f;
+  return (1.0f / safe) * (fmt == FS_I8 ? I8_TOP : U8_TOP);
 }
 
+/* A block the vector encode leaves to encode_exact: a tiny absmax, whose values it would
+ * have to shift first */
+static int tiny(float absmax) { return absmax > 0.0f && absmax < TINY; }
+
 /* A block of an 8-bit moment stored as torch's encode does, one element at a time, NaN
- * propagating into its scale: for blocks with a NaN, an inf or a denormal absmax, which the
- * vector encode (whose absmax ignores NaNs) finds by a root that is not finite. Drops what the
- * batch of torch's sqrt holds for the block. */
+ * propagating into its scale: for blocks with a NaN or an inf, which the vector encode (whose
+ * absmax ignores NaNs) finds by a root that is not finite, and tiny blocks (absmax < TINY,
+ * shifted as torch's encode does). Drops what the batch of torch's sqrt holds for the block. */
 static void __attribute__((noinline)) encode_exact(fs_near *near, int fmt, const float *x,
                                                    int block, float *scale, uint8_t *out) {
   int keep = 0;
@@ -284,8 +303,8 @@ static void __attribute__((noinline)) encode_exact(fs_near *near, int fmt, const
     else if (a > m) m = a;
   }
   *scale = nan ? NAN : m;
-  const float f = encode_factor(fmt, *scale);
-  for (int k = 0; k < block; k++) y[k] = (fmt == FS_I8 ? fabsf(x[k]) : x[k]) * f;
+  const float f = encode_factor(fmt, *scale), shift = shift_of(*scale);
+  for (int k = 0; k < block; k++) y[k] = (fmt == FS_I8 ? fabsf(x[k]) : x[k]) * shift * f;
   torch_sqrt(y, block);
   if (fmt == FS_U8) torch_sqrt(y, block);
   for (int k = 0; k < block; k++) {
@@ -427,13 +446,13 @@ static plain_fn plain_of(const fs_args *a) {
  * them); another moment stored. Format arguments are constants where inlined. */
 INLINE void block_step8(const fs_args *a, const fs_consts *c, int rule, int pdt, int f0, int f1,
                         void *pp, void *gp, void *mp, void *vp, int64_t i, int j, __m256 mf,
-                        __m256 vf, float (*tile)[MAX_BLOCK], __m256 *max) {
+                        __m256 vf, __m256 mu, __m256 vu, float (*tile)[MAX_BLOCK], __m256 *max) {
   const int two = rule == FS_ADAMW;
   const int q0 = f0 == FS_I8, q1 = two && f1 == FS_U8;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 g = load8(pdt, gp, i);
-  __m256 m = q0 ? load8_8bit(f0, mp, i, mf) : load8(f0, mp, i);
-  __m256 v = !two ? _mm256_setzero_ps() : q1 ? load8_8bit(f1, vp, i, vf) : load8(f1, vp, i);
+  __m256 m = q0 ? load8_8bit(f0, mp, i, mf, mu) : load8(f0, mp, i);
+  __m256 v = !two ? _mm256_setzero_ps() : q1 ? load8_8bit(f1, vp, i, vf, vu) : load8(f1, vp, i);
   __m256 root = _mm256_setzero_ps();
   const __m256 p = step8(a, c, rule, load8(pdt, pp, i), &g, &m, &v, &root);
   store8(pdt, pp, i, p);
@@ -473,7 +492,7 @@ INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int 
   const int block = q0 ? a->block[0] : a->block[1];
   float tiles[2][3][MAX_BLOCK]; /* [block parity][mu, nu, sqrt(nu) (uint8)] */
   fs_near near[2] = {{.fmt = f0}, {.fmt = f1}};
-  float fprev[2] = {0.0f, 0.0f};
+  float fprev[2] = {0.0f, 0.0f}, fprev_scale[2] = {0.0f, 0.0f};
   float *sprev[2] = {0, 0};
   uint8_t *oprev[2] = {0, 0};
   int cur = 0;
@@ -481,16 +500,18 @@ INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int 
     const int step = b0 < hi, encode = b0 > lo;
     const int64_t blk = b0 / block;
     /* decode factors of this block, encode factors of the previous one (uint8: its root) */
-    const __m256 mf = _mm256_set1_ps(q0 && step ? ms[blk] * I8_FACTOR : 0.0f);
-    const __m256 vf = _mm256_set1_ps(q1 && step ? vs[blk] * U8_FACTOR : 0.0f);
+    const __m256 mf = _mm256_set1_ps(q0 && step ? decode_factor(f0, ms[blk]) : 0.0f);
+    const __m256 vf = _mm256_set1_ps(q1 && step ? decode_factor(f1, vs[blk]) : 0.0f);
+    const __m256 mu = _mm256_set1_ps(q0 && step ? unshift_of(ms[blk]) : 1.0f);
+    const __m256 vu = _mm256_set1_ps(q1 && step ? unshift_of(vs[blk]) : 1.0f);
     const __m256 ef0 = _mm256_set1_ps(fprev[0]), ef1 = _mm256_set1_ps(sqrtf(fprev[1]));
     float(*tc)[MAX_BLOCK] = tiles[cur], (*tp)[MAX_BLOCK] = tiles[cur ^ 1];
     __m256 max[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    int bad0 = 0, bad1 = 0;
+    int bad0 = encode && tiny(fprev_scale[0]), bad1 = encode && tiny(fprev_scale[1]);
     for (int j = 0; j < block; j += 32) {
       if (step)
         for (int k = j; k < j + 32; k += 8)
-          block_step8(a, &c, rule, pdt, f0, f1, pp, gp, mp, vp, b0 + k, k, mf, vf, tc, max);
+          block_step8(a, &c, rule, pdt, f0, f1, pp, gp, mp, vp, b0 + k, k, mf, vf, mu, vu, tc, max);
       if (encode && q0)
         bad0 |= encode32(&near[0], f0, tp[0] + j, 0, ef0, fprev[0], oprev[0] + j);
       if (encode && q1)
@@ -502,12 +523,14 @@ INLINE void run_blocks_impl(const fs_args *args, int rule, int pdt, int f0, int 
     if (q0) {
       ms[blk] = hmax(max[0]);
       fprev[0] = encode_factor(f0, ms[blk]);
+      fprev_scale[0] = ms[blk];
       sprev[0] = ms + blk;
       oprev[0] = (uint8_t *)mp + b0;
     }
     if (q1) {
       vs[blk] = hmax(max[1]);
       fprev[1] = encode_factor(f1, vs[blk]);
+      fprev_scale[1] = vs[blk];
       sprev[1] = vs + blk;
       oprev[1] = (uint8_t *)vp + b0;
     }

@@ -371,13 +371,19 @@ def step(
         for f, v, s in states
     ):
         return False
-    if any(f.quantized and (f.block % 32 or f.block > 256) for f, _, _ in states):
+    if any(f.quantized and not _kernel_block(f.block) for f, _, _ in states):
         return False  # the kernel encodes 32 elements at a time, a block in an L1 scratch
     lib = library()
     if lib is None or (not _eight_bit and any(f.quantized for f, _, _ in states)):
         return False
     _call(lib, args, param, grad, states)
     return True
+
+
+def _kernel_block(block) -> bool:
+    """Whether the kernel takes 8-bit blocks of ``block``: a multiple of 32 up to 256 (its
+    tiles hold whole blocks); others (a ragged block, a row of 100) take the torch path."""
+    return isinstance(block, int) and block % 32 == 0 and block <= 256
 
 
 def _call(lib: ctypes.CDLL, args: Args, param: torch.Tensor, grad: torch.Tensor, states) -> None:

@@ -13,13 +13,14 @@ Formats (``dtype`` of the stored moment):
   (fp32 bits): no RNG state, the same for an element wherever it is stored, so
   ``deterministic=True`` holds.
 * ``torch.int8`` (signed, for a first moment) and ``torch.uint8`` (unsigned, for a second
-  moment): blockwise, one fp32 scale (the block's absmax) per block of ``block`` consecutive
-  elements that never crosses a row of its parameter (``block`` divides the row). Values are
+  moment): blockwise, one fp32 scale (the block's absmax) per block of consecutive elements
+  that never crosses a row of its parameter: ``block`` divides the row, or the row is cut into
+  blocks of 256 and a shorter last one (a :class:`~funcshard.buckets.Ragged` block). Values are
   companded, like bitsandbytes' dynamic map, so small elements of a block keep resolution:
   int8 stores ``round(127 * sign(x) * sqrt(|x| / absmax))``, uint8 stores
   ``round(255 * (x / absmax) ** (1/4))`` (a second moment spans the square of a first
-  moment's range). The rule for which parameters are 8-bit: :func:`block_of`; the others keep
-  the master dtype (bitsandbytes' ``min_8bit_size``).
+  moment's range). The rule for which parameters are 8-bit, and their blocks: :func:`block_of`;
+  the others keep the master dtype (bitsandbytes' ``min_8bit_size``).
 
 A block sits inside one row, and every operation here is elementwise or a max over one block,
 so an element's stored bits depend only on its own row's values: the same on every layout.
@@ -32,6 +33,8 @@ import math
 
 import torch
 
+from funcshard.buckets import Block, Ragged, scale_index
+
 __all__ = [
     "MIN_8BIT_NUMEL",
     "MAX_BLOCK",
@@ -43,7 +46,7 @@ __all__ = [
 
 MIN_8BIT_NUMEL = 4096  # smaller parameters keep fp32 moments (bitsandbytes' min_8bit_size)
 MAX_BLOCK = 256  # elements per scale at most (bitsandbytes / torchao)
-MIN_BLOCK = 32  # a row whose largest power-of-two divisor <= 256 is smaller keeps fp32
+MIN_BLOCK = 32  # a row whose largest power-of-two divisor <= 256 is smaller: ragged blocks
 # Elements per chunk of the decode / step / encode loop: p, g, two fp32 scratch moments of one
 # chunk (4 MiB) stay in cache; a multiple of 256 (blocks) and of 64 (the fused kernels'
 # vector body).
@@ -60,13 +63,16 @@ def check_dtype(dtype: torch.dtype | None, what: str, *, signed: bool) -> None:
         raise ValueError(f"{what}: expected one of {[str(d) for d in ok]}, got {dtype}")
 
 
-def block_of(shape: tuple[int, ...]) -> int | None:
-    """Elements per scale of an 8-bit moment of a parameter of ``shape``, or None when it keeps
-    fp32 moments: the largest power of two <= 256 that divides a row (``prod(shape[1:])``),
-    if that is >= 32 and the parameter has >= 4096 elements.
+def block_of(shape: tuple[int, ...]) -> Block | None:
+    """The blocks of an 8-bit moment of a parameter of ``shape``, or None when it keeps fp32
+    moments (< 2 dims or < 4096 elements). A row (``prod(shape[1:])``) is cut by the largest
+    power of two <= 256 that divides it, if that is >= 32; else a row of at most 256 elements
+    is one block, and a longer one is cut into blocks of 256 and a shorter last one.
 
     >>> block_of((1024, 768)), block_of((64, 64)), block_of((4096,)), block_of((100, 100))
-    (256, 64, None, None)
+    (256, 64, None, 100)
+    >>> block_of((256, 769))
+    Ragged(size=256, row=769)
     """
     numel = math.prod(shape)
     if len(shape) < 2 or numel < MIN_8BIT_NUMEL:
@@ -75,7 +81,17 @@ def block_of(shape: tuple[int, ...]) -> int | None:
     block = MAX_BLOCK
     while block >= MIN_BLOCK and row % block:
         block //= 2
-    return block if block >= MIN_BLOCK else None
+    if block >= MIN_BLOCK:
+        return block
+    return row if row <= MAX_BLOCK else Ragged(MAX_BLOCK, row)
+
+
+def granule(block: Block | None) -> int:
+    """What a chunk of a buffer cut by ``block`` is a multiple of, in elements: a block, or a
+    row when ragged; 1 without blocks."""
+    if block is None:
+        return 1
+    return block.row if isinstance(block, Ragged) else block
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,7 +99,7 @@ class MomentFormat:
     """How one moment of one buffer is stored: its dtype and, for 8-bit, the block size."""
 
     dtype: torch.dtype
-    block: int | None = None  # set for int8 / uint8
+    block: Block | None = None  # set for int8 / uint8
     stochastic: bool = False
 
     @property
@@ -96,11 +112,13 @@ class MomentFormat:
         if not self.quantized:
             return values, None
         n = like.numel()
-        if n % self.block:
+        if n % granule(self.block):
+            what = "rows" if isinstance(self.block, Ragged) else "blocks"
             raise ValueError(
-                f"8-bit moment: {n} elements is not a whole number of blocks of {self.block}"
+                f"8-bit moment: {n} elements is not a whole number of {what} of {self.block}"
             )
-        return values, torch.zeros(n // self.block, dtype=torch.float32, device=like.device)
+        count = scale_index(self.block, n)
+        return values, torch.zeros(count, dtype=torch.float32, device=like.device)
 
     def decode(
         self, values: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor
@@ -111,11 +129,14 @@ class MomentFormat:
             return out
         if self.dtype == torch.int8:  # x = absmax * sign(q) * (q / 127)^2
             out.mul_(out.abs())
-            factor = scales * (1.0 / _I8_TOP**2)
+            top = 1.0 / _I8_TOP**2
         else:  # x = absmax * (q / 255)^4
             out.square_().square_()
-            factor = scales * (1.0 / _U8_TOP**4)
-        out.view(-1, self.block).mul_(_per_element(factor, self.block))
+            top = 1.0 / _U8_TOP**4
+        for blocks, s in _views(self.block, out, scales):
+            shift = _shift(s)
+            blocks.mul_(_per_element((s * shift) * top, blocks))
+            blocks.mul_(_per_element(1.0 / shift, blocks))
         return out
 
     def encode(
@@ -131,29 +152,58 @@ class MomentFormat:
                 x.view(torch.int32).add_(dither).bitwise_and_(-65536)
             values.copy_(x)
             return
-        blocks = x.view(-1, self.block)
         signed = self.dtype == torch.int8
         magnitude = torch.abs(x) if signed else x
-        torch.amax(magnitude.view(-1, self.block), dim=1, out=scales)
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         top = _I8_TOP**2 if signed else _U8_TOP**4  # companding folded into one factor
-        magnitude.view(-1, self.block).mul_(_per_element(top / safe, self.block))
+        for blocks, s in _views(self.block, magnitude, scales):
+            if s.is_contiguous():
+                torch.amax(blocks, dim=-1, out=s)
+            else:
+                s.copy_(torch.amax(blocks, dim=-1))
+            shift = _shift(s)
+            safe = torch.where(s > 0, s * shift, torch.ones_like(s))
+            blocks.mul_(_per_element(shift, blocks))
+            blocks.mul_(_per_element(top / safe, blocks))
         magnitude.sqrt_()
         if not signed:
             magnitude.sqrt_()
         magnitude.round_()
         if signed:
-            torch.copysign(magnitude, blocks.view(-1), out=magnitude)
+            torch.copysign(magnitude, x, out=magnitude)
         values.copy_(magnitude)
 
 
 _I8_TOP, _U8_TOP = 127.0, 255.0
+_TINY, _UNTINY = 2.0**-64, 2.0**64
 
 
-def _per_element(per_block: torch.Tensor, block: int) -> torch.Tensor:
+def _shift(scales: torch.Tensor) -> torch.Tensor:
+    """Per block the power of two its values are coded at: 2^64 where the absmax is below
+    2^-64, else 1. ``top / absmax`` overflows fp32 below absmax ~1e-29 (uint8's top is 255^4)
+    and ``absmax / top`` loses bits to the subnormals; scaled by 2^64 (exact) neither happens.
+    Where the factor is 1 the bits are the plain formula's; everywhere they are the formula's
+    in fp32 with an unbounded exponent. The kernel (``_kernels.c``) does the same."""
+    return torch.where(scales < _TINY, _UNTINY, 1.0).to(scales.dtype)
+
+
+def _views(block: Block, x: torch.Tensor, scales: torch.Tensor):
+    """``(blocks, scales)`` views of a flat chunk of whole blocks (whole rows when ragged):
+    elements ``(..., blocks, width)`` and their scales ``(..., blocks)``; a ragged block gives
+    its rows' full blocks, then their shorter last blocks."""
+    if not isinstance(block, Ragged):
+        return [(x.view(-1, block), scales)]
+    full = block.row // block.size
+    rows, s = x.view(-1, block.row), scales.view(-1, full + 1)
+    return [
+        (rows[:, : full * block.size].unflatten(1, (full, block.size)), s[:, :full]),
+        (rows[:, full * block.size :].unsqueeze(1), s[:, full:]),
+    ]
+
+
+def _per_element(per_block: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """A per-block factor broadcast over its block's elements (explicitly expanded: torch's
     CPU loop is many times faster on it than on a plain ``unsqueeze(1)`` broadcast)."""
-    return per_block.unsqueeze(1).expand(-1, block)
+    return per_block.unsqueeze(-1).expand(blocks.shape)
 
 
 def dither_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

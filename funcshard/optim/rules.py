@@ -10,13 +10,14 @@ over lists of tensors, so the cost does not grow with Python work per leaf or pe
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
 import torch
 
-from funcshard.buckets import NAMESPACE, BlockScales, is_per_bucket
+from funcshard.buckets import NAMESPACE, Block, BlockScales, is_per_bucket, scale_index
 from funcshard.optim import kernels
 from funcshard.optim.base import (
     Mask,
@@ -37,6 +38,7 @@ from funcshard.optim.moments import (
     block_of,
     check_dtype,
     dither_of,
+    granule,
 )
 
 if TYPE_CHECKING:
@@ -477,17 +479,20 @@ class Moments:
     def quantized(self) -> bool:
         return self.dtype in EIGHT_BIT
 
-    def format(self, block: int | None, master: torch.dtype) -> MomentFormat:
+    def format(self, block: Block | None, master: torch.dtype) -> MomentFormat:
         if self.dtype is None or (self.quantized and block is None):
             return MomentFormat(master)
         return MomentFormat(self.dtype, block if self.quantized else None, self.stochastic)
 
-    def zeros(self, params: PyTree, blocks: list[int | None]) -> tuple[PyTree, PyTree]:
+    def zeros(self, params: PyTree, blocks: list[Block | None]) -> tuple[PyTree, PyTree]:
         """``(values, scales)`` trees of a zero moment (``scales`` None unless 8-bit)."""
         if self.dtype is None:
             return tree_zeros(params), None
         fmts = iter(blocks)
-        make = lambda t: self.format(next(fmts), t.dtype).zeros(t)
+
+        def make(t: torch.Tensor) -> _Built:
+            fmt = self.format(next(fmts), t.dtype)
+            return _Built(*fmt.zeros(t), fmt.block)
 
         def part(x: Any) -> Any:
             if is_per_bucket(x):
@@ -513,18 +518,24 @@ class Moments:
         return values, scales
 
 
+class _Built(NamedTuple):
+    """A zero moment of one tensor: values, scales (8-bit) and the block they were cut by."""
+
+    values: torch.Tensor
+    scales: torch.Tensor | None
+    block: Block | None
+
+
 def _is_built(x: Any) -> bool:
-    return type(x) is tuple and len(x) == 2 and not is_per_bucket(x)
+    return isinstance(x, _Built) or (type(x) is tuple and len(x) == 2 and not is_per_bucket(x))
 
 
-def _scales_of(x: tuple) -> Any:
-    values, pairs = x
-    if isinstance(pairs, list):  # a PerBucket part: (values part, [(values, scales) | None])
-        blocks = [
-            None if q is None or q[1] is None else q[0].numel() // q[1].numel() for q in pairs
-        ]
-        return BlockScales([None if q is None else q[1] for q in pairs], values.members, blocks)
-    return pairs
+def _scales_of(x: Any) -> Any:
+    if isinstance(x, _Built):
+        return x.scales
+    values, built = x  # a PerBucket part: (values part, [_Built | None])
+    blocks = [None if q is None or q.scales is None else q.block for q in built]
+    return BlockScales([None if q is None else q.scales for q in built], values.members, blocks)
 
 
 def _flat(tree: PyTree) -> tuple[list, Any]:
@@ -587,6 +598,13 @@ def _narrow_step(
     return treedef.unflatten(out_p), new_moments
 
 
+def _scale_range(fmt: MomentFormat, scales: torch.Tensor | None, start: int, stop: int):
+    """The scales of elements ``[start, stop)`` (block boundaries) of a moment."""
+    if scales is None:
+        return None
+    return scales[scale_index(fmt.block, start) : scale_index(fmt.block, stop)]
+
+
 def _chunked(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -597,13 +615,15 @@ def _chunked(
     n = param.numel()
     p, g = param.view(-1), grad.reshape(-1)
     wide = p.dtype != torch.float32
-    width = min(CHUNK, n)
+    unit = math.lcm(*[granule(fmt.block) for fmt, _, _ in states])
+    chunk = max(1, CHUNK // unit) * unit  # whole blocks (whole rows of ragged blocks)
+    width = min(chunk, n)
     scratch = [torch.empty(width, dtype=torch.float32, device=p.device) for _ in states]
-    for start in range(0, n, CHUNK):
-        stop = min(start + CHUNK, n)
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
         xs = []
         for (fmt, values, scales), buf in zip(states, scratch, strict=True):
-            sc = None if scales is None else scales[start // fmt.block : stop // fmt.block]
+            sc = _scale_range(fmt, scales, start, stop)
             xs.append(fmt.decode(values.view(-1)[start:stop], sc, buf[: stop - start]))
         pc, gc = p[start:stop], g[start:stop]
         p32 = pc.float() if wide else pc
@@ -619,5 +639,5 @@ def _chunked(
             pc.copy_(p32)
         dither = dither_of(p32, g32) if any(f.stochastic for f, _, _ in states) else None
         for (fmt, values, scales), x in zip(states, xs, strict=True):
-            sc = None if scales is None else scales[start // fmt.block : stop // fmt.block]
+            sc = _scale_range(fmt, scales, start, stop)
             fmt.encode(x, values.view(-1)[start:stop], sc, dither if fmt.stochastic else None)
