@@ -9,19 +9,23 @@ fp32 compute) once per row, one run at a time, every row with the same ``--steps
 * held-out loss: train.py's final loss (``--eval_batches`` held-out batches, master weights);
 * each one's difference relative to the fp32 row's;
 * bytes per rank and step on the "shard" and "replicate" axes (``fs.plan(...).comm_by_axis``
-  for the run's GPT, policy and mesh; ``tests/test_comm.py`` checks the measured bytes equal
-  it) and the replicate bytes relative to the fp32 row's;
+  for the run's GPT, optimizer, policy and mesh; the run's own, rank 0's per step in its
+  metrics.jsonl, must equal it, or the row fails) and the replicate bytes relative to the fp32
+  row's;
 * the load average before and after the run (the losses do not depend on it; the wall time
   does).
 
 Rows: the grad wires (``--grad_comm_dtype``) bf16 / fp8 / int8 with the compute-dtype param
-wire; the param wires (``--param_comm_dtype``) with the fp32 grad wire; int8 + int8; the same
-grad wires under HFSDP (``--outer_strategy=optim``; param wires are not accepted there yet).
+wire; the param wires (``--param_comm_dtype``) with the fp32 grad wire; int8 + int8 and
+fp8 + fp8; under HFSDP (``--outer_strategy=optim``) the same grad wires, the int8 param wire
+(the masters packed once, gathered over "replicate" and again over "shard") and int8 + int8.
 ``--seeds`` adds the fp32 row again with other seeds: how far the loss moves with the seed
 alone, the yardstick of the wires' differences.
 
 Run:  python experiments/bench_wire_loss.py                       (every row, 500 steps)
       python experiments/bench_wire_loss.py --rows=fp32,int8+int8 --steps=100
+      python experiments/bench_wire_loss.py --rows="fp32,HFSDP param int8" --steps=3 \
+          --tail=2 --n_layer=1 --d_model=16 --batch_size=8    (a check that the rows run)
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import funcshard as fs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` as a package
 from experiments.gpt import GPT, GPTConfig  # noqa: E402
+from experiments.trainer import Config, make_optimizer  # noqa: E402
 
 FLAGS = flags.FLAGS
 TRAIN = Path(__file__).resolve().parent / "train.py"
@@ -69,6 +74,8 @@ ROWS = {
     "HFSDP grad bf16": Row("bf16", "none", "optim"),
     "HFSDP grad fp8": Row("fp8", "none", "optim"),
     "HFSDP grad int8": Row("int8", "none", "optim"),
+    "HFSDP param int8": Row("none", "int8", "optim"),
+    "HFSDP int8+int8": Row("int8", "int8", "optim"),
 }
 
 flags.DEFINE_list("rows", list(ROWS), f"rows to run, in this order: {', '.join(ROWS)}")
@@ -79,14 +86,18 @@ flags.DEFINE_integer("nproc", 4, "ranks", lower_bound=2)
 flags.DEFINE_integer("replicate", 2, "replicas", lower_bound=2)
 flags.DEFINE_integer("tail", 20, "the train loss is also averaged over this many last steps")
 flags.DEFINE_string("out_dir", "out/wire_loss", "each run's train.py --out_dir is under it")
+flags.DEFINE_integer("n_layer", 2, "train.py --n_layer (its default: 2)", lower_bound=1)
+flags.DEFINE_integer("d_model", 64, "train.py --d_model (its default: 64)", lower_bound=4)
+flags.DEFINE_integer("batch_size", 64, "train.py --batch_size (its default: 64)", lower_bound=1)
 flags.register_validator(
     "rows", lambda v: set(v) <= set(ROWS), message=f"--rows: expected some of {list(ROWS)}"
 )
 
 
-def _gpt() -> GPT:
-    """train.py's default model (its Markov source has 16 tokens)."""
-    return GPT(GPTConfig(vocab=16, seq_len=32, n_layer=2, n_head=4, d_model=64))
+def _config() -> Config:
+    """The runs' train.py config as far as the bytes go (its Markov source has 16 tokens)."""
+    model = GPTConfig(vocab=16, seq_len=32, n_layer=FLAGS.n_layer, n_head=4, d_model=FLAGS.d_model)
+    return Config(model=model, steps=FLAGS.steps)
 
 
 def _policy(row: Row) -> fs.MixedPrecisionPolicy:
@@ -98,11 +109,13 @@ def _policy(row: Row) -> fs.MixedPrecisionPolicy:
 
 
 def _bytes(row: Row) -> dict[str, int]:
+    cfg = _config()
     p = fs.plan(
-        _gpt(),
+        GPT(cfg.model),
         world_size=FLAGS.nproc,
         replicate=FLAGS.replicate,
         policy=_policy(row),
+        optimizer=make_optimizer(cfg),
         outer_strategy=row.outer,
         device_type="cpu",
     )
@@ -123,6 +136,9 @@ def _train(name: str, row: Row) -> dict:
         f"--grad_comm_dtype={row.grad}",
         f"--param_comm_dtype={row.param}",
         f"--steps={FLAGS.steps}",
+        f"--n_layer={FLAGS.n_layer}",
+        f"--d_model={FLAGS.d_model}",
+        f"--batch_size={FLAGS.batch_size}",
         f"--seed={seed}",
         f"--out_dir={out}",
     ]
@@ -134,6 +150,13 @@ def _train(name: str, row: Row) -> dict:
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     steps = [x["loss"] for x in lines if "step" in x]
     summary = next(x for x in lines if "final_loss" in x)
+    planned = {axis: n for axis, n in _bytes(row).items() if n}
+    for x in lines:
+        if "step" in x and x["comm_by_axis"] != planned:
+            sys.exit(
+                f"bench_wire_loss: {name}: step {x['step']} moved {x['comm_by_axis']} bytes "
+                f"per axis on rank 0, fs.plan predicts {planned} ({' '.join(args)})"
+            )
     return {
         "train": steps[-1],
         "tail": sum(steps[-FLAGS.tail :]) / len(steps[-FLAGS.tail :]),
@@ -173,9 +196,11 @@ def main(argv: list[str]) -> None:
     ref_bytes = _bytes(rows[ref_name])
     print(
         f"\nexperiments/train.py --nproc={FLAGS.nproc} --replicate={FLAGS.replicate} "
-        f"--param_dtype=fp32 --steps={FLAGS.steps} --seed={FLAGS.seed} (+ each row's wires); "
+        f"--param_dtype=fp32 --steps={FLAGS.steps} --n_layer={FLAGS.n_layer} "
+        f"--d_model={FLAGS.d_model} --batch_size={FLAGS.batch_size} --seed={FLAGS.seed} "
+        "(+ each row's wires); "
         f"entropy-rate floor {ref['floor']:.4f}; relative to the {ref_name!r} row; bytes per "
-        "rank and step from fs.plan"
+        "rank and step from fs.plan (equal to every step's measured bytes)"
     )
     head = (
         f"{'row':<18}{'grad':>6}{'param':>6}{'outer':>9}{'train':>9}{'vs':>9}"

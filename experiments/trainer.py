@@ -284,7 +284,9 @@ def run(
     With ``cfg.resume`` it continues from the latest checkpoint in ``cfg.checkpoint_dir``, if
     there is one, on the world it finds (``cfg.grad_chunks`` keeps G across worlds). Each start
     adds a row ``{"start", "world", "microbatches", "time", "joined", "restore_s"}`` to
-    metrics.jsonl, each step a row with its ``world`` and ``time`` (Unix seconds).
+    metrics.jsonl, each step a row with its ``world``, ``time`` (Unix seconds) and rank 0's bytes
+    communicated in that step per collective kind (``comm``) and mesh axis (``comm_by_axis``), as
+    ``fs.comm_stats`` counts them and ``fs.plan`` predicts them.
 
     Args:
       cfg: the run.
@@ -366,7 +368,8 @@ def run(
         x = source.batch(
             step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, rank=rank, world=world
         ).to(device)
-        state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=microbatches)
+        with fs.comm_stats() as stats:  # this rank's bytes per collective kind and mesh axis
+            state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=microbatches)
         if (
             mgr is not None
             and cfg.save_every
@@ -383,6 +386,8 @@ def run(
                 "tokens_per_s": progress.update(state.step, metrics["loss"]),
                 "world": world,
                 "time": time.time(),
+                "comm": {k: v for k, v in stats.bytes.items() if v},
+                "comm_by_axis": {k: v for k, v in stats.bytes_by_axis.items() if v},
             }
             rows.append(row)
             log.write(json.dumps(row) + "\n")

@@ -92,8 +92,12 @@ def job(root: str, steps: int, until: int | None = None, kill_at: int | None = N
 def torchrun_main(root: str, until: int, kill_at: int) -> None:
     """The entry point under torchrun (the group comes from its environment).
 
-    ``fs.init_from_env`` gives each attempt its own keys in torchrun's store: a plain
-    ``dist.init_process_group("gloo")`` would find the previous attempt's ranks there.
+    torchrun's agent hosts the store by default and keeps it across attempts, with the first
+    attempt's keys in it: a plain ``dist.init_process_group("gloo")`` in the restarted attempt
+    would read the killed rank's address. ``fs.init_from_env`` gives each attempt a store of
+    its own instead: worker rank 0 hosts a new one and publishes its port with a random nonce
+    in the agent's store, and the other ranks join the store that answers with that nonce (not
+    a key per ``TORCHELASTIC_RESTART_COUNT``: a membership change does not advance it).
     """
     fs.init_from_env("gloo")
     if dist.get_rank() == 0:

@@ -9,6 +9,7 @@ with the numbers in the message.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import pytest
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import funcshard as fs
 from funcshard import collectives
 from funcshard import mesh as mesh_lib
+from funcshard.launch import free_port, init_process_group
 
 import models
 
@@ -123,15 +125,28 @@ def test_the_same_mesh_again_makes_no_groups(pool4) -> None:
         assert r == {"same": True, "new_threads": 0, "other": True}, r
 
 
-def _threads() -> list[str]:
-    return sorted(
-        open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")
-    )
+def _threads() -> dict[int, str]:
+    """This process's threads: {thread id: name}."""
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            threads[int(tid)] = open(f"/proc/self/task/{tid}/comm").read().strip()
+        except FileNotFoundError:  # it ended while we looked
+            pass
+    return threads
 
 
 def exit_worker() -> dict:
-    """A mesh, HFSDP's group and a collective, then the world destroyed as a job ends."""
-    before = _threads()  # the world's own groups already exist: they go too
+    """A world of the job's own, a mesh, HFSDP's group and a collective, then the world
+    destroyed as a job ends."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port)
+    dist.destroy_process_group()  # the launcher's world: the baseline is taken without one
+    mesh_lib._free_groups_at_exit()
+    gc.collect()
+    before = _threads()  # the runner's own threads
+    init_process_group(rank, world, port[0], "gloo")
     mesh = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
     mesh_lib.master_group(mesh)
     out = collectives.all_gather(torch.ones(2), mesh_lib.axis_group(mesh, "shard"), axis="shard")
@@ -148,10 +163,12 @@ def test_no_gloo_thread_outlives_a_destroyed_world() -> None:
     their gloo worker threads into interpreter finalization, where a worker freeing its last
     collective (its tensors' Python objects need the GIL) was ended inside a C++ destructor:
     "terminate called without an active exception" at about 1 exit in 10 of test_nodes' job.
-    At exit the groups of a destroyed world are freed first: only the main thread is left."""
+    At exit the groups of a destroyed world are freed first: of the threads its world and
+    funcshard started none is left, and the process's own (those before the world) all are."""
     for r in fs.launch(exit_worker, nproc=4):
-        assert len(r["destroyed"]) > len(r["before"]), r  # the groups' threads were there
-        assert len(r["at_exit"]) < len(r["before"]), r  # and are gone, the world's with them
+        started = {t: name for t, name in r["destroyed"].items() if t not in r["before"]}
+        assert "gloo_tcp_loop" in started.values(), r  # the groups' threads were there
+        assert r["at_exit"] == r["before"], r  # exactly those are gone
 
 
 def kept_worker(directory: str, replicate: int) -> dict:
@@ -191,6 +208,6 @@ def test_no_gloo_thread_outlives_the_world_whatever_the_program_keeps(
     drop the groups of a destroyed world, and no gloo thread is left (a checkpoint leaves
     threads of its own, tensorstore's). test_launch.py runs such a script under torchrun."""
     for r in fs.launch(kept_worker, str(tmp_path), replicate, nproc=nproc):
-        gloo = {k: [t for t in v if "gloo" in t] for k, v in r.items() if k != "kept"}
+        gloo = {k: [n for n in v.values() if "gloo" in n] for k, v in r.items() if k != "kept"}
         assert len(gloo["destroyed"]) > len(gloo["before"]), r  # the groups' threads were there
         assert gloo["at_exit"] == [], r  # and are gone, the world's with them

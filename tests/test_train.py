@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import funcshard as fs  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
+from experiments import trainer  # noqa: E402
+from experiments.gpt import GPT, GPTConfig  # noqa: E402
 
 SCRIPT = ROOT / "experiments" / "train.py"
 TINY = [
@@ -181,8 +185,9 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
     rows_b, summary_b = _rows(split)
     assert [r["world"] for r in rows] == [2] * 6
     assert [r["world"] for r in rows_b] == [2, 2, 2, 1, 1, 1]
+    same = dict(tokens_per_s=0, time=0, world=0, comm=0, comm_by_axis=0)  # a world's own
     for r, rb in zip(rows, rows_b, strict=True):  # the same steps, up to speed, time, world
-        assert dict(r, tokens_per_s=0, time=0, world=0) == dict(rb, tokens_per_s=0, time=0, world=0)
+        assert dict(r, **same) == dict(rb, **same)
     assert summary_b == summary  # the held-out loss too (deterministic: chunked as training)
     starts = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     starts = [(r["start"], r["world"], r["microbatches"]) for r in starts if "start" in r]
@@ -198,6 +203,29 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
 
 
 HFSDP = ("--nproc=4", "--replicate=2", "--outer_strategy=optim")
+TINY_MODEL = GPTConfig(vocab=16, seq_len=8, n_layer=1, n_head=2, d_model=16)  # TINY's model
+WIRES = {"none": None, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def _planned(mesh: tuple[str, ...], grad_wire: str, param_wire: str) -> fs.Plan:
+    """fs.plan of TINY's run on ``mesh`` (fp32 compute) with these wires."""
+    flags = dict(arg.removeprefix("--").split("=") for arg in mesh)
+    with torch.device("meta"):
+        model = GPT(TINY_MODEL)
+    policy = fs.MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        grad_comm_dtype=WIRES[grad_wire],
+        param_comm_dtype=WIRES[param_wire],
+    )
+    return fs.plan(
+        model,
+        world_size=int(flags["nproc"]),
+        replicate=int(flags.get("replicate", 1)),
+        outer_strategy=flags.get("outer_strategy", "no_shard"),
+        policy=policy,
+        optimizer=trainer.make_optimizer(trainer.Config(model=TINY_MODEL, steps=3, warmup=2)),
+        device_type="cpu",
+    )
 
 
 @pytest.mark.parametrize(
@@ -206,13 +234,96 @@ HFSDP = ("--nproc=4", "--replicate=2", "--outer_strategy=optim")
     ids=["int8-fp8", "bf16-int8", "hfsdp-int8-int8"],
 )
 def test_train_runs_with_low_precision_wires(tmp_path, grad_wire, param_wire, mesh):
+    """The wire flags reach the policy: every step's bytes per collective kind and mesh axis
+    (metrics.jsonl) equal fs.plan's with those wires; a bf16 gradient wire moves half of fp32's
+    reduce bytes, an 8-bit one a quarter plus a scale per row (on these 16-wide rows, under a
+    half)."""
     out = _train(
         *mesh,
         "--steps=3",
         *TINY,
+        "--param_dtype=fp32",
         f"--grad_comm_dtype={grad_wire}",
         f"--param_comm_dtype={param_wire}",
         f"--out_dir={tmp_path}",
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert FINAL.search(out.stdout), out.stdout
+    rows, _ = _rows(tmp_path)
+    wire, fp32 = _planned(mesh, grad_wire, param_wire), _planned(mesh, "none", "none")
+    nonzero = lambda counts: {k: v for k, v in counts.items() if v}  # noqa: E731
+    for row in rows:
+        assert row["comm"] == nonzero(wire.comm), (row["step"], row["comm"], wire.comm)
+        assert row["comm_by_axis"] == nonzero(wire.comm_by_axis), row
+    grads = lambda comm: comm.get("reduce_scatter", 0) + comm.get("all_reduce", 0)  # noqa: E731
+    moved, full = grads(rows[-1]["comm"]), grads(fp32.comm)
+    if grad_wire == "bf16":
+        assert 2 * moved == full, (moved, full)
+    else:
+        assert full / 4 < moved < full / 2, (moved, full)
+    gathered, full = rows[-1]["comm"]["all_gather"], fp32.comm["all_gather"]
+    assert full / 4 < gathered < full / 2, (gathered, full)  # both param wires are 8-bit
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested checkpoint dict flattened to {"a.b.c": leaf}."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _leaves(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+DTYPE_NAMES = {"int8": "int8", "uint8": "uint8", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@pytest.mark.parametrize(
+    "optimizer,mu,nu,d_model",
+    [("adamw", "int8", "uint8", 64), ("muon", "bf16", "fp16", 16)],
+    ids=["adamw-int8-uint8", "muon-bf16-fp16"],
+)
+def test_train_stores_moments_in_the_flagged_dtypes(tmp_path, optimizer, mu, nu, d_model):
+    """--mu_dtype / --nu_dtype reach the optimizer: the saved moments have those dtypes
+    (AdamW's mu and nu, Muon's momentum); 8-bit where a leaf is >= 2-D with >= 4096 elements
+    (at d_model 64 the blocks' matrices; fp32 elsewhere), with its scales beside it."""
+    out = _train(
+        "--nproc=2",
+        "--steps=2",
+        *TINY,
+        f"--d_model={d_model}",  # after TINY's: the last one given counts
+        f"--optimizer={optimizer}",
+        f"--mu_dtype={mu}",
+        f"--nu_dtype={nu}",
+        "--save_every=2",
+        f"--checkpoint_dir={tmp_path / 'ckpt'}",
+        f"--out_dir={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    leaves = _leaves(_checkpoint(tmp_path / "ckpt" / "2"))
+    shapes = {n.removeprefix("params."): v.shape for n, v in leaves.items() if n[:7] == "params."}
+    stored = {"mu": {}, "nu": {}, "momentum": {}}  # moment -> {param name: stored dtype}
+    for name, value in leaves.items():
+        for moment, dtypes in stored.items():
+            if f".{moment}." in name:
+                dtypes[name.split(f".{moment}.", 1)[1]] = str(value.dtype)
+    muon = {n for n, shape in shapes.items() if trainer.is_hidden_matrix(n, shape)}
+    if optimizer == "muon":  # the blocks' matrices take Muon (its momentum: mu_dtype)
+        assert set(stored["momentum"]) == muon
+        assert set(stored["mu"]) == set(stored["nu"]) == set(shapes) - muon
+    else:
+        assert not stored["momentum"] and set(stored["mu"]) == set(stored["nu"]) == set(shapes)
+    eight_bit = lambda n: len(shapes[n]) >= 2 and math.prod(shapes[n]) >= 4096  # noqa: E731
+    moments = [("mu", mu), ("nu", nu)] + [("momentum", mu)] * (optimizer == "muon")
+    for moment, flag in moments:
+        blockwise = flag in ("int8", "uint8")
+        expected = {
+            n: DTYPE_NAMES[flag] if not blockwise or eight_bit(n) else "float32"
+            for n in stored[moment]
+        }
+        assert stored[moment] == expected, moment
+        if blockwise:
+            assert any(eight_bit(n) for n in stored[moment])  # the 8-bit format is exercised
+            for n in filter(eight_bit, stored[moment]):
+                assert any(leaf.endswith(f".{moment}_scale.{n}") for leaf in leaves), n
