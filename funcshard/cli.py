@@ -4,9 +4,10 @@ One process, no torch.distributed, no model class:
 
 * ``inspect DIR``: the format (funcshard / Orbax, Hugging Face safetensors, DCP), the step,
   and a table of every leaf (global shape, dtype, bytes, chunks);
-* ``verify DIR``: reads every chunk against the checksums ``fs.save`` recorded; exit 0 when
-  all match, 1 naming each bad leaf, file and byte range, 2 when there is nothing to verify
-  against (no checksums);
+* ``verify DIR``: reads every metadata file and chunk against the checksums ``fs.save``
+  recorded; exit 0 when all match, 1 naming each bad file (and a chunk's leaf and byte range),
+  or when a checkpoint funcshard wrote with checksums has lost them, 2 when there is nothing
+  to verify against (no checksums);
 * ``convert SRC DST --to=safetensors|dcp|orbax [--dtype=bf16]``: the params of a checkpoint
   of any of those formats into another, leaf by leaf.
 
@@ -38,7 +39,7 @@ from funcshard.checkpoint import commit as commit_lib
 from funcshard.checkpoint import dcp as dcp_lib
 from funcshard.checkpoint import hf
 from funcshard.checkpoint.api import open_source
-from funcshard.checkpoint.checksums import ALGORITHM, Checksums, write_checksums
+from funcshard.checkpoint.checksums import Checksums
 from funcshard.checkpoint.format import (
     CHUNK_BYTES,
     COMMIT_FILE,
@@ -49,8 +50,6 @@ from funcshard.checkpoint.format import (
     chunk_rows,
     fsync_dir,
     param_dir,
-    write_checkpoint_metadata,
-    write_item_metadata,
 )
 from funcshard.checkpoint.sources import OrbaxSource, ReadRequest, Source
 from funcshard.checkpoint.tree import ArrayWrite
@@ -177,7 +176,7 @@ def verify(path: str) -> int:
             status = max(status, 2)
             continue
         bad = 0
-        leaves = [*source.arrays(), *sorted(source.scalars())]
+        leaves = source.leaves()  # each verified with its .zarray, whatever the others hold
         for keys in leaves:
             problems = source.verify(keys)
             for problem in problems:
@@ -276,16 +275,15 @@ def _write_orbax(tmp: str, source: Source, dtype: torch.dtype | None, final: str
     step = _step(source)
     scalars = {("step",): step} if step is not None else {}
     checksums.update(commit_lib.write_arrays(tmp, [], scalars, True))
-    write_checksums(tmp, checksums)
-    write_item_metadata(tmp, written, list(scalars))
     info = {
         "version": FORMAT_VERSION,
         "optimizer": None,
         "step": step or 0,
         "converted_from": format_name(source),
-        "checksums": ALGORITHM,
     }
-    write_checkpoint_metadata(tmp, os.path.basename(final), None, info, started)
+    commit_lib.write_records(
+        tmp, tmp, os.path.basename(final), None, (written, list(scalars)), info, started, checksums
+    )
 
 
 def convert(src: str, dst: str, to: str, dtype: torch.dtype | None = None) -> int:

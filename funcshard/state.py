@@ -98,13 +98,15 @@ class TrainState:
     the optimizer.
 
     Donation: ``train_step``, ``offload_step`` and ``restore(like=...)`` donate their input
-    state (like JAX's ``donate_argnums``): they reuse its buffers. Liveness is per buffer: every
-    state that shares a buffer with a donated one (made by ``replace``, ``fs.tree.map``,
-    unflatten, ...) raises :class:`ConsumedStateError` on any use afterwards; a copy whose
-    tensors are new (``fs.tree.map(lambda x: x.clone() if torch.is_tensor(x) else x, state)``:
-    ``step`` is an int leaf) is independent. Tensors read
-    out of a state (``state.master``, ``state.params``, ...) are views of its buffers, which a
-    later donation overwrites; ``fs.full_params`` returns fresh tensors.
+    state (like JAX's ``donate_argnums``): the steps reuse its buffers; ``restore`` reads into
+    new ones and donates ``like`` only once every rank has read (a failed one leaves it).
+    Liveness is per buffer: every state that shares a buffer with a donated one (made by
+    ``replace``, ``fs.tree.map``, unflatten, ...) raises :class:`ConsumedStateError` on any use
+    afterwards; a copy whose tensors are new
+    (``fs.tree.map(lambda x: x.clone() if torch.is_tensor(x) else x, state)``: ``step`` is an
+    int leaf) is independent. Tensors read out of a state (``state.master``, ``state.params``,
+    ...) are views of its buffers, which a later donation overwrites; ``fs.full_params``
+    returns fresh tensors.
     """
 
     __slots__ = ("_master", "_compute", "_opt_state", "_step", "_loss_scale", "_static", "_live")

@@ -14,6 +14,7 @@ import sys
 import warnings
 
 import pytest
+import test_checksums
 import test_hf
 import torch
 import torch.distributed.checkpoint as dcp
@@ -97,6 +98,15 @@ def test_verify_names_each_bad_leaf(saved, tmp_path, capsys):
     os.remove(os.path.join(bad, "_CHECKSUMS"))  # lost, though the save recorded them
     status, out = _run(capsys, "verify", bad)
     assert status == 1 and "_CHECKSUMS is missing" in out, out
+
+
+@pytest.mark.parametrize("case", list(test_checksums.TAMPERING))
+def test_verify_names_damaged_metadata(saved, tmp_path, capsys, case):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(saved, bad)
+    path = test_checksums.TAMPERING[case](bad)
+    status, out = _run(capsys, "verify", bad)
+    assert status == 1 and "BAD" in out and path in out, out
 
 
 @pytest.mark.parametrize("dtype", [None, "bf16"])

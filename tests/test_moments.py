@@ -328,6 +328,11 @@ def test_deterministic_across_layouts(pool1, pool2, mu, nu, sr) -> None:
 
 
 # --- checkpoints: stored as they are, restored across moment dtypes -----------------------------
+def _buffer_sizes(state: fs.TrainState) -> list[tuple[int, torch.dtype]]:
+    leaves = [*state.master, *fs.tree.leaves(state.opt_state)]
+    return [(t.numel(), t.dtype) for t in leaves if isinstance(t, torch.Tensor)]
+
+
 def _ckpt_worker(tmp: str) -> None:
     mesh = fs.make_mesh(device_type="cpu")
     model = make_model(5)
@@ -345,7 +350,10 @@ def _ckpt_worker(tmp: str) -> None:
 
     def restored(directory, mu, nu):
         like = fs.init(model, _adamw(mu, nu), mesh=mesh, strategy="optim_grads_params")
-        return fs.restore(directory, like=like)
+        sizes = _buffer_sizes(like)
+        state = fs.restore(directory, like=like)
+        assert _buffer_sizes(state) == sizes, "restore allocates what init does (8-bit scales)"
+        return state
 
     def decoded(state) -> dict:
         """fp32 values of a state's moments (8-bit ones dequantized)."""

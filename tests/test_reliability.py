@@ -356,6 +356,76 @@ def test_restore_consumes_like(pool2, saved):
     assert not os.path.exists(saved + "-x")
 
 
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def _set_shape(zarray: str, shape: list[int]) -> None:
+    with open(zarray) as f:
+        meta = json.load(f)
+    meta["shape"] = shape
+    with open(zarray, "w") as f:
+        json.dump(meta, f)
+
+
+FALLBACK_DAMAGE = {  # step -> (damage to its item, what the error names); rank 1 alone reads 1.0
+    2: (lambda item: _flip_byte(os.path.join(item, LEAF, "1.0"), 5), "ChecksumError"),
+    3: (lambda item: os.remove(os.path.join(item, LEAF, "1.0")), f"chunk 1 of {LEAF} is missing"),
+    4: (lambda item: _set_shape(os.path.join(item, LEAF, ".zarray"), [37, 6]), f"{LEAF}/.zarray"),
+}
+
+
+def fallback_worker(root: str) -> dict:
+    """Saves steps 1-4, damages 2-4, restores each with ONE ``like``, then falls back to 1."""
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=0)
+    state = fs.init(model, fs.optim.adamw(1e-2), mesh=mesh, strategy="optim")
+    batch = models.local_batch(models.global_batch(0, 8), dist.get_rank(), 2)
+    mgr = fs.CheckpointManager(root, max_to_keep=None, async_save=False)
+    mgr.save(1, state)
+    at1 = _cpu(fs.full_params(state))
+    state, _ = fs.train_step(state, batch, models.make_loss_fn(model))
+    for step, (damage, _) in FALLBACK_DAMAGE.items():
+        mgr.save(step, state)
+        if dist.get_rank() == 0:
+            damage(os.path.join(root, str(step), "default"))
+    dist.barrier()
+    like = fs.init(models.make_model(seed=1), fs.optim.adamw(1e-2), mesh=mesh, strategy="optim")
+    before = _cpu(like.params)
+    failures = {}
+    for step in FALLBACK_DAMAGE:
+        error = _error(lambda step=step: mgr.restore(step, like=like))
+        failures[step] = {
+            "error": error,
+            "consumed": like.consumed,
+            "unchanged": all(torch.equal(t, before[n]) for n, t in like.params.items()),
+        }
+    restored = mgr.restore(1, like=like)
+    return {
+        "failures": failures,
+        "exact": all(torch.equal(t, at1[n]) for n, t in fs.full_params(restored).items()),
+        "consumed_after_success": like.consumed,
+    }
+
+
+def test_failed_restore_leaves_like_usable_for_an_older_step(pool2, tmp_path):
+    """A restore that fails on one rank only (a flipped byte, a missing chunk, a changed
+    shape) consumes ``like`` on no rank and leaves its values as they were; the same ``like``
+    then restores the previous step exactly."""
+    for rank, r in enumerate(pool2.run(fallback_worker, str(tmp_path / "run"))):
+        for step, f in r["failures"].items():
+            needle = FALLBACK_DAMAGE[step][1]
+            assert f["error"] is not None, f"rank {rank}, step {step}: silent success"
+            assert needle in f["error"] or "failed on rank(s) [1]" in f["error"], f["error"]
+            assert not f["consumed"], f"rank {rank}, step {step}: like consumed: {f['error']}"
+            assert f["unchanged"], f"rank {rank}, step {step}: like's values were overwritten"
+        assert r["exact"] and r["consumed_after_success"], r
+
+
 # --- 3. write failures during save ----------------------------------------------------------------
 
 

@@ -49,7 +49,7 @@ def open_source(path: str) -> Source:
 def restore(
     directory: str | os.PathLike, *, like: TrainState, model_only: bool = False
 ) -> TrainState:
-    """Reads a checkpoint into ``like``'s layout (collective; consumes ``like``).
+    """Reads a checkpoint into ``like``'s layout (collective; consumes ``like`` on success).
 
     Each rank reads only the rows its shards need; the mesh, strategy, policy and offload
     fraction may all differ from those at save time.
@@ -64,20 +64,25 @@ def restore(
         ``.safetensors`` file, or a directory with ``model.safetensors`` or
         ``model.safetensors.index.json``).
       like: a state from ``fs.init`` for the target layout (may be unfilled, from a
-        meta-device model). Only its structure is used; it is consumed.
+        meta-device model). Only its structure is used; it is consumed once every rank has
+        read its rows. The values are read into new buffers, so ``like``'s and the restored
+        state's live together until ``like`` is dropped (an unfilled ``like`` holds none).
       model_only: read only the params and start a fresh optimizer state at step 0.
 
     Returns:
       The restored state; every buffer derives from the checkpoint's values (cast to the
       master dtype).
 
-    Raises:
-      CheckpointMismatchError: on every rank, listing every mismatched name, shape, dtype or
-        optimizer kind beside what the checkpoint holds (``like`` is then left usable).
-      ChecksumError: on every rank, when bytes read differ from those ``save`` wrote, naming
-        the leaf, the file and the byte range; nothing is returned (``like`` is consumed).
-        A checkpoint without checksums restores with an ``UnverifiedCheckpointWarning``.
-      RuntimeError: reading failed on some rank (raised on every rank).
+    Raises (on every rank, and on any of them ``like`` is left unconsumed and unchanged,
+    so an older checkpoint can be restored with it):
+      CheckpointMismatchError: listing every mismatched name, shape, dtype or optimizer kind
+        beside what the checkpoint holds.
+      ChecksumError: bytes read differ from those ``save`` wrote, naming the leaf, the file
+        and the byte range, or a metadata file differs from what was written, naming it.
+        A checkpoint without checksums that funcshard did not write (or wrote before it
+        recorded them) restores with an ``UnverifiedCheckpointWarning``; one of ours whose
+        checksums were lost raises, naming what says it had them.
+      RuntimeError: reading failed on some rank.
     """
     like.check()
     agreement = Agreement.of(like.layout)
@@ -100,16 +105,22 @@ def restore(
     except BaseException as e:  # noqa: BLE001
         error = e
     agreement.raise_if_failed(f"restore from {path}: reading", error)
-    return result.assemble()
+    compute = None
+    try:
+        compute = result.derive_compute(like)
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    agreement.raise_if_failed(f"restore from {path}: deriving the compute copies", error)
+    return result.assemble(like, compute)  # consumes ``like``: every rank has all it needs
 
 
 def rebuild_from_params(like: TrainState, params: dict[str, torch.Tensor]) -> TrainState:
     """``like`` rebuilt from full parameter tensors (any float dtype), fresh optimizer state.
 
-    The in-memory twin of ``restore(..., model_only=True)``; consumes ``like``.
+    The in-memory twin of ``restore(..., model_only=True)``; consumes ``like`` on success.
     """
     source = DictSource(params)
     problems, keymap = tree_lib.match(like, source, model_only=True)
     if problems:
         raise tree_lib.mismatch_error("params", problems, source)
-    return tree_lib.read(like, source, model_only=True, keymap=keymap).assemble()
+    return tree_lib.read(like, source, model_only=True, keymap=keymap).assemble(like)

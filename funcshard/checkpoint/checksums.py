@@ -1,12 +1,18 @@
-"""Checksums of the bytes in a checkpoint's chunk files: computed while writing, verified on
+"""Checksums of a checkpoint's chunk files and metadata: computed while writing, verified on
 every read.
 
 Each chunk file's data bytes (its rows inside the array's shape, in the order they lie in
 the file) are cut into blocks of ``BLOCK_BYTES``; one crc32c per block is recorded in the
-item's ``_CHECKSUMS`` file (JSON; Orbax ignores it, so JAX still restores the checkpoint)::
+item's ``_CHECKSUMS`` file (JSON; Orbax ignores it, so JAX still restores the checkpoint),
+beside one crc32c of every metadata file of the item (``_METADATA``, each ``.zarray``: they
+say how the bytes are read) and one of funcshard's record in ``_CHECKPOINT_METADATA`` (its
+JSON with sorted keys; Orbax's own fields there are not funcshard's to check)::
 
-    {"algorithm": "crc32c", "block_bytes": 1048576,
-     "arrays": {"params.fc.weight": {"0.0": [crc, ...], "1.0": [...]}, "step": {"0": [crc]}}}
+    {"algorithm": "crc32c", "block_bytes": 1048576, "version": 3,
+     "arrays": {"params.fc.weight": {"0.0": [crc, ...], "1.0": [...]}, "step": {"0": [crc]}},
+     "metadata": {"_METADATA": crc, "params.fc.weight/.zarray": crc, ...}, "info": crc}
+
+(format 2 had no ``version``, ``metadata`` nor ``info``.)
 
 Blocks rather than whole chunks so that a resharding read, which takes part of a chunk,
 verifies what it reads at the cost of at most one block more on either side, not the chunk.
@@ -14,6 +20,8 @@ verifies what it reads at the cost of at most one block more on either side, not
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import warnings
 from collections.abc import Iterator
@@ -21,7 +29,7 @@ from typing import Any
 
 import crc32c
 
-from funcshard.checkpoint.format import read_json, write_json
+from funcshard.checkpoint.format import FORMAT_VERSION, read_json, write_json
 
 __all__ = [
     "ALGORITHM",
@@ -29,8 +37,11 @@ __all__ = [
     "CHECKSUM_FILE",
     "ChecksumError",
     "Checksums",
+    "Record",
     "UnverifiedCheckpointWarning",
     "block_crcs",
+    "file_crc",
+    "info_crc",
     "read_checksums",
     "write_checksums",
 ]
@@ -66,16 +77,90 @@ def byte_view(a: Any) -> memoryview:
     return memoryview(a).cast("B")
 
 
-def write_checksums(item_dir: str, arrays: Checksums) -> None:
-    """The item's ``_CHECKSUMS`` file (durably)."""
-    write_json(
-        os.path.join(item_dir, CHECKSUM_FILE),
-        {"algorithm": ALGORITHM, "block_bytes": BLOCK_BYTES, "arrays": arrays},
-    )
+def file_crc(data: bytes) -> int:
+    """The crc32c of a whole (metadata) file."""
+    return crc32c.crc32c(data)
 
 
-def read_checksums(item_dir: str) -> tuple[Checksums, int] | None:
-    """``(checksums, block_bytes)`` of the item at ``item_dir``; None when it has none.
+def info_crc(info: dict) -> int:
+    """The crc32c of funcshard's record of a checkpoint, as JSON with sorted keys (the same
+    bytes for the record written and the record read back)."""
+    return crc32c.crc32c(json.dumps(info, sort_keys=True, separators=(",", ":")).encode())
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """An item's ``_CHECKSUMS``: ``metadata`` and ``info`` are None in format 2."""
+
+    path: str
+    arrays: Checksums
+    block_bytes: int
+    version: int
+    metadata: dict[str, int] | None
+    info: int | None
+
+    def verify_file(self, data: bytes, name: str, path: str) -> None:
+        """Checks a metadata file's bytes (``name``: its path in the item) when the record
+        holds metadata checksums.
+
+        Raises:
+          ChecksumError: naming the file: its crc differs, or none is recorded for it.
+        """
+        if self.metadata is None:
+            return
+        got, want = file_crc(data), self.metadata.get(name)
+        if got != want:
+            found = "none recorded" if want is None else f"recorded {want:#010x}"
+            raise ChecksumError(
+                f"checksum mismatch in metadata file {path}: crc32c {got:#010x}, {found} in "
+                f"{self.path}; the checkpoint is damaged"
+            )
+
+    def verify_info(self, info: dict | None, path: str) -> None:
+        """Checks funcshard's record in ``_CHECKPOINT_METADATA`` (at ``path``) when the
+        record holds its checksum.
+
+        Raises:
+          ChecksumError: naming the file: the record differs, or is missing.
+        """
+        if self.info is None:
+            return
+        if info is None:
+            raise ChecksumError(
+                f"{path} lacks funcshard's record (custom_metadata.funcshard), though "
+                f"{self.path} holds its checksum; the checkpoint is damaged"
+            )
+        got = info_crc(info)
+        if got != self.info:
+            raise ChecksumError(
+                f"checksum mismatch in {path} (custom_metadata.funcshard): crc32c {got:#010x}, "
+                f"recorded {self.info:#010x} in {self.path}; the checkpoint is damaged"
+            )
+
+
+def write_checksums(
+    item_dir: str,
+    arrays: Checksums,
+    metadata: dict[str, int] | None = None,
+    info: int | None = None,
+) -> None:
+    """The item's ``_CHECKSUMS`` file (durably): chunk crcs, and those of the metadata files
+    (by path in the item) and of funcshard's record (``info_crc``)."""
+    record: dict[str, Any] = {
+        "algorithm": ALGORITHM,
+        "block_bytes": BLOCK_BYTES,
+        "version": FORMAT_VERSION,
+        "arrays": arrays,
+    }
+    if metadata is not None:
+        record["metadata"] = metadata
+    if info is not None:
+        record["info"] = info
+    write_json(os.path.join(item_dir, CHECKSUM_FILE), record)
+
+
+def read_checksums(item_dir: str) -> Record | None:
+    """The ``_CHECKSUMS`` of the item at ``item_dir``; None when it has none.
 
     Raises:
       ValueError: the file is damaged or uses another algorithm.
@@ -89,7 +174,16 @@ def read_checksums(item_dir: str) -> tuple[Checksums, int] | None:
             f"{path}: checksum algorithm {record.get('algorithm')!r}, expected {ALGORITHM!r}"
         )
     try:
-        return dict(record["arrays"]), int(record["block_bytes"])
+        metadata = record.get("metadata")
+        info = record.get("info")
+        return Record(
+            path,
+            dict(record["arrays"]),
+            int(record["block_bytes"]),
+            int(record.get("version", 2)),
+            None if metadata is None else {str(k): int(v) for k, v in dict(metadata).items()},
+            None if info is None else int(info),
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} lacks {e}; the checkpoint is damaged") from None
 

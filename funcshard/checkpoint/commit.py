@@ -4,7 +4,8 @@
    saves of the same name) and broadcasts its name, or its error.
 2. Every rank writes its rows durably, with a checksum of every chunk it wrote; one
    all-reduce of success flags decides, and rank 0 gathers the checksums.
-3. On success rank 0 writes the metadata, the checksums and the commit file (fsync), renames
+3. On success rank 0 writes the metadata, the checksums and the commit files (fsync; see
+   ``write_records``), renames
    the directory into place and fsyncs the parent; one more all-reduce tells every rank. A
    failed save leaves nothing behind.
 
@@ -42,16 +43,20 @@ from funcshard.checkpoint.checksums import (
     Checksums,
     block_crcs,
     byte_view,
+    file_crc,
+    info_crc,
     write_checksums,
 )
 from funcshard.checkpoint.format import (
     CHUNK_BYTES,
     DELETE_MARK,
+    METADATA_FILE,
     TMP_MARK,
     ZARR_DTYPE,
     Keys,
     chunk_file,
     fsync_dir,
+    marker,
     param_dir,
     scalar_dtype,
     to_numpy,
@@ -62,7 +67,15 @@ from funcshard.checkpoint.format import (
 from funcshard.layout import Layout
 from funcshard.state import TrainState
 
-__all__ = ["Saver", "Agreement", "remove_tree", "is_leftover", "start", "write_and_commit"]
+__all__ = [
+    "Saver",
+    "Agreement",
+    "remove_tree",
+    "is_leftover",
+    "start",
+    "write_and_commit",
+    "write_records",
+]
 
 
 # --- agreement ------------------------------------------------------------------------------
@@ -345,6 +358,44 @@ def _chunks_of(a: tree_lib.ArrayWrite, src: np.ndarray) -> list[tuple[str, str, 
     return out
 
 
+def write_records(
+    item_dir: str,
+    top: str,
+    final_name: str,
+    item: str | None,
+    leaves: tuple[list[Keys], list[Keys]],
+    info: dict,
+    started_ns: int,
+    sums: Checksums | None,
+) -> None:
+    """Everything but the arrays, once they are written: ``_METADATA``, ``_CHECKSUMS`` (the
+    chunk crcs ``sums``, and the crcs of ``_METADATA``, of every ``.zarray`` and of ``info``),
+    ``_CHECKPOINT_METADATA`` and the commit files, each marked as funcshard's of this format.
+
+    Args:
+      item_dir: the item; top: the checkpoint's (temporary) directory, ``item_dir`` itself
+        when ``item`` is None; final_name: the name it is renamed to.
+      leaves: the keys of the arrays and of the scalars written.
+      info: funcshard's record of the checkpoint (its ``checksums`` is set here).
+      sums: None writes no checksums (``Saver(checksums=False)``, to measure their cost):
+        marked ``"none"``, the checkpoint restores with a warning that it is unverified.
+    """
+    arrays, scalars = leaves
+    mark = marker(None if sums is None else ALGORITHM)
+    info = {**info, "checksums": mark["checksums"]}
+    write_item_metadata(item_dir, arrays, scalars, mark)
+    if sums is not None:
+        names = [METADATA_FILE] + [f"{param_dir(k)}/.zarray" for k in (*arrays, *scalars)]
+        metadata = {}
+        for name in names:
+            with open(os.path.join(item_dir, name), "rb") as f:
+                metadata[name] = file_crc(f.read())
+        write_checksums(item_dir, sums, metadata, info_crc(info))
+    write_checkpoint_metadata(top, final_name, item, info, started_ns, mark)
+    fsync_dir(item_dir)
+    fsync_dir(top)
+
+
 # --- one save -----------------------------------------------------------------------------------
 
 
@@ -404,12 +455,16 @@ class Saver:
         item: str | None,
         checksums: Checksums,
     ) -> None:
-        if self.checksums:
-            write_checksums(item_dir, checksums)
-        write_item_metadata(item_dir, [a.keys for a in arrays], list(scalars))
-        write_checkpoint_metadata(tmp, os.path.basename(final), item, info, started_ns)
-        fsync_dir(item_dir)
-        fsync_dir(tmp)
+        write_records(
+            item_dir,
+            tmp,
+            os.path.basename(final),
+            item,
+            ([a.keys for a in arrays], list(scalars)),
+            info,
+            started_ns,
+            checksums if self.checksums else None,
+        )
 
     # the protocol --------------------------------------------------------------------------
     def _agreement(self, layout: Layout, background: bool) -> Agreement:
@@ -487,8 +542,6 @@ class Saver:
         )
         tmp = start(final, agreement)
         info = tree_lib.info(state)
-        if self.checksums:  # so that a lost _CHECKSUMS is damage, not an old checkpoint
-            info["checksums"] = ALGORITHM
         job = _Job(final, tmp, item, arrays, scalars, info, started, after_commit)
         if not background:
             self._run(job, agreement)

@@ -5,10 +5,17 @@ A checkpoint directory holds one *item* (Orbax's PyTreeCheckpointHandler layout)
 * one zarr v2 array per leaf in ``<item>/<key.key...>/`` (``.zarray`` + chunk files ``i.0``),
   uncompressed, C order, chunked along dim 0 only so that a chunk never has two writers;
 * ``<item>/_METADATA``: the tree (every leaf's keys and whether it is an array or a scalar);
-* ``<item>/_CHECKSUMS``: funcshard's crc32c of every chunk file's bytes (Orbax ignores it;
-  see ``funcshard.checkpoint.checksums``);
+* ``<item>/_CHECKSUMS``: funcshard's crc32c of every chunk file's bytes and of every
+  metadata file (Orbax ignores it; see ``funcshard.checkpoint.checksums``);
 * ``_CHECKPOINT_METADATA`` (Orbax's step metadata, with funcshard's own record under
   ``custom_metadata["funcshard"]``) and ``commit_success.txt`` at the top.
+
+funcshard marks a checkpoint it writes in three places, each with the format version and the
+checksum algorithm (``"none"`` only for a ``Saver(checksums=False)``): its record in
+``_CHECKPOINT_METADATA``, ``custom_metadata["funcshard"]`` of ``_METADATA`` and a second line
+of every ``commit_success.txt`` (Orbax only checks that the file exists). A checkpoint that any
+of them says has checksums is verified or refused: losing ``_CHECKSUMS`` and one marker never
+turns verification off.
 
 ``fs.save`` writes the item at the top of the directory (``PyTreeCheckpointer().restore(dir)``
 reads it); ``fs.CheckpointManager`` writes it as ``<step>/default/`` with the step metadata
@@ -20,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +36,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
-FORMAT_VERSION = 2  # 2: chunk checksums in <item>/_CHECKSUMS (funcshard.checkpoint.checksums)
+# 2: chunk checksums in <item>/_CHECKSUMS (funcshard.checkpoint.checksums); 3: checksums of
+# the metadata files too, and the marker in _METADATA and the commit files
+FORMAT_VERSION = 3
 CHUNK_BYTES = 64 << 20  # default target size of one zarr chunk
 TMP_MARK = ".orbax-checkpoint-tmp-"
 DELETE_MARK = ".orbax-checkpoint-deleting-"
@@ -168,10 +178,14 @@ def write_json(path: str, obj: Any) -> None:
 
 def read_json(path: str) -> dict:
     """A JSON object file; a damaged one raises naming the file."""
-    with open(path) as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        return parse_json(f.read(), path)
+
+
+def parse_json(data: bytes, path: str) -> dict:
+    """The JSON object in ``data`` (the bytes of the file ``path``); damage raises naming it."""
     try:
-        obj = json.loads(text)
+        obj = json.loads(data)
     except ValueError as e:
         raise ValueError(
             f"restore: {path} is not valid JSON ({e}); the checkpoint is damaged"
@@ -184,6 +198,11 @@ def read_json(path: str) -> dict:
     return obj
 
 
+def marker(checksums: str | None) -> dict:
+    """funcshard's mark on a checkpoint it writes: the format and the checksum algorithm."""
+    return {"version": FORMAT_VERSION, "checksums": checksums or "none"}
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -192,15 +211,36 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_commit_file(directory: str, name: str) -> None:
+_COMMIT_MARK = re.compile(r"^funcshard format (\d+), checksums (\S+)$", re.MULTILINE)
+
+
+def write_commit_file(directory: str, name: str, mark: dict | None = None) -> None:
+    """Orbax's ``commit_success.txt``, with funcshard's ``mark`` on a second line."""
+    text = f"Checkpoint commit was successful to {name}"
+    if mark is not None:
+        text += f"\nfuncshard format {mark['version']}, checksums {mark['checksums']}\n"
     with open(os.path.join(directory, COMMIT_FILE), "w") as f:
-        f.write(f"Checkpoint commit was successful to {name}")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 
 
-def write_item_metadata(item_dir: str, arrays: Sequence[Keys], scalars: Sequence[Keys]) -> None:
-    """The item's ``_METADATA`` (its tree) and ``commit_success.txt``."""
+def read_commit_mark(directory: str) -> dict | None:
+    """The mark in ``directory``'s ``commit_success.txt``; None without one (or without the
+    file: Orbax's own checkpoints, and funcshard's before format 3)."""
+    try:
+        with open(os.path.join(directory, COMMIT_FILE), errors="replace") as f:
+            found = _COMMIT_MARK.search(f.read(4096))
+    except FileNotFoundError:
+        return None
+    return None if found is None else {"version": int(found[1]), "checksums": found[2]}
+
+
+def write_item_metadata(
+    item_dir: str, arrays: Sequence[Keys], scalars: Sequence[Keys], mark: dict | None = None
+) -> None:
+    """The item's ``_METADATA`` (its tree, and funcshard's ``mark``) and its
+    ``commit_success.txt``."""
     tree = {str(k): leaf_metadata(k, "np.ndarray") for k in arrays}
     tree.update({str(k): leaf_metadata(k, "scalar") for k in scalars})
     write_json(
@@ -210,14 +250,19 @@ def write_item_metadata(item_dir: str, arrays: Sequence[Keys], scalars: Sequence
             "use_ocdbt": False,
             "use_zarr3": False,
             "store_array_data_equal_to_fill_value": True,
-            "custom_metadata": None,
+            "custom_metadata": None if mark is None else {"funcshard": mark},
         },
     )
-    write_commit_file(item_dir, os.path.basename(item_dir))
+    write_commit_file(item_dir, os.path.basename(item_dir), mark)
 
 
 def write_checkpoint_metadata(
-    directory: str, final_name: str, item: str | None, info: dict, started_ns: int
+    directory: str,
+    final_name: str,
+    item: str | None,
+    info: dict,
+    started_ns: int,
+    mark: dict | None = None,
 ) -> None:
     """``_CHECKPOINT_METADATA`` and ``commit_success.txt`` of a checkpoint or step directory.
 
@@ -237,4 +282,4 @@ def write_checkpoint_metadata(
             "custom_metadata": {"funcshard": info},
         },
     )
-    write_commit_file(directory, final_name)
+    write_commit_file(directory, final_name, mark)

@@ -23,12 +23,15 @@ from funcshard.checkpoint import checksums as checksums_lib
 from funcshard.checkpoint import stats
 from funcshard.checkpoint.format import (
     CHECKPOINT_METADATA_FILE,
+    COMMIT_FILE,
     METADATA_FILE,
     NUMPY_DTYPE,
     TORCH_FROM_NUMPY,
     Keys,
     chunk_file,
     param_dir,
+    parse_json,
+    read_commit_mark,
     read_json,
     to_torch,
 )
@@ -107,6 +110,31 @@ def resolve_orbax_item(path: str) -> tuple[str, str, bool]:
     )
 
 
+def _version(mark: dict) -> int:
+    try:
+        return int(mark.get("version", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _marks(
+    meta: dict, meta_path: str, info: dict | None, info_path: str | None, dirs: set[str]
+) -> list[tuple[str, dict]]:
+    """funcshard's marks on a checkpoint (see ``funcshard.checkpoint.format``), each with
+    where it was found: none on a checkpoint funcshard did not write."""
+    out = []
+    if isinstance(info, dict):
+        out.append((f"{info_path} (custom_metadata.funcshard)", info))
+    custom = meta.get("custom_metadata")
+    if isinstance(custom, dict) and isinstance(custom.get("funcshard"), dict):
+        out.append((f"{meta_path} (custom_metadata.funcshard)", custom["funcshard"]))
+    for d in sorted(dirs):
+        mark = read_commit_mark(d)
+        if mark is not None:
+            out.append((os.path.join(d, COMMIT_FILE), mark))
+    return out
+
+
 def _dtype_name(zarr_dtype: str) -> str:
     np_dtype = NUMPY_DTYPE.get(zarr_dtype)
     return np_dtype.name if np_dtype is not None else zarr_dtype
@@ -125,7 +153,13 @@ class OrbaxSource:
     def __init__(self, path: str) -> None:
         self.label = path
         self.directory, step_dir, root_is_params = resolve_orbax_item(path)
-        meta = read_json(os.path.join(self.directory, METADATA_FILE))
+        meta_path = os.path.join(self.directory, METADATA_FILE)
+        with open(meta_path, "rb") as f:
+            meta_bytes = f.read()
+        self.record = checksums_lib.read_checksums(self.directory)
+        if self.record is not None:  # checked before it is parsed: it says how to read
+            self.record.verify_file(meta_bytes, METADATA_FILE, meta_path)
+        meta = parse_json(meta_bytes, meta_path)
         self.use_ocdbt = bool(meta.get("use_ocdbt", False))
         self.driver = "zarr3" if meta.get("use_zarr3", False) else "zarr"
         stored: dict[Keys, tuple[Keys, str]] = {}
@@ -134,10 +168,8 @@ class OrbaxSource:
                 (tuple(str(k["key"]) for k in e["key_metadata"]), e["value_metadata"]["value_type"])
                 for e in meta["tree_metadata"].values()
             ]
-        except (KeyError, TypeError) as e:
-            raise ValueError(
-                f"restore: {self.directory}/_METADATA lacks {e}; the checkpoint is damaged"
-            ) from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"restore: {meta_path} lacks {e}; the checkpoint is damaged") from None
         if not root_is_params and not any(k[:1] == ("params",) for k, _ in entries):
             root_is_params = True  # a bare params tree (e.g. StandardSave(params))
         for keys, value_type in entries:
@@ -150,22 +182,58 @@ class OrbaxSource:
             stored[name] = (keys, value_type)
         self.stored = stored
         self.info: dict | None = None
+        info_path = None
         for d in (self.directory, step_dir):
             ckpt_meta = os.path.join(d, CHECKPOINT_METADATA_FILE)
             if os.path.exists(ckpt_meta):
+                info_path = ckpt_meta
                 self.info = (read_json(ckpt_meta).get("custom_metadata") or {}).get("funcshard")
                 break
-        record = checksums_lib.read_checksums(self.directory)
-        if record is None and (self.info or {}).get("checksums"):
-            raise FileNotFoundError(
-                f"restore: {self.directory}/{checksums_lib.CHECKSUM_FILE} is missing, though "
-                "the checkpoint was saved with checksums; the checkpoint is damaged"
+        marks = _marks(meta, meta_path, self.info, info_path, {self.directory, step_dir})
+        self._check_record(marks, info_path or os.path.join(step_dir, CHECKPOINT_METADATA_FILE))
+        record = self.record
+        self.checksums: checksums_lib.Checksums | None = None if record is None else record.arrays
+        self.block_bytes = 0 if record is None else record.block_bytes
+        if self.checksums is not None and (self.use_ocdbt or self.driver != "zarr"):
+            raise ValueError(
+                f"restore: {meta_path} says the arrays are stored as "
+                f"{'OCDBT' if self.use_ocdbt else self.driver}, which funcshard never writes, "
+                f"though {checksums_lib.CHECKSUM_FILE} is there; the checkpoint is damaged"
             )
-        self.checksums: checksums_lib.Checksums | None = None if record is None else record[0]
-        self.block_bytes = 0 if record is None else record[1]
         self.ctx = ts.Context()
         self._open: dict[Keys, ts.TensorStore] = {}
         self._zarray: dict[Keys, dict | None] = {}
+
+    def _check_record(self, marks: list[tuple[str, dict]], info_path: str) -> None:
+        """Refuses a checkpoint whose marks say it has checksums when ``_CHECKSUMS`` is gone,
+        or says more than ``_CHECKSUMS`` holds; checks funcshard's record against it.
+
+        Raises:
+          FileNotFoundError: ``_CHECKSUMS`` is missing, naming what says it was written.
+          ValueError: ``_CHECKSUMS`` lacks the metadata checksums of its format.
+          ChecksumError: funcshard's record in ``_CHECKPOINT_METADATA`` differs.
+        """
+        claims = [
+            where
+            for where, mark in marks
+            if mark.get("checksums") == checksums_lib.ALGORITHM
+            or (_version(mark) >= 3 and "checksums" not in mark)  # format 3 always says
+        ]
+        record_path = os.path.join(self.directory, checksums_lib.CHECKSUM_FILE)
+        if self.record is None:
+            if claims:
+                raise FileNotFoundError(
+                    f"restore: {record_path} is missing, though the checkpoint was saved with "
+                    f"checksums (so say {'; '.join(claims)}); the checkpoint is damaged"
+                )
+            return
+        version = max([self.record.version, *(_version(m) for _, m in marks)])
+        if version >= 3 and (self.record.metadata is None or self.record.info is None):
+            raise ValueError(
+                f"restore: {record_path} holds no checksums of the metadata files, though the "
+                f"checkpoint is of format {version}; the checkpoint is damaged"
+            )
+        self.record.verify_info(self.info, info_path)
 
     # --- metadata ----------------------------------------------------------------------------
 
@@ -174,18 +242,30 @@ class OrbaxSource:
 
     def _simple(self, keys: Keys) -> dict | None:
         """The ``.zarray`` of a leaf that can be read as byte ranges of local chunk files
-        (uncompressed C-order zarr v2, chunked along dim 0 only), else None."""
+        (uncompressed C-order zarr v2, chunked along dim 0 only), else None.
+
+        Raises:
+          ChecksumError: the ``.zarray`` differs from the one written (naming it).
+          ValueError: it is damaged, or (the checkpoint has checksums) not such plain zarr:
+            funcshard writes nothing else, and never reads checksummed data unverified.
+        """
         if keys in self._zarray:
             return self._zarray[keys]
         md = None
         if not self.use_ocdbt and self.driver == "zarr":
+            name = f"{self._leaf_dir(keys)}/.zarray"
             path = os.path.join(self.directory, self._leaf_dir(keys), ".zarray")
-            if not os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
                 raise FileNotFoundError(
                     f"restore: {self.directory}: array "
                     f"{self._leaf_dir(keys)} is missing its .zarray"
-                )
-            md = read_json(path)
+                ) from None
+            if self.record is not None:
+                self.record.verify_file(data, name, path)
+            md = parse_json(data, path)
             try:
                 shape, chunks = list(md["shape"]), list(md["chunks"])
                 simple = (
@@ -193,12 +273,21 @@ class OrbaxSource:
                     and not md.get("filters")
                     and md.get("order") == "C"
                     and md["dtype"] in NUMPY_DTYPE
-                    and chunks[1:] == shape[1:]
+                    and chunks[1:] == [max(d, 1) for d in shape[1:]]
                     and (chunks or not shape)
+                    and all(isinstance(d, int) and d >= 0 for d in shape)
+                    and all(isinstance(c, int) and c > 0 for c in chunks)
                 )
             except (KeyError, TypeError) as e:
                 raise ValueError(f"restore: {path} lacks {e}; the checkpoint is damaged") from None
             if not simple:
+                if self.checksums is not None:
+                    raise ValueError(
+                        f"restore: {path} is not the plain zarr v2 funcshard writes "
+                        "(uncompressed, no filters, C order, a known dtype, chunked along dim "
+                        f"0 only), though the checkpoint has {checksums_lib.CHECKSUM_FILE}: "
+                        "its data would be read unverified; the checkpoint is damaged"
+                    )
                 md = None
         self._zarray[keys] = md
         return md
@@ -261,6 +350,8 @@ class OrbaxSource:
         leaf_name = self._leaf_dir(keys)
         leaf = os.path.join(self.directory, leaf_name)
         recorded = None if self.checksums is None else self.checksums.get(leaf_name, {})
+        if row_bytes == 0:  # nothing to read (tensorstore writes no chunk of no bytes)
+            return True
         at = 0
         for k in range(start // chunk, (stop - 1) // chunk + 1):
             lo = (max(start, k * chunk) - k * chunk) * row_bytes
@@ -366,10 +457,17 @@ class OrbaxSource:
         chunk = md["chunks"][0]
         return [(lo, min(lo + chunk, shape[0])) for lo in range(0, shape[0], chunk)]
 
+    def leaves(self) -> list[Keys]:
+        """Every array's and scalar's keys, as ``_METADATA`` lists them."""
+        return list(self.stored)
+
     def verify(self, keys: Keys) -> list[str]:
         """Reads every chunk of an array (or scalar) against its checksums, one chunk in memory
-        at a time; the problems found (empty: all verified)."""
-        ranges = self.chunk_rows(keys)
+        at a time, after its ``.zarray``; the problems found (empty: all verified)."""
+        try:
+            ranges = self.chunk_rows(keys)
+        except (OSError, ValueError) as e:  # ChecksumError, a damaged or missing .zarray
+            return [str(e)]
         if ranges is None:
             return [f"{self._leaf_dir(keys)}: not stored as plain zarr chunks; not verified"]
         md = self._zarray[keys]
@@ -392,6 +490,12 @@ class OrbaxSource:
             buf = bytearray(np_dtype.itemsize)
             if self._pread_rows(keys, 0, 1, memoryview(buf)):
                 return np.frombuffer(bytes(buf), dtype=np_dtype)[0].item()
+        if self.checksums is not None:  # the .zarray of a scalar funcshard wrote is 0-d
+            raise ValueError(
+                f"restore: {self.directory}/{self._leaf_dir(keys)}/.zarray: shape "
+                f"{md and md['shape']} for the scalar {self._leaf_dir(keys)}, expected []; the "
+                "checkpoint is damaged"
+            )
         self._ts([keys])
         return np.asarray(self._open[keys].read().result()).item()
 

@@ -30,7 +30,7 @@ from funcshard.checkpoint.format import (
 from funcshard.checkpoint.sources import ReadRequest, Source
 from funcshard.layout import Bucket, Layout, LeafSpec
 from funcshard.optim.moments import MomentFormat, block_of
-from funcshard.state import Donation, LossScale, TrainState, derive_compute
+from funcshard.state import LossScale, TrainState, derive_compute
 
 __all__ = ["CheckpointMismatchError", "is_per_bucket", "plan_writes", "match", "read"]
 
@@ -422,21 +422,15 @@ def mismatch_error(where: str, problems: list[str], source: Source) -> Checkpoin
 # --- reading: filling the flat buffers ---------------------------------------------------------
 
 
-def _flat_like(
-    old: torch.Tensor | None,
-    bucket: Bucket,
-    layout: Layout,
-    dtype: torch.dtype,
-    *,
-    pin: bool = False,
+def _new_flat(
+    bucket: Bucket, layout: Layout, numel: int, dtype: torch.dtype, *, pin: bool = False
 ) -> torch.Tensor:
-    """An unfilled flat for ``bucket``: ``like``'s own buffer when it has one (consumed).
-    ``pin``: an offloaded master on a CUDA layout is page-locked, as ``fs.init`` makes it (it
-    crosses to the device every step; the optimizer state stays on the host)."""
-    if old is not None and not old.is_meta and old.numel() == bucket.numel and old.dtype == dtype:
-        return old
+    """A fresh, unfilled flat for ``bucket``, where ``fs.init`` puts it. ``like``'s own
+    buffers are never written: a restore that fails leaves ``like`` as it was. ``pin``: an
+    offloaded master on a CUDA layout is page-locked, as ``fs.init`` makes it (it crosses to
+    the device every step; the optimizer state stays on the host)."""
     device = torch.device("cpu") if bucket.offload else layout.device
-    flat = torch.empty(bucket.numel, dtype=dtype, device=device)
+    flat = torch.empty(numel, dtype=dtype, device=device)
     if pin and bucket.offload and layout.device.type == "cuda":
         flat = flat.pin_memory()
     return flat
@@ -477,17 +471,25 @@ def _fill(
 class Read:
     """What ``read`` produced: every leaf of the new state but the derived compute copies."""
 
-    like: Donation
     master: tuple[torch.Tensor, ...]
     opt_state: Any
     step: int
     loss_scale: LossScale | None
 
-    def assemble(self) -> TrainState:
-        """The new state (``derive_compute`` is a collective under ZeRO 1-2)."""
-        return self.like.state(
+    def derive_compute(self, like: TrainState) -> tuple[torch.Tensor | None, ...]:
+        """The compute copies of the new masters (a collective under ZeRO 1-2)."""
+        return derive_compute(like.layout, self.master)
+
+    def assemble(
+        self, like: TrainState, compute: tuple[torch.Tensor | None, ...] | None = None
+    ) -> TrainState:
+        """The new state; consumes ``like``, only now: a read that failed leaves it usable.
+        ``compute``: from ``derive_compute`` (derived here when None; every rank calls it)."""
+        if compute is None:
+            compute = self.derive_compute(like)
+        return like.donate("restore").state(
             master=self.master,
-            compute=derive_compute(self.like.layout, self.master),
+            compute=compute,
             opt_state=self.opt_state,
             step=self.step,
             loss_scale=self.loss_scale,
@@ -497,21 +499,17 @@ class Read:
 def read(
     like: TrainState, source: Source, *, model_only: bool, keymap: dict[Keys, Keys] | None = None
 ) -> Read:
-    """Reads every leaf for ``like``'s layout from ``source``, with no collectives.
+    """Reads every leaf for ``like``'s layout from ``source`` into new buffers, with no
+    collectives; ``like`` is neither written nor consumed (``Read.assemble`` consumes it).
 
     Masters are read (cast to the master dtype); with ``model_only`` the optimizer state is
-    ``like.optimizer.init(master)`` and the step 0, otherwise both are read too. ``like``'s
-    buffers are reused where they fit (it is consumed).
+    ``like.optimizer.init(master)`` and the step 0, otherwise both are read too.
     """
     layout = like.layout
     keymap = keymap or {}
     n = len(layout.buckets)
-    like = like.donate("restore")
-    old_master, old_opt = like.master, like.opt_state
-    master = tuple(
-        _flat_like(old, b, layout, b.dtypes.master, pin=True)
-        for old, b in zip(old_master, layout.buckets, strict=True)
-    )
+    old_opt = like.opt_state  # checks that ``like`` is live
+    master = tuple(_new_flat(b, layout, b.numel, b.dtypes.master, pin=True) for b in layout.buckets)
     _fill(master, layout, source, ("params",), keymap)
     if model_only:
         opt_state = like.optimizer.init(layout.per_bucket(master))
@@ -521,7 +519,7 @@ def read(
 
         def buckets(path: Keys, olds: PerBucket) -> tuple:
             flats = olds.with_entries(
-                None if o is None else _flat_like(o, b, layout, o.dtype)
+                None if o is None else _new_flat(b, layout, o.numel(), o.dtype)
                 for o, b in zip(olds, layout.buckets, strict=True)
             )
             _fill(flats, layout, source, ("opt_state", *path), keymap, convert)
@@ -541,7 +539,7 @@ def read(
                 float(source.read_scalar(("loss_scale", "scale"))),
                 int(source.read_scalar(("loss_scale", "good_steps"))),
             )
-    return Read(like, master, opt_state, step, loss_scale)
+    return Read(master, opt_state, step, loss_scale)
 
 
 def _convert_moments(
