@@ -14,7 +14,6 @@ import sys
 import warnings
 
 import pytest
-import test_hf
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
@@ -22,11 +21,13 @@ import transformers
 import funcshard as fs
 from funcshard import cli
 
-VOCAB = test_hf.VOCAB
+import helpers_hf
+
+VOCAB = helpers_hf.VOCAB
 
 
 def make_llama(seed: int = 0) -> torch.nn.Module:
-    return test_hf.make_hf("llama", seed)
+    return helpers_hf.make_hf("llama", seed)
 
 
 def save_worker(directory: str) -> None:
