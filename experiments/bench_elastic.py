@@ -6,7 +6,7 @@
     sudo python experiments/bench_elastic.py --loss=cut --collective_timeout=10   # B cut off
 
 Two network-namespace nodes (experiments/nodes.py) x ``--nproc_per_node`` ranks run
-experiments/train.py by the README's recipe: ``torchrun --nnodes=1:2 --max-restarts=3
+experiments/train.py by docs/multi-node.md's recipe: ``torchrun --nnodes=1:2 --max-restarts=3
 --rdzv-backend=c10d`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, ``--grad_chunks=4
 --deterministic --resume`` and a checkpoint every ``--save_every`` steps. Once step
 ``--kill_at`` is logged, node B is killed (SIGKILL to every process in it: its peers' sockets

@@ -72,7 +72,7 @@ flags.DEFINE_string("rate", "1gbit", "Each node's link rate per direction (tc sy
 flags.DEFINE_float("timeout", 900.0, "Seconds before the nodes are stopped.")
 flags.DEFINE_string("out", None, "Worker mode (set by the driver): rank 0 writes JSON here.")
 FLAGS.set_default("steps", 5)
-FLAGS.set_default("microbatches", 1)  # FSDP2 would all-reduce every microbatch (see README)
+FLAGS.set_default("microbatches", 1)  # FSDP2 would all-reduce every microbatch (docs/benchmarks.md)
 FORWARDED = ("steps", "warmup", "microbatches", "batch", "seq_len", "vocab", "d_model")
 FORWARDED += ("n_layer", "threads")
 flags.DEFINE_bool("flat", True, "Run the flat rows (funcshard flat ZeRO-3, FSDP2 flat).")

@@ -4,14 +4,15 @@
 #   experiments/gpu_check.sh            # on a GPU machine: results and logs under $OUT
 #   experiments/gpu_check.sh --dry-run  # here, on the CPU: the same steps on a tiny model
 #
-# Sized for a session lent a GPU (15 minutes of device time, 10 a command): under 8 minutes on
-# one H100. Each part has its own time limit, so one that hangs costs its limit, not the run.
+# Sized for a session lent a GPU (15 minutes of device time, 10 a command): each part has its
+# own time limit (under 12 minutes in all), so one that hangs costs its limit, not the run.
 # Parts: the machine (nvidia-smi, torch), the CUDA tests (`pytest -m cuda`), bench_step on a
-# 0.73B GPT (funcshard ZeRO-3 / ZeRO-2 beside FSDP2 and plain torch, bf16 compute, one GPU),
-# then the offload rows (fraction 0.5 and 1, FSDP2's CPUOffloadPolicy beside) with a profiler
-# trace of one step (the copies on their side streams), then checkpoint save / restore beside
-# DCP. Python packages missing on the device image (optree, crc32c) come as wheels in .whl
-# (BUILD.md, "GPU").
+# 0.34B GPT (d_model 1024, 24 layers, batch 4 x 1024 tokens, 2 microbatches: funcshard ZeRO-3 /
+# ZeRO-2 beside FSDP2 and plain torch, bf16 compute, one GPU; the three runners' states sit
+# side by side on the card, and at 0.73B they do not fit in 80 GB), then the offload rows on a
+# 0.73B GPT (fraction 0.5 and 1, FSDP2's CPUOffloadPolicy beside) with a profiler trace of one
+# step (the copies on their side streams), then checkpoint save / restore beside DCP. Python
+# packages missing on the device image (optree, crc32c) come as wheels in .whl (BUILD.md, "GPU").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,10 +50,12 @@ if [[ $DRY == 1 ]]; then
   DEV=cpu
   MODEL=(--d_model=64 --n_layer=2 --seq_len=32 --vocab=256 --batch=2)
   STEPS=(--steps=2 --warmup=1)
+  STEP_MODEL=("${MODEL[@]}")
   TESTS=(tests/test_offload.py -k "cuda or matches")
 else
   DEV=cuda
   MODEL=(--d_model=1536 --n_layer=24 --seq_len=1024 --vocab=32768 --batch=8)
+  STEP_MODEL=(--d_model=1024 --n_layer=24 --seq_len=1024 --vocab=32768 --batch=4)
   STEPS=(--steps=5 --warmup=2)
   TESTS=(-m cuda tests)
 fi
@@ -62,11 +65,11 @@ part machine 60 bash -c "nvidia-smi 2>&1 | head -20; lscpu | grep -E 'Model name
   torch.cuda.get_device_name() if torch.cuda.is_available() else \"no cuda\")'"
 part cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 part step 150 "$PY" experiments/bench_step.py --device=$DEV --nproc=1 --policies=bf16 \
-  --bf16_anyway --microbatches=2 "${MODEL[@]}" "${STEPS[@]}"
+  --bf16_anyway --microbatches=2 "${STEP_MODEL[@]}" "${STEPS[@]}"
 part offload 120 "$PY" experiments/bench_step.py --device=$DEV --nproc=1 --policies=bf16 \
   --bf16_anyway --microbatches=2 --strategies=optim_grads_params --offload_fraction=0.5 \
   --trace_dir="$LOGS" "${MODEL[@]}" --steps=3 --warmup=1
-part offload_all 90 "$PY" experiments/bench_step.py --device=$DEV --nproc=1 --policies=bf16 \
+part offload_all 150 "$PY" experiments/bench_step.py --device=$DEV --nproc=1 --policies=bf16 \
   --bf16_anyway --microbatches=2 --strategies=optim_grads_params --offload_fraction=1 \
   "${MODEL[@]}" --steps=2 --warmup=1
 part checkpoint 75 "$PY" experiments/bench_checkpoint.py --device=$DEV --nproc=1 --reps=2 \

@@ -5,7 +5,7 @@
     python experiments/train.py --nproc=2 --data=input.txt      # char-level text, no floor
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --max-restarts=3 \
         --rdzv-backend=c10d ... experiments/train.py --grad_chunks=4 --deterministic \
-        --checkpoint_dir=ckpt --save_every=50 --resume     # elastic: README, "Elastic training"
+        --checkpoint_dir=ckpt --save_every=50 --resume     # elastic: docs/multi-node.md
 
 Ends with ``final loss X nats/token, floor Y, gap Z%`` and writes ``metrics.jsonl`` and
 ``loss.png`` into ``--out_dir``.

@@ -1,4 +1,4 @@
-"""A training job that saves every step, for the kill -9 tests of test_reliability.py.
+"""A training job that saves every step, for the kill -9 tests of test_kill_restart.py.
 
 ``python _kill_job.py ROOT NPROC STEPS`` trains the small MLP on NPROC gloo ranks (NPROC 1:
 a 1-rank group in this process, else ``fs.launch``), resuming

@@ -43,6 +43,19 @@ class MLP(nn.Module):
 MESHES = {"2": (2, 1), "3": (3, 1), "2x2": (2, 2)}
 
 
+# SGD momentum and AdamW: ours beside torch's, for the parity tests (test_parity, test_hfsdp).
+OPTIMIZERS = {
+    "sgd": (
+        lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+    ),
+    "adamw": (
+        lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+    ),
+}
+
+
 def make_model(seed: int = 0, **kw) -> MLP:
     torch.manual_seed(seed)
     return MLP(**kw)

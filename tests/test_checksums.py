@@ -4,8 +4,8 @@ is every edit of the metadata that says how the bytes are read.
 One AdamW checkpoint (params, moments, scalars) saved at 2 ranks, by ``fs.save`` and by an
 asynchronous ``CheckpointManager``; single bits flipped at random offsets of the data bytes
 of every kind of leaf; restored at 2 ranks (the same layout) and at 3 (resharding: reads cut
-through chunks). Then the metadata tampered with (``TAMPERING``, which test_cli's ``verify``
-checks too), and the records of older formats, which still restore.
+through chunks). Then the metadata tampered with (``helpers_checksums.TAMPERING``, which
+test_cli's ``verify`` checks too), and the records of older formats, which still restore.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import funcshard as fs
 from funcshard import checkpoint as ckpt_lib
 from funcshard.checkpoint.api import open_source
 
+import helpers_checksums
 import models
 
 ROWS = 12
@@ -183,148 +184,6 @@ def test_async_manager_checkpoints_are_verified(pool3, saved):
 # --- damaged metadata: what says how the bytes are read is checked too -------------------------
 
 
-def _edit_json(path: str, edit) -> None:
-    with open(path) as f:
-        obj = json.load(f)
-    edit(obj)
-    with open(path, "w") as f:
-        json.dump(obj, f)
-
-
-def _plain_commit(item: str) -> None:
-    """``commit_success.txt`` as Orbax (and funcshard before format 3) writes it."""
-    with open(os.path.join(item, "commit_success.txt"), "w") as f:
-        f.write(f"Checkpoint commit was successful to {os.path.basename(item)}")
-
-
-def _record(item: str) -> dict:
-    return json.load(open(os.path.join(item, "_CHECKPOINT_METADATA")))["custom_metadata"][
-        "funcshard"
-    ]
-
-
-def _as_format(item: str, version: int) -> None:
-    """Rewrites the records of a checkpoint ``fs.save`` wrote at ``item`` as funcshard wrote
-    them at format ``version`` (1: no checksums, 2: chunk checksums only)."""
-    if version == 1:
-        os.remove(os.path.join(item, "_CHECKSUMS"))
-    else:
-        _edit_json(
-            os.path.join(item, "_CHECKSUMS"),
-            lambda r: [r.pop(k, None) for k in ("version", "metadata", "info")],
-        )
-
-    def record(r: dict) -> None:
-        info = r["custom_metadata"]["funcshard"]
-        info["version"] = version
-        if version == 1:
-            del info["checksums"]
-
-    _edit_json(os.path.join(item, "_CHECKPOINT_METADATA"), record)
-    _edit_json(os.path.join(item, "_METADATA"), lambda m: m.update(custom_metadata=None))
-    _plain_commit(item)
-
-
-def _array_leaf(item: str) -> str:
-    """The first params leaf with two dims and two chunks (at least two rows per chunk)."""
-    for leaf in sorted(os.listdir(item)):
-        zarray = os.path.join(item, leaf, ".zarray")
-        if leaf.startswith("params.") and os.path.exists(zarray):
-            md = json.load(open(zarray))
-            if len(md["shape"]) == 2 and md["shape"][0] > md["chunks"][0] > 1:
-                return leaf
-    raise AssertionError(f"{item}: no two-chunk params leaf")
-
-
-def _zarray(item: str) -> str:
-    return os.path.join(item, _array_leaf(item), ".zarray")
-
-
-def _swap_same_shape_leaves(item: str) -> None:
-    """Swaps the names of two params leaves of one shape in ``_METADATA``: each would read the
-    other's bytes, every chunk checksum intact."""
-    by_shape: dict = {}
-    for leaf in sorted(os.listdir(item)):
-        zarray = os.path.join(item, leaf, ".zarray")
-        if leaf.startswith("params.") and os.path.exists(zarray):
-            by_shape.setdefault(tuple(json.load(open(zarray))["shape"]), []).append(leaf)
-    a, b = next(v for v in by_shape.values() if len(v) > 1)[:2]
-
-    def swap(meta: dict) -> None:
-        tree = meta["tree_metadata"]
-        ka = next(k for k, e in tree.items() if ".".join(x["key"] for x in e["key_metadata"]) == a)
-        kb = next(k for k, e in tree.items() if ".".join(x["key"] for x in e["key_metadata"]) == b)
-        tree[ka]["key_metadata"], tree[kb]["key_metadata"] = (
-            tree[kb]["key_metadata"],
-            tree[ka]["key_metadata"],
-        )
-
-    _edit_json(os.path.join(item, "_METADATA"), swap)
-
-
-def _lose_checksums_and_flag(item: str) -> str:
-    os.remove(os.path.join(item, "_CHECKSUMS"))
-
-    def forget(r: dict) -> None:  # as a checkpoint saved before checksums existed says
-        del r["custom_metadata"]["funcshard"]["checksums"]
-        r["custom_metadata"]["funcshard"]["version"] = 1
-
-    _edit_json(os.path.join(item, "_CHECKPOINT_METADATA"), forget)
-    return os.path.join(item, "_CHECKSUMS")
-
-
-def _only_the_commit_mark_left(item: str) -> str:
-    path = _lose_checksums_and_flag(item)
-    _edit_json(os.path.join(item, "_METADATA"), lambda m: m.update(custom_metadata=None))
-    return path
-
-
-def _not_plain_zarr(item: str) -> str:  # Fortran order: tensorstore would read it transposed
-    _edit_json(_zarray(item), lambda md: md.update(order="F"))
-    return _zarray(item)
-
-
-def _format2_not_plain_zarr(item: str) -> str:  # no metadata checksums to catch it
-    _as_format(item, 2)
-    return _not_plain_zarr(item)
-
-
-def _shape_changed(item: str) -> str:
-    _edit_json(_zarray(item), lambda md: md["shape"].__setitem__(1, md["shape"][1] + 1))
-    return _zarray(item)
-
-
-def _chunks_changed(item: str) -> str:  # rows would be read from the wrong offsets, silently
-    _edit_json(_zarray(item), lambda md: md["chunks"].__setitem__(0, md["chunks"][0] - 1))
-    return _zarray(item)
-
-
-def _leaves_swapped(item: str) -> str:
-    _swap_same_shape_leaves(item)
-    return os.path.join(item, "_METADATA")
-
-
-def _record_edited(item: str) -> str:
-    _edit_json(
-        os.path.join(item, "_CHECKPOINT_METADATA"),
-        lambda r: r["custom_metadata"]["funcshard"].update(step=12345),
-    )
-    return os.path.join(item, "_CHECKPOINT_METADATA")
-
-
-# name -> damage(item) returning the file every rank's error must name
-TAMPERING = {
-    "checksums_and_flag_removed": _lose_checksums_and_flag,
-    "only_the_commit_mark_left": _only_the_commit_mark_left,
-    "zarray_not_plain_zarr": _not_plain_zarr,
-    "format2_zarray_not_plain_zarr": _format2_not_plain_zarr,
-    "zarray_shape_changed": _shape_changed,
-    "zarray_chunks_changed": _chunks_changed,
-    "metadata_leaves_swapped": _leaves_swapped,
-    "record_edited": _record_edited,
-}
-
-
 def test_clean_restore_is_exact_and_older_formats_restore(pool2, saved, tmp_path):
     directory, _, full = saved
     for r in pool2.run(restore_worker, directory):
@@ -332,13 +191,13 @@ def test_clean_restore_is_exact_and_older_formats_restore(pool2, saved, tmp_path
         assert models.max_rel_err(r["full"], full) == 0
     v2 = str(tmp_path / "v2")  # chunk checksums only: verified, no warning
     shutil.copytree(directory, v2)
-    _as_format(v2, 2)
+    helpers_checksums.as_format(v2, 2)
     for r in pool2.run(restore_worker, v2):
         assert r["warned"] == []
         assert models.max_rel_err(r["full"], full) == 0
     v1 = str(tmp_path / "v1")  # saved before checksums existed
     shutil.copytree(directory, v1)
-    _as_format(v1, 1)
+    helpers_checksums.as_format(v1, 1)
     for r in pool2.run(restore_worker, v1):
         assert len(r["warned"]) == 1 and "cannot be verified" in r["warned"][0]
         assert models.max_rel_err(r["full"], full) == 0
@@ -353,14 +212,14 @@ def test_lost_checksums_of_a_checksummed_checkpoint_raise(pool2, saved, tmp_path
     assert all("_CHECKSUMS is missing" in e for e in errors), errors
 
 
-@pytest.mark.parametrize("case", list(TAMPERING))
+@pytest.mark.parametrize("case", list(helpers_checksums.TAMPERING))
 def test_damaged_metadata_raises_naming_the_file(pool2, saved, tmp_path, case):
     """Each edit would restore unverified or wrong values without the metadata's own
     checksums and funcshard's marks; every rank raises, naming the damaged file."""
     directory, _, _ = saved
     item = str(tmp_path / "ckpt")
     shutil.copytree(directory, item)
-    path = TAMPERING[case](item)
+    path = helpers_checksums.TAMPERING[case](item)
     for e in pool2.run(restore_error_worker, item):
         assert e is not None, f"{case}: restored silently"
         assert path in e and "damaged" in e, f"{case}: {e}"
@@ -371,11 +230,11 @@ def test_each_mark_alone_keeps_verification_on(saved, tmp_path):
     refused: the record, ``_METADATA``'s custom_metadata, the commit file."""
     directory, _, _ = saved
     marks = {
-        "_CHECKPOINT_METADATA": lambda item: _edit_json(
+        "_CHECKPOINT_METADATA": lambda item: helpers_checksums.edit_json(
             os.path.join(item, "_CHECKPOINT_METADATA"),
             lambda r: r["custom_metadata"]["funcshard"].update(checksums="crc32c"),
         ),
-        "_METADATA": lambda item: _edit_json(
+        "_METADATA": lambda item: helpers_checksums.edit_json(
             os.path.join(item, "_METADATA"),
             lambda m: m.update(custom_metadata={"funcshard": {"version": 3}}),
         ),
@@ -386,7 +245,7 @@ def test_each_mark_alone_keeps_verification_on(saved, tmp_path):
     for name, mark in marks.items():
         item = str(tmp_path / name)
         shutil.copytree(directory, item)
-        _as_format(item, 1)
+        helpers_checksums.as_format(item, 1)
         assert open_source(item).checksums is None  # unmarked: read as saved before them
         mark(item)
         with pytest.raises(FileNotFoundError, match=re.escape(os.path.join(item, name))):

@@ -14,8 +14,6 @@ import sys
 import warnings
 
 import pytest
-import test_checksums
-import test_hf
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
@@ -23,11 +21,14 @@ import transformers
 import funcshard as fs
 from funcshard import cli
 
-VOCAB = test_hf.VOCAB
+import helpers_checksums
+import helpers_hf
+
+VOCAB = helpers_hf.VOCAB
 
 
 def make_llama(seed: int = 0) -> torch.nn.Module:
-    return test_hf.make_hf("llama", seed)
+    return helpers_hf.make_hf("llama", seed)
 
 
 def save_worker(directory: str) -> None:
@@ -100,11 +101,11 @@ def test_verify_names_each_bad_leaf(saved, tmp_path, capsys):
     assert status == 1 and "_CHECKSUMS is missing" in out, out
 
 
-@pytest.mark.parametrize("case", list(test_checksums.TAMPERING))
+@pytest.mark.parametrize("case", list(helpers_checksums.TAMPERING))
 def test_verify_names_damaged_metadata(saved, tmp_path, capsys, case):
     bad = str(tmp_path / "bad")
     shutil.copytree(saved, bad)
-    path = test_checksums.TAMPERING[case](bad)
+    path = helpers_checksums.TAMPERING[case](bad)
     status, out = _run(capsys, "verify", bad)
     assert status == 1 and "BAD" in out and path in out, out
 

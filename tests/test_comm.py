@@ -6,20 +6,20 @@ import collections
 import math
 
 import pytest
-import test_muon
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
 
+import helpers_muon
 import models
 
 BF16 = torch.bfloat16
 
 
 def expected_bytes(layout, microbatches: int) -> dict:
-    """The formula of the README, per rank and step (groups of one rank move nothing)."""
+    """The formula of docs/strategies.md, per rank and step (groups of one rank move nothing)."""
     S, W = layout.shard_size, layout.dp_size
     R = W // S if layout.strategy != "no_shard" else W
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
@@ -203,15 +203,15 @@ def test_replicate_reductions_leave_during_backward(pool4, strategy: str, outer:
 # --- fs.optim.muon: the owner-computes exchange ------------------------------------------------
 def muon_comm_worker(strategy: str, fraction: float, replicate: int = 1) -> dict:
     mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
-    model = models.make_model(seed=3, d_in=test_muon.D_IN)
+    model = models.make_model(seed=3, d_in=helpers_muon.D_IN)
     state = fs.init(
-        model, test_muon.ours(), mesh=mesh, strategy=strategy, offload_fraction=fraction
+        model, helpers_muon.ours(), mesh=mesh, strategy=strategy, offload_fraction=fraction
     )
     loss_fn = models.make_loss_fn(model)
     world = dist.get_world_size()
-    rows = test_muon.LOCAL_ROWS * world
+    rows = helpers_muon.LOCAL_ROWS * world
     batch = models.local_batch(
-        models.global_batch(0, rows, d_in=test_muon.D_IN), dist.get_rank(), world
+        models.global_batch(0, rows, d_in=helpers_muon.D_IN), dist.get_rank(), world
     )
     with fs.comm_stats() as stats:
         state, _ = fs.train_step(state, batch, loss_fn)
@@ -237,14 +237,14 @@ def test_muon_exchange_bytes_equal_the_plan(
     results = request.getfixturevalue(f"pool{world}").run(
         muon_comm_worker, strategy, fraction, replicate
     )
-    model = models.make_model(seed=3, d_in=test_muon.D_IN)
+    model = models.make_model(seed=3, d_in=helpers_muon.D_IN)
     p = fs.plan(
         model,
         world_size=world,
         replicate=replicate,
         strategy=strategy,
         offload_fraction=fraction,
-        optimizer=test_muon.ours(),
+        optimizer=helpers_muon.ours(),
         device_type="cpu",
     )
     assert max(r["bytes"] for r in results) == p.comm["muon"]
@@ -258,7 +258,7 @@ def test_muon_exchange_bytes_equal_the_plan(
     rows_numel = sum(
         math.prod(p_.shape)
         for n, p_ in model.named_parameters()
-        if test_muon.is_muon(n, tuple(p_.shape))
+        if helpers_muon.is_muon(n, tuple(p_.shape))
     )
     assert sum(r["bytes"] for r in results) == 2 * 2 * rows_numel
     assert p.memory.muon_owner > 0
@@ -270,8 +270,8 @@ def by_axis_worker(
 ) -> dict:
     mesh = fs.make_mesh(replicate=replicate, device_type="cpu")
     if muon:
-        model = models.make_model(seed=3, d_in=test_muon.D_IN)
-        opt, d_in = test_muon.ours(), test_muon.D_IN
+        model = models.make_model(seed=3, d_in=helpers_muon.D_IN)
+        opt, d_in = helpers_muon.ours(), helpers_muon.D_IN
     else:
         model, opt, d_in = models.make_model(), fs.optim.sgd(0.1, momentum=0.9), 5
     state = fs.init(
@@ -323,14 +323,14 @@ def test_bytes_by_axis_equal_the_plan(
     results = request.getfixturevalue(f"pool{world}").run(
         by_axis_worker, strategy, replicate, microbatches, deterministic, muon, outer
     )
-    model = models.make_model(seed=3, d_in=test_muon.D_IN) if muon else models.make_model()
+    model = models.make_model(seed=3, d_in=helpers_muon.D_IN) if muon else models.make_model()
     p = fs.plan(
         model,
         world_size=world,
         replicate=replicate,
         strategy=strategy,
         microbatches=microbatches,
-        optimizer=test_muon.ours() if muon else "sgd_momentum",
+        optimizer=helpers_muon.ours() if muon else "sgd_momentum",
         device_type="cpu",
         deterministic=deterministic,
         outer_strategy=outer,

@@ -19,94 +19,17 @@ import funcshard as fs
 from funcshard import determinism
 
 import models
-
-STEPS = 4
-CHUNKS = 4
-ROWS = 36  # 9 rows per chunk
-CLIP = 0.3  # below the gradient norm on most steps: the clip is active
-
-
-def recipe() -> fs.optim.Optimizer:
-    return fs.optim.chain(
-        fs.optim.clip_by_global_norm(CLIP),
-        fs.optim.adamw(
-            fs.optim.warmup_cosine(2e-2, warmup=2, total=STEPS, final=2e-3),
-            weight_decay=0.1,
-            mask=fs.optim.decay_mask,
-        ),
-    )
-
-
-def muon_recipe() -> fs.optim.Optimizer:
-    """Muon on the blocks' matrices (whole-matrix owners), AdamW on the rest."""
-    return fs.optim.chain(
-        fs.optim.clip_by_global_norm(CLIP),
-        fs.optim.multi_transform(
-            {"muon": fs.optim.muon(0.02), "adamw": fs.optim.adamw(3e-3, weight_decay=0.1)},
-            lambda name, shape: (
-                "muon" if len(shape) == 2 and name.startswith("blocks") else "adamw"
-            ),
-        ),
-    )
-
-
-RECIPES = {"adamw": recipe, "muon": muon_recipe}
-
-
-def _full(layout, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full tensors from every rank's rows (one holder of each master shard, in shard order:
-    under HFSDP the master index is not the global rank)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (layout.shard_rank, local))
-    parts: dict = {}
-    for shard_rank, rows in gathered:
-        parts.setdefault(shard_rank, rows)
-    size = layout.shard_size
-    out = {}
-    for name in local:
-        spec = layout.leaf(name)
-        if size == 1 or spec.shape == ():
-            out[name] = parts[0][name]
-        else:
-            out[name] = torch.cat([parts[r][name] for r in range(size)])
-    return out
-
-
-def snapshot(state) -> dict:
-    """Every parameter and every optimizer-state tensor, full, by name."""
-    names = set(state.layout.names)
-    by_name = lambda x: isinstance(x, dict) and bool(x) and set(x) <= names  # noqa: E731
-    opt = fs.tree.leaves(state.opt_state_by_name(), is_leaf=by_name)
-    tensors = {f"params/{n}": t for n, t in _full(state.layout, state.params).items()}
-    for i, part in enumerate(x for x in opt if by_name(x)):
-        tensors.update({f"opt{i}/{n}": t for n, t in _full(state.layout, part).items()})
-    return {"tensors": {k: v.clone() for k, v in tensors.items()}, "step": state.step}
-
-
-def _penalized(model, twice: bool = False):
-    """The loss plus a penalty that reads a unit's weight by name, outside the unit; ``twice``
-    also runs the model a second time (on the chunk's rows reversed): three uses of a bucket."""
-    base = models.make_loss_fn(model)
-
-    def loss_fn(params, batch):
-        loss = base(params, batch)
-        if twice:
-            loss = loss + 0.5 * base(params, {k: v.flip(0) for k, v in batch.items()})
-        return loss + 1e-2 * params["blocks.1.fc.weight"].square().sum()
-
-    return loss_fn
-
-
-def _run(state, steps, microbatches: int, penalty: bool = False, twice: bool = False):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = models.make_model(seed=3)
-    loss_fn = _penalized(model, twice) if penalty else models.make_loss_fn(model)
-    metrics = []
-    for step in steps:
-        batch = models.local_batch(models.global_batch(step, ROWS), rank, world)
-        state, m = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
-        metrics.append((m["loss"], m["grad_norm"], m["nonfinite"]))
-    return state, metrics
+from helpers_determinism import (
+    CHUNKS,
+    CLIP,
+    RECIPES,
+    ROWS,
+    STEPS,
+    assert_bitwise,
+    recipe,
+    run,
+    snapshot,
+)
 
 
 def _init(
@@ -146,15 +69,8 @@ def train_worker(
     state = _init(
         strategy, shard, replicate, fraction, deterministic, optimizer=optimizer, outer=outer
     )
-    state, metrics = _run(state, range(STEPS), CHUNKS // dist.get_world_size(), penalty, twice)
+    state, metrics = run(state, range(STEPS), CHUNKS // dist.get_world_size(), penalty, twice)
     return {**snapshot(state), "metrics": metrics}
-
-
-def _assert_bitwise(got: dict, want: dict, what: str) -> None:
-    assert got["metrics"] == want["metrics"], (what, got["metrics"], want["metrics"])
-    assert got["tensors"].keys() == want["tensors"].keys(), what
-    differ = [k for k, v in got["tensors"].items() if not torch.equal(v, want["tensors"][k])]
-    assert not differ, (what, differ)
 
 
 @pytest.fixture(scope="module")
@@ -170,38 +86,38 @@ STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_rank_strategies_agree(pool1, golden, strategy: str) -> None:
-    _assert_bitwise(pool1.run(train_worker, strategy)[0], golden, strategy)
+    assert_bitwise(pool1.run(train_worker, strategy)[0], golden, strategy)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_two_microbatches(pool2, golden, strategy: str) -> None:
     for rank, result in enumerate(pool2.run(train_worker, strategy)):
-        _assert_bitwise(result, golden, f"{strategy} rank {rank}")
+        assert_bitwise(result, golden, f"{strategy} rank {rank}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_four_ranks_one_microbatch(pool4, golden, strategy: str) -> None:
     for rank, result in enumerate(pool4.run(train_worker, strategy)):
-        _assert_bitwise(result, golden, f"{strategy} rank {rank}")
+        assert_bitwise(result, golden, f"{strategy} rank {rank}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_2x2_mesh(pool4, golden, strategy: str) -> None:
     for rank, result in enumerate(pool4.run(train_worker, strategy, 2, 2)):
-        _assert_bitwise(result, golden, f"2x2 {strategy} rank {rank}")
+        assert_bitwise(result, golden, f"2x2 {strategy} rank {rank}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES[1:])
 def test_hfsdp(pool4, golden, strategy: str) -> None:
     """HFSDP (masters and optimizer state over replicate x shard) gives HSDP's bits."""
     for rank, result in enumerate(pool4.run(train_worker, strategy, 2, 2, outer="optim")):
-        _assert_bitwise(result, golden, f"HFSDP {strategy} rank {rank}")
+        assert_bitwise(result, golden, f"HFSDP {strategy} rank {rank}")
 
 
 @pytest.mark.parametrize("strategy,fraction", [("optim_grads_params", 0.5), ("optim", 1.0)])
 def test_offloaded(pool2, golden, strategy: str, fraction: float) -> None:
     for rank, result in enumerate(pool2.run(train_worker, strategy, -1, 1, fraction)):
-        _assert_bitwise(result, golden, f"{strategy} offload {fraction} rank {rank}")
+        assert_bitwise(result, golden, f"{strategy} offload {fraction} rank {rank}")
 
 
 def test_without_it_layouts_differ(pool4, golden) -> None:
@@ -217,7 +133,7 @@ def test_a_param_read_by_name_beside_its_unit(pool1, pool4, strategy: str) -> No
     autograd sums them under ZeRO-0."""
     want = pool1.run(train_worker, "no_shard", -1, 1, 0.0, True, True)[0]
     for rank, result in enumerate(pool4.run(train_worker, strategy, -1, 1, 0.0, True, True)):
-        _assert_bitwise(result, want, f"{strategy} with a penalty, rank {rank}")
+        assert_bitwise(result, want, f"{strategy} with a penalty, rank {rank}")
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
@@ -230,7 +146,7 @@ def test_a_bucket_used_three_times(pool1, pool2, pool4, strategy: str) -> None:
         for rank, result in enumerate(
             pool.run(train_worker, strategy, -1, 1, 0.0, True, True, twice=True)
         ):
-            _assert_bitwise(result, want, f"{strategy} used three times, rank {rank}")
+            assert_bitwise(result, want, f"{strategy} used three times, rank {rank}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -242,19 +158,19 @@ def test_muon_too(pool1, pool2, pool4, strategy: str) -> None:
         for rank, result in enumerate(
             pool.run(train_worker, strategy, fraction=fraction, optimizer="muon")
         ):
-            _assert_bitwise(result, want, f"muon {strategy} offload {fraction} rank {rank}")
+            assert_bitwise(result, want, f"muon {strategy} offload {fraction} rank {rank}")
     if strategy == "no_shard":
         return
     hfsdp = pool4.run(train_worker, strategy, 2, 2, 0.5, optimizer="muon", outer="optim")
     for rank, result in enumerate(hfsdp):
-        _assert_bitwise(result, want, f"muon HFSDP {strategy} offload 0.5 rank {rank}")
+        assert_bitwise(result, want, f"muon HFSDP {strategy} offload 0.5 rank {rank}")
 
 
 # --- save on 2 ranks, restore on 4, continue == the straight run --------------------------------
 def save_worker(directory: str, **layout) -> None:
     torch.set_num_threads(1)
     state = _init(layout.pop("strategy", "optim_grads_params"), **layout)
-    state, _ = _run(state, range(2), CHUNKS // dist.get_world_size())
+    state, _ = run(state, range(2), CHUNKS // dist.get_world_size())
     fs.save(directory, state)
 
 
@@ -262,7 +178,7 @@ def resume_worker(directory: str, strategy: str, **layout) -> dict:
     torch.set_num_threads(1)
     like = _init(strategy, seed=11, **layout)  # other weights: none may survive the restore
     state = fs.restore(directory, like=like)
-    state, metrics = _run(state, range(2, STEPS), CHUNKS // dist.get_world_size())
+    state, metrics = run(state, range(2, STEPS), CHUNKS // dist.get_world_size())
     return {**snapshot(state), "metrics": metrics}
 
 
@@ -271,7 +187,7 @@ def test_resume_on_another_layout_equals_the_straight_run(pool2, pool4, golden, 
     pool2.run(save_worker, directory, fraction=0.5)
     want = {**golden, "metrics": golden["metrics"][2:]}
     for rank, result in enumerate(pool4.run(resume_worker, directory, "optim")):
-        _assert_bitwise(result, want, f"resumed rank {rank}")
+        assert_bitwise(result, want, f"resumed rank {rank}")
 
 
 def test_resume_across_outer_strategies(pool2, pool4, golden, tmp_path) -> None:
@@ -283,16 +199,16 @@ def test_resume_across_outer_strategies(pool2, pool4, golden, tmp_path) -> None:
     for rank, result in enumerate(
         pool4.run(resume_worker, str(tmp_path / "hfsdp"), "optim", shard=2, replicate=2)
     ):
-        _assert_bitwise(result, want, f"HFSDP -> HSDP rank {rank}")
+        assert_bitwise(result, want, f"HFSDP -> HSDP rank {rank}")
     for rank, result in enumerate(
         pool2.run(resume_worker, str(tmp_path / "hfsdp"), "optim_grads_params")
     ):
-        _assert_bitwise(result, want, f"HFSDP -> 2 flat ranks, rank {rank}")
+        assert_bitwise(result, want, f"HFSDP -> 2 flat ranks, rank {rank}")
     pool2.run(save_worker, str(tmp_path / "flat"), strategy="optim")
     for rank, result in enumerate(
         pool4.run(resume_worker, str(tmp_path / "flat"), "optim_grads_params", **hfsdp)
     ):
-        _assert_bitwise(result, want, f"2 flat ranks -> HFSDP rank {rank}")
+        assert_bitwise(result, want, f"2 flat ranks -> HFSDP rank {rank}")
 
 
 class _Thin(torch.nn.Module):
@@ -338,7 +254,7 @@ def test_leaves_thinner_than_the_shards(pool1, pool2, strategy: str) -> None:
     leaf's shard to 32 elements. Without that the 2-rank runs differ from step 0's norm."""
     want = pool1.run(thin_worker, "no_shard")[0]
     for rank, result in enumerate(pool2.run(thin_worker, strategy)):
-        _assert_bitwise(result, want, f"{strategy} rank {rank}")
+        assert_bitwise(result, want, f"{strategy} rank {rank}")
 
 
 # --- the building blocks -------------------------------------------------------------------------

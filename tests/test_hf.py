@@ -15,37 +15,11 @@ import pytest
 import safetensors.torch as safetensors_torch
 import torch
 import torch.distributed as dist
-import transformers
 
 import funcshard as fs
 from funcshard import checkpoint as ckpt_lib
 
-VOCAB = 101  # uneven over 2 and 3 ranks
-
-
-def make_hf(kind: str, seed: int = 0, meta: bool = False) -> torch.nn.Module:
-    if kind == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=40,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        )
-        cls = transformers.LlamaForCausalLM
-    else:
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4
-        )  # lm_head tied to wte
-        cls = transformers.GPT2LMHeadModel
-    torch.manual_seed(seed)
-    if meta:
-        with torch.device("meta"):
-            return cls(config)
-    return cls(config).eval()
+from helpers_hf import VOCAB, make_hf
 
 
 def _cpu(params: dict) -> dict:

@@ -15,7 +15,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from test_parity import OPTIMIZERS  # SGD momentum and AdamW, ours beside torch's
 
 import funcshard as fs
 from funcshard.plan import transformer_shapes
@@ -34,7 +33,7 @@ def parity_worker(
     rows = LOCAL_ROWS * dist.get_world_size()
     errors = {}
     for strategy in strategies:
-        for opt_name, (ours, theirs) in OPTIMIZERS.items():
+        for opt_name, (ours, theirs) in models.OPTIMIZERS.items():
             if optimizers is not None and opt_name not in optimizers:
                 continue
             for microbatches in (1, 3):
@@ -191,7 +190,7 @@ def wire_worker(outer: str) -> dict:
     policy = fs.MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)
     state = fs.init(
         model,
-        OPTIMIZERS["sgd"][0](),
+        models.OPTIMIZERS["sgd"][0](),
         mesh=mesh,
         policy=policy,
         strategy="optim_grads",
@@ -205,7 +204,7 @@ def test_a_bf16_wire_is_summed_in_fp32_over_replicate_too(pool4) -> None:
     """HFSDP's reduce-scatter over "replicate" rounds each replica's part to bf16 once and
     sums in fp32, as HSDP's all-reduce does: both stay within bf16 rounding of fp32."""
     model = models.make_model(seed=7)
-    ref = models.reference_run(model, OPTIMIZERS["sgd"][1], STEPS, LOCAL_ROWS * 4)
+    ref = models.reference_run(model, models.OPTIMIZERS["sgd"][1], STEPS, LOCAL_ROWS * 4)
     err = {}
     for outer in ("no_shard", "optim"):
         got = pool4.run(wire_worker, outer)[0]
@@ -227,7 +226,7 @@ def param_wire_worker(dtype, outer: str, strategy: str) -> dict:
     model = models.make_model(seed=7)
     state = fs.init(
         model,
-        OPTIMIZERS["sgd"][0](),
+        models.OPTIMIZERS["sgd"][0](),
         mesh=mesh,
         policy=fs.MixedPrecisionPolicy(param_comm_dtype=dtype),
         strategy=strategy,
@@ -251,7 +250,7 @@ def test_a_param_wire_equals_hsdp_and_is_within_its_rounding_of_fp32(
     dtype = WIRES[wire_name]
     hfsdp = pool4.run(param_wire_worker, dtype, "optim", strategy)
     hsdp = pool4.run(param_wire_worker, dtype, "no_shard", strategy)[0]
-    ref = models.reference_run(models.make_model(seed=7), OPTIMIZERS["sgd"][1], STEPS, 24)
+    ref = models.reference_run(models.make_model(seed=7), models.OPTIMIZERS["sgd"][1], STEPS, 24)
     for rank, got in enumerate(hfsdp):
         assert got["losses"] == hsdp["losses"], rank
         differ = [n for n, p in got["params"].items() if not torch.equal(p, hsdp["params"][n])]
@@ -329,7 +328,7 @@ def lifecycle_worker(directory: str, strategy: str) -> dict:
             model = models.make_model(seed=seed)
         state = fs.init(
             model,
-            OPTIMIZERS["adamw"][0](),
+            models.OPTIMIZERS["adamw"][0](),
             mesh=mesh,
             policy=policy,
             strategy=strategy,

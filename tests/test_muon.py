@@ -46,36 +46,9 @@ import funcshard as fs
 from funcshard.optim import matrices as muon_lib
 
 import models
+from helpers_muon import ADAM_LR, CLIP, D_IN, LOCAL_ROWS, LR, STEPS, WD, is_muon, ours, schedule
 
-STEPS = 4
-LOCAL_ROWS = 24
-D_IN = 40
-CLIP = 0.5
-LR, ADAM_LR, WD = 0.02, 1e-2, 0.1
 TOL, FAR = 2e-2, 0.3
-
-
-def is_muon(name: str, shape: tuple) -> bool:
-    return len(shape) == 2 and not name.startswith("head")
-
-
-def schedule(step: int) -> float:
-    return fs.optim.warmup_cosine(1.0, warmup=2, total=STEPS, final=0.1)(step)
-
-
-def ours() -> fs.optim.Optimizer:
-    return fs.optim.chain(
-        fs.optim.clip_by_global_norm(CLIP),
-        fs.optim.multi_transform(
-            {
-                "muon": fs.optim.muon(lambda s: LR * schedule(s), weight_decay=WD),
-                "adamw": fs.optim.adamw(
-                    lambda s: ADAM_LR * schedule(s), weight_decay=WD, mask=fs.optim.decay_mask
-                ),
-            },
-            lambda name, shape: "muon" if is_muon(name, shape) else "adamw",
-        ),
-    )
 
 
 def torch_opts(model: nn.Module, adamw_only: bool = False) -> list:

@@ -6,7 +6,6 @@ Every strategy x mesh {1, 2, 3, 4, 1x2, 2x2} x microbatches {1, 3}; 37-row leave
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import funcshard as fs
@@ -16,23 +15,12 @@ import models
 STEPS = 4
 LOCAL_ROWS = 6  # divisible by 1 and 3 microbatches
 
-OPTIMIZERS = {
-    "sgd": (
-        lambda: fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
-        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
-    ),
-    "adamw": (
-        lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
-        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
-    ),
-}
-
 
 def parity_worker(strategy: str, shard: int, replicate: int) -> dict:
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     rows = LOCAL_ROWS * dist.get_world_size()
     errors = {}
-    for opt_name, (ours, theirs) in OPTIMIZERS.items():
+    for opt_name, (ours, theirs) in models.OPTIMIZERS.items():
         for microbatches in (1, 3):
             model = models.make_model(seed=7)
             state = fs.init(model, ours(), mesh=mesh, strategy=strategy)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import test_determinism as det
 import torch
 import torch.distributed as dist
 
@@ -25,6 +24,7 @@ import funcshard as fs
 from funcshard import wire
 from funcshard.plan import transformer_shapes
 
+import helpers_determinism as det
 import models
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -495,7 +495,7 @@ def det_worker(
         deterministic=True,
         outer_strategy=outer,
     )
-    state, metrics = det._run(state, range(2), det.CHUNKS // dist.get_world_size())
+    state, metrics = det.run(state, range(2), det.CHUNKS // dist.get_world_size())
     return {**det.snapshot(state), "metrics": metrics}
 
 
@@ -522,7 +522,7 @@ def test_deterministic_layouts_agree_with_a_param_wire(pool1, pool2, pool4, wire
     for pool, args in runs:
         args = args if len(args) > 3 else (*args, dtype)
         for rank, result in enumerate(pool.run(det_worker, *args)):
-            det._assert_bitwise(result, want, f"{args} rank {rank}")
+            det.assert_bitwise(result, want, f"{args} rank {rank}")
 
 
 def refuse_worker(dtype) -> str:
