@@ -25,7 +25,6 @@ loads, and serializes each with ``torch.save``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -37,7 +36,8 @@ import torch
 
 from funcshard.checkpoint import commit as commit_lib
 from funcshard.checkpoint import dcp as dcp_lib
-from funcshard.checkpoint import hf
+from funcshard.checkpoint import safetensors as st
+from funcshard.checkpoint import writing
 from funcshard.checkpoint.api import open_source
 from funcshard.checkpoint.checksums import Checksums
 from funcshard.checkpoint.format import (
@@ -51,7 +51,9 @@ from funcshard.checkpoint.format import (
     fsync_dir,
     param_dir,
 )
-from funcshard.checkpoint.sources import OrbaxSource, ReadRequest, Source
+from funcshard.checkpoint.hf import SafetensorsSource
+from funcshard.checkpoint.orbax import OrbaxSource
+from funcshard.checkpoint.sources import ReadRequest, Source
 from funcshard.checkpoint.tree import ArrayWrite
 
 __all__ = ["main", "inspect", "verify", "convert"]
@@ -96,7 +98,7 @@ def _open(path: str) -> Source:
 def format_name(source: Source) -> str:
     if isinstance(source, OrbaxSource):
         return "funcshard (Orbax layout)" if source.info is not None else "Orbax"
-    if isinstance(source, hf.SafetensorsSource):
+    if isinstance(source, SafetensorsSource):
         return "Hugging Face safetensors"
     return "torch.distributed.checkpoint (DCP)"
 
@@ -222,13 +224,13 @@ def _out_dtype(stored: str, dtype: torch.dtype | None) -> torch.dtype:
 def _write_safetensors(tmp: str, source: Source, dtype: torch.dtype | None) -> None:
     load = _loader(source, dtype)
     entries = [
-        hf._Entry(name, name, _out_dtype(stored, dtype), tuple(shape))
+        st.Entry(name, name, _out_dtype(stored, dtype), tuple(shape))
         for name, (shape, stored) in _params(source).items()
     ]
-    files = hf._plan_files(entries, 5 << 30)
-    names = hf._file_names(len(files))
+    files = st.plan_files(entries, 5 << 30)
+    names = st.file_names(len(files))
     for name, entries_i in zip(names, files, strict=True):
-        head, _ = hf._header_bytes(entries_i)
+        head, _ = st.header_bytes(entries_i)
         with open(os.path.join(tmp, name), "wb") as f:
             f.write(head)
             for e in entries_i:
@@ -237,11 +239,7 @@ def _write_safetensors(tmp: str, source: Source, dtype: torch.dtype | None) -> N
                 del t
             f.flush()
             os.fsync(f.fileno())
-    if len(files) > 1:
-        weight_map = {e.name: n for n, f in zip(names, files, strict=True) for e in f}
-        total = sum(e.nbytes for e in entries)
-        with open(os.path.join(tmp, hf.INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    st.write_index(tmp, names, files)
 
 
 def _write_dcp(tmp: str, source: Source, dtype: torch.dtype | None) -> None:
@@ -269,19 +267,19 @@ def _write_orbax(tmp: str, source: Source, dtype: torch.dtype | None, final: str
         write = ArrayWrite(
             keys, tuple(shape), out_dtype, chunk_rows(rows, row_bytes, CHUNK_BYTES), 0, rows, t
         )
-        checksums.update(commit_lib.write_arrays(tmp, [write], {}, True))
+        checksums.update(writing.write_arrays(tmp, [write], {}, True))
         written.append(keys)
         del t, write
     step = _step(source)
     scalars = {("step",): step} if step is not None else {}
-    checksums.update(commit_lib.write_arrays(tmp, [], scalars, True))
+    checksums.update(writing.write_arrays(tmp, [], scalars, True))
     info = {
         "version": FORMAT_VERSION,
         "optimizer": None,
         "step": step or 0,
         "converted_from": format_name(source),
     }
-    commit_lib.write_records(
+    writing.write_records(
         tmp, tmp, os.path.basename(final), None, (written, list(scalars)), info, started, checksums
     )
 

@@ -44,12 +44,12 @@ def functional_call(
     if isinstance(params, GatheredParams):
         return params._run.call(model, args, kwargs)
     if isinstance(params, StepParams):
-        params.stack.callback(_Swap(model, params, strict=strict).restore)
+        params.stack.callback(Swap(model, params, strict=strict).restore)
         return model(*args, **kwargs)
     return torch.func.functional_call(model, params, args, kwargs, strict=strict)
 
 
-class _Swap:
+class Swap:
     """The model's tensors swapped for given ones (tied names included) until ``restore``.
 
     The one way funcshard puts params into a module; unlike a context manager it can stay

@@ -33,6 +33,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import mesh as mesh_lib
 from funcshard.buckets import Block, Members, PerBucket, scale_index
+from funcshard.model_units import (
+    ROOT_UNIT,
+    UnitsArg,
+    default_units,
+    resolve_units,
+    tied_aliases,
+    unit_of,
+)
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
 from funcshard.strategy import OuterStrategy, Strategy
 
@@ -43,11 +51,13 @@ __all__ = [
     "Layout",
     "Placement",
     "build_layout",
+    "ROOT_UNIT",
+    "UnitsArg",
     "default_units",
+    "tied_aliases",
 ]
 
 STRATEGIES = tuple(s.value for s in Strategy)  # the names users pass
-ROOT_UNIT = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -308,63 +318,11 @@ class Layout:
         return sum(b.numel for b in self.buckets if b.offload) / total if total else 0.0
 
 
-UnitsArg = Sequence[str] | Callable[[str, nn.Module], bool] | None
-
-
 def _drop_groups(layout: Layout) -> None:
     """What a layout of a destroyed world keeps of its groups: its placement, its mesh's."""
     layout.__dict__.pop("placement", None)
     if layout.mesh is not None:
         mesh_lib.drop_mesh_groups(layout.mesh)
-
-
-def default_units(model: nn.Module) -> list[str]:
-    """The repeated blocks: each child of an ``nn.ModuleList`` that holds parameters.
-
-    A ModuleList nested inside a unit does not split that unit further.
-    """
-    units: list[str] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList):
-            continue
-        if any(name == u or name.startswith(u + ".") for u in units):
-            continue
-        for child_name, child in module.named_children():
-            if any(True for _ in child.parameters()):
-                units.append(f"{name}.{child_name}" if name else child_name)
-    return units
-
-
-def _resolve_units(model: nn.Module, units: UnitsArg) -> list[str]:
-    if units is None:
-        return default_units(model)
-    if callable(units):
-        return [name for name, m in model.named_modules() if name and units(name, m)]
-    modules = dict(model.named_modules())
-    missing = [u for u in units if u not in modules or not u]
-    if missing:
-        raise ValueError(f"units: no submodule named {missing} in {type(model).__name__}")
-    return list(units)
-
-
-def tied_aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
-    """``(alias, parameter)`` for every name under which ``named_parameters()`` skips a
-    parameter it already yielded under another name (tied weights), in model order."""
-    first: dict[int, str] = {}
-    out = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            out.append((name, first[id(p)]))
-        else:
-            first[id(p)] = name
-    return tuple(out)
-
-
-def _unit_of(name: str, prefixes: list[str]) -> int:
-    for i, prefix in enumerate(prefixes):
-        if name.startswith(prefix + "."):
-            return i + 1
-    return ROOT_UNIT
 
 
 def _pick_offloaded(sizes: list[int], fraction: float) -> set[int]:
@@ -413,6 +371,29 @@ def _leaf_rows(
     return (name, tuple(shape), policy.resolve(dtype), rows, rps, row_numel)
 
 
+def _bucket_leaves(
+    raw: list[tuple], offloaded: set[int], partition: Callable[[str, tuple], Hashable] | None
+) -> tuple[list[LeafSpec], list[Bucket]]:
+    """The leaf specs and buckets of ``raw`` (``_leaf_rows`` + the unit, per parameter):
+    buckets in order of first appearance of (unit, dtypes, placement, rule), leaves in model
+    order."""
+    keys: dict[tuple, list[int]] = {}
+    for i, (name, shape, dtypes, *_rest, unit) in enumerate(raw):
+        rule = partition(name, shape) if partition is not None else None
+        keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
+    leaves: list[LeafSpec | None] = [None] * len(raw)
+    buckets = []
+    ordered = sorted(keys.items(), key=lambda kv: kv[1][0])
+    for b, ((unit, dtypes, off, _), members) in enumerate(ordered):
+        offset = 0
+        for i in members:
+            name, shape, _, rows, rps, row_numel, _ = raw[i]
+            leaves[i] = LeafSpec(name, shape, dtypes, unit, rows, rps, row_numel, b, offset)
+            offset += rps * row_numel
+        buckets.append(Bucket(b, unit, dtypes, off, tuple(members), offset))
+    return leaves, buckets
+
+
 def build_layout(
     params: dict[str, tuple[tuple[int, ...], torch.dtype]],
     *,
@@ -444,34 +425,19 @@ def build_layout(
         )
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
-    prefixes = _resolve_units(model, units) if model is not None else list(units or [])
+    prefixes = resolve_units(model, units) if model is not None else list(units or [])
     shard_size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
     if outer.shards_optim:
         shard_size *= mesh_lib.axis_size(mesh, "replicate")
 
     raw = [
         _leaf_rows(name, shape, dtype, policy, shard_size, deterministic)
-        + (_unit_of(name, prefixes),)
+        + (unit_of(name, prefixes),)
         for name, (shape, dtype) in params.items()
     ]
     offloaded = _pick_offloaded([r[4] * r[5] for r in raw], offload_fraction)
 
-    # Buckets in order of first appearance of (unit, dtypes, placement, rule), leaves in model
-    # order.
-    keys: dict[tuple, list[int]] = {}
-    for i, (name, shape, dtypes, *_rest, unit) in enumerate(raw):
-        rule = partition(name, shape) if partition is not None else None
-        keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
-    leaves: list[LeafSpec | None] = [None] * len(raw)
-    buckets = []
-    ordered = sorted(keys.items(), key=lambda kv: kv[1][0])
-    for b, ((unit, dtypes, off, _), members) in enumerate(ordered):
-        offset = 0
-        for i in members:
-            name, shape, _, rows, rps, row_numel, _ = raw[i]
-            leaves[i] = LeafSpec(name, shape, dtypes, unit, rows, rps, row_numel, b, offset)
-            offset += rps * row_numel
-        buckets.append(Bucket(b, unit, dtypes, off, tuple(members), offset))
+    leaves, buckets = _bucket_leaves(raw, offloaded, partition)
     if deterministic:
         _check_deterministic(mesh.size(), buckets, [leaf.name for leaf in leaves])
     return Layout(

@@ -21,20 +21,22 @@ round an element differently (an ulp); trajectories then agree to rounding, not 
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
-from funcshard.buckets import BlockScales, Members, PerBucket, flatten_parts, is_per_bucket
-from funcshard.layout import Bucket, Placement
-from funcshard.optim import Optimizer
-from funcshard.optim.moments import granule
+from funcshard.buckets import PerBucket, flatten_parts, is_per_bucket
+from funcshard.host_step import (
+    BLOCK_NUMEL,
+    THREADS_ENV,
+    default_threads,
+    offload_threads,
+    step_and_cast,
+)
+from funcshard.layout import Bucket
 from funcshard.state import Donation, TrainState, derive_compute
 
 __all__ = [
@@ -44,43 +46,8 @@ __all__ = [
     "default_threads",
     "step_and_cast",
     "BLOCK_NUMEL",
+    "THREADS_ENV",
 ]
-
-THREADS_ENV = "FUNCSHARD_OFFLOAD_THREADS"
-# Elements per block of the blocked step: p, g, m, v of one block (16 MiB in fp32) stay in the
-# last-level cache when the cast re-reads p, and the per-block cost (a Python update call, two
-# parallel regions) stays a few percent of the block's step. experiments/bench_offload.py:
-# 1Mi beat 64Ki, 256Ki and 4Mi. A multiple of 64 keeps the fused kernels' vector tails where
-# the unblocked step has them.
-BLOCK_NUMEL = 1 << 20
-
-
-def default_threads() -> int:
-    """CPU threads for the offloaded step of one rank.
-
-    ``$FUNCSHARD_OFFLOAD_THREADS`` if set; else the cores this process may run on divided by
-    the local ranks sharing them (``$LOCAL_WORLD_SIZE``, set by torchrun, which also sets
-    OMP_NUM_THREADS=1 and so would leave the CPU step on one core).
-    """
-    if os.environ.get(THREADS_ENV):
-        return max(1, int(os.environ[THREADS_ENV]))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, (cores or 1) // max(1, local_ranks))
-
-
-@contextlib.contextmanager
-def offload_threads(n: int | None) -> Iterator[None]:
-    """Runs the block with ``n`` intra-op CPU threads; None leaves the setting alone."""
-    if n is None or n == torch.get_num_threads():
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # --- the optimizer state of a subset of buckets ------------------------------------------------
@@ -129,109 +96,6 @@ def _merge(split, parts: list[tuple[Sequence[int], Any]]) -> Any:
                 )
             out.append(values[0] if values else x)
     return unflatten(out)
-
-
-# --- the CPU step --------------------------------------------------------------------------------
-def step_and_cast(
-    optimizer: Optimizer,
-    opt_state: Any,
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    compute_out: torch.Tensor | None = None,
-    *,
-    block: int = BLOCK_NUMEL,
-    members: Members | None = None,
-    grad_norm: float | None = None,
-    placement: Placement | None = None,
-) -> Any:
-    """Steps one flat master in place; optionally writes its cast into ``compute_out``.
-
-    With ``compute_out`` the step runs in blocks of ``block`` elements, each followed by the
-    cast of that block while the updated master is still in cache: one pass over memory
-    instead of a fused step plus a separate cast pass. The update is elementwise, so the result
-    is bitwise that of one unblocked call.
-
-    Args:
-      optimizer: a pure optimizer whose state per bucket is elementwise (same numel as master).
-      opt_state: its state over the one-tuple ``(master,)`` (donated, updated in place).
-      master: the flat master buffer (donated, updated in place).
-      grad: the flat gradient, any floating dtype (cast to the master dtype per block).
-      compute_out: a flat buffer of the master's numel for the compute dtype copy, or None.
-      block: elements per block (a multiple of 64; rounded down to whole 8-bit blocks of the
-        state, or whole rows of ragged ones, where it cuts them).
-      members: the parameters the master packs (their rules: masks, labels); None for a
-        plain one-tuple state.
-      grad_norm: the global gradient norm, for a clip in the optimizer.
-      placement: the state's row placement, for an optimizer that is not elementwise (Muon
-        assembles whole matrices); such an optimizer steps the buffer in one call, unblocked.
-
-    Returns:
-      The new optimizer state.
-    """
-    one = (lambda t: (t,)) if members is None else (lambda t: PerBucket((t,), (members,)))
-    if compute_out is None or not optimizer.elementwise:
-        _, new_state = optimizer.update(
-            one(grad), opt_state, one(master), donate=True, grad_norm=grad_norm, placement=placement
-        )
-        if compute_out is not None:
-            compute_out.copy_(master)
-        return new_state
-    numel = master.numel()
-    leaves, unflatten = flatten_parts(opt_state, is_part=_is_one_tuple)
-    is_bucket = [_is_one_tuple(x) for x in leaves]
-    if (
-        grad.numel() != numel
-        or compute_out.numel() != numel
-        or any(
-            b and x[0] is not None and _numel_of(x) != numel
-            for x, b in zip(leaves, is_bucket, strict=True)
-        )
-    ):
-        raise ValueError(
-            f"step_and_cast: master numel {numel}, grad {grad.numel()}, "
-            f"compute_out {compute_out.numel()}: expected equal sizes"
-        )
-    if block % 64:
-        raise ValueError(f"step_and_cast: block must be a multiple of 64, got {block}")
-    # whole 8-bit blocks: a multiple of every block, or of the row of ragged ones
-    unit = math.lcm(
-        64, *[granule(b) for x in leaves if isinstance(x, BlockScales) for b in x.blocks]
-    )
-    block = max(1, block // unit) * unit
-    new_state = opt_state
-    for start in range(0, max(numel, 1), block):
-        stop = min(start + block, numel)
-        chunk = unflatten(
-            [_block_of(x, start, stop) if b else x for x, b in zip(leaves, is_bucket, strict=True)]
-        )
-        _, new_state = optimizer.update(
-            one(grad[start:stop]),
-            chunk,
-            one(master[start:stop]),
-            donate=True,
-            grad_norm=grad_norm,
-            placement=placement,
-        )
-        compute_out[start:stop].copy_(master[start:stop])
-    # The blocks updated the state's buffers in place; keep them, take the scalars (count).
-    new_leaves = flatten_parts(new_state, is_part=_is_one_tuple)[0]
-    return unflatten([x if b else y for x, y, b in zip(leaves, new_leaves, is_bucket, strict=True)])
-
-
-def _is_one_tuple(x: Any) -> bool:
-    """A per-bucket part of a one-bucket state: a PerBucket, or a plain one-tuple of a tensor."""
-    return is_per_bucket(x) or (type(x) is tuple and len(x) == 1 and isinstance(x[0], torch.Tensor))
-
-
-def _numel_of(x: tuple) -> int:
-    """Elements of the master that a one-bucket part covers (8-bit scales: one per block)."""
-    return x.element_numel(0) if is_per_bucket(x) else x[0].numel()
-
-
-def _block_of(x: tuple, start: int, stop: int) -> tuple:
-    if is_per_bucket(x):
-        return x.element_range(start, stop)
-    return (None if x[0] is None else x[0][start:stop],)
 
 
 def _needs_cast(bucket: Bucket) -> bool:
@@ -377,21 +241,7 @@ def _host_step(state: Donation, grads, split, device_idx, cpu_idx, threads, grad
                 out = _reusable(state.compute[i], m, bucket)
                 if out is None:
                     out = torch.empty(m.numel(), dtype=bucket.dtypes.compute)
-            parts.append(
-                (
-                    [i],
-                    step_and_cast(
-                        state.optimizer,
-                        _select(split, [i]),
-                        m,
-                        g,
-                        out,
-                        members=layout.members[i],
-                        grad_norm=grad_norm,
-                        placement=layout.placement,
-                    ),
-                )
-            )
+            parts.append(_cpu_bucket_step(state, split, i, g, out, grad_norm))
             local[i] = out
     return list(master), parts, local
 
@@ -435,36 +285,12 @@ def _cuda_step(state: Donation, grads, split, device_idx, cpu_idx, threads, grad
 
     # Device buffers for the compute shards, allocated on main; h2d writes them after main
     # is done with whatever they held before.
-    old = state.compute
-    dst: dict[int, torch.Tensor] = {}
-    for i in cpu_idx:
-        bucket = layout.buckets[i]
-        prev = old[i]
-        reuse = (
-            layout.strategy.shards_params
-            and prev is not None
-            and prev.device == device
-            and prev.numel() == bucket.numel
-            and prev.dtype == bucket.dtypes.compute
-        )
-        dst[i] = (
-            prev if reuse else torch.empty(bucket.numel, dtype=bucket.dtypes.compute, device=device)
-        )
+    dst = {i: _device_compute(state, i) for i in cpu_idx}
     dst_free = torch.cuda.Event()
     dst_free.record(main)
 
-    host_grads, arrived = {}, {}
     d2h.wait_event(grads_ready)
-    with torch.cuda.stream(d2h):
-        for i in cpu_idx:
-            g = grads[i]
-            host = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
-            host.copy_(g, non_blocking=True)
-            if g.is_cuda:  # g may be freed on main while the copy is in flight
-                g.record_stream(d2h)
-            arrived[i] = torch.cuda.Event()
-            arrived[i].record(d2h)
-            host_grads[i] = host
+    host_grads, arrived = _grads_to_host(grads, cpu_idx, d2h)
 
     h2d.wait_event(dst_free)
     with offload_threads(threads):
@@ -475,21 +301,7 @@ def _cuda_step(state: Donation, grads, split, device_idx, cpu_idx, threads, grad
             if cast:
                 out = torch.empty(m.numel(), dtype=bucket.dtypes.compute, pin_memory=True)
             arrived[i].synchronize()
-            parts.append(
-                (
-                    [i],
-                    step_and_cast(
-                        state.optimizer,
-                        _select(split, [i]),
-                        m,
-                        host_grads[i],
-                        out,
-                        members=layout.members[i],
-                        grad_norm=grad_norm,
-                        placement=layout.placement,
-                    ),
-                )
-            )
+            parts.append(_cpu_bucket_step(state, split, i, host_grads[i], out, grad_norm))
             with torch.cuda.stream(h2d):
                 # A pinned source records the copy on the host allocator, so it outlives it.
                 dst[i].copy_(out if cast else m, non_blocking=True)
@@ -499,3 +311,58 @@ def _cuda_step(state: Donation, grads, split, device_idx, cpu_idx, threads, grad
     for i in cpu_idx:
         local[i] = dst[i]
     return list(master), parts, local
+
+
+def _cpu_bucket_step(
+    state: Donation, split, i: int, grad: torch.Tensor, out: torch.Tensor | None, grad_norm
+) -> tuple[list[int], Any]:
+    """Offloaded bucket ``i`` stepped on the CPU (its cast written into ``out`` when given):
+    the part ``_merge`` takes."""
+    layout = state.layout
+    new = step_and_cast(
+        state.optimizer,
+        _select(split, [i]),
+        state.master[i],
+        grad,
+        out,
+        members=layout.members[i],
+        grad_norm=grad_norm,
+        placement=layout.placement,
+    )
+    return [i], new
+
+
+def _device_compute(state: Donation, i: int) -> torch.Tensor:
+    """The device buffer for offloaded bucket ``i``'s compute shard: the consumed state's
+    when it fits (ZeRO-3, whose compute copy is the shard itself), else a new one."""
+    layout = state.layout
+    bucket, prev = layout.buckets[i], state.compute[i]
+    reuse = (
+        layout.strategy.shards_params
+        and prev is not None
+        and prev.device == layout.device
+        and prev.numel() == bucket.numel
+        and prev.dtype == bucket.dtypes.compute
+    )
+    if reuse:
+        return prev
+    return torch.empty(bucket.numel, dtype=bucket.dtypes.compute, device=layout.device)
+
+
+def _grads_to_host(
+    grads: tuple[torch.Tensor, ...], cpu_idx: list[int], d2h: torch.cuda.Stream
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.cuda.Event]]:
+    """Every offloaded gradient queued at once on ``d2h`` into pinned host memory, with the
+    event of each one's arrival."""
+    host_grads, arrived = {}, {}
+    with torch.cuda.stream(d2h):
+        for i in cpu_idx:
+            g = grads[i]
+            host = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+            host.copy_(g, non_blocking=True)
+            if g.is_cuda:  # g may be freed on main while the copy is in flight
+                g.record_stream(d2h)
+            arrived[i] = torch.cuda.Event()
+            arrived[i].record(d2h)
+            host_grads[i] = host
+    return host_grads, arrived

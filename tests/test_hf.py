@@ -175,3 +175,38 @@ def export_names_worker() -> list[str]:
     fresh.load_state_dict(full, strict=True)
     assert dist.get_world_size() == 2
     return sorted(full)
+
+
+def test_the_safetensors_format_module_round_trips_headers(tmp_path) -> None:
+    """``funcshard.checkpoint.safetensors`` is the format both the export and the CLI write
+    through: a header made from shapes alone reads back with every entry at its offset,
+    padded to 8 bytes, and files split at ``max_shard_bytes`` with the names HF expects."""
+    from funcshard.checkpoint import safetensors as st
+
+    entries = [
+        st.Entry("a", "a", torch.float32, (3, 2)),
+        st.Entry("b", "b", torch.bfloat16, (5,)),
+        st.Entry("c", "c", torch.int64, ()),
+    ]
+    head, offsets = st.header_bytes(entries)
+    assert len(head) % 8 == 0 and offsets == [0, 24, 34]
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(head + bytes(sum(e.nbytes for e in entries)))
+    header, data = st.read_header(str(path))
+    assert data == len(head)
+    assert header == {
+        "a": {"dtype": "F32", "shape": [3, 2], "data_offsets": [0, 24]},
+        "b": {"dtype": "BF16", "shape": [5], "data_offsets": [24, 34]},
+        "c": {"dtype": "I64", "shape": [], "data_offsets": [34, 42]},
+    }
+    assert st.is_safetensors(str(tmp_path)) and st.files(str(tmp_path)) == [str(path)]
+    files = st.plan_files(entries, 30)
+    assert [[e.name for e in f] for f in files] == [["a"], ["b", "c"]]
+    names = st.file_names(len(files))
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    st.write_index(str(tmp_path), names, files)
+    index = json.loads((tmp_path / st.INDEX).read_text())
+    assert index == {
+        "metadata": {"total_size": 42},
+        "weight_map": {"a": names[0], "b": names[1], "c": names[1]},
+    }

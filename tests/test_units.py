@@ -294,3 +294,33 @@ def test_a_recomputation_runs_in_the_stored_backward_phase(pool2, strategy: str)
         assert seen == [f"{b}:forward" for b in blocks] + [
             f"{b}:backward" for b in reversed(blocks)
         ], seen
+
+
+def test_saved_params_unpack_through_the_bucket_holder_alone() -> None:
+    """The saved-tensor codec needs only "which holder re-gathers bucket b" (no UnitRun: the
+    units package has no run <-> saved import cycle): a registered gathered param is packed
+    to a token, and unpacking it asks that holder for the buffer, then lets it release."""
+    from funcshard.units.saved import SavedParams
+
+    calls = []
+    full = torch.arange(12.0)
+
+    class Holder:
+        def backward_full(self, bucket: int) -> torch.Tensor:
+            calls.append(("full", bucket, saved.refs[bucket]))
+            return full
+
+        def maybe_release(self, bucket: int) -> None:
+            calls.append(("release", bucket, saved.refs[bucket]))
+
+    saved = SavedParams(lambda bucket: Holder())
+    saved.register(3, full)
+    view = full[4:10].view(2, 3)
+    token = saved.pack(view)
+    assert not isinstance(token, torch.Tensor) and saved.refs[3] == 1
+    other = torch.ones(2)
+    assert saved.pack(other) is other  # not a gathered param: saved as it is
+    got = saved.unpack(token)
+    torch.testing.assert_close(got, view, rtol=0, atol=0)
+    # the buffer is asked for while the token counts, released once it no longer does
+    assert calls == [("full", 3, 1), ("release", 3, 0)]

@@ -14,9 +14,11 @@ Modules, along the seams:
 
 * ``format``: the on-disk contract (zarr v2 arrays, ``_METADATA``, ``_CHECKPOINT_METADATA``);
 * ``checksums``: crc32c of every chunk written (``_CHECKSUMS``), verified on every read;
-* ``tree``: a state as keyed arrays and back (what each rank writes, filling a layout);
+* ``tree``: a state as keyed arrays (the optimizer state's tree, what each rank writes);
+  ``matching``: does a checkpoint fit a target state; ``reading``: filling a layout;
 * ``sources``: the readers behind one protocol (Orbax/tensorstore, in-memory dicts) and
-  ``hf``: Hugging Face safetensors (a reader, and ``export_safetensors``), ``dcp``:
+  ``safetensors``: the safetensors file format, ``hf``: Hugging Face safetensors (a reader,
+  and ``export_safetensors``), ``dcp``:
   torch.distributed.checkpoint directories (a reader, and a streaming writer);
 * ``commit``: agreement, temporary directory, fsync, rename, leftovers, and the ``Saver``;
 * ``manager``: ``CheckpointManager``; ``api``: ``save``, ``restore``.
@@ -28,8 +30,8 @@ from funcshard.checkpoint.commit import Saver
 from funcshard.checkpoint.format import CHUNK_BYTES, DELETE_MARK, TMP_MARK
 from funcshard.checkpoint.hf import export_safetensors
 from funcshard.checkpoint.manager import CheckpointManager
+from funcshard.checkpoint.matching import CheckpointMismatchError
 from funcshard.checkpoint.stats import IOStats, io_stats
-from funcshard.checkpoint.tree import CheckpointMismatchError
 
 __all__ = [
     "CHUNK_BYTES",

@@ -6,12 +6,13 @@ import os
 
 import torch
 
-from funcshard.checkpoint import checksums, hf
+from funcshard.checkpoint import checksums, hf, matching, reading
 from funcshard.checkpoint import dcp as dcp_lib
-from funcshard.checkpoint import tree as tree_lib
+from funcshard.checkpoint import safetensors as st
 from funcshard.checkpoint.commit import Agreement, Saver
 from funcshard.checkpoint.format import CHUNK_BYTES
-from funcshard.checkpoint.sources import DictSource, OrbaxSource, Source
+from funcshard.checkpoint.orbax import OrbaxSource
+from funcshard.checkpoint.sources import DictSource, Source
 from funcshard.state import TrainState
 
 __all__ = ["save", "restore", "rebuild_from_params", "open_source"]
@@ -39,7 +40,7 @@ def save(
 
 def open_source(path: str) -> Source:
     """The reader for the checkpoint at ``path``: Hugging Face safetensors, DCP or Orbax."""
-    if hf.is_safetensors(path):
+    if st.is_safetensors(path):
         return hf.SafetensorsSource(path)
     if dcp_lib.is_dcp(path):
         return dcp_lib.DCPSource(path)
@@ -94,14 +95,14 @@ def restore(
             checksums.warn_unverified(path)
         if isinstance(source, dcp_lib.DCPSource):
             source.align(like.layout.names)
-        problems, keymap = tree_lib.match(like, source, model_only)
+        problems, keymap = matching.match(like, source, model_only)
         if problems:
-            raise tree_lib.mismatch_error(f"checkpoint {path}", problems, source)
+            raise matching.mismatch_error(f"checkpoint {path}", problems, source)
     except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
         error = e
     agreement.raise_if_failed(f"restore from {path}: checking", error)
     try:
-        result = tree_lib.read(like, source, model_only=model_only, keymap=keymap)
+        result = reading.read(like, source, model_only=model_only, keymap=keymap)
     except BaseException as e:  # noqa: BLE001
         error = e
     agreement.raise_if_failed(f"restore from {path}: reading", error)
@@ -120,7 +121,7 @@ def rebuild_from_params(like: TrainState, params: dict[str, torch.Tensor]) -> Tr
     The in-memory twin of ``restore(..., model_only=True)``; consumes ``like`` on success.
     """
     source = DictSource(params)
-    problems, keymap = tree_lib.match(like, source, model_only=True)
+    problems, keymap = matching.match(like, source, model_only=True)
     if problems:
-        raise tree_lib.mismatch_error("params", problems, source)
-    return tree_lib.read(like, source, model_only=True, keymap=keymap).assemble(like)
+        raise matching.mismatch_error("params", problems, source)
+    return reading.read(like, source, model_only=True, keymap=keymap).assemble(like)

@@ -1,97 +1,30 @@
 """Hugging Face safetensors, both ways, each rank moving only its own rows.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header
-(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``) and the
-raw row-major bytes of each tensor at ``8 + header length + begin``. Rows ``[a, b)`` of a
-tensor are therefore one byte range: importing reads exactly those of the rows a rank owns,
-and exporting computes every header and offset from the shapes alone, so each rank writes its
-own rows into the files in parallel. A sharded checkpoint is
-``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` (``weight_map``:
-tensor name -> file).
+Rows ``[a, b)`` of a tensor in a safetensors file (see ``safetensors`` for the format) are one
+byte range: importing reads exactly those of the rows a rank owns, and exporting computes
+every header and offset from the shapes alone, so each rank writes its own rows into the
+files in parallel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import struct
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from funcshard.checkpoint import commit as commit_lib
+from funcshard.checkpoint import safetensors as st
 from funcshard.checkpoint import stats
 from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.format import Keys, fsync_dir
 from funcshard.checkpoint.sources import ReadRequest
 from funcshard.state import TrainState
 
-__all__ = ["SafetensorsSource", "export_safetensors", "is_safetensors", "SINGLE", "INDEX"]
-
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-MAX_HEADER = 100 << 20  # safetensors' own limit on the header size
-
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-CODES = {v: k for k, v in DTYPES.items()}
-
-
-def is_safetensors(path: str) -> bool:
-    """A safetensors file, or a directory holding ``model.safetensors`` or the index."""
-    if os.path.isfile(path):
-        return path.endswith(".safetensors")
-    return (
-        os.path.isdir(path)
-        and not os.path.exists(os.path.join(path, "_METADATA"))
-        and any(os.path.exists(os.path.join(path, f)) for f in (SINGLE, INDEX))
-    )
-
-
-def _files(path: str) -> list[str]:
-    """The safetensors files of a checkpoint (one file, ``model.safetensors`` or the index's)."""
-    if os.path.isfile(path):
-        return [path]
-    index = os.path.join(path, INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            try:
-                weight_map = json.load(f)["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"restore: {index} is not a safetensors index ({e})") from None
-        return [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
-    return [os.path.join(path, SINGLE)]
-
-
-def read_header(path: str) -> tuple[dict[str, Any], int]:
-    """A safetensors file's header (without ``__metadata__``) and where its data starts."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"restore: {path} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER:
-            raise ValueError(f"restore: {path} is not a safetensors file (header length {n})")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"restore: {path}: the safetensors header is not JSON ({e})") from None
-    header.pop("__metadata__", None)
-    return header, 8 + n
+__all__ = ["SafetensorsSource", "export_safetensors"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,17 +43,17 @@ class SafetensorsSource:
         self.info = None
         self.tensors: dict[Keys, _Tensor] = {}
         self.dtype_names: dict[Keys, str] = {}
-        for file in _files(path):
+        for file in st.files(path):
             if not os.path.exists(file):
                 raise FileNotFoundError(f"restore: {file} (named by {path}) does not exist")
-            header, data = read_header(file)
+            header, data = st.read_header(file)
             for name, entry in header.items():
                 try:
                     code, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
                     begin, end = (int(x) for x in entry["data_offsets"])
                 except (KeyError, TypeError, ValueError) as e:
                     raise ValueError(f"restore: {file}: header entry {name!r} lacks {e}") from None
-                dtype = DTYPES.get(code)
+                dtype = st.DTYPES.get(code)
                 if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
                     raise ValueError(
                         f"restore: {file}: {name} spans {end - begin} bytes, its "
@@ -171,51 +104,6 @@ class SafetensorsSource:
 # --- export -------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Entry:
-    name: str  # the name in the files (a parameter's, or a tied alias's)
-    param: str  # the parameter holding its values
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _header_bytes(entries: Sequence[_Entry]) -> tuple[bytes, list[int]]:
-    """A file's header (padded to 8 bytes with spaces) and each entry's data offset."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offsets, at = [], 0
-    for e in entries:
-        header[e.name] = {
-            "dtype": CODES[e.dtype],
-            "shape": list(e.shape),
-            "data_offsets": [at, at + e.nbytes],
-        }
-        offsets.append(at)
-        at += e.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, offsets
-
-
-def _plan_files(entries: list[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
-    files: list[list[_Entry]] = [[]]
-    size = 0
-    for e in entries:
-        if files[-1] and size + e.nbytes > max_shard_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(e)
-        size += e.nbytes
-    return files
-
-
-def _file_names(n: int) -> list[str]:
-    return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-
-
 def export_safetensors(
     directory: str | os.PathLike,
     state: TrainState,
@@ -249,17 +137,17 @@ def export_safetensors(
             "export_safetensors: the state holds no values (built from a "
             "meta-device model); fill it with fs.restore first"
         )
-    if dtype is not None and dtype not in CODES:
+    if dtype is not None and dtype not in st.CODES:
         raise ValueError(f"export_safetensors: dtype {dtype} has no safetensors code")
     layout = state.layout
     specs = {s.name: s for s in layout.leaves}
-    entries = [_Entry(s.name, s.name, dtype or s.dtypes.model, s.shape) for s in layout.leaves]
+    entries = [st.Entry(s.name, s.name, dtype or s.dtypes.model, s.shape) for s in layout.leaves]
     entries += [
-        _Entry(a, p, dtype or specs[p].dtypes.model, specs[p].shape) for a, p in layout.aliases
+        st.Entry(a, p, dtype or specs[p].dtypes.model, specs[p].shape) for a, p in layout.aliases
     ]
-    files = _plan_files(entries, max_shard_bytes)
-    names = _file_names(len(files))
-    headers = [_header_bytes(f) for f in files]
+    files = st.plan_files(entries, max_shard_bytes)
+    names = st.file_names(len(files))
+    headers = [st.header_bytes(f) for f in files]
 
     agreement = commit_lib.Agreement.of(layout)
     final = os.path.abspath(os.fspath(directory))
@@ -272,15 +160,7 @@ def export_safetensors(
                 f.truncate(len(head) + sum(e.nbytes for e in entries_i))
 
     def write_index(_: list[Any]) -> None:
-        if len(files) > 1:
-            total = sum(e.nbytes for e in entries)
-            weight_map = {e.name: n for n, f in zip(names, files, strict=True) for e in f}
-            with open(os.path.join(tmp, INDEX), "w") as f:
-                json.dump(
-                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
-                )
-                f.flush()
-                os.fsync(f.fileno())
+        st.write_index(tmp, names, files)
         fsync_dir(tmp)
 
     commit_lib.write_and_commit(
@@ -299,7 +179,7 @@ def _write_rows(
     tmp: str,
     names: list[str],
     headers: list[tuple[bytes, list[int]]],
-    files: list[list[_Entry]],
+    files: list[list[st.Entry]],
 ) -> None:
     """This rank's rows of every entry, at their offsets, then fsync of every file."""
     layout = state.layout

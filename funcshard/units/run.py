@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from funcshard import determinism
-from funcshard.functional import GatheredParams, _Swap
+from funcshard.functional import GatheredParams, Swap
 from funcshard.layout import ROOT_UNIT, Layout
 from funcshard.reduce import ReplicateAxis
 from funcshard.units.gather import Gatherer, GatherFn
@@ -81,10 +81,10 @@ class Unit:
         self.run = run
         self.index = index
         self.prefix = run.layout.units[index]
-        self._forward_swap: _Swap | None = None  # the root's, kept until close
+        self._forward_swap: Swap | None = None  # the root's, kept until close
         self.buckets = run.buckets_of.get(index, [])
         self.held: dict[int, torch.Tensor] = {}
-        self._swap: _Swap | None = None  # the module's params while gathered in backward
+        self._swap: Swap | None = None  # the module's params while gathered in backward
         self.state = UnitState.IDLE
         self._awaiting_post: set[int] = set()  # buckets re-gathered whose backward is due
         self._reduced: set[int] = set()  # buckets whose post-backward has run
@@ -122,7 +122,7 @@ class Unit:
         self._gather(self.buckets)
         params = self._views()
         self.run.prefetch_forward(self.index + 1)
-        swap = _Swap(module, params)
+        swap = Swap(module, params)
         if self.run.replicated:
             # ZeRO-2 params are views of persistent buffers: the unit keeps them until
             # backward is over, so a recomputation sees this step's weights, and they are the
@@ -165,7 +165,7 @@ class Unit:
         # Backward runs without grad mode; the recomputation must see params that require
         # grad, as forward's did, or autograd saves other tensors than it saved in forward.
         with torch.enable_grad():
-            self._swap = _Swap(module, self._views())
+            self._swap = Swap(module, self._views())
 
     def backward_full(self, bucket: int) -> torch.Tensor:
         """The re-gathered bucket for a saved token (re-gathering the unit if not held)."""
@@ -223,7 +223,7 @@ class _RootUnit(Unit):
         # loudly instead of silently taking the module's stale weights.
         params.update(absent(layout, [s.name for s in layout.leaves if s.unit != ROOT_UNIT]))
         self.run.prefetch_forward(ROOT_UNIT + 1)
-        self._forward_swap = _Swap(module, params)
+        self._forward_swap = Swap(module, params)
         self.run.stack.callback(self._forward_swap.restore)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG002
@@ -316,7 +316,7 @@ class UnitRun:
         self.phase = Phase.FORWARD
         self.gatherer = Gatherer(layout, buffers, replicated)
         self.reducer = Reducer(layout, acc, local=local, complete=complete, replicate=replicate)
-        self.saved = None if replicated else SavedParams(self)
+        self.saved = None if replicated else SavedParams(self.holder_of)
         self.buckets_of: dict[int, list[int]] = {}
         for b in layout.buckets:
             self.buckets_of.setdefault(b.unit, []).append(b.index)
@@ -359,6 +359,10 @@ class UnitRun:
                 self.stack.callback(handle.remove)
 
     # --- scheduling -----------------------------------------------------------------------
+    def holder_of(self, bucket: int) -> Unit:
+        """The unit whose params ``bucket`` packs."""
+        return self.units[self.layout.buckets[bucket].unit]
+
     def full(self, bucket: int) -> torch.Tensor:
         full = self.gatherer.full(bucket)
         if self.saved is not None:

@@ -5,14 +5,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from funcshard.units.run import UnitRun
+__all__ = ["Holder", "SavedParams"]
 
-__all__ = ["SavedParams"]
+
+class Holder(Protocol):
+    """What holds a bucket's re-gathered buffer in backward (a unit of the run)."""
+
+    def backward_full(self, bucket: int) -> torch.Tensor:
+        """The bucket's full buffer, re-gathered if not held."""
+        ...
+
+    def maybe_release(self, bucket: int) -> None:
+        """Drops the buffer once backward and the tokens are done with it."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +40,8 @@ class SavedParams:
     stored as a token, and backward unpacks it from its unit's re-gathered buffer, so full
     params are not kept alive between forward and backward and no unit is recomputed."""
 
-    def __init__(self, run: UnitRun) -> None:
-        self.run = run
+    def __init__(self, holder_of: Callable[[int], Holder]) -> None:
+        self.holder_of = holder_of  # bucket -> what re-gathers and releases it
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bucket, buffer)
         self.refs: dict[int, int] = {}  # tokens of a bucket not unpacked yet
 
@@ -56,8 +66,8 @@ class SavedParams:
     def unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Token):
             return x
-        unit = self.run.units[self.run.layout.buckets[x.bucket].unit]
-        full = unit.backward_full(x.bucket)
+        holder = self.holder_of(x.bucket)
+        full = holder.backward_full(x.bucket)
         self.refs[x.bucket] -= 1
-        unit.maybe_release(x.bucket)
+        holder.maybe_release(x.bucket)
         return full.as_strided(x.size, x.stride, x.offset)

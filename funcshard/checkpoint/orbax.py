@@ -1,0 +1,463 @@
+"""An Orbax checkpoint as a ``Source``: read with tensorstore, or, for the uncompressed zarr
+funcshard writes, as byte ranges of its chunk files, each verified against the checksums
+recorded at save time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from funcshard.checkpoint import checksums as checksums_lib
+from funcshard.checkpoint import stats
+from funcshard.checkpoint.format import (
+    CHECKPOINT_METADATA_FILE,
+    COMMIT_FILE,
+    METADATA_FILE,
+    NUMPY_DTYPE,
+    TORCH_FROM_NUMPY,
+    Keys,
+    chunk_file,
+    param_dir,
+    parse_json,
+    read_commit_mark,
+    read_json,
+    to_torch,
+)
+from funcshard.checkpoint.sources import ReadRequest, copy_rows
+
+__all__ = ["OrbaxSource", "resolve_orbax_item"]
+
+READ_THREADS = 4
+
+
+def _pread(fd: int, out: memoryview, offset: int, leaf: str, chunk: int | str) -> None:
+    got = os.preadv(fd, [out], offset) if len(out) else 0
+    if got != len(out):
+        raise OSError(f"{leaf}: chunk {chunk} is short ({got} of {len(out)} bytes)")
+
+
+def resolve_orbax_item(path: str) -> tuple[str, str, bool]:
+    """``(item_dir, step_dir, root_is_params)`` of the Orbax checkpoint at ``path``.
+
+    ``path`` may be an item (it holds ``_METADATA``), or a step directory of Orbax's
+    ``CheckpointManager``: its single item (``<step>/default``), or the ``params`` item of a
+    Composite, whose tree is then the params themselves.
+    """
+    if os.path.exists(os.path.join(path, METADATA_FILE)):
+        return path, path, False
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"restore: {path} does not exist")
+    items = sorted(
+        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, METADATA_FILE))
+    )
+    if len(items) == 1 or "params" in items:
+        item = items[0] if len(items) == 1 else "params"
+        return os.path.join(path, item), path, item == "params"
+    if not items:
+        raise FileNotFoundError(
+            f"restore: {path} holds no Orbax checkpoint (no _METADATA in it nor in an item "
+            f"directory of it) and no Hugging Face safetensors (model.safetensors or "
+            f"model.safetensors.index.json); it holds {sorted(os.listdir(path))[:20]}"
+        )
+    raise FileNotFoundError(
+        f"restore: {path} holds several Orbax items {items} and none is "
+        "named 'params'; pass the item's directory"
+    )
+
+
+def _version(mark: dict) -> int:
+    try:
+        return int(mark.get("version", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _marks(
+    meta: dict, meta_path: str, info: dict | None, info_path: str | None, dirs: set[str]
+) -> list[tuple[str, dict]]:
+    """funcshard's marks on a checkpoint (see ``funcshard.checkpoint.format``), each with
+    where it was found: none on a checkpoint funcshard did not write."""
+    out = []
+    if isinstance(info, dict):
+        out.append((f"{info_path} (custom_metadata.funcshard)", info))
+    custom = meta.get("custom_metadata")
+    if isinstance(custom, dict) and isinstance(custom.get("funcshard"), dict):
+        out.append((f"{meta_path} (custom_metadata.funcshard)", custom["funcshard"]))
+    for d in sorted(dirs):
+        mark = read_commit_mark(d)
+        if mark is not None:
+            out.append((os.path.join(d, COMMIT_FILE), mark))
+    return out
+
+
+def _dtype_name(zarr_dtype: str) -> str:
+    np_dtype = NUMPY_DTYPE.get(zarr_dtype)
+    return np_dtype.name if np_dtype is not None else zarr_dtype
+
+
+class OrbaxSource:
+    """An Orbax checkpoint (zarr or OCDBT, zarr v2 or v3).
+
+    Nested trees match by joining keys with ".": ``{"params": {"layers": {"0": {"w": ..}}}}``
+    holds ``("params", "layers.0.w")`` (which is also the leaf's directory name). Uncompressed
+    C-order zarr v2 on a local disk (what ``save`` writes) is read as byte ranges of its chunk
+    files, straight into the target buffers, and verified against ``_CHECKSUMS`` when the
+    checkpoint has one (``checksums`` is then not None); anything else through tensorstore.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.label = path
+        self.directory, step_dir, root_is_params = resolve_orbax_item(path)
+        meta_path = os.path.join(self.directory, METADATA_FILE)
+        with open(meta_path, "rb") as f:
+            meta_bytes = f.read()
+        self.record = checksums_lib.read_checksums(self.directory)
+        if self.record is not None:  # checked before it is parsed: it says how to read
+            self.record.verify_file(meta_bytes, METADATA_FILE, meta_path)
+        meta = parse_json(meta_bytes, meta_path)
+        self.use_ocdbt = bool(meta.get("use_ocdbt", False))
+        self.driver = "zarr3" if meta.get("use_zarr3", False) else "zarr"
+        stored: dict[Keys, tuple[Keys, str]] = {}
+        try:
+            entries = [
+                (tuple(str(k["key"]) for k in e["key_metadata"]), e["value_metadata"]["value_type"])
+                for e in meta["tree_metadata"].values()
+            ]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"restore: {meta_path} lacks {e}; the checkpoint is damaged") from None
+        if not root_is_params and not any(k[:1] == ("params",) for k, _ in entries):
+            root_is_params = True  # a bare params tree (e.g. StandardSave(params))
+        for keys, value_type in entries:
+            if root_is_params:
+                name: Keys = ("params", ".".join(keys))
+            elif keys[:1] == ("params",) and len(keys) > 1:
+                name = ("params", ".".join(keys[1:]))
+            else:
+                name = keys
+            stored[name] = (keys, value_type)
+        self.stored = stored
+        self.info: dict | None = None
+        info_path = None
+        for d in (self.directory, step_dir):
+            ckpt_meta = os.path.join(d, CHECKPOINT_METADATA_FILE)
+            if os.path.exists(ckpt_meta):
+                info_path = ckpt_meta
+                self.info = (read_json(ckpt_meta).get("custom_metadata") or {}).get("funcshard")
+                break
+        marks = _marks(meta, meta_path, self.info, info_path, {self.directory, step_dir})
+        self._check_record(marks, info_path or os.path.join(step_dir, CHECKPOINT_METADATA_FILE))
+        record = self.record
+        self.checksums: checksums_lib.Checksums | None = None if record is None else record.arrays
+        self.block_bytes = 0 if record is None else record.block_bytes
+        if self.checksums is not None and (self.use_ocdbt or self.driver != "zarr"):
+            raise ValueError(
+                f"restore: {meta_path} says the arrays are stored as "
+                f"{'OCDBT' if self.use_ocdbt else self.driver}, which funcshard never writes, "
+                f"though {checksums_lib.CHECKSUM_FILE} is there; the checkpoint is damaged"
+            )
+        self.ctx = ts.Context()
+        self._open: dict[Keys, ts.TensorStore] = {}
+        self._zarray: dict[Keys, dict | None] = {}
+
+    def _check_record(self, marks: list[tuple[str, dict]], info_path: str) -> None:
+        """Refuses a checkpoint whose marks say it has checksums when ``_CHECKSUMS`` is gone,
+        or says more than ``_CHECKSUMS`` holds; checks funcshard's record against it.
+
+        Raises:
+          FileNotFoundError: ``_CHECKSUMS`` is missing, naming what says it was written.
+          ValueError: ``_CHECKSUMS`` lacks the metadata checksums of its format.
+          ChecksumError: funcshard's record in ``_CHECKPOINT_METADATA`` differs.
+        """
+        claims = [
+            where
+            for where, mark in marks
+            if mark.get("checksums") == checksums_lib.ALGORITHM
+            or (_version(mark) >= 3 and "checksums" not in mark)  # format 3 always says
+        ]
+        record_path = os.path.join(self.directory, checksums_lib.CHECKSUM_FILE)
+        if self.record is None:
+            if claims:
+                raise FileNotFoundError(
+                    f"restore: {record_path} is missing, though the checkpoint was saved with "
+                    f"checksums (so say {'; '.join(claims)}); the checkpoint is damaged"
+                )
+            return
+        version = max([self.record.version, *(_version(m) for _, m in marks)])
+        if version >= 3 and (self.record.metadata is None or self.record.info is None):
+            raise ValueError(
+                f"restore: {record_path} holds no checksums of the metadata files, though the "
+                f"checkpoint is of format {version}; the checkpoint is damaged"
+            )
+        self.record.verify_info(self.info, info_path)
+
+    # --- metadata ----------------------------------------------------------------------------
+
+    def _leaf_dir(self, keys: Keys) -> str:
+        return param_dir(self.stored[keys][0])
+
+    def _simple(self, keys: Keys) -> dict | None:
+        """The ``.zarray`` of a leaf that can be read as byte ranges of local chunk files
+        (uncompressed C-order zarr v2, chunked along dim 0 only), else None.
+
+        Raises:
+          ChecksumError: the ``.zarray`` differs from the one written (naming it).
+          ValueError: it is damaged, or (the checkpoint has checksums) not such plain zarr:
+            funcshard writes nothing else, and never reads checksummed data unverified.
+        """
+        if keys in self._zarray:
+            return self._zarray[keys]
+        md = None
+        if not self.use_ocdbt and self.driver == "zarr":
+            name = f"{self._leaf_dir(keys)}/.zarray"
+            path = os.path.join(self.directory, self._leaf_dir(keys), ".zarray")
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"restore: {self.directory}: array "
+                    f"{self._leaf_dir(keys)} is missing its .zarray"
+                ) from None
+            if self.record is not None:
+                self.record.verify_file(data, name, path)
+            md = parse_json(data, path)
+            try:
+                shape, chunks = list(md["shape"]), list(md["chunks"])
+                simple = (
+                    md.get("compressor") is None
+                    and not md.get("filters")
+                    and md.get("order") == "C"
+                    and md["dtype"] in NUMPY_DTYPE
+                    and chunks[1:] == [max(d, 1) for d in shape[1:]]
+                    and (chunks or not shape)
+                    and all(isinstance(d, int) and d >= 0 for d in shape)
+                    and all(isinstance(c, int) and c > 0 for c in chunks)
+                )
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"restore: {path} lacks {e}; the checkpoint is damaged") from None
+            if not simple:
+                if self.checksums is not None:
+                    raise ValueError(
+                        f"restore: {path} is not the plain zarr v2 funcshard writes "
+                        "(uncompressed, no filters, C order, a known dtype, chunked along dim "
+                        f"0 only), though the checkpoint has {checksums_lib.CHECKSUM_FILE}: "
+                        "its data would be read unverified; the checkpoint is damaged"
+                    )
+                md = None
+        self._zarray[keys] = md
+        return md
+
+    def _spec(self, keys: Keys) -> dict:
+        name = self._leaf_dir(keys)
+        if self.use_ocdbt:
+            kv = {"driver": "ocdbt", "base": f"file://{self.directory}/", "path": name}
+        else:
+            kv = {"driver": "file", "path": os.path.join(self.directory, name)}
+        spec = {"driver": self.driver, "kvstore": kv, "open": True}
+        if self.info is not None:
+            # funcshard writes every chunk, so a missing one is damage, not the fill value
+            spec["fill_missing_data_reads"] = False
+        return spec
+
+    def _ts(self, keys: Sequence[Keys]) -> None:
+        todo = [k for k in keys if k not in self._open]
+        futs = [(k, ts.open(self._spec(k), context=self.ctx, read=True)) for k in todo]
+        for k, f in futs:
+            self._open[k] = f.result()
+
+    def arrays(self) -> dict[Keys, tuple[tuple[int, ...], str]]:
+        # a 0-d param may be stored as an Orbax "scalar": it is a 0-d zarr array all the same
+        keys = [k for k, (_, v) in self.stored.items() if v != "scalar" or k[:1] == ("params",)]
+        out = {}
+        slow = []
+        for k in keys:
+            md = self._simple(k)
+            if md is not None:
+                out[k] = (tuple(md["shape"]), _dtype_name(md["dtype"]))
+            else:
+                slow.append(k)
+        self._ts(slow)
+        for k in slow:
+            out[k] = (tuple(self._open[k].shape), str(self._open[k].dtype.name))
+        return {k: out[k] for k in keys}
+
+    def scalars(self) -> set[Keys]:
+        return {k for k, (_, v) in self.stored.items() if v == "scalar" and k[:1] != ("params",)}
+
+    # --- data ----------------------------------------------------------------------------------
+
+    def _pread_rows(self, keys: Keys, start: int, stop: int, buf: memoryview) -> bool:
+        """Rows ``[start, stop)`` of a simple array into ``buf``, verified against the recorded
+        checksums when there are some; False when a chunk file is absent from a checkpoint
+        funcshard did not write (Orbax omits fill-value chunks).
+
+        Raises:
+          ChecksumError: the bytes read differ from those written (naming leaf, file, range).
+        """
+        md = self._zarray[keys]
+        assert md is not None
+        shape = md["shape"]
+        item = NUMPY_DTYPE[md["dtype"]].itemsize
+        row_bytes = math.prod(shape[1:]) * item
+        chunk = md["chunks"][0] if shape else 1
+        rows = shape[0] if shape else 1
+        sep = md.get("dimension_separator", ".")
+        leaf_name = self._leaf_dir(keys)
+        leaf = os.path.join(self.directory, leaf_name)
+        recorded = None if self.checksums is None else self.checksums.get(leaf_name, {})
+        if row_bytes == 0:  # nothing to read (tensorstore writes no chunk of no bytes)
+            return True
+        at = 0
+        for k in range(start // chunk, (stop - 1) // chunk + 1):
+            lo = (max(start, k * chunk) - k * chunk) * row_bytes
+            hi = (min(stop, (k + 1) * chunk) - k * chunk) * row_bytes
+            name = chunk_file(k, len(shape), sep)
+            path = os.path.join(leaf, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                if self.info is not None or recorded is not None:  # funcshard wrote every chunk
+                    raise FileNotFoundError(
+                        f"{self.directory}: chunk {k} of {leaf_name} is missing"
+                    ) from None
+                return False
+            try:
+                out = buf[at : at + hi - lo]
+                if recorded is None:
+                    _pread(fd, out, lo, leaf_name, k)
+                else:
+                    size = (min(rows, (k + 1) * chunk) - k * chunk) * row_bytes
+                    crcs = recorded.get(name, [])
+                    self._pread_verified(fd, out, lo, hi, size, crcs, leaf_name, path)
+            finally:
+                os.close(fd)
+            at += hi - lo
+        return True
+
+    def _pread_verified(
+        self,
+        fd: int,
+        out: memoryview,
+        lo: int,
+        hi: int,
+        size: int,
+        crcs: list[int],
+        leaf: str,
+        path: str,
+    ) -> None:
+        """Bytes ``[lo, hi)`` of a chunk file into ``out``, reading the whole checksum blocks
+        around them and verifying each."""
+        assert self.checksums is not None
+        first, a, b = checksums_lib.blocks_of(lo, hi, size, self.block_bytes)
+        whole = out if (a, b) == (lo, hi) else memoryview(bytearray(b - a))
+        step = self.block_bytes
+        for at in range(0, len(whole), step):  # each block checked while it is in cache
+            block = whole[at : at + step]
+            _pread(fd, block, a + at, leaf, path)
+            checksums_lib.verify(
+                block, first + at // step, crcs, step, leaf=leaf, file=path, at=a + at
+            )
+        if whole is not out:
+            out[:] = whole[lo - a : hi - a]
+            stats.count_verified(b - a - (hi - lo))
+
+    def _read_one(self, req: ReadRequest) -> int:
+        keys, start, stop, out = req
+        md = self._simple(keys)
+        if md is not None:
+            np_dtype = NUMPY_DTYPE[md["dtype"]]
+            direct = (
+                out.device.type == "cpu"
+                and out.is_contiguous()
+                and out.dtype == TORCH_FROM_NUMPY.get(np_dtype)
+            )
+            if direct:
+                buf = memoryview(out.view(torch.uint8).numpy()).cast("B")
+                if self._pread_rows(keys, start, stop, buf):
+                    return len(buf)
+            else:
+                shape = md["shape"]
+                tmp = np.empty((stop - start, *shape[1:]), dtype=np_dtype)
+                if self._pread_rows(keys, start, stop, memoryview(tmp.reshape(-1).view(np.uint8))):
+                    copy_rows(out, to_torch(tmp, self._leaf_dir(keys)))
+                    return tmp.nbytes
+        self._ts([keys])
+        arr = self._open[keys]
+        a = np.asarray((arr[start:stop] if arr.ndim else arr).read().result())
+        copy_rows(out, to_torch(a, self._leaf_dir(keys)))
+        return a.nbytes
+
+    def read_into(self, requests: Sequence[ReadRequest]) -> None:
+        for r in requests:
+            self._simple(r.keys)
+        slow = [r.keys for r in requests if self._zarray[r.keys] is None]
+        self._ts(slow)
+        if len(requests) > 1:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+                sizes = list(pool.map(self._read_one, requests))
+        else:
+            sizes = [self._read_one(r) for r in requests]
+        for n in sizes:
+            stats.count(True, n)
+
+    def chunk_rows(self, keys: Keys) -> list[tuple[int, int]] | None:
+        """The row range of each chunk file of an array (a 0-d one: ``[(0, 1)]``); None when
+        it is not read as chunk files (OCDBT, compressed, zarr3)."""
+        md = self._simple(keys)
+        if md is None:
+            return None
+        shape = md["shape"]
+        if not shape:
+            return [(0, 1)]
+        chunk = md["chunks"][0]
+        return [(lo, min(lo + chunk, shape[0])) for lo in range(0, shape[0], chunk)]
+
+    def leaves(self) -> list[Keys]:
+        """Every array's and scalar's keys, as ``_METADATA`` lists them."""
+        return list(self.stored)
+
+    def verify(self, keys: Keys) -> list[str]:
+        """Reads every chunk of an array (or scalar) against its checksums, one chunk in memory
+        at a time, after its ``.zarray``; the problems found (empty: all verified)."""
+        try:
+            ranges = self.chunk_rows(keys)
+        except (OSError, ValueError) as e:  # ChecksumError, a damaged or missing .zarray
+            return [str(e)]
+        if ranges is None:
+            return [f"{self._leaf_dir(keys)}: not stored as plain zarr chunks; not verified"]
+        md = self._zarray[keys]
+        assert md is not None
+        row_bytes = math.prod(md["shape"][1:]) * NUMPY_DTYPE[md["dtype"]].itemsize
+        problems = []
+        for lo, hi in ranges:
+            buf = bytearray((hi - lo) * row_bytes)
+            try:
+                if not self._pread_rows(keys, lo, hi, memoryview(buf)):
+                    problems.append(f"{self._leaf_dir(keys)}: chunk of rows {lo}:{hi} is absent")
+            except OSError as e:  # ChecksumError, a missing or short file
+                problems.append(str(e))
+        return problems
+
+    def read_scalar(self, keys: Keys) -> Any:
+        md = self._simple(keys)
+        if md is not None and not md["shape"]:
+            np_dtype = NUMPY_DTYPE[md["dtype"]]
+            buf = bytearray(np_dtype.itemsize)
+            if self._pread_rows(keys, 0, 1, memoryview(buf)):
+                return np.frombuffer(bytes(buf), dtype=np_dtype)[0].item()
+        if self.checksums is not None:  # the .zarray of a scalar funcshard wrote is 0-d
+            raise ValueError(
+                f"restore: {self.directory}/{self._leaf_dir(keys)}/.zarray: shape "
+                f"{md and md['shape']} for the scalar {self._leaf_dir(keys)}, expected []; the "
+                "checkpoint is damaged"
+            )
+        self._ts([keys])
+        return np.asarray(self._open[keys].read().result()).item()

@@ -1,0 +1,203 @@
+"""Filling a target layout's flat buffers from any ``Source``: the rows each rank needs, into
+new buffers (a failed read leaves the target state as it was), then the new state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Container, Sequence
+from typing import Any
+
+import torch
+
+from funcshard import sharding as shard_lib
+from funcshard.buckets import BlockScales, PerBucket, scale_index
+from funcshard.checkpoint.format import Keys
+from funcshard.checkpoint.matching import conversions
+from funcshard.checkpoint.sources import ReadRequest, Source
+from funcshard.checkpoint.tree import (
+    map_opt,
+    spec_in,
+)
+from funcshard.layout import Bucket, Layout
+from funcshard.optim.moments import MomentFormat, block_of
+from funcshard.state import LossScale, TrainState, derive_compute
+
+__all__ = ["Read", "read"]
+
+
+def _new_flat(
+    bucket: Bucket, layout: Layout, numel: int, dtype: torch.dtype, *, pin: bool = False
+) -> torch.Tensor:
+    """A fresh, unfilled flat for ``bucket``, where ``fs.init`` puts it. ``like``'s own
+    buffers are never written: a restore that fails leaves ``like`` as it was. ``pin``: an
+    offloaded master on a CUDA layout is page-locked, as ``fs.init`` makes it (it crosses to
+    the device every step; the optimizer state stays on the host)."""
+    device = torch.device("cpu") if bucket.offload else layout.device
+    flat = torch.empty(numel, dtype=dtype, device=device)
+    if pin and bucket.offload and layout.device.type == "cuda":
+        flat = flat.pin_memory()
+    return flat
+
+
+def _fill(
+    flats: Sequence[torch.Tensor | None],
+    layout: Layout,
+    source: Source,
+    prefix: Keys,
+    keymap: dict[Keys, Keys],
+    skip: Container[Keys] = (),
+) -> None:
+    """Copies this rank's real rows of every leaf from ``source`` into the bucket flats and
+    zeroes their padding rows (leaves in ``skip``: padding only; they are converted)."""
+    r = layout.shard_rank
+    blocks = getattr(flats, "blocks", None)
+    requests = []
+    for bucket, flat in zip(layout.buckets, flats, strict=True):
+        if flat is None:
+            continue
+        for spec in layout.bucket_leaves(bucket):
+            spec = spec_in(spec, blocks, bucket.index)
+            start, stop = spec.row_range(r)
+            real = (stop - start) * spec.row_numel
+            flat[spec.offset + real : spec.offset + spec.shard_numel].zero_()
+            if stop > start and (*prefix, spec.name) not in skip:
+                keys = (*prefix, spec.name)
+                requests.append(
+                    ReadRequest(
+                        keymap.get(keys, keys), start, stop, shard_lib.rows_view(flat, spec, r)
+                    )
+                )
+    source.read_into(requests)
+
+
+@dataclasses.dataclass
+class Read:
+    """What ``read`` produced: every leaf of the new state but the derived compute copies."""
+
+    master: tuple[torch.Tensor, ...]
+    opt_state: Any
+    step: int
+    loss_scale: LossScale | None
+
+    def derive_compute(self, like: TrainState) -> tuple[torch.Tensor | None, ...]:
+        """The compute copies of the new masters (a collective under ZeRO 1-2)."""
+        return derive_compute(like.layout, self.master)
+
+    def assemble(
+        self, like: TrainState, compute: tuple[torch.Tensor | None, ...] | None = None
+    ) -> TrainState:
+        """The new state; consumes ``like``, only now: a read that failed leaves it usable.
+        ``compute``: from ``derive_compute`` (derived here when None; every rank calls it)."""
+        if compute is None:
+            compute = self.derive_compute(like)
+        return like.donate("restore").state(
+            master=self.master,
+            compute=compute,
+            opt_state=self.opt_state,
+            step=self.step,
+            loss_scale=self.loss_scale,
+        )
+
+
+def read(
+    like: TrainState, source: Source, *, model_only: bool, keymap: dict[Keys, Keys] | None = None
+) -> Read:
+    """Reads every leaf for ``like``'s layout from ``source`` into new buffers, with no
+    collectives; ``like`` is neither written nor consumed (``Read.assemble`` consumes it).
+
+    Masters are read (cast to the master dtype); with ``model_only`` the optimizer state is
+    ``like.optimizer.init(master)`` and the step 0, otherwise both are read too.
+    """
+    layout = like.layout
+    keymap = keymap or {}
+    n = len(layout.buckets)
+    old_opt = like.opt_state  # checks that ``like`` is live
+    master = tuple(_new_flat(b, layout, b.numel, b.dtypes.master, pin=True) for b in layout.buckets)
+    _fill(master, layout, source, ("params",), keymap)
+    if model_only:
+        opt_state = like.optimizer.init(layout.per_bucket(master))
+        step = 0
+    else:
+        convert = conversions(layout, old_opt, source.arrays())
+
+        def buckets(path: Keys, olds: PerBucket) -> tuple:
+            flats = olds.with_entries(
+                None if o is None else _new_flat(b, layout, o.numel(), o.dtype)
+                for o, b in zip(olds, layout.buckets, strict=True)
+            )
+            _fill(flats, layout, source, ("opt_state", *path), keymap, convert)
+            return flats
+
+        opt_state = map_opt(
+            old_opt, n, buckets, lambda p, x: type(x)(source.read_scalar(("opt_state", *p)))
+        )
+        if convert:
+            _convert_moments(layout, source, opt_state, convert)
+        step = int(source.read_scalar(("step",)))
+    loss_scale = like.loss_scale
+    if loss_scale is not None:
+        loss_scale = LossScale(float(layout.policy.loss_scale_init), 0)
+        if not model_only and ("loss_scale", "scale") in source.scalars():
+            loss_scale = LossScale(
+                float(source.read_scalar(("loss_scale", "scale"))),
+                int(source.read_scalar(("loss_scale", "good_steps"))),
+            )
+    return Read(master, opt_state, step, loss_scale)
+
+
+def _convert_moments(
+    layout: Layout, source: Source, opt_state: Any, convert: dict[Keys, Keys | None]
+) -> None:
+    """Fills the moments stored 8-bit on one side only: this rank's rows are read as stored,
+    dequantized to fp32 (with the source's scales) and cast, or quantized (scales computed)."""
+    n, r = len(layout.buckets), layout.shard_rank
+    parts: dict[Keys, PerBucket] = {}
+    map_opt(opt_state, n, lambda p, x: parts.__setitem__(("opt_state", *p), x), lambda p, x: x)
+    found = source.arrays()
+    requests, jobs = [], []
+    for keys, scale_src in convert.items():
+        part = parts[keys[:-1]]
+        if isinstance(part, BlockScales):
+            continue  # computed with its moment
+        spec = layout.leaf(keys[-1])
+        start, stop = spec.row_range(r)
+        if stop == start:
+            continue
+        shape = (stop - start, *spec.shape[1:])
+        dtype_name = found[keys][1]
+        src = torch.empty(shape, dtype=_TORCH_8BIT.get(dtype_name, torch.float32))
+        requests.append(ReadRequest(keys, start, stop, src))
+        src_scales = None
+        if scale_src is not None:
+            cols = found[scale_src][0][1]
+            src_scales = torch.empty(stop - start, cols, dtype=torch.float32)
+            requests.append(ReadRequest(scale_src, start, stop, src_scales))
+        jobs.append((keys, spec, src, src_scales))
+    source.read_into(requests)
+    for keys, spec, src, src_scales in jobs:
+        wide = src.float().reshape(-1)
+        if src_scales is not None:
+            block = block_of(spec.shape)
+            if block is None or src_scales.shape[1] != scale_index(block, spec.row_numel):
+                raise ValueError(
+                    f"checkpoint: {'/'.join(scale_src)} has {src_scales.shape[1]} scales a row "
+                    f"for {spec.name!r} of shape {spec.shape}; expected the blocks of "
+                    f"funcshard.optim.moments.block_of: {block}"
+                )
+            fmt = MomentFormat(src.dtype, block)
+            wide = torch.empty(src.numel(), dtype=torch.float32)
+            fmt.decode(src.reshape(-1), src_scales.reshape(-1), wide)
+        flat = parts[keys[:-1]][spec.bucket]
+        values = shard_lib.rows_view(flat, spec, r)
+        scale_part = parts.get((*keys[:-2], keys[-2] + "_scale"))
+        wide = wide.to(flat.device)
+        if src_scales is None and isinstance(scale_part, BlockScales):
+            block = scale_part.blocks[spec.bucket]
+            scales = shard_lib.rows_view(scale_part[spec.bucket], spec.scales(block), r)
+            MomentFormat(flat.dtype, block).encode(wide, values.view(-1), scales.view(-1))
+        else:
+            values.copy_(wide.view(values.shape).to(values.device))
+
+
+_TORCH_8BIT = {"int8": torch.int8, "uint8": torch.uint8}
