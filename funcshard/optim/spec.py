@@ -191,7 +191,7 @@ class Buffers:
 
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
-    decay: list[Hashable]
+    decay: list[float]
     rules: tuple[Moments, ...]  # per kept moment field
     values: list[list[torch.Tensor]]  # per kept moment field, per leaf
     scales: list[list[torch.Tensor | None]]
@@ -289,14 +289,7 @@ def build(spec: Spec) -> Optimizer:
             spec.check(params)
         decay_of(params)  # a mask that does not fit the params fails here, not at step 1
         blocks = blocks_of(params)
-        zeros = {
-            f: kept[f].zeros(params, blocks) if f in kept else (None, None) for f in spec.moments
-        }
-        return spec.state(
-            count=0,
-            **{f: v for f, (v, _) in zeros.items()},
-            **{f"{f}_scale": s for f, (_, s) in zeros.items()},
-        )
+        return _state(spec, 0, {f: rule.zeros(params, blocks) for f, rule in kept.items()})
 
     def update(
         grads: PyTree,
@@ -311,43 +304,66 @@ def build(spec: Spec) -> Optimizer:
         if spec.check is not None:
             spec.check(params)
         flat_p, treedef, keep, p, g = _leaves_of(spec.what, grads, params, donate, grad_scale)
-        values, scales = [], []
-        for field in kept:
-            vals, vdef = optree.tree_flatten(
-                getattr(state, field), none_is_leaf=False, namespace=NAMESPACE
-            )
-            if len(vals) != len(p):
-                raise ValueError(
-                    f"{spec.what} update: {len(vals)} {field} leaves for {len(p)} params"
-                )
-            values.append((_copies(vals, donate), vdef))
-            tree = getattr(state, f"{field}_scale")
-            flat_s, sdef = _flat(tree) if tree is not None else ([None] * len(flat_p), None)
-            scales.append((_copies([flat_s[i] for i in keep], donate), sdef))
+        fields = [_Field.of(spec.what, state, f, flat_p, keep, donate) for f in kept]
         bufs = Buffers(
             p,
             g,
             decay_of(params),
             tuple(kept.values()),
-            [v for v, _ in values],
-            [s for s, _ in scales],
+            [f.values for f in fields],
+            [f.scales for f in fields],
             blocks_of(params),
         )
-        spec.step(
-            bufs, Scalars(state.count, lr_at(spec.lr, state.count), grad_scale), params, placement
-        )
-        new = {
-            f: (vdef.unflatten(v), _rebuild(sdef, s, flat_p))
-            for f, (v, vdef), (s, sdef) in zip(kept, values, scales, strict=True)
-        }
-        return _rebuild(treedef, p, flat_p), spec.state(
-            count=state.count + 1,
-            **{f: new[f][0] if f in new else None for f in spec.moments},
-            **{f"{f}_scale": new[f][1] if f in new else None for f in spec.moments},
-        )
+        scalars = Scalars(state.count, lr_at(spec.lr, state.count), grad_scale)
+        spec.step(bufs, scalars, params, placement)
+        new = {name: f.tree(flat_p) for name, f in zip(kept, fields, strict=True)}
+        return _rebuild(treedef, p, flat_p), _state(spec, state.count + 1, new)
 
     partition = _partition(decays if spec.mask is not None else None, block_rule)
     return Optimizer(init, update, partition=partition, elementwise=spec.elementwise)
+
+
+def _state(spec: Spec, count: int, moments: dict[str, tuple[PyTree, PyTree]]) -> Any:
+    """``spec.state`` of ``count`` and every moment field's ``(values, scales)`` trees; a field
+    missing from ``moments`` (its rule keeps none) and its scales are None."""
+    absent = (None, None)
+    return spec.state(
+        count=count,
+        **{f: moments.get(f, absent)[0] for f in spec.moments},
+        **{f"{f}_scale": moments.get(f, absent)[1] for f in spec.moments},
+    )
+
+
+class _Field(NamedTuple):
+    """One moment field of a state as a step's leaves (copies unless donated) and the tree
+    definitions that rebuild it."""
+
+    values: list[torch.Tensor]
+    values_def: Any
+    scales: list[torch.Tensor | None]
+    scales_def: Any  # None: the field has no scales
+
+    @staticmethod
+    def of(what: str, state: Any, field: str, flat_p: list, keep: list[int], donate: bool):
+        vals, vdef = optree.tree_flatten(
+            getattr(state, field), none_is_leaf=False, namespace=NAMESPACE
+        )
+        if len(vals) != len(keep):
+            raise ValueError(f"{what} update: {len(vals)} {field} leaves for {len(keep)} params")
+        tree = getattr(state, f"{field}_scale")
+        flat_s, sdef = _flat(tree) if tree is not None else ([None] * len(flat_p), None)
+        if len(flat_s) != len(flat_p):
+            raise ValueError(
+                f"{what} update: {field}_scale has {len(flat_s)} leaves for {len(flat_p)} params"
+            )
+        scales = _copies([flat_s[i] for i in keep], donate)
+        return _Field(_copies(vals, donate), vdef, scales, sdef)
+
+    def tree(self, flat_p: list) -> tuple[PyTree, PyTree]:
+        """The stepped ``(values, scales)`` trees."""
+        return self.values_def.unflatten(self.values), _rebuild(
+            self.scales_def, self.scales, flat_p
+        )
 
 
 def _rebuild(treedef: Any, kept: list, flat: list) -> PyTree:
