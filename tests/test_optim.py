@@ -119,3 +119,24 @@ def test_bad_hyperparameters_are_named() -> None:
         fs.optim.adamw(betas=(1.0, 0.9))
     with pytest.raises(ValueError, match="momentum"):
         fs.optim.sgd(0.1, momentum=-1)
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: fs.optim.sgd(0.1, momentum=0.9), "momentum"),
+        (fs.optim.adamw, "mu"),
+        (fs.optim.muon, "momentum"),
+    ],
+    ids=["sgd", "adamw", "muon"],
+)
+def test_a_state_or_gradient_that_does_not_fit_is_named(make, field: str) -> None:
+    """Every optimizer checks its inputs the same way (one builder): a gradient of the wrong
+    shape names the parameter, a state built for other params names the moment field."""
+    opt = make()
+    params = {"v": torch.zeros(3, 4), "w": torch.zeros(2, 2)}
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"a gradient of shape \(4, 3\) for \['v'\]"):
+        opt.update({"v": torch.zeros(4, 3), "w": torch.zeros(2, 2)}, state, params)
+    with pytest.raises(ValueError, match=f"1 {field} leaves for 2 params"):
+        opt.update(params, opt.init({"w": torch.zeros(2, 2)}), params)

@@ -11,7 +11,7 @@ import torch
 
 from funcshard.buckets import NAMESPACE, is_per_bucket
 from funcshard.optim.base import GradientTransformation, Optimizer, PyTree, leaves
-from funcshard.optim.rules import per_leaf_rule
+from funcshard.optim.spec import per_leaf_rule
 
 if TYPE_CHECKING:
     from funcshard.layout import Placement

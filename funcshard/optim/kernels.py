@@ -1,6 +1,6 @@
 """A one-pass CPU kernel for steps with moments stored narrow (``mu_dtype`` / ``nu_dtype``).
 
-torch's fused kernels take one dtype, so the torch path of a narrow step (``rules._chunked``)
+torch's fused kernels take one dtype, so the torch path of a narrow step (``fused._chunked``)
 decodes a chunk into fp32 scratch, runs the fused fp32 kernel and encodes it back: several
 passes and many torch ops per chunk. ``_kernels.c`` loads, decodes, steps and encodes eight
 elements at a time in one loop (8-bit moments: a block into an L1 scratch, encoded while the
@@ -108,7 +108,7 @@ def _f32(x: float) -> float:
 
 
 def _scaled(args: Args, grad_scale: float) -> Args:
-    if grad_scale != 1.0:  # rules._scale_arg: the kernels divide by fp32(1 / grad_scale)
+    if grad_scale != 1.0:  # Scalars.grad_scale_arg: the kernels divide by fp32(1 / grad_scale)
         args.scaled, args.inv_scale = 1, 1.0 / grad_scale
     return args
 

@@ -29,17 +29,9 @@ import torch
 
 from funcshard import collectives
 from funcshard.buckets import NAMESPACE, Members
-from funcshard.optim.base import (
-    Optimizer,
-    PyTree,
-    Schedule,
-    leaf_params,
-    leaves,
-    lr_at,
-    not_negative,
-)
+from funcshard.optim.base import Optimizer, PyTree, Schedule, leaf_params, not_negative
 from funcshard.optim.moments import decode_flat, encode_flat
-from funcshard.optim.rules import Moments, _block_rule
+from funcshard.optim.spec import Buffers, Moments, Scalars, Spec, build
 
 if TYPE_CHECKING:
     from funcshard.layout import Placement
@@ -265,87 +257,37 @@ def muon(
         return newton_schulz(m, coefficients, ns_steps, eps)
 
     mu_rule = Moments(mu_dtype, "muon mu_dtype", signed=True, stochastic=False)
-    block_rule, blocks_of = _block_rule(mu_rule.quantized, "muon")
 
-    def init(params: PyTree) -> MuonState:
-        _check_2d(params)
-        if mu_dtype is not None:
-            return MuonState(0, *mu_rule.zeros(params, blocks_of(params)))
-        return MuonState(
-            0, optree.tree_map(torch.zeros_like, params, none_is_leaf=False, namespace=NAMESPACE)
-        )
-
-    def update(
-        grads: PyTree,
-        state: MuonState,
-        params: PyTree,
-        *,
-        donate: bool = False,
-        grad_norm: float | None = None,
-        grad_scale: float = 1.0,
-        placement: Placement | None = None,
-    ):
-        _check_2d(params)
-        treedef = optree.tree_structure(params, none_is_leaf=False, namespace=NAMESPACE)
-        p, g, buf = leaves(params), leaves(grads), leaves(state.momentum)
-        if not (len(p) == len(g) == len(buf)):
-            raise ValueError(
-                f"muon update: {len(g)} gradient and {len(buf)} momentum leaves for {len(p)} params"
-            )
-        scales = [None] * len(buf)
-        if state.momentum_scale is not None:
-            scales = optree.tree_flatten(
-                state.momentum_scale, none_is_leaf=True, namespace=NAMESPACE
-            )[0]
-            scales = [x for x, q in zip(scales, _flat_params(params), strict=True) if q is not None]
-        if not donate:
-            p, buf = [t.clone() for t in p], [t.clone() for t in buf]
-            scales = [None if t is None else t.clone() for t in scales]
-        formats = [mu_rule.format(b, t.dtype) for b, t in zip(blocks_of(params), p, strict=True)]
-        lr_now = lr_at(lr, state.count)
+    def step(bufs: Buffers, s: Scalars, params: PyTree, placement: Placement | None) -> None:
+        """The elementwise part on the local rows, then every matrix orthogonalized whole."""
         matrices, targets = [], []
-        for pi, gi, stored, members, pairs, fmt, si in zip(
-            p, g, buf, _leaf_members(params), leaf_params(params), formats, scales, strict=True
+        for j, (members, pairs) in enumerate(
+            zip(_leaf_members(params), leaf_params(params), strict=True)
         ):
-            if gi.shape != pi.shape:
-                raise ValueError(
-                    f"muon update: a gradient of shape {tuple(gi.shape)} for "
-                    f"{[n for n, _ in pairs]} of shape {tuple(pi.shape)}"
-                )
-            gi = gi.to(pi.dtype) if gi.dtype != pi.dtype else gi
-            if grad_scale != 1.0:
-                gi = gi * grad_scale
-            narrow = stored.dtype != pi.dtype or si is not None
-            bi = decode_flat(fmt, stored, si) if narrow else stored
-            if narrow and gi.dtype != torch.float32:
-                gi = gi.float()
-            bi.lerp_(gi, 1 - momentum)
-            upd = gi.lerp(bi, momentum) if nesterov else bi
+            p, g, wd = bufs.params[j], bufs.grads[j], bufs.decay[j]
+            ((fmt, stored, scales),) = bufs.states(j)
+            if s.grad_scale != 1.0:
+                g.mul_(s.grad_scale)  # a copy unless donated
+            narrow = stored.dtype != p.dtype or scales is not None
+            buf = decode_flat(fmt, stored, scales) if narrow else stored
+            if narrow and g.dtype != torch.float32:
+                g = g.float()
+            buf.lerp_(g, 1 - momentum)
+            upd = g.lerp(buf, momentum) if nesterov else buf
             if narrow:
-                encode_flat(fmt, bi, stored, si)
-            pi.mul_(1 - lr_now * weight_decay)
-            for name, shape, rows, u, target in _matrices_of(pi, upd, members, pairs, placement):
+                encode_flat(fmt, buf, stored, scales)
+            p.mul_(1 - s.lr * wd)
+            for name, shape, rows, u, target in _matrices_of(p, upd, members, pairs, placement):
                 matrices.append(_Matrix(name, shape, rows, u))
-                targets.append((target, _adjusted_lr(lr_now, adjust_lr_fn, shape)))
+                targets.append((target, _adjusted_lr(s.lr, adjust_lr_fn, shape)))
         results = _orthogonalize_all(matrices, placement, orthogonalize, ns_steps, owner_computes)
         for (target, alr), o in zip(targets, results, strict=True):
             target.add_(o.to(target.device), alpha=-alr)
-        unflat = lambda xs: optree.tree_unflatten(treedef, xs)
-        new_scales = state.momentum_scale
-        if new_scales is not None:
-            flat_s, sdef = optree.tree_flatten(new_scales, none_is_leaf=True, namespace=NAMESPACE)
-            it = iter(scales)
-            new_scales = sdef.unflatten(
-                [None if q is None else next(it) for q in _flat_params(params)]
-            )
-            del flat_s
-        return unflat(p), MuonState(state.count + 1, unflat(buf), new_scales)
 
-    return Optimizer(init, update, partition=block_rule, elementwise=False)
-
-
-def _flat_params(params: PyTree) -> list:
-    return optree.tree_flatten(params, none_is_leaf=True, namespace=NAMESPACE)[0]
+    moments = {"momentum": mu_rule}
+    return build(
+        Spec("muon", lr, MuonState, moments, step, weight_decay, check=_check_2d, elementwise=False)
+    )
 
 
 def _matrices_of(
