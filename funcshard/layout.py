@@ -12,7 +12,7 @@ together they are exactly the rows ``s`` holds as an inner (HSDP) shard of ``R *
 per leaf. :attr:`Layout.inner` is that inner layout: compute params, gathers and gradients
 within a replica use it; what crosses "replicate" is a reduce-scatter of the inner gradient
 shard into masters and an all-gather of the updated masters back into it (with a param wire,
-the masters encoded once by their owners and the inner shard kept so: :mod:`funcshard.wire`).
+the masters encoded once by their owners and the inner shard kept so: :mod:`funcshard.comm.params`).
 
 Leaves of one gather unit with the same dtypes and placement form a bucket: one flat buffer,
 one collective, one fused optimizer call. The layout is computed locally from parameter shapes

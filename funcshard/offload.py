@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
 from funcshard.buckets import BlockScales, Members, PerBucket, flatten_parts, is_per_bucket
 from funcshard.layout import Bucket, Placement
 from funcshard.optim import Optimizer
 from funcshard.optim.moments import granule
+from funcshard.reduction import reduction_of
 from funcshard.state import Donation, TrainState, derive_compute
 
 __all__ = [
@@ -318,7 +318,7 @@ def apply_update(
     master = state.master
     split = _split_opt_state(state.opt_state)
     if grad_norm is None:
-        grad_norm = float(reduce_lib.global_norm(layout, list(grads)))
+        grad_norm = float(reduction_of(layout).global_norm(layout, list(grads)))
     device_idx = [b.index for b in layout.buckets if not b.offload]
     cpu_idx = [b.index for b in layout.buckets if b.offload]
     if threads is None and cpu_idx and layout.device.type != "cpu":

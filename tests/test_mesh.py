@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard import collectives
 from funcshard import mesh as mesh_lib
+from funcshard.comm import ops as collectives
 
 import models
 

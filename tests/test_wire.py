@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard import wire
+from funcshard.comm import codec as wire
 from funcshard.plan import transformer_shapes
 
 import models
