@@ -49,7 +49,7 @@ DTYPES = {
     "none": None,
 }
 MOMENT_DTYPES = {**DTYPES, "int8": torch.int8, "uint8": torch.uint8}
-# the wires: the floating dtypes and the 8-bit blockwise formats (funcshard.wire)
+# the wires: the floating dtypes and the 8-bit blockwise formats (funcshard.comm.codec)
 WIRE_DTYPES = {
     **DTYPES,
     "int8": torch.int8,

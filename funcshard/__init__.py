@@ -2,7 +2,8 @@
 
 from funcshard import optim
 from funcshard.checkpoint import CheckpointManager, export_safetensors, restore, save
-from funcshard.collectives import CommStats, comm_stats
+from funcshard.comm.grads import reduce_scatter_grads
+from funcshard.comm.ops import CommStats, comm_stats
 from funcshard.functional import GatheredParams, functional_call
 from funcshard.launch import init_from_env, launch
 from funcshard.layout import STRATEGIES
@@ -10,7 +11,6 @@ from funcshard.mesh import make_mesh
 from funcshard.offload import offload_step
 from funcshard.plan import plan
 from funcshard.policy import MixedPrecisionPolicy
-from funcshard.reduce import reduce_scatter_grads
 from funcshard.sharding import shard
 from funcshard.state import ConsumedStateError, LossScale, TrainState, describe, init, tree
 from funcshard.step import full_params, train_step

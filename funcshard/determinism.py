@@ -1,4 +1,6 @@
-"""Layout-independent reductions: what ``fs.init(..., deterministic=True)`` runs.
+"""Layout-independent reductions: what ``fs.init(..., deterministic=True)`` runs (the pure
+math; the collectives are :class:`funcshard.comm.wires.TreeWire`'s and
+:class:`funcshard.reduction.TreeReduction`'s).
 
 A step's global batch is split into G = dp_size * microbatches equal gradient chunks; chunk
 ``c = dp_index * microbatches + m`` (``dp_index = replicate * shard_size + shard``) holds the
@@ -9,16 +11,17 @@ chunk or row index alone:
 
 * gradients: the adjacent pairwise tree over ``c`` (``((c0+c1)+(c2+c3))...``). A rank's
   microbatches form its lowest subtrees (:class:`PairwiseSum`, a binary counter), the shard
-  axis the next levels (:func:`start_reduce_scatter`: an all-to-all of rank blocks, then the
-  same tree over the blocks locally), the replicate axis the top ones (:func:`all_reduce`:
-  that reduce-scatter and an all-gather). Both move exactly the bytes of the ring collectives
+  axis the next levels (:class:`funcshard.comm.wires.TreeWire`: an all-to-all of rank blocks,
+  then the same tree over the blocks locally), the replicate axis the top ones (that
+  reduce-scatter and an all-gather). Both move exactly the bytes of the ring collectives
   they replace, and since ``a + b == b + a`` bitwise only the tree's shape matters, not which
   rank adds. The 1/G scaling is a power of two, hence exact wherever it happens.
-* the global norm (:func:`global_norm`): rows are never split between ranks, so each row's
-  sum of squares (fp64, exact squares, a halving tree over its columns) is the same on every
-  layout; the row sums are all-gathered over the shard axis and summed in parameter order by
-  one halving tree.
-* the loss (:func:`mean_loss`): every chunk's loss is all-gathered and summed by a tree.
+* the global norm (:func:`row_sums`, :func:`norm_of_rows`): rows are never split between
+  ranks, so each row's sum of squares (fp64, exact squares, a halving tree over its columns)
+  is the same on every layout; the row sums are all-gathered over the shard axis and summed
+  in parameter order by one halving tree.
+* the loss (:meth:`funcshard.reduction.TreeReduction.mean_loss`): every chunk's loss is
+  all-gathered and summed by a tree.
 
 A chunk's gradient must come from the same bits too, and CPU kernels round differently at
 another alignment of the same values, while a leaf's offset in a full buffer follows the
@@ -38,20 +41,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-from funcshard import collectives
 from funcshard.layout import Layout
 
 __all__ = [
     "PairwiseSum",
     "pairwise_sum",
     "halving_sum",
-    "start_reduce_scatter",
-    "all_reduce",
-    "start_all_reduce",
-    "global_norm",
-    "mean_loss",
+    "row_sums",
+    "norm_of_rows",
     "check_microbatches",
 ]
 
@@ -145,58 +143,6 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return a.add_(b)  # a is a partial sum this accumulator owns
 
 
-def start_reduce_scatter(
-    full: torch.Tensor,
-    group: dist.ProcessGroup,
-    kind: str | None = "reduce_scatter",
-    *,
-    axis: str = "world",
-) -> collectives.Pending:
-    """The group's sum of 1-D ``full``, this rank's contiguous 1/size of it, in tree order.
-
-    An all-to-all hands every rank the blocks of its part from every rank (the bytes of a ring
-    reduce-scatter: all but its own block out, as many in); ``wait()`` sums them by
-    :func:`pairwise_sum` over group ranks. Counted as a reduce-scatter of ``full``.
-    """
-    return collectives.exchange_blocks(
-        full, group, lambda blocks: pairwise_sum(blocks.unbind(0)), axis=axis, kind=kind
-    )
-
-
-def all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, *, axis: str = "world"
-) -> torch.Tensor:
-    """The group's sum of ``tensor`` in tree order over group ranks (a new tensor).
-
-    :func:`start_reduce_scatter` on the tensor padded to a multiple of the group size, then an
-    all-gather: the bytes of a ring all-reduce. Counted as an all-reduce of ``tensor``.
-    """
-    return start_all_reduce(tensor, group, axis=axis).wait()
-
-
-def start_all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, *, axis: str = "world"
-) -> collectives.Pending:
-    """:func:`all_reduce` as a chain: the reduce-scatter starts now (on a copy of
-    ``tensor``); ``wait()`` sums it and all-gathers the sum. So the all-gather is issued where
-    the caller waits: every rank must wait for a group's chains in the same order.
-    """
-    size = dist.get_world_size(group)
-    if size == 1:
-        return collectives.Pending(None, tensor)
-    flat, shape = tensor.reshape(-1), tensor.shape
-    n = flat.numel()
-    padded = torch.nn.functional.pad(flat, (0, -n % size))  # a copy, even with no padding
-    collectives.record("all_reduce", flat, axis)
-    part = start_reduce_scatter(padded, group, kind=None, axis=axis)
-
-    def gather(summed: torch.Tensor) -> torch.Tensor:
-        full = collectives.all_gather(summed, group, axis=axis, kind=None)
-        return full[:n].view(shape)
-
-    return collectives.Pending.then(part, gather)
-
-
 def _row_sums(flat: torch.Tensor, spec) -> torch.Tensor:
     """Sums of squares (fp64) of this rank's padded rows of one leaf inside a bucket flat."""
     rows = flat[spec.offset : spec.offset + spec.shard_numel].view(
@@ -211,41 +157,30 @@ def _row_sums(flat: torch.Tensor, spec) -> torch.Tensor:
     )
 
 
-def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of the reduced gradient, bitwise the same on every layout (fp64, 0-d).
-
-    Each rank computes the sums of squares of its rows; one all-gather over the shard axis
-    (counted under "metrics") gives every rank every real row in parameter order, summed by
-    :func:`halving_sum`. Padding rows are dropped, so they never count.
-    """
-    device = layout.device
-    local, where = [], {}
-    at = 0
+def row_sums(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """This rank's sums of squares of its rows of every leaf (fp64, parameter order; None: no
+    leaves); a row's sum is the same bits on every layout."""
+    local = []
     for bucket, g in zip(layout.buckets, grads, strict=True):
-        g = g.to(device)
+        g = g.to(layout.device)
+        local.extend(_row_sums(g, spec) for spec in layout.bucket_leaves(bucket))
+    return torch.cat(local) if local else None
+
+
+def norm_of_rows(layout: Layout, sums: torch.Tensor | None) -> torch.Tensor:
+    """The L2 norm (0-d fp64) from every shard's :func:`row_sums` in shard order: every real
+    row in parameter order, summed by :func:`halving_sum`; padding rows are dropped, so they
+    never count."""
+    if sums is None:
+        return torch.zeros((), dtype=torch.float64, device=layout.device)
+    where, at = {}, 0
+    for bucket in layout.buckets:
         for spec in layout.bucket_leaves(bucket):
-            local.append(_row_sums(g, spec))
             where[spec.name] = at
             at += spec.rows_per_shard
-    if not local:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    sums = torch.cat(local)
-    size = layout.shard_size
-    if size > 1:
-        sums = collectives.all_gather(
-            sums, layout.shard_group, axis=layout.shard_axis, kind="metrics"
-        )
-    sums = sums.view(size, at)
-    rows = [
+    sums = sums.view(layout.shard_size, at)
+    real = [
         sums[:, where[s.name] : where[s.name] + s.rows_per_shard].reshape(-1)[: s.rows]
         for s in layout.leaves
     ]
-    return halving_sum(torch.cat(rows)).sqrt()
-
-
-def mean_loss(layout: Layout, losses: list[torch.Tensor], world: dist.ProcessGroup) -> float:
-    """The mean of every chunk's loss over the world, summed by one tree in chunk order."""
-    local = torch.stack([loss.double() for loss in losses]).to(layout.device)
-    if dist.get_world_size(world) > 1:
-        local = collectives.all_gather(local, world, axis="world", kind="metrics")
-    return float(halving_sum(local)) / local.numel()
+    return halving_sum(torch.cat(real)).sqrt()

@@ -12,7 +12,7 @@ together they are exactly the rows ``s`` holds as an inner (HSDP) shard of ``R *
 per leaf. :attr:`Layout.inner` is that inner layout: compute params, gathers and gradients
 within a replica use it; what crosses "replicate" is a reduce-scatter of the inner gradient
 shard into masters and an all-gather of the updated masters back into it (with a param wire,
-the masters encoded once by their owners and the inner shard kept so: :mod:`funcshard.wire`).
+the masters encoded once by their owners and the inner shard kept so: :mod:`funcshard.comm.params`).
 
 Leaves of one gather unit with the same dtypes and placement form a bucket: one flat buffer,
 one collective, one fused optimizer call. The layout is computed locally from parameter shapes
@@ -175,7 +175,7 @@ class Layout:
     # what is sharded over "replicate" (HFSDP: masters and optimizer state, see the module)
     outer: OuterStrategy = OuterStrategy.NO_SHARD
     # HFSDP's inner layout (:attr:`inner`): the R master sections a shard is made of, which a
-    # param wire keeps encoded as they crossed "replicate" (:mod:`funcshard.wire`); 0 for
+    # param wire keeps encoded as they crossed "replicate" (:mod:`funcshard.comm.params`); 0 for
     # every other layout, whose compute shard is one section, encoded only to be gathered
     packed_sections: int = 0
 

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
 from funcshard.buckets import PerBucket, flatten_parts, is_per_bucket
 from funcshard.host_step import (
@@ -37,6 +36,7 @@ from funcshard.host_step import (
     step_and_cast,
 )
 from funcshard.layout import Bucket
+from funcshard.reduction import reduction_of
 from funcshard.state import Donation, TrainState, derive_compute
 
 __all__ = [
@@ -182,7 +182,7 @@ def apply_update(
     master = state.master
     split = _split_opt_state(state.opt_state)
     if grad_norm is None:
-        grad_norm = float(reduce_lib.global_norm(layout, list(grads)))
+        grad_norm = float(reduction_of(layout).global_norm(layout, list(grads)))
     device_idx = [b.index for b in layout.buckets if not b.offload]
     cpu_idx = [b.index for b in layout.buckets if b.offload]
     if threads is None and cpu_idx and layout.device.type != "cpu":

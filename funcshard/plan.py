@@ -4,7 +4,7 @@ The prediction runs the same :func:`funcshard.layout.build_layout` that ``fs.ini
 padding, buckets, units and offload choice) on a mesh described by its shape, so it needs no
 process group, allocates nothing, and answers for a 70B model on 1024 ranks at once.
 
-Bytes communicated follow the accounting of :mod:`funcshard.collectives`: per rank, the size of
+Bytes communicated follow the accounting of :mod:`funcshard.comm.ops`: per rank, the size of
 the collective's full buffer (all-gather output, reduce-scatter input, all-reduce tensor); a
 group of one rank counts nothing; the scalar reductions of the metrics count under "metrics".
 Per step, with ``M`` microbatches, ``Pp`` the padded numel (rows padded to a multiple of the
@@ -31,7 +31,7 @@ unit saves one of its params for backward (a Linear weight does), an upper bound
 The all-gathers move ``param_comm_dtype`` instead of ``c`` when it is set (under HFSDP both
 the one over "replicate" and those over "shard": the masters are encoded once and the bytes
 move on unchanged; ZeRO-3 keeps the inner shard so, in ``memory.compute``). An 8-bit wire
-(grads or params, :mod:`funcshard.wire`) counts its bytes instead of ``numel * w``: per
+(grads or params, :mod:`funcshard.comm.codec`) counts its bytes instead of ``numel * w``: per
 section of ``L`` elements in ``K`` blocks ``L + 4K`` (a one-element row: 4, no value byte);
 its all-reduce over ``n`` ranks counts ``n`` times its largest part.
 
@@ -57,9 +57,10 @@ import optree
 import torch
 from torch import nn
 
-from funcshard import wire as wire_lib
 from funcshard.buckets import NAMESPACE, per_bucket_parts
-from funcshard.collectives import AXES
+from funcshard.comm import params as params_lib
+from funcshard.comm.ops import AXES
+from funcshard.comm.wires import wire_for
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
@@ -332,8 +333,8 @@ def _memory(
             opt += state_bytes[b.index]
         if zero3:
             if layout.hierarchical:  # the inner shard, kept as it crossed "replicate"
-                packed = wire_lib.packs_shard(inner, part)
-                kept = layout.replicas * wire_lib.packed_nbytes(layout, b)
+                packed = params_lib.packs_shard(inner, part)
+                kept = layout.replicas * params_lib.packed_nbytes(layout, b)
                 compute += 0 if same and not packed else kept
             elif b.offload:  # a kept compute shard
                 compute += 0 if same else c_bytes
@@ -341,7 +342,7 @@ def _memory(
                 compute_shard += 0 if same else c_bytes
             unit_full[b.unit] = unit_full.get(b.unit, 0) + S * c_bytes
         else:
-            kept = same and S == 1 and wire_lib.param_wire(layout, b) is None  # the master itself
+            kept = same and S == 1 and params_lib.param_wire(layout, b) is None  # the master itself
             compute += 0 if kept else S * c_bytes
         grads += g_bytes if sharded_grads else partials * S * g_bytes
     gathered = 0
@@ -374,25 +375,25 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     for b, part in zip(layout.buckets, inner.buckets, strict=True):
         if not strategy.shards_optim:
             if world > 1:
-                add("all_reduce", 1, wire_lib.all_reduce_nbytes(layout, b, world), "world")
+                add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(world), "world")
             continue
         if S > 1:
             per_mb = not _accumulates_unreduced(layout, M)
-            rs, ag = (
-                wire_lib.reduce_scatter_nbytes(inner, part),
-                wire_lib.all_gather_nbytes(inner, part),
-            )
+            rs = wire_for(inner, part).reduce_scatter_nbytes(S)
+            ag = params_lib.all_gather_nbytes(inner, part)
             add("reduce_scatter", M if per_mb else 1, rs, "shard")
             add("all_gather", 2 * M if strategy.shards_params else 1, ag, "shard")
         if replicate > 1 and layout.hierarchical:  # into the masters and back, once a step
-            comm = b.dtypes.comm
-            eight_bit = comm in wire_lib.EIGHT_BIT
-            section = wire_lib.blocks_of(layout, b).nbytes if eight_bit else b.numel * comm.itemsize
-            add("reduce_scatter", 1, replicate * section, "replicate")
+            add(
+                "reduce_scatter",
+                1,
+                wire_for(layout, b).reduce_scatter_nbytes(replicate),
+                "replicate",
+            )
             # the updated masters, packed on the param wire when there is one
-            add("all_gather", 1, replicate * wire_lib.packed_nbytes(layout, b), "replicate")
+            add("all_gather", 1, replicate * params_lib.packed_nbytes(layout, b), "replicate")
         elif replicate > 1:
-            add("all_reduce", 1, wire_lib.all_reduce_nbytes(layout, b, replicate), "replicate")
+            add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(replicate), "replicate")
     # the norm's sums run over the masters' group (every rank under HFSDP)
     masters, axis = layout.shard_size, layout.shard_axis
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares

@@ -24,7 +24,7 @@ Examples (model in fp32 unless noted)::
 Gradients are cast to ``w`` only on the wire; the reduced result is cast to ``g`` and added to
 the accumulator exactly once per microbatch, then cast to ``p`` for the optimizer step. A ``w``
 narrower than ``g`` (or 8-bit) is the wire only: each rank's contribution is rounded to it once
-and the sum over ranks runs in fp32 (:mod:`funcshard.wire`); ``w == g`` keeps the ring
+and the sum over ranks runs in fp32 (:mod:`funcshard.comm.wires`); ``w == g`` keeps the ring
 collectives of ``w``. Both wires also take the 8-bit blockwise formats ``torch.int8`` and
 ``torch.float8_e4m3fn`` (one fp32 scale per block of at most 256 elements of a row).
 """

@@ -4,12 +4,13 @@
   buffers; backward gives full gradients, packed into rank sections (unreduced).
 * :class:`UnitGrads` (ZeRO-2/3): forward and backward run unit by unit
   (:class:`funcshard.units.UnitRun`); each bucket's gradient is reduce-scattered over "shard"
-  as backward finishes with it (or kept unreduced, as the step's :class:`Sink` says), and in
-  the step's last microbatch its reduction over "replicate" starts as soon as its sum is final.
+  as backward finishes with it (or kept unreduced, as the step's :data:`Sink` says), and in
+  the step's last microbatch (given ``replicate``) its reduction over "replicate" starts as
+  soon as its sum is final.
 
 A producer returns ``(loss, aux, grads)``: grads per bucket, in main-grads dtype, where the
-sink said (added into ``sink.acc`` when given). ``shard_reduced`` says whether they are
-already reduced over the shard axis.
+sink said (added into its buffers for :class:`AddInto` with ``acc``). ``shard_reduced`` says
+whether they are already reduced over the shard axis.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from typing import Any, Protocol
 import torch
 
 from funcshard import sharding as shard_lib
+from funcshard.comm.grads import ReplicateAxis
 from funcshard.functional import StepParams
 from funcshard.layout import Layout
-from funcshard.reduction import Grads, Sink
+from funcshard.reduction import AddInto, CompleteTree, Grads, KeepSections, Sink
 from funcshard.units import UnitRun
 
 __all__ = ["GradProducer", "ReplicatedGrads", "UnitGrads", "producer_for", "loss_and_aux"]
@@ -45,9 +47,15 @@ class GradProducer(Protocol):
     """Whether the gradients it returns are this rank's shards, reduced over "shard"."""
 
     def microbatch(
-        self, batch: Any, loss_fn: LossFn, scale: float, sink: Sink
+        self,
+        batch: Any,
+        loss_fn: LossFn,
+        scale: float,
+        sink: Sink,
+        replicate: ReplicateAxis | None = None,
     ) -> tuple[torch.Tensor, Any, Grads]:
-        """``(loss, aux, grads)`` of ``loss_fn(params, batch)``, backward of ``loss * scale``."""
+        """``(loss, aux, grads)`` of ``loss_fn(params, batch)``, backward of ``loss * scale``
+        (``replicate``: the step's replicate-axis reductions, given to its last microbatch)."""
         ...
 
 
@@ -61,8 +69,15 @@ class ReplicatedGrads:
         self.compute = compute
 
     def microbatch(
-        self, batch: Any, loss_fn: LossFn, scale: float, sink: Sink
+        self,
+        batch: Any,
+        loss_fn: LossFn,
+        scale: float,
+        sink: Sink,
+        replicate: ReplicateAxis | None = None,
     ) -> tuple[torch.Tensor, Any, Grads]:
+        del replicate  # reduced after the step's microbatches
+        assert isinstance(sink, AddInto), "ZeRO-0/1 add into one accumulator"
         layout, S = self.layout, self.layout.shard_size
         params, order = {}, []
         for bucket, full in zip(layout.buckets, self.compute, strict=True):
@@ -106,17 +121,22 @@ class UnitGrads:
         self.buffers = buffers
 
     def microbatch(
-        self, batch: Any, loss_fn: LossFn, scale: float, sink: Sink
+        self,
+        batch: Any,
+        loss_fn: LossFn,
+        scale: float,
+        sink: Sink,
+        replicate: ReplicateAxis | None = None,
     ) -> tuple[torch.Tensor, Any, Grads]:
-        run = UnitRun(
-            self.layout,
-            self.buffers,
-            replicated=not self.layout.strategy.shards_params,
-            acc=sink.acc,
-            local=sink.local,
-            complete=sink.complete,
-            replicate=sink.replicate,
-        )
+        replicated = not self.layout.strategy.shards_params
+        match sink:
+            case AddInto(acc):
+                kept = dict(acc=acc)
+            case KeepSections():
+                kept = dict(local=True)
+            case CompleteTree(tree):
+                kept = dict(complete=tree)
+        run = UnitRun(self.layout, self.buffers, replicated=replicated, replicate=replicate, **kept)
         try:
             loss, aux = loss_and_aux(loss_fn(run.params, batch))
             return loss.detach(), aux, run.backward(loss * scale)

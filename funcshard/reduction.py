@@ -10,10 +10,9 @@ fixes the order of those sums:
   (``deterministic=True``): a rank's microbatches are summed in a tree before any rank's
   contribution, so with several microbatches the shard-axis reduction runs once per step.
 
-Both move the same bytes per collective. A new summation rule is one more class with these
-methods; ``train_step`` does not change. A low-precision wire summed in fp32 is not one: its
-format (8-bit blocks follow a bucket's rows) is a bucket's, so :mod:`funcshard.reduce` hands
-such buckets to :mod:`funcshard.wire`.
+A new summation rule is one more class with these methods; ``train_step`` does not change.
+How a bucket's gradient is summed over a group of ranks (ring, tree, or a narrow wire summed
+in fp32) is its wire's (:func:`funcshard.comm.wires.wire_for`).
 """
 
 from __future__ import annotations
@@ -24,17 +23,21 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from funcshard import collectives, determinism
+from funcshard import determinism
 from funcshard import mesh as mesh_lib
+from funcshard.comm import ops
+from funcshard.comm.ops import Axis
 
 if TYPE_CHECKING:
     from funcshard.layout import Layout
-    from funcshard.reduce import ReplicateAxis
 
 __all__ = [
     "Reduction",
     "MicrobatchSum",
     "Sink",
+    "AddInto",
+    "KeepSections",
+    "CompleteTree",
     "Fold",
     "Tree",
     "RingReduction",
@@ -48,34 +51,36 @@ Grads = list[torch.Tensor | None]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Sink:
-    """Where one microbatch's gradients go (what a gradient producer is told).
-
-    Attributes:
-      acc: per bucket, the buffers to add into (arrival order); None: start new ones.
-      local: keep the unreduced rank sections (no reduce-scatter in backward).
-      complete: the earlier microbatches' tree, which this (last) microbatch completes bucket
-        by bucket and then reduces, overlapped with the rest of backward.
-      replicate: given to the step's last microbatch only: the step's replicate-axis
-        reductions, told of each bucket whose sum over microbatches and "shard" is final, so
-        that they overlap the rest of backward (those not issued by then follow it).
-    """
+class AddInto:
+    """Add the microbatch's gradients into ``acc`` (per bucket, arrival order; None: start new
+    buffers), reduced over "shard" as backward goes under ZeRO-2/3."""
 
     acc: Grads | None = None
-    local: bool = False
-    complete: determinism.PairwiseSum | None = None
-    replicate: ReplicateAxis | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeepSections:
+    """Keep the unreduced rank sections (no reduce-scatter in backward)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompleteTree:
+    """The last microbatch of a tree sum completes ``tree``, the earlier microbatches', bucket
+    by bucket and then reduces it, overlapped with the rest of backward."""
+
+    tree: determinism.PairwiseSum
+
+
+# Where one microbatch's gradients go (what a gradient producer is told).
+Sink = AddInto | KeepSections | CompleteTree
 
 
 class MicrobatchSum(Protocol):
     """The running sum of one step's microbatch gradients."""
 
-    def sink(
-        self, *, last: bool, in_backward: bool, replicate: ReplicateAxis | None = None
-    ) -> Sink:
+    def sink(self, *, last: bool, in_backward: bool) -> Sink:
         """Where the next microbatch goes; ``in_backward``: its producer reduces per bucket
-        as backward goes (ZeRO-2/3) rather than handing back unreduced sections; then the
-        ``last`` microbatch's sink carries ``replicate``, for backward to issue from."""
+        as backward goes (ZeRO-2/3) rather than handing back unreduced sections."""
         ...
 
     def add(self, grads: Grads) -> None:
@@ -93,10 +98,9 @@ class Fold:
     def __init__(self) -> None:
         self._acc: Grads | None = None
 
-    def sink(
-        self, *, last: bool, in_backward: bool, replicate: ReplicateAxis | None = None
-    ) -> Sink:
-        return Sink(acc=self._acc, replicate=replicate if last and in_backward else None)
+    def sink(self, *, last: bool, in_backward: bool) -> Sink:
+        del last, in_backward
+        return AddInto(self._acc)
 
     def add(self, grads: Grads) -> None:
         self._acc = grads  # the producer added into the sink's buffers (or made them)
@@ -118,15 +122,13 @@ class Tree:
         self._done: Grads | None = None
         self._completing = False
 
-    def sink(
-        self, *, last: bool, in_backward: bool, replicate: ReplicateAxis | None = None
-    ) -> Sink:
+    def sink(self, *, last: bool, in_backward: bool) -> Sink:
         if not in_backward:
-            return Sink()
+            return AddInto()
         if last:
             self._completing = True
-            return Sink(complete=self._tree, replicate=replicate)
-        return Sink(local=True)
+            return CompleteTree(self._tree)
+        return KeepSections()
 
     def add(self, grads: Grads) -> None:
         if self._completing:
@@ -155,21 +157,6 @@ class Reduction(Protocol):
 
     def microbatch_sum(self, microbatches: int) -> MicrobatchSum: ...
 
-    def start_reduce_scatter(
-        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-    ) -> collectives.Pending:
-        """The group's sum of 1-D ``wire``, this rank's contiguous 1/size of it (``axis``:
-        the mesh axis of ``group``, for the accounting)."""
-        ...
-
-    def start_all_reduce(
-        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-    ) -> collectives.Pending:
-        """The group's sum of ``wire``; ``wire`` is read before this returns (it may change
-        while the sum is in flight). Every rank waits for a group's sums in the same order
-        (a sum may issue another collective at ``wait()``)."""
-        ...
-
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
         """The L2 norm of the reduced gradient over every shard (0-d, fp64)."""
         ...
@@ -195,21 +182,6 @@ class RingReduction:
         del microbatches
         return Fold()
 
-    def start_reduce_scatter(
-        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-    ) -> collectives.Pending:
-        if wire.device.type == "cpu":
-            # gloo (the CPU backend) reduce-scatters by an all-reduce, twice a ring
-            # reduce-scatter's bytes (measured on a veth link: experiments/bench_nodes.py);
-            # an all-to-all and a local sum move exactly the ring's
-            return collectives.exchange_blocks(wire, group, _sum_blocks, axis=axis)
-        return collectives.reduce_scatter(wire, group, axis=axis, async_op=True)
-
-    def start_all_reduce(
-        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-    ) -> collectives.Pending:
-        return collectives.all_reduce(wire, group, axis=axis, async_op=True)
-
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
         """One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite
         gradients of norm above ~1e19) or is not finite are the norms redone in fp64, so that
@@ -232,21 +204,14 @@ class RingReduction:
             )
         sq = norms.square().sum().to(layout.device)
         if layout.shard_size > 1:
-            sq = collectives.all_reduce(
-                sq, layout.shard_group, axis=layout.shard_axis, kind="metrics"
-            )
+            sq = ops.all_reduce(sq, layout.shard_group, axis=layout.shard_axis, kind="metrics")
         return sq.sqrt()
 
     def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
         total = torch.stack([loss.double() for loss in losses]).sum()
         world = mesh_lib.world_group(layout.mesh)
-        total = collectives.all_reduce(total, world, axis="world", kind="metrics")
+        total = ops.all_reduce(total, world, axis=Axis.WORLD, kind="metrics")
         return float(total) / (len(losses) * layout.dp_size)
-
-
-def _sum_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """The received blocks' sum in ``torch.sum``'s order (not the deterministic tree's)."""
-    return blocks.sum(0)
 
 
 class TreeReduction:
@@ -264,21 +229,22 @@ class TreeReduction:
     def microbatch_sum(self, microbatches: int) -> MicrobatchSum:
         return Fold() if microbatches == 1 else Tree()
 
-    def start_reduce_scatter(
-        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-    ) -> collectives.Pending:
-        return determinism.start_reduce_scatter(wire, group, axis=axis)
-
-    def start_all_reduce(
-        self, wire: torch.Tensor, group: dist.ProcessGroup, *, axis: str
-    ) -> collectives.Pending:
-        return determinism.start_all_reduce(wire, group, axis=axis)
-
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
-        return determinism.global_norm(layout, grads)
+        """Each rank's row sums of squares (:func:`funcshard.determinism.row_sums`), one
+        all-gather over the shard axis (counted under "metrics"), then every real row summed
+        in parameter order (:func:`funcshard.determinism.norm_of_rows`)."""
+        sums = determinism.row_sums(layout, grads)
+        if sums is not None and layout.shard_size > 1:
+            sums = ops.all_gather(sums, layout.shard_group, axis=layout.shard_axis, kind="metrics")
+        return determinism.norm_of_rows(layout, sums)
 
     def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
-        return determinism.mean_loss(layout, losses, mesh_lib.world_group(layout.mesh))
+        """Every chunk's loss all-gathered over the world, summed by one tree in chunk order."""
+        local = torch.stack([loss.double() for loss in losses]).to(layout.device)
+        world = mesh_lib.world_group(layout.mesh)
+        if dist.get_world_size(world) > 1:
+            local = ops.all_gather(local, world, axis=Axis.WORLD, kind="metrics")
+        return float(determinism.halving_sum(local)) / local.numel()
 
 
 RING = RingReduction()

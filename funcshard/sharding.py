@@ -1,4 +1,5 @@
-"""Moving between full tensors, per-rank flat shards and the collectives' rank-section layout.
+"""Moving between full tensors, per-rank flat shards and the collectives' rank-section layout
+(pure layout transforms: the gathers are :mod:`funcshard.comm.params`').
 
 Three layouts of one bucket (local numel ``L``, shard count ``S``):
 
@@ -15,8 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from funcshard import collectives
-from funcshard.layout import Bucket, Layout, LeafSpec, build_layout
+from funcshard.layout import LeafSpec, build_layout
 from funcshard.policy import MixedPrecisionPolicy
 
 __all__ = ["shard"]
@@ -152,28 +152,6 @@ def to_sections(
     ]
     torch._foreach_copy_(dst, src)
     return out
-
-
-def gather_replicas(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
-    """HFSDP: this rank's inner shard (:attr:`Layout.inner`) of a bucket, all-gathered over
-    "replicate" from the replicas' master flats (``local``: this rank's)."""
-    replicas = layout.replicas
-    sections = (
-        collectives.all_gather(local, layout.replicate_group, axis="replicate")
-        if replicas > 1
-        else local
-    )
-    return from_rank_sections(sections, layout.bucket_leaves(bucket), replicas)
-
-
-def gather_full(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
-    """All-gathers a bucket's local flat over the shard axis into the full layout."""
-    sections = (
-        collectives.all_gather(local, layout.shard_group, axis=layout.shard_axis)
-        if layout.shard_size > 1
-        else local
-    )
-    return from_rank_sections(sections, layout.bucket_leaves(bucket), layout.shard_size)
 
 
 def shard(

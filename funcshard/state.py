@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from funcshard import donation
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
-from funcshard import wire as wire_lib
 from funcshard.buckets import NAMESPACE, map_parts
+from funcshard.comm import params as params_lib
 from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
@@ -282,7 +282,8 @@ def derive_compute(
     device compute shard; the others are cast at gather time. HFSDP first all-gathers the
     replicas' masters over "replicate" into the inner shard (:attr:`Layout.inner`), which
     ZeRO-3 keeps for every bucket: in the compute dtype, or with a param wire as the ``R``
-    masters packed on it (each encoded once by its owner; :func:`funcshard.wire.gather_replicas`).
+    masters packed on it (each encoded once by its owner:
+    :func:`funcshard.comm.params.gather_replicas`).
 
     Args:
       layout: the state's layout.
@@ -299,8 +300,8 @@ def derive_compute(
         # time: an offloaded master, or (HFSDP) a master that is 1/R of the shard
         keep = sharded and (bucket.offload or layout.hierarchical)
         if m.is_meta:
-            if keep and wire_lib.packs_shard(inner, part):
-                out.append(wire_lib.empty_packed(inner, part, "meta"))
+            if keep and params_lib.packs_shard(inner, part):
+                out.append(params_lib.empty_packed(inner, part, "meta"))
                 continue
             size = part.numel * (1 if sharded else inner.shard_size)
             kept = keep or not sharded
@@ -315,11 +316,11 @@ def derive_compute(
             else m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
         )
         if layout.hierarchical:  # the updated masters of every replica: the inner shard
-            local_i = wire_lib.gather_replicas(layout, bucket, local_i)
+            local_i = params_lib.gather_replicas(layout, bucket, local_i)
         if sharded:
             out.append(local_i if keep else None)
         else:
-            out.append(wire_lib.gather_full(inner, part, local_i))
+            out.append(params_lib.gather_full(inner, part, local_i))
     return tuple(out)
 
 

@@ -1,8 +1,8 @@
 """``train_step``: split -> produce -> reduce -> norm/metrics -> update.
 
 The parts: a gradient producer per way params are held (:mod:`funcshard.produce`), a
-reduction per summation rule (:mod:`funcshard.reduction`: microbatch sums, collectives, norm,
-loss), the reduction of the step's gradients over the mesh (:mod:`funcshard.reduce`) and the
+reduction per summation rule (:mod:`funcshard.reduction`: microbatch sums, norm,
+loss), the reduction of the step's gradients over the mesh (:mod:`funcshard.comm.grads`) and the
 optimizer update (:func:`funcshard.offload.apply_update`).
 """
 
@@ -15,10 +15,11 @@ from typing import Any
 import optree
 import torch
 
-from funcshard import collectives
 from funcshard import offload as offload_lib
-from funcshard import reduce as reduce_lib
 from funcshard import sharding as shard_lib
+from funcshard.comm import grads as grads_lib
+from funcshard.comm import ops
+from funcshard.comm import params as params_lib
 from funcshard.layout import Layout
 from funcshard.produce import LossFn, producer_for
 from funcshard.reduction import reduction_of
@@ -56,9 +57,7 @@ def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
             part = g[spec.offset : spec.offset + spec.shard_numel]
             flags[index] = float(not bool(torch.isfinite(part).all()))
     if layout.shard_size > 1:
-        flags = collectives.all_reduce(
-            flags, layout.shard_group, axis=layout.shard_axis, kind="metrics"
-        )
+        flags = ops.all_reduce(flags, layout.shard_group, axis=layout.shard_axis, kind="metrics")
     return [spec.name for spec, f in zip(layout.leaves, flags.tolist(), strict=True) if f > 0]
 
 
@@ -101,19 +100,20 @@ def train_step(
     # last one's backward (ZeRO-2/3) issues replicate reductions as bucket sums become final
     producer = producer_for(layout.inner, state.master, state.compute)
     summed = reduction.microbatch_sum(microbatches)
-    replicate = reduce_lib.ReplicateAxis(layout)
+    replicate = grads_lib.ReplicateAxis(layout)
     parts = split_microbatches(batch, microbatches)
     losses, aux = [], None
     for k, mb in enumerate(parts):
-        sink = summed.sink(
-            last=k == len(parts) - 1, in_backward=producer.shard_reduced, replicate=replicate
+        last = k == len(parts) - 1
+        sink = summed.sink(last=last, in_backward=producer.shard_reduced)
+        loss, aux, grads = producer.microbatch(
+            mb, loss_fn, scale, sink, replicate if last else None
         )
-        loss, aux, grads = producer.microbatch(mb, loss_fn, scale, sink)
         summed.add(grads)
         losses.append(loss)
 
     # reduce (the rest of it) -> norm/metrics -> update
-    grads = reduce_lib.reduce_step_grads(
+    grads = grads_lib.reduce_step_grads(
         layout, summed.result(), shard_reduced=producer.shard_reduced, replicate=replicate
     )
     if ls is not None:
@@ -166,7 +166,7 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         local = m.to(layout.device, bucket.dtypes.model)
         if local.data_ptr() == m.data_ptr():
             local = local.clone()
-        full = shard_lib.gather_full(layout, bucket, local)
+        full = params_lib.gather_shards(layout, bucket, local)
         for spec in layout.bucket_leaves(bucket):
             out[spec.name] = shard_lib.full_view(full, spec, layout.shard_size)
     named = {n: out[n] for n in layout.names}

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import funcshard as fs
 from funcshard import determinism
+from funcshard.comm.wires import TreeWire
 
 import models
 from helpers_determinism import (
@@ -317,8 +318,10 @@ def reduce_worker(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     g = torch.Generator().manual_seed(rank)
     full = torch.randn(world * n, generator=g) * torch.logspace(-6, 6, world * n)
     with fs.comm_stats() as stats:
-        shard = determinism.start_reduce_scatter(full.clone(), dist.group.WORLD).wait()
-        every = determinism.all_reduce(full[: 3 * n + 1].clone(), dist.group.WORLD)
+        tree = TreeWire(full.dtype)
+        shard = tree.start_reduce_scatter(full.clone(), dist.group.WORLD, axis="world").wait()
+        every = tree.start_all_reduce(full[: 3 * n + 1].clone(), dist.group.WORLD, axis="world")
+        every = every.wait()
     return [full], [
         shard,
         every,

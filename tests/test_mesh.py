@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard import collectives
 from funcshard import mesh as mesh_lib
+from funcshard.comm import ops as collectives
 from funcshard.launch import free_port, init_process_group
 
 import models

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard.reduce import ReplicateAxis
+from funcshard.comm.grads import ReplicateAxis
 
 import models
 

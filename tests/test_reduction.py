@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from funcshard import determinism
-from funcshard.reduction import RING, TREE, Fold, Sink, Tree
+from funcshard.reduction import RING, TREE, AddInto, CompleteTree, Fold, KeepSections, Tree
 
 
 def _values(n: int) -> list[list[torch.Tensor]]:
@@ -35,7 +35,7 @@ def test_tree_sums_by_the_pairwise_tree() -> None:
     tree, values = Tree(), _values(8)
     for k, v in enumerate(values):
         sink = tree.sink(last=k == 7, in_backward=False)
-        assert sink == Sink()  # fresh sections every microbatch
+        assert sink == AddInto()  # fresh sections every microbatch
         tree.add([v[0].clone()])
     expected = determinism.pairwise_sum([v[0] for v in values])
     assert torch.equal(tree.result()[0], expected)
@@ -46,10 +46,10 @@ def test_tree_sums_by_the_pairwise_tree() -> None:
 def test_tree_in_backward_keeps_sections_then_completes() -> None:
     tree = Tree()
     first = tree.sink(last=False, in_backward=True)
-    assert first.local and first.complete is None and first.acc is None
+    assert isinstance(first, KeepSections)
     tree.add([torch.ones(4)])
     last = tree.sink(last=True, in_backward=True)
-    assert last.complete is not None and not last.local
+    assert isinstance(last, CompleteTree) and last.tree is not None
     reduced = [torch.full((2,), 3.0)]  # what the completing microbatch hands back
     tree.add(reduced)
     assert tree.result() is reduced

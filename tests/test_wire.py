@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard import wire
+from funcshard.comm import codec as wire
 from funcshard.plan import transformer_shapes
 
 import helpers_determinism as det
@@ -50,7 +50,7 @@ def _round24(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_roundtrip(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Independent of funcshard.wire: each row of ``x`` (rows, row_numel) in blocks of 256
+    """Independent of funcshard.comm.codec: each row of ``x`` (rows, row_numel) in blocks of 256
     (the last shorter), each block scaled by its absmax; a one-element row is exact. The
     scales are computed in fp64, each step rounded as fp32 would with an unbounded exponent:
     ``top / absmax`` is finite for the tiny blocks too, and only a result lands in fp32's

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import optree
 import torch
 
-from funcshard import collectives
 from funcshard.buckets import NAMESPACE, Members
+from funcshard.comm import ops as collectives
 from funcshard.optim.base import Optimizer, PyTree, Schedule, leaf_params, not_negative
 from funcshard.optim.moments import decode_flat, encode_flat
 from funcshard.optim.spec import Buffers, Moments, Scalars, Spec, build

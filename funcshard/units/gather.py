@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from funcshard import collectives
 from funcshard import sharding as shard_lib
-from funcshard import wire as wire_lib
+from funcshard.comm import ops
+from funcshard.comm import params as params_lib
 from funcshard.layout import Layout
 from funcshard.units.phase import Phase
 
@@ -42,7 +42,7 @@ class GatherFn(torch.autograd.Function):
 
 class Gatherer:
     """Full buffers of buckets: all-gathered under ZeRO-3 from ``buffers``, the compute
-    shards (packed on the param wire under HFSDP: :func:`funcshard.wire.packs_shard`), at
+    shards (packed on the param wire under HFSDP: :func:`funcshard.comm.params.packs_shard`), at
     most one gather in flight per bucket (a prefetch); the replicated full buffer itself
     under ZeRO-2."""
 
@@ -55,7 +55,7 @@ class Gatherer:
         self.layout = layout
         self.buffers = buffers
         self.replicated = replicated
-        self._pending: dict[int, collectives.Pending] = {}
+        self._pending: dict[int, ops.Pending] = {}
 
     def prefetch(self, buckets: Iterator[int] | list[int]) -> None:
         """Starts gathering ``buckets`` (those not in flight already)."""
@@ -63,7 +63,7 @@ class Gatherer:
             return
         for b in buckets:
             if b not in self._pending:
-                self._pending[b] = wire_lib.all_gather_params(
+                self._pending[b] = params_lib.all_gather_params(
                     self.layout, self.layout.buckets[b], self.buffers[b]
                 )
 
@@ -74,7 +74,7 @@ class Gatherer:
         self.prefetch([bucket])
         full = self._pending.pop(bucket).wait()
         if self.layout.shard_size > 1:  # with one shard the "full" buffer is the shard itself
-            collectives.track_gathered(full)
+            ops.track_gathered(full)
         return full
 
     def drop_prefetches(self) -> None:

@@ -18,7 +18,7 @@ of three paths, fixed when backward starts:
 
 In the step's last microbatch (``replicate`` given), a bucket whose every use counted in
 forward has landed in the accumulator has its final sum: :class:`Reducing` hands it to
-``replicate`` (:class:`funcshard.reduce.ReplicateAxis`), which issues its replicate-axis
+``replicate`` (:class:`funcshard.comm.grads.ReplicateAxis`), which issues its replicate-axis
 reduction in its turn, overlapping the rest of backward too. A use beyond those counted
 (taken inside a recomputation) tells ``replicate`` that the sum was not final: the bucket is
 reduced after backward instead.
@@ -36,12 +36,12 @@ from typing import Protocol
 
 import torch
 
-from funcshard import collectives, determinism
-from funcshard import reduce as reduce_lib
+from funcshard import determinism
 from funcshard import sharding as shard_lib
-from funcshard import wire as wire_lib
+from funcshard.comm import grads as grads_lib
+from funcshard.comm.ops import Pending
+from funcshard.comm.wires import wire_for
 from funcshard.layout import Layout
-from funcshard.reduction import reduction_of
 
 __all__ = ["Reducer", "Reducing", "Sections", "Completing"]
 
@@ -95,13 +95,13 @@ class Reducing:
         layout: Layout,
         acc: Acc,
         entries: collections.Counter[int] | None = None,
-        replicate: reduce_lib.ReplicateAxis | None = None,
+        replicate: grads_lib.ReplicateAxis | None = None,
     ) -> None:
         self.layout, self.acc = layout, acc
         self.entries = entries if entries is not None else collections.Counter()
         self.replicate = replicate
         self._uses: collections.Counter[int] = collections.Counter()  # landed or in flight
-        self._in_flight: list[tuple[int, collectives.Pending]] = []
+        self._in_flight: list[tuple[int, Pending]] = []
 
     def take(self, bucket: int, grads: list[torch.Tensor | None]) -> None:
         layout = self.layout
@@ -114,7 +114,7 @@ class Reducing:
             self.finish()  # an earlier use of the bucket lands first
             shard_lib.add_to_rank_sections(self.acc[bucket], grads, specs, S)
             return
-        dtype = wire_lib.sections_dtype(b.dtypes)
+        dtype = wire_for(layout, b).sections_dtype
         sections = shard_lib.to_rank_sections(grads, specs, S, dtype, layout.device)
         self.start(bucket, sections)
 
@@ -127,7 +127,7 @@ class Reducing:
         self._uses[bucket] += uses
         b = self.layout.buckets[bucket]
         self._in_flight.append(
-            (bucket, reduce_lib.start_reduce_shard_axis(self.layout, b, sections))
+            (bucket, grads_lib.start_reduce_shard_axis(self.layout, b, sections))
         )
         if self.replicate is not None and self._uses[bucket] == self.entries[bucket]:
             # The bucket's sum is final once this lands: wait for the reduction over "shard"
@@ -215,7 +215,7 @@ class Reducer:
         *,
         local: bool = False,
         complete: determinism.PairwiseSum | None = None,
-        replicate: reduce_lib.ReplicateAxis | None = None,
+        replicate: grads_lib.ReplicateAxis | None = None,
     ) -> None:
         self.layout = layout
         self.local = local
@@ -245,7 +245,7 @@ class Reducer:
         """Whether uses must be summed before the ranks' contributions, and some bucket was
         used more than once in forward."""
         return (
-            reduction_of(self.layout).sums_uses_first
+            self.layout.deterministic  # the tree sums uses first
             and not self.local
             and self.complete is None
             and any(n > 1 for n in self.entries.values())

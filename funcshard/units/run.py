@@ -46,9 +46,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from funcshard import determinism
+from funcshard.comm.grads import ReplicateAxis
 from funcshard.functional import GatheredParams, Swap
 from funcshard.layout import ROOT_UNIT, Layout
-from funcshard.reduce import ReplicateAxis
 from funcshard.units.gather import Gatherer, GatherFn
 from funcshard.units.phase import Phase, UnitState
 from funcshard.units.placeholders import absent

@@ -1,5 +1,6 @@
 """Gradient reduction: reduce-scatter over "shard", then all-reduce over "replicate" (HSDP)
-or reduce-scatter over it into the masters (HFSDP).
+or reduce-scatter over it into the masters (HFSDP), each on the bucket's wire
+(:func:`funcshard.comm.wires.wire_for`).
 
 Under ZeRO-2/3 the replicate-axis reduction of a bucket starts in the step's last backward,
 as soon as the bucket's sum is final (:class:`ReplicateAxis`), so the slow link between nodes
@@ -18,12 +19,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from funcshard import collectives
 from funcshard import sharding as shard_lib
-from funcshard import wire as wire_lib
+from funcshard.comm.ops import Axis, Pending
+from funcshard.comm.wires import wire_for
 from funcshard.layout import Bucket, Layout, build_layout
 from funcshard.policy import MixedPrecisionPolicy
-from funcshard.reduction import reduction_of
 from funcshard.strategy import Strategy
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "start_reduce_replicate_axis",
     "ReplicateAxis",
     "reduce_step_grads",
-    "global_norm",
 ]
 
 
@@ -47,21 +46,16 @@ def reduce_shard_axis(layout: Layout, bucket: Bucket, sections: torch.Tensor) ->
     return start_reduce_shard_axis(layout, bucket, sections).wait().to(bucket.dtypes.grad)
 
 
-def start_reduce_shard_axis(
-    layout: Layout, bucket: Bucket, sections: torch.Tensor
-) -> collectives.Pending:
+def start_reduce_shard_axis(layout: Layout, bucket: Bucket, sections: torch.Tensor) -> Pending:
     """``reduce_shard_axis`` without waiting and without the final cast: ``wait()`` gives this
-    rank's shard of the mean in ``grad_comm_dtype`` (summed in tree order when the layout is
-    deterministic); a low-precision wire (:func:`funcshard.wire.reduces_in_fp32`) gives it in
-    fp32 instead, summed there."""
-    if wire_lib.reduces_in_fp32(bucket.dtypes):
-        return wire_lib.start_reduce_shard_axis(layout, bucket, sections)
-    wire = sections.to(bucket.dtypes.comm)
+    rank's shard of the mean as the bucket's wire (:func:`funcshard.comm.wires.wire_for`) sums
+    it: in ``grad_comm_dtype``, or in fp32 on a narrow wire."""
+    wire = wire_for(layout, bucket)
+    x = sections.to(wire.scale_dtype)
     if layout.dp_size > 1:  # a division by one would be a pass over the gradient for nothing
-        wire.div_(layout.dp_size)
-    if layout.shard_size == 1:
-        return collectives.Pending(None, wire)
-    return reduction_of(layout).start_reduce_scatter(wire, layout.shard_group, axis="shard")
+        x.div_(layout.dp_size)
+    group = layout.shard_group if layout.shard_size > 1 else None
+    return wire.start_reduce_scatter(x, group, axis=Axis.SHARD)
 
 
 def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
@@ -73,41 +67,23 @@ def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -
     return start_reduce_replicate_axis(layout, bucket, local).wait()
 
 
-def start_reduce_replicate_axis(
-    layout: Layout, bucket: Bucket, local: torch.Tensor
-) -> collectives.Pending:
+def start_reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -> Pending:
     """``reduce_replicate_axis`` without waiting. ``local`` is read before this returns (it
     may change while the reduction is in flight); every rank waits for the replicate group's
-    reductions in the same order (a deterministic all-reduce all-gathers at ``wait()``)."""
-    group = layout.replicate_group
-    reduction = reduction_of(layout)
-    grad = bucket.dtypes.grad
+    reductions in the same order (an all-reduce may all-gather at ``wait()``)."""
+    group, grad = layout.replicate_group, bucket.dtypes.grad
+    wire = wire_for(layout, bucket)
     if layout.hierarchical:
         specs, replicas = layout.bucket_leaves(bucket), layout.replicas
-        in_fp32 = wire_lib.reduces_in_fp32(bucket.dtypes)
-        dtype = wire_lib.sections_dtype(bucket.dtypes)
-        sections = shard_lib.to_sections(local, specs, replicas, dtype)
+        sections = shard_lib.to_sections(local, specs, replicas, wire.sections_dtype)
         if replicas == 1:
-            return collectives.Pending(None, sections.to(grad))
-        if in_fp32:  # each replica's part rounded to the wire once, summed in fp32
-            comm = bucket.dtypes.comm
-            pending = wire_lib.start_reduce_scatter(
-                sections,
-                group,
-                axis="replicate",
-                dtype=comm,
-                layout=wire_lib.blocks_of(layout, bucket) if comm in wire_lib.EIGHT_BIT else None,
-            )
-        else:
-            pending = reduction.start_reduce_scatter(sections, group, axis="replicate")
-        return collectives.Pending.then(pending, lambda shard: shard.to(grad))
-    if torch.distributed.get_world_size(group) == 1:
-        return collectives.Pending(None, local)
-    if wire_lib.reduces_in_fp32(bucket.dtypes):
-        return wire_lib.start_reduce_replicate_axis(layout, bucket, local)
-    wire = local.to(bucket.dtypes.comm)
-    pending = reduction.start_all_reduce(wire, group, axis=layout.replicate_axis)
-    return collectives.Pending.then(pending, lambda summed: summed.to(grad))
+            return Pending(None, sections.to(grad))
+        pending = wire.start_reduce_scatter(sections, group, axis=Axis.REPLICATE)
+    elif torch.distributed.get_world_size(group) == 1:
+        return Pending(None, local)
+    else:
+        pending = wire.start_all_reduce(local, group, axis=layout.replicate_axis)
+    return Pending.then(pending, lambda out: out.to(grad))
 
 
 class ReplicateAxis:
@@ -137,9 +113,9 @@ class ReplicateAxis:
         self.order = tuple(reversed(range(len(layout.buckets))))
         self._next = 0  # the position in ``order`` of the next bucket to issue
         self._final: dict[int, torch.Tensor] = {}  # final, waiting for their turn
-        self._issued: dict[int, collectives.Pending] = {}
+        self._issued: dict[int, Pending] = {}
         self._late: set[int] = set()
-        self._dropped: list[collectives.Pending] = []
+        self._dropped: list[Pending] = []
         self._closed = False
         # more than one replica (else there is nothing to put on the wire early)
         self.on_wire = torch.distributed.get_world_size(layout.replicate_group) > 1
@@ -278,14 +254,8 @@ def reduce_scatter_grads(
             [grads[s.name] for s in specs],
             specs,
             layout.shard_size,
-            wire_lib.sections_dtype(bucket.dtypes),
+            wire_for(layout, bucket).sections_dtype,
         )
         local = reduce_replicate_axis(layout, bucket, reduce_shard_axis(layout, bucket, sections))
         out.update({s.name: shard_lib.local_view(local, s, layout.shard_rank) for s in specs})
     return {n: out[n] for n in grads}
-
-
-def global_norm(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of the averaged gradient over all ranks (0-d fp64), by the layout's reduction
-    (:meth:`funcshard.reduction.Reduction.global_norm`); padding holds zeros and adds nothing."""
-    return reduction_of(layout).global_norm(layout, grads)

@@ -1,9 +1,11 @@
-"""The collectives funcshard issues, and the byte accounting tests and benchmarks read.
+"""One torch.distributed call each: the collectives funcshard issues, and the byte accounting
+tests and benchmarks read.
 
 Bytes are counted per rank as the size of the collective's full buffer: the output of an
 all-gather, the input of a reduce-scatter, the tensor of an all-reduce. A collective over a
 group of one rank is skipped and counts nothing. Scalar reductions for metrics are counted
-under "metrics", apart from the formula of the strategies (see ``funcshard.plan`` / README).
+under "metrics", apart from the formula of the strategies (see ``funcshard.plan`` and
+docs/strategies.md, "Communication per step").
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import enum
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -18,6 +21,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "Axis",
+    "AXES",
+    "Pending",
     "CommStats",
     "comm_stats",
     "all_gather",
@@ -26,6 +32,18 @@ __all__ = [
     "all_to_all",
     "exchange_blocks",
 ]
+
+
+class Axis(str, enum.Enum):
+    """The mesh axes a collective is counted under (a ``str``: ``Axis.SHARD == "shard"``)."""
+
+    SHARD = "shard"
+    REPLICATE = "replicate"
+    WORLD = "world"  # a group over every data-parallel rank
+
+
+# Their names, as ``CommStats.bytes_by_axis`` keys them.
+AXES = tuple(a.value for a in Axis)
 
 
 @dataclasses.dataclass
@@ -49,18 +67,15 @@ class CommStats:
     gathered_live: int = 0
     gathered_peak: int = 0
 
-    def record(self, kind: str, nbytes: int, axis: str) -> None:
+    def record(self, kind: str, nbytes: int, axis: Axis | str) -> None:
         if axis not in AXES:
             raise ValueError(f"comm_stats: unknown axis {axis!r}; expected one of {AXES}")
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
-        self.bytes_by_axis[axis] += nbytes
+        self.bytes_by_axis[Axis(axis).value] += nbytes
 
 
 _ACTIVE: list[CommStats] = []
-
-# The mesh axes a collective is counted under.
-AXES = ("shard", "replicate", "world")
 
 # torch 2.13 named the flat-tensor collectives all_gather_single / reduce_scatter_single and
 # deprecated all_gather_into_tensor / reduce_scatter_tensor (same signatures); earlier torch
@@ -93,7 +108,7 @@ def comm_stats() -> Iterator[CommStats]:
         _ACTIVE.remove(stats)
 
 
-def record(kind: str | None, tensor: torch.Tensor, axis: str) -> None:
+def record(kind: str | None, tensor: torch.Tensor, axis: Axis | str) -> None:
     """Counts ``tensor``'s bytes under ``kind`` and ``axis`` (kind None: counted by the caller
     as a whole)."""
     if kind is None:
@@ -163,7 +178,7 @@ def all_gather(
     local: torch.Tensor,
     group: dist.ProcessGroup,
     *,
-    axis: str,
+    axis: Axis | str,
     async_op: bool = False,
     kind: str | None = "all_gather",
 ):
@@ -179,7 +194,7 @@ def all_gather(
 
 
 def reduce_scatter(
-    full: torch.Tensor, group: dist.ProcessGroup, *, axis: str, async_op: bool = False
+    full: torch.Tensor, group: dist.ProcessGroup, *, axis: Axis | str, async_op: bool = False
 ):
     """Sums 1-D ``full`` over the group and returns this rank's contiguous 1/size of it."""
     size = dist.get_world_size(group)
@@ -196,7 +211,7 @@ def all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup,
     *,
-    axis: str,
+    axis: Axis | str,
     kind: str = "all_reduce",
     async_op: bool = False,
 ):
@@ -217,7 +232,7 @@ def all_to_all(
     in_splits: list[int],
     group: dist.ProcessGroup,
     *,
-    axis: str,
+    axis: Axis | str,
     kind: str | None,
 ) -> Pending:
     """Asynchronous all-to-all of 1-D buffers: ``in_splits[r]`` elements of ``inp`` go to rank
@@ -233,7 +248,7 @@ def exchange_blocks(
     group: dist.ProcessGroup,
     combine: Callable[[torch.Tensor], torch.Tensor],
     *,
-    axis: str,
+    axis: Axis | str,
     kind: str | None = "reduce_scatter",
 ) -> Pending:
     """A reduce-scatter as an all-to-all and a local sum: 1-D ``full`` is ``size`` equal
