@@ -24,7 +24,7 @@ from funcshard import sharding as shard_lib
 from funcshard.comm.grads import ReplicateAxis
 from funcshard.functional import StepParams
 from funcshard.layout import Layout
-from funcshard.reduction import AddInto, CompleteTree, Grads, KeepSections, Sink
+from funcshard.reduction import AddInto, Grads, Sink
 from funcshard.units import UnitRun
 
 __all__ = ["GradProducer", "ReplicatedGrads", "UnitGrads", "producer_for", "loss_and_aux"]
@@ -129,14 +129,7 @@ class UnitGrads:
         replicate: ReplicateAxis | None = None,
     ) -> tuple[torch.Tensor, Any, Grads]:
         replicated = not self.layout.strategy.shards_params
-        match sink:
-            case AddInto(acc):
-                kept = dict(acc=acc)
-            case KeepSections():
-                kept = dict(local=True)
-            case CompleteTree(tree):
-                kept = dict(complete=tree)
-        run = UnitRun(self.layout, self.buffers, replicated=replicated, replicate=replicate, **kept)
+        run = UnitRun(self.layout, self.buffers, sink, replicated=replicated, replicate=replicate)
         try:
             loss, aux = loss_and_aux(loss_fn(run.params, batch))
             return loss.detach(), aux, run.backward(loss * scale)

@@ -42,6 +42,7 @@ from funcshard.comm import grads as grads_lib
 from funcshard.comm.ops import Pending
 from funcshard.comm.wires import wire_for
 from funcshard.layout import Layout
+from funcshard.reduction import AddInto, CompleteTree, KeepSections, Sink
 
 __all__ = ["Reducer", "Reducing", "Sections", "Completing"]
 
@@ -201,9 +202,12 @@ class Reducer:
 
     Args:
       layout: the state's layout.
-      acc: per bucket, the accumulator to add into (None entries: start one).
-      local: keep the unreduced rank sections (a deterministic step's microbatch).
-      complete: the earlier microbatches' tree, completed by this (last) microbatch.
+      sink: where the microbatch's gradients go, as the step's sum says
+        (:mod:`funcshard.reduction`; None: ``AddInto()``, new buffers). ``AddInto(acc)``:
+        this rank's reduced shard added into ``acc`` per bucket (None entries: start one);
+        ``KeepSections()``: the unreduced rank sections kept (a deterministic step's
+        microbatch); ``CompleteTree(tree)``: the earlier microbatches' tree completed with
+        this (last) one, then reduced.
       replicate: the step's replicate-axis reductions, told of each bucket whose sum this
         (last) microbatch makes final.
     """
@@ -211,15 +215,14 @@ class Reducer:
     def __init__(
         self,
         layout: Layout,
-        acc: Acc | None = None,
-        *,
-        local: bool = False,
-        complete: determinism.PairwiseSum | None = None,
+        sink: Sink | None = None,
         replicate: grads_lib.ReplicateAxis | None = None,
     ) -> None:
         self.layout = layout
-        self.local = local
-        self.complete = complete
+        sink = AddInto() if sink is None else sink
+        self.local = isinstance(sink, KeepSections)
+        self.complete = sink.tree if isinstance(sink, CompleteTree) else None
+        acc = sink.acc if isinstance(sink, AddInto) else None
         self.replicate = replicate if replicate is not None and replicate.on_wire else None
         self.acc: Acc = acc if acc is not None else [None] * len(layout.buckets)
         zero = {

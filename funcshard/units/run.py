@@ -45,10 +45,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from funcshard import determinism
 from funcshard.comm.grads import ReplicateAxis
 from funcshard.functional import GatheredParams, Swap
 from funcshard.layout import ROOT_UNIT, Layout
+from funcshard.reduction import Sink
 from funcshard.units.gather import Gatherer, GatherFn
 from funcshard.units.phase import Phase, UnitState
 from funcshard.units.placeholders import absent
@@ -293,9 +293,11 @@ class UnitRun:
     ZeRO-3 (``optim_grads_params``): ``buffers`` are this rank's compute shards, each unit is
     gathered just before it runs. ZeRO-2 (``replicated=True``): ``buffers`` are the replicated
     full compute buffers, used as they are. ``run.backward(loss)`` adds, per bucket,
-    this rank's shard of the gradient reduced over the shard axis to ``acc``, in the bucket's
-    main-grads dtype; with ``local=True`` it adds the unreduced rank sections instead (a
-    deterministic step reduces its microbatches' sum once); with ``replicate`` (the step's last
+    the microbatch's gradients to ``sink`` (:mod:`funcshard.reduction`): this rank's shard
+    reduced over the shard axis added into an accumulator (``AddInto``), in the bucket's
+    main-grads dtype; the unreduced rank sections (``KeepSections``: a deterministic step
+    reduces its microbatches' sum once); or the earlier microbatches' tree completed and
+    reduced (``CompleteTree``); with ``replicate`` (the step's last
     microbatch) it starts each bucket's replicate-axis reduction once the bucket's sum is
     final. ``run.params`` is what ``loss_fn`` gets.
     """
@@ -304,18 +306,16 @@ class UnitRun:
         self,
         layout: Layout,
         buffers: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        sink: Sink | None = None,
         *,
         replicated: bool = False,
-        acc: list[torch.Tensor | None] | None = None,
-        local: bool = False,
-        complete: determinism.PairwiseSum | None = None,
         replicate: ReplicateAxis | None = None,
     ) -> None:
         self.layout = layout
         self.replicated = replicated
         self.phase = Phase.FORWARD
         self.gatherer = Gatherer(layout, buffers, replicated)
-        self.reducer = Reducer(layout, acc, local=local, complete=complete, replicate=replicate)
+        self.reducer = Reducer(layout, sink, replicate)
         self.saved = None if replicated else SavedParams(self.holder_of)
         self.buckets_of: dict[int, list[int]] = {}
         for b in layout.buckets:
