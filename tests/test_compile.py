@@ -37,17 +37,45 @@ def _counting_backend(counts: collections.Counter):
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
 
 
-def _run(strategy: str, shard: int, replicate: int, compile_when: str | None) -> dict:
-    """Trains the 2-block MLP ``STEPS`` steps; ``compile_when``: None (eager), "before" or
-    "after" ``fs.init``. Returns the full params, compile counts after each step, dynamo's
-    graph breaks and the collectives' bytes."""
+def _model_and_loss(kind: str):
+    """("mlp": the 2-block MLP; "gpt2": Hugging Face GPT-2, 2 layers, each layer recomputed in
+    backward by ``gradient_checkpointing_enable()``), its blocks, and a step on ``step``."""
+    if kind == "mlp":
+        model = models.make_model(n_blocks=BLOCKS)
+
+        def train(state, step):
+            return models.train(state, model, [step], rows=ROWS, microbatches=MICRO)[0]
+
+        return model, model.blocks, train
+    import test_units  # transformers: only where used
+
+    model = test_units.hf_model("gpt2")
+    model.gradient_checkpointing_enable()
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def loss_fn(params, tokens):
+        args = {"input_ids": tokens[:, :-1], "use_cache": False}
+        out = fs.functional_call(model, params, (), args)
+        return test_units._ce(model, out.logits, tokens)
+
+    def train(state, step):
+        tokens = test_units._tokens(step, ROWS).chunk(world)[rank]
+        return fs.train_step(state, tokens, loss_fn, microbatches=MICRO)[0]
+
+    return model, model.transformer.h, train
+
+
+def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str | None) -> dict:
+    """Trains ``kind`` ``STEPS`` steps; ``compile_when``: None (eager), "before" or "after"
+    ``fs.init``. Returns the full params, compile counts after each step, dynamo's graph
+    breaks and the collectives' bytes."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     counts: collections.Counter = collections.Counter()
-    model = models.make_model(n_blocks=BLOCKS)
+    model, blocks, train = _model_and_loss(kind)
 
     def compile_blocks() -> None:
-        for block in model.blocks:
+        for block in blocks:
             block.compile(backend=_counting_backend(counts))
 
     if compile_when == "before":
@@ -63,7 +91,7 @@ def _run(strategy: str, shard: int, replicate: int, compile_when: str | None) ->
     per_step = []
     with fs.comm_stats() as stats:
         for step in range(STEPS):
-            state, _ = models.train(state, model, [step], rows=ROWS, microbatches=MICRO)
+            state = train(state, step)
             per_step.append(dict(counts))
     counters = torch._dynamo.utils.counters
     return {
@@ -77,9 +105,9 @@ def _run(strategy: str, shard: int, replicate: int, compile_when: str | None) ->
     }
 
 
-def compile_worker(strategy: str, shard: int, replicate: int, compile_when: str) -> dict:
-    eager = _run(strategy, shard, replicate, None)
-    compiled = _run(strategy, shard, replicate, compile_when)
+def compile_worker(kind: str, strategy: str, shard: int, replicate: int, when: str) -> dict:
+    eager = _run(kind, strategy, shard, replicate, None)
+    compiled = _run(kind, strategy, shard, replicate, when)
     if dist.get_rank() != 0:
         return {}
     return {"eager": eager, "compiled": compiled}
@@ -94,20 +122,21 @@ def _ulp_tolerance(eager: dict[str, torch.Tensor]) -> dict[str, float]:
     return {n: 4 * STEPS * eps * max(float(p.abs().max()), 1.0) for n, p in eager.items()}
 
 
-CASES = [(s, 2, 1, "before") for s in STRATEGIES] + [
-    ("optim_grads_params", 2, 1, "after"),
-    ("optim_grads_params", 2, 2, "before"),  # HSDP: 2 shards x 2 replicas
+CASES = [("mlp", s, 2, 1, "before") for s in STRATEGIES] + [
+    ("mlp", "optim_grads_params", 2, 1, "after"),
+    ("mlp", "optim_grads_params", 2, 2, "before"),  # HSDP: 2 shards x 2 replicas
+    ("gpt2", "optim_grads_params", 2, 1, "before"),  # recomputation in the unit's backward
 ]
 
 
-@pytest.mark.parametrize(("strategy", "shard", "replicate", "compile_when"), CASES)
-def test_compiled_blocks_match_eager(pool_of, strategy, shard, replicate, compile_when):
+@pytest.mark.parametrize(("kind", "strategy", "shard", "replicate", "compile_when"), CASES)
+def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, compile_when):
     """Compiled blocks: the eager run's params to rounding, every compile in the first step,
     no graph break, and the same collectives (ZeRO-3's gathered peak included: the compiled
     forward's saved params are re-gathered in backward, not kept)."""
-    out = pool_of(shard * replicate).run(compile_worker, strategy, shard, replicate, compile_when)[
-        0
-    ]
+    out = pool_of(shard * replicate).run(
+        compile_worker, kind, strategy, shard, replicate, compile_when
+    )[0]
     eager, compiled = out["eager"], out["compiled"]
     tol = _ulp_tolerance(eager["params"])
     for name, p in eager["params"].items():
