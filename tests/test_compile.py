@@ -146,6 +146,8 @@ def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, 
     assert first == {"forward": BLOCKS, "backward": BLOCKS}, first  # one graph each per block
     assert all(counts == first for counts in later), compiled["per_step"]
     assert compiled["graph_breaks"] == {}, compiled["graph_breaks"]
+    frames = compiled["frames"]  # every frame dynamo met was compiled, none left to eager
+    assert frames["total"] == frames["ok"] == BLOCKS, frames
     assert compiled["bytes"] == eager["bytes"] and compiled["calls"] == eager["calls"]
     assert compiled["gathered_peak"] == eager["gathered_peak"]
     if strategy == "optim_grads_params":
