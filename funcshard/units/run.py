@@ -31,6 +31,10 @@ until backward is over; what the unit adds is that backward starts the unit's re
 as soon as it is done with it, so the full gradients of only about one unit are alive at a
 time.
 
+A unit module the user compiled in place (``module.compile()``, which compiles ``_call_impl``
+with its hooks) gets the pre/post-forward phases around its compiled call instead of as module
+hooks (:func:`_around`): as FSDP2's hooks, they stay out of dynamo's trace.
+
 Outside of its unit a param is a placeholder: any use raises :class:`UnitParamsError`, naming
 it, instead of silently taking the module's own (stale) weights.
 """
@@ -38,7 +42,7 @@ it, instead of silently taking the module's own (stale) weights.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -67,6 +71,28 @@ def _grad_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, Mapping):
         return [t for o in out.values() for t in _grad_tensors(o)]
     return []
+
+
+def _around(unit: Unit, module: nn.Module, compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """A compiled module's call with the unit's pre/post-forward around it, not inside it.
+
+    ``module.compile()`` compiles ``_call_impl``, forward hooks included: hooks registered on
+    the module would be traced (gathers, swaps, placeholders, saved-tensor bookkeeping: graph
+    breaks, then a placeholder read by dynamo). As FSDP2 keeps its hooks out of dynamo, the
+    unit's phases run here, eagerly, and the compiled call sees only the gathered params (graph
+    inputs, so a new gather each step compiles nothing new)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        unit.pre_forward(module, args)
+        try:
+            output = compiled(*args, **kwargs)
+        except BaseException:
+            unit.post_forward(module, args, None)
+            raise
+        unit.post_forward(module, args, output)
+        return output
+
+    return call
 
 
 class Unit:
@@ -351,6 +377,11 @@ class UnitRun:
         self._hooked.add(id(model))
         for unit in self.units[1:]:
             module = model.get_submodule(unit.prefix)
+            compiled = module._compiled_call_impl  # set by module.compile()
+            if compiled is not None:
+                module._compiled_call_impl = _around(unit, module, compiled)
+                self.stack.callback(setattr, module, "_compiled_call_impl", compiled)
+                continue
             handles: list[RemovableHandle] = [
                 module.register_forward_pre_hook(unit.pre_forward),
                 module.register_forward_hook(unit.post_forward, always_call=True),

@@ -1,0 +1,154 @@
+"""Blocks the user compiled in place (``block.compile()``, torchtitan's way) under every strategy.
+
+Each gather unit (a block of an ``nn.ModuleList``) is compiled before or after ``fs.init``;
+the run must match the same model run eagerly, compile nothing after the first step and break
+no graph. The backend is AOTAutograd with no-op compilers (``aot_eager``'s), counting what it
+compiles: forward and backward graphs both.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import funcshard as fs
+
+import models
+
+STEPS, ROWS, MICRO, BLOCKS = 3, 8, 2, 2
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _counting_backend(counts: collections.Counter):
+    """``aot_eager`` (AOTAutograd, graphs run as traced) counting forward/backward compiles."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(kind: str):
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):  # noqa: ARG001
+            counts[kind] += 1
+            return make_boxed_func(gm.forward)
+
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+def _model_and_loss(kind: str):
+    """("mlp": the 2-block MLP; "gpt2": Hugging Face GPT-2, 2 layers, each layer recomputed in
+    backward by ``gradient_checkpointing_enable()``), its blocks, and a step on ``step``."""
+    if kind == "mlp":
+        model = models.make_model(n_blocks=BLOCKS)
+
+        def train(state, step):
+            return models.train(state, model, [step], rows=ROWS, microbatches=MICRO)[0]
+
+        return model, model.blocks, train
+    import test_units  # transformers: only where used
+
+    model = test_units.hf_model("gpt2")
+    model.gradient_checkpointing_enable()
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def loss_fn(params, tokens):
+        args = {"input_ids": tokens[:, :-1], "use_cache": False}
+        out = fs.functional_call(model, params, (), args)
+        return test_units._ce(model, out.logits, tokens)
+
+    def train(state, step):
+        tokens = test_units._tokens(step, ROWS).chunk(world)[rank]
+        return fs.train_step(state, tokens, loss_fn, microbatches=MICRO)[0]
+
+    return model, model.transformer.h, train
+
+
+def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str | None) -> dict:
+    """Trains ``kind`` ``STEPS`` steps; ``compile_when``: None (eager), "before" or "after"
+    ``fs.init``. Returns the full params, compile counts after each step, dynamo's graph
+    breaks and the collectives' bytes."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counts: collections.Counter = collections.Counter()
+    model, blocks, train = _model_and_loss(kind)
+
+    def compile_blocks() -> None:
+        for block in blocks:
+            block.compile(backend=_counting_backend(counts))
+
+    if compile_when == "before":
+        compile_blocks()
+    state = fs.init(
+        model,
+        fs.optim.sgd(0.1, momentum=0.9),
+        mesh=fs.make_mesh(shard, replicate, device_type="cpu"),
+        strategy=strategy,
+    )
+    if compile_when == "after":
+        compile_blocks()
+    per_step = []
+    with fs.comm_stats() as stats:
+        for step in range(STEPS):
+            state = train(state, step)
+            per_step.append(dict(counts))
+    counters = torch._dynamo.utils.counters
+    return {
+        "params": fs.full_params(state),
+        "per_step": per_step,
+        "graph_breaks": dict(counters["graph_break"]),
+        "frames": dict(counters["frames"]),
+        "bytes": dict(stats.bytes),
+        "calls": dict(stats.calls),
+        "gathered_peak": stats.gathered_peak,
+    }
+
+
+def compile_worker(kind: str, strategy: str, shard: int, replicate: int, when: str) -> dict:
+    eager = _run(kind, strategy, shard, replicate, None)
+    compiled = _run(kind, strategy, shard, replicate, when)
+    if dist.get_rank() != 0:
+        return {}
+    return {"eager": eager, "compiled": compiled}
+
+
+def _ulp_tolerance(eager: dict[str, torch.Tensor]) -> dict[str, float]:
+    """aot_eager runs the eager kernels on the same inputs; only the order in which AOTAutograd
+    sums a gradient's contributions (a residual's two paths, the microbatches) may differ, a
+    rounding of one ulp per sum per step. Allowed: 4 ulps of the param's largest value per
+    step (fp32), well under any real error (a wrong or stale param is off by lr * grad)."""
+    eps = torch.finfo(torch.float32).eps
+    return {n: 4 * STEPS * eps * max(float(p.abs().max()), 1.0) for n, p in eager.items()}
+
+
+CASES = [("mlp", s, 2, 1, "before") for s in STRATEGIES] + [
+    ("mlp", "optim_grads_params", 2, 1, "after"),
+    ("mlp", "optim_grads_params", 2, 2, "before"),  # HSDP: 2 shards x 2 replicas
+    ("gpt2", "optim_grads_params", 2, 1, "before"),  # recomputation in the unit's backward
+]
+
+
+@pytest.mark.parametrize(("kind", "strategy", "shard", "replicate", "compile_when"), CASES)
+def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, compile_when):
+    """Compiled blocks: the eager run's params to rounding, every compile in the first step,
+    no graph break, and the same collectives (ZeRO-3's gathered peak included: the compiled
+    forward's saved params are re-gathered in backward, not kept)."""
+    out = pool_of(shard * replicate).run(
+        compile_worker, kind, strategy, shard, replicate, compile_when
+    )[0]
+    eager, compiled = out["eager"], out["compiled"]
+    tol = _ulp_tolerance(eager["params"])
+    for name, p in eager["params"].items():
+        err = float((compiled["params"][name] - p).abs().max())
+        assert err <= tol[name], (name, err, tol[name])
+    first, *later = compiled["per_step"]
+    assert first == {"forward": BLOCKS, "backward": BLOCKS}, first  # one graph each per block
+    assert all(counts == first for counts in later), compiled["per_step"]
+    assert compiled["graph_breaks"] == {}, compiled["graph_breaks"]
+    frames = compiled["frames"]  # every frame dynamo met was compiled, none left to eager
+    assert frames["total"] == frames["ok"] == BLOCKS, frames
+    assert compiled["bytes"] == eager["bytes"] and compiled["calls"] == eager["calls"]
+    assert compiled["gathered_peak"] == eager["gathered_peak"]
+    if strategy == "optim_grads_params":
+        assert 0 < eager["gathered_peak"]
