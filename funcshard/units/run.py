@@ -377,7 +377,7 @@ class UnitRun:
         self._hooked.add(id(model))
         for unit in self.units[1:]:
             module = model.get_submodule(unit.prefix)
-            compiled = module._compiled_call_impl  # set by module.compile()
+            compiled = getattr(module, "_compiled_call_impl", None)  # set by module.compile()
             if compiled is not None:
                 module._compiled_call_impl = _around(unit, module, compiled)
                 self.stack.callback(setattr, module, "_compiled_call_impl", compiled)
