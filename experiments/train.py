@@ -187,6 +187,13 @@ flags.DEFINE_float(
 )
 flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where the shards live.")
 flags.DEFINE_integer("threads", 0, "CPU threads per rank; 0 = cores / local ranks.", lower_bound=0)
+flags.DEFINE_string(
+    "compile",
+    "",
+    "Compile each transformer block in place (block.compile) with this torch.compile backend: "
+    "inductor, aot_eager, ...; empty: eager. The first step's time (the compile) is logged; "
+    "metrics.jsonl has every step's wall time (step_s); inductor's cache serves a second run.",
+)
 flags.DEFINE_string("out_dir", "out/train", "Where metrics.jsonl and loss.png go.")
 flags.DEFINE_integer(
     "log_every", 0, "Log every N steps off a terminal; 0 = 20 lines a run.", lower_bound=0

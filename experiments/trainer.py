@@ -42,6 +42,7 @@ class Config:
     )
     offload_fraction: float = 0.0
     deterministic: bool = False  # the same bits on every layout with as many gradient chunks
+    compile: str = ""  # a torch.compile backend for each block, compiled in place; "": eager
     microbatches: int = 1
     grad_chunks: int = 0  # G per step, whatever the world (microbatches = G / world); 0: unset
     batch_size: int = 64
@@ -284,8 +285,9 @@ def run(
     With ``cfg.resume`` it continues from the latest checkpoint in ``cfg.checkpoint_dir``, if
     there is one, on the world it finds (``cfg.grad_chunks`` keeps G across worlds). Each start
     adds a row ``{"start", "world", "microbatches", "time", "joined", "restore_s"}`` to
-    metrics.jsonl, each step a row with its ``world``, ``time`` (Unix seconds) and rank 0's bytes
-    communicated in that step per collective kind (``comm``) and mesh axis (``comm_by_axis``), as
+    metrics.jsonl, each step a row with its ``world``, ``time`` (Unix seconds), ``step_s`` (the
+    step's wall time: the first one of a process compiles the blocks under ``cfg.compile``), and
+    rank 0's bytes communicated in that step per collective kind (``comm``) and mesh axis (``comm_by_axis``), as
     ``fs.comm_stats`` counts them and ``fs.plan`` predicts them.
 
     Args:
@@ -309,6 +311,8 @@ def run(
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(dataclasses.replace(cfg.model, vocab=source.vocab)).to(device)
+    for block in model.blocks if cfg.compile else ():  # torchtitan's way: each block in place
+        block.compile(backend=cfg.compile)
     opt = make_optimizer(cfg)
     state = fs.init(
         model,
@@ -368,8 +372,12 @@ def run(
         x = source.batch(
             step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, rank=rank, world=world
         ).to(device)
+        t_step = time.perf_counter()
         with fs.comm_stats() as stats:  # this rank's bytes per collective kind and mesh axis
             state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=microbatches)
+        step_s = time.perf_counter() - t_step  # the process's first step compiles (--compile)
+        if step == start and rank == 0 and cfg.compile:
+            logging.info("first step %.2f s (compiling the blocks: %s)", step_s, cfg.compile)
         if (
             mgr is not None
             and cfg.save_every
@@ -386,6 +394,7 @@ def run(
                 "tokens_per_s": progress.update(state.step, metrics["loss"]),
                 "world": world,
                 "time": time.time(),
+                "step_s": step_s,
                 "comm": {k: v for k, v in stats.bytes.items() if v},
                 "comm_by_axis": {k: v for k, v in stats.bytes_by_axis.items() if v},
             }

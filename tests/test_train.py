@@ -185,7 +185,7 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
     rows_b, summary_b = _rows(split)
     assert [r["world"] for r in rows] == [2] * 6
     assert [r["world"] for r in rows_b] == [2, 2, 2, 1, 1, 1]
-    same = dict(tokens_per_s=0, time=0, world=0, comm=0, comm_by_axis=0)  # a world's own
+    same = dict(tokens_per_s=0, time=0, step_s=0, world=0, comm=0, comm_by_axis=0)  # its own
     for r, rb in zip(rows, rows_b, strict=True):  # the same steps, up to speed, time, world
         assert dict(r, **same) == dict(rb, **same)
     assert summary_b == summary  # the held-out loss too (deterministic: chunked as training)
@@ -327,3 +327,29 @@ def test_train_stores_moments_in_the_flagged_dtypes(tmp_path, optimizer, mu, nu,
             assert any(eight_bit(n) for n in stored[moment])  # the 8-bit format is exercised
             for n in filter(eight_bit, stored[moment]):
                 assert any(leaf.endswith(f".{moment}_scale.{n}") for leaf in leaves), n
+
+
+def test_train_compiles_its_blocks_with_the_eager_runs_results(tmp_path):
+    """``--compile=aot_eager`` compiles each block in place (ZeRO-3, the main job's default
+    strategy): the same losses and grad norms as the eager run (AOTAutograd adds the gradient
+    contributions in the same order here: bitwise, as tests/test_compile.py measures), the first
+    step's compile logged, every step's wall time in metrics.jsonl."""
+    runs = {}
+    for backend in ("", "aot_eager"):
+        out_dir = tmp_path / (backend or "eager")
+        out = _train(
+            "--nproc=2",
+            "--steps=3",
+            *TINY,
+            "--param_dtype=fp32",
+            f"--compile={backend}",
+            f"--out_dir={out_dir}",
+        )
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[backend] = (_rows(out_dir)[0], out.stderr)
+    (eager, _), (compiled, log) = runs[""], runs["aot_eager"]
+    assert [(r["loss"], r["grad_norm"]) for r in compiled] == [
+        (r["loss"], r["grad_norm"]) for r in eager
+    ]
+    assert "first step" in log and "compiling the blocks: aot_eager" in log, log[-2000:]
+    assert all(r["step_s"] > 0 for r in compiled + eager)
