@@ -287,8 +287,8 @@ def run(
     adds a row ``{"start", "world", "microbatches", "time", "joined", "restore_s"}`` to
     metrics.jsonl, each step a row with its ``world``, ``time`` (Unix seconds), ``step_s`` (the
     step's wall time: the first one of a process compiles the blocks under ``cfg.compile``), and
-    rank 0's bytes communicated in that step per collective kind (``comm``) and mesh axis (``comm_by_axis``), as
-    ``fs.comm_stats`` counts them and ``fs.plan`` predicts them.
+    rank 0's bytes communicated in that step per collective kind (``comm``) and mesh axis
+    (``comm_by_axis``), as ``fs.comm_stats`` counts them and ``fs.plan`` predicts them.
 
     Args:
       cfg: the run.
