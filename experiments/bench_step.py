@@ -82,6 +82,19 @@ flags.DEFINE_string(
     "activity) of one funcshard step per configuration and rank here: on a GPU "
     "it shows the offload copies on their side streams beside the compute.",
 )
+flags.DEFINE_string(
+    "compile",
+    "",
+    "torch.compile backend (inductor, aot_eager, ...): each block of both models compiled in "
+    "place (block.compile, FSDP2 fully_shard per block after it), each beside its own eager "
+    "run in the same alternation; empty: eager only.",
+)
+flags.DEFINE_list(
+    "compile_modes",
+    ["blocks", "fs"],
+    "With --compile: blocks (the user compiles the blocks) and/or fs (an eager model given "
+    "to fs.init(compile=BACKEND): funcshard compiles what it runs).",
+)
 flags.DEFINE_bool(
     "bf16_anyway",
     False,
@@ -110,6 +123,8 @@ class Config:
     device: str = "cpu"
     offload_fraction: float = 0.0
     trace_dir: str | None = None
+    compile: str = ""
+    compile_modes: tuple[str, ...] = ()
 
 
 def _policies(name: str) -> tuple[fs.MixedPrecisionPolicy, FsdpPolicy | None]:
@@ -229,9 +244,11 @@ class _Funcshard:
         cfg: Config,
         deterministic: bool = False,
         outer_strategy: str = "no_shard",
+        compile: str = "",
     ) -> None:
         self.model, self.cfg = model, cfg
         opt = fs.optim.adamw(LR, weight_decay=0.1)
+        kw = {"compile": compile} if compile else {}
         self.state = fs.init(
             model,
             opt,
@@ -241,6 +258,7 @@ class _Funcshard:
             deterministic=deterministic,
             offload_fraction=cfg.offload_fraction,
             outer_strategy=outer_strategy,
+            **kw,
         )
 
         def loss_fn(params, batch):
@@ -363,6 +381,42 @@ def _peak_flops(device: str) -> float | None:
     return next((peak for key, peak in PEAK_BF16 if key in name), None)
 
 
+def _compile_blocks(model: GPT, backend: str) -> GPT:
+    for block in model.blocks:
+        block.compile(backend=backend)
+    return model
+
+
+def _compiled_runners(cfg: Config, model: GPT, mesh, strategy: str, fs_policy, fsdp_policy):
+    """funcshard and FSDP2 from one initial model; with ``cfg.compile``, both with their blocks
+    compiled in place (FSDP2: compiled, then ``fully_shard``, torchtitan's order), each beside
+    its own eager run, and ("fs" mode) an eager model given to ``fs.init(compile=...)``."""
+    if not cfg.compile:
+        return {
+            "funcshard": _Funcshard(model, mesh, strategy, fs_policy, cfg),
+            "fsdp2": _Fsdp2(copy.deepcopy(model), mesh, strategy, fsdp_policy, cfg),
+        }
+    copies = [copy.deepcopy(model) for _ in range(4)]
+    runners = {}
+    if "blocks" in cfg.compile_modes:
+        runners["funcshard"] = _Funcshard(
+            _compile_blocks(copies[0], cfg.compile), mesh, strategy, fs_policy, cfg
+        )
+        runners["fsdp2"] = _Fsdp2(
+            _compile_blocks(copies[1], cfg.compile), mesh, strategy, fsdp_policy, cfg
+        )
+    runners["funcshard_eager"] = _Funcshard(copies[2], mesh, strategy, fs_policy, cfg)
+    runners["fsdp2_eager"] = _Fsdp2(copies[3], mesh, strategy, fsdp_policy, cfg)
+    if "fs" in cfg.compile_modes:
+        runners["fs_compile"] = _Funcshard(
+            model, mesh, strategy, fs_policy, cfg, compile=cfg.compile
+        )
+    if "blocks" not in cfg.compile_modes:  # the main table compares the eager pair
+        runners["funcshard"] = runners.pop("funcshard_eager")
+        runners["fsdp2"] = runners.pop("fsdp2_eager")
+    return runners
+
+
 def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, Any]:
     torch.manual_seed(0)
     gpt_cfg = GPTConfig(
@@ -375,10 +429,7 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
     )
     model = GPT(gpt_cfg)
     fs_policy, fsdp_policy = _policies(policy_name)
-    runners = {
-        "funcshard": _Funcshard(model, mesh, strategy, fs_policy, cfg),
-        "fsdp2": _Fsdp2(copy.deepcopy(model), mesh, strategy, fsdp_policy, cfg),
-    }
+    runners = _compiled_runners(cfg, model, mesh, strategy, fs_policy, fsdp_policy)
     if cfg.deterministic:
         runners["deterministic"] = _Funcshard(model, mesh, strategy, fs_policy, cfg, True)
     if dist.get_world_size() == 1:
@@ -387,6 +438,7 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
     times: dict[str, list[float]] = {k: [] for k in runners}
     cpu: dict[str, list[float]] = {k: [] for k in runners}
     losses: dict[str, list[float]] = {k: [] for k in runners}
+    first: dict[str, float] = {}  # the first step: with --compile, the compile's time
     for step in range(cfg.warmup + cfg.steps):
         batch = _batch(cfg, step)
         order = list(runners) if step % 2 == 0 else list(reversed(runners))  # no one goes first
@@ -398,6 +450,8 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
             losses[name].append(runner.step(batch))
             sync()
             elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            if step == 0:
+                first[name] = elapsed
             if step >= cfg.warmup:
                 times[name].append(elapsed)
                 cpu[name].append(elapsed_cpu)
@@ -449,6 +503,7 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
         "policy": policy_name,
         "params": sum(p.numel() for p in model.parameters()),
         "time": {k: statistics.median(v) for k, v in times.items()},
+        "first": first,
         "steps": times,
         "cpu": {k: statistics.median(v) for k, v in cpu.items()},
         "loss": losses["funcshard"][-1],
@@ -500,6 +555,8 @@ def main(argv: list[str]) -> None:
         FLAGS.device,
         FLAGS.offload_fraction,
         FLAGS.trace_dir,
+        FLAGS.compile,
+        tuple(FLAGS.compile_modes),
     )
     results = fs.launch(worker, cfg, nproc=FLAGS.nproc) if policies else [[]]
     _print_table(cfg, results)
@@ -507,6 +564,8 @@ def main(argv: list[str]) -> None:
         _print_throughput(cfg, results)
     if cfg.deterministic and results[0]:
         _print_deterministic(cfg, results)
+    if cfg.compile and results[0]:
+        _print_compiled(cfg, results)
     for strategy in cfg.strategies if skipped else ():
         print(
             f"{strategy:<19}{'bf16':<7}skipped: no native bf16 on this CPU, pass "
@@ -595,6 +654,36 @@ def _per_step_ratio(results, i: int, a: str, b: str) -> float:
         for k in (a, b)
     }
     return statistics.median(x / y for x, y in zip(steps[a], steps[b], strict=True))
+
+
+# (label, runner a, runner b): a's step over b's beside it, where both ran
+COMPILE_RATIOS = (
+    ("fs/fsdp2 blocks compiled", "funcshard", "fsdp2"),
+    ("fs/fsdp2 eager", "funcshard_eager", "fsdp2_eager"),
+    ("fs compiled/eager", "funcshard", "funcshard_eager"),
+    ("fsdp2 compiled/eager", "fsdp2", "fsdp2_eager"),
+    ("fs compile=/fsdp2 compiled", "fs_compile", "fsdp2"),
+    ("fs compile=/fs eager", "fs_compile", "funcshard_eager"),
+)
+
+
+def _print_compiled(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
+    """Per strategy: each runner's median step, first step (the compile) and peak; then the
+    ratios of COMPILE_RATIOS (median over steps of one runner's step over the other's)."""
+    print(f"\n--compile={cfg.compile} (modes {','.join(cfg.compile_modes)}), same run:")
+    for i, r in enumerate(results[0]):
+        names = list(r["time"])
+        print(f"{r['strategy']} {r['policy']}")
+        print(f"  {'runner':<17}{'step s':>8}{'first s':>9}{'peak MB':>9}{'max|dloss|':>12}")
+        for name in names:
+            t = max(rank[i]["time"][name] for rank in results)
+            first = max(rank[i]["first"][name] for rank in results)
+            peak = max(rank[i]["peak"][name] for rank in results)
+            print(f"  {name:<17}{t:>8.3f}{first:>9.1f}{_mb(peak):>9}{r['loss_gap'][name]:>12.1e}")
+        blocks = "funcshard_eager" in names  # else "funcshard" / "fsdp2" ran eager
+        for label, a, b in COMPILE_RATIOS:
+            if a in names and b in names and (blocks or not {a, b} & {"funcshard", "fsdp2"}):
+                print(f"  {label:<28}{_per_step_ratio(results, i, a, b):>7.3f}")
 
 
 def _print_deterministic(cfg: Config, results: list[list[dict[str, Any]]]) -> None:

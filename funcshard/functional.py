@@ -14,6 +14,8 @@ from torch import nn
 from torch.nn.utils import stateless
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
+from funcshard.compiling import compile_units
+
 __all__ = ["functional_call", "GatheredParams", "StepParams"]
 
 
@@ -45,6 +47,7 @@ def functional_call(
         return params._run.call(model, args, kwargs)
     if isinstance(params, StepParams):
         params.stack.callback(Swap(model, params, strict=strict).restore)
+        compile_units(model, *params.compile_units, params.stack)
         return model(*args, **kwargs)
     return torch.func.functional_call(model, params, args, kwargs, strict=strict)
 
@@ -92,6 +95,7 @@ class StepParams(dict):
         super().__init__(*args, **kwargs)
         self.stack = contextlib.ExitStack()
         self.closed = False
+        self.compile_units: tuple[tuple[str, ...], Any] = ((), None)  # unit modules, backend
 
     def close(self) -> None:
         self.closed = True

@@ -22,6 +22,7 @@ import torch
 
 from funcshard import sharding as shard_lib
 from funcshard.comm.grads import ReplicateAxis
+from funcshard.compiling import Backend
 from funcshard.functional import StepParams
 from funcshard.layout import Layout
 from funcshard.reduction import AddInto, Grads, Sink
@@ -64,9 +65,12 @@ class ReplicatedGrads:
 
     shard_reduced = False
 
-    def __init__(self, layout: Layout, compute: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self, layout: Layout, compute: tuple[torch.Tensor, ...], backend: Backend = None
+    ) -> None:
         self.layout = layout
         self.compute = compute
+        self.backend = backend
 
     def microbatch(
         self,
@@ -85,6 +89,7 @@ class ReplicatedGrads:
                 params[spec.name] = shard_lib.full_view(full, spec, S).detach().requires_grad_()
                 order.append(spec.name)
         step_params = StepParams((n, params[n]) for n in layout.names)
+        step_params.compile_units = (layout.units[1:], self.backend)
         try:
             loss, aux = loss_and_aux(loss_fn(step_params, batch))
             leaves = [params[n] for n in order]
@@ -116,9 +121,12 @@ class UnitGrads:
 
     shard_reduced = True
 
-    def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple) -> None:
+    def __init__(
+        self, layout: Layout, buffers: list[torch.Tensor] | tuple, backend: Backend = None
+    ) -> None:
         self.layout = layout
         self.buffers = buffers
+        self.backend = backend
 
     def microbatch(
         self,
@@ -129,7 +137,14 @@ class UnitGrads:
         replicate: ReplicateAxis | None = None,
     ) -> tuple[torch.Tensor, Any, Grads]:
         replicated = not self.layout.strategy.shards_params
-        run = UnitRun(self.layout, self.buffers, sink, replicated=replicated, replicate=replicate)
+        run = UnitRun(
+            self.layout,
+            self.buffers,
+            sink,
+            replicated=replicated,
+            replicate=replicate,
+            backend=self.backend,
+        )
         try:
             loss, aux = loss_and_aux(loss_fn(run.params, batch))
             return loss.detach(), aux, run.backward(loss * scale)
@@ -138,18 +153,22 @@ class UnitGrads:
 
 
 def producer_for(
-    layout: Layout, master: tuple[torch.Tensor, ...], compute: tuple[torch.Tensor | None, ...]
+    layout: Layout,
+    master: tuple[torch.Tensor, ...],
+    compute: tuple[torch.Tensor | None, ...],
+    backend: Backend = None,
 ) -> GradProducer:
-    """The producer of ``layout``'s strategy over a state's masters and compute copies.
+    """The producer of ``layout``'s strategy over a state's masters and compute copies; with
+    ``backend`` (``fs.init``'s compile), unit modules run compiled.
 
     ZeRO-3 casts each device bucket's shard from its master once per step (an offloaded
     bucket keeps a device compute shard, derived by ``offload_step``)."""
     if not layout.strategy.runs_units:
-        return ReplicatedGrads(layout, compute)
+        return ReplicatedGrads(layout, compute, backend)
     if not layout.strategy.shards_params:
-        return UnitGrads(layout, compute)
+        return UnitGrads(layout, compute, backend)
     shards = [
         c if c is not None else m.to(layout.device, b.dtypes.compute)
         for b, m, c in zip(layout.buckets, master, compute, strict=True)
     ]
-    return UnitGrads(layout, shards)
+    return UnitGrads(layout, shards, backend)

@@ -10,7 +10,7 @@ is cast from the master at gather time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -23,6 +23,7 @@ from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
 from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.comm import params as params_lib
+from funcshard.compiling import Backend, backend_of
 from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
@@ -54,6 +55,7 @@ class LossScale(NamedTuple):
 class _Static:
     layout: Layout
     optimizer: Optimizer
+    compile: Backend = None  # fs.init's compile: the torch.compile backend of the unit modules
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,6 +193,11 @@ class TrainState:
     @property
     def optimizer(self) -> Optimizer:
         return self._static.optimizer
+
+    @property
+    def compile(self) -> Backend:
+        """The ``torch.compile`` backend ``fs.init(compile=...)`` chose (None: eager)."""
+        return self._static.compile
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -355,6 +362,7 @@ def init(
     units: UnitsArg = None,
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = "no_shard",
+    compile: bool | str | Callable[..., Any] = False,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -380,17 +388,23 @@ def init(
         state are sharded over replicate x shard (1/(R*S) per rank); gradient shards are
         reduce-scattered over "replicate" once per step, after the last microbatch, and the
         updated compute params all-gathered over it once per step.
+      compile: True ("inductor"), a ``torch.compile`` backend name or callable: funcshard
+        runs each gather unit's module compiled (the user's own ``module.compile()`` where
+        there is one), its gather and reduce around the compiled call (see
+        :mod:`funcshard.compiling`); recorded in the state's static metadata (``state.compile``).
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
         or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
-        "optim"`` with ``strategy="no_shard"``.
+        "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``.
+      TypeError: ``compile`` neither a bool, a backend name nor a callable.
     """
     if not isinstance(opt, Optimizer):
         raise TypeError(
             f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
             "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
         )
+    backend = backend_of(compile, deterministic=deterministic)
     policy = policy or MixedPrecisionPolicy()
     named = dict(model.named_parameters())
     layout = build_layout(
@@ -416,7 +430,7 @@ def init(
         opt_state=opt.init(layout.per_bucket(master)),
         step=0,
         loss_scale=loss_scale,
-        static=_Static(layout, opt),
+        static=_Static(layout, opt, backend),
     )
 
 

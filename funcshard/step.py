@@ -98,7 +98,7 @@ def train_step(
 
     # split -> produce: each microbatch's gradients join the step's sum where it says; the
     # last one's backward (ZeRO-2/3) issues replicate reductions as bucket sums become final
-    producer = producer_for(layout.inner, state.master, state.compute)
+    producer = producer_for(layout.inner, state.master, state.compute, state.compile)
     summed = reduction.microbatch_sum(microbatches)
     replicate = grads_lib.ReplicateAxis(layout)
     parts = split_microbatches(batch, microbatches)

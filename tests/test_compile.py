@@ -67,7 +67,7 @@ def _model_and_loss(kind: str):
 
 def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str | None) -> dict:
     """Trains ``kind`` ``STEPS`` steps; ``compile_when``: None (eager), "before" or "after"
-    ``fs.init``. Returns the full params, compile counts after each step, dynamo's graph
+    ``fs.init`` (the user's ``block.compile()``), or "fs" (``fs.init(compile=...)``). Returns the full params, compile counts after each step, dynamo's graph
     breaks and the collectives' bytes."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -85,7 +85,9 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
         fs.optim.sgd(0.1, momentum=0.9),
         mesh=fs.make_mesh(shard, replicate, device_type="cpu"),
         strategy=strategy,
+        compile=_counting_backend(counts) if compile_when == "fs" else False,
     )
+    assert (state.compile is None) == (compile_when != "fs")  # recorded in the static state
     if compile_when == "after":
         compile_blocks()
     per_step = []
@@ -122,7 +124,7 @@ def _ulp_tolerance(eager: dict[str, torch.Tensor]) -> dict[str, float]:
     return {n: 4 * STEPS * eps * max(float(p.abs().max()), 1.0) for n, p in eager.items()}
 
 
-CASES = [("mlp", s, 2, 1, "before") for s in STRATEGIES] + [
+CASES = [("mlp", s, 2, 1, when) for s in STRATEGIES for when in ("before", "fs")] + [
     ("mlp", "optim_grads_params", 2, 1, "after"),
     ("mlp", "optim_grads_params", 2, 2, "before"),  # HSDP: 2 shards x 2 replicas
     ("gpt2", "optim_grads_params", 2, 1, "before"),  # recomputation in the unit's backward
@@ -131,7 +133,7 @@ CASES = [("mlp", s, 2, 1, "before") for s in STRATEGIES] + [
 
 @pytest.mark.parametrize(("kind", "strategy", "shard", "replicate", "compile_when"), CASES)
 def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, compile_when):
-    """Compiled blocks: the eager run's params to rounding, every compile in the first step,
+    """Compiled blocks (the user's, or fs.init(compile=...)'s): the eager run's params to rounding, every compile in the first step,
     no graph break, and the same collectives (ZeRO-3's gathered peak included: the compiled
     forward's saved params are re-gathered in backward, not kept)."""
     out = pool_of(shard * replicate).run(
@@ -143,12 +145,36 @@ def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, 
         err = float((compiled["params"][name] - p).abs().max())
         assert err <= tol[name], (name, err, tol[name])
     first, *later = compiled["per_step"]
-    assert first == {"forward": BLOCKS, "backward": BLOCKS}, first  # one graph each per block
+    # the user's block.compile(): one forward and one backward graph per block; funcshard's
+    # compile= compiles one call for all units, so identical blocks share one graph
+    graphs = 1 if compile_when == "fs" else BLOCKS
+    assert first == {"forward": graphs, "backward": graphs}, first
     assert all(counts == first for counts in later), compiled["per_step"]
     assert compiled["graph_breaks"] == {}, compiled["graph_breaks"]
     frames = compiled["frames"]  # every frame dynamo met was compiled, none left to eager
-    assert frames["total"] == frames["ok"] == BLOCKS, frames
+    assert frames["total"] == frames["ok"] == graphs, frames
     assert compiled["bytes"] == eager["bytes"] and compiled["calls"] == eager["calls"]
     assert compiled["gathered_peak"] == eager["gathered_peak"]
     if strategy == "optim_grads_params":
         assert 0 < eager["gathered_peak"]
+
+
+def refusals_worker() -> list[str]:
+    """What fs.init says of a compile= it cannot honour."""
+    mesh = fs.make_mesh(device_type="cpu")
+    errors = []
+    for kwargs in ({"compile": True, "deterministic": True}, {"compile": 3}):
+        try:
+            fs.init(models.make_model(n_blocks=BLOCKS), fs.optim.sgd(0.1), mesh=mesh, **kwargs)
+        except (ValueError, TypeError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+def test_compile_refusals(pool2):
+    """compile= with deterministic=True is a ValueError at fs.init saying why; a compile that
+    is no backend a TypeError naming what was given."""
+    deterministic, bad = pool2.run(refusals_worker)[0]
+    assert deterministic.startswith("ValueError") and "deterministic=True" in deterministic
+    assert "bitwise" in deterministic
+    assert bad.startswith("TypeError") and "compile must be" in bad and "3" in bad

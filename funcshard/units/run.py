@@ -32,8 +32,9 @@ as soon as it is done with it, so the full gradients of only about one unit are 
 time.
 
 A unit module the user compiled in place (``module.compile()``, which compiles ``_call_impl``
-with its hooks) gets the pre/post-forward phases around its compiled call instead of as module
-hooks (:func:`_around`): as FSDP2's hooks, they stay out of dynamo's trace.
+with its hooks), or that ``fs.init(compile=...)`` compiles (:mod:`funcshard.compiling`), gets
+the pre/post-forward phases around its compiled call instead of as module hooks
+(:func:`_around`): as FSDP2's hooks, they stay out of dynamo's trace.
 
 Outside of its unit a param is a placeholder: any use raises :class:`UnitParamsError`, naming
 it, instead of silently taking the module's own (stale) weights.
@@ -50,6 +51,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from funcshard.comm.grads import ReplicateAxis
+from funcshard.compiling import Backend, compiled_call
 from funcshard.functional import GatheredParams, Swap
 from funcshard.layout import ROOT_UNIT, Layout
 from funcshard.reduction import Sink
@@ -336,8 +338,10 @@ class UnitRun:
         *,
         replicated: bool = False,
         replicate: ReplicateAxis | None = None,
+        backend: Backend = None,
     ) -> None:
         self.layout = layout
+        self.backend = backend  # fs.init's compile: unit modules the user did not compile
         self.replicated = replicated
         self.phase = Phase.FORWARD
         self.gatherer = Gatherer(layout, buffers, replicated)
@@ -377,10 +381,12 @@ class UnitRun:
         self._hooked.add(id(model))
         for unit in self.units[1:]:
             module = model.get_submodule(unit.prefix)
-            compiled = getattr(module, "_compiled_call_impl", None)  # set by module.compile()
+            # the user's module.compile(), else funcshard's compile=, else None (eager)
+            compiled = compiled_call(module, self.backend)
             if compiled is not None:
+                user = getattr(module, "_compiled_call_impl", None)
                 module._compiled_call_impl = _around(unit, module, compiled)
-                self.stack.callback(setattr, module, "_compiled_call_impl", compiled)
+                self.stack.callback(setattr, module, "_compiled_call_impl", user)
                 continue
             handles: list[RemovableHandle] = [
                 module.register_forward_pre_hook(unit.pre_forward),

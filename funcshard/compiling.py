@@ -1,0 +1,91 @@
+"""``fs.init(..., compile=...)``: what funcshard compiles of what it runs itself.
+
+The region is each gather unit's module call (``torch.compile`` of ``nn.Module._call_impl``,
+as ``module.compile()`` would compile it, with no hook inside: the unit's gather and release
+run around the compiled call, :func:`funcshard.units.run._around`'s way). A module the user
+compiled in place keeps the user's compile. What stays eager, by measurement (the 23M GPT on
+2 CPU ranks, docs/strategies.md): the gather's cast (none in fp32; a cast is one memory pass
+that a gathered bucket needs anyway), the optimizer update (torch's fused AdamW / SGD kernels
+and funcshard's one-pass C kernel already run one pass per bucket), and the collectives (gloo
+and NCCL calls issued by the unit hooks, outside the graph: tracing them as functional
+collectives into one graph per unit is the SimpleFSDP shape, left to do).
+
+``compile`` does not combine with ``deterministic=True``: the bitwise contract rests on every
+layout running the same eager kernels on the same chunk; a compiled unit's fusions are chosen
+per graph by the compiler (and may change with its version or cache), so init refuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Backend", "backend_of", "compiled_call", "compile_units"]
+
+Backend = str | Callable[..., Any] | None
+"""A ``torch.compile`` backend (a name such as "inductor", or a callable), None: eager."""
+
+
+def backend_of(compile: bool | str | Callable[..., Any] | None, *, deterministic: bool) -> Backend:
+    """The backend ``fs.init``'s ``compile`` argument names: True = "inductor", False or None
+    = eager, a string or callable = that ``torch.compile`` backend.
+
+    Raises:
+      TypeError: any other value.
+      ValueError: a backend with ``deterministic=True``.
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        backend: Backend = "inductor"
+    elif isinstance(compile, str) and compile:
+        backend = compile
+    elif callable(compile):
+        backend = compile
+    else:
+        raise TypeError(
+            f"init: compile must be a bool, a torch.compile backend name or a backend "
+            f"callable; got {compile!r}"
+        )
+    if deterministic:
+        raise ValueError(
+            f"init: compile={compile!r} does not combine with deterministic=True: the bitwise "
+            "contract across layouts rests on the same eager kernels on every layout, and a "
+            "compiled unit's fused kernels are the compiler's choice; pass one or the other"
+        )
+    return backend
+
+
+@functools.cache
+def _compiled_impl(backend: Backend) -> Callable[..., Any]:
+    """``nn.Module._call_impl`` compiled once per backend (dynamo's cache is per code object
+    anyway, guarded per module): called with the module first."""
+    return torch.compile(nn.Module._call_impl, backend=backend)
+
+
+def compiled_call(module: nn.Module, backend: Backend) -> Callable[..., Any] | None:
+    """The compiled call of ``module``: the user's own (``module.compile()``) if any, else
+    funcshard's with ``backend``; None when neither (the module runs eagerly)."""
+    compiled = getattr(module, "_compiled_call_impl", None)  # set by module.compile()
+    if compiled is not None or backend is None:
+        return compiled
+    return functools.partial(_compiled_impl(backend), module)
+
+
+def compile_units(
+    model: nn.Module, prefixes: Iterable[str], backend: Backend, stack: contextlib.ExitStack
+) -> None:
+    """ZeRO-0/1: each unit module of ``model`` not compiled by the user runs compiled with
+    ``backend`` until ``stack`` closes (nothing to put around the call: no unit hooks)."""
+    if backend is None:
+        return
+    for prefix in prefixes:
+        module = model.get_submodule(prefix)
+        if getattr(module, "_compiled_call_impl", None) is None:
+            module._compiled_call_impl = compiled_call(module, backend)
+            stack.callback(setattr, module, "_compiled_call_impl", None)
