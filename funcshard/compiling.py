@@ -89,3 +89,34 @@ def compile_units(
         if getattr(module, "_compiled_call_impl", None) is None:
             module._compiled_call_impl = compiled_call(module, backend)
             stack.callback(setattr, module, "_compiled_call_impl", None)
+
+
+def compiled_around_units(model: nn.Module, prefixes: Iterable[str]) -> str | None:
+    """The name of a module of ``model`` compiled as a whole that holds gather units
+    (``model.compile()``, or a ``torch.compile(model)`` wrapper): "" for the model itself;
+    None when no unit is inside a compiled region."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return ""
+    prefixes = list(prefixes)
+    for name, module in model.named_modules():
+        if getattr(module, "_compiled_call_impl", None) is None or name in prefixes:
+            continue
+        if any(not name or p.startswith(name + ".") for p in prefixes):
+            return name
+    return None
+
+
+def check_not_compiled_around_units(model: nn.Module, prefixes: Iterable[str], strategy) -> None:
+    """Raises ValueError where a compiled region would hold gather units' hooks (ZeRO-2/3):
+    dynamo would trace the unit's gather and release, and read its placeholders."""
+    name = compiled_around_units(model, prefixes)
+    if name is None:
+        return
+    what = "the model" if not name else f"module {name!r}"
+    raise ValueError(
+        f"{what} was compiled as a whole (model.compile() or torch.compile(model)), around "
+        f"gather units; under {strategy} each unit gathers its params as it runs, outside the "
+        "compiled region, so compile the units instead (for block in model.blocks: "
+        "block.compile()), or pass compile=True to fs.init; a whole-model compile works "
+        "under strategy='no_shard' and 'optim'"
+    )

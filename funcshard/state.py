@@ -23,7 +23,7 @@ from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
 from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.comm import params as params_lib
-from funcshard.compiling import Backend, backend_of
+from funcshard.compiling import Backend, backend_of, check_not_compiled_around_units
 from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
@@ -396,7 +396,8 @@ def init(
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
         or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
-        "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``.
+        "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``; under
+        ZeRO-2/3, a model compiled as a whole around its gather units (compile the units).
       TypeError: ``compile`` neither a bool, a backend name nor a callable.
     """
     if not isinstance(opt, Optimizer):
@@ -419,6 +420,8 @@ def init(
         deterministic=deterministic,
         outer_strategy=outer_strategy,
     )
+    if layout.strategy.runs_units:
+        check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
     if layout.hierarchical:
         mesh_lib.master_group(mesh)  # made here, where every rank is: a collective
     master = _pack_masters(layout, named)

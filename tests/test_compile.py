@@ -67,7 +67,8 @@ def _model_and_loss(kind: str):
 
 def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str | None) -> dict:
     """Trains ``kind`` ``STEPS`` steps; ``compile_when``: None (eager), "before" or "after"
-    ``fs.init`` (the user's ``block.compile()``), or "fs" (``fs.init(compile=...)``). Returns the full params, compile counts after each step, dynamo's graph
+    ``fs.init`` (the user's ``block.compile()``), "fs" (``fs.init(compile=...)``) or "whole"
+    (``model.compile()``). Returns the full params, compile counts after each step, dynamo's graph
     breaks and the collectives' bytes."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -80,6 +81,8 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
 
     if compile_when == "before":
         compile_blocks()
+    if compile_when == "whole":  # the model as a whole (ZeRO-0/1 only)
+        model.compile(backend=_counting_backend(counts))
     state = fs.init(
         model,
         fs.optim.sgd(0.1, momentum=0.9),
@@ -125,6 +128,8 @@ def _ulp_tolerance(eager: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 CASES = [("mlp", s, 2, 1, when) for s in STRATEGIES for when in ("before", "fs")] + [
+    ("mlp", "no_shard", 2, 1, "whole"),
+    ("mlp", "optim", 2, 1, "whole"),
     ("mlp", "optim_grads_params", 2, 1, "after"),
     ("mlp", "optim_grads_params", 2, 2, "before"),  # HSDP: 2 shards x 2 replicas
     ("gpt2", "optim_grads_params", 2, 1, "before"),  # recomputation in the unit's backward
@@ -147,7 +152,8 @@ def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, 
     first, *later = compiled["per_step"]
     # the user's block.compile(): one forward and one backward graph per block; funcshard's
     # compile= compiles one call for all units, so identical blocks share one graph
-    graphs = 1 if compile_when == "fs" else BLOCKS
+    # (the whole model: one graph)
+    graphs = 1 if compile_when in ("fs", "whole") else BLOCKS
     assert first == {"forward": graphs, "backward": graphs}, first
     assert all(counts == first for counts in later), compiled["per_step"]
     assert compiled["graph_breaks"] == {}, compiled["graph_breaks"]
@@ -168,13 +174,29 @@ def refusals_worker() -> list[str]:
             fs.init(models.make_model(n_blocks=BLOCKS), fs.optim.sgd(0.1), mesh=mesh, **kwargs)
         except (ValueError, TypeError) as e:
             errors.append(f"{type(e).__name__}: {e}")
+    for strategy in ("optim_grads", "optim_grads_params"):  # the whole model compiled
+        for when in ("before", "after"):
+            model = models.make_model(n_blocks=BLOCKS)
+            if when == "before":
+                model.compile(backend="aot_eager")
+            try:
+                state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy=strategy)
+                model.compile(backend="aot_eager")
+                models.train(state, model, [0], rows=ROWS)
+            except ValueError as e:
+                errors.append(f"{strategy} {when}: {e}")
     return errors
 
 
 def test_compile_refusals(pool2):
     """compile= with deterministic=True is a ValueError at fs.init saying why; a compile that
-    is no backend a TypeError naming what was given."""
-    deterministic, bad = pool2.run(refusals_worker)[0]
+    is no backend a TypeError naming what was given; under ZeRO-2/3 a model compiled as a whole
+    (its units' hooks inside the compiled region) a ValueError at fs.init, or at the step when
+    compiled after it, saying to compile the blocks instead."""
+    deterministic, bad, *whole = pool2.run(refusals_worker)[0]
     assert deterministic.startswith("ValueError") and "deterministic=True" in deterministic
     assert "bitwise" in deterministic
     assert bad.startswith("TypeError") and "compile must be" in bad and "3" in bad
+    assert len(whole) == 4, whole
+    for message in whole:
+        assert "compiled as a whole" in message and "block.compile()" in message, message

@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from funcshard.comm.grads import ReplicateAxis
-from funcshard.compiling import Backend, compiled_call
+from funcshard.compiling import Backend, check_not_compiled_around_units, compiled_call
 from funcshard.functional import GatheredParams, Swap
 from funcshard.layout import ROOT_UNIT, Layout
 from funcshard.reduction import Sink
@@ -378,6 +378,9 @@ class UnitRun:
                 root.post_forward(model, args, None)
 
     def _install(self, model: nn.Module) -> None:
+        check_not_compiled_around_units(
+            model, [u.prefix for u in self.units[1:]], self.layout.strategy
+        )
         self._hooked.add(id(model))
         for unit in self.units[1:]:
             module = model.get_submodule(unit.prefix)
