@@ -5,6 +5,8 @@
     python experiments/bench_step.py --nproc=1 --policies=fp32   # also beside plain torch
     python experiments/bench_step.py --device=cuda --nproc=1 --policies=bf16 \
         --d_model=1536 --n_layer=24 --seq_len=1024 --vocab=32768 --batch=8   # ~0.73B, one GPU
+    TORCHINDUCTOR_CACHE_DIR=/tmp/ind python experiments/bench_step.py --compile=inductor \
+        --policies=fp32          # compiled blocks: funcshard, FSDP2, their eager runs, compile=
 
 At world 1, plain torch runs beside them too: the unwrapped model, ``torch.optim.AdamW``
 (fused), autocast for bf16, the same microbatches and the same gradient norm: the floor any
@@ -22,6 +24,13 @@ beside it), peak tensor
 bytes per rank (persistent state + the profiler's peak of CPU allocations in one step),
 bytes communicated in one step (measured, and predicted by ``fs.plan``), the last loss and the
 largest difference between the two loss curves.
+
+With ``--compile=BACKEND`` each configuration runs (alternated as above) funcshard and FSDP2
+with every block compiled in place (``block.compile()``; FSDP2: compiled, then ``fully_shard``,
+torchtitan's order), each beside its own eager run, and, with ``--compile_modes`` holding
+"fs", an eager model given to ``fs.init(compile=BACKEND)``: a table of each runner's median
+step, first step (the compile: reuse inductor's cache with ``TORCHINDUCTOR_CACHE_DIR``), peak
+and the ratios between them.
 """
 
 from __future__ import annotations

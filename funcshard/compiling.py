@@ -2,13 +2,13 @@
 
 The region is each gather unit's module call (``torch.compile`` of ``nn.Module._call_impl``,
 as ``module.compile()`` would compile it, with no hook inside: the unit's gather and release
-run around the compiled call, :func:`funcshard.units.run._around`'s way). A module the user
-compiled in place keeps the user's compile. What stays eager, by measurement (the 23M GPT on
-2 CPU ranks, docs/strategies.md): the gather's cast (none in fp32; a cast is one memory pass
-that a gathered bucket needs anyway), the optimizer update (torch's fused AdamW / SGD kernels
-and funcshard's one-pass C kernel already run one pass per bucket), and the collectives (gloo
-and NCCL calls issued by the unit hooks, outside the graph: tracing them as functional
-collectives into one graph per unit is the SimpleFSDP shape, left to do).
+run around the compiled call, :func:`funcshard.units.run._around`'s way). One compiled call
+serves every unit, so identical blocks share one forward and one backward graph (the module
+is a graph input); a module the user compiled in place keeps the user's compile. Left eager:
+the gather's cast (none in fp32), the optimizer update (torch's fused AdamW / SGD kernels and
+funcshard's one-pass C kernel, one pass per bucket already; a compiled update is not
+measured yet) and the collectives (issued by the unit hooks, outside the graph: tracing them
+as functional collectives into one graph per unit, SimpleFSDP's shape, is left to do).
 
 ``compile`` does not combine with ``deterministic=True``: the bitwise contract rests on every
 layout running the same eager kernels on the same chunk; a compiled unit's fusions are chosen

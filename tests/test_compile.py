@@ -1,9 +1,10 @@
 """Blocks the user compiled in place (``block.compile()``, torchtitan's way) under every strategy.
 
-Each gather unit (a block of an ``nn.ModuleList``) is compiled before or after ``fs.init``;
-the run must match the same model run eagerly, compile nothing after the first step and break
-no graph. The backend is AOTAutograd with no-op compilers (``aot_eager``'s), counting what it
-compiles: forward and backward graphs both.
+Each gather unit (a block of an ``nn.ModuleList``) is compiled before or after ``fs.init``, or
+by funcshard (``fs.init(compile=...)``); the whole model (``model.compile()``) under ZeRO-0/1,
+and refused under ZeRO-2/3. The run must match the same model run eagerly, compile nothing
+after the first step and break no graph. The backend is AOTAutograd with no-op compilers
+(``aot_eager``'s), counting what it compiles: forward and backward graphs both.
 """
 
 from __future__ import annotations
@@ -138,9 +139,10 @@ CASES = [("mlp", s, 2, 1, when) for s in STRATEGIES for when in ("before", "fs")
 
 @pytest.mark.parametrize(("kind", "strategy", "shard", "replicate", "compile_when"), CASES)
 def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, compile_when):
-    """Compiled blocks (the user's, or fs.init(compile=...)'s): the eager run's params to rounding, every compile in the first step,
-    no graph break, and the same collectives (ZeRO-3's gathered peak included: the compiled
-    forward's saved params are re-gathered in backward, not kept)."""
+    """Compiled blocks (the user's, fs.init(compile=...)'s, or the whole model under ZeRO-0/1):
+    the eager run's params to rounding, every compile in the first step, no graph break, and
+    the same collectives (ZeRO-3's gathered peak included: the compiled forward's saved params
+    are re-gathered in backward, not kept)."""
     out = pool_of(shard * replicate).run(
         compile_worker, kind, strategy, shard, replicate, compile_when
     )[0]
