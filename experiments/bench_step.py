@@ -677,22 +677,33 @@ COMPILE_RATIOS = (
 
 
 def _print_compiled(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
-    """Per strategy: each runner's median step, first step (the compile) and peak; then the
-    ratios of COMPILE_RATIOS (median over steps of one runner's step over the other's)."""
+    """Per strategy: each runner's median step (wall, and CPU time of the rank's process),
+    first step (the compile) and peak; then the ratios of COMPILE_RATIOS: wall, the median over
+    steps of one runner's step over the other's beside it; cpu, of the median CPU times (what
+    a machine shared with other jobs disturbs less). Slowest rank."""
     print(f"\n--compile={cfg.compile} (modes {','.join(cfg.compile_modes)}), same run:")
     for i, r in enumerate(results[0]):
         names = list(r["time"])
         print(f"{r['strategy']} {r['policy']}")
-        print(f"  {'runner':<17}{'step s':>8}{'first s':>9}{'peak MB':>9}{'max|dloss|':>12}")
+        print(
+            f"  {'runner':<17}{'step s':>8}{'cpu s':>8}{'first s':>9}{'peak MB':>9}"
+            f"{'max|dloss|':>12}"
+        )
+        cpu = {n: max(rank[i]["cpu"][n] for rank in results) for n in names}
         for name in names:
             t = max(rank[i]["time"][name] for rank in results)
             first = max(rank[i]["first"][name] for rank in results)
             peak = max(rank[i]["peak"][name] for rank in results)
-            print(f"  {name:<17}{t:>8.3f}{first:>9.1f}{_mb(peak):>9}{r['loss_gap'][name]:>12.1e}")
+            print(
+                f"  {name:<17}{t:>8.3f}{cpu[name]:>8.3f}{first:>9.1f}{_mb(peak):>9}"
+                f"{r['loss_gap'][name]:>12.1e}"
+            )
+        print(f"  {'ratio':<28}{'wall':>7}{'cpu':>7}")
         blocks = "funcshard_eager" in names  # else "funcshard" / "fsdp2" ran eager
         for label, a, b in COMPILE_RATIOS:
             if a in names and b in names and (blocks or not {a, b} & {"funcshard", "fsdp2"}):
-                print(f"  {label:<28}{_per_step_ratio(results, i, a, b):>7.3f}")
+                wall = _per_step_ratio(results, i, a, b)
+                print(f"  {label:<28}{wall:>7.3f}{cpu[a] / cpu[b]:>7.3f}")
 
 
 def _print_deterministic(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
