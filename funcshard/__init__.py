@@ -4,6 +4,7 @@ from funcshard import optim
 from funcshard.checkpoint import CheckpointManager, export_safetensors, restore, save
 from funcshard.comm.grads import reduce_scatter_grads
 from funcshard.comm.ops import CommStats, comm_stats
+from funcshard.fault import FaultTolerance
 from funcshard.functional import GatheredParams, functional_call
 from funcshard.launch import init_from_env, launch
 from funcshard.layout import STRATEGIES
@@ -22,6 +23,7 @@ __all__ = [
     "CheckpointManager",
     "CommStats",
     "ConsumedStateError",
+    "FaultTolerance",
     "GatheredParams",
     "LossScale",
     "MixedPrecisionPolicy",

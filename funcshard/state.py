@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import donation
+from funcshard import fault as fault_lib
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
 from funcshard.buckets import NAMESPACE, map_parts
@@ -54,6 +55,7 @@ class LossScale(NamedTuple):
 class _Static:
     layout: Layout
     optimizer: Optimizer
+    replicas: fault_lib.Replicas | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -195,6 +197,11 @@ class TrainState:
     @property
     def mesh(self) -> DeviceMesh:
         return self.layout.mesh
+
+    @property
+    def replicas(self) -> fault_lib.Replicas | None:
+        """The replica groups of a fault-tolerant state (``fs.init(fault_tolerance=...)``)."""
+        return self._static.replicas
 
     @property
     def policy(self) -> MixedPrecisionPolicy:
@@ -355,6 +362,7 @@ def init(
     units: UnitsArg = None,
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = "no_shard",
+    fault_tolerance: fault_lib.FaultTolerance | None = None,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -380,11 +388,17 @@ def init(
         state are sharded over replicate x shard (1/(R*S) per rank); gradient shards are
         reduce-scattered over "replicate" once per step, after the last microbatch, and the
         updated compute params all-gathered over it once per step.
+      fault_tolerance: this rank's replica group joins the others through torchft
+        (:mod:`funcshard.fault`): every step averages the gradients over the groups of its
+        quorum. A group behind its peers (one that restarts) heals from a live peer here: the
+        state returned, step included, is bitwise theirs.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
         or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
-        "optim"`` with ``strategy="no_shard"``.
+        "optim"`` with ``strategy="no_shard"``; ``fault_tolerance`` with an ``outer_strategy``
+        other than "no_shard" or a meta-device model.
+      ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
     """
     if not isinstance(opt, Optimizer):
         raise TypeError(
@@ -393,6 +407,7 @@ def init(
         )
     policy = policy or MixedPrecisionPolicy()
     named = dict(model.named_parameters())
+    fault_lib.check_init(fault_tolerance, outer_strategy, named)
     layout = build_layout(
         {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
         model=model,
@@ -410,13 +425,57 @@ def init(
     master = _pack_masters(layout, named)
     fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
     loss_scale = LossScale(float(policy.loss_scale_init), 0) if fp16 else None
-    return TrainState(
+    replicas = None
+    if fault_tolerance is not None:
+        replicas = fault_lib.Replicas(fault_tolerance, layout.device)
+    state = TrainState(
         master=master,
         compute=derive_compute(layout, master),
         opt_state=opt.init(layout.per_bucket(master)),
         step=0,
         loss_scale=loss_scale,
-        static=_Static(layout, opt),
+        static=_Static(layout, opt, replicas),
+    )
+    if replicas is None:
+        return state
+    received = replicas.join(lambda: state_dict(state), step=0)
+    return state if received is None else load_state_dict(state, received)
+
+
+def state_dict(state: TrainState) -> dict[str, Any]:
+    """What a healing replica group receives: every value of ``state`` but the derived
+    compute copies (masters, optimizer state, step, loss scale; offloaded parts included)."""
+    leaves = optree.tree_leaves(state.opt_state, none_is_leaf=True, namespace=NAMESPACE)
+    ls = state.loss_scale
+    return {
+        "master": list(state.master),
+        "opt_state": list(leaves),
+        "step": state.step,
+        "loss_scale": None if ls is None else [ls.scale, ls.good_steps],
+    }
+
+
+def load_state_dict(state: TrainState, received: dict[str, Any]) -> TrainState:
+    """``state`` (donated) with a peer's values (:func:`state_dict`) copied into its buffers
+    and the compute copies derived from them."""
+    d = state.donate("heal")
+    leaves, treedef = optree.tree_flatten(d.opt_state, none_is_leaf=True, namespace=NAMESPACE)
+    master = tuple(
+        fault_lib.copy_into(m, r, f"master[{i}]")
+        for i, (m, r) in enumerate(fault_lib.pairs(d.master, received, "master"))
+    )
+    opt = [
+        fault_lib.copy_into(x, r, f"opt_state leaf {i}") if isinstance(x, torch.Tensor) else r
+        for i, (x, r) in enumerate(fault_lib.pairs(leaves, received, "opt_state"))
+    ]
+    ls = received["loss_scale"]
+    return TrainState(
+        master=master,
+        compute=derive_compute(d.layout, master),
+        opt_state=optree.tree_unflatten(treedef, opt),
+        step=int(received["step"]),
+        loss_scale=None if ls is None else LossScale(float(ls[0]), int(ls[1])),
+        static=d.static,
     )
 
 

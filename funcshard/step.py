@@ -23,7 +23,7 @@ from funcshard.comm import params as params_lib
 from funcshard.layout import Layout
 from funcshard.produce import LossFn, producer_for
 from funcshard.reduction import reduction_of
-from funcshard.state import LossScale, TrainState
+from funcshard.state import LossScale, TrainState, load_state_dict, state_dict
 
 __all__ = ["train_step", "full_params", "split_microbatches"]
 
@@ -88,9 +88,13 @@ def train_step(
       ``(new_state, metrics)`` with "loss" (global mean), "grad_norm" (global L2 norm of the
       averaged gradient), "nonfinite" (0 or 1), "nonfinite_params" (names, when nonfinite),
       "loss_scale" (fp16 only) and "aux" (the last microbatch's aux, if ``loss_fn`` gives one).
+      A fault-tolerant state (``fs.init(fault_tolerance=...)``) adds "replicas" (the groups
+      whose gradients the step averaged) and "committed" (0: the quorum broke during the
+      step, and the state returned holds the input's values, loss scale included).
     """
     layout = state.layout
     _check_steppable(state)
+    state = _quorum(state)
     reduction = reduction_of(layout)
     reduction.check_microbatches(layout.dp_size, microbatches)
     ls = state.loss_scale
@@ -100,7 +104,7 @@ def train_step(
     # last one's backward (ZeRO-2/3) issues replicate reductions as bucket sums become final
     producer = producer_for(layout.inner, state.master, state.compute)
     summed = reduction.microbatch_sum(microbatches)
-    replicate = grads_lib.ReplicateAxis(layout)
+    replicate = grads_lib.ReplicateAxis(layout, across=state.replicas)
     parts = split_microbatches(batch, microbatches)
     losses, aux = [], None
     for k, mb in enumerate(parts):
@@ -124,10 +128,34 @@ def train_step(
     metrics = _metrics(reduction.mean_loss(layout, losses), norm, new_ls, aux)
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
+    if not _committed(state, metrics):  # the input's values, loss scale included
+        return state.donate("train_step").state(), metrics
     donated = dataclasses.replace(state.donate("train_step"), loss_scale=new_ls)
     if not finite:  # nothing but the loss scale changes
         return donated.state(), metrics
     return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
+
+
+def _quorum(state: TrainState) -> TrainState:
+    """A fault-tolerant state's quorum for this step: the state itself, or (this group was
+    behind its peers) the peers' state, received into its buffers."""
+    replicas = state.replicas
+    if replicas is None:
+        return state
+    received = replicas.quorum(lambda: state_dict(state), state.step)
+    return state if received is None else load_state_dict(state, received)
+
+
+def _committed(state: TrainState, metrics: dict[str, Any]) -> bool:
+    """Whether the step may change the state (always, but for a fault-tolerant step the
+    quorum's groups did not all finish: torchft's ``should_commit``); its metrics."""
+    replicas = state.replicas
+    if replicas is None:
+        return True
+    metrics["loss"] = replicas.mean(metrics["loss"])
+    metrics["replicas"] = replicas.size
+    metrics["committed"] = int(replicas.commit())
+    return bool(metrics["committed"])
 
 
 def _check_steppable(state: TrainState) -> None:

@@ -153,6 +153,11 @@ class Pending:
         return out
 
     @property
+    def in_flight(self) -> bool:
+        """Whether a collective is still to be waited for (else ``wait()`` only finishes)."""
+        return self._work is not None
+
+    @property
     def buffer(self) -> torch.Tensor:
         """The result's buffer; its values are valid only after ``wait()``."""
         return self._result
