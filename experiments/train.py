@@ -194,6 +194,18 @@ flags.DEFINE_string(
     "inductor, aot_eager, ...; empty: eager. The first step's time (the compile) is logged; "
     "metrics.jsonl has every step's wall time (step_s); inductor's cache serves a second run.",
 )
+flags.DEFINE_integer(
+    "replica_groups",
+    0,
+    "Replica groups of a fault-tolerant run (each its own torchrun job, joined by a torchft "
+    "lighthouse: docs/fault-tolerance.md); 0 = none.",
+    lower_bound=0,
+)
+flags.DEFINE_integer(
+    "replica_group", 0, "This job's group, 0 .. --replica_groups - 1.", lower_bound=0
+)
+flags.DEFINE_string("lighthouse", "", "The torchft lighthouse's address; '' = TORCHFT_LIGHTHOUSE.")
+flags.DEFINE_float("ft_timeout", 30.0, "Seconds a quorum, commit or heal may take.", lower_bound=0)
 flags.DEFINE_string("out_dir", "out/train", "Where metrics.jsonl and loss.png go.")
 flags.DEFINE_integer(
     "log_every", 0, "Log every N steps off a terminal; 0 = 20 lines a run.", lower_bound=0
@@ -233,6 +245,17 @@ flags.register_multi_flags_validator(
     ["grad_chunks", "microbatches"],
     lambda f: not (f["grad_chunks"] and f["microbatches"] != 1),
     message="--grad_chunks sets the microbatches (G / world): leave --microbatches out",
+)
+
+
+flags.register_multi_flags_validator(
+    ["replica_group", "replica_groups", "outer_strategy"],
+    lambda f: (
+        not f["replica_groups"]
+        or (f["replica_group"] < f["replica_groups"] and f["outer_strategy"] == "no_shard")
+    ),
+    message="--replica_group must be < --replica_groups, and replica groups need "
+    "--outer_strategy=no_shard",
 )
 
 
