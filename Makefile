@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: venv train test lint clean
+.PHONY: venv train test lint clean lighthouse
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,13 @@ venv: $(VENV)/.installed
 
 train: venv
 	$(PY) experiments/train.py --nproc=$(NPROC)
+
+# torchft's lighthouse for fault-tolerant runs (docs/fault-tolerance.md)
+MIN_REPLICAS ?= 1
+LIGHTHOUSE_PORT ?= 29510
+lighthouse: venv
+	$(VENV)/bin/torchft_lighthouse --min_replicas $(MIN_REPLICAS) \
+		--bind [::]:$(LIGHTHOUSE_PORT) --heartbeat_timeout_ms 1000 --join_timeout_ms 1000
 
 test: venv
 	$(PY) -m ruff check funcshard experiments tests

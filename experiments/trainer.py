@@ -394,7 +394,8 @@ def run(
     # groups' global batch
     groups = max(cfg.replica_groups, 1)
     row_rank, row_world = cfg.replica_group * world + rank, groups * world
-    for step in range(start, end) if not cfg.replica_groups else iter(lambda: state.step, end):
+    committed = (lambda: state.step) if cfg.replica_groups else None  # noqa: B023 - the latest
+    for step in range(start, end) if committed is None else iter(committed, end):
         x = source.batch(
             step,
             batch_size=cfg.batch_size,

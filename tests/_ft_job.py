@@ -84,6 +84,7 @@ def job(root: str, group: int, steps: int, lighthouse: str, kill_at: int | None)
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             return loss(params, batch)
 
+        time.sleep(float(os.environ.get("FT_JOB_STEP_SLEEP", "0")))  # a longer step (bench)
         before = state_hash(state)
         batch = models.local_batch(batch_for(group, step), rank, world)
         t0 = time.perf_counter()
