@@ -202,9 +202,18 @@ class RingReduction:
             norms = torch.stack(
                 [torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device) for g in grads]
             )
-        sq = norms.square().sum().to(layout.device)
+        sq = norms.square()
+        if layout.tensor is not None:  # every element of the full model once
+            # a bucket's leaves are all split over "tensor" or all replicated over it
+            counted = [
+                layout.tensor.counts(layout.leaves[b.leaves[0]].name) for b in layout.buckets
+            ]
+            sq = torch.where(torch.tensor(counted, device=sq.device), sq, 0.0)
+        sq = sq.sum().to(layout.device)
         if layout.shard_size > 1:
             sq = ops.all_reduce(sq, layout.shard_group, axis=layout.shard_axis, kind="metrics")
+        if layout.tensor is not None and layout.tensor.size > 1:
+            sq = ops.all_reduce(sq, layout.tensor.group, axis=Axis.TENSOR, kind="metrics")
         return sq.sqrt()
 
     def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
@@ -236,7 +245,15 @@ class TreeReduction:
         sums = determinism.row_sums(layout, grads)
         if sums is not None and layout.shard_size > 1:
             sums = ops.all_gather(sums, layout.shard_group, axis=layout.shard_axis, kind="metrics")
-        return determinism.norm_of_rows(layout, sums)
+        if layout.tensor is None:
+            return determinism.norm_of_rows(layout, sums).sqrt()
+        # this tensor rank's part of the full model's square, then the parts in tensor order
+        square = determinism.norm_of_rows(layout, sums, counts=layout.tensor.counts)
+        if layout.tensor.size > 1:
+            square = ops.all_gather(
+                square.reshape(1), layout.tensor.group, axis=Axis.TENSOR, kind="metrics"
+            )
+        return determinism.halving_sum(square.reshape(-1)).sqrt()
 
     def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
         """Every chunk's loss all-gathered over the world, summed by one tree in chunk order."""

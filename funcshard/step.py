@@ -156,7 +156,8 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     """Every parameter's full tensor in the model's dtype, on every rank (a collective).
 
     Tied weights appear under each of their names (as in ``model.state_dict()``), as the
-    same tensor.
+    same tensor. A tensor-parallel parameter comes as its global tensor (plain
+    ``torch.Tensor``), gathered over "tensor" too.
     """
     layout = state.layout
     if not state.filled:
@@ -169,6 +170,8 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         full = params_lib.gather_shards(layout, bucket, local)
         for spec in layout.bucket_leaves(bucket):
             out[spec.name] = shard_lib.full_view(full, spec, layout.shard_size)
+    if layout.tensor is not None:  # global tensors of the local shards
+        out = {n: layout.tensor.full(n, t) for n, t in out.items()}
     named = {n: out[n] for n in layout.names}
     named.update({alias: out[name] for alias, name in layout.aliases})
     return named
