@@ -161,8 +161,11 @@ class Reduction(Protocol):
         """The L2 norm of the reduced gradient over every shard (0-d, fp64)."""
         ...
 
-    def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
-        """The mean of every rank's microbatch losses."""
+    def mean_loss(
+        self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
+    ) -> tuple[float, float]:
+        """The mean of every rank's microbatch losses, and the sum of every rank's ``flag``
+        (carried with the losses over the data-parallel world; None: no flag, 0.0 back)."""
         ...
 
 
@@ -216,11 +219,16 @@ class RingReduction:
             sq = ops.all_reduce(sq, layout.tensor.group, axis=Axis.TENSOR, kind="metrics")
         return sq.sqrt()
 
-    def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
-        total = torch.stack([loss.double() for loss in losses]).sum()
+    def mean_loss(
+        self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
+    ) -> tuple[float, float]:
+        total = torch.stack([loss.double() for loss in losses]).sum().to(layout.device)
+        if flag is not None:
+            total = torch.stack([total, torch.tensor(flag, dtype=total.dtype, device=total.device)])
         world = mesh_lib.world_group(layout.mesh)
-        total = ops.all_reduce(total, world, axis=Axis.WORLD, kind="metrics")
-        return float(total) / (len(losses) * layout.dp_size)
+        total = ops.all_reduce(total, world, axis=Axis.WORLD, kind="metrics").reshape(-1)
+        flags = float(total[1]) if flag is not None else 0.0
+        return float(total[0]) / (len(losses) * layout.dp_size), flags
 
 
 class TreeReduction:
@@ -255,13 +263,22 @@ class TreeReduction:
             )
         return determinism.halving_sum(square.reshape(-1)).sqrt()
 
-    def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
-        """Every chunk's loss all-gathered over the world, summed by one tree in chunk order."""
+    def mean_loss(
+        self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
+    ) -> tuple[float, float]:
+        """Every chunk's loss all-gathered over the world, summed by one tree in chunk order
+        (``flag`` travels as one more element per rank, summed apart)."""
         local = torch.stack([loss.double() for loss in losses]).to(layout.device)
+        n = local.numel()
+        if flag is not None:
+            local = torch.cat([local, local.new_tensor([flag])])
         world = mesh_lib.world_group(layout.mesh)
         if dist.get_world_size(world) > 1:
             local = ops.all_gather(local, world, axis=Axis.WORLD, kind="metrics")
-        return float(determinism.halving_sum(local)) / local.numel()
+        per_rank = local.view(-1, n + (flag is not None))
+        flags = float(per_rank[:, n].sum()) if flag is not None else 0.0
+        chunks = per_rank[:, :n].reshape(-1)
+        return float(determinism.halving_sum(chunks)) / chunks.numel(), flags
 
 
 RING = RingReduction()

@@ -121,13 +121,36 @@ def train_step(
     norm = float(reduction.global_norm(layout, grads))
     finite = math.isfinite(norm)
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
-    metrics = _metrics(reduction.mean_loss(layout, losses), norm, new_ls, aux)
+    loss, apart = reduction.mean_loss(layout, losses, _tensor_group_apart(layout, losses))
+    if apart:  # before anything is donated: the state stays usable
+        raise ValueError(
+            "train_step: the ranks of a tensor group passed different batches (their losses "
+            "differ); every rank of a tensor group must pass the same local batch: split the "
+            "global batch by the data-parallel index (replicate * shard), not the global rank"
+        )
+    metrics = _metrics(loss, norm, new_ls, aux)
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
     donated = dataclasses.replace(state.donate("train_step"), loss_scale=new_ls)
     if not finite:  # nothing but the loss scale changes
         return donated.state(), metrics
     return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
+
+
+def _tensor_group_apart(layout: Layout, losses: list[torch.Tensor]) -> float | None:
+    """1.0 where this rank's tensor group passed different batches, else 0.0 (None: no tensor
+    group). Torch TP's rule is one batch per tensor group; their losses, one float64 each
+    all-gathered over "tensor", then agree to far below what another batch gives (1e-3
+    relative: their bits may differ where the model's reductions round apart). The flag then
+    travels with the loss over the data-parallel world, so every rank raises, or none."""
+    tensor = layout.tensor
+    if tensor is None or tensor.size == 1:
+        return None
+    local = torch.stack([loss.double() for loss in losses]).sum().reshape(1).to(layout.device)
+    every = ops.all_gather(local, tensor.group, axis=ops.Axis.TENSOR, kind="metrics").tolist()
+    if not all(math.isfinite(v) for v in every):
+        return 0.0  # a nonfinite loss: the step is skipped as any other
+    return float(max(every) - min(every) > 1e-3 * max(abs(v) for v in every))
 
 
 def _check_steppable(state: TrainState) -> None:

@@ -13,15 +13,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
 import funcshard as fs
 
-VOCAB, DIM, HEADS, HIDDEN, SEQ = 32, 20, 4, 44, 6  # local rows 11 at T=4: uneven over "shard"
+VOCAB, DIM, HEADS, HIDDEN, SEQ = 32, 20, 4, 44, 8  # local rows 11 at T=4: uneven over "shard"
 
 
 class Attention(nn.Module):
@@ -97,13 +100,41 @@ LAYER_PLAN = {
 }
 
 
-def parallelize(model: Llama, mesh) -> Llama:
-    """``model`` tensor-parallel on ``mesh["tensor"]`` (torchtitan's Llama plan, without
-    sequence parallelism), in place; the head colwise with its logits gathered."""
+# torchtitan's Llama plan with sequence parallelism: the norms run on sequence shards (their
+# weights replicated, their gradients partial until torch reduces them), the embedding rowwise
+SP_LAYER_PLAN = {
+    "attn_norm": SequenceParallel(),
+    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "attn.q": ColwiseParallel(),
+    "attn.k": ColwiseParallel(),
+    "attn.v": ColwiseParallel(),
+    "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+    "mlp_norm": SequenceParallel(),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "mlp.w1": ColwiseParallel(),
+    "mlp.w3": ColwiseParallel(),
+    "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+}
+
+
+def parallelize(model: Llama, mesh, *, sequence_parallel: bool = False) -> Llama:
+    """``model`` tensor-parallel on ``mesh["tensor"]``, in place: torchtitan's Llama plan
+    (with ``sequence_parallel``, its norms on sequence shards and the embedding rowwise; else
+    attention heads and MLP colwise / rowwise only); the head colwise, its logits gathered."""
     tp = mesh["tensor"]
+    if not sequence_parallel:
+        for layer in model.layers:
+            parallelize_module(layer, tp, LAYER_PLAN)
+        parallelize_module(model, tp, {"head": ColwiseParallel(output_layouts=Replicate())})
+        return model
     for layer in model.layers:
-        parallelize_module(layer, tp, LAYER_PLAN)
-    parallelize_module(model, tp, {"head": ColwiseParallel(output_layouts=Replicate())})
+        parallelize_module(layer, tp, SP_LAYER_PLAN)
+    root_plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    parallelize_module(model, tp, root_plan)
     return model
 
 
