@@ -12,8 +12,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,

@@ -15,10 +15,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-import helpers_errors
-
 import funcshard as fs
 
+import helpers_errors
 import helpers_tp as tp
 
 STEPS = 2
