@@ -9,15 +9,19 @@ relative, as the issue asks; measured ~1e-7).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import funcshard as fs
 
 import helpers_errors
+import helpers_hf
 import helpers_tp as tp
 
 STEPS = 2
@@ -214,3 +218,94 @@ def test_bad_input_is_named(pool4) -> None:
         assert "mesh['tensor']" in out["other_mesh"], out["other_mesh"]
         assert "no tensor axis" in out["no_tensor_axis"], out["no_tensor_axis"]
         assert "different batches" in out["batch"], out["batch"]
+
+
+HF_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def hf_worker(strategy: str) -> dict:
+    """Hugging Face's LlamaForCausalLM (tiny config, 4 heads and 2 key-value heads: one per
+    tensor rank) under a torchtitan-style plan, against the plain HF model in one process."""
+    mesh = tp.world_mesh(2, 1, 2)
+    model = helpers_hf.make_hf("llama", seed=2).train()
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, helpers_hf.VOCAB, (STEPS, 8, 7), generator=g)
+
+    def loss_of(logits, tokens):
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
+        )
+
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    ref_losses = []
+    for step in range(STEPS):
+        loss = loss_of(plain(input_ids=ids[step]).logits, ids[step])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in model.model.layers:
+        plan = {k: styles[v]() for k, v in HF_PLAN.items()}
+        parallelize_module(layer, mesh["tensor"], plan)
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
+    index, size = tp.dp_coords(mesh)
+
+    def loss_fn(params, tokens):
+        return loss_of(fs.functional_call(model, params, (), {"input_ids": tokens}).logits, tokens)
+
+    losses = []
+    for step in range(STEPS):
+        state, metrics = fs.train_step(state, ids[step].chunk(size)[index], loss_fn, microbatches=2)
+        losses.append(metrics["loss"])
+    full = fs.full_params(state)
+    ref = dict(plain.named_parameters())
+    rel = lambda a, b: float((a - b).norm() / (b.norm() + 1e-12))
+    return {
+        "params": max(rel(full[n], ref[n].detach()) for n in ref),
+        "loss": max(abs(a - b) / b for a, b in zip(losses, ref_losses, strict=True)),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_hugging_face_llama_under_a_tensor_parallel_plan(pool4, strategy: str) -> None:
+    for errors in pool4.run(hf_worker, strategy):
+        assert max(errors.values()) < TOL, errors
+
+
+def compiled_worker(strategy: str) -> dict:
+    """Blocks compiled in place (``layer.compile()``, torchtitan's way) on the tensor-parallel
+    model: the eager run's losses and params (aot_eager keeps eager's kernels)."""
+    torch._dynamo.reset()
+    mesh = tp.world_mesh(2, 1, 2)
+    runs = {}
+    for compiled in (False, True):
+        model = tp.parallelize(tp.make_model(seed=3), mesh)
+        if compiled:
+            for layer in model.layers:
+                layer.compile(backend="aot_eager")
+        state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
+        state, history = tp.train(state, model, mesh, range(STEPS), rows=8, microbatches=2)
+        runs[compiled] = (fs.full_params(state), [m["loss"] for m in history])
+    (eager, eager_losses), (comp, comp_losses) = runs[False], runs[True]
+    rel = lambda a, b: float((a - b).norm() / (b.norm() + 1e-12))
+    return {
+        "params": max(rel(comp[n], eager[n]) for n in eager),
+        "loss": max(abs(a - b) / b for a, b in zip(comp_losses, eager_losses, strict=True)),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_compiled_blocks_on_the_3d_mesh(pool4, strategy: str) -> None:
+    for errors in pool4.run(compiled_worker, strategy):
+        assert max(errors.values()) < TOL, errors
