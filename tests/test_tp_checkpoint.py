@@ -9,6 +9,7 @@ Shard(1)) on 4 ranks.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -133,6 +134,9 @@ def test_jax_orbax_and_safetensors_read_full_arrays(pool4, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = np.load(out)
     assert int(got["step"]) == 2
+    with open(os.path.join(directory, "params.layers.0.attn.o.weight", ".zarray")) as f:
+        zarray = json.load(f)  # rowwise: a chunk column per tensor rank, a chunk row per shard
+    assert zarray["shape"] == [H.DIM, H.DIM] and zarray["chunks"] == [H.DIM // 2, H.DIM // 2]
     _, moms = _reference(2)
     for name, t in full.items():
         np.testing.assert_array_equal(got["params/" + name], t.numpy(), err_msg=name)
@@ -178,7 +182,7 @@ def mismatch_worker(directory: str) -> str:
     model = H.make_model(3)
     model.layers[0].mlp.w1 = torch.nn.Linear(H.DIM, 48)  # 48 colwise rows: 24 a tensor rank
     like, _, _ = _state(2, 2, model=copy.deepcopy(model))
-    with pytest.raises(fs.CheckpointMismatchError) as e:
+    with pytest.raises(fs.checkpoint.CheckpointMismatchError) as e:
         fs.restore(directory, like=like)
     return str(e.value)
 
