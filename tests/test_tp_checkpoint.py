@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 
-import helpers_tp as H
 import numpy as np
 import pytest
 import torch
@@ -23,6 +22,8 @@ from safetensors.torch import load_file, save_file
 
 import funcshard as fs
 from funcshard import cli
+
+import helpers_tp as H
 
 LR, MOMENTUM, ROWS = 0.1, 0.9, 8
 
