@@ -386,14 +386,13 @@ def _bucket_leaves(
 ) -> tuple[list[LeafSpec], list[Bucket]]:
     """The leaf specs and buckets of ``raw`` (``_leaf_rows`` + the unit, per parameter):
     buckets in order of first appearance of (unit, dtypes, placement, rule), leaves in model
-    order. Under tensor parallelism the rule is asked with the global shape, and leaves split
-    over "tensor" never share a bucket with replicated ones (the norm counts them apart)."""
+    order. Under tensor parallelism the rule is asked with the global shape (leaves split
+    over "tensor" share buckets with replicated ones: one collective per unit, as without)."""
     keys: dict[tuple, list[int]] = {}
     for i, (name, shape, dtypes, *_rest, unit) in enumerate(raw):
         full = tensor.full_shape(name, shape) if tensor is not None else shape
         rule = partition(name, full) if partition is not None else None
-        split = tensor is not None and tensor.sharded(name)
-        keys.setdefault((unit, dtypes, i in offloaded, rule, split), []).append(i)
+        keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
     leaves: list[LeafSpec | None] = [None] * len(raw)
     buckets = []
     ordered = sorted(keys.items(), key=lambda kv: kv[1][0])

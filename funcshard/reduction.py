@@ -188,31 +188,31 @@ class RingReduction:
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
         """One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite
         gradients of norm above ~1e19) or is not finite are the norms redone in fp64, so that
-        a large but finite gradient is never mistaken for an overflow. Padding holds zeros."""
+        a large but finite gradient is never mistaken for an overflow. Padding holds zeros.
+        Tensor parallel: what this rank counts of the full model (:func:`counted`), summed
+        over "tensor" too."""
+        grads = counted(layout, grads)
         if not grads:
-            return torch.zeros((), dtype=torch.float64)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        norms = torch.stack(
-            [
-                n.to(layout.device, torch.float64)
-                for gs in by_device.values()
-                for n in torch._foreach_norm(gs, 2, dtype=torch.float32)
-            ]
-        )
-        if not bool(torch.isfinite(norms).all()):
+            sq = torch.zeros((), dtype=torch.float64, device=layout.device)
+        else:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
             norms = torch.stack(
-                [torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device) for g in grads]
+                [
+                    n.to(layout.device, torch.float64)
+                    for gs in by_device.values()
+                    for n in torch._foreach_norm(gs, 2, dtype=torch.float32)
+                ]
             )
-        sq = norms.square()
-        if layout.tensor is not None:  # every element of the full model once
-            # a bucket's leaves are all split over "tensor" or all replicated over it
-            counted = [
-                layout.tensor.counts(layout.leaves[b.leaves[0]].name) for b in layout.buckets
-            ]
-            sq = torch.where(torch.tensor(counted, device=sq.device), sq, 0.0)
-        sq = sq.sum().to(layout.device)
+            if not bool(torch.isfinite(norms).all()):
+                norms = torch.stack(
+                    [
+                        torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device)
+                        for g in grads
+                    ]
+                )
+            sq = norms.square().sum().to(layout.device)
         if layout.shard_size > 1:
             sq = ops.all_reduce(sq, layout.shard_group, axis=layout.shard_axis, kind="metrics")
         if layout.tensor is not None and layout.tensor.size > 1:
@@ -279,6 +279,21 @@ class TreeReduction:
         flags = float(per_rank[:, n].sum()) if flag is not None else 0.0
         chunks = per_rank[:, :n].reshape(-1)
         return float(determinism.halving_sum(chunks)) / chunks.numel(), flags
+
+
+def counted(layout: Layout, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradient shards whose elements this rank counts in a sum over the full model: all
+    of them, but on a tensor rank other than 0 only the segments of leaves split over
+    "tensor" (a replicated leaf is the same on every tensor rank: counted once)."""
+    tensor = layout.tensor
+    if tensor is None or tensor.rank == 0:
+        return list(grads)
+    return [
+        g[s.offset : s.offset + s.shard_numel]
+        for bucket, g in zip(layout.buckets, grads, strict=True)
+        for s in layout.bucket_leaves(bucket)
+        if tensor.sharded(s.name)
+    ]
 
 
 RING = RingReduction()
