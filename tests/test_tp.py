@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import funcshard as fs
@@ -25,7 +25,7 @@ import helpers_hf
 import helpers_tp as tp
 
 STEPS = 2
-ROWS = 12  # global batch: 6 per data-parallel rank at dp 2, 3 microbatches of 2
+ROWS = 8  # global batch: 4 per data-parallel rank at dp 2, 2 microbatches of 2
 TOL = 1e-5
 
 # (shard, replicate, tensor)
@@ -57,7 +57,7 @@ def sgd_worker(strategy: str, mesh_name: str, sequence_parallel: bool, kw: dict)
     tp.parallelize(model, mesh, sequence_parallel=sequence_parallel)
     opt = fs.optim.sgd(0.1, momentum=0.9)
     state = fs.init(model, opt, mesh=mesh, strategy=strategy, **kw)
-    state, history = tp.train(state, model, mesh, range(STEPS), rows=ROWS, microbatches=3)
+    state, history = tp.train(state, model, mesh, range(STEPS), rows=ROWS, microbatches=2)
     return _errors(state, history, ref)
 
 
@@ -202,6 +202,13 @@ def errors_worker() -> dict:
     out["no_tensor_axis"] = helpers_errors.error_text(
         lambda: fs.init(model, fs.optim.sgd(0.1), mesh=flat)
     )
+    # a placement funcshard cannot own: a partial sum
+    partial = tp.make_model()
+    weight = DTensor.from_local(partial.head.weight.detach(), mesh["tensor"], [Partial()])
+    partial.head.weight = torch.nn.Parameter(weight)
+    out["partial"] = helpers_errors.error_text(
+        lambda: fs.init(partial, fs.optim.sgd(0.1), mesh=mesh)
+    )
     # tensor ranks passing different batches (split by the global rank)
     state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh)
     batch = {k: v.chunk(4)[dist.get_rank()] for k, v in tp.global_batch(0, 8).items()}
@@ -218,6 +225,7 @@ def test_bad_input_is_named(pool4) -> None:
         assert "mesh['tensor']" in out["other_mesh"], out["other_mesh"]
         assert "no tensor axis" in out["no_tensor_axis"], out["no_tensor_axis"]
         assert "different batches" in out["batch"], out["batch"]
+        assert "'head.weight'" in out["partial"] and "Partial" in out["partial"], out["partial"]
 
 
 HF_PLAN = {
