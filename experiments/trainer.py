@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from absl import logging
+from torch.distributed.tensor.parallel import parallelize_module
 
 import funcshard as fs
 from experiments import data as data_lib
-from experiments.gpt import GPT, GPTConfig
+from experiments.gpt import GPT, GPTConfig, tensor_plan
 from funcshard.mesh import local_device
 
 __all__ = ["Config", "run", "lr_schedule", "final_line", "microbatches_for"]
@@ -35,6 +36,7 @@ class Config:
 
     shard: int = -1
     replicate: int = 1
+    tensor: int = 1  # tensor-parallel ranks per group (each block split by gpt.tensor_plan)
     strategy: str = "optim_grads_params"
     outer_strategy: str = "no_shard"  # "optim": HFSDP (the optimizer sharded over replicas too)
     policy: fs.MixedPrecisionPolicy = dataclasses.field(
@@ -249,6 +251,9 @@ def evaluate(
     the same bits on every world with the same G, as the training metrics are.
     """
     params = fs.full_params(state)  # collective: every rank gathers the full model
+    if cfg.tensor > 1:  # full tensors go to the plain model (a meta copy: no memory)
+        with torch.device("meta"):
+            model = GPT(model.cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     chunks = microbatches if cfg.deterministic else 1
     losses = torch.zeros(cfg.eval_batches, chunks, dtype=torch.float64, device=device)
@@ -318,16 +323,23 @@ def run(
     """
     joined = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
-    microbatches = microbatches_for(cfg, world)
+    # the data-parallel index and size: the ranks of a tensor group (consecutive) share a batch
+    dp_rank, dp_world = rank // cfg.tensor, world // cfg.tensor
+    microbatches = microbatches_for(cfg, dp_world)
     _init_logging(rank)
     device_type = None if cfg.device == "auto" else cfg.device
-    mesh = fs.make_mesh(shard=cfg.shard, replicate=cfg.replicate, device_type=device_type)
+    mesh = fs.make_mesh(
+        shard=cfg.shard, replicate=cfg.replicate, tensor=cfg.tensor, device_type=device_type
+    )
     device = local_device(mesh)
     _set_threads(cfg, device)
 
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(dataclasses.replace(cfg.model, vocab=source.vocab)).to(device)
+    if cfg.tensor > 1:
+        for block in model.blocks:
+            parallelize_module(block, mesh["tensor"], tensor_plan())
     for block in model.blocks if cfg.compile else ():  # torchtitan's way: each block in place
         block.compile(backend=cfg.compile)
     opt = make_optimizer(cfg)
@@ -393,7 +405,8 @@ def run(
     # committed is retried on the same batch; group g takes rows g * world + rank of the
     # groups' global batch
     groups = max(cfg.replica_groups, 1)
-    row_rank, row_world = cfg.replica_group * world + rank, groups * world
+    # the data-parallel rows of the whole run: every group's, a tensor group sharing its rows
+    row_rank, row_world = cfg.replica_group * dp_world + dp_rank, groups * dp_world
     committed = (lambda: state.step) if cfg.replica_groups else None  # noqa: B023 - the latest
     for step in range(start, end) if committed is None else iter(committed, end):
         x = source.batch(

@@ -84,7 +84,8 @@ class ReplicatedGrads:
             for spec in layout.bucket_leaves(bucket):
                 params[spec.name] = shard_lib.full_view(full, spec, S).detach().requires_grad_()
                 order.append(spec.name)
-        step_params = StepParams((n, params[n]) for n in layout.names)
+        wrap = layout.tensor.wrap if layout.tensor is not None else lambda n, t: t
+        step_params = StepParams((n, wrap(n, params[n])) for n in layout.names)
         try:
             loss, aux = loss_and_aux(loss_fn(step_params, batch))
             leaves = [params[n] for n in order]

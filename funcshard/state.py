@@ -22,6 +22,7 @@ from funcshard import donation
 from funcshard import fault as fault_lib
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
+from funcshard import tensor_parallel as tp_lib
 from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.comm import params as params_lib
 from funcshard.donation import ConsumedStateError
@@ -370,7 +371,9 @@ def init(
       model: holds the initial weights, identical on every rank; a meta-device model gives a
         state without values that ``restore`` must fill.
       opt: a pure optimizer from ``funcshard.optim``.
-      mesh: from ``make_mesh``.
+      mesh: from ``make_mesh``. With a tensor axis, ``model`` may hold DTensor parameters on
+        ``mesh["tensor"]`` (``parallelize_module``): each one's local shard is sharded over the
+        data-parallel axes, and the model gets DTensors again in ``functional_call``.
       policy: mixed precision; default fp32 masters and grads, the model's compute dtype.
       strategy: "no_shard" | "optim" | "optim_grads" | "optim_grads_params".
       offload_fraction: share of this rank's optimizer numel stepped on the CPU.
@@ -406,7 +409,8 @@ def init(
             "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
         )
     policy = policy or MixedPrecisionPolicy()
-    named = dict(model.named_parameters())
+    tensor = tp_lib.read_model(model, mesh_lib.tensor_axis(mesh))
+    named = tp_lib.local_params(model)
     fault_lib.check_init(fault_tolerance, outer_strategy, named)
     layout = build_layout(
         {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
@@ -419,9 +423,10 @@ def init(
         partition=opt.partition,
         deterministic=deterministic,
         outer_strategy=outer_strategy,
+        tensor=tensor,
     )
     if layout.hierarchical:
-        mesh_lib.master_group(mesh)  # made here, where every rank is: a collective
+        mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
     master = _pack_masters(layout, named)
     fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
     loss_scale = LossScale(float(policy.loss_scale_init), 0) if fp16 else None

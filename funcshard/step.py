@@ -125,7 +125,14 @@ def train_step(
     norm = float(reduction.global_norm(layout, grads))
     finite = math.isfinite(norm)
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
-    metrics = _metrics(reduction.mean_loss(layout, losses), norm, new_ls, aux)
+    loss, apart = reduction.mean_loss(layout, losses, _tensor_group_apart(layout, losses))
+    if apart:  # before anything is donated: the state stays usable
+        raise ValueError(
+            "train_step: the ranks of a tensor group passed different batches (their losses "
+            "differ); every rank of a tensor group must pass the same local batch: split the "
+            "global batch by the data-parallel index (replicate * shard), not the global rank"
+        )
+    metrics = _metrics(loss, norm, new_ls, aux)
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
     if not _committed(state, metrics):  # the input's values, loss scale included
@@ -158,6 +165,22 @@ def _committed(state: TrainState, metrics: dict[str, Any]) -> bool:
     return bool(metrics["committed"])
 
 
+def _tensor_group_apart(layout: Layout, losses: list[torch.Tensor]) -> float | None:
+    """1.0 where this rank's tensor group passed different batches, else 0.0 (None: no tensor
+    group). Torch TP's rule is one batch per tensor group; their losses, one float64 each
+    all-gathered over "tensor", then agree to far below what another batch gives (1e-3
+    relative: their bits may differ where the model's reductions round apart). The flag then
+    travels with the loss over the data-parallel world, so every rank raises, or none."""
+    tensor = layout.tensor
+    if tensor is None or tensor.size == 1:
+        return None
+    local = torch.stack([loss.double() for loss in losses]).sum().reshape(1).to(layout.device)
+    every = ops.all_gather(local, tensor.group, axis=ops.Axis.TENSOR, kind="metrics").tolist()
+    if not all(math.isfinite(v) for v in every):
+        return 0.0  # a nonfinite loss: the step is skipped as any other
+    return float(max(every) - min(every) > 1e-3 * max(abs(v) for v in every))
+
+
 def _check_steppable(state: TrainState) -> None:
     state.check()
     if not state.filled:
@@ -184,7 +207,8 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     """Every parameter's full tensor in the model's dtype, on every rank (a collective).
 
     Tied weights appear under each of their names (as in ``model.state_dict()``), as the
-    same tensor.
+    same tensor. A tensor-parallel parameter comes as its global tensor (plain
+    ``torch.Tensor``), gathered over "tensor" too.
     """
     layout = state.layout
     if not state.filled:
@@ -197,6 +221,8 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         full = params_lib.gather_shards(layout, bucket, local)
         for spec in layout.bucket_leaves(bucket):
             out[spec.name] = shard_lib.full_view(full, spec, layout.shard_size)
+    if layout.tensor is not None:  # global tensors of the local shards
+        out = {n: layout.tensor.full(n, t) for n, t in out.items()}
     named = {n: out[n] for n in layout.names}
     named.update({alias: out[name] for alias, name in layout.aliases})
     return named

@@ -1,0 +1,142 @@
+"""Tensor parallelism as torch gives it: a model parallelized with ``parallelize_module`` on
+``mesh["tensor"]`` holds DTensor parameters; funcshard shards each one's LOCAL tensor over the
+data-parallel axes as it shards a plain parameter, and hands the model DTensors again where it
+had them (:meth:`TensorParallel.wrap`).
+
+What the full model's math needs of the tensor axis is here too: which buckets count in the
+norm on this rank (a parameter sharded over "tensor" on every rank, one replicated over it on
+tensor rank 0 only: every element once) and the full tensors of a local shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+__all__ = ["TensorLeaf", "TensorParallel", "read_model", "local_params"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLeaf:
+    """One DTensor parameter: its placement on the tensor mesh and its global geometry."""
+
+    placement: Shard | Replicate
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dim(self) -> int | None:
+        """The dim sharded over "tensor"; None when replicated."""
+        return self.placement.dim if isinstance(self.placement, Shard) else None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorParallel:
+    """The tensor axis of a state: its 1-D mesh and every DTensor parameter's placement.
+
+    Plain parameters of the model are replicated over "tensor" (each tensor rank holds and
+    trains the same values)."""
+
+    mesh: DeviceMesh
+    leaves: Mapping[str, TensorLeaf]
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+    @property
+    def group(self):
+        return self.mesh.get_group()
+
+    def sharded(self, name: str) -> bool:
+        """Whether ``name``'s elements are split over the tensor ranks."""
+        leaf = self.leaves.get(name)
+        return leaf is not None and leaf.dim is not None
+
+    def counts(self, name: str) -> bool:
+        """Whether this rank counts ``name``'s local elements in a sum over the full model:
+        a sharded one on every tensor rank, a replicated one on tensor rank 0 only."""
+        return self.sharded(name) or self.rank == 0
+
+    def full_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        leaf = self.leaves.get(name)
+        return leaf.shape if leaf is not None else local
+
+    def wrap(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``local`` as the parallelized model holds ``name``: a DTensor (differentiable: its
+        gradient comes back as the local shard's, torch's redistribution of a partial one
+        included) or, for a plain parameter, ``local`` itself."""
+        leaf = self.leaves.get(name)
+        if leaf is None:
+            return local
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            (leaf.placement,),
+            run_check=False,
+            shape=torch.Size(leaf.shape),
+            stride=leaf.stride,
+        )
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor of a local shard (a collective over "tensor" for a sharded one)."""
+        leaf = self.leaves.get(name)
+        if leaf is None or leaf.dim is None:
+            return local
+        with torch.no_grad():
+            return self.wrap(name, local).full_tensor()
+
+    def wrap_all(self, named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: self.wrap(n, t) for n, t in named.items()}
+
+
+def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> TensorParallel | None:
+    """The tensor axis of ``model``'s DTensor parameters (None for a plain model on a mesh
+    without one).
+
+    Raises:
+      ValueError: a DTensor on a mesh other than ``tensor_mesh`` (or on a mesh without a tensor
+        axis), or with a placement funcshard cannot shard (a partial one, or one over several
+        mesh dims), naming the parameter and its placement.
+    """
+    leaves = {}
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        where = f"parameter {name!r} (a DTensor on {p.device_mesh}, placements {p.placements})"
+        if tensor_mesh is None:
+            raise ValueError(
+                f"{where}: the mesh has no tensor axis; build it with fs.make_mesh(..., "
+                "tensor=T) and parallelize the model on mesh['tensor']"
+            )
+        if p.device_mesh != tensor_mesh:
+            raise ValueError(
+                f"{where}: expected a DTensor on mesh['tensor'] of the mesh given to fs.init "
+                f"({tensor_mesh}); parallelize the model on that mesh"
+            )
+        (placement,) = p.placements
+        if not (type(placement) is Shard or isinstance(placement, Replicate)):
+            raise ValueError(
+                f"{where}: funcshard shards Shard(dim) and Replicate placements over the "
+                "data-parallel axes; a partial or strided parameter is not a weight it can own"
+            )
+        if isinstance(placement, Shard) and placement.dim < 0:
+            placement = Shard(placement.dim + p.dim())
+        leaves[name] = TensorLeaf(placement, tuple(p.shape), tuple(p.stride()))
+    if tensor_mesh is None:
+        return None
+    return TensorParallel(tensor_mesh, leaves)
+
+
+def local_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.named_parameters()`` with each DTensor as its local shard."""
+    return {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
