@@ -371,9 +371,8 @@ def init(
       model: holds the initial weights, identical on every rank; a meta-device model gives a
         state without values that ``restore`` must fill.
       opt: a pure optimizer from ``funcshard.optim``.
-      mesh: from ``make_mesh``. With a tensor axis, ``model`` may hold DTensor parameters on
-        ``mesh["tensor"]`` (``parallelize_module``): each one's local shard is sharded over the
-        data-parallel axes, and the model gets DTensors again in ``functional_call``.
+      mesh: from ``make_mesh``; with a tensor axis, DTensor params on ``mesh["tensor"]``
+        have their local shards sharded over the data-parallel axes (docs/tensor-parallel.md).
       policy: mixed precision; default fp32 masters and grads, the model's compute dtype.
       strategy: "no_shard" | "optim" | "optim_grads" | "optim_grads_params".
       offload_fraction: share of this rank's optimizer numel stepped on the CPU.
@@ -465,10 +464,8 @@ def load_state_dict(state: TrainState, received: dict[str, Any]) -> TrainState:
     and the compute copies derived from them."""
     d = state.donate("heal")
     leaves, treedef = optree.tree_flatten(d.opt_state, none_is_leaf=True, namespace=NAMESPACE)
-    master = tuple(
-        fault_lib.copy_into(m, r, f"master[{i}]")
-        for i, (m, r) in enumerate(fault_lib.pairs(d.master, received, "master"))
-    )
+    pairs = enumerate(fault_lib.pairs(d.master, received, "master"))
+    master = tuple(fault_lib.copy_into(m, r, f"master[{i}]") for i, (m, r) in pairs)
     opt = [
         fault_lib.copy_into(x, r, f"opt_state leaf {i}") if isinstance(x, torch.Tensor) else r
         for i, (x, r) in enumerate(fault_lib.pairs(leaves, received, "opt_state"))
