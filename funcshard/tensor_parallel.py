@@ -11,14 +11,50 @@ tensor rank 0 only: every element once) and the full tensors of a local shard.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["TensorLeaf", "TensorParallel", "read_model", "local_params"]
+from funcshard.comm import ops
+
+__all__ = [
+    "TensorLeaf",
+    "TensorParallel",
+    "read_model",
+    "local_params",
+    "chunk_sizes",
+    "local_shape",
+    "gather_numel",
+]
+
+
+def chunk_sizes(n: int, size: int) -> tuple[int, ...]:
+    """Every tensor rank's length of a dim of ``n`` split over ``size`` ranks, as ``Shard``
+    places it (``torch.chunk``'s sizes: ``ceil(n / size)`` each, the last ones shorter or empty).
+
+    >>> chunk_sizes(10, 4), chunk_sizes(44, 4)
+    ((3, 3, 3, 1), (11, 11, 11, 11))
+    """
+    step = -(-n // size)
+    return tuple(max(0, min(n, (t + 1) * step) - t * step) for t in range(size))
+
+
+def local_shape(shape: Sequence[int], dim: int | None, size: int, rank: int) -> tuple[int, ...]:
+    """Tensor rank ``rank``'s shard of a global ``shape`` split on ``dim`` (None: replicated)."""
+    shape = tuple(shape)
+    if dim is None:
+        return shape
+    return (*shape[:dim], chunk_sizes(shape[dim], size)[rank], *shape[dim + 1 :])
+
+
+def gather_numel(shape: Sequence[int], dim: int, size: int) -> int:
+    """Elements of the all-gather over "tensor" that rebuilds a global ``shape`` split on
+    ``dim`` (every rank's piece padded to the largest: ``size * ceil(n / size) * the rest``)."""
+    return size * max(chunk_sizes(shape[dim], size)) * math.prod(shape) // max(shape[dim], 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +130,34 @@ class TensorParallel:
             return local
         with torch.no_grad():
             return self.wrap(name, local).full_tensor()
+
+    def gather_whole(self, name: str, local: torch.Tensor, *, kind: str) -> torch.Tensor:
+        """The global tensor of ``local``, this tensor rank's shard of ``name`` (split over
+        "tensor"), in ``local``'s dtype: one all-gather over "tensor" (counted under ``kind``
+        and the "tensor" axis) of every rank's piece padded to the largest, the pieces then
+        concatenated along the split dim. Every tensor rank gets the same bits."""
+        leaf = self.leaves[name]
+        shapes = [local_shape(leaf.shape, leaf.dim, self.size, t) for t in range(self.size)]
+        if tuple(local.shape) != shapes[self.rank]:
+            raise ValueError(
+                f"tensor parallel: parameter {name!r}: expected this tensor rank's shard of "
+                f"shape {shapes[self.rank]} (global {leaf.shape}, {leaf.placement}), got "
+                f"{tuple(local.shape)}"
+            )
+        width = gather_numel(leaf.shape, leaf.dim, self.size) // self.size
+        buffer = torch.zeros(width, dtype=local.dtype, device=local.device)
+        buffer[: local.numel()].copy_(local.reshape(-1))
+        rows = ops.all_gather(buffer, self.group, axis=ops.Axis.TENSOR, kind=kind)
+        rows = rows.view(self.size, width)
+        parts = [rows[t, : math.prod(s)].view(s) for t, s in enumerate(shapes)]
+        return torch.cat(parts, dim=leaf.dim)
+
+    def part_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This tensor rank's shard of ``name``'s global tensor ``full`` (a contiguous copy)."""
+        leaf = self.leaves[name]
+        pieces = chunk_sizes(leaf.shape[leaf.dim], self.size)
+        start = sum(pieces[: self.rank])
+        return full.narrow(leaf.dim, start, pieces[self.rank]).contiguous()
 
     def wrap_all(self, named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {n: self.wrap(n, t) for n, t in named.items()}
