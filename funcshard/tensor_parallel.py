@@ -26,6 +26,7 @@ __all__ = [
     "TensorParallel",
     "read_model",
     "local_params",
+    "leaf_of",
     "chunk_sizes",
     "local_shape",
     "gather_numel",
@@ -176,29 +177,44 @@ def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> TensorParall
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             continue
-        where = f"parameter {name!r} (a DTensor on {p.device_mesh}, placements {p.placements})"
         if tensor_mesh is None:
             raise ValueError(
-                f"{where}: the mesh has no tensor axis; build it with fs.make_mesh(..., "
-                "tensor=T) and parallelize the model on mesh['tensor']"
+                f"{_where(name, p)}: the mesh has no tensor axis; build it with "
+                "fs.make_mesh(..., tensor=T) and parallelize the model on mesh['tensor']"
             )
         if p.device_mesh != tensor_mesh:
             raise ValueError(
-                f"{where}: expected a DTensor on mesh['tensor'] of the mesh given to fs.init "
-                f"({tensor_mesh}); parallelize the model on that mesh"
+                f"{_where(name, p)}: expected a DTensor on mesh['tensor'] of the mesh given to "
+                f"fs.init ({tensor_mesh}); parallelize the model on that mesh"
             )
-        (placement,) = p.placements
-        if not (type(placement) is Shard or isinstance(placement, Replicate)):
-            raise ValueError(
-                f"{where}: funcshard shards Shard(dim) and Replicate placements over the "
-                "data-parallel axes; a partial or strided parameter is not a weight it can own"
-            )
-        if isinstance(placement, Shard) and placement.dim < 0:
-            placement = Shard(placement.dim + p.dim())
-        leaves[name] = TensorLeaf(placement, tuple(p.shape), tuple(p.stride()))
+        leaves[name] = leaf_of(name, p)
     if tensor_mesh is None:
         return None
     return TensorParallel(tensor_mesh, leaves)
+
+
+def _where(name: str, p: DTensor) -> str:
+    return f"parameter {name!r} (a DTensor on {p.device_mesh}, placements {p.placements})"
+
+
+def leaf_of(name: str, p: DTensor) -> TensorLeaf:
+    """The :class:`TensorLeaf` of DTensor parameter ``name``.
+
+    Raises:
+      ValueError: a placement funcshard cannot shard (a partial one, or one over several mesh
+        dims), naming the parameter and its placement.
+    """
+    if len(p.placements) != 1:
+        raise ValueError(f"{_where(name, p)}: expected a DTensor on a 1-D tensor mesh")
+    (placement,) = p.placements
+    if not (type(placement) is Shard or isinstance(placement, Replicate)):
+        raise ValueError(
+            f"{_where(name, p)}: funcshard shards Shard(dim) and Replicate placements over the "
+            "data-parallel axes; a partial or strided parameter is not a weight it can own"
+        )
+    if isinstance(placement, Shard) and placement.dim < 0:
+        placement = Shard(placement.dim + p.dim())
+    return TensorLeaf(placement, tuple(p.shape), tuple(p.stride()))
 
 
 def local_params(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import optree
@@ -38,6 +37,7 @@ from funcshard.buckets import NAMESPACE, Members
 from funcshard.comm import ops as collectives
 from funcshard.optim.base import Optimizer, PyTree, Schedule, leaf_params, not_negative
 from funcshard.optim.moments import decode_flat, encode_flat
+from funcshard.optim.owners import assign_owners, exchange_plan, ns_flops, order, rounds_of
 from funcshard.optim.spec import Buffers, Moments, Scalars, Spec, build
 
 if TYPE_CHECKING:
@@ -75,24 +75,6 @@ def newton_schulz(
     return (x.T if tall else x).contiguous()
 
 
-def ns_flops(shape: Sequence[int], steps: int) -> int:
-    """Multiply-add FLOPs of ``steps`` Newton-Schulz iterations on a matrix of ``shape``."""
-    n, m = sorted(shape)
-    return steps * (4 * n * n * m + 2 * n**3)
-
-
-def assign_owners(shapes: Sequence[Sequence[int]], size: int, steps: int = 5) -> list[int]:
-    """An owner rank per matrix, balancing Newton-Schulz FLOPs (largest first, each to the least
-    loaded rank; ties to the lower rank). The same on every rank: it reads shapes only."""
-    owners = [0] * len(shapes)
-    load = [0] * size
-    for i in sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i)):
-        rank = min(range(size), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += ns_flops(shapes[i], steps)
-    return owners
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Matrix:
     name: str
@@ -100,88 +82,6 @@ class _Matrix:
     rows: tuple[tuple[int, int], ...]  # [start, stop) per shard rank
     update: torch.Tensor | None  # this rank's rows (rows, cols), set for the live step
     full: tuple[int, int]  # the model's shape: owners, learning rate
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ExchangePlan:
-    """Per-rank traffic and owner memory of one update, from shapes alone (``fs.plan``)."""
-
-    sent_bytes: tuple[int, ...]  # per shard rank: inputs of both all-to-alls (+ the gather)
-    owner_bytes: tuple[int, ...]  # per shard rank: the most whole-matrix bytes held at once
-    rounds: int  # of all-to-alls (two each), in the busiest replica
-    gathers: int = 0  # all-gathers over the replicas (0 or 1)
-    gather_bytes: tuple[int, ...] = ()  # per shard rank: the part of sent_bytes gathered
-
-    @property
-    def calls(self) -> int:
-        return 2 * self.rounds + self.gathers
-
-
-def _rounds(owners: list[int], size: int, order: list[int]) -> list[list[int | None]]:
-    """Round k holds, per owner rank, its k-th matrix (or None)."""
-    per_owner: list[list[int]] = [[] for _ in range(size)]
-    for i in order:
-        per_owner[owners[i]].append(i)
-    n = max((len(x) for x in per_owner), default=0)
-    return [[x[k] if k < len(x) else None for x in per_owner] for k in range(n)]
-
-
-def _order(shapes: Sequence[Sequence[int]], steps: int) -> list[int]:
-    return sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i))
-
-
-def exchange_plan(
-    matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]],
-    size: int,
-    steps: int = 5,
-    replicas: int = 1,
-) -> ExchangePlan:
-    """Bytes of the owner-computes exchange for ``(shape, row ranges per rank)`` matrices, on
-    the busiest rank of each shard rank: with ``replicas`` > 1, each replica's share within its
-    shard group, then the all-gather of the results over the replicas."""
-    if replicas == 1:
-        return _exchange_within(matrices, size, steps)
-    share = assign_owners([s for s, _ in matrices], replicas, steps)
-    parts = [[m for m, q in zip(matrices, share, strict=True) if q == r] for r in range(replicas)]
-    within = [_exchange_within(part, size, steps) for part in parts]
-    rows_numel = lambda part, r: sum((rows[r][1] - rows[r][0]) * shape[1] for shape, rows in part)
-    gather = [replicas * 2 * max(rows_numel(part, r) for part in parts) for r in range(size)]
-    return ExchangePlan(
-        tuple(max(w.sent_bytes[r] for w in within) + gather[r] for r in range(size)),
-        tuple(max(w.owner_bytes[r] for w in within) for r in range(size)),
-        max(w.rounds for w in within),
-        gathers=int(max(gather) > 0),
-        gather_bytes=tuple(gather),
-    )
-
-
-def _exchange_within(
-    matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]], size: int, steps: int
-) -> ExchangePlan:
-    """``exchange_plan`` of one shard group (nothing moves when it is one rank)."""
-    if size == 1:
-        return ExchangePlan((0,), (0,), 0)
-    shapes = [s for s, _ in matrices]
-    owners = assign_owners(shapes, size, steps)
-    rounds = _rounds(owners, size, _order(shapes, steps))
-    sent = [0] * size
-    held = [0] * size
-    for k, rnd in enumerate(rounds):
-        for o, i in enumerate(rnd):
-            if i is None:
-                continue
-            (_, cols), rows = matrices[i]
-            for r, (a, b) in enumerate(rows):
-                sent[r] += 2 * (b - a) * cols  # rows to the owner, bf16
-            sent[o] += 2 * math.prod(shapes[i])  # the result back, bf16
-            nxt = rounds[k + 1][o] if k + 1 < len(rounds) else None
-            whole = 2 * math.prod(shapes[i]) + (
-                2 * math.prod(shapes[nxt]) if nxt is not None else 0
-            )
-            n, m = sorted(shapes[i])
-            workspace = 2 * (2 * n * n + 2 * n * m)  # gram, its update, the next iterate (bf16)
-            held[o] = max(held[o], whole + workspace)
-    return ExchangePlan(tuple(sent), tuple(held), len(rounds))
 
 
 def _leaf_members(tree: PyTree) -> list[Members | None]:
@@ -426,7 +326,7 @@ def _owner_computes(
     shapes = [m.shape for m in matrices]
     fulls = [m.full for m in matrices]  # the same on every tensor rank: so are the owners
     owners = assign_owners(fulls, size, steps)
-    rounds = _rounds(owners, size, _order(fulls, steps))
+    rounds = rounds_of(owners, size, order(fulls, steps))
     local_rows = lambda i, r: (matrices[i].rows[r][1] - matrices[i].rows[r][0]) * shapes[i][1]
 
     def send_rows(rnd: list[int | None]) -> collectives.Pending:
