@@ -345,8 +345,7 @@ def plan(
     shard = shard_size(world_size, shard, replicate, microbatches, tensor)
     table, tp = tensor_table(params, param_table(params, dtype), tensor)
     model = params if isinstance(params, nn.Module) else None
-    if model is None and units is None:
-        units = units_from_names(list(table))
+    units = units_from_names(list(table)) if model is None and units is None else units
     layout = build_layout(
         table,
         model=model,
