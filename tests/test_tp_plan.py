@@ -65,7 +65,7 @@ def split_bytes(state, model, muon: bool) -> tuple[int, int]:
     return mine, model_bytes
 
 
-def measure(strategy, shard, replicate, tensor, deterministic, muon):
+def measure(strategy, shard, replicate, tensor, deterministic, muon, outer="no_shard"):
     mesh = H.world_mesh(shard, replicate, tensor)
     model = H.parallelize(H.make_model(SEED), mesh)
     opt = ours() if muon else fs.optim.adamw(1e-3)
@@ -79,8 +79,11 @@ def measure(strategy, shard, replicate, tensor, deterministic, muon):
         optimizer=opt,
         device_type="cpu",
         deterministic=deterministic,
+        outer_strategy=outer,
     )
-    state = fs.init(model, opt, mesh=mesh, strategy=strategy, deterministic=deterministic)
+    state = fs.init(
+        model, opt, mesh=mesh, strategy=strategy, deterministic=deterministic, outer_strategy=outer
+    )
     batch = H.local_batch(H.global_batch(0, ROWS), mesh)
     with fs.comm_stats() as stats:
         state, _ = fs.train_step(state, batch, H.make_loss_fn(model))
@@ -94,18 +97,19 @@ def measure(strategy, shard, replicate, tensor, deterministic, muon):
     }
 
 
-CASES = [  # (strategy, shard, replicate, tensor, deterministic, muon)
+CASES = [  # (strategy, shard, replicate, tensor, deterministic, muon[, outer_strategy])
     *[(s, 2, 1, 2, False, True) for s in fs.STRATEGIES],
     ("optim_grads_params", 2, 1, 2, False, False),
     ("optim_grads", 2, 1, 2, True, True),
     ("optim_grads_params", 1, 1, 4, False, True),
     ("optim", 1, 2, 2, False, True),
+    ("optim_grads_params", 1, 2, 2, False, True, "optim"),  # HFSDP x tensor
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_tp_plan_equals_measurement(pool4, case) -> None:
-    strategy, shard, replicate, tensor, deterministic, muon = case
+    strategy, shard, replicate, tensor, deterministic, muon, *outer = case
     results = pool4.run(measure, *case)
     p = results[0]["plan"]
     assert p.tensor == tensor and p.shard == shard
@@ -123,9 +127,11 @@ def test_tp_plan_equals_measurement(pool4, case) -> None:
         if deterministic:  # its leaves' rows padded to 128 bytes: not an even split
             continue
         # every split param divides evenly at these (S, T): exactly 1/(S*T) of the model's
+        # (1/(R*S*T) under HFSDP)
         mine, model_bytes = r["split"]
         sharded = fs.Strategy.parse(strategy).shards_optim
-        assert mine * tensor * (shard if sharded else 1) == model_bytes, (mine, model_bytes)
+        masters = shard * (replicate if outer == ["optim"] else 1) if sharded else 1
+        assert mine * tensor * masters == model_bytes, (mine, model_bytes)
 
 
 def test_plan_refuses_what_it_cannot_plan(pool4) -> None:
