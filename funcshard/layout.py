@@ -125,13 +125,12 @@ class Bucket:
 class Placement:
     """Where the rows of every parameter of a state's flat buffers live, on every shard rank.
 
-    What an optimizer that needs whole matrices (``fs.optim.muon``) is given beside the
-    per-bucket buffers: the "shard" group the rows are spread over, this rank's place in it,
-    the device its collectives run on, per bucket (keyed by its :class:`Members`) the
-    :class:`LeafSpec` of every member (offsets and row ranges are the same on every rank), and
-    the replicas: the ranks that hold the same rows (the "replicate" axis; every rank under
-    ``no_shard``), which may split work on whole matrices between them.
-    """
+    What an optimizer that needs whole matrices (``fs.optim.muon``) gets beside the buffers:
+    the "shard" group the rows are spread over, this rank's place in it, the device of its
+    collectives, per bucket (keyed by its :class:`Members`) every member's :class:`LeafSpec`
+    (the same offsets and row ranges on every rank), the replicas (ranks holding the same rows:
+    "replicate", every rank under ``no_shard``) that may share out the work on whole matrices,
+    and the tensor axis (members split over it are local shards of larger matrices)."""
 
     group: object  # the "shard" axis ProcessGroup (None when size == 1)
     size: int
@@ -143,6 +142,7 @@ class Placement:
     replica_count: int = 1
     replica_rank: int = 0
     axis: str = "shard"  # the mesh axis of ``group``, for the accounting ("world": HFSDP)
+    tensor: TensorParallel | None = None
 
     def leaves(self, members: Members) -> tuple[LeafSpec, ...]:
         """The specs of the parameters one flat buffer packs, in buffer order."""
@@ -170,8 +170,7 @@ class Layout:
     # (alias, parameter) for every tied name that named_parameters() drops: the same weight
     # under another name of model.state_dict() (e.g. GPT-2's lm_head.weight)
     aliases: tuple[tuple[str, str], ...] = ()
-    # bitwise the same results on every layout with the same number of gradient chunks
-    # (funcshard.determinism)
+    # bitwise the same results on every layout with as many gradient chunks (funcshard.determinism)
     deterministic: bool = False
     # what is sharded over "replicate" (HFSDP: masters and optimizer state, see the module)
     outer: OuterStrategy = OuterStrategy.NO_SHARD
@@ -314,6 +313,7 @@ class Layout:
             replica_rank=dist.get_rank(self.replicate_group) if replicas > 1 else 0,
             replicas_axis=self.replicate_axis,
             axis=self.shard_axis,
+            tensor=self.tensor,
         )
 
     def per_bucket(self, values: Sequence) -> PerBucket:
