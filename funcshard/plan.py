@@ -50,7 +50,9 @@ With ``tensor=T`` (a model after ``parallelize_module`` on ``mesh["tensor"]``) e
 its tensor rank's LOCAL shards, sharded over the data-parallel axes as plain parameters (``W``
 above is then the data-parallel world, ``world_size / T``); the plan is tensor rank 0's, whose
 shards are the largest (``torch.chunk``'s sizes). funcshard's own collectives over "tensor" are
-the norm's (metrics: an all-reduce of 8 bytes, deterministic: an all-gather of ``T * 8``) and,
+the norm's (metrics: an all-reduce of 8 bytes, deterministic: an all-gather of ``T * 8``), the
+batch check's (each rank's loss all-gathered, ``T * 8``; its verdict, 8 bytes, rides with the
+loss over the data-parallel world) and,
 under ``fs.optim.muon``, each owner's all-gather of a split matrix (its shards padded to the
 largest, bfloat16: ``2 * T * ceil(n / T) * the rest``, one call each).
 """
@@ -270,9 +272,12 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
             add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(replicate), "replicate")
     # the norm's sums run over the masters' group (every rank under HFSDP), then over "tensor"
     masters, axis, T = layout.shard_size, layout.shard_axis, _tensor_size(layout)
+    flag = int(T > 1)  # the tensor group's batch check rides with the loss
+    if T > 1:  # its losses, all-gathered over "tensor"
+        add("metrics", 1, T * _METRIC_BYTES, "tensor")
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
         if world > 1:
-            add("metrics", 1, world * M * _METRIC_BYTES, "world")
+            add("metrics", 1, world * (M + flag) * _METRIC_BYTES, "world")
         if masters > 1:
             rows = sum(s.rows_per_shard for s in layout.leaves)
             add("metrics", 1, masters * rows * _METRIC_BYTES, axis)
@@ -280,7 +285,7 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
             add("metrics", 1, T * _METRIC_BYTES, "tensor")
         return nbytes, calls, by_axis
     if world > 1:
-        add("metrics", 1, _METRIC_BYTES, "world")  # the loss
+        add("metrics", 1, (1 + flag) * _METRIC_BYTES, "world")  # the loss
     if masters > 1:
         add("metrics", 1, _METRIC_BYTES, axis)  # the squared gradient norm
     if T > 1:
