@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "tensor_plan"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,19 +40,41 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
         self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(self.ln1(x)), "b t (n h d) -> n b h t d", n=3, h=self.n_head)
+        h = self.ln1(x)
+        # heads of head_dim each: a tensor-parallel block holds its own share of them
+        q, k, v = (rearrange(p(h), "b t (h d) -> b h t d", d=self.head_dim) for p in self.qkv)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(rearrange(y, "b h t d -> b t (h d)"))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    @property
+    def qkv(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.q, self.k, self.v
+
+
+def tensor_plan() -> dict:
+    """Each block's tensor-parallel plan (torchtitan's Llama plan, for ``parallelize_module``
+    on ``mesh["tensor"]``): attention heads and the MLP's hidden units split colwise into,
+    rowwise out of, each block; embeddings, norms and the head stay replicated."""
+    return {
+        "q": ColwiseParallel(),
+        "k": ColwiseParallel(),
+        "v": ColwiseParallel(),
+        "proj": RowwiseParallel(),
+        "fc": ColwiseParallel(),
+        "out": RowwiseParallel(),
+    }
 
 
 class GPT(nn.Module):

@@ -61,6 +61,13 @@ _DTYPE_HELP = " ('bf16', 'fp16', 'fp32', 'fp64' or their long names, or 'none')"
 flags.DEFINE_integer("nproc", 1, "Local ranks to launch (ignored under torchrun).", lower_bound=1)
 flags.DEFINE_integer("shard", -1, "Ranks per shard group; -1 = world size / replicate.")
 flags.DEFINE_integer("replicate", 1, "Replicas (HSDP when > 1).", lower_bound=1)
+flags.DEFINE_integer(
+    "tensor",
+    1,
+    "Tensor-parallel ranks per group (innermost mesh axis): each block's attention heads and "
+    "MLP split colwise / rowwise with torch's parallelize_module; its ranks share a batch.",
+    lower_bound=1,
+)
 flags.DEFINE_enum("strategy", "optim_grads_params", list(fs.STRATEGIES), "What is sharded.")
 flags.DEFINE_enum(
     "outer_strategy",
@@ -194,6 +201,18 @@ flags.DEFINE_string(
     "inductor, aot_eager, ...; empty: eager. The first step's time (the compile) is logged; "
     "metrics.jsonl has every step's wall time (step_s); inductor's cache serves a second run.",
 )
+flags.DEFINE_integer(
+    "replica_groups",
+    0,
+    "Replica groups of a fault-tolerant run (each its own torchrun job, joined by a torchft "
+    "lighthouse: docs/fault-tolerance.md); 0 = none.",
+    lower_bound=0,
+)
+flags.DEFINE_integer(
+    "replica_group", 0, "This job's group, 0 .. --replica_groups - 1.", lower_bound=0
+)
+flags.DEFINE_string("lighthouse", "", "The torchft lighthouse's address; '' = TORCHFT_LIGHTHOUSE.")
+flags.DEFINE_float("ft_timeout", 30.0, "Seconds a quorum, commit or heal may take.", lower_bound=0)
 flags.DEFINE_string("out_dir", "out/train", "Where metrics.jsonl and loss.png go.")
 flags.DEFINE_integer(
     "log_every", 0, "Log every N steps off a terminal; 0 = 20 lines a run.", lower_bound=0
@@ -236,6 +255,17 @@ flags.register_multi_flags_validator(
 )
 
 
+flags.register_multi_flags_validator(
+    ["replica_group", "replica_groups", "outer_strategy"],
+    lambda f: (
+        not f["replica_groups"]
+        or (f["replica_group"] < f["replica_groups"] and f["outer_strategy"] == "no_shard")
+    ),
+    message="--replica_group must be < --replica_groups, and replica groups need "
+    "--outer_strategy=no_shard",
+)
+
+
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -246,26 +276,33 @@ def _fail(message: str) -> None:
 
 def _check_world(world: int) -> None:
     """Flag checks that need the world size; exit before any rank starts."""
-    if FLAGS.shard != -1 and FLAGS.shard * FLAGS.replicate != world:
+    tensor = FLAGS.tensor
+    if FLAGS.shard != -1 and FLAGS.shard * FLAGS.replicate * tensor != world:
         _fail(
-            f"--shard={FLAGS.shard} x --replicate={FLAGS.replicate} must equal "
-            f"the world size {world} (--nproc or torchrun's WORLD_SIZE)"
+            f"--shard={FLAGS.shard} x --replicate={FLAGS.replicate} x --tensor={tensor} must "
+            f"equal the world size {world} (--nproc or torchrun's WORLD_SIZE)"
         )
-    if FLAGS.shard == -1 and world % FLAGS.replicate:
-        _fail(f"--replicate={FLAGS.replicate} does not divide the world size {world}")
+    if FLAGS.shard == -1 and world % (FLAGS.replicate * tensor):
+        _fail(
+            f"--replicate={FLAGS.replicate} x --tensor={tensor} does not divide the world "
+            f"size {world}"
+        )
+    if FLAGS.n_head % tensor:
+        _fail(f"--n_head={FLAGS.n_head} must be divisible by --tensor={tensor} (heads split)")
+    dp_world = world // tensor  # a tensor group shares its batch
     try:
         given = Config(
             grad_chunks=FLAGS.grad_chunks,
             microbatches=FLAGS.microbatches,
             batch_size=FLAGS.batch_size,
         )
-        microbatches = microbatches_for(given, world)
+        microbatches = microbatches_for(given, dp_world)
     except ValueError as e:
         _fail(str(e))
-    if FLAGS.batch_size % (world * microbatches):
+    if FLAGS.batch_size % (dp_world * microbatches):
         _fail(
-            f"--batch_size={FLAGS.batch_size} must be divisible by world size "
-            f"{world} x --microbatches={microbatches}"
+            f"--batch_size={FLAGS.batch_size} must be divisible by the data-parallel size "
+            f"{dp_world} x --microbatches={microbatches}"
         )
     if FLAGS.d_model % FLAGS.n_head:
         _fail(f"--d_model={FLAGS.d_model} must be divisible by --n_head={FLAGS.n_head}")

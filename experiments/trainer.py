@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from absl import logging
+from torch.distributed.tensor.parallel import parallelize_module
 
 import funcshard as fs
 from experiments import data as data_lib
-from experiments.gpt import GPT, GPTConfig
+from experiments.gpt import GPT, GPTConfig, tensor_plan
 from funcshard.mesh import local_device
 
 __all__ = ["Config", "run", "lr_schedule", "final_line", "microbatches_for"]
@@ -35,6 +36,7 @@ class Config:
 
     shard: int = -1
     replicate: int = 1
+    tensor: int = 1  # tensor-parallel ranks per group (each block split by gpt.tensor_plan)
     strategy: str = "optim_grads_params"
     outer_strategy: str = "no_shard"  # "optim": HFSDP (the optimizer sharded over replicas too)
     policy: fs.MixedPrecisionPolicy = dataclasses.field(
@@ -72,6 +74,12 @@ class Config:
     threads: int = 0
     out_dir: str = "out/train"
     log_every: int = 0
+    # live fault tolerance (fs.FaultTolerance): this job is replica group replica_group of
+    # replica_groups, joined by the torchft lighthouse at `lighthouse` ("": TORCHFT_LIGHTHOUSE)
+    replica_group: int = 0
+    replica_groups: int = 0  # 0: no fault tolerance
+    lighthouse: str = ""
+    ft_timeout: float = 30.0
 
 
 def microbatches_for(cfg: Config, world: int) -> int:
@@ -141,6 +149,17 @@ def make_optimizer(cfg: Config) -> fs.optim.Optimizer:
             lambda name, shape: "muon" if is_hidden_matrix(name, shape) else "adamw",
         )
     return fs.optim.chain(fs.optim.clip_by_global_norm(cfg.clip), opt) if cfg.clip else opt
+
+
+def fault_tolerance(cfg: Config) -> fs.FaultTolerance | None:
+    """The run's ``fs.FaultTolerance`` (None without replica groups)."""
+    if not cfg.replica_groups:
+        return None
+    return fs.FaultTolerance(
+        replica_id=str(cfg.replica_group),
+        lighthouse=cfg.lighthouse or None,
+        timeout=cfg.ft_timeout,
+    )
 
 
 def make_source(cfg: Config) -> data_lib.MarkovSource | data_lib.TextSource:
@@ -232,6 +251,9 @@ def evaluate(
     the same bits on every world with the same G, as the training metrics are.
     """
     params = fs.full_params(state)  # collective: every rank gathers the full model
+    if cfg.tensor > 1:  # full tensors go to the plain model (a meta copy: no memory)
+        with torch.device("meta"):
+            model = GPT(model.cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     chunks = microbatches if cfg.deterministic else 1
     losses = torch.zeros(cfg.eval_batches, chunks, dtype=torch.float64, device=device)
@@ -301,16 +323,23 @@ def run(
     """
     joined = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
-    microbatches = microbatches_for(cfg, world)
+    # the data-parallel index and size: the ranks of a tensor group (consecutive) share a batch
+    dp_rank, dp_world = rank // cfg.tensor, world // cfg.tensor
+    microbatches = microbatches_for(cfg, dp_world)
     _init_logging(rank)
     device_type = None if cfg.device == "auto" else cfg.device
-    mesh = fs.make_mesh(shard=cfg.shard, replicate=cfg.replicate, device_type=device_type)
+    mesh = fs.make_mesh(
+        shard=cfg.shard, replicate=cfg.replicate, tensor=cfg.tensor, device_type=device_type
+    )
     device = local_device(mesh)
     _set_threads(cfg, device)
 
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(dataclasses.replace(cfg.model, vocab=source.vocab)).to(device)
+    if cfg.tensor > 1:
+        for block in model.blocks:
+            parallelize_module(block, mesh["tensor"], tensor_plan())
     for block in model.blocks if cfg.compile else ():  # torchtitan's way: each block in place
         block.compile(backend=cfg.compile)
     opt = make_optimizer(cfg)
@@ -323,16 +352,20 @@ def run(
         outer_strategy=cfg.outer_strategy,
         offload_fraction=cfg.offload_fraction,
         deterministic=cfg.deterministic,
+        fault_tolerance=fault_tolerance(cfg),
     )
 
     mgr = fs.CheckpointManager(cfg.checkpoint_dir, max_to_keep=3) if cfg.checkpoint_dir else None
     t0 = time.perf_counter()
-    if cfg.resume and mgr is not None and mgr.latest_step() is not None:
+    # a group that healed from a live peer in fs.init reads no checkpoint (all groups lost:
+    # every one restarts at step 0 and restores the same latest step)
+    if cfg.resume and mgr is not None and mgr.latest_step() is not None and state.step == 0:
         state = mgr.restore(mgr.latest_step(), like=state)
     restore_s = time.perf_counter() - t0
     start = state.step
+    saves = mgr is not None and cfg.replica_group == 0  # one group saves (each holds the state)
 
-    out = Path(cfg.out_dir)
+    out = Path(cfg.out_dir) / (f"group{cfg.replica_group}" if cfg.replica_groups else "")
     rows = _load_rows(out / "metrics.jsonl", start) if start else []
     n_params = sum(p.numel() for p in model.parameters())
     log = None
@@ -368,9 +401,20 @@ def run(
     schedule = lr_schedule(cfg)
     end = min(cfg.stop_at or cfg.steps, cfg.steps)
     progress = Progress(start, end, cfg.batch_size * (cfg.model.seq_len - 1), cfg.log_every, world)
-    for step in range(start, end):
+    # with replica groups the data is a function of the committed step: a step that is not
+    # committed is retried on the same batch; group g takes rows g * world + rank of the
+    # groups' global batch
+    groups = max(cfg.replica_groups, 1)
+    # the data-parallel rows of the whole run: every group's, a tensor group sharing its rows
+    row_rank, row_world = cfg.replica_group * dp_world + dp_rank, groups * dp_world
+    committed = (lambda: state.step) if cfg.replica_groups else None  # noqa: B023 - the latest
+    for step in range(start, end) if committed is None else iter(committed, end):
         x = source.batch(
-            step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, rank=rank, world=world
+            step,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.model.seq_len,
+            rank=row_rank,
+            world=row_world,
         ).to(device)
         t_step = time.perf_counter()
         with fs.comm_stats() as stats:  # this rank's bytes per collective kind and mesh axis
@@ -379,7 +423,8 @@ def run(
         if step == start and rank == 0 and cfg.compile:
             logging.info("first step %.2f s (compiling the blocks: %s)", step_s, cfg.compile)
         if (
-            mgr is not None
+            saves
+            and metrics.get("committed", 1)
             and cfg.save_every
             and (state.step % cfg.save_every == 0 or state.step == end)
         ):
@@ -398,6 +443,7 @@ def run(
                 "comm": {k: v for k, v in stats.bytes.items() if v},
                 "comm_by_axis": {k: v for k, v in stats.bytes_by_axis.items() if v},
             }
+            row.update({k: metrics[k] for k in ("committed", "replicas") if k in metrics})
             rows.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()

@@ -4,6 +4,7 @@ from funcshard import optim
 from funcshard.checkpoint import CheckpointManager, export_safetensors, restore, save
 from funcshard.comm.grads import reduce_scatter_grads
 from funcshard.comm.ops import CommStats, comm_stats
+from funcshard.fault import FaultTolerance
 from funcshard.functional import GatheredParams, functional_call
 from funcshard.launch import init_from_env, launch
 from funcshard.layout import STRATEGIES
@@ -12,9 +13,10 @@ from funcshard.offload import offload_step
 from funcshard.plan import plan
 from funcshard.policy import MixedPrecisionPolicy
 from funcshard.sharding import shard
-from funcshard.state import ConsumedStateError, LossScale, TrainState, describe, init, tree
+from funcshard.state import ConsumedStateError, LossScale, TrainState, init, tree
 from funcshard.step import full_params, train_step
 from funcshard.strategy import OuterStrategy, Strategy
+from funcshard.summary import describe
 from funcshard.units import UnitParamsError
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "CheckpointManager",
     "CommStats",
     "ConsumedStateError",
+    "FaultTolerance",
     "GatheredParams",
     "LossScale",
     "MixedPrecisionPolicy",

@@ -42,17 +42,24 @@ NAMESPACE = "funcshard"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Members:
-    """The parameters packed in one flat buffer: names and full shapes, in buffer order."""
+    """The parameters packed in one flat buffer: names and shapes, in buffer order.
+
+    ``shapes`` are what the buffer holds of each (a tensor-parallel parameter's local shard);
+    ``global_shapes`` the model's shapes where they differ (None: the same), which the
+    optimizer's rules (masks, labels, partitions) are asked with."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    global_shapes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.names) != len(self.shapes):
             raise ValueError(f"Members: {len(self.names)} names for {len(self.shapes)} shapes")
 
     def pairs(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        return tuple(zip(self.names, self.shapes, strict=True))
+        """``(name, shape)`` of every parameter, in the model's (global) shapes."""
+        shapes = self.global_shapes if self.global_shapes is not None else self.shapes
+        return tuple(zip(self.names, shapes, strict=True))
 
 
 class PerBucket(tuple):

@@ -38,7 +38,7 @@ starts its reduce-scatter then, overlapped with the rest of backward, as the def
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -167,10 +167,13 @@ def row_sums(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.cat(local) if local else None
 
 
-def norm_of_rows(layout: Layout, sums: torch.Tensor | None) -> torch.Tensor:
-    """The L2 norm (0-d fp64) from every shard's :func:`row_sums` in shard order: every real
-    row in parameter order, summed by :func:`halving_sum`; padding rows are dropped, so they
-    never count."""
+def norm_of_rows(
+    layout: Layout, sums: torch.Tensor | None, counts: Callable[[str], bool] | None = None
+) -> torch.Tensor:
+    """The squared L2 norm (0-d fp64) from every shard's :func:`row_sums` in shard order: every
+    real row in parameter order, summed by :func:`halving_sum`; padding rows are dropped, so
+    they never count, and so are the leaves ``counts(name)`` leaves out (tensor parallel: a
+    replicated leaf counts on one tensor rank)."""
     if sums is None:
         return torch.zeros((), dtype=torch.float64, device=layout.device)
     where, at = {}, 0
@@ -182,5 +185,8 @@ def norm_of_rows(layout: Layout, sums: torch.Tensor | None) -> torch.Tensor:
     real = [
         sums[:, where[s.name] : where[s.name] + s.rows_per_shard].reshape(-1)[: s.rows]
         for s in layout.leaves
+        if counts is None or counts(s.name)
     ]
-    return halving_sum(torch.cat(real)).sqrt()
+    if not real:
+        return torch.zeros((), dtype=torch.float64, device=layout.device)
+    return halving_sum(torch.cat(real))

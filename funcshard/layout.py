@@ -43,6 +43,7 @@ from funcshard.model_units import (
 )
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
 from funcshard.strategy import OuterStrategy, Strategy
+from funcshard.tensor_parallel import TensorParallel
 
 __all__ = [
     "STRATEGIES",
@@ -124,13 +125,12 @@ class Bucket:
 class Placement:
     """Where the rows of every parameter of a state's flat buffers live, on every shard rank.
 
-    What an optimizer that needs whole matrices (``fs.optim.muon``) is given beside the
-    per-bucket buffers: the "shard" group the rows are spread over, this rank's place in it,
-    the device its collectives run on, per bucket (keyed by its :class:`Members`) the
-    :class:`LeafSpec` of every member (offsets and row ranges are the same on every rank), and
-    the replicas: the ranks that hold the same rows (the "replicate" axis; every rank under
-    ``no_shard``), which may split work on whole matrices between them.
-    """
+    What an optimizer that needs whole matrices (``fs.optim.muon``) gets beside the buffers:
+    the "shard" group the rows are spread over, this rank's place in it, the device of its
+    collectives, per bucket (keyed by its :class:`Members`) every member's :class:`LeafSpec`
+    (the same offsets and row ranges on every rank), the replicas (ranks holding the same rows:
+    "replicate", every rank under ``no_shard``) that may share out the work on whole matrices,
+    and the tensor axis (members split over it are local shards of larger matrices)."""
 
     group: object  # the "shard" axis ProcessGroup (None when size == 1)
     size: int
@@ -142,6 +142,7 @@ class Placement:
     replica_count: int = 1
     replica_rank: int = 0
     axis: str = "shard"  # the mesh axis of ``group``, for the accounting ("world": HFSDP)
+    tensor: TensorParallel | None = None
 
     def leaves(self, members: Members) -> tuple[LeafSpec, ...]:
         """The specs of the parameters one flat buffer packs, in buffer order."""
@@ -169,8 +170,7 @@ class Layout:
     # (alias, parameter) for every tied name that named_parameters() drops: the same weight
     # under another name of model.state_dict() (e.g. GPT-2's lm_head.weight)
     aliases: tuple[tuple[str, str], ...] = ()
-    # bitwise the same results on every layout with the same number of gradient chunks
-    # (funcshard.determinism)
+    # bitwise the same results on every layout with as many gradient chunks (funcshard.determinism)
     deterministic: bool = False
     # what is sharded over "replicate" (HFSDP: masters and optimizer state, see the module)
     outer: OuterStrategy = OuterStrategy.NO_SHARD
@@ -178,6 +178,9 @@ class Layout:
     # param wire keeps encoded as they crossed "replicate" (:mod:`funcshard.comm.params`); 0 for
     # every other layout, whose compute shard is one section, encoded only to be gathered
     packed_sections: int = 0
+    # the tensor axis of a tensor-parallel model (:mod:`funcshard.tensor_parallel`): leaves are
+    # then its parameters' LOCAL shards, ``mesh`` the data-parallel submesh of this tensor rank
+    tensor: TensorParallel | None = None
 
     def aliases_of(self, name: str) -> tuple[str, ...]:
         """The other names of parameter ``name`` in the model's state_dict (tied weights)."""
@@ -282,6 +285,9 @@ class Layout:
             Members(
                 tuple(s.name for s in self.bucket_leaves(b)),
                 tuple(s.shape for s in self.bucket_leaves(b)),
+                None
+                if self.tensor is None or not self.tensor.leaves
+                else tuple(self.tensor.full_shape(s.name, s.shape) for s in self.bucket_leaves(b)),
             )
             for b in self.buckets
         )
@@ -307,6 +313,7 @@ class Layout:
             replica_rank=dist.get_rank(self.replicate_group) if replicas > 1 else 0,
             replicas_axis=self.replicate_axis,
             axis=self.shard_axis,
+            tensor=self.tensor,
         )
 
     def per_bucket(self, values: Sequence) -> PerBucket:
@@ -372,19 +379,24 @@ def _leaf_rows(
 
 
 def _bucket_leaves(
-    raw: list[tuple], offloaded: set[int], partition: Callable[[str, tuple], Hashable] | None
+    raw: list[tuple],
+    offloaded: set[int],
+    partition: Callable[[str, tuple], Hashable] | None,
+    tensor: TensorParallel | None = None,
 ) -> tuple[list[LeafSpec], list[Bucket]]:
     """The leaf specs and buckets of ``raw`` (``_leaf_rows`` + the unit, per parameter):
     buckets in order of first appearance of (unit, dtypes, placement, rule), leaves in model
-    order."""
+    order. Under tensor parallelism the rule is asked with the global shape (leaves split
+    over "tensor" share buckets with replicated ones: one collective per unit, as without)."""
     keys: dict[tuple, list[int]] = {}
     for i, (name, shape, dtypes, *_rest, unit) in enumerate(raw):
-        rule = partition(name, shape) if partition is not None else None
+        full = tensor.full_shape(name, shape) if tensor is not None else shape
+        rule = partition(name, full) if partition is not None else None
         keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
     leaves: list[LeafSpec | None] = [None] * len(raw)
     buckets = []
     ordered = sorted(keys.items(), key=lambda kv: kv[1][0])
-    for b, ((unit, dtypes, off, _), members) in enumerate(ordered):
+    for b, ((unit, dtypes, off, *_), members) in enumerate(ordered):
         offset = 0
         for i in members:
             name, shape, _, rows, rps, row_numel, _ = raw[i]
@@ -406,8 +418,12 @@ def build_layout(
     partition: Callable[[str, tuple], Hashable] | None = None,
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = OuterStrategy.NO_SHARD,
+    tensor: TensorParallel | None = None,
 ) -> Layout:
     """Computes the layout from ``{name: (shape, dtype)}`` in ``named_parameters`` order.
+
+    ``tensor``: the tensor axis of a tensor-parallel model, whose ``params`` are then the local
+    shards; ``mesh`` may be the 3-D mesh (the layout keeps its data-parallel submesh).
 
     ``partition(name, shape)`` is the optimizer's rule key (``Optimizer.partition``): leaves
     with different keys never share a bucket, so every flat buffer has one rule.
@@ -425,6 +441,7 @@ def build_layout(
         )
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
+    mesh = mesh_lib.data_parallel(mesh)
     prefixes = resolve_units(model, units) if model is not None else list(units or [])
     shard_size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
     if outer.shards_optim:
@@ -437,7 +454,7 @@ def build_layout(
     ]
     offloaded = _pick_offloaded([r[4] * r[5] for r in raw], offload_fraction)
 
-    leaves, buckets = _bucket_leaves(raw, offloaded, partition)
+    leaves, buckets = _bucket_leaves(raw, offloaded, partition, tensor)
     if deterministic:
         _check_deterministic(mesh.size(), buckets, [leaf.name for leaf in leaves])
     return Layout(
@@ -454,6 +471,7 @@ def build_layout(
         else (),
         deterministic=deterministic,
         outer=outer,
+        tensor=tensor,
     )
 
 

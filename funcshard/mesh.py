@@ -1,4 +1,5 @@
-"""Device meshes: a torch DeviceMesh with axes ("replicate", "shard")."""
+"""Device meshes: a torch DeviceMesh with axes ("replicate", "shard"), and "tensor" innermost
+when the model is tensor-parallel."""
 
 from __future__ import annotations
 
@@ -26,25 +27,34 @@ __all__ = [
     "world_timeout",
     "inherit_timeout",
     "hold",
+    "data_parallel",
+    "tensor_axis",
 ]
 
 AXES = ("replicate", "shard")
+TENSOR = "tensor"
 
 
-def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = None) -> DeviceMesh:
-    """Builds the ("replicate", "shard") mesh over all ranks.
+def make_mesh(
+    shard: int = -1, replicate: int = 1, device_type: str | None = None, *, tensor: int = 1
+) -> DeviceMesh:
+    """Builds the ("replicate", "shard") mesh over all ranks, or ("replicate", "shard",
+    "tensor") with ``tensor > 1``.
 
     Args:
-      shard: ranks per shard group; -1 means world_size // replicate.
+      shard: ranks per shard group; -1 means world_size // (replicate * tensor).
       replicate: number of replicas (HSDP when > 1).
       device_type: "cuda" or "cpu"; None picks "cuda" when available.
+      tensor: ranks per tensor-parallel group, innermost: rank ``(r * S + s) * T + t``, so a
+        tensor group is ``T`` consecutive ranks. ``mesh["tensor"]`` is the mesh to
+        ``parallelize_module`` the model on, before ``fs.init``. 1: the 2-D mesh.
 
     The same shape on the same world gives the same mesh: its groups are made once.
 
     Raises:
       RuntimeError: torch.distributed is not initialized.
-      ValueError: shard x replicate does not equal the world size, or a cuda mesh has more
-        ranks on this node than visible GPUs.
+      ValueError: shard x replicate x tensor does not equal the world size, or a cuda mesh
+        has more ranks on this node than visible GPUs.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -53,16 +63,19 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
     world = dist.get_world_size()
     if replicate < 1:
         raise ValueError(f"make_mesh: replicate must be >= 1, got {replicate}")
+    if tensor < 1:
+        raise ValueError(f"make_mesh: tensor must be >= 1, got {tensor}")
     if shard == -1:
-        if world % replicate:
+        if world % (replicate * tensor):
             raise ValueError(
-                f"make_mesh: world size {world} is not divisible by replicate={replicate}"
+                f"make_mesh: world size {world} is not divisible by replicate={replicate} x "
+                f"tensor={tensor}"
             )
-        shard = world // replicate
-    if shard < 1 or shard * replicate != world:
+        shard = world // (replicate * tensor)
+    if shard < 1 or shard * replicate * tensor != world:
         raise ValueError(
-            f"make_mesh: shard ({shard}) x replicate ({replicate}) must equal the world "
-            f"size {world}"
+            f"make_mesh: shard ({shard}) x replicate ({replicate}) x tensor ({tensor}) must "
+            f"equal the world size {world}"
         )
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,14 +83,39 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
         _use_own_gpu()
     _forget_dead_worlds()
     world_pg = dist.group.WORLD
-    key = (id(world_pg), device_type, replicate, shard)
+    key = (id(world_pg), device_type, replicate, shard, tensor)
     if key not in _MESHES:
-        mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
+        if tensor == 1:
+            mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
+        else:
+            shape, names = (replicate, shard, tensor), (*AXES, TENSOR)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         _MESHES[key] = (world_pg, hold(mesh, drop_mesh_groups))
     mesh = _MESHES[key][1]
-    for axis in AXES:
+    for axis in mesh.mesh_dim_names:
         inherit_timeout(mesh.get_group(axis))
     return mesh
+
+
+def tensor_axis(mesh: DeviceMesh) -> DeviceMesh | None:
+    """``mesh["tensor"]``, or None for a mesh without a tensor axis."""
+    names = mesh.mesh_dim_names or ()
+    return mesh[TENSOR] if TENSOR in names else None
+
+
+# The data-parallel submesh of each 3-D mesh, kept while the mesh lives.
+_DATA_PARALLEL: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
+
+
+def data_parallel(mesh: DeviceMesh) -> DeviceMesh:
+    """The ("replicate", "shard") mesh of this rank's tensor rank: ``mesh`` itself for a mesh
+    without a tensor axis."""
+    if TENSOR not in (getattr(mesh, "mesh_dim_names", None) or ()):
+        return mesh
+    dp = _DATA_PARALLEL.get(mesh)
+    if dp is None:
+        dp = _DATA_PARALLEL[mesh] = mesh[AXES]
+    return dp
 
 
 # One mesh per shape of a world: a DeviceMesh's groups live as long as the world (torch never
@@ -86,7 +124,7 @@ def make_mesh(shard: int = -1, replicate: int = 1, device_type: str | None = Non
 # test pool, a few dozen of them running at any time. Keyed by the default group (held, so
 # that its id cannot come back) and the shape. Let go of once that group is destroyed
 # (``_forget_dead_worlds``).
-_MESHES: dict[tuple[int, str, int, int], tuple[object, DeviceMesh]] = {}
+_MESHES: dict[tuple[int, str, int, int, int], tuple[object, DeviceMesh]] = {}
 
 
 def world_timeout() -> datetime.timedelta | None:
@@ -180,13 +218,20 @@ def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     replicate, shard = mesh.size(0), mesh.size(1)
     if replicate == 1 or shard == 1:
         return world_group(mesh)
-    ranks = mesh.mesh  # (replicate, shard) global ranks
-    order = tuple(int(ranks[r, s]) for s in range(shard) for r in range(replicate))
     world = dist.group.WORLD
-    key = (id(world), order)
-    if key not in _MASTER_GROUPS:
-        _MASTER_GROUPS[key] = (world, dist.new_group(list(order), sort_ranks=False))
-    return inherit_timeout(_MASTER_GROUPS[key][1])
+    # every rank makes the groups of every tensor rank's submesh, in tensor order
+    root = mesh._get_root_mesh() if mesh.size() < dist.get_world_size() else mesh
+    slices = root.mesh if root.mesh.dim() == 3 else root.mesh.unsqueeze(-1)
+    mine = None
+    for t in range(slices.shape[-1]):
+        ranks = slices[..., t]  # (replicate, shard) global ranks
+        order = tuple(int(ranks[r, s]) for s in range(shard) for r in range(replicate))
+        key = (id(world), order)
+        if key not in _MASTER_GROUPS:
+            _MASTER_GROUPS[key] = (world, dist.new_group(list(order), sort_ranks=False))
+        if dist.get_rank() in order:
+            mine = _MASTER_GROUPS[key][1]
+    return inherit_timeout(mine)
 
 
 # Every object that keeps groups of a world (a mesh, a layout's placement, a checkpoint saver's

@@ -45,12 +45,21 @@ all-gather over the replicas then brings each rank its rows of the other shares 
 the largest share's rows on that rank). Owners differ in load, so the plan gives the busiest
 rank's bytes and calls, and ``memory.muon_owner`` the most whole-matrix bytes an owner holds at
 once (the matrix being orthogonalized, the next one arriving, the iteration's workspace).
+
+With ``tensor=T`` (a model after ``parallelize_module`` on ``mesh["tensor"]``) every rank holds
+its tensor rank's LOCAL shards, sharded over the data-parallel axes as plain parameters (``W``
+above is then the data-parallel world, ``world_size / T``); the plan is tensor rank 0's, whose
+shards are the largest (``torch.chunk``'s sizes). funcshard's own collectives over "tensor" are
+the norm's (metrics: an all-reduce of 8 bytes, deterministic: an all-gather of ``T * 8``), the
+batch check's (each rank's loss all-gathered, ``T * 8``; its verdict, 8 bytes, rides with the
+loss over the data-parallel world) and,
+under ``fs.optim.muon``, each owner's all-gather of a split matrix (its shards padded to the
+largest, bfloat16: ``2 * T * ceil(n / T) * the rest``, one call each).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 
 import optree
 import torch
@@ -63,60 +72,24 @@ from funcshard.comm.wires import wire_for
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
+from funcshard.plan_inputs import (
+    ShapeMesh,
+    ShapesArg,
+    param_table,
+    shard_size,
+    tensor_table,
+    units_from_names,
+)
 from funcshard.plan_report import KINDS, MemoryPlan, Plan, format_bytes
 from funcshard.policy import MixedPrecisionPolicy
 from funcshard.reduction import reduction_of
 from funcshard.strategy import OuterStrategy, Strategy
+from funcshard.tensor_parallel import gather_numel
 
 __all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
 
 _OPTIMIZER_STATES = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}
 _METRIC_BYTES = 8  # one float64 scalar per reduction (loss sum, squared grad norm)
-
-
-class _ShapeMesh:
-    """A mesh known only by its shape: enough for ``build_layout`` (no process group)."""
-
-    device_type = "meta"
-
-    def __init__(self, replicate: int, shard: int) -> None:
-        self.shape = (replicate, shard)
-
-    def size(self, dim: int | None = None) -> int:
-        return math.prod(self.shape) if dim is None else self.shape[dim]
-
-
-ShapesArg = Mapping[str, Sequence[int] | tuple[Sequence[int], torch.dtype]] | nn.Module
-
-
-def _param_table(
-    params: ShapesArg, dtype: torch.dtype
-) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    if isinstance(params, nn.Module):
-        return {n: (tuple(p.shape), p.dtype) for n, p in params.named_parameters()}
-    out = {}
-    for name, entry in params.items():
-        if len(entry) == 2 and isinstance(entry[1], torch.dtype):
-            out[name] = (tuple(entry[0]), entry[1])
-        else:
-            out[name] = (tuple(entry), dtype)
-        if any(not isinstance(d, int) or d < 0 for d in out[name][0]):
-            raise ValueError(
-                f"plan: parameter {name!r}: expected a shape of ints >= 0, got {entry!r}"
-            )
-    return out
-
-
-def _units_from_names(names: Sequence[str]) -> list[str]:
-    """Units as ``default_units`` would find them: a prefix ending in a numeric component."""
-    units: dict[str, None] = {}
-    for name in names:
-        parts = name.split(".")
-        for i, part in enumerate(parts[:-1]):
-            if part.isdigit():
-                units[".".join(parts[: i + 1])] = None
-                break
-    return list(units)
 
 
 def _optimizer_state_bytes(optimizer: str | Optimizer, layout: Layout) -> list[int]:
@@ -155,7 +128,8 @@ def _muon_exchange(
     (per axis: the busiest rank on that axis)."""
     S = layout.shard_size
     R = layout.dp_size // S  # replicas, each working on its share of the matrices
-    if isinstance(optimizer, str) or S * R == 1:
+    T = _tensor_size(layout)
+    if isinstance(optimizer, str) or S * R * T == 1:
         return 0, 0, 0, {}
     owned: set[int] = set()
     muon_states = [
@@ -173,22 +147,36 @@ def _muon_exchange(
             owned |= {i for i, x in enumerate(part) if x is not None}
     groups = [[b.index for b in layout.buckets if not b.offload and b.index in owned]]
     groups += [[b.index] for b in layout.buckets if b.offload and b.index in owned]
-    sent, calls, held, gathered = [0] * S, 0, [0] * S, [0] * S
+    sent, calls, held, gathered, within, tensor = ([0] * S for _ in range(6))
+    calls = 0
+    add = lambda acc, part: [a + b for a, b in zip(acc, part or [0] * S, strict=True)]
     for group in groups:
         specs = [s for i in group for s in layout.bucket_leaves(layout.buckets[i])]
         if not specs:
             continue
-        ex = exchange_plan(
-            [(s.shape, [s.row_range(r) for r in range(S)]) for s in specs], S, replicas=R
-        )
-        sent = [a + b for a, b in zip(sent, ex.sent_bytes, strict=True)]
+        ex = exchange_plan([_planned(layout, s, S, T) for s in specs], S, replicas=R)
+        sent, gathered = add(sent, ex.sent_bytes), add(gathered, ex.gather_bytes)
+        within, tensor = add(within, ex.shard_bytes), add(tensor, ex.tensor_bytes)
         held = [max(a, b) for a, b in zip(held, ex.owner_bytes, strict=True)]
-        gathered = [a + b for a, b in zip(gathered, ex.gather_bytes or [0] * S, strict=True)]
         calls += ex.calls
-    by_axis = {layout.shard_axis: max(s - g for s, g in zip(sent, gathered, strict=True))}
+    by_axis = {layout.shard_axis: max(within), "tensor": max(tensor)}
     if R > 1:
         by_axis[layout.replicate_axis] = max(gathered)
     return max(sent), calls, max(held), by_axis
+
+
+def _tensor_size(layout: Layout) -> int:
+    return 1 if layout.tensor is None else layout.tensor.size
+
+
+def _planned(layout: Layout, spec, S: int, T: int) -> tuple:
+    """One matrix as :func:`exchange_plan` reads it: local shape, rows per shard rank, the
+    model's shape, the elements of its all-gather over "tensor" (0 when not split)."""
+    rows = [spec.row_range(r) for r in range(S)]
+    if layout.tensor is None or not layout.tensor.sharded(spec.name) or T == 1:
+        return spec.shape, rows, spec.shape, 0
+    leaf = layout.tensor.leaves[spec.name]
+    return spec.shape, rows, leaf.shape, gather_numel(leaf.shape, leaf.dim, T)
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -282,41 +270,27 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
             add("all_gather", 1, replicate * params_lib.packed_nbytes(layout, b), "replicate")
         elif replicate > 1:
             add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(replicate), "replicate")
-    # the norm's sums run over the masters' group (every rank under HFSDP)
-    masters, axis = layout.shard_size, layout.shard_axis
+    # the norm's sums run over the masters' group (every rank under HFSDP), then over "tensor"
+    masters, axis, T = layout.shard_size, layout.shard_axis, _tensor_size(layout)
+    flag = int(T > 1)  # the tensor group's batch check rides with the loss
+    if T > 1:  # its losses, all-gathered over "tensor"
+        add("metrics", 1, T * _METRIC_BYTES, "tensor")
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
         if world > 1:
-            add("metrics", 1, world * M * _METRIC_BYTES, "world")
+            add("metrics", 1, world * (M + flag) * _METRIC_BYTES, "world")
         if masters > 1:
             rows = sum(s.rows_per_shard for s in layout.leaves)
             add("metrics", 1, masters * rows * _METRIC_BYTES, axis)
+        if T > 1:  # every tensor rank's part of the square
+            add("metrics", 1, T * _METRIC_BYTES, "tensor")
         return nbytes, calls, by_axis
     if world > 1:
-        add("metrics", 1, _METRIC_BYTES, "world")  # the loss
+        add("metrics", 1, (1 + flag) * _METRIC_BYTES, "world")  # the loss
     if masters > 1:
         add("metrics", 1, _METRIC_BYTES, axis)  # the squared gradient norm
+    if T > 1:
+        add("metrics", 1, _METRIC_BYTES, "tensor")
     return nbytes, calls, by_axis
-
-
-def _shard_size(world_size: int, shard: int, replicate: int, microbatches: int) -> int:
-    """The shard group size of a ``plan`` call (``-1``: the world over the replicas)."""
-    if world_size < 1 or replicate < 1 or microbatches < 1:
-        raise ValueError(
-            f"plan: world_size ({world_size}), replicate ({replicate}) and "
-            f"microbatches ({microbatches}) must be >= 1"
-        )
-    if shard == -1:
-        if world_size % replicate:
-            raise ValueError(
-                f"plan: world size {world_size} is not divisible by replicate={replicate}"
-            )
-        shard = world_size // replicate
-    if shard * replicate != world_size:
-        raise ValueError(
-            f"plan: shard ({shard}) x replicate ({replicate}) must equal the world "
-            f"size {world_size}"
-        )
-    return shard
 
 
 def plan(
@@ -336,14 +310,16 @@ def plan(
     device_type: str = "cuda",
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = "no_shard",
+    tensor: int = 1,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
     Args:
       params: ``{name: shape}`` or ``{name: (shape, dtype)}`` in ``named_parameters`` order,
         or a model (a meta-device one is fine).
-      world_size: ranks in the data-parallel world.
-      shard: ranks per shard group; -1 means ``world_size // replicate`` (as ``make_mesh``).
+      world_size: ranks in the world (``shard * replicate * tensor``).
+      shard: ranks per shard group; -1 means ``world_size // (replicate * tensor)`` (as
+        ``make_mesh``).
       replicate: replicas (HSDP when > 1).
       strategy: as in ``fs.init``.
       policy: as in ``fs.init``; None = the default policy.
@@ -359,6 +335,9 @@ def plan(
       deterministic: as in ``fs.init`` (its reductions and gradient accumulation).
       outer_strategy: as in ``fs.init`` ("optim": HFSDP, masters and optimizer state over
         replicate x shard, a reduce-scatter and an all-gather over "replicate" per step).
+      tensor: ranks per tensor-parallel group (``make_mesh(tensor=T)``): ``params`` is then the
+        model after ``parallelize_module`` on ``mesh["tensor"]``, planned with tensor rank 0's
+        local shards (the module docstring).
 
     Returns:
       A :class:`Plan`.
@@ -368,15 +347,14 @@ def plan(
     (48, 48, 192)
     """
     strategy = Strategy.parse(strategy)
-    shard = _shard_size(world_size, shard, replicate, microbatches)
-    table = _param_table(params, dtype)
+    shard = shard_size(world_size, shard, replicate, microbatches, tensor)
+    table, tp = tensor_table(params, param_table(params, dtype), tensor)
     model = params if isinstance(params, nn.Module) else None
-    if model is None and units is None:
-        units = _units_from_names(list(table))
+    units = units_from_names(list(table)) if model is None and units is None else units
     layout = build_layout(
         table,
         model=model,
-        mesh=_ShapeMesh(replicate, shard),  # type: ignore[arg-type]
+        mesh=ShapeMesh(replicate, shard),  # type: ignore[arg-type]
         policy=policy or MixedPrecisionPolicy(),
         strategy=strategy,
         offload_fraction=offload_fraction,
@@ -384,8 +362,9 @@ def plan(
         partition=None if isinstance(optimizer, str) else optimizer.partition,
         deterministic=deterministic,
         outer_strategy=outer_strategy,
+        tensor=tp,
     )
-    comm, calls, by_axis = _comm(layout, microbatches, replicate, world_size)
+    comm, calls, by_axis = _comm(layout, microbatches, replicate, world_size // tensor)
     comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
     for axis, nbytes in muon_by_axis.items():
         by_axis[axis] += nbytes
@@ -406,6 +385,7 @@ def plan(
         calls=calls,
         comm_by_axis=by_axis,
         outer_strategy=str(layout.outer),
+        tensor=tensor,
     )
 
 

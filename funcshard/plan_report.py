@@ -69,10 +69,11 @@ class Plan:
     memory: MemoryPlan
     comm: dict[str, int]
     calls: dict[str, int]
-    # the same bytes per mesh axis ("shard", "replicate", "world"): what crosses the slow link
-    # between nodes is the "replicate" entry (see ``fs.comm_stats().bytes_by_axis``)
+    # the same bytes per mesh axis ("shard", "replicate", "world", "tensor"): what crosses the
+    # slow link between nodes is the "replicate" entry (see ``fs.comm_stats().bytes_by_axis``)
     comm_by_axis: dict[str, int] = dataclasses.field(default_factory=dict)
     outer_strategy: str = "no_shard"
+    tensor: int = 1  # ranks per tensor-parallel group; memory and bytes are tensor rank 0's
 
     def table(self) -> str:
         """A readable summary."""
@@ -81,7 +82,7 @@ class Plan:
             (
                 f"strategy={self.strategy} outer_strategy={self.outer_strategy} "
                 f"world={self.world_size} "
-                f"mesh=(replicate={self.replicate}, shard={self.shard}) "
+                f"mesh=(replicate={self.replicate}, shard={self.shard}, tensor={self.tensor}) "
                 f"microbatches={self.microbatches}"
             ),
             (

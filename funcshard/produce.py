@@ -88,7 +88,8 @@ class ReplicatedGrads:
             for spec in layout.bucket_leaves(bucket):
                 params[spec.name] = shard_lib.full_view(full, spec, S).detach().requires_grad_()
                 order.append(spec.name)
-        step_params = StepParams((n, params[n]) for n in layout.names)
+        wrap = layout.tensor.wrap if layout.tensor is not None else lambda n, t: t
+        step_params = StepParams((n, wrap(n, params[n])) for n in layout.names)
         step_params.compile_units = (layout.units[1:], self.backend)
         try:
             loss, aux = loss_and_aux(loss_fn(step_params, batch))

@@ -161,8 +161,11 @@ class Reduction(Protocol):
         """The L2 norm of the reduced gradient over every shard (0-d, fp64)."""
         ...
 
-    def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
-        """The mean of every rank's microbatch losses."""
+    def mean_loss(
+        self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
+    ) -> tuple[float, float]:
+        """The mean of every rank's microbatch losses, and the sum of every rank's ``flag``
+        (carried with the losses over the data-parallel world; None: no flag, 0.0 back)."""
         ...
 
 
@@ -185,33 +188,47 @@ class RingReduction:
     def global_norm(self, layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
         """One fp32 pass per bucket; only when a bucket's fp32 norm overflows (finite
         gradients of norm above ~1e19) or is not finite are the norms redone in fp64, so that
-        a large but finite gradient is never mistaken for an overflow. Padding holds zeros."""
+        a large but finite gradient is never mistaken for an overflow. Padding holds zeros.
+        Tensor parallel: what this rank counts of the full model (:func:`counted`), summed
+        over "tensor" too."""
+        grads = counted(layout, grads)
         if not grads:
-            return torch.zeros((), dtype=torch.float64)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        norms = torch.stack(
-            [
-                n.to(layout.device, torch.float64)
-                for gs in by_device.values()
-                for n in torch._foreach_norm(gs, 2, dtype=torch.float32)
-            ]
-        )
-        if not bool(torch.isfinite(norms).all()):
+            sq = torch.zeros((), dtype=torch.float64, device=layout.device)
+        else:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
             norms = torch.stack(
-                [torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device) for g in grads]
+                [
+                    n.to(layout.device, torch.float64)
+                    for gs in by_device.values()
+                    for n in torch._foreach_norm(gs, 2, dtype=torch.float32)
+                ]
             )
-        sq = norms.square().sum().to(layout.device)
+            if not bool(torch.isfinite(norms).all()):
+                norms = torch.stack(
+                    [
+                        torch.linalg.vector_norm(g, dtype=torch.float64).to(layout.device)
+                        for g in grads
+                    ]
+                )
+            sq = norms.square().sum().to(layout.device)
         if layout.shard_size > 1:
             sq = ops.all_reduce(sq, layout.shard_group, axis=layout.shard_axis, kind="metrics")
+        if layout.tensor is not None and layout.tensor.size > 1:
+            sq = ops.all_reduce(sq, layout.tensor.group, axis=Axis.TENSOR, kind="metrics")
         return sq.sqrt()
 
-    def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
-        total = torch.stack([loss.double() for loss in losses]).sum()
+    def mean_loss(
+        self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
+    ) -> tuple[float, float]:
+        total = torch.stack([loss.double() for loss in losses]).sum().to(layout.device)
+        if flag is not None:
+            total = torch.stack([total, torch.tensor(flag, dtype=total.dtype, device=total.device)])
         world = mesh_lib.world_group(layout.mesh)
-        total = ops.all_reduce(total, world, axis=Axis.WORLD, kind="metrics")
-        return float(total) / (len(losses) * layout.dp_size)
+        total = ops.all_reduce(total, world, axis=Axis.WORLD, kind="metrics").reshape(-1)
+        flags = float(total[1]) if flag is not None else 0.0
+        return float(total[0]) / (len(losses) * layout.dp_size), flags
 
 
 class TreeReduction:
@@ -236,15 +253,47 @@ class TreeReduction:
         sums = determinism.row_sums(layout, grads)
         if sums is not None and layout.shard_size > 1:
             sums = ops.all_gather(sums, layout.shard_group, axis=layout.shard_axis, kind="metrics")
-        return determinism.norm_of_rows(layout, sums)
+        if layout.tensor is None:
+            return determinism.norm_of_rows(layout, sums).sqrt()
+        # this tensor rank's part of the full model's square, then the parts in tensor order
+        square = determinism.norm_of_rows(layout, sums, counts=layout.tensor.counts)
+        if layout.tensor.size > 1:
+            square = ops.all_gather(
+                square.reshape(1), layout.tensor.group, axis=Axis.TENSOR, kind="metrics"
+            )
+        return determinism.halving_sum(square.reshape(-1)).sqrt()
 
-    def mean_loss(self, layout: Layout, losses: list[torch.Tensor]) -> float:
-        """Every chunk's loss all-gathered over the world, summed by one tree in chunk order."""
+    def mean_loss(
+        self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
+    ) -> tuple[float, float]:
+        """Every chunk's loss all-gathered over the world, summed by one tree in chunk order
+        (``flag`` travels as one more element per rank, summed apart)."""
         local = torch.stack([loss.double() for loss in losses]).to(layout.device)
+        n = local.numel()
+        if flag is not None:
+            local = torch.cat([local, local.new_tensor([flag])])
         world = mesh_lib.world_group(layout.mesh)
         if dist.get_world_size(world) > 1:
             local = ops.all_gather(local, world, axis=Axis.WORLD, kind="metrics")
-        return float(determinism.halving_sum(local)) / local.numel()
+        per_rank = local.view(-1, n + (flag is not None))
+        flags = float(per_rank[:, n].sum()) if flag is not None else 0.0
+        chunks = per_rank[:, :n].reshape(-1)
+        return float(determinism.halving_sum(chunks)) / chunks.numel(), flags
+
+
+def counted(layout: Layout, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradient shards whose elements this rank counts in a sum over the full model: all
+    of them, but on a tensor rank other than 0 only the segments of leaves split over
+    "tensor" (a replicated leaf is the same on every tensor rank: counted once)."""
+    tensor = layout.tensor
+    if tensor is None or tensor.rank == 0:
+        return list(grads)
+    return [
+        g[s.offset : s.offset + s.shard_numel]
+        for bucket, g in zip(layout.buckets, grads, strict=True)
+        for s in layout.bucket_leaves(bucket)
+        if tensor.sharded(s.name)
+    ]
 
 
 RING = RingReduction()

@@ -19,8 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import donation
+from funcshard import fault as fault_lib
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
+from funcshard import tensor_parallel as tp_lib
 from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.comm import params as params_lib
 from funcshard.compiling import Backend, backend_of, check_not_compiled_around_units
@@ -37,7 +39,6 @@ __all__ = [
     "LossScale",
     "init",
     "derive_compute",
-    "describe",
     "tree",
 ]
 
@@ -56,6 +57,7 @@ class _Static:
     layout: Layout
     optimizer: Optimizer
     compile: Backend = None  # fs.init's compile: the torch.compile backend of the unit modules
+    replicas: fault_lib.Replicas | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -202,6 +204,11 @@ class TrainState:
     @property
     def mesh(self) -> DeviceMesh:
         return self.layout.mesh
+
+    @property
+    def replicas(self) -> fault_lib.Replicas | None:
+        """The replica groups of a fault-tolerant state (``fs.init(fault_tolerance=...)``)."""
+        return self._static.replicas
 
     @property
     def policy(self) -> MixedPrecisionPolicy:
@@ -363,6 +370,7 @@ def init(
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = "no_shard",
     compile: bool | str | Callable[..., Any] = False,
+    fault_tolerance: fault_lib.FaultTolerance | None = None,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -370,7 +378,8 @@ def init(
       model: holds the initial weights, identical on every rank; a meta-device model gives a
         state without values that ``restore`` must fill.
       opt: a pure optimizer from ``funcshard.optim``.
-      mesh: from ``make_mesh``.
+      mesh: from ``make_mesh``; with a tensor axis, DTensor params on ``mesh["tensor"]``
+        have their local shards sharded over the data-parallel axes (docs/tensor-parallel.md).
       policy: mixed precision; default fp32 masters and grads, the model's compute dtype.
       strategy: "no_shard" | "optim" | "optim_grads" | "optim_grads_params".
       offload_fraction: share of this rank's optimizer numel stepped on the CPU.
@@ -392,13 +401,19 @@ def init(
         runs each gather unit's module compiled (the user's own ``module.compile()`` where
         there is one), its gather and reduce around the compiled call (see
         :mod:`funcshard.compiling`); recorded in the state's static metadata (``state.compile``).
+      fault_tolerance: this rank's replica group joins the others through torchft
+        (:mod:`funcshard.fault`): every step averages the gradients over the groups of its
+        quorum. A group behind its peers (one that restarts) heals from a live peer here: the
+        state returned, step included, is bitwise theirs.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
         or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
         "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``; under
-        ZeRO-2/3, a model compiled as a whole around its gather units (compile the units).
+        ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
+        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model.
       TypeError: ``compile`` neither a bool, a backend name nor a callable.
+      ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
     """
     if not isinstance(opt, Optimizer):
         raise TypeError(
@@ -407,7 +422,9 @@ def init(
         )
     backend = backend_of(compile, deterministic=deterministic)
     policy = policy or MixedPrecisionPolicy()
-    named = dict(model.named_parameters())
+    tensor = tp_lib.read_model(model, mesh_lib.tensor_axis(mesh))
+    named = tp_lib.local_params(model)
+    fault_lib.check_init(fault_tolerance, outer_strategy, named)
     layout = build_layout(
         {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
         model=model,
@@ -419,37 +436,62 @@ def init(
         partition=opt.partition,
         deterministic=deterministic,
         outer_strategy=outer_strategy,
+        tensor=tensor,
     )
     if layout.strategy.runs_units:
         check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
     if layout.hierarchical:
-        mesh_lib.master_group(mesh)  # made here, where every rank is: a collective
+        mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
     master = _pack_masters(layout, named)
     fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
     loss_scale = LossScale(float(policy.loss_scale_init), 0) if fp16 else None
-    return TrainState(
+    replicas = None
+    if fault_tolerance is not None:
+        replicas = fault_lib.Replicas(fault_tolerance, layout.device)
+    state = TrainState(
         master=master,
         compute=derive_compute(layout, master),
         opt_state=opt.init(layout.per_bucket(master)),
         step=0,
         loss_scale=loss_scale,
-        static=_Static(layout, opt, backend),
+        static=_Static(layout, opt, backend, replicas),
     )
+    if replicas is None:
+        return state
+    received = replicas.join(lambda: state_dict(state), step=0)
+    return state if received is None else load_state_dict(state, received)
 
 
-def describe(state: TrainState) -> str:
-    """A short human-readable summary of a state's layout and memory on this rank."""
-    layout = state.layout
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
-    opt_leaves = [t for t in tree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
-    lines = [
-        f"strategy={layout.strategy} outer_strategy={layout.outer} "
-        f"mesh={tuple(layout.mesh.shape)} shard_size={layout.shard_size}",
-        f"params={len(layout.leaves)} buckets={len(layout.buckets)} units={len(layout.units)}",
-        f"offload_fraction requested={layout.offload_fraction:.3f} "
-        f"achieved={layout.achieved_offload_fraction():.3f} "
-        f"(buckets on cpu: {sum(b.offload for b in layout.buckets)}/{len(layout.buckets)})",
-        f"bytes: master={nbytes(state.master)} compute={nbytes(state.compute)} "
-        f"opt_state={nbytes(opt_leaves)}",
+def state_dict(state: TrainState) -> dict[str, Any]:
+    """What a healing replica group receives: every value of ``state`` but the derived
+    compute copies (masters, optimizer state, step, loss scale; offloaded parts included)."""
+    leaves = optree.tree_leaves(state.opt_state, none_is_leaf=True, namespace=NAMESPACE)
+    ls = state.loss_scale
+    return {
+        "master": list(state.master),
+        "opt_state": list(leaves),
+        "step": state.step,
+        "loss_scale": None if ls is None else [ls.scale, ls.good_steps],
+    }
+
+
+def load_state_dict(state: TrainState, received: dict[str, Any]) -> TrainState:
+    """``state`` (donated) with a peer's values (:func:`state_dict`) copied into its buffers
+    and the compute copies derived from them."""
+    d = state.donate("heal")
+    leaves, treedef = optree.tree_flatten(d.opt_state, none_is_leaf=True, namespace=NAMESPACE)
+    pairs = enumerate(fault_lib.pairs(d.master, received, "master"))
+    master = tuple(fault_lib.copy_into(m, r, f"master[{i}]") for i, (m, r) in pairs)
+    opt = [
+        fault_lib.copy_into(x, r, f"opt_state leaf {i}") if isinstance(x, torch.Tensor) else r
+        for i, (x, r) in enumerate(fault_lib.pairs(leaves, received, "opt_state"))
     ]
-    return "\n".join(lines)
+    ls = received["loss_scale"]
+    return TrainState(
+        master=master,
+        compute=derive_compute(d.layout, master),
+        opt_state=optree.tree_unflatten(treedef, opt),
+        step=int(received["step"]),
+        loss_scale=None if ls is None else LossScale(float(ls[0]), int(ls[1])),
+        static=d.static,
+    )

@@ -23,7 +23,7 @@ from funcshard.comm import params as params_lib
 from funcshard.layout import Layout
 from funcshard.produce import LossFn, producer_for
 from funcshard.reduction import reduction_of
-from funcshard.state import LossScale, TrainState
+from funcshard.state import LossScale, TrainState, load_state_dict, state_dict
 
 __all__ = ["train_step", "full_params", "split_microbatches"]
 
@@ -88,9 +88,13 @@ def train_step(
       ``(new_state, metrics)`` with "loss" (global mean), "grad_norm" (global L2 norm of the
       averaged gradient), "nonfinite" (0 or 1), "nonfinite_params" (names, when nonfinite),
       "loss_scale" (fp16 only) and "aux" (the last microbatch's aux, if ``loss_fn`` gives one).
+      A fault-tolerant state (``fs.init(fault_tolerance=...)``) adds "replicas" (the groups
+      whose gradients the step averaged) and "committed" (0: the quorum broke during the
+      step, and the state returned holds the input's values, loss scale included).
     """
     layout = state.layout
     _check_steppable(state)
+    state = _quorum(state)
     reduction = reduction_of(layout)
     reduction.check_microbatches(layout.dp_size, microbatches)
     ls = state.loss_scale
@@ -100,7 +104,7 @@ def train_step(
     # last one's backward (ZeRO-2/3) issues replicate reductions as bucket sums become final
     producer = producer_for(layout.inner, state.master, state.compute, state.compile)
     summed = reduction.microbatch_sum(microbatches)
-    replicate = grads_lib.ReplicateAxis(layout)
+    replicate = grads_lib.ReplicateAxis(layout, across=state.replicas)
     parts = split_microbatches(batch, microbatches)
     losses, aux = [], None
     for k, mb in enumerate(parts):
@@ -121,13 +125,60 @@ def train_step(
     norm = float(reduction.global_norm(layout, grads))
     finite = math.isfinite(norm)
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
-    metrics = _metrics(reduction.mean_loss(layout, losses), norm, new_ls, aux)
+    loss, apart = reduction.mean_loss(layout, losses, _tensor_group_apart(layout, losses))
+    if apart:  # before anything is donated: the state stays usable
+        raise ValueError(
+            "train_step: the ranks of a tensor group passed different batches (their losses "
+            "differ); every rank of a tensor group must pass the same local batch: split the "
+            "global batch by the data-parallel index (replicate * shard), not the global rank"
+        )
+    metrics = _metrics(loss, norm, new_ls, aux)
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
+    if not _committed(state, metrics):  # the input's values, loss scale included
+        return state.donate("train_step").state(), metrics
     donated = dataclasses.replace(state.donate("train_step"), loss_scale=new_ls)
     if not finite:  # nothing but the loss scale changes
         return donated.state(), metrics
     return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
+
+
+def _quorum(state: TrainState) -> TrainState:
+    """A fault-tolerant state's quorum for this step: the state itself, or (this group was
+    behind its peers) the peers' state, received into its buffers."""
+    replicas = state.replicas
+    if replicas is None:
+        return state
+    received = replicas.quorum(lambda: state_dict(state), state.step)
+    return state if received is None else load_state_dict(state, received)
+
+
+def _committed(state: TrainState, metrics: dict[str, Any]) -> bool:
+    """Whether the step may change the state (always, but for a fault-tolerant step the
+    quorum's groups did not all finish: torchft's ``should_commit``); its metrics."""
+    replicas = state.replicas
+    if replicas is None:
+        return True
+    metrics["loss"] = replicas.mean(metrics["loss"])
+    metrics["replicas"] = replicas.size
+    metrics["committed"] = int(replicas.commit())
+    return bool(metrics["committed"])
+
+
+def _tensor_group_apart(layout: Layout, losses: list[torch.Tensor]) -> float | None:
+    """1.0 where this rank's tensor group passed different batches, else 0.0 (None: no tensor
+    group). Torch TP's rule is one batch per tensor group; their losses, one float64 each
+    all-gathered over "tensor", then agree to far below what another batch gives (1e-3
+    relative: their bits may differ where the model's reductions round apart). The flag then
+    travels with the loss over the data-parallel world, so every rank raises, or none."""
+    tensor = layout.tensor
+    if tensor is None or tensor.size == 1:
+        return None
+    local = torch.stack([loss.double() for loss in losses]).sum().reshape(1).to(layout.device)
+    every = ops.all_gather(local, tensor.group, axis=ops.Axis.TENSOR, kind="metrics").tolist()
+    if not all(math.isfinite(v) for v in every):
+        return 0.0  # a nonfinite loss: the step is skipped as any other
+    return float(max(every) - min(every) > 1e-3 * max(abs(v) for v in every))
 
 
 def _check_steppable(state: TrainState) -> None:
@@ -156,7 +207,8 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     """Every parameter's full tensor in the model's dtype, on every rank (a collective).
 
     Tied weights appear under each of their names (as in ``model.state_dict()``), as the
-    same tensor.
+    same tensor. A tensor-parallel parameter comes as its global tensor (plain
+    ``torch.Tensor``), gathered over "tensor" too.
     """
     layout = state.layout
     if not state.filled:
@@ -169,6 +221,8 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         full = params_lib.gather_shards(layout, bucket, local)
         for spec in layout.bucket_leaves(bucket):
             out[spec.name] = shard_lib.full_view(full, spec, layout.shard_size)
+    if layout.tensor is not None:  # global tensors of the local shards
+        out = {n: layout.tensor.full(n, t) for n, t in out.items()}
     named = {n: out[n] for n in layout.names}
     named.update({alias: out[name] for alias, name in layout.aliases})
     return named

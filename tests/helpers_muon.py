@@ -1,13 +1,20 @@
 """The Muon recipe the Muon tests share: Muon on the hidden matrices, AdamW on the rest.
 
-Used by ``test_muon.py`` (against torch) and ``test_comm.py`` (Muon's exchange bytes against
-``fs.plan``). The model has ``D_IN`` = 40 inputs so that every matrix's gradient has full rank
-(``test_muon.py``'s docstring says why).
+Used by ``test_muon.py`` (against torch), ``test_tp_muon.py`` (tensor parallel) and
+``test_comm.py`` (Muon's exchange bytes against ``fs.plan``). The model has ``D_IN`` = 40 inputs
+so that every matrix's gradient has full rank (``test_muon.py``'s docstring says why).
+``fp32_iterations`` makes torch's Muon and ours orthogonalize with ``ns_fp32_iterations``, so
+that end-to-end tolerances hold on every CPU (``test_muon.py``'s docstring).
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 import funcshard as fs
+from funcshard.optim import matrices as muon_lib
 
 STEPS = 4
 LOCAL_ROWS = 24
@@ -37,3 +44,44 @@ def ours() -> fs.optim.Optimizer:
             lambda name, shape: "muon" if is_muon(name, shape) else "adamw",
         ),
     )
+
+
+def movement_err(ours: dict, ref: dict, init: dict) -> float:
+    """The largest ``|ours - ref| / |ref - init|`` over the parameters (the movement's error)."""
+    return max(
+        float(
+            (ours[n].double() - ref[n].double()).norm()
+            / ((ref[n].double() - init[n].double()).norm() + 1e-12)
+        )
+        for n in ref
+    )
+
+
+def ns_fp32_iterations(
+    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalization with its bf16 input and output, iterating in fp32."""
+    a, b, c = coefficients
+    x = update.bfloat16().float()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).contiguous().bfloat16()
+
+
+@contextlib.contextmanager
+def fp32_iterations():
+    """torch's Muon and ours both orthogonalize with ``ns_fp32_iterations``."""
+    theirs = torch.optim._muon._zeropower_via_newtonschulz
+    mine = muon_lib.newton_schulz
+    torch.optim._muon._zeropower_via_newtonschulz = ns_fp32_iterations
+    muon_lib.newton_schulz = ns_fp32_iterations
+    try:
+        yield
+    finally:
+        torch.optim._muon._zeropower_via_newtonschulz = theirs
+        muon_lib.newton_schulz = mine

@@ -35,7 +35,6 @@ Two kinds of checks:
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 import torch
@@ -46,7 +45,20 @@ import funcshard as fs
 from funcshard.optim import matrices as muon_lib
 
 import models
-from helpers_muon import ADAM_LR, CLIP, D_IN, LOCAL_ROWS, LR, STEPS, WD, is_muon, ours, schedule
+from helpers_muon import (
+    ADAM_LR,
+    CLIP,
+    D_IN,
+    LOCAL_ROWS,
+    LR,
+    STEPS,
+    WD,
+    fp32_iterations,
+    is_muon,
+    movement_err,
+    ours,
+    schedule,
+)
 
 TOL, FAR = 2e-2, 0.3
 
@@ -82,46 +94,6 @@ def reference(model: nn.Module, rows: int, steps: int = STEPS, adamw_only: bool 
         d_in=D_IN,
     )
     return run["params"]
-
-
-def movement_err(ours: dict, ref: dict, init: dict) -> float:
-    return max(
-        float(
-            (ours[n].double() - ref[n].double()).norm()
-            / ((ref[n].double() - init[n].double()).norm() + 1e-12)
-        )
-        for n in ref
-    )
-
-
-def ns_fp32_iterations(
-    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
-) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalization with its bf16 input and output, iterating in fp32."""
-    a, b, c = coefficients
-    x = update.bfloat16().float()
-    tall = update.size(0) > update.size(1)
-    if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x.T if tall else x).contiguous().bfloat16()
-
-
-@contextlib.contextmanager
-def fp32_iterations():
-    """torch's Muon and ours both orthogonalize with ``ns_fp32_iterations`` (module docstring)."""
-    theirs = torch.optim._muon._zeropower_via_newtonschulz
-    mine = muon_lib.newton_schulz
-    torch.optim._muon._zeropower_via_newtonschulz = ns_fp32_iterations
-    muon_lib.newton_schulz = ns_fp32_iterations
-    try:
-        yield
-    finally:
-        torch.optim._muon._zeropower_via_newtonschulz = theirs
-        muon_lib.newton_schulz = mine
 
 
 def _train(state, model, steps, microbatches: int = 1, rows: int | None = None):

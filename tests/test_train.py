@@ -134,6 +134,7 @@ def test_text_source_windows_come_from_the_file(tmp_path):
         (["--param_dtype=bf17"], "--param_dtype"),
         (["--grad_chunks=3"], "--grad_chunks=3 gradient chunks per step do not split over 2"),
         (["--param_comm_dtype=int4"], "--param_comm_dtype"),
+        (["--tensor=2", "--n_head=3"], "--n_head=3 must be divisible by --tensor=2"),
     ],
 )
 def test_bad_flags_fail_before_launching_and_name_the_flag(args, flag):
@@ -353,3 +354,22 @@ def test_train_compiles_its_blocks_with_the_eager_runs_results(tmp_path):
     ]
     assert "first step" in log and "compiling the blocks: aot_eager" in log, log[-2000:]
     assert all(r["step_s"] > 0 for r in compiled + eager)
+
+
+def test_train_with_tensor_parallel_blocks_equals_the_data_parallel_run(tmp_path):
+    """``--tensor=2 --nproc=4`` (each block's heads and MLP split by ``gpt.tensor_plan``, a
+    tensor group sharing its batch: the same 2 data-parallel ranks) trains as ``--nproc=2``:
+    the same losses and grad norms to fp32 rounding (TP changes the matmuls' summation order
+    only), and the held-out loss of the full params."""
+    runs = {}
+    for name, args in {"dp": ["--nproc=2"], "tp": ["--nproc=4", "--tensor=2"]}.items():
+        out_dir = tmp_path / name
+        out = _train(*args, "--steps=3", *TINY, "--param_dtype=fp32", f"--out_dir={out_dir}")
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[name] = _rows(out_dir)
+    (dp_rows, dp_final), (tp_rows, tp_final) = runs["dp"], runs["tp"]
+    for a, b in zip(dp_rows, tp_rows, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert tp_rows[0]["comm_by_axis"].get("tensor", 0) > 0  # the norm's sum over "tensor"
+    assert dp_final["final_loss"] == pytest.approx(tp_final["final_loss"], rel=1e-5)

@@ -71,9 +71,18 @@ class Agreement:
 
     @classmethod
     def of(cls, layout: Layout) -> Agreement:
-        """The state's world: every rank of its mesh."""
+        """The state's world: every rank of its mesh (and of its tensor axis: the layout's
+        mesh is then this tensor rank's data-parallel submesh, the world all of them)."""
         if not dist.is_initialized():
             raise RuntimeError("checkpoints are collective: torch.distributed must be initialized")
+        if layout.tensor is not None:
+            size = layout.mesh.size() * layout.tensor.size
+            if size != dist.get_world_size():
+                raise ValueError(
+                    f"checkpoints of a tensor-parallel state need its mesh to span the world "
+                    f"({size} of {dist.get_world_size()} ranks)"
+                )
+            return cls(dist.group.WORLD, layout.device)
         return cls(mesh_lib.world_group(layout.mesh), layout.device)
 
     @property
@@ -385,6 +394,8 @@ class Saver:
         arrays, scalars = tree_lib.plan_writes(
             state, stage=background, chunk_bytes=self.chunk_bytes
         )
+        if state.layout.tensor is not None:  # chunks that no two tensor ranks share
+            tree_lib.align_chunks(arrays, agreement.group, self.chunk_bytes)
         tmp = start(final, agreement)
         info = tree_lib.info(state)
         job = _Job(final, tmp, item, arrays, scalars, info, started, after_commit)

@@ -134,11 +134,14 @@ class DCPSource:
         items: list[ReadItem] = []
         targets: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         copies = []
-        for keys, start, stop, out in requests:
+        for keys, start, stop, out, box in requests:
             md, fqn = self.tensor_metadata(keys), self.fqn[keys]
             shape = tuple(md.size)
-            offsets = (start, *(0 for _ in shape[1:])) if shape else ()
-            sizes = (stop - start, *shape[1:]) if shape else ()
+            offsets = [start, *(0 for _ in shape[1:])] if shape else []
+            sizes = [stop - start, *shape[1:]] if shape else []
+            if box is not None:  # a tensor-parallel shard's block
+                offsets[box[0]], sizes[box[0]] = box[1], box[2] - box[1]
+            offsets, sizes = tuple(offsets), tuple(sizes)
             direct = out.dtype == md.properties.dtype and out.is_contiguous()
             buf = out if direct else torch.empty(out.shape, dtype=md.properties.dtype)
             targets[(fqn, offsets)] = buf.view(sizes)

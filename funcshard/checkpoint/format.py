@@ -131,9 +131,14 @@ def chunk_rows(piece_rows: int, row_bytes: int, chunk_bytes: int = CHUNK_BYTES) 
     return min(divs, key=lambda d: abs(math.log(d * row_bytes / chunk_bytes)))
 
 
-def zarr_metadata(shape: Sequence[int], dtype: str, rows_per_chunk: int) -> dict:
-    """The ``.zarray`` of one leaf (``dtype`` a zarr dtype string)."""
+def zarr_metadata(
+    shape: Sequence[int], dtype: str, rows_per_chunk: int, split: tuple[int, int] | None = None
+) -> dict:
+    """The ``.zarray`` of one leaf (``dtype`` a zarr dtype string); ``split``: ``(dim,
+    width)`` of chunks also split along a dim >= 1 (a tensor-parallel leaf's blocks)."""
     chunks = [rows_per_chunk, *(max(d, 1) for d in shape[1:])] if shape else []
+    if split is not None:
+        chunks[split[0]] = split[1]
     return {
         "zarr_format": 2,
         "shape": list(shape),
@@ -147,11 +152,17 @@ def zarr_metadata(shape: Sequence[int], dtype: str, rows_per_chunk: int) -> dict
     }
 
 
-def chunk_file(index: int, ndim: int, separator: str = ".") -> str:
-    """The chunk file of the ``index``-th row chunk (every other dim has one chunk)."""
+def chunk_file(
+    index: int, ndim: int, separator: str = ".", at: tuple[int, int] | None = None
+) -> str:
+    """The chunk file of the ``index``-th row chunk (every other dim has one chunk, but for
+    ``at``: ``(dim, index)`` of a chunk split along that dim too)."""
     if ndim == 0:
         return "0"
-    return str(index) + (separator + "0") * (ndim - 1)
+    parts = [str(index)] + ["0"] * (ndim - 1)
+    if at is not None:
+        parts[at[0]] = str(at[1])
+    return separator.join(parts)
 
 
 def scalar_dtype(value: int | float) -> str:

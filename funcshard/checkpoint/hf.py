@@ -20,6 +20,7 @@ from funcshard.checkpoint import commit as commit_lib
 from funcshard.checkpoint import safetensors as st
 from funcshard.checkpoint import stats
 from funcshard.checkpoint import tree as tree_lib
+from funcshard.checkpoint.coords import Coords, segments
 from funcshard.checkpoint.format import Keys, fsync_dir
 from funcshard.checkpoint.sources import ReadRequest
 from funcshard.state import TrainState
@@ -75,24 +76,25 @@ class SafetensorsSource:
     def read_into(self, requests: Sequence[ReadRequest]) -> None:
         fds: dict[str, int] = {}
         try:
-            for keys, start, stop, out in requests:
+            for keys, start, stop, out, box in requests:
                 t = self.tensors[keys]
-                row_bytes = math.prod(t.shape[1:]) * t.dtype.itemsize
                 direct = out.device.type == "cpu" and out.is_contiguous() and out.dtype == t.dtype
                 buf = out if direct else torch.empty(out.shape, dtype=t.dtype)
-                view = memoryview(buf.view(torch.uint8).numpy()).cast("B") if buf.numel() else b""
-                n = (stop - start) * row_bytes
+                view = memoryview(buf.view(torch.uint8).numpy()).cast("B") if buf.numel() else None
                 if t.file not in fds:
                     fds[t.file] = os.open(t.file, os.O_RDONLY)
-                got = os.preadv(fds[t.file], [view], t.offset + start * row_bytes) if n else 0
-                if got != n:
-                    raise OSError(
-                        f"restore: {t.file}: {keys[-1]} is short ({got} of {n} bytes "
-                        f"at rows {start}:{stop})"
-                    )
+                at = 0  # the rows' bytes, or the box's runs (one a row)
+                for offset, n in segments(t.shape, t.dtype.itemsize, start, stop, box):
+                    got = os.preadv(fds[t.file], [view[at : at + n]], t.offset + offset)
+                    if got != n:
+                        raise OSError(
+                            f"restore: {t.file}: {keys[-1]} is short ({got} of {n} bytes "
+                            f"at rows {start}:{stop})"
+                        )
+                    at += n
                 if not direct:
                     out.copy_(buf)
-                stats.count(True, n)
+                stats.count(True, at)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -141,9 +143,12 @@ def export_safetensors(
         raise ValueError(f"export_safetensors: dtype {dtype} has no safetensors code")
     layout = state.layout
     specs = {s.name: s for s in layout.leaves}
-    entries = [st.Entry(s.name, s.name, dtype or s.dtypes.model, s.shape) for s in layout.leaves]
+    shapes = {s.name: Coords(layout.tensor).shape(s.name, s.shape) for s in layout.leaves}
+    entries = [
+        st.Entry(s.name, s.name, dtype or s.dtypes.model, shapes[s.name]) for s in layout.leaves
+    ]
     entries += [
-        st.Entry(a, p, dtype or specs[p].dtypes.model, specs[p].shape) for a, p in layout.aliases
+        st.Entry(a, p, dtype or specs[p].dtypes.model, shapes[p]) for a, p in layout.aliases
     ]
     files = st.plan_files(entries, max_shard_bytes)
     names = st.file_names(len(files))
@@ -181,9 +186,11 @@ def _write_rows(
     headers: list[tuple[bytes, list[int]]],
     files: list[list[st.Entry]],
 ) -> None:
-    """This rank's rows of every entry, at their offsets, then fsync of every file."""
+    """This rank's rows of every entry (a tensor-parallel shard's rows or block of the full
+    tensor), at their offsets, then fsync of every file."""
     layout = state.layout
     writers = tree_lib.Writers.of(layout)
+    coords = Coords(layout.tensor)
     r = layout.shard_rank
     specs = {s.name: s for s in layout.leaves}
     for name, (head, offsets), entries in zip(names, headers, files, strict=True):
@@ -192,17 +199,24 @@ def _write_rows(
             for e, offset in zip(entries, offsets, strict=True):
                 spec = specs[e.param]
                 start, stop, _ = writers.rows(spec)
-                if stop <= start:
+                if stop <= start or not coords.writes(spec.name):
                     continue
                 flat = state.master[spec.bucket]
                 rows = writers.local_rows(flat, spec, r, start, stop)
                 data = rows.detach().to("cpu", e.dtype).contiguous()
                 buf = memoryview(data.view(torch.uint8).numpy()).cast("B")
-                at = len(head) + offset + start * spec.row_numel * e.dtype.itemsize
-                done = 0
-                while done < len(buf):
-                    done += os.pwrite(fd, buf[done:], at + done)
+                start, stop, box = coords.rows(spec.name, start, stop)
+                at = 0
+                for where, n in segments(e.shape, e.dtype.itemsize, start, stop, box):
+                    _pwrite_all(fd, buf[at : at + n], len(head) + offset + where)
+                    at += n
                 stats.count(False, len(buf))
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _pwrite_all(fd: int, buf: memoryview, at: int) -> None:
+    done = 0
+    while done < len(buf):
+        done += os.pwrite(fd, buf[done:], at + done)

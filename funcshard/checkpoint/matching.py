@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from funcshard.checkpoint.coords import Coords
 from funcshard.checkpoint.format import FLOAT_NAMES, Keys, param_dir
 from funcshard.checkpoint.sources import Source
 from funcshard.checkpoint.tree import (
@@ -55,14 +56,18 @@ def _closest(
 def expected_arrays(like: TrainState, model_only: bool) -> dict[Keys, tuple[int, ...]]:
     """Every array ``like``'s layout reads, by key, with its full shape."""
     layout = like.layout
-    out: dict[Keys, tuple[int, ...]] = {("params", s.name): s.shape for s in layout.leaves}
+    coords = Coords(layout.tensor)  # a tensor-parallel state's arrays are global
+    out: dict[Keys, tuple[int, ...]] = {
+        ("params", s.name): coords.shape(s.name, s.shape) for s in layout.leaves
+    }
     if not model_only:
         paths, _ = opt_layout(like.opt_state, len(layout.buckets))
         blocks = opt_blocks(like.opt_state, len(layout.buckets))
         for p, present in paths.items():
             for s in layout.leaves:
                 if present[s.bucket]:
-                    out[("opt_state", *p, s.name)] = spec_in(s, blocks.get(p), s.bucket).shape
+                    local = spec_in(s, blocks.get(p), s.bucket).shape
+                    out[("opt_state", *p, s.name)] = coords.shape(s.name, local, p in blocks)
     return out
 
 

@@ -9,6 +9,7 @@ import concurrent.futures
 import math
 import os
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from funcshard.checkpoint import checksums as checksums_lib
 from funcshard.checkpoint import stats
+from funcshard.checkpoint.coords import Box, box_slices, read_box, split_of
 from funcshard.checkpoint.format import (
     CHECKPOINT_METADATA_FILE,
     COMMIT_FILE,
@@ -236,19 +238,22 @@ class OrbaxSource:
                     and not md.get("filters")
                     and md.get("order") == "C"
                     and md["dtype"] in NUMPY_DTYPE
-                    and chunks[1:] == [max(d, 1) for d in shape[1:]]
+                    and split_of(shape, chunks) is not False
                     and (chunks or not shape)
                     and all(isinstance(d, int) and d >= 0 for d in shape)
                     and all(isinstance(c, int) and c > 0 for c in chunks)
                 )
             except (KeyError, TypeError) as e:
                 raise ValueError(f"restore: {path} lacks {e}; the checkpoint is damaged") from None
+            if simple:
+                md["_split"] = split_of(shape, chunks)
             if not simple:
                 if self.checksums is not None:
                     raise ValueError(
                         f"restore: {path} is not the plain zarr v2 funcshard writes "
-                        "(uncompressed, no filters, C order, a known dtype, chunked along dim "
-                        f"0 only), though the checkpoint has {checksums_lib.CHECKSUM_FILE}: "
+                        "(uncompressed, no filters, C order, a known dtype, chunked along dim 0 "
+                        "and at most one other dim, evenly), though the checkpoint has "
+                        f"{checksums_lib.CHECKSUM_FILE}: "
                         "its data would be read unverified; the checkpoint is damaged"
                     )
                 md = None
@@ -294,52 +299,63 @@ class OrbaxSource:
 
     # --- data ----------------------------------------------------------------------------------
 
-    def _pread_rows(self, keys: Keys, start: int, stop: int, buf: memoryview) -> bool:
-        """Rows ``[start, stop)`` of a simple array into ``buf``, verified against the recorded
-        checksums when there are some; False when a chunk file is absent from a checkpoint
-        funcshard did not write (Orbax omits fill-value chunks).
+    def _pread_rows(
+        self, keys: Keys, start: int, stop: int, buf: memoryview, box: Box | None = None
+    ) -> bool:
+        """Rows ``[start, stop)`` (and ``box``) of a simple array into ``buf``, verified
+        against the recorded checksums when there are some; False when a chunk file is absent
+        from a checkpoint funcshard did not write (Orbax omits fill-value chunks).
 
         Raises:
           ChecksumError: the bytes read differ from those written (naming leaf, file, range).
         """
         md = self._zarray[keys]
         assert md is not None
+        if md["_split"] is not None or box is not None:
+            return read_box(md, start, stop, buf, box, partial(self._read_chunk, keys))
         shape = md["shape"]
-        item = NUMPY_DTYPE[md["dtype"]].itemsize
-        row_bytes = math.prod(shape[1:]) * item
+        row_bytes = math.prod(shape[1:]) * NUMPY_DTYPE[md["dtype"]].itemsize
         chunk = md["chunks"][0] if shape else 1
         rows = shape[0] if shape else 1
-        sep = md.get("dimension_separator", ".")
-        leaf_name = self._leaf_dir(keys)
-        leaf = os.path.join(self.directory, leaf_name)
-        recorded = None if self.checksums is None else self.checksums.get(leaf_name, {})
         if row_bytes == 0:  # nothing to read (tensorstore writes no chunk of no bytes)
             return True
         at = 0
         for k in range(start // chunk, (stop - 1) // chunk + 1):
             lo = (max(start, k * chunk) - k * chunk) * row_bytes
             hi = (min(stop, (k + 1) * chunk) - k * chunk) * row_bytes
-            name = chunk_file(k, len(shape), sep)
-            path = os.path.join(leaf, name)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                if self.info is not None or recorded is not None:  # funcshard wrote every chunk
-                    raise FileNotFoundError(
-                        f"{self.directory}: chunk {k} of {leaf_name} is missing"
-                    ) from None
+            size = (min(rows, (k + 1) * chunk) - k * chunk) * row_bytes
+            name = chunk_file(k, len(shape), md.get("dimension_separator", "."))
+            if not self._read_chunk(keys, name, k, (lo, hi, size), buf[at : at + hi - lo]):
                 return False
-            try:
-                out = buf[at : at + hi - lo]
-                if recorded is None:
-                    _pread(fd, out, lo, leaf_name, k)
-                else:
-                    size = (min(rows, (k + 1) * chunk) - k * chunk) * row_bytes
-                    crcs = recorded.get(name, [])
-                    self._pread_verified(fd, out, lo, hi, size, crcs, leaf_name, path)
-            finally:
-                os.close(fd)
             at += hi - lo
+        return True
+
+    def _read_chunk(
+        self, keys: Keys, name: str, k: int, span: tuple[int, int, int], out: memoryview
+    ) -> bool:
+        """Bytes ``[lo, hi)`` of chunk file ``name`` (of ``size`` real bytes; ``span``) into
+        ``out``, verified when there are checksums; False when it is absent from a
+        checkpoint funcshard did not write."""
+        lo, hi, size = span
+        leaf_name = self._leaf_dir(keys)
+        path = os.path.join(self.directory, leaf_name, name)
+        recorded = None if self.checksums is None else self.checksums.get(leaf_name, {})
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if self.info is not None or recorded is not None:  # funcshard wrote every chunk
+                raise FileNotFoundError(
+                    f"{self.directory}: chunk {k} of {leaf_name} is missing"
+                ) from None
+            return False
+        try:
+            if recorded is None:
+                _pread(fd, out, lo, leaf_name, k)
+            else:
+                crcs = recorded.get(name, [])
+                self._pread_verified(fd, out, lo, hi, size, crcs, leaf_name, path)
+        finally:
+            os.close(fd)
         return True
 
     def _pread_verified(
@@ -370,7 +386,7 @@ class OrbaxSource:
             stats.count_verified(b - a - (hi - lo))
 
     def _read_one(self, req: ReadRequest) -> int:
-        keys, start, stop, out = req
+        keys, start, stop, out, box = req
         md = self._simple(keys)
         if md is not None:
             np_dtype = NUMPY_DTYPE[md["dtype"]]
@@ -381,17 +397,22 @@ class OrbaxSource:
             )
             if direct:
                 buf = memoryview(out.view(torch.uint8).numpy()).cast("B")
-                if self._pread_rows(keys, start, stop, buf):
+                if self._pread_rows(keys, start, stop, buf, box):
                     return len(buf)
             else:
-                shape = md["shape"]
-                tmp = np.empty((stop - start, *shape[1:]), dtype=np_dtype)
-                if self._pread_rows(keys, start, stop, memoryview(tmp.reshape(-1).view(np.uint8))):
+                shape = [stop - start, *md["shape"][1:]]
+                if box is not None:
+                    shape[box[0]] = box[2] - box[1]
+                tmp = np.empty(shape, dtype=np_dtype)
+                bytes_view = memoryview(tmp.reshape(-1).view(np.uint8))
+                if self._pread_rows(keys, start, stop, bytes_view, box):
                     copy_rows(out, to_torch(tmp, self._leaf_dir(keys)))
                     return tmp.nbytes
         self._ts([keys])
         arr = self._open[keys]
-        a = np.asarray((arr[start:stop] if arr.ndim else arr).read().result())
+        a = np.asarray(
+            (arr[box_slices(arr.ndim, start, stop, box)] if arr.ndim else arr).read().result()
+        )
         copy_rows(out, to_torch(a, self._leaf_dir(keys)))
         return a.nbytes
 

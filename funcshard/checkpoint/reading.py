@@ -12,6 +12,7 @@ import torch
 
 from funcshard import sharding as shard_lib
 from funcshard.buckets import BlockScales, PerBucket, scale_index
+from funcshard.checkpoint.coords import Coords
 from funcshard.checkpoint.format import Keys
 from funcshard.checkpoint.matching import conversions
 from funcshard.checkpoint.sources import ReadRequest, Source
@@ -51,6 +52,7 @@ def _fill(
     """Copies this rank's real rows of every leaf from ``source`` into the bucket flats and
     zeroes their padding rows (leaves in ``skip``: padding only; they are converted)."""
     r = layout.shard_rank
+    coords = Coords(layout.tensor)
     blocks = getattr(flats, "blocks", None)
     requests = []
     for bucket, flat in zip(layout.buckets, flats, strict=True):
@@ -63,11 +65,12 @@ def _fill(
             flat[spec.offset + real : spec.offset + spec.shard_numel].zero_()
             if stop > start and (*prefix, spec.name) not in skip:
                 keys = (*prefix, spec.name)
-                requests.append(
-                    ReadRequest(
-                        keymap.get(keys, keys), start, stop, shard_lib.rows_view(flat, spec, r)
-                    )
-                )
+                out = shard_lib.rows_view(flat, spec, r)
+                if blocks is None:  # this tensor rank's part of the global array
+                    start, stop, box = coords.rows(spec.name, start, stop)
+                else:
+                    start, stop, box = coords.scale_rows(spec.name, start, stop, spec.row_numel)
+                requests.append(ReadRequest(keymap.get(keys, keys), start, stop, out, box))
     source.read_into(requests)
 
 
@@ -152,6 +155,7 @@ def _convert_moments(
     """Fills the moments stored 8-bit on one side only: this rank's rows are read as stored,
     dequantized to fp32 (with the source's scales) and cast, or quantized (scales computed)."""
     n, r = len(layout.buckets), layout.shard_rank
+    coords = Coords(layout.tensor)
     parts: dict[Keys, PerBucket] = {}
     map_opt(opt_state, n, lambda p, x: parts.__setitem__(("opt_state", *p), x), lambda p, x: x)
     found = source.arrays()
@@ -167,12 +171,19 @@ def _convert_moments(
         shape = (stop - start, *spec.shape[1:])
         dtype_name = found[keys][1]
         src = torch.empty(shape, dtype=_TORCH_8BIT.get(dtype_name, torch.float32))
-        requests.append(ReadRequest(keys, start, stop, src))
+        g_start, g_stop, box = coords.rows(spec.name, start, stop)
+        requests.append(ReadRequest(keys, g_start, g_stop, src, box))
         src_scales = None
         if scale_src is not None:
+            if box is not None:
+                raise NotImplementedError(
+                    f"checkpoint: {'/'.join(scale_src)}: converting the 8-bit moment of "
+                    f"{spec.name!r}, split over the tensor axis along a dim >= 1, to another "
+                    "moment dtype; restore it with the moment dtypes it was saved with"
+                )
             cols = found[scale_src][0][1]
             src_scales = torch.empty(stop - start, cols, dtype=torch.float32)
-            requests.append(ReadRequest(scale_src, start, stop, src_scales))
+            requests.append(ReadRequest(scale_src, g_start, g_stop, src_scales))
         jobs.append((keys, spec, src, src_scales))
     source.read_into(requests)
     for keys, spec, src, src_scales in jobs:

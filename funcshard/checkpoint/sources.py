@@ -24,12 +24,14 @@ __all__ = ["ReadRequest", "Source", "DictSource", "copy_rows"]
 
 class ReadRequest(NamedTuple):
     """Rows ``[start, stop)`` of array ``keys`` into ``out`` (shape ``(stop - start, ...)``;
-    a 0-d array is one row)."""
+    a 0-d array is one row); ``box``: only ``[lo, hi)`` along a dim >= 1, ``(dim, lo, hi)``
+    (a tensor-parallel shard's block, :mod:`funcshard.checkpoint.coords`)."""
 
     keys: Keys
     start: int
     stop: int
     out: torch.Tensor
+    box: tuple[int, int, int] | None = None
 
 
 class Source(Protocol):
@@ -74,9 +76,12 @@ class DictSource:
         return set()
 
     def read_into(self, requests: Sequence[ReadRequest]) -> None:
-        for keys, start, stop, out in requests:
+        for keys, start, stop, out, box in requests:
             t = self.tensors[keys]
-            copy_rows(out, t[start:stop] if t.dim() else t.reshape(1))
+            rows = t[start:stop] if t.dim() else t.reshape(1)
+            if box is not None:
+                rows = rows.narrow(box[0], box[1], box[2] - box[1])
+            copy_rows(out, rows)
 
     def read_scalar(self, keys: Keys) -> Any:
         raise KeyError(keys)

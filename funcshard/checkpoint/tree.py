@@ -11,6 +11,7 @@ fits a target state (``matching``) and fills the target layout's flat buffers fr
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
 from funcshard.buckets import BlockScales, PerBucket, map_parts
+from funcshard.checkpoint import coords as coords_lib
 from funcshard.checkpoint.format import (
     EIGHT_BIT_NAMES,
     FORMAT_VERSION,
@@ -37,6 +39,7 @@ __all__ = [
     "Writers",
     "ArrayWrite",
     "plan_writes",
+    "align_chunks",
 ]
 
 
@@ -132,6 +135,7 @@ def info(state: TrainState) -> dict:
         "strategy": str(layout.strategy),
         "outer_strategy": str(layout.outer),
         "mesh": list(layout.mesh.shape),
+        "tensor": 1 if layout.tensor is None else layout.tensor.size,
         "step": int(state.step),
     }
 
@@ -185,7 +189,9 @@ class ArrayWrite:
     chunk_rows: int
     start: int
     stop: int
-    data: torch.Tensor | None  # rows [start, stop); None when this rank writes none
+    data: torch.Tensor | None  # rows [start, stop) (and ``box``); None when it writes none
+    box: coords_lib.Box | None = None  # a tensor rank's block along a dim >= 1
+    split: tuple[int, int] | None = None  # (dim, chunk width) of chunks split along a dim >= 1
 
 
 def plan_writes(
@@ -201,26 +207,37 @@ def plan_writes(
     r = layout.shard_rank
     n = len(layout.buckets)
 
+    coords = coords_lib.Coords(layout.tensor)
+
     def rows_of(flats: tuple[torch.Tensor | None, ...], prefix: Keys) -> list[ArrayWrite]:
         out = []
         blocks = getattr(flats, "blocks", None)  # 8-bit scales: (rows, row_numel // block)
         for bucket, flat in zip(layout.buckets, flats, strict=True):
             if flat is None:  # this bucket has no value here
                 continue
-            for spec in layout.bucket_leaves(bucket):
-                spec = spec_in(spec, blocks, bucket.index)
-                start, stop, piece = writers.rows(spec)
-                data = None
-                if stop > start:
-                    view = writers.local_rows(flat, spec, r, start, stop).detach()
-                    data = view.to("cpu", copy=True) if stage else view
-                chunk = chunk_rows(piece, spec.row_numel * flat.element_size(), chunk_bytes)
-                out.append(
-                    ArrayWrite(
-                        (*prefix, spec.name), spec.shape, flat.dtype, chunk, start, stop, data
-                    )
-                )
+            for leaf in layout.bucket_leaves(bucket):
+                spec = spec_in(leaf, blocks, bucket.index)
+                out.append(_write_of(spec, blocks is not None, flat, prefix))
         return out
+
+    def _write_of(spec: LeafSpec, scales: bool, flat: torch.Tensor, prefix: Keys) -> ArrayWrite:
+        start, stop, piece = writers.rows(spec)
+        if not coords.writes(spec.name):  # replicated over "tensor": tensor rank 0 writes
+            start = stop = spec.rows
+        data = None
+        if stop > start:
+            view = writers.local_rows(flat, spec, r, start, stop).detach()
+            data = view.to("cpu", copy=True) if stage else view
+        split = coords.split(spec.name)
+        if scales:
+            start, stop, box = coords.scale_rows(spec.name, start, stop, spec.row_numel)
+            split = None if split is None else (1, spec.row_numel)
+        else:
+            start, stop, box = coords.rows(spec.name, start, stop)
+        shape = coords.shape(spec.name, spec.shape, scales)
+        chunk = chunk_rows(piece, spec.row_numel * flat.element_size(), chunk_bytes)
+        keys = (*prefix, spec.name)
+        return ArrayWrite(keys, shape, flat.dtype, chunk, start, stop, data, box, split)
 
     arrays = rows_of(state.master, ("params",))
     map_opt(
@@ -237,3 +254,20 @@ def plan_writes(
     order = {name: i for i, name in enumerate(layout.names)}
     arrays.sort(key=lambda a: (a.keys[:-1], order[a.keys[-1]]))
     return arrays, scalars
+
+
+def align_chunks(arrays: list[ArrayWrite], group, chunk_bytes: int) -> None:
+    """Rows per chunk of every array of a tensor-parallel state, such that no chunk has two
+    writers: a divisor of every writer's boundary, the writers of all tensor ranks (a small
+    collective of metadata on ``group``; every rank computes the same)."""
+    mine = {a.keys: (a.start, a.stop) for a in arrays if a.data is not None}
+    bounds = coords_lib.gather_bounds(group, mine)
+    for a in arrays:
+        if not a.shape:
+            continue
+        piece = coords_lib.chunk_gcd(bounds.get(a.keys, ()), a.shape[0])
+        dims = list(a.shape[1:])
+        if a.split is not None:
+            dims[a.split[0] - 1] = a.split[1]
+        row_bytes = math.prod(dims) * a.dtype.itemsize
+        a.chunk_rows = chunk_rows(piece, row_bytes, chunk_bytes)

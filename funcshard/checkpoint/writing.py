@@ -23,6 +23,7 @@ from funcshard.checkpoint.checksums import (
     info_crc,
     write_checksums,
 )
+from funcshard.checkpoint.coords import box_slices
 from funcshard.checkpoint.format import (
     METADATA_FILE,
     ZARR_DTYPE,
@@ -79,7 +80,7 @@ def write_arrays(
         spec = {
             "driver": "zarr",
             "kvstore": {"driver": "file", "path": os.path.join(item_dir, param_dir(a.keys))},
-            "metadata": zarr_metadata(a.shape, ZARR_DTYPE[a.dtype], a.chunk_rows),
+            "metadata": zarr_metadata(a.shape, ZARR_DTYPE[a.dtype], a.chunk_rows, a.split),
         }
         # one rank writes each .zarray; the others only write their chunks
         spec.update({"create": True} if is_first else {"open": True, "assume_metadata": True})
@@ -106,7 +107,8 @@ def write_arrays(
             to_sum.append((param_dir(keys), chunk_file(0, 0), byte_view(value.reshape(1))))
         elif source.data is not None:
             src = to_numpy(source.data)
-            target = arr[source.start : source.stop] if source.shape else arr
+            index = box_slices(len(source.shape), source.start, source.stop, source.box)
+            target = arr[index] if source.shape else arr
             writes.append(target.write(src.reshape(target.shape)))
             to_sum += _chunks_of(source, src)
             stats.count(False, src.nbytes)
@@ -131,7 +133,8 @@ def _chunks_of(a: tree_lib.ArrayWrite, src: np.ndarray) -> list[tuple[str, str, 
     out = []
     for lo in range(a.start, a.stop, a.chunk_rows):
         hi = min(lo + a.chunk_rows, a.stop)
-        chunk = chunk_file(lo // a.chunk_rows, len(a.shape))
+        at = None if a.split is None else (a.split[0], a.box[1] // a.split[1])
+        chunk = chunk_file(lo // a.chunk_rows, len(a.shape), at=at)
         out.append((leaf, chunk, data[(lo - a.start) * row_bytes : (hi - a.start) * row_bytes]))
     return out
 

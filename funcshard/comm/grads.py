@@ -16,10 +16,13 @@ pre-divided by the data-parallel size so the sum is the mean, and come back in
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import sharding as shard_lib
+from funcshard.comm.codec import EIGHT_BIT
 from funcshard.comm.ops import Axis, Pending
 from funcshard.comm.wires import wire_for
 from funcshard.layout import Bucket, Layout, build_layout
@@ -33,8 +36,18 @@ __all__ = [
     "reduce_replicate_axis",
     "start_reduce_replicate_axis",
     "ReplicateAxis",
+    "Across",
     "reduce_step_grads",
 ]
+
+
+class Across(Protocol):
+    """The replica groups of a fault-tolerant run (:class:`funcshard.fault.Replicas`): the
+    mean of a tensor over the groups of the step's quorum."""
+
+    def start_all_reduce(self, tensor: torch.Tensor) -> Pending:
+        """The groups' mean of ``tensor`` (read before this returns)."""
+        ...
 
 
 def reduce_shard_axis(layout: Layout, bucket: Bucket, sections: torch.Tensor) -> torch.Tensor:
@@ -67,10 +80,29 @@ def reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -
     return start_reduce_replicate_axis(layout, bucket, local).wait()
 
 
-def start_reduce_replicate_axis(layout: Layout, bucket: Bucket, local: torch.Tensor) -> Pending:
+def start_reduce_replicate_axis(
+    layout: Layout, bucket: Bucket, local: torch.Tensor, across: Across | None = None
+) -> Pending:
     """``reduce_replicate_axis`` without waiting. ``local`` is read before this returns (it
     may change while the reduction is in flight); every rank waits for the replicate group's
-    reductions in the same order (an all-reduce may all-gather at ``wait()``)."""
+    reductions in the same order (an all-reduce may all-gather at ``wait()``).
+
+    ``across`` (a fault-tolerant run): the sum over the group's own "replicate" axis is then
+    averaged over the replica groups, on the bucket's ``grad_comm_dtype`` (main grads for an
+    8-bit wire); issued now when the group has no "replicate" axis of its own, else at
+    ``wait()``."""
+    pending = _start_replicate(layout, bucket, local)
+    if across is None:
+        return pending
+    grad, comm = bucket.dtypes.grad, bucket.dtypes.comm
+    wire = grad if comm in EIGHT_BIT else comm
+    if not pending.in_flight:  # nothing in flight inside the group: on the wire now
+        mean = across.start_all_reduce(pending.wait().to(wire))
+        return Pending.then(mean, lambda out: out.to(grad))
+    return Pending.then(pending, lambda out: across.start_all_reduce(out.to(wire)).wait().to(grad))
+
+
+def _start_replicate(layout: Layout, bucket: Bucket, local: torch.Tensor) -> Pending:
     group, grad = layout.replicate_group, bucket.dtypes.grad
     wire = wire_for(layout, bucket)
     if layout.hierarchical:
@@ -108,8 +140,9 @@ class ReplicateAxis:
     count, on every rank alike): it goes after backward, and does not hold the others back.
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, across: Across | None = None) -> None:
         self.layout = layout
+        self.across = across
         self.order = tuple(reversed(range(len(layout.buckets))))
         self._next = 0  # the position in ``order`` of the next bucket to issue
         self._final: dict[int, torch.Tensor] = {}  # final, waiting for their turn
@@ -118,7 +151,9 @@ class ReplicateAxis:
         self._dropped: list[Pending] = []
         self._closed = False
         # more than one replica (else there is nothing to put on the wire early)
-        self.on_wire = torch.distributed.get_world_size(layout.replicate_group) > 1
+        self.on_wire = across is not None or (
+            torch.distributed.get_world_size(layout.replicate_group) > 1
+        )
 
     def start(self, bucket: int, shard: torch.Tensor) -> None:
         """``shard``, ``bucket``'s inner shard, is final: issues its reduction once every
@@ -135,7 +170,9 @@ class ReplicateAxis:
             if index in self._final:
                 b = self.layout.buckets[index]
                 shard = self._final.pop(index)
-                self._issued[index] = start_reduce_replicate_axis(self.layout, b, shard)
+                self._issued[index] = start_reduce_replicate_axis(
+                    self.layout, b, shard, self.across
+                )
             elif index not in self._late:
                 return
             self._next += 1
@@ -177,7 +214,7 @@ class ReplicateAxis:
         """Issues ``bucket``'s reduction on ``shard`` (after backward, in :meth:`rest`'s
         order)."""
         b = self.layout.buckets[bucket]
-        self._issued[bucket] = start_reduce_replicate_axis(self.layout, b, shard)
+        self._issued[bucket] = start_reduce_replicate_axis(self.layout, b, shard, self.across)
 
     def wait(self) -> list[torch.Tensor]:
         """Every bucket's reduced master shard, waited for in bucket order."""

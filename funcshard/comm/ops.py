@@ -40,6 +40,7 @@ class Axis(str, enum.Enum):
     SHARD = "shard"
     REPLICATE = "replicate"
     WORLD = "world"  # a group over every data-parallel rank
+    TENSOR = "tensor"  # a tensor-parallel group (what funcshard issues there: norms, Muon)
 
 
 # Their names, as ``CommStats.bytes_by_axis`` keys them.
@@ -55,8 +56,9 @@ class CommStats:
         "muon" for the exchange of whole matrices of ``fs.optim.muon``).
       calls: collective calls per kind.
       bytes_by_axis: the same bytes per mesh axis the collective ran on: "shard",
-        "replicate", or "world" (a group over every data-parallel rank: the loss, and the
-        gradients of ``no_shard``); its values sum to those of ``bytes``.
+        "replicate", "world" (a group over every data-parallel rank: the loss, and the
+        gradients of ``no_shard``) or "tensor" (funcshard's own collectives over a
+        tensor-parallel group); its values sum to those of ``bytes``.
       gathered_live: bytes of gathered (unsharded) ZeRO-3 params alive right now.
       gathered_peak: the most bytes of gathered ZeRO-3 params alive at one moment.
     """
@@ -151,6 +153,11 @@ class Pending:
         first = pending._finish
         out._finish = finish if first is None else (lambda result: finish(first(result)))
         return out
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a collective is still to be waited for (else ``wait()`` only finishes)."""
+        return self._work is not None
 
     @property
     def buffer(self) -> torch.Tensor:

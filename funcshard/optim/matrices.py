@@ -13,6 +13,12 @@ every rank is a replica) they share the matrices out by FLOPs, each runs owner-c
 share within its shard group, and one all-gather over the replicas hands every rank its rows
 of the other shares.
 
+Under tensor parallelism a matrix split over "tensor" is a local shard of a larger one. Owners
+are assigned from the GLOBAL shapes, so each tensor rank's data-parallel group gives a matrix the
+same owner index: the T owners of its shards form one tensor group. Each gathers its local
+matrix as above, they all-gather it over "tensor" along the split dim (bfloat16), every one
+orthogonalizes the full matrix (the same bits) and keeps its own shard.
+
 Everything else of the update (momentum, Nesterov, weight decay, the step itself) is elementwise
 and runs on the local rows, exactly as torch does it on the whole tensor.
 """
@@ -20,8 +26,8 @@ and runs on the local rows, exactly as torch does it on the whole tensor.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import optree
@@ -31,6 +37,7 @@ from funcshard.buckets import NAMESPACE, Members
 from funcshard.comm import ops as collectives
 from funcshard.optim.base import Optimizer, PyTree, Schedule, leaf_params, not_negative
 from funcshard.optim.moments import decode_flat, encode_flat
+from funcshard.optim.owners import assign_owners, exchange_plan, ns_flops, order, rounds_of
 from funcshard.optim.spec import Buffers, Moments, Scalars, Spec, build
 
 if TYPE_CHECKING:
@@ -68,112 +75,13 @@ def newton_schulz(
     return (x.T if tall else x).contiguous()
 
 
-def ns_flops(shape: Sequence[int], steps: int) -> int:
-    """Multiply-add FLOPs of ``steps`` Newton-Schulz iterations on a matrix of ``shape``."""
-    n, m = sorted(shape)
-    return steps * (4 * n * n * m + 2 * n**3)
-
-
-def assign_owners(shapes: Sequence[Sequence[int]], size: int, steps: int = 5) -> list[int]:
-    """An owner rank per matrix, balancing Newton-Schulz FLOPs (largest first, each to the least
-    loaded rank; ties to the lower rank). The same on every rank: it reads shapes only."""
-    owners = [0] * len(shapes)
-    load = [0] * size
-    for i in sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i)):
-        rank = min(range(size), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += ns_flops(shapes[i], steps)
-    return owners
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Matrix:
     name: str
-    shape: tuple[int, int]
+    shape: tuple[int, int]  # what this rank's buffers hold (a tensor-parallel local shard)
     rows: tuple[tuple[int, int], ...]  # [start, stop) per shard rank
     update: torch.Tensor | None  # this rank's rows (rows, cols), set for the live step
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ExchangePlan:
-    """Per-rank traffic and owner memory of one update, from shapes alone (``fs.plan``)."""
-
-    sent_bytes: tuple[int, ...]  # per shard rank: inputs of both all-to-alls (+ the gather)
-    owner_bytes: tuple[int, ...]  # per shard rank: the most whole-matrix bytes held at once
-    rounds: int  # of all-to-alls (two each), in the busiest replica
-    gathers: int = 0  # all-gathers over the replicas (0 or 1)
-    gather_bytes: tuple[int, ...] = ()  # per shard rank: the part of sent_bytes gathered
-
-    @property
-    def calls(self) -> int:
-        return 2 * self.rounds + self.gathers
-
-
-def _rounds(owners: list[int], size: int, order: list[int]) -> list[list[int | None]]:
-    """Round k holds, per owner rank, its k-th matrix (or None)."""
-    per_owner: list[list[int]] = [[] for _ in range(size)]
-    for i in order:
-        per_owner[owners[i]].append(i)
-    n = max((len(x) for x in per_owner), default=0)
-    return [[x[k] if k < len(x) else None for x in per_owner] for k in range(n)]
-
-
-def _order(shapes: Sequence[Sequence[int]], steps: int) -> list[int]:
-    return sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i))
-
-
-def exchange_plan(
-    matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]],
-    size: int,
-    steps: int = 5,
-    replicas: int = 1,
-) -> ExchangePlan:
-    """Bytes of the owner-computes exchange for ``(shape, row ranges per rank)`` matrices, on
-    the busiest rank of each shard rank: with ``replicas`` > 1, each replica's share within its
-    shard group, then the all-gather of the results over the replicas."""
-    if replicas == 1:
-        return _exchange_within(matrices, size, steps)
-    share = assign_owners([s for s, _ in matrices], replicas, steps)
-    parts = [[m for m, q in zip(matrices, share, strict=True) if q == r] for r in range(replicas)]
-    within = [_exchange_within(part, size, steps) for part in parts]
-    rows_numel = lambda part, r: sum((rows[r][1] - rows[r][0]) * shape[1] for shape, rows in part)
-    gather = [replicas * 2 * max(rows_numel(part, r) for part in parts) for r in range(size)]
-    return ExchangePlan(
-        tuple(max(w.sent_bytes[r] for w in within) + gather[r] for r in range(size)),
-        tuple(max(w.owner_bytes[r] for w in within) for r in range(size)),
-        max(w.rounds for w in within),
-        gathers=int(max(gather) > 0),
-        gather_bytes=tuple(gather),
-    )
-
-
-def _exchange_within(
-    matrices: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]], size: int, steps: int
-) -> ExchangePlan:
-    """``exchange_plan`` of one shard group (nothing moves when it is one rank)."""
-    if size == 1:
-        return ExchangePlan((0,), (0,), 0)
-    shapes = [s for s, _ in matrices]
-    owners = assign_owners(shapes, size, steps)
-    rounds = _rounds(owners, size, _order(shapes, steps))
-    sent = [0] * size
-    held = [0] * size
-    for k, rnd in enumerate(rounds):
-        for o, i in enumerate(rnd):
-            if i is None:
-                continue
-            (_, cols), rows = matrices[i]
-            for r, (a, b) in enumerate(rows):
-                sent[r] += 2 * (b - a) * cols  # rows to the owner, bf16
-            sent[o] += 2 * math.prod(shapes[i])  # the result back, bf16
-            nxt = rounds[k + 1][o] if k + 1 < len(rounds) else None
-            whole = 2 * math.prod(shapes[i]) + (
-                2 * math.prod(shapes[nxt]) if nxt is not None else 0
-            )
-            n, m = sorted(shapes[i])
-            workspace = 2 * (2 * n * n + 2 * n * m)  # gram, its update, the next iterate (bf16)
-            held[o] = max(held[o], whole + workspace)
-    return ExchangePlan(tuple(sent), tuple(held), len(rounds))
+    full: tuple[int, int]  # the model's shape: owners, learning rate
 
 
 def _leaf_members(tree: PyTree) -> list[Members | None]:
@@ -253,8 +161,13 @@ def muon(
         )
     coefficients = tuple(float(c) for c in ns_coefficients)
 
-    def orthogonalize(m: torch.Tensor) -> torch.Tensor:
-        return newton_schulz(m, coefficients, ns_steps, eps)
+    def orthogonalize(tensor, m: _Matrix, whole: torch.Tensor) -> torch.Tensor:
+        """``m``'s orthogonalized update from its whole local matrix (gathered over "tensor"
+        into the full one and cut back to this tensor rank's shard where it is split)."""
+        if tensor is None or tensor.size == 1 or not tensor.sharded(m.name):
+            return newton_schulz(whole, coefficients, ns_steps, eps)
+        full = tensor.gather_whole(m.name, whole.to(torch.bfloat16), kind=KIND)
+        return tensor.part_of(m.name, newton_schulz(full, coefficients, ns_steps, eps))
 
     mu_rule = Moments(mu_dtype, "muon mu_dtype", signed=True, stochastic=False)
 
@@ -277,10 +190,19 @@ def muon(
             if narrow:
                 encode_flat(fmt, buf, stored, scales)
             p.mul_(1 - s.lr * wd)
-            for name, shape, rows, u, target in _matrices_of(p, upd, members, pairs, placement):
-                matrices.append(_Matrix(name, shape, rows, u))
-                targets.append((target, _adjusted_lr(s.lr, adjust_lr_fn, shape)))
-        results = _orthogonalize_all(matrices, placement, orthogonalize, ns_steps, owner_computes)
+            for name, shape, rows, u, target, full in _matrices_of(
+                p, upd, members, pairs, placement
+            ):
+                matrices.append(_Matrix(name, shape, rows, u, full))
+                targets.append((target, _adjusted_lr(s.lr, adjust_lr_fn, full)))
+        tensor = None if placement is None else placement.tensor
+        results = _orthogonalize_all(
+            matrices,
+            placement,
+            functools.partial(orthogonalize, tensor),
+            ns_steps,
+            owner_computes,
+        )
         for (target, alr), o in zip(targets, results, strict=True):
             target.add_(o.to(target.device), alpha=-alr)
 
@@ -293,23 +215,24 @@ def muon(
 def _matrices_of(
     param: torch.Tensor, update: torch.Tensor, members: Members | None, pairs, placement
 ):
-    """``(name, full shape, row ranges per rank, local update rows, local param rows)`` per
-    matrix held by one leaf (a whole tensor, or a flat buffer of row shards)."""
+    """``(name, local shape, row ranges per rank, local update rows, local param rows, the
+    model's shape)`` per matrix held by one leaf (a whole tensor, or a flat buffer of row
+    shards; under tensor parallelism of this tensor rank's local shards)."""
     if members is None:  # a plain pytree leaf: the whole matrix is here
         ((name, shape),) = pairs
-        yield name, shape, ((0, shape[0]),), update, param
+        yield name, shape, ((0, shape[0]),), update, param, shape
         return
     if placement is None:
         raise ValueError(
             f"muon: the flat buffers of {list(members.names)} came without a "
             "placement; step a TrainState through fs.train_step / fs.offload_step"
         )
-    for spec in placement.leaves(members):
+    for spec, (_, full) in zip(placement.leaves(members), pairs, strict=True):
         rows = tuple(spec.row_range(r) for r in range(placement.size))
         start, stop = rows[placement.rank]
         span = slice(spec.offset, spec.offset + (stop - start) * spec.row_numel)
         local = (stop - start, spec.shape[1])
-        yield spec.name, spec.shape, rows, update[span].view(local), param[span].view(local)
+        yield spec.name, spec.shape, rows, update[span].view(local), param[span].view(local), full
 
 
 def _orthogonalize_all(
@@ -329,7 +252,7 @@ def _across_replicas(
     over the replicas gives every rank its rows of the other shares. The same bits as one
     replica doing all: a matrix is orthogonalized from the same input by the same code."""
     R, me = placement.replica_count, placement.rank
-    share = assign_owners([m.shape for m in matrices], R, steps)
+    share = assign_owners([m.full for m in matrices], R, steps)
     done = _within_shards(
         [m for m, q in zip(matrices, share, strict=True) if q == placement.replica_rank],
         placement,
@@ -371,7 +294,8 @@ def _within_shards(
     if size == 1:  # an offloaded bucket's rows too are orthogonalized on the state's device
         device = None if placement is None else placement.device
         return [
-            orthogonalize(m.update.to(device) if device is not None else m.update) for m in matrices
+            orthogonalize(m, m.update.to(device) if device is not None else m.update)
+            for m in matrices
         ]
     if not owner_computes:
         return _replicated(matrices, placement, orthogonalize)
@@ -390,7 +314,7 @@ def _replicated(matrices: list[_Matrix], placement, orthogonalize) -> list[torch
         full = full.view(placement.size, rps, cols)
         whole = torch.cat([full[r, : b - a] for r, (a, b) in enumerate(m.rows)])
         a, b = m.rows[placement.rank]
-        out.append(orthogonalize(whole)[a:b])
+        out.append(orthogonalize(m, whole)[a:b])
     return out
 
 
@@ -400,8 +324,9 @@ def _owner_computes(
     """Owner-computes in rounds; round k+1's rows travel while round k is orthogonalized."""
     size, me, group, device = placement.size, placement.rank, placement.group, placement.device
     shapes = [m.shape for m in matrices]
-    owners = assign_owners(shapes, size, steps)
-    rounds = _rounds(owners, size, _order(shapes, steps))
+    fulls = [m.full for m in matrices]  # the same on every tensor rank: so are the owners
+    owners = assign_owners(fulls, size, steps)
+    rounds = rounds_of(owners, size, order(fulls, steps))
     local_rows = lambda i, r: (matrices[i].rows[r][1] - matrices[i].rows[r][0]) * shapes[i][1]
 
     def send_rows(rnd: list[int | None]) -> collectives.Pending:
@@ -424,7 +349,7 @@ def _owner_computes(
         pending = send_rows(rounds[k + 1]) if k + 1 < len(rounds) else None
         mine = rnd[me]
         ortho = (
-            orthogonalize(whole.view(shapes[mine])).reshape(-1)
+            orthogonalize(matrices[mine], whole.view(shapes[mine])).reshape(-1)
             if mine is not None
             else torch.empty(0, dtype=torch.bfloat16, device=device)
         )

@@ -130,7 +130,12 @@ class Unit:
         for b in self.buckets:
             specs = self.run.layout.bucket_leaves(self.run.layout.buckets[b])
             views = GatherFn.apply(self.run.reducer.carriers[b], self, b)
-            params.update({s.name[strip:]: v for s, v in zip(specs, views, strict=True)})
+            params.update(
+                {
+                    s.name[strip:]: self.run.as_model(s.name, v)
+                    for s, v in zip(specs, views, strict=True)
+                }
+            )
         return params
 
     def _gather(self, buckets: list[int]) -> None:
@@ -311,7 +316,7 @@ class _Outside:
             views = GatherFn.apply(self.run.reducer.carriers[spec.bucket], self, spec.bucket)
             self.views[spec.bucket] = views
         specs = layout.bucket_leaves(layout.buckets[spec.bucket])
-        return views[[s.name for s in specs].index(name)]
+        return self.run.as_model(name, views[[s.name for s in specs].index(name)])
 
 
 class UnitRun:
@@ -359,6 +364,11 @@ class UnitRun:
         self._outside = _Outside(self)
         self._hooked: set[int] = set()  # models whose unit modules carry this run's hooks
         self.params = GatheredParams(self)
+
+    def as_model(self, name: str, view: torch.Tensor) -> torch.Tensor:
+        """A gathered param as the model holds it (a DTensor for a tensor-parallel one)."""
+        tensor = self.layout.tensor
+        return view if tensor is None else tensor.wrap(name, view)
 
     # --- what GatheredParams asks -------------------------------------------------------
     def param(self, name: str) -> torch.Tensor:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Holder", "SavedParams"]
 
@@ -35,6 +36,17 @@ class _Token:
     offset: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _DTensorToken:
+    """A tensor-parallel param saved for backward: its local tensor's token and its spec."""
+
+    local: _Token
+    mesh: Any
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
 class SavedParams:
     """Saved-tensor hooks (ZeRO-3): a gathered param that autograd saves for backward is
     stored as a token, and backward unpacks it from its unit's re-gathered buffer, so full
@@ -52,6 +64,12 @@ class SavedParams:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, DTensor):  # a tensor-parallel param: its local tensor travels
+            with torch.no_grad():
+                local = self.pack(t.to_local())
+            if not isinstance(local, _Token):
+                return t
+            return _DTensorToken(local, t.device_mesh, t.placements, t.shape, t.stride())
         try:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
@@ -64,6 +82,12 @@ class SavedParams:
         return _Token(bucket, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, x: Any) -> torch.Tensor:
+        if isinstance(x, _DTensorToken):
+            local = self.unpack(x.local)
+            with torch.no_grad():
+                return DTensor.from_local(
+                    local, x.mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride
+                )
         if not isinstance(x, _Token):
             return x
         holder = self.holder_of(x.bucket)

@@ -1,0 +1,251 @@
+"""Live fault tolerance across replica groups, through torchft.
+
+Each replica group is its own job (its own world and mesh); a torchft lighthouse joins the
+groups as HSDP's replicas. torchft's :class:`torchft.Manager` is the coordinator: every step
+it forms a quorum of the live groups, averages each rank's gradient shard over the groups of
+the quorum (its fault-tolerant all-reduce on a reconfigurable gloo process group), decides
+whether the step is committed (``should_commit``) and heals a group that (re)starts from a
+live peer's memory (torchft's process-group checkpoint transport). This module holds the
+user's :class:`FaultTolerance` value and :class:`Replicas`, the manager of one rank; what a
+state's values are on the wire is :mod:`funcshard.state`'s, how the step uses it
+:mod:`funcshard.step`'s.
+
+torchft is imported only here, and only when a :class:`Replicas` is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from funcshard.comm.ops import Pending
+from funcshard.strategy import OuterStrategy
+
+__all__ = ["FaultTolerance", "Replicas", "LIGHTHOUSE_ENV", "check_init", "pairs", "copy_into"]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+_INSTALL = 'fault_tolerance needs torchft: pip install "funcshard[ft]"'
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultTolerance:
+    """How a replica group joins the others (``fs.init(..., fault_tolerance=...)``).
+
+    Args:
+      replica_id: this group's name, the same on every rank of the group and different from
+        every other group's (a restarted group takes its old name).
+      min_replicas: the fewest groups a step may commit with.
+      lighthouse: the lighthouse's address (``http://host:port``); None: the environment's
+        ``TORCHFT_LIGHTHOUSE``.
+      timeout: seconds a quorum, a cross-group all-reduce, a commit or a heal may take.
+    """
+
+    replica_id: str = "0"
+    min_replicas: int = 1
+    lighthouse: str | None = None
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replica_id, str) or not self.replica_id or ":" in self.replica_id:
+            raise ValueError(
+                f"FaultTolerance: replica_id must be a non-empty string without ':', "
+                f"got {self.replica_id!r}"
+            )
+        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int):
+            raise TypeError(
+                f"FaultTolerance: min_replicas must be an int, got {self.min_replicas!r}"
+            )
+        if self.min_replicas < 1:
+            raise ValueError(f"FaultTolerance: min_replicas must be >= 1, got {self.min_replicas}")
+        if not (isinstance(self.timeout, int | float) and self.timeout > 0):
+            raise ValueError(f"FaultTolerance: timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.lighthouse is not None and not (
+            isinstance(self.lighthouse, str) and self.lighthouse
+        ):
+            raise ValueError(
+                f"FaultTolerance: lighthouse must be an address such as 'http://host:29510' "
+                f"or None (the environment's {LIGHTHOUSE_ENV}), got {self.lighthouse!r}"
+            )
+
+    def lighthouse_address(self) -> str:
+        """The lighthouse's address: the argument, else the environment's."""
+        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not address:
+            raise ValueError(
+                "FaultTolerance: no lighthouse address: pass lighthouse='http://host:port' or "
+                f"set {LIGHTHOUSE_ENV} (start one with `torchft_lighthouse --min_replicas N`)"
+            )
+        return address
+
+
+def _torchft() -> tuple[Any, Any, Any]:
+    """torchft's Manager, ProcessGroupGloo and PGTransport; a clear error without it."""
+    try:
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+    except ImportError as e:
+        raise ImportError(f"{_INSTALL} ({e})") from e
+    return Manager, ProcessGroupGloo, PGTransport
+
+
+StateDict = dict[str, Any]
+
+
+class Replicas:
+    """One rank's view of the replica groups: torchft's Manager and the step's quorum.
+
+    The group's store (``MASTER_ADDR`` / ``MASTER_PORT``, as torchrun sets them) carries the
+    manager's address from the group's rank 0 to the others. ``serve`` (given with each
+    quorum) is what a healing peer receives; a state this group receives is returned by
+    :meth:`quorum` / :meth:`join`.
+    """
+
+    def __init__(self, ft: FaultTolerance, device: torch.device) -> None:
+        manager_cls, pg_cls, transport_cls = _torchft()
+        address = ft.lighthouse_address()
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing or not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "fault_tolerance: each replica group is a torchrun job (or sets MASTER_ADDR / "
+                "MASTER_PORT and initializes torch.distributed); missing: "
+                + (", ".join(missing) or "torch.distributed.init_process_group")
+            )
+        self.ft = ft
+        self.device = device
+        self._serve: Callable[[], StateDict] | None = None
+        self._received: StateDict | None = None
+        self._started = False  # a quorum started by join, for the first step
+        # rank 0 publishes its manager's address in the group's store before the others read
+        # it (a store that outlives a job, as torchrun's agent's, may hold an older one)
+        if torch.distributed.get_rank() == 0:
+            self.manager = self._manager(manager_cls, pg_cls, transport_cls, address)
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() != 0:
+            self.manager = self._manager(manager_cls, pg_cls, transport_cls, address)
+
+    def _manager(self, manager_cls: Any, pg_cls: Any, transport_cls: Any, address: str) -> Any:
+        ft = self.ft
+        timeout = timedelta(seconds=float(ft.timeout))
+        pg = pg_cls(timeout=timeout)
+        return manager_cls(
+            pg=pg,
+            load_state_dict=self._receive,
+            state_dict=self._send,
+            min_replica_size=ft.min_replicas,
+            use_async_quorum=False,  # heal before the step: its first step is the peers'
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=torch.distributed.get_rank(),
+            world_size=torch.distributed.get_world_size(),
+            lighthouse_addr=address,
+            replica_id=ft.replica_id,
+            checkpoint_transport=transport_cls(pg, timeout=timeout, device=torch.device("cpu")),
+        )
+
+    def _send(self) -> StateDict:
+        assert self._serve is not None, "a quorum serves the state it was started with"
+        return self._serve()
+
+    def _receive(self, state_dict: StateDict) -> None:
+        self._received = state_dict
+
+    def join(self, serve: Callable[[], StateDict], step: int) -> StateDict | None:
+        """The first quorum (inside ``fs.init``), kept for the first step: the peers' state
+        when this group heals, else None."""
+        received = self.quorum(serve, step)
+        self._started = True
+        return received
+
+    def quorum(self, serve: Callable[[], StateDict], step: int) -> StateDict | None:
+        """The step's quorum (the one :meth:`join` started, if the step is the first): the
+        peers' state when this group is behind them, else None."""
+        self._serve = serve
+        if self._started:
+            self._started = False
+            return None
+        manager = self.manager
+        manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
+        self._received = None
+        manager.start_quorum()
+        received, self._received = self._received, None
+        return received
+
+    @property
+    def size(self) -> int:
+        """The number of groups whose gradients this step averages."""
+        return self.manager.num_participants()
+
+    def start_all_reduce(self, tensor: torch.Tensor) -> Pending:
+        """The mean of ``tensor`` over the quorum's groups (``tensor`` is read before this
+        returns). A failure is torchft's to record: the step is then not committed."""
+        x = tensor.clone()
+        return Pending(self.manager.allreduce(x), x)
+
+    def mean(self, value: float) -> float:
+        """A scalar's mean over the quorum's groups (the step's loss)."""
+        return float(self.start_all_reduce(torch.tensor([value], dtype=torch.float64)).wait())
+
+    def commit(self) -> bool:
+        """Whether every rank of every group of the quorum may apply the step (torchft's
+        ``should_commit``: no error anywhere in the group, enough replicas)."""
+        return bool(self.manager.should_commit())
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def check_init(
+    ft: FaultTolerance | None, outer: str | OuterStrategy, named: dict[str, Any]
+) -> None:
+    """Refuses what ``fs.init(fault_tolerance=ft)`` cannot do, naming it."""
+    if ft is None:
+        return
+    if not isinstance(ft, FaultTolerance):
+        raise TypeError(
+            f"init: fault_tolerance must be an fs.FaultTolerance or None, got {type(ft).__name__}"
+        )
+    if OuterStrategy.parse(outer, what="outer_strategy") is not OuterStrategy.NO_SHARD:
+        raise ValueError(
+            f"init: fault_tolerance needs outer_strategy='no_shard', got {str(outer)!r} (a lost "
+            "group would take the masters and optimizer state it alone holds with it)"
+        )
+    meta = [n for n, p in named.items() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"init: fault_tolerance needs the model's weights (a group may serve them to a "
+            f"peer in fs.init); {meta[0]!r} is on the meta device"
+        )
+
+
+def pairs(ours: Sequence[Any], received: dict[str, Any], key: str) -> list[tuple[Any, Any]]:
+    """(ours, the peer's) leaf by leaf; refuses another count."""
+    theirs = received[key]
+    if len(theirs) != len(ours):
+        raise ValueError(
+            f"heal: the peer's {key} has {len(theirs)} leaves, this group's {len(ours)} "
+            "(every replica group must build the same model, optimizer and layout)"
+        )
+    return list(zip(ours, theirs, strict=True))
+
+
+def copy_into(ours: torch.Tensor, theirs: Any, what: str) -> torch.Tensor:
+    """``ours`` with the peer's values; refuses another shape or dtype."""
+    if (
+        not isinstance(theirs, torch.Tensor)
+        or theirs.shape != ours.shape
+        or theirs.dtype != ours.dtype
+    ):
+        got = (tuple(theirs.shape), theirs.dtype) if isinstance(theirs, torch.Tensor) else theirs
+        raise ValueError(
+            f"heal: the peer's {what} is {got}, this group's {(tuple(ours.shape), ours.dtype)} "
+            "(every replica group must build the same model, optimizer and layout)"
+        )
+    return ours.copy_(theirs)

@@ -1,0 +1,222 @@
+"""Tensor parallelism as torch gives it: a model parallelized with ``parallelize_module`` on
+``mesh["tensor"]`` holds DTensor parameters; funcshard shards each one's LOCAL tensor over the
+data-parallel axes as it shards a plain parameter, and hands the model DTensors again where it
+had them (:meth:`TensorParallel.wrap`).
+
+What the full model's math needs of the tensor axis is here too: which buckets count in the
+norm on this rank (a parameter sharded over "tensor" on every rank, one replicated over it on
+tensor rank 0 only: every element once) and the full tensors of a local shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from funcshard.comm import ops
+
+__all__ = [
+    "TensorLeaf",
+    "TensorParallel",
+    "read_model",
+    "local_params",
+    "leaf_of",
+    "chunk_sizes",
+    "local_shape",
+    "gather_numel",
+]
+
+
+def chunk_sizes(n: int, size: int) -> tuple[int, ...]:
+    """Every tensor rank's length of a dim of ``n`` split over ``size`` ranks, as ``Shard``
+    places it (``torch.chunk``'s sizes: ``ceil(n / size)`` each, the last ones shorter or empty).
+
+    >>> chunk_sizes(10, 4), chunk_sizes(44, 4)
+    ((3, 3, 3, 1), (11, 11, 11, 11))
+    """
+    step = -(-n // size)
+    return tuple(max(0, min(n, (t + 1) * step) - t * step) for t in range(size))
+
+
+def local_shape(shape: Sequence[int], dim: int | None, size: int, rank: int) -> tuple[int, ...]:
+    """Tensor rank ``rank``'s shard of a global ``shape`` split on ``dim`` (None: replicated)."""
+    shape = tuple(shape)
+    if dim is None:
+        return shape
+    return (*shape[:dim], chunk_sizes(shape[dim], size)[rank], *shape[dim + 1 :])
+
+
+def gather_numel(shape: Sequence[int], dim: int, size: int) -> int:
+    """Elements of the all-gather over "tensor" that rebuilds a global ``shape`` split on
+    ``dim`` (every rank's piece padded to the largest: ``size * ceil(n / size) * the rest``)."""
+    return size * max(chunk_sizes(shape[dim], size)) * math.prod(shape) // max(shape[dim], 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLeaf:
+    """One DTensor parameter: its placement on the tensor mesh and its global geometry."""
+
+    placement: Shard | Replicate
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dim(self) -> int | None:
+        """The dim sharded over "tensor"; None when replicated."""
+        return self.placement.dim if isinstance(self.placement, Shard) else None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorParallel:
+    """The tensor axis of a state: its 1-D mesh and every DTensor parameter's placement.
+
+    Plain parameters of the model are replicated over "tensor" (each tensor rank holds and
+    trains the same values)."""
+
+    mesh: DeviceMesh
+    leaves: Mapping[str, TensorLeaf]
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+    @property
+    def group(self):
+        return self.mesh.get_group()
+
+    def sharded(self, name: str) -> bool:
+        """Whether ``name``'s elements are split over the tensor ranks."""
+        leaf = self.leaves.get(name)
+        return leaf is not None and leaf.dim is not None
+
+    def counts(self, name: str) -> bool:
+        """Whether this rank counts ``name``'s local elements in a sum over the full model:
+        a sharded one on every tensor rank, a replicated one on tensor rank 0 only."""
+        return self.sharded(name) or self.rank == 0
+
+    def full_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        leaf = self.leaves.get(name)
+        return leaf.shape if leaf is not None else local
+
+    def wrap(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``local`` as the parallelized model holds ``name``: a DTensor (differentiable: its
+        gradient comes back as the local shard's, torch's redistribution of a partial one
+        included) or, for a plain parameter, ``local`` itself."""
+        leaf = self.leaves.get(name)
+        if leaf is None:
+            return local
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            (leaf.placement,),
+            run_check=False,
+            shape=torch.Size(leaf.shape),
+            stride=leaf.stride,
+        )
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor of a local shard (a collective over "tensor" for a sharded one)."""
+        leaf = self.leaves.get(name)
+        if leaf is None or leaf.dim is None:
+            return local
+        with torch.no_grad():
+            return self.wrap(name, local).full_tensor()
+
+    def gather_whole(self, name: str, local: torch.Tensor, *, kind: str) -> torch.Tensor:
+        """The global tensor of ``local``, this tensor rank's shard of ``name`` (split over
+        "tensor"), in ``local``'s dtype: one all-gather over "tensor" (counted under ``kind``
+        and the "tensor" axis) of every rank's piece padded to the largest, the pieces then
+        concatenated along the split dim. Every tensor rank gets the same bits."""
+        leaf = self.leaves[name]
+        shapes = [local_shape(leaf.shape, leaf.dim, self.size, t) for t in range(self.size)]
+        if tuple(local.shape) != shapes[self.rank]:
+            raise ValueError(
+                f"tensor parallel: parameter {name!r}: expected this tensor rank's shard of "
+                f"shape {shapes[self.rank]} (global {leaf.shape}, {leaf.placement}), got "
+                f"{tuple(local.shape)}"
+            )
+        width = gather_numel(leaf.shape, leaf.dim, self.size) // self.size
+        buffer = torch.zeros(width, dtype=local.dtype, device=local.device)
+        buffer[: local.numel()].copy_(local.reshape(-1))
+        rows = ops.all_gather(buffer, self.group, axis=ops.Axis.TENSOR, kind=kind)
+        rows = rows.view(self.size, width)
+        parts = [rows[t, : math.prod(s)].view(s) for t, s in enumerate(shapes)]
+        return torch.cat(parts, dim=leaf.dim)
+
+    def part_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This tensor rank's shard of ``name``'s global tensor ``full`` (a contiguous copy)."""
+        leaf = self.leaves[name]
+        pieces = chunk_sizes(leaf.shape[leaf.dim], self.size)
+        start = sum(pieces[: self.rank])
+        return full.narrow(leaf.dim, start, pieces[self.rank]).contiguous()
+
+    def wrap_all(self, named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: self.wrap(n, t) for n, t in named.items()}
+
+
+def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> TensorParallel | None:
+    """The tensor axis of ``model``'s DTensor parameters (None for a plain model on a mesh
+    without one).
+
+    Raises:
+      ValueError: a DTensor on a mesh other than ``tensor_mesh`` (or on a mesh without a tensor
+        axis), or with a placement funcshard cannot shard (a partial one, or one over several
+        mesh dims), naming the parameter and its placement.
+    """
+    leaves = {}
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        if tensor_mesh is None:
+            raise ValueError(
+                f"{_where(name, p)}: the mesh has no tensor axis; build it with "
+                "fs.make_mesh(..., tensor=T) and parallelize the model on mesh['tensor']"
+            )
+        if p.device_mesh != tensor_mesh:
+            raise ValueError(
+                f"{_where(name, p)}: expected a DTensor on mesh['tensor'] of the mesh given to "
+                f"fs.init ({tensor_mesh}); parallelize the model on that mesh"
+            )
+        leaves[name] = leaf_of(name, p)
+    if tensor_mesh is None:
+        return None
+    return TensorParallel(tensor_mesh, leaves)
+
+
+def _where(name: str, p: DTensor) -> str:
+    return f"parameter {name!r} (a DTensor on {p.device_mesh}, placements {p.placements})"
+
+
+def leaf_of(name: str, p: DTensor) -> TensorLeaf:
+    """The :class:`TensorLeaf` of DTensor parameter ``name``.
+
+    Raises:
+      ValueError: a placement funcshard cannot shard (a partial one, or one over several mesh
+        dims), naming the parameter and its placement.
+    """
+    if len(p.placements) != 1:
+        raise ValueError(f"{_where(name, p)}: expected a DTensor on a 1-D tensor mesh")
+    (placement,) = p.placements
+    if not (type(placement) is Shard or isinstance(placement, Replicate)):
+        raise ValueError(
+            f"{_where(name, p)}: funcshard shards Shard(dim) and Replicate placements over the "
+            "data-parallel axes; a partial or strided parameter is not a weight it can own"
+        )
+    if isinstance(placement, Shard) and placement.dim < 0:
+        placement = Shard(placement.dim + p.dim())
+    return TensorLeaf(placement, tuple(p.shape), tuple(p.stride()))
+
+
+def local_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.named_parameters()`` with each DTensor as its local shard."""
+    return {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
