@@ -293,18 +293,21 @@ def test_hugging_face_llama_under_a_tensor_parallel_plan(pool4, strategy: str) -
         assert max(errors.values()) < TOL, errors
 
 
-def compiled_worker(strategy: str) -> dict:
-    """Blocks compiled in place (``layer.compile()``, torchtitan's way) on the tensor-parallel
-    model: the eager run's losses and params (aot_eager keeps eager's kernels)."""
+def compiled_worker(strategy: str, by_funcshard: bool) -> dict:
+    """Blocks compiled in place (``layer.compile()``, torchtitan's way), or by funcshard
+    (``fs.init(compile=...)``), on the tensor-parallel model: the eager run's losses and params
+    (aot_eager keeps eager's kernels)."""
     torch._dynamo.reset()
     mesh = tp.world_mesh(2, 1, 2)
     runs = {}
     for compiled in (False, True):
         model = tp.parallelize(tp.make_model(seed=3), mesh)
-        if compiled:
+        if compiled and not by_funcshard:
             for layer in model.layers:
                 layer.compile(backend="aot_eager")
-        state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
+        backend = "aot_eager" if compiled and by_funcshard else False
+        opt = fs.optim.sgd(0.1, momentum=0.9)
+        state = fs.init(model, opt, mesh=mesh, strategy=strategy, compile=backend)
         state, history = tp.train(state, model, mesh, range(STEPS), rows=8, microbatches=2)
         runs[compiled] = (fs.full_params(state), [m["loss"] for m in history])
     (eager, eager_losses), (comp, comp_losses) = runs[False], runs[True]
@@ -315,7 +318,7 @@ def compiled_worker(strategy: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads_params"])
-def test_compiled_blocks_on_the_3d_mesh(pool4, strategy: str) -> None:
-    for errors in pool4.run(compiled_worker, strategy):
+@pytest.mark.parametrize("by_funcshard", [False, True], ids=["block.compile", "compile="])
+def test_compiled_blocks_on_the_3d_mesh(pool4, by_funcshard: bool) -> None:
+    for errors in pool4.run(compiled_worker, "optim_grads_params", by_funcshard):
         assert max(errors.values()) < TOL, errors
