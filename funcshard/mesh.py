@@ -36,7 +36,10 @@ TENSOR = "tensor"
 
 
 def make_mesh(
-    shard: int = -1, replicate: int = 1, device_type: str | None = None, *, tensor: int = 1
+    shard: int = -1,
+    replicate: int = 1,
+    tensor: int | str | None = 1,
+    device_type: str | None = None,
 ) -> DeviceMesh:
     """Builds the ("replicate", "shard") mesh over all ranks, or ("replicate", "shard",
     "tensor") with ``tensor > 1``.
@@ -44,10 +47,11 @@ def make_mesh(
     Args:
       shard: ranks per shard group; -1 means world_size // (replicate * tensor).
       replicate: number of replicas (HSDP when > 1).
-      device_type: "cuda" or "cpu"; None picks "cuda" when available.
       tensor: ranks per tensor-parallel group, innermost: rank ``(r * S + s) * T + t``, so a
         tensor group is ``T`` consecutive ranks. ``mesh["tensor"]`` is the mesh to
-        ``parallelize_module`` the model on, before ``fs.init``. 1: the 2-D mesh.
+        ``parallelize_module`` the model on, before ``fs.init``. 1: the 2-D mesh. (A string
+        here is v1's positional ``device_type``, still taken.)
+      device_type: "cuda" or "cpu"; None picks "cuda" when available.
 
     The same shape on the same world gives the same mesh: its groups are made once.
 
@@ -56,6 +60,8 @@ def make_mesh(
       ValueError: shard x replicate x tensor does not equal the world size, or a cuda mesh
         has more ranks on this node than visible GPUs.
     """
+    if tensor is None or isinstance(tensor, str):  # v1's third argument: make_mesh(S, R, "cpu")
+        tensor, device_type = 1, tensor if device_type is None else device_type
     if not dist.is_initialized():
         raise RuntimeError(
             "make_mesh: torch.distributed is not initialized; run under torchrun or fs.launch"

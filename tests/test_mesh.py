@@ -49,6 +49,31 @@ def test_the_shard_axis_is_fastest_and_covers_the_world(pool4, shard, replicate)
         assert r["world"] == 4 and r["device"] == "cpu"
 
 
+def tensor_worker() -> dict:
+    mesh = fs.make_mesh(shard=2, tensor=2, device_type="cpu")
+    v1 = fs.make_mesh(4, 1, "cpu")  # v1's positional device_type
+    new = fs.make_mesh(1, 2, 2, "cpu")  # v4's order: shard, replicate, tensor, device_type
+    return {
+        "names": mesh.mesh_dim_names,
+        "shape": tuple(mesh.shape),
+        "tensor_group": dist.get_process_group_ranks(mesh["tensor"].get_group()),
+        "dp": tuple(mesh_lib.data_parallel(mesh).shape),
+        "dp_world": dist.get_world_size(mesh_lib.world_group(mesh_lib.data_parallel(mesh))),
+        "v1": (v1.mesh_dim_names, tuple(v1.shape), v1.device_type),
+        "new": (new.mesh_dim_names, tuple(new.shape)),
+    }
+
+
+def test_the_tensor_axis_is_innermost(pool4) -> None:
+    """rank = (r * S + s) * T + t: a tensor group is T consecutive ranks."""
+    for rank, r in enumerate(pool4.run(tensor_worker)):
+        assert r["names"] == ("replicate", "shard", "tensor") and r["shape"] == (1, 2, 2)
+        assert r["tensor_group"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert r["dp"] == (1, 2) and r["dp_world"] == 2
+        assert r["v1"] == (("replicate", "shard"), (1, 4), "cpu")
+        assert r["new"] == (("replicate", "shard", "tensor"), (2, 1, 2))
+
+
 def errors_worker() -> list[str]:
     messages = []
     for kw in ({"shard": 3}, {"replicate": 3}, {"replicate": 0}, {"shard": 2, "replicate": 1}):
