@@ -130,7 +130,9 @@ def train_step(
         raise ValueError(
             "train_step: the ranks of a tensor group passed different batches (their losses "
             "differ); every rank of a tensor group must pass the same local batch: split the "
-            "global batch by the data-parallel index (replicate * shard), not the global rank"
+            "global batch by the data-parallel index (replicate * shard), not the global rank "
+            "(a model drawing other random numbers per tensor rank, dropout seeded by rank, "
+            "differs the same way)"
         )
     metrics = _metrics(loss, norm, new_ls, aux)
     if not finite:
