@@ -46,6 +46,31 @@ def ours() -> fs.optim.Optimizer:
     )
 
 
+def plain() -> fs.optim.Optimizer:
+    """Muon for the hidden matrices, AdamW for the rest: no clip, no schedule (the exact
+    comparisons)."""
+    return fs.optim.multi_transform(
+        {
+            "muon": fs.optim.muon(LR, weight_decay=WD),
+            "adamw": fs.optim.adamw(ADAM_LR, weight_decay=WD),
+        },
+        lambda name, shape: "muon" if is_muon(name, shape) else "adamw",
+    )
+
+
+def same_as(full: dict, params: dict) -> dict[str, bool]:
+    """Per parameter, whether the sharded step's ``full`` equals the one-process ``params``:
+    Muon's matrices bit for bit; AdamW's leaves to 1e-6 only: its fused kernel treats an
+    element in the vector body and in the scalar tail of a buffer slightly differently, and a
+    flat bucket puts the tails elsewhere than per-tensor buffers do."""
+    return {
+        n: torch.equal(full[n], params[n])
+        if is_muon(n, tuple(params[n].shape))
+        else bool(torch.allclose(full[n], params[n], rtol=1e-6, atol=1e-7))
+        for n in params
+    }
+
+
 def movement_err(ours: dict, ref: dict, init: dict) -> float:
     """The largest ``|ours - ref| / |ref - init|`` over the parameters (the movement's error)."""
     return max(

@@ -57,6 +57,8 @@ from helpers_muon import (
     is_muon,
     movement_err,
     ours,
+    plain,
+    same_as,
     schedule,
 )
 
@@ -177,16 +179,6 @@ def _parity(strategy: str, shard: int, replicate: int) -> dict:
     return out
 
 
-def plain() -> fs.optim.Optimizer:
-    return fs.optim.multi_transform(
-        {
-            "muon": fs.optim.muon(LR, weight_decay=WD),
-            "adamw": fs.optim.adamw(ADAM_LR, weight_decay=WD),
-        },
-        lambda name, shape: "muon" if is_muon(name, shape) else "adamw",
-    )
-
-
 def exact_worker(strategy: str, shard: int, replicate: int, fraction: float) -> dict:
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     model = models.make_model(seed=4, d_in=D_IN)
@@ -199,16 +191,7 @@ def exact_worker(strategy: str, shard: int, replicate: int, fraction: float) -> 
         grads = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
         state = fs.offload_step(state, fs.shard(grads, mesh, strategy=strategy))
         params, ref_state = opt.update(grads, ref_state, params)
-    full = fs.full_params(state)
-    # Muon's matrices bit for bit; AdamW's leaves to 1e-6 only: its fused kernel treats an
-    # element in the vector body and in the scalar tail of a buffer slightly differently, and
-    # a flat bucket puts the tails elsewhere than per-tensor buffers do.
-    return {
-        n: torch.equal(full[n], params[n])
-        if is_muon(n, tuple(params[n].shape))
-        else bool(torch.allclose(full[n], params[n], rtol=1e-6, atol=1e-7))
-        for n in params
-    }
+    return same_as(fs.full_params(state), params)
 
 
 @pytest.mark.parametrize(

@@ -39,22 +39,14 @@ from helpers_muon import (
     is_muon,
     movement_err,
     ours,
+    plain,
+    same_as,
     schedule,
 )
 
 TOL = 2e-2  # test_muon.py's bound on the movement error (its docstring derives it)
 STEPS, ROWS, SEED = 4, 16, 12
 MESHES = {"2x2": (2, 2), "1x4": (1, 4)}  # (shard, tensor)
-
-
-def plain() -> fs.optim.Optimizer:
-    return fs.optim.multi_transform(
-        {
-            "muon": fs.optim.muon(LR, weight_decay=WD),
-            "adamw": fs.optim.adamw(ADAM_LR, weight_decay=WD),
-        },
-        lambda name, shape: "muon" if is_muon(name, shape) else "adamw",
-    )
 
 
 def local_grads(model: nn.Module, grads: dict, tensor_mesh) -> dict:
@@ -82,14 +74,7 @@ def exact_worker(strategy: str, shard: int, tensor: int, fraction: float) -> dic
         local = local_grads(model, grads, mesh["tensor"])
         state = fs.offload_step(state, fs.shard(local, mesh, strategy=strategy))
         params, ref_state = opt.update(grads, ref_state, params)
-    full = fs.full_params(state)
-    # Muon's matrices bit for bit; AdamW's leaves to 1e-6 (test_muon.py's exact_worker says why)
-    return {
-        n: torch.equal(full[n], params[n])
-        if is_muon(n, tuple(params[n].shape))
-        else bool(torch.allclose(full[n], params[n], rtol=1e-6, atol=1e-7))
-        for n in params
-    }
+    return same_as(fs.full_params(state), params)
 
 
 @pytest.mark.parametrize(
