@@ -104,6 +104,15 @@ class TensorParallel:
         a sharded one on every tensor rank, a replicated one on tensor rank 0 only."""
         return self.sharded(name) or self.rank == 0
 
+    def span(self, name: str) -> tuple[int, int, int]:
+        """``(dim, start, stop)``: where this rank's shard of split ``name`` lies along its
+        split dim in the global tensor (:func:`chunk_sizes`, as ``Shard`` places it)."""
+        leaf = self.leaves[name]
+        assert leaf.dim is not None, f"{name!r} is not split over 'tensor'"
+        sizes = chunk_sizes(leaf.shape[leaf.dim], self.size)
+        start = sum(sizes[: self.rank])
+        return leaf.dim, start, start + sizes[self.rank]
+
     def full_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
         leaf = self.leaves.get(name)
         return leaf.shape if leaf is not None else local

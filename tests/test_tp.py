@@ -322,3 +322,14 @@ def compiled_worker(strategy: str, by_funcshard: bool) -> dict:
 def test_compiled_blocks_on_the_3d_mesh(pool4, by_funcshard: bool) -> None:
     for errors in pool4.run(compiled_worker, "optim_grads_params", by_funcshard):
         assert max(errors.values()) < TOL, errors
+
+
+def test_chunk_sizes_are_torchs_shard_placement() -> None:
+    """funcshard places a shard (the plan's shapes, the checkpoint's offsets) by
+    ``chunk_sizes``; torch's Shard places by ``torch.chunk``: they must agree, uneven too."""
+    from funcshard.tensor_parallel import chunk_sizes
+
+    for n in range(40):
+        for size in (1, 2, 3, 4, 5, 8):
+            pieces = [c.shape[0] for c in torch.arange(n).chunk(size)]
+            assert chunk_sizes(n, size) == tuple(pieces + [0] * (size - len(pieces))), (n, size)

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch.distributed as dist
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from funcshard.checkpoint.format import NUMPY_DTYPE, chunk_file
 from funcshard.tensor_parallel import TensorParallel
@@ -56,14 +55,6 @@ class Coords:
         """Whether this tensor rank writes ``name`` (replicated ones: tensor rank 0 only)."""
         return self.tensor is None or self.tensor.counts(name)
 
-    def _offset(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        leaf = self._leaf(name)
-        assert self.tensor is not None and leaf is not None
-        shape, offset = compute_local_shape_and_global_offset(
-            leaf.shape, self.tensor.mesh, (leaf.placement,)
-        )
-        return tuple(shape), tuple(offset)
-
     def shape(self, name: str, local: tuple[int, ...], scales: bool = False) -> tuple[int, ...]:
         """The global shape of ``name``'s array (``scales``: of its 8-bit scales, ``local``
         then being the local scales' shape)."""
@@ -83,10 +74,11 @@ class Coords:
         d = self.dim(name)
         if d is None:
             return start, stop, None
-        local, offset = self._offset(name)
+        assert self.tensor is not None
+        _, lo, hi = self.tensor.span(name)
         if d == 0:
-            return start + offset[0], stop + offset[0], None
-        return start, stop, (d, offset[d], offset[d] + local[d])
+            return start + lo, stop + lo, None
+        return start, stop, (d, lo, hi)
 
     def scale_rows(
         self, name: str, start: int, stop: int, per_row: int
