@@ -169,9 +169,6 @@ class TensorParallel:
         start = sum(pieces[: self.rank])
         return full.narrow(leaf.dim, start, pieces[self.rank]).contiguous()
 
-    def wrap_all(self, named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: self.wrap(n, t) for n, t in named.items()}
-
 
 def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> TensorParallel | None:
     """The tensor axis of ``model``'s DTensor parameters (None for a plain model on a mesh
