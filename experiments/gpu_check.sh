@@ -13,6 +13,10 @@
 # 0.73B GPT (fraction 0.5 and 1, FSDP2's CPUOffloadPolicy beside) with a profiler trace of one
 # step (the copies on their side streams), then checkpoint save / restore beside DCP. Python
 # packages missing on the device image (optree, crc32c) come as wheels in .whl (BUILD.md, "GPU").
+# The compile part: bench_step --compile=inductor on a 0.17B GPT (12 layers of the step part's),
+# funcshard's compiled blocks and fs.init(compile=) beside FSDP2's compiled blocks, each beside
+# its eager run. PARTS (default: all, in order) picks parts where device time is short, e.g.
+#   PARTS="machine cuda_tests compile step" experiments/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,9 +39,11 @@ export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 
 # part NAME LIMIT_S CMD...: runs CMD under a time limit, its log in $LOGS/NAME.log; the summary
 # gets the command, its status and seconds, and the log's last lines (the result tables).
+PARTS="${PARTS:-machine cuda_tests step compile offload offload_all checkpoint}"
 part() {
   local name=$1 limit=$2
   shift 2
+  [[ " $PARTS " == *" $name "* ]] || return 0
   local start=$SECONDS rc
   echo "== $name: $*" | tee -a "$SUMMARY"
   timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
@@ -52,12 +58,14 @@ if [[ $DRY == 1 ]]; then
   STEPS=(--steps=2 --warmup=1)
   STEP_MODEL=("${MODEL[@]}")
   TESTS=(tests/test_offload.py -k "cuda or matches")
+  COMPILE_MODEL=("${MODEL[@]}")
 else
   DEV=cuda
   MODEL=(--d_model=1536 --n_layer=24 --seq_len=1024 --vocab=32768 --batch=8)
   STEP_MODEL=(--d_model=1024 --n_layer=24 --seq_len=1024 --vocab=32768 --batch=4)
   STEPS=(--steps=5 --warmup=2)
   TESTS=(-m cuda tests)
+  COMPILE_MODEL=(--d_model=1024 --n_layer=12 --seq_len=1024 --vocab=32768 --batch=4)
 fi
 
 part machine 60 bash -c "nvidia-smi 2>&1 | head -20; lscpu | grep -E 'Model name|^CPU\(s\)'; \
@@ -66,6 +74,9 @@ part machine 60 bash -c "nvidia-smi 2>&1 | head -20; lscpu | grep -E 'Model name
 part cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 part step 150 "$PY" experiments/bench_step.py --device=$DEV --nproc=1 --policies=bf16 \
   --bf16_anyway --microbatches=2 "${STEP_MODEL[@]}" "${STEPS[@]}"
+part compile 240 env TORCHINDUCTOR_CACHE_DIR=/tmp/inductor "$PY" experiments/bench_step.py \
+  --device=$DEV --nproc=1 --policies=bf16 --bf16_anyway --microbatches=2 --compile=inductor \
+  "${COMPILE_MODEL[@]}" "${STEPS[@]}"
 part offload 120 "$PY" experiments/bench_step.py --device=$DEV --nproc=1 --policies=bf16 \
   --bf16_anyway --microbatches=2 --strategies=optim_grads_params --offload_fraction=0.5 \
   --trace_dir="$LOGS" "${MODEL[@]}" --steps=3 --warmup=1

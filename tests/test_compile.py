@@ -202,3 +202,52 @@ def test_compile_refusals(pool2):
     assert len(whole) == 4, whole
     for message in whole:
         assert "compiled as a whole" in message and "block.compile()" in message, message
+
+
+# --- CUDA: inductor's kernels (triton) under the unit hooks and CUDA streams ----------------------
+def cuda_compile_worker(strategy: str) -> dict:
+    """One GPU: eager, the user's compiled blocks and ``fs.init(compile="inductor")``, each
+    ``STEPS`` steps of SGD with momentum from one model. Returns each compiled run's largest
+    relative error against eager and dynamo's graph breaks."""
+    mesh = fs.make_mesh(shard=1, replicate=1, device_type="cuda")
+    out: dict = {}
+    for when in (None, "blocks", "fs"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = models.make_model(seed=5, n_blocks=BLOCKS).cuda()
+        if when == "blocks":
+            for block in model.blocks:
+                block.compile(backend="inductor")
+        state = fs.init(
+            model,
+            fs.optim.sgd(0.1, momentum=0.9),
+            mesh=mesh,
+            strategy=strategy,
+            compile="inductor" if when == "fs" else False,
+        )
+        loss_fn = models.make_loss_fn(model)
+        for step in range(STEPS):
+            batch = {k: v.cuda() for k, v in models.global_batch(step, ROWS).items()}
+            state, _ = fs.train_step(state, batch, loss_fn, microbatches=MICRO)
+        params = {k: v.cpu() for k, v in fs.full_params(state).items()}
+        if when is None:
+            eager = params
+            continue
+        out[when] = {
+            "error": models.max_rel_err(params, eager),
+            "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
+        }
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_cuda_inductor_blocks_match_eager(strategy: str) -> None:
+    """Inductor's fused kernels sum in another order than eager's: fp32 rounding, ~1e-7
+    relative per op, a few hundred ops over 3 steps; a wrong or stale param is off by
+    lr * grad, ~1e-2 relative. Allowed: 1e-4."""
+    [result] = fs.launch(cuda_compile_worker, strategy, nproc=1)
+    for when, r in result.items():
+        assert r["graph_breaks"] == {}, (when, r)
+        assert r["error"] < 1e-4, (when, r)
