@@ -80,3 +80,8 @@ class Gatherer:
     def drop_prefetches(self) -> None:
         """Forgets gathers started for a unit that did not run."""
         self._pending.clear()
+
+    def close(self) -> None:
+        """Forgets the prefetches and the shards (the run is over)."""
+        self._pending.clear()
+        self.buffers = ()

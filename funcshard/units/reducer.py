@@ -283,3 +283,12 @@ class Reducer:
                     reducing.start(bucket, value)
             reducing.finish()
         return self.acc
+
+    def close(self) -> None:
+        """Lets go of the accumulator and the carriers once the run is over: the run's
+        objects refer to each other (a unit to its run), so what they hold would otherwise
+        live on until Python's cycle collector runs, a step's gradients among it."""
+        self.acc = []
+        self.complete = None
+        self._zeros = []
+        self.carriers = ()

@@ -460,3 +460,5 @@ class UnitRun:
         for unit in reversed(self.units):
             unit.close()
         self.stack.close()
+        self.gatherer.close()  # the run's objects refer to each other: let go of what
+        self.reducer.close()  # they hold now, not when the cycle collector runs
