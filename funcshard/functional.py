@@ -57,14 +57,22 @@ class Swap:
 
     The one way funcshard puts params into a module; unlike a context manager it can stay
     past the call that made it (until backward is over) and be ``replace``d meanwhile.
+    ``aliases``: the module's tied names as (alias, name) pairs, where the caller knows them
+    (a state's layout): each alias takes its name's tensor, without walking the module's tree
+    to find them (torch's way, which a unit's swap would repeat for every microbatch).
     """
 
     def __init__(
-        self, module: nn.Module, tensors: Mapping[str, torch.Tensor], *, strict: bool = False
+        self,
+        module: nn.Module,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        strict: bool = False,
+        aliases: tuple[tuple[str, str], ...] | None = None,
     ) -> None:
-        self._module = module
+        self._module, self._aliases = module, aliases
         self._accessor = NamedMemberAccessor(module)
-        untied = stateless._untie_named_tensors_map(module, tensors)
+        untied = self._untie(tensors)
         if strict:
             missing, unexpected = self._accessor.check_keys(untied)
             if missing or unexpected:
@@ -74,11 +82,16 @@ class Swap:
                 )
         self._orig, _ = self._accessor.swap_tensors_dict(untied, allow_missing=True)
 
+    def _untie(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._aliases is None:
+            return stateless._untie_named_tensors_map(self._module, tensors)
+        untied = dict(tensors)
+        untied.update({a: tensors[n] for a, n in self._aliases if n in tensors})
+        return untied
+
     def replace(self, tensors: dict[str, torch.Tensor]) -> None:
         """Swaps in other tensors, dropping the current ones (the originals stay kept)."""
-        self._accessor.swap_tensors_dict(
-            stateless._untie_named_tensors_map(self._module, tensors), allow_missing=True
-        )
+        self._accessor.swap_tensors_dict(self._untie(tensors), allow_missing=True)
 
     def restore(self) -> None:
         self._accessor.swap_tensors_dict(self._orig, allow_missing=True)

@@ -167,16 +167,14 @@ class Layout:
     units: tuple[str, ...]  # module prefix per unit; "" is the root unit
     device: torch.device
     offload_fraction: float
-    # (alias, parameter) for every tied name that named_parameters() drops: the same weight
-    # under another name of model.state_dict() (e.g. GPT-2's lm_head.weight)
+    # (alias, parameter) per tied name named_parameters() drops (GPT-2's lm_head.weight)
     aliases: tuple[tuple[str, str], ...] = ()
     # bitwise the same results on every layout with as many gradient chunks (funcshard.determinism)
     deterministic: bool = False
     # what is sharded over "replicate" (HFSDP: masters and optimizer state, see the module)
     outer: OuterStrategy = OuterStrategy.NO_SHARD
-    # HFSDP's inner layout (:attr:`inner`): the R master sections a shard is made of, which a
-    # param wire keeps encoded as they crossed "replicate" (:mod:`funcshard.comm.params`); 0 for
-    # every other layout, whose compute shard is one section, encoded only to be gathered
+    # HFSDP's inner layout (:attr:`inner`): the R master sections a shard is made of, kept
+    # encoded by a param wire as they crossed "replicate"; 0 elsewhere (one section)
     packed_sections: int = 0
     # the tensor axis of a tensor-parallel model (:mod:`funcshard.tensor_parallel`): leaves are
     # then its parameters' LOCAL shards, ``mesh`` the data-parallel submesh of this tensor rank
@@ -191,12 +189,12 @@ class Layout:
         """HFSDP: masters and optimizer state sharded over "replicate" x "shard"."""
         return self.outer.shards_optim
 
-    @property
+    @functools.cached_property
     def replicas(self) -> int:
         """The size of the mesh's "replicate" axis."""
         return mesh_lib.axis_size(self.mesh, "replicate")
 
-    @property
+    @functools.cached_property
     def shard_size(self) -> int:
         """Ranks the master rows are spread over (``R * S`` under HFSDP)."""
         if not self.strategy.shards_optim:
@@ -204,7 +202,7 @@ class Layout:
         size = mesh_lib.axis_size(self.mesh, "shard")
         return size * self.replicas if self.hierarchical else size
 
-    @property
+    @functools.cached_property
     def shard_rank(self) -> int:
         """This rank's master index (``s * R + r`` under HFSDP)."""
         if not self.strategy.shards_optim:
@@ -270,10 +268,13 @@ class Layout:
         return tuple(leaf.name for leaf in self.leaves)
 
     def leaf(self, name: str) -> LeafSpec:
-        for spec in self.leaves:
-            if spec.name == name:
-                return spec
-        raise KeyError(f"no parameter named {name!r} in this state")
+        if (spec := self._by_name.get(name)) is None:
+            raise KeyError(f"no parameter named {name!r} in this state")
+        return spec
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, LeafSpec]:
+        return {spec.name: spec for spec in self.leaves}
 
     def bucket_leaves(self, bucket: Bucket) -> list[LeafSpec]:
         return [self.leaves[i] for i in bucket.leaves]

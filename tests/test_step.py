@@ -336,9 +336,27 @@ class TiedAcrossUnits(nn.Module):
         return self.blocks[1](torch.tanh(self.blocks[0](self.emb(x))))
 
 
+class TiedPair(nn.Module):
+    """Two Linears of one unit sharing their weight (an alias inside the unit's module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class TiedWithinUnits(SharedBlocks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([TiedPair(), TiedPair()])
+
+
 def sharing_worker(kind: str, strategy: str) -> float:
     torch.manual_seed(0)
-    model = SharedBlocks() if kind == "shared" else TiedAcrossUnits()
+    model = {"shared": SharedBlocks, "tied": TiedAcrossUnits, "within": TiedWithinUnits}[kind]()
     ref = copy.deepcopy(model)
     state = fs.init(
         model,
@@ -352,10 +370,10 @@ def sharing_worker(kind: str, strategy: str) -> float:
         g = torch.Generator().manual_seed(step)
         x = (
             torch.randn(6 * world, 8, generator=g)
-            if kind == "shared"
+            if kind != "tied"
             else torch.randint(0, 11, (6 * world, 3), generator=g)
         )
-        y = torch.randint(0, 11, x.shape[:1] if kind == "shared" else x.shape, generator=g)
+        y = torch.randint(0, 11, x.shape[:1] if kind != "tied" else x.shape, generator=g)
 
         def loss_fn(params, b, m=model):
             logits = fs.functional_call(m, params, (b[0],))
@@ -369,7 +387,7 @@ def sharing_worker(kind: str, strategy: str) -> float:
     return max(float((got[n] - p.detach()).abs().max()) for n, p in ref.named_parameters())
 
 
-@pytest.mark.parametrize("kind", ["shared", "tied"])
+@pytest.mark.parametrize("kind", ["shared", "tied", "within"])
 @pytest.mark.parametrize("strategy", fs.STRATEGIES)
 def test_shared_modules_and_weights_tied_across_units(pool2, kind: str, strategy: str) -> None:
     assert max(pool2.run(sharing_worker, kind, strategy)) < 1e-6

@@ -6,6 +6,8 @@ silently taking the module's own (stale) weights; metadata reads (shape, dtype) 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from funcshard.layout import ROOT_UNIT, Layout
@@ -53,8 +55,20 @@ class Absent(torch.Tensor):
         raise UnitParamsError(absent._why)
 
 
+_MADE: weakref.WeakKeyDictionary[Layout, dict[str, Absent]] = weakref.WeakKeyDictionary()
+
+
 def absent(layout: Layout, names: list[str]) -> dict[str, Absent]:
-    """A placeholder per name, whose error says why the param is not there."""
+    """A placeholder per name, whose error says why the param is not there (made once per
+    layout: every microbatch of every step puts them in)."""
+    made = _MADE.setdefault(layout, {})
+    missing = [name for name in names if name not in made]
+    if missing:
+        made.update(_make(layout, missing))
+    return {name: made[name] for name in names}
+
+
+def _make(layout: Layout, names: list[str]) -> dict[str, Absent]:
     out = {}
     for name in names:
         spec = layout.leaf(name)

@@ -75,6 +75,16 @@ def _grad_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
+def _relative(aliases: tuple[tuple[str, str], ...], prefix: str) -> tuple[tuple[str, str], ...]:
+    """The tied (alias, name) pairs of the module at ``prefix``, relative to it (the root: all
+    of them)."""
+    if not prefix:
+        return aliases
+    head = prefix + "."
+    n = len(head)
+    return tuple((a[n:], p[n:]) for a, p in aliases if a.startswith(head) and p.startswith(head))
+
+
 def _around(unit: Unit, module: nn.Module, compiled: Callable[..., Any]) -> Callable[..., Any]:
     """A compiled module's call with the unit's pre/post-forward around it, not inside it.
 
@@ -109,6 +119,7 @@ class Unit:
         self.run = run
         self.index = index
         self.prefix = run.layout.units[index]
+        self.aliases = _relative(run.layout.aliases, self.prefix)  # tied names in the module
         self._forward_swap: Swap | None = None  # the root's, kept until close
         self.buckets = run.buckets_of.get(index, [])
         self.held: dict[int, torch.Tensor] = {}
@@ -155,7 +166,7 @@ class Unit:
         self._gather(self.buckets)
         params = self._views()
         self.run.prefetch_forward(self.index + 1)
-        swap = Swap(module, params)
+        swap = Swap(module, params, aliases=self.aliases)
         if self.run.replicated:
             # ZeRO-2 params are views of persistent buffers: the unit keeps them until
             # backward is over, so a recomputation sees this step's weights, and they are the
@@ -198,7 +209,7 @@ class Unit:
         # Backward runs without grad mode; the recomputation must see params that require
         # grad, as forward's did, or autograd saves other tensors than it saved in forward.
         with torch.enable_grad():
-            self._swap = Swap(module, self._views())
+            self._swap = Swap(module, self._views(), aliases=self.aliases)
 
     def backward_full(self, bucket: int) -> torch.Tensor:
         """The re-gathered bucket for a saved token (re-gathering the unit if not held)."""
@@ -256,7 +267,7 @@ class _RootUnit(Unit):
         # loudly instead of silently taking the module's stale weights.
         params.update(absent(layout, [s.name for s in layout.leaves if s.unit != ROOT_UNIT]))
         self.run.prefetch_forward(ROOT_UNIT + 1)
-        self._forward_swap = Swap(module, params)
+        self._forward_swap = Swap(module, params, aliases=self.aliases)
         self.run.stack.callback(self._forward_swap.restore)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG002
