@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import stateless
-from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor, swap_tensor
 
 from funcshard.compiling import compile_units
 
@@ -69,9 +69,10 @@ class Swap:
         *,
         strict: bool = False,
         aliases: tuple[tuple[str, str], ...] | None = None,
+        accessor: NamedMemberAccessor | None = None,
     ) -> None:
         self._module, self._aliases = module, aliases
-        self._accessor = NamedMemberAccessor(module)
+        self._accessor = NamedMemberAccessor(module) if accessor is None else accessor
         untied = self._untie(tensors)
         if strict:
             missing, unexpected = self._accessor.check_keys(untied)
@@ -80,7 +81,25 @@ class Swap:
                     f"functional_call: missing keys {missing}, unexpected keys "
                     f"{unexpected} for {type(module).__name__}"
                 )
-        self._orig, _ = self._accessor.swap_tensors_dict(untied, allow_missing=True)
+        self._orig = self._swap(untied)
+
+    def _swap(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """Puts ``tensors`` in, returning what they replaced (torch's ``_MISSING`` where
+        nothing was); a parameter slot is written directly, anything else as torch does."""
+        done: dict[str, Any] = {}
+        try:
+            for name, tensor in tensors.items():
+                path, _, attr = name.rpartition(".")
+                owner = self._accessor.get_submodule(path)
+                slots = owner._parameters
+                if attr in slots:
+                    done[name], slots[attr] = slots[attr], tensor
+                else:
+                    done[name] = swap_tensor(owner, attr, tensor, allow_missing=True)
+        except Exception:
+            self._accessor.swap_tensors_dict(done, allow_missing=True)  # back as it was
+            raise
+        return done
 
     def _untie(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._aliases is None:
@@ -91,10 +110,10 @@ class Swap:
 
     def replace(self, tensors: dict[str, torch.Tensor]) -> None:
         """Swaps in other tensors, dropping the current ones (the originals stay kept)."""
-        self._accessor.swap_tensors_dict(self._untie(tensors), allow_missing=True)
+        self._swap(self._untie(tensors))
 
     def restore(self) -> None:
-        self._accessor.swap_tensors_dict(self._orig, allow_missing=True)
+        self._swap(self._orig)
 
 
 class StepParams(dict):

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 from torch.utils.hooks import RemovableHandle
 
 from funcshard.comm.grads import ReplicateAxis
@@ -120,6 +121,7 @@ class Unit:
         self.index = index
         self.prefix = run.layout.units[index]
         self.aliases = _relative(run.layout.aliases, self.prefix)  # tied names in the module
+        self._accessors: dict[int, NamedMemberAccessor] = {}  # submodule lookups, per module
         self._forward_swap: Swap | None = None  # the root's, kept until close
         self.buckets = run.buckets_of.get(index, [])
         self.held: dict[int, torch.Tensor] = {}
@@ -127,6 +129,13 @@ class Unit:
         self.state = UnitState.IDLE
         self._awaiting_post: set[int] = set()  # buckets re-gathered whose backward is due
         self._reduced: set[int] = set()  # buckets whose post-backward has run
+
+    def _accessor(self, module: nn.Module) -> NamedMemberAccessor:
+        """The module's submodule lookups, kept for the run's swaps of this unit."""
+        accessor = self._accessors.get(id(module))
+        if accessor is None or accessor.module is not module:
+            accessor = self._accessors[id(module)] = NamedMemberAccessor(module)
+        return accessor
 
     # --- what the gather hands out -----------------------------------------------------
     def graph_full(self, bucket: int) -> torch.Tensor:
@@ -166,7 +175,7 @@ class Unit:
         self._gather(self.buckets)
         params = self._views()
         self.run.prefetch_forward(self.index + 1)
-        swap = Swap(module, params, aliases=self.aliases)
+        swap = Swap(module, params, aliases=self.aliases, accessor=self._accessor(module))
         if self.run.replicated:
             # ZeRO-2 params are views of persistent buffers: the unit keeps them until
             # backward is over, so a recomputation sees this step's weights, and they are the
@@ -209,7 +218,9 @@ class Unit:
         # Backward runs without grad mode; the recomputation must see params that require
         # grad, as forward's did, or autograd saves other tensors than it saved in forward.
         with torch.enable_grad():
-            self._swap = Swap(module, self._views(), aliases=self.aliases)
+            self._swap = Swap(
+                module, self._views(), aliases=self.aliases, accessor=self._accessor(module)
+            )
 
     def backward_full(self, bucket: int) -> torch.Tensor:
         """The re-gathered bucket for a saved token (re-gathering the unit if not held)."""
@@ -267,7 +278,9 @@ class _RootUnit(Unit):
         # loudly instead of silently taking the module's stale weights.
         params.update(absent(layout, [s.name for s in layout.leaves if s.unit != ROOT_UNIT]))
         self.run.prefetch_forward(ROOT_UNIT + 1)
-        self._forward_swap = Swap(module, params, aliases=self.aliases)
+        self._forward_swap = Swap(
+            module, params, aliases=self.aliases, accessor=self._accessor(module)
+        )
         self.run.stack.callback(self._forward_swap.restore)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG002
