@@ -20,10 +20,10 @@ FSDP2, FSDP2, funcshard, ...) so that both see the same machine load. ZeRO-3
 strategy and policy: median step time (wall, and CPU time of the rank's process, which a
 machine shared with other jobs disturbs less), the ratio funcshard / FSDP2 (below 1: funcshard
 is faster; the wall ratio is the median over steps of each funcshard step over the FSDP2 step
-beside it), peak tensor
-bytes per rank (persistent state + the profiler's peak of CPU allocations in one step),
-bytes communicated in one step (measured, and predicted by ``fs.plan``), the last loss and the
-largest difference between the two loss curves.
+beside it), peak tensor bytes per rank (persistent state + the profiler's peak of CPU
+allocations, the lowest of five steps' peaks), bytes communicated in one step (measured,
+and predicted by ``fs.plan``), the last loss and the largest difference between the two loss
+curves.
 
 With ``--compile=BACKEND`` each configuration runs (alternated as above) funcshard and FSDP2
 with every block compiled in place (``block.compile()``; FSDP2: compiled, then ``fully_shard``,
