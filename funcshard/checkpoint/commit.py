@@ -188,12 +188,14 @@ def commit(tmp: str, final: str) -> None:
 
 
 def _agree(agreement: Agreement, what: str, error: BaseException | None, tmp: str) -> None:
-    """Raises on every rank if some rank failed, once rank 0 has removed ``tmp``."""
-    failed = agreement.failed_ranks(error is None)
-    if failed:
+    """Raises on every rank if some rank failed (quoting each failed rank's error), rank 0
+    once it has removed ``tmp``."""
+    try:
+        agreement.raise_if_failed(what, error)
+    except BaseException:
         if agreement.rank == 0:  # nothing of a failed save stays behind
             remove_tree(tmp)
-        raise error or RuntimeError(f"{what} failed on rank(s) {failed}; see their errors")
+        raise
 
 
 def write_and_commit(
