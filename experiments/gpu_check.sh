@@ -13,7 +13,7 @@
 # 0.73B GPT (fraction 0.5 and 1, FSDP2's CPUOffloadPolicy beside) with a profiler trace of one
 # step (the copies on their side streams), then checkpoint save / restore beside DCP. Python
 # packages missing on the device image (optree, crc32c) come as wheels in .whl (BUILD.md, "GPU").
-# The compile part: bench_step --compile=inductor on a 0.17B GPT (12 layers of the step part's),
+# The compile part: bench_step --compile=inductor on a 0.19B GPT (12 layers of the step part's),
 # funcshard's compiled blocks and fs.init(compile=) beside FSDP2's compiled blocks, each beside
 # its eager run. PARTS (default: all, in order) picks parts where device time is short, e.g.
 #   PARTS="machine cuda_tests compile step" experiments/gpu_check.sh
