@@ -486,3 +486,4 @@ class UnitRun:
         self.stack.close()
         self.gatherer.close()  # the run's objects refer to each other: let go of what
         self.reducer.close()  # they hold now, not when the cycle collector runs
+        self.units, self.saved, self._outside, self.params = [], None, None, None
