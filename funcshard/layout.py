@@ -202,7 +202,7 @@ class Layout:
         size = mesh_lib.axis_size(self.mesh, "shard")
         return size * self.replicas if self.hierarchical else size
 
-    @functools.cached_property
+    @property
     def shard_rank(self) -> int:
         """This rank's master index (``s * R + r`` under HFSDP)."""
         if not self.strategy.shards_optim:

@@ -285,9 +285,8 @@ class Reducer:
         return self.acc
 
     def close(self) -> None:
-        """Lets go of the accumulator and the carriers once the run is over: the run's
-        objects refer to each other (a unit to its run), so what they hold would otherwise
-        live on until Python's cycle collector runs, a step's gradients among it."""
+        """Lets go of the accumulator (a step's gradients) and the carriers once the run is
+        over, however long the run itself lives on."""
         self.acc = []
         self.complete = None
         self._zeros = []

@@ -121,7 +121,7 @@ class Unit:
         self.index = index
         self.prefix = run.layout.units[index]
         self.aliases = _relative(run.layout.aliases, self.prefix)  # tied names in the module
-        self._accessors: dict[int, NamedMemberAccessor] = {}  # submodule lookups, per module
+        self._lookups: NamedMemberAccessor | None = None  # the module's submodule lookups
         self._forward_swap: Swap | None = None  # the root's, kept until close
         self.buckets = run.buckets_of.get(index, [])
         self.held: dict[int, torch.Tensor] = {}
@@ -132,10 +132,9 @@ class Unit:
 
     def _accessor(self, module: nn.Module) -> NamedMemberAccessor:
         """The module's submodule lookups, kept for the run's swaps of this unit."""
-        accessor = self._accessors.get(id(module))
-        if accessor is None or accessor.module is not module:
-            accessor = self._accessors[id(module)] = NamedMemberAccessor(module)
-        return accessor
+        if self._lookups is None or self._lookups.module is not module:
+            self._lookups = NamedMemberAccessor(module)
+        return self._lookups
 
     # --- what the gather hands out -----------------------------------------------------
     def graph_full(self, bucket: int) -> torch.Tensor:
@@ -484,6 +483,9 @@ class UnitRun:
         for unit in reversed(self.units):
             unit.close()
         self.stack.close()
-        self.gatherer.close()  # the run's objects refer to each other: let go of what
-        self.reducer.close()  # they hold now, not when the cycle collector runs
+        # What the run held goes now, not when the run does: the params loss_fn got keep
+        # the run alive as long as a caller keeps them. And the references between the run's
+        # objects go, so that no cycle is left for Python's cycle collector.
+        self.gatherer.close()
+        self.reducer.close()
         self.units, self.saved, self._outside, self.params = [], None, None, None
