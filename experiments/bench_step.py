@@ -216,9 +216,8 @@ def _peak_bytes(runner, batches, reps: int = 5) -> int:
     CUDA: the caching allocator's peak of allocated bytes. CPU: what lives at the step's start
     (the state) plus the profiler's highest count of bytes allocated above that during the
     step; the first step runs inside the profiler too, so that frees of what it allocated are
-    seen. On the CPU one step's peak moves from step to step, by up to 68 MB on the 23M GPT at
-    2 ranks with Python's cycle collector off too (some frees of gradient-sized tensors land
-    at varying points of the step; not pinned down yet); the lowest of ``reps`` steps is the
+    seen. On the CPU one step's peak moves from step to step (some frees land at varying points
+    of the step, with Python's cycle collector off too); the lowest of ``reps`` steps is the
     step's own peak without that."""
     if runner.cfg.device == "cuda":
         runner.step(batches[0])
