@@ -107,10 +107,10 @@ def gather_replicas(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torc
     gathered over "replicate" from the replicas' master flats."""
     replicas = layout.replicas
     if param_wire(layout, bucket) is None:
-        sections = local
-        if replicas > 1:
-            sections = ops.all_gather(local, layout.replicate_group, axis=ops.Axis.REPLICATE)
-        return shard_lib.from_rank_sections(sections, layout.bucket_leaves(bucket), replicas)
+        if replicas == 1:
+            return local
+        sizes = [s.shard_numel for s in layout.bucket_leaves(bucket)]
+        return ops.all_gather_pieces(local, sizes, layout.replicate_group, axis=ops.Axis.REPLICATE)
     packed = pack_params(layout, bucket, local)
     if replicas == 1:
         return packed
@@ -125,17 +125,18 @@ def all_gather_params(layout: Layout, bucket: Bucket, local: torch.Tensor) -> op
     Without a param wire the compute-dtype shards move. With one, the packed shards do
     (``local`` packed here, or already packed under :func:`packs_shard`), and the result is
     decoded once, section by section, on arrival."""
-    specs, S = layout.bucket_leaves(bucket), layout.shard_size
-    wire = param_wire(layout, bucket)
+    S, wire = layout.shard_size, param_wire(layout, bucket)
     if wire is None:
-        count, sections, packed = S, specs, local
-        finish = lambda r: r  # noqa: E731
-    else:
-        count, sections = S * _sections(layout), section_leaves(layout, bucket)
-        eight_bit = section_blocks(layout, bucket) if wire in EIGHT_BIT else None
-        packed = local if packs_shard(layout, bucket) else pack_params(layout, bucket, local)
-        compute = bucket.dtypes.compute
-        finish = lambda r: codec.unpack(r, wire, eight_bit, count, compute)  # noqa: E731
+        if S == 1:
+            return ops.Pending(None, local)
+        sizes = [s.shard_numel for s in layout.bucket_leaves(bucket)]
+        group, axis = layout.shard_group, layout.shard_axis
+        return ops.all_gather_pieces(local, sizes, group, axis=axis, async_op=True)
+    count, sections = S * _sections(layout), section_leaves(layout, bucket)
+    eight_bit = section_blocks(layout, bucket) if wire in EIGHT_BIT else None
+    packed = local if packs_shard(layout, bucket) else pack_params(layout, bucket, local)
+    compute = bucket.dtypes.compute
+    finish = lambda r: codec.unpack(r, wire, eight_bit, count, compute)  # noqa: E731
     if S == 1:
         pending = ops.Pending(None, packed)
     else:
@@ -157,9 +158,10 @@ def gather_full(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Te
 def gather_shards(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
     """A bucket's local flat all-gathered over the shard axis into the full layout, as it is
     (no param wire)."""
-    S = layout.shard_size
-    sections = ops.all_gather(local, layout.shard_group, axis=layout.shard_axis) if S > 1 else local
-    return shard_lib.from_rank_sections(sections, layout.bucket_leaves(bucket), S)
+    if layout.shard_size == 1:
+        return local
+    sizes = [s.shard_numel for s in layout.bucket_leaves(bucket)]
+    return ops.all_gather_pieces(local, sizes, layout.shard_group, axis=layout.shard_axis)
 
 
 def all_gather_nbytes(layout: Layout, bucket: Bucket) -> int:

@@ -78,10 +78,13 @@ class Gatherer:
         return full
 
     def drop_prefetches(self) -> None:
-        """Forgets gathers started for a unit that did not run."""
-        self._pending.clear()
+        """Forgets gathers started for a unit that did not run (once they are done: every
+        rank started them)."""
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.discard()
 
     def close(self) -> None:
         """Forgets the prefetches and the shards (the run is over)."""
-        self._pending.clear()
+        self.drop_prefetches()
         self.buffers = ()
