@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from funcshard.comm import ops
 from funcshard.layout import LeafSpec, build_layout
 from funcshard.policy import MixedPrecisionPolicy
 
@@ -126,14 +127,7 @@ def from_rank_sections(
     """All-gather output layout into the full layout (a leaf becomes one contiguous range)."""
     if shard_size == 1:
         return sections
-    sizes = [s.shard_numel for s in specs]
-    full = torch.empty_like(sections)
-    outs = [
-        full[shard_size * s.offset : shard_size * (s.offset + s.shard_numel)].view(shard_size, -1)
-        for s in specs
-    ]
-    torch.split_with_sizes_copy(sections.view(shard_size, -1), sizes, dim=1, out=outs)
-    return full
+    return ops.place_rank_sections(sections, [s.shard_numel for s in specs], shard_size)
 
 
 def to_sections(

@@ -429,13 +429,13 @@ def test_wire_bytes_equal_the_plan(
         assert 0.25 * grads(fp32) < grads(p) < 0.45 * grads(fp32)
 
 
-def pieces_worker(shard: int, replicate: int) -> list[str]:
-    """``all_gather_pieces`` against an all-gather then the permutation, over the shard group
-    (a subgroup where replicate > 1): pieces empty, small (travelling together) and large,
-    three gathers in flight at once, waited for in reverse order; then one dropped unwaited.
-    Returns failures."""
+def pieces_worker(shard: int, replicate: int, by_sends: bool) -> list[str]:
+    """``all_gather_pieces`` against each piece cut out of a plain all-gather's result, over
+    the shard group (a subgroup where replicate > 1): pieces empty, small (travelling
+    together) and large, three gathers in flight at once, waited for in reverse order; then
+    one dropped unwaited. ``by_sends``: gloo's way (sends to each piece's place), else the
+    all-gather and placement NCCL takes. Returns failures."""
     from funcshard.comm import ops
-    from funcshard.sharding import from_rank_sections
 
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     group = mesh["shard"].get_group()
@@ -445,41 +445,42 @@ def pieces_worker(shard: int, replicate: int) -> list[str]:
         [17],
         [5, 0, 9],
     ]
-    pending, expected = [], []
-    for i, sizes in enumerate(cases):
-        dtype = (torch.float32, torch.bfloat16, torch.float64)[i]
-        local = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(rank * 10 + i))
-        local = local.to(dtype)
-        every = [torch.empty_like(local) for _ in range(shard)]
-        dist.all_gather(every, local, group=group)
-        specs = [_Spec(n, sum(sizes[:j])) for j, n in enumerate(sizes)]
-        expected.append(from_rank_sections(torch.cat(every), specs, shard))
-        pending.append(ops.all_gather_pieces(local, sizes, group, axis="shard", async_op=True))
-    failures = []
-    for i in reversed(range(len(cases))):
-        got = pending[i].wait()
-        if not torch.equal(got, expected[i]):
-            failures.append(f"case {i} on rank {rank}")
-    # a gather dropped unwaited on every rank (a step that failed with a prefetch in flight)
-    # leaves the next one exact
-    local = torch.full((sum(cases[0]),), float(dist.get_rank(group)))
-    ops.all_gather_pieces(local, cases[0], group, axis="shard", async_op=True)
-    got = ops.all_gather_pieces(local, cases[0], group, axis="shard")
-    for start, n in zip(itertools.accumulate(cases[0], initial=0), cases[0], strict=False):
-        want = torch.arange(shard, dtype=torch.float32).repeat_interleave(n)
-        if not torch.equal(got[shard * start : shard * (start + n)], want):
-            failures.append(f"after a dropped gather, piece at {start} on rank {rank}")
+    chosen, ops._by_sends = ops._by_sends, lambda local, group: by_sends
+    try:
+        pending, expected = [], []
+        for i, sizes in enumerate(cases):
+            dtype = (torch.float32, torch.bfloat16, torch.float64)[i]
+            local = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(rank * 10 + i))
+            local = local.to(dtype)
+            every = [torch.empty_like(local) for _ in range(shard)]
+            dist.all_gather(every, local, group=group)
+            starts = itertools.accumulate(sizes, initial=0)
+            pieces = [t[o : o + n] for o, n in zip(starts, sizes, strict=False) for t in every]
+            expected.append(torch.cat(pieces))  # piece by piece, its ranks adjacent
+            pending.append(ops.all_gather_pieces(local, sizes, group, axis="shard", async_op=True))
+        failures = []
+        for i in reversed(range(len(cases))):
+            got = pending[i].wait()
+            if not torch.equal(got, expected[i]):
+                failures.append(f"case {i} on rank {rank}")
+        # a gather dropped unwaited on every rank (a step that failed with a prefetch in
+        # flight) leaves the next one exact
+        local = torch.full((sum(cases[0]),), float(dist.get_rank(group)))
+        ops.all_gather_pieces(local, cases[0], group, axis="shard", async_op=True)
+        got = ops.all_gather_pieces(local, cases[0], group, axis="shard")
+        for start, n in zip(itertools.accumulate(cases[0], initial=0), cases[0], strict=False):
+            want = torch.arange(shard, dtype=torch.float32).repeat_interleave(n)
+            if not torch.equal(got[shard * start : shard * (start + n)], want):
+                failures.append(f"after a dropped gather, piece at {start} on rank {rank}")
+    finally:
+        ops._by_sends = chosen
     return failures
 
 
-class _Spec:
-    """The two fields of a LeafSpec that ``from_rank_sections`` reads."""
-
-    def __init__(self, shard_numel: int, offset: int) -> None:
-        self.shard_numel, self.offset = shard_numel, offset
-
-
+@pytest.mark.parametrize("by_sends", [True, False], ids=["sends", "all_gather"])
 @pytest.mark.parametrize("shard,replicate", [(2, 1), (3, 1), (2, 2)])
-def test_all_gather_pieces_equals_all_gather_then_permutation(pool_of, shard, replicate) -> None:
-    for failures in pool_of(shard * replicate).run(pieces_worker, shard, replicate):
+def test_all_gather_pieces_equals_all_gather_then_permutation(
+    pool_of, shard, replicate, by_sends
+) -> None:
+    for failures in pool_of(shard * replicate).run(pieces_worker, shard, replicate, by_sends):
         assert failures == []

@@ -29,6 +29,7 @@ __all__ = [
     "comm_stats",
     "all_gather",
     "all_gather_pieces",
+    "place_rank_sections",
     "reduce_scatter",
     "all_reduce",
     "all_to_all",
@@ -226,23 +227,40 @@ def all_gather_pieces(
     assert sum(sizes) == local.numel(), f"pieces {sum(sizes)} of a {local.numel()} buffer"
     out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
     record("all_gather", out, axis)
-    offsets = [0, *itertools.accumulate(sizes)]
-    pieces = [
-        out[size * o : size * (o + n)].view(size, n)
-        for o, n in zip(offsets[:-1], sizes, strict=True)
-    ]
-    if local.device.type == "cpu" and dist.get_backend(group) == "gloo":
-        pending = _gather_by_sends(out, local.contiguous(), sizes, offsets, pieces, group)
+    if _by_sends(local, group):
+        pending = _gather_by_sends(out, local.contiguous(), sizes, group)
     else:
         gathered = torch.empty_like(out)
         work = _all_gather_single(gathered, local.contiguous(), group=group, async_op=True)
-
-        def place(gathered: torch.Tensor) -> torch.Tensor:
-            torch.split_with_sizes_copy(gathered.view(size, -1), sizes, dim=1, out=pieces)
-            return out
-
-        pending = Pending.then(Pending(work, gathered), place)
+        pending = Pending.then(
+            Pending(work, gathered), lambda g: place_rank_sections(g, sizes, size, out)
+        )
     return pending if async_op else pending.wait()
+
+
+def place_rank_sections(
+    sections: torch.Tensor, sizes: list[int], size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``size`` ranks' pieces of ``sizes`` back to back (an all-gather's output) into ``out``
+    (default: a new tensor) with each piece's ranks adjacent: :func:`all_gather_pieces`'s
+    layout."""
+    out = torch.empty_like(sections) if out is None else out
+    torch.split_with_sizes_copy(
+        sections.view(size, -1), sizes, dim=1, out=_rank_pieces(out, sizes, size)
+    )
+    return out
+
+
+def _rank_pieces(out: torch.Tensor, sizes: list[int], size: int) -> list[torch.Tensor]:
+    """Each piece's ``(size, n)`` view in :func:`all_gather_pieces`'s layout."""
+    offsets = itertools.accumulate(sizes, initial=0)  # one more than sizes: its end
+    pairs = zip(offsets, sizes, strict=False)
+    return [out[size * o : size * (o + n)].view(size, n) for o, n in pairs]
+
+
+def _by_sends(local: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether :func:`all_gather_pieces` sends the pieces to their place: a CPU gloo group."""
+    return local.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
 # The tag of these sends, apart from a user's point-to-point messages on the same group (tag 0
@@ -280,7 +298,7 @@ class _Works:
 _UNWAITED: list[dist.Work] = []
 
 
-def _gather_by_sends(out, local, sizes, offsets, pieces, group) -> Pending:
+def _gather_by_sends(out, local, sizes, group) -> Pending:
     """:func:`all_gather_pieces` by sends to each peer and receives in place (gloo).
 
     Consecutive small pieces form one run, sent as one message (they are contiguous in
@@ -290,6 +308,7 @@ def _gather_by_sends(out, local, sizes, offsets, pieces, group) -> Pending:
     while _UNWAITED:
         _UNWAITED.pop(0).wait()
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    offsets, pieces = [0, *itertools.accumulate(sizes)], _rank_pieces(out, sizes, size)
     small = _SMALL_PIECE // local.element_size()
     runs: list[list[int]] = []  # piece indices, consecutive
     for i, n in enumerate(sizes):

@@ -50,6 +50,11 @@ def _sections(layout: Layout) -> int:
     return max(1, layout.packed_sections)
 
 
+def _sizes(layout: Layout, bucket: Bucket) -> list[int]:
+    """Each leaf's numel in a bucket's shard: the pieces of :func:`ops.all_gather_pieces`."""
+    return [s.shard_numel for s in layout.bucket_leaves(bucket)]
+
+
 def section_leaves(layout: Layout, bucket: Bucket) -> list[LeafSpec]:
     """The leaves of one master section of a bucket's shard, as a master flat packs them (the
     bucket's own specs; 1/R of the rows and offsets of each under HFSDP's inner layout)."""
@@ -109,8 +114,8 @@ def gather_replicas(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torc
     if param_wire(layout, bucket) is None:
         if replicas == 1:
             return local
-        sizes = [s.shard_numel for s in layout.bucket_leaves(bucket)]
-        return ops.all_gather_pieces(local, sizes, layout.replicate_group, axis=ops.Axis.REPLICATE)
+        group = layout.replicate_group
+        return ops.all_gather_pieces(local, _sizes(layout, bucket), group, axis=ops.Axis.REPLICATE)
     packed = pack_params(layout, bucket, local)
     if replicas == 1:
         return packed
@@ -129,9 +134,8 @@ def all_gather_params(layout: Layout, bucket: Bucket, local: torch.Tensor) -> op
     if wire is None:
         if S == 1:
             return ops.Pending(None, local)
-        sizes = [s.shard_numel for s in layout.bucket_leaves(bucket)]
         group, axis = layout.shard_group, layout.shard_axis
-        return ops.all_gather_pieces(local, sizes, group, axis=axis, async_op=True)
+        return ops.all_gather_pieces(local, _sizes(layout, bucket), group, axis=axis, async_op=True)
     count, sections = S * _sections(layout), section_leaves(layout, bucket)
     eight_bit = section_blocks(layout, bucket) if wire in EIGHT_BIT else None
     packed = local if packs_shard(layout, bucket) else pack_params(layout, bucket, local)
@@ -160,8 +164,8 @@ def gather_shards(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.
     (no param wire)."""
     if layout.shard_size == 1:
         return local
-    sizes = [s.shard_numel for s in layout.bucket_leaves(bucket)]
-    return ops.all_gather_pieces(local, sizes, layout.shard_group, axis=layout.shard_axis)
+    group, axis = layout.shard_group, layout.shard_axis
+    return ops.all_gather_pieces(local, _sizes(layout, bucket), group, axis=axis)
 
 
 def all_gather_nbytes(layout: Layout, bucket: Bucket) -> int:
