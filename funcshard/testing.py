@@ -9,6 +9,7 @@ and then runs any importable function on all of them::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -18,7 +19,30 @@ import torch.multiprocessing as mp
 from funcshard._results import call_and_send, gather, stop
 from funcshard.launch import free_port, init_process_group
 
-__all__ = ["RankPool"]
+__all__ = ["RankPool", "TIMEOUT_ENV", "scaled_timeout"]
+
+TIMEOUT_ENV = "FUNCSHARD_POOL_TIMEOUT"
+
+
+def scaled_timeout(base: float, nproc: int, cpus: int | None = None) -> float:
+    """Seconds a call of ``nproc`` ranks may take, given ``base`` on a machine with a core per
+    rank: ``base`` times the ranks per core (4 ranks on 2 cores wait twice as long), or the
+    environment's ``FUNCSHARD_POOL_TIMEOUT`` (seconds) where it is set, for a slow machine.
+    ``cpus``: the cores this process may run on (None: its affinity).
+    """
+    override = os.environ.get(TIMEOUT_ENV)
+    if override:
+        try:
+            seconds = float(override)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}: expected seconds, got {override!r}") from None
+        if not seconds > 0:
+            raise ValueError(f"{TIMEOUT_ENV}: expected seconds > 0, got {override!r}")
+        return seconds
+    if cpus is None:
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return base * max(1.0, nproc / cpus)
 
 
 def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Connection) -> None:
@@ -38,11 +62,15 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Connection) ->
 
 
 class RankPool:
-    """``nproc`` CPU ranks joined in one gloo process group, reused across ``run`` calls."""
+    """``nproc`` CPU ranks joined in one gloo process group, reused across ``run`` calls.
 
-    def __init__(self, nproc: int, timeout: float = 600.0) -> None:
+    ``timeout``: seconds one ``run`` may take; None: 600 s scaled by the ranks per core
+    (:func:`scaled_timeout`, which ``FUNCSHARD_POOL_TIMEOUT`` overrides).
+    """
+
+    def __init__(self, nproc: int, timeout: float | None = None) -> None:
         self.nproc = nproc
-        self.timeout = timeout
+        self.timeout = scaled_timeout(600.0, nproc) if timeout is None else timeout
         self._start()
 
     def _start(self) -> None:

@@ -9,11 +9,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from funcshard.testing import RankPool  # noqa: E402
+from funcshard.testing import RankPool, scaled_timeout  # noqa: E402
 
 
 def _pool(n: int):
-    with RankPool(n, timeout=240.0) as pool:
+    # 240 s a call with a core per rank, more where ranks share cores (4 ranks on CI's 2
+    # cores: 480 s); FUNCSHARD_POOL_TIMEOUT=seconds sets it outright on a slow machine
+    with RankPool(n, timeout=scaled_timeout(240.0, n)) as pool:
         yield pool
 
 

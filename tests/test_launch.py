@@ -307,3 +307,18 @@ def test_a_script_that_keeps_its_state_in_globals_exits_cleanly(tmp_path) -> Non
         if code != 0 or "terminate" in text:
             failed.append((i, outer, code, text[-3000:]))
     assert not failed, f"{len(failed)} of {EXIT_RUNS} runs failed; the first: {failed[0]}"
+
+
+def test_pool_timeout_scales_with_ranks_per_core_and_the_environment(monkeypatch):
+    from funcshard.testing import TIMEOUT_ENV, scaled_timeout
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert scaled_timeout(240.0, 4, cpus=2) == 480.0
+    assert scaled_timeout(240.0, 1, cpus=2) == 240.0  # never below the base
+    assert scaled_timeout(240.0, 6, cpus=4) == 360.0
+    monkeypatch.setenv(TIMEOUT_ENV, "900")
+    assert scaled_timeout(240.0, 4, cpus=2) == 900.0
+    for bad in ("soon", "0", "-5"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=TIMEOUT_ENV):
+            scaled_timeout(240.0, 2)
