@@ -12,6 +12,7 @@ from funcshard.mesh import make_mesh
 from funcshard.offload import offload_step
 from funcshard.plan import plan
 from funcshard.policy import MixedPrecisionPolicy
+from funcshard.replica_check import ReplicaMismatchError, check_replicas
 from funcshard.sharding import shard
 from funcshard.state import ConsumedStateError, LossScale, TrainState, init, tree
 from funcshard.step import full_params, train_step
@@ -29,9 +30,11 @@ __all__ = [
     "LossScale",
     "MixedPrecisionPolicy",
     "OuterStrategy",
+    "ReplicaMismatchError",
     "Strategy",
     "TrainState",
     "UnitParamsError",
+    "check_replicas",
     "comm_stats",
     "describe",
     "export_safetensors",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from funcshard import donation
+from funcshard import donation, replica_check
 from funcshard import fault as fault_lib
 from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
@@ -58,6 +58,7 @@ class _Static:
     optimizer: Optimizer
     compile: Backend = None  # fs.init's compile: the torch.compile backend of the unit modules
     replicas: fault_lib.Replicas | None = None
+    check_replicas_every: int = 0  # train_step compares replicas' bits every N steps (0: never)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -200,6 +201,10 @@ class TrainState:
     def compile(self) -> Backend:
         """The ``torch.compile`` backend ``fs.init(compile=...)`` chose (None: eager)."""
         return self._static.compile
+
+    @property
+    def check_replicas_every(self) -> int:
+        return self._static.check_replicas_every  # fs.init's; 0: never
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -371,6 +376,7 @@ def init(
     outer_strategy: str | OuterStrategy = "no_shard",
     compile: bool | str | Callable[..., Any] = False,
     fault_tolerance: fault_lib.FaultTolerance | None = None,
+    check_replicas_every: int = 0,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -405,6 +411,8 @@ def init(
         (:mod:`funcshard.fault`): every step averages the gradients over the groups of its
         quorum. A group behind its peers (one that restarts) heals from a live peer here: the
         state returned, step included, is bitwise theirs.
+      check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
+        an input state whose step is a positive multiple of N, before donating it; 0: never.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
@@ -420,6 +428,7 @@ def init(
             f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
             "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
         )
+    every = replica_check.period(check_replicas_every)
     backend = backend_of(compile, deterministic=deterministic)
     policy = policy or MixedPrecisionPolicy()
     tensor = tp_lib.read_model(model, mesh_lib.tensor_axis(mesh))
@@ -454,7 +463,7 @@ def init(
         opt_state=opt.init(layout.per_bucket(master)),
         step=0,
         loss_scale=loss_scale,
-        static=_Static(layout, opt, backend, replicas),
+        static=_Static(layout, opt, backend, replicas, every),
     )
     if replicas is None:
         return state

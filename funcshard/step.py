@@ -23,6 +23,7 @@ from funcshard.comm import params as params_lib
 from funcshard.layout import Layout
 from funcshard.produce import LossFn, producer_for
 from funcshard.reduction import reduction_of
+from funcshard.replica_check import check_replicas
 from funcshard.state import LossScale, TrainState, load_state_dict, state_dict
 
 __all__ = ["train_step", "full_params", "split_microbatches"]
@@ -190,6 +191,9 @@ def _check_steppable(state: TrainState) -> None:
             "train_step: the state holds no values (built from a meta-device "
             "model); fill it with fs.restore(..., model_only=True) first"
         )
+    every = state.check_replicas_every
+    if every and state.step and state.step % every == 0:  # before anything is donated
+        check_replicas(state)
 
 
 def _metrics(loss: float, norm: float, loss_scale: LossScale | None, aux: Any) -> dict[str, Any]:
