@@ -18,24 +18,10 @@ import torch.distributed as dist
 import funcshard as fs
 
 import models
+from helpers_compile import counting_backend
 
 STEPS, ROWS, MICRO, BLOCKS = 3, 8, 2, 2
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
-def _counting_backend(counts: collections.Counter):
-    """``aot_eager`` (AOTAutograd, graphs run as traced) counting forward/backward compiles."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    def compiler(kind: str):
-        def compile_graph(gm: torch.fx.GraphModule, example_inputs):  # noqa: ARG001
-            counts[kind] += 1
-            return make_boxed_func(gm.forward)
-
-        return compile_graph
-
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
 
 
 def _model_and_loss(kind: str):
@@ -78,18 +64,18 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
 
     def compile_blocks() -> None:
         for block in blocks:
-            block.compile(backend=_counting_backend(counts))
+            block.compile(backend=counting_backend(counts))
 
     if compile_when == "before":
         compile_blocks()
     if compile_when == "whole":  # the model as a whole (ZeRO-0/1 only)
-        model.compile(backend=_counting_backend(counts))
+        model.compile(backend=counting_backend(counts))
     state = fs.init(
         model,
         fs.optim.sgd(0.1, momentum=0.9),
         mesh=fs.make_mesh(shard, replicate, device_type="cpu"),
         strategy=strategy,
-        compile=_counting_backend(counts) if compile_when == "fs" else False,
+        compile=counting_backend(counts) if compile_when == "fs" else False,
     )
     assert (state.compile is None) == (compile_when != "fs")  # recorded in the static state
     if compile_when == "after":
