@@ -69,6 +69,7 @@ from funcshard.buckets import NAMESPACE, per_bucket_parts
 from funcshard.comm import params as params_lib
 from funcshard.comm.ops import AXES
 from funcshard.comm.wires import wire_for
+from funcshard.compiling import unwrapped
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
@@ -316,7 +317,8 @@ def plan(
 
     Args:
       params: ``{name: shape}`` or ``{name: (shape, dtype)}`` in ``named_parameters`` order,
-        or a model (a meta-device one is fine).
+        or a model (a meta-device one is fine; a ``torch.compile(model)`` wrapper is read as
+        the model inside it, as ``fs.init`` reads it).
       world_size: ranks in the world (``shard * replicate * tensor``).
       shard: ranks per shard group; -1 means ``world_size // (replicate * tensor)`` (as
         ``make_mesh``).
@@ -347,6 +349,8 @@ def plan(
     (48, 48, 192)
     """
     strategy = Strategy.parse(strategy)
+    if isinstance(params, nn.Module):
+        params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     shard = shard_size(world_size, shard, replicate, microbatches, tensor)
     table, tp = tensor_table(params, param_table(params, dtype), tensor)
     model = params if isinstance(params, nn.Module) else None
