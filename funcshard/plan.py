@@ -60,10 +60,12 @@ largest, bfloat16: ``2 * T * ceil(n / T) * the rest``, one call each).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import optree
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from funcshard.buckets import NAMESPACE, per_bucket_parts
 from funcshard.comm import params as params_lib
@@ -312,6 +314,7 @@ def plan(
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = "no_shard",
     tensor: int = 1,
+    tensor_plan: Mapping[str, ParallelStyle] | None = None,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -339,10 +342,19 @@ def plan(
         replicate x shard, a reduce-scatter and an all-gather over "replicate" per step).
       tensor: ranks per tensor-parallel group (``make_mesh(tensor=T)``): ``params`` is then the
         model after ``parallelize_module`` on ``mesh["tensor"]``, planned with tensor rank 0's
-        local shards (the module docstring).
+        local shards (the module docstring), or the plain model with ``tensor_plan``.
+      tensor_plan: with the plain (e.g. meta-device) model and ``tensor=T``, the plan the
+        model will be parallelized with (``parallelize_module``'s dict plan, keys relative to
+        the model, ``*`` per name component): planned as that model, without a process group.
 
     Returns:
       A :class:`Plan`.
+
+    Raises:
+      ValueError: ``tensor=T > 1`` with a model that holds no DTensor parameter and no
+        ``tensor_plan`` (it would plan every parameter as replicated), with a table of shapes,
+        or with DTensors on a mesh of another size; ``tensor_plan`` with a parallelized model
+        or ``tensor=1``; a mesh whose sizes do not multiply to ``world_size``.
 
     >>> p = plan({"w": (10, 4)}, world_size=4, strategy="optim", optimizer="sgd")
     >>> p.padded_numel, p.memory.master, p.comm["reduce_scatter"]
@@ -352,7 +364,7 @@ def plan(
     if isinstance(params, nn.Module):
         params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     shard = shard_size(world_size, shard, replicate, microbatches, tensor)
-    table, tp = tensor_table(params, param_table(params, dtype), tensor)
+    table, tp = tensor_table(params, param_table(params, dtype), tensor, tensor_plan)
     model = params if isinstance(params, nn.Module) else None
     units = units_from_names(list(table)) if model is None and units is None else units
     layout = build_layout(
