@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from funcshard.tensor_parallel import (
     TensorLeaf,
@@ -100,7 +100,10 @@ def shard_size(
 
 
 def tensor_table(
-    params: ShapesArg, table: dict, tensor: int, tensor_plan: Mapping[str, Any] | None = None
+    params: ShapesArg,
+    table: dict,
+    tensor: int,
+    tensor_plan: Mapping[str, ParallelStyle] | None = None,
 ) -> tuple[dict, TensorParallel | None]:
     """Tensor rank 0's local shapes (the largest shards) of a model after
     ``parallelize_module`` on a tensor mesh of ``tensor`` ranks, or of a plain model under

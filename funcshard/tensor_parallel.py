@@ -252,6 +252,7 @@ def planned_leaves(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[
         style whose placements funcshard does not know (naming the key and the style).
     """
     modules = dict(model.named_modules())
+    named = {id(p): n for n, p in model.named_parameters()}  # a tied weight: its first name
     leaves: dict[str, TensorLeaf] = {}
     for key, style in plan.items():
         matched = [name for name in modules if _matches(name, key)]
@@ -259,9 +260,8 @@ def planned_leaves(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[
             raise ValueError(f"tensor plan: key {key!r} names no submodule of the model")
         for name in matched:
             for local, placement in _style_placements(key, style, modules[name]).items():
-                full = f"{name}.{local}" if name else local
-                p = model.get_parameter(full)
-                leaves[full] = TensorLeaf(placement, tuple(p.shape), tuple(p.stride()))
+                p = modules[name].get_parameter(local)
+                leaves[named[id(p)]] = TensorLeaf(placement, tuple(p.shape), tuple(p.stride()))
     return leaves
 
 

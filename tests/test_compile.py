@@ -222,6 +222,11 @@ def wrapper_worker(strategy: str, directory: str) -> dict:
     )[0]
     out = {"names": list(state.layout.names), "per_step": per_step}
     full, eager_full = fs.full_params(state), fs.full_params(eager)
+    x = models.global_batch(0, ROWS)["x"]  # outside a step: the plain names into the wrapper
+    out["call"] = models.max_rel_err(
+        {"y": fs.functional_call(compiled, full, (x,))},
+        {"y": torch.func.functional_call(plain, full, (x,))},
+    )
     out["full_names"], out["error"] = list(full), models.max_rel_err(full, eager_full)
     fs.save(os.path.join(directory, "compiled"), state)
     fs.save(os.path.join(directory, "plain"), eager)
@@ -253,8 +258,8 @@ def test_torch_compile_wrapper_is_the_plain_model(pool2, tmp_path, strategy):
     """``fs.init(torch.compile(model), ...)`` under ZeRO-0/1 reads the model inside the
     wrapper: parameter names, full_params, the safetensors export and checkpoints are the plain
     model's (a checkpoint of the compiled model restores into the plain one and back), and the
-    wrapper is what runs (its graphs compiled in the first step, none after; the eager run's
-    params to rounding)."""
+    wrapper is what runs, in the step (its graphs compiled in the first step, none after; the
+    eager run's params to rounding) and in fs.functional_call outside it."""
     out = pool2.run(wrapper_worker, strategy, str(tmp_path))[0]
     names = out["plain_names"]
     assert out["names"] == names and out["full_names"] == names, out["names"]
@@ -264,6 +269,7 @@ def test_torch_compile_wrapper_is_the_plain_model(pool2, tmp_path, strategy):
     assert first == {"forward": 1, "backward": 1}, out["per_step"]
     assert all(counts == first for counts in later), out["per_step"]
     assert out["error"] < 1e-5, out["error"]
+    assert out["call"] < 1e-6, out["call"]
 
 
 def test_plan_reads_the_compiled_wrapper_as_the_model():
