@@ -46,7 +46,8 @@ the largest share's rows on that rank). Owners differ in load, so the plan gives
 rank's bytes and calls, and ``memory.muon_owner`` the most whole-matrix bytes an owner holds at
 once (the matrix being orthogonalized, the next one arriving, the iteration's workspace).
 
-With ``tensor=T`` (a model after ``parallelize_module`` on ``mesh["tensor"]``) every rank holds
+With ``tensor=T`` (a model after ``parallelize_module`` on ``mesh["tensor"]``, or the plain model
+and the plan it will be parallelized with, ``tensor_plan=``) every rank holds
 its tensor rank's LOCAL shards, sharded over the data-parallel axes as plain parameters (``W``
 above is then the data-parallel world, ``world_size / T``); the plan is tensor rank 0's, whose
 shards are the largest (``torch.chunk``'s sizes). funcshard's own collectives over "tensor" are
