@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Backend", "backend_of", "compiled_call", "compile_units"]
+__all__ = ["Backend", "backend_of", "compiled_call", "compile_units", "unwrapped"]
 
 Backend = str | Callable[..., Any] | None
 """A ``torch.compile`` backend (a name such as "inductor", or a callable), None: eager."""
@@ -90,6 +90,20 @@ def compile_units(
         if getattr(module, "_compiled_call_impl", None) is None:
             module._compiled_call_impl = compiled_call(module, backend)
             stack.callback(setattr, module, "_compiled_call_impl", None)
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The plain model inside a ``torch.compile(model)`` wrapper (an ``OptimizedModule``, whose
+    parameter names all start with ``_orig_mod.``); any other module itself.
+
+    funcshard names parameters, units, checkpoints and exports by the plain model's names, so
+    that a state of the compiled model and one of the plain model are interchangeable; the
+    wrapper stays what runs (``fs.functional_call(compiled, params, ...)`` swaps the params
+    into the modules the two share, then calls the wrapper).
+    """
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
 
 
 def compiled_around_units(model: nn.Module, prefixes: Iterable[str]) -> str | None:

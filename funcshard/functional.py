@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import stateless
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor, swap_tensor
 
-from funcshard.compiling import compile_units
+from funcshard.compiling import compile_units, unwrapped
 
 __all__ = ["functional_call", "GatheredParams", "StepParams"]
 
@@ -33,7 +33,9 @@ def functional_call(
     ``loss_fn`` (a :class:`StepParams` dict, or :class:`GatheredParams` under ZeRO-2/3). The
     model then keeps those params until the step's backward is over, so that activation
     checkpointing (``torch.utils.checkpoint``, non-reentrant) recomputes with the weights of
-    this step, not with the module's own stale ones.
+    this step, not with the module's own stale ones. ``model`` may be a ``torch.compile(model)``
+    wrapper: ``params`` carry the plain model's names (as ``fs.init`` names them) and the
+    wrapper runs.
     """
     if not isinstance(args, tuple):
         args = (args,)
@@ -45,11 +47,18 @@ def functional_call(
         )
     if isinstance(params, GatheredParams):
         return params._run.call(model, args, kwargs)
+    plain = unwrapped(model)  # the wrapper's modules are the plain model's: swap into those
     if isinstance(params, StepParams):
-        params.stack.callback(Swap(model, params, strict=strict).restore)
-        compile_units(model, *params.compile_units, params.stack)
+        params.stack.callback(Swap(plain, params, strict=strict).restore)
+        compile_units(plain, *params.compile_units, params.stack)
         return model(*args, **kwargs)
-    return torch.func.functional_call(model, params, args, kwargs, strict=strict)
+    if plain is model:
+        return torch.func.functional_call(model, params, args, kwargs, strict=strict)
+    swap = Swap(plain, params, strict=strict)
+    try:
+        return model(*args, **kwargs)
+    finally:
+        swap.restore()
 
 
 class Swap:

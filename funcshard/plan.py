@@ -46,7 +46,8 @@ the largest share's rows on that rank). Owners differ in load, so the plan gives
 rank's bytes and calls, and ``memory.muon_owner`` the most whole-matrix bytes an owner holds at
 once (the matrix being orthogonalized, the next one arriving, the iteration's workspace).
 
-With ``tensor=T`` (a model after ``parallelize_module`` on ``mesh["tensor"]``) every rank holds
+With ``tensor=T`` (a model after ``parallelize_module`` on ``mesh["tensor"]``, or the plain model
+and the plan it will be parallelized with, ``tensor_plan=``) every rank holds
 its tensor rank's LOCAL shards, sharded over the data-parallel axes as plain parameters (``W``
 above is then the data-parallel world, ``world_size / T``); the plan is tensor rank 0's, whose
 shards are the largest (``torch.chunk``'s sizes). funcshard's own collectives over "tensor" are
@@ -60,15 +61,18 @@ largest, bfloat16: ``2 * T * ceil(n / T) * the rest``, one call each).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import optree
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from funcshard.buckets import NAMESPACE, per_bucket_parts
 from funcshard.comm import params as params_lib
 from funcshard.comm.ops import AXES
 from funcshard.comm.wires import wire_for
+from funcshard.compiling import unwrapped
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
@@ -311,12 +315,14 @@ def plan(
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = "no_shard",
     tensor: int = 1,
+    tensor_plan: Mapping[str, ParallelStyle] | None = None,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
     Args:
       params: ``{name: shape}`` or ``{name: (shape, dtype)}`` in ``named_parameters`` order,
-        or a model (a meta-device one is fine).
+        or a model (a meta-device one is fine; a ``torch.compile(model)`` wrapper is read as
+        the model inside it, as ``fs.init`` reads it).
       world_size: ranks in the world (``shard * replicate * tensor``).
       shard: ranks per shard group; -1 means ``world_size // (replicate * tensor)`` (as
         ``make_mesh``).
@@ -337,18 +343,29 @@ def plan(
         replicate x shard, a reduce-scatter and an all-gather over "replicate" per step).
       tensor: ranks per tensor-parallel group (``make_mesh(tensor=T)``): ``params`` is then the
         model after ``parallelize_module`` on ``mesh["tensor"]``, planned with tensor rank 0's
-        local shards (the module docstring).
+        local shards (the module docstring), or the plain model with ``tensor_plan``.
+      tensor_plan: with the plain (e.g. meta-device) model and ``tensor=T``, the plan the
+        model will be parallelized with (``parallelize_module``'s dict plan, keys relative to
+        the model, ``*`` per name component): planned as that model, without a process group.
 
     Returns:
       A :class:`Plan`.
+
+    Raises:
+      ValueError: ``tensor=T > 1`` with a model that holds no DTensor parameter and no
+        ``tensor_plan`` (it would plan every parameter as replicated), with a table of shapes,
+        or with DTensors on a mesh of another size; ``tensor_plan`` with a parallelized model
+        or ``tensor=1``; a mesh whose sizes do not multiply to ``world_size``.
 
     >>> p = plan({"w": (10, 4)}, world_size=4, strategy="optim", optimizer="sgd")
     >>> p.padded_numel, p.memory.master, p.comm["reduce_scatter"]
     (48, 48, 192)
     """
     strategy = Strategy.parse(strategy)
+    if isinstance(params, nn.Module):
+        params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     shard = shard_size(world_size, shard, replicate, microbatches, tensor)
-    table, tp = tensor_table(params, param_table(params, dtype), tensor)
+    table, tp = tensor_table(params, param_table(params, dtype), tensor, tensor_plan)
     model = params if isinstance(params, nn.Module) else None
     units = units_from_names(list(table)) if model is None and units is None else units
     layout = build_layout(

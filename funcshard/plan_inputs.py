@@ -10,8 +10,15 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from funcshard.tensor_parallel import TensorParallel, leaf_of, local_shape
+from funcshard.tensor_parallel import (
+    TensorLeaf,
+    TensorParallel,
+    leaf_of,
+    local_shape,
+    planned_leaves,
+)
 
 __all__ = [
     "ShapeMesh",
@@ -92,9 +99,17 @@ def shard_size(
     return shard
 
 
-def tensor_table(params: ShapesArg, table: dict, tensor: int) -> tuple[dict, TensorParallel | None]:
+def tensor_table(
+    params: ShapesArg,
+    table: dict,
+    tensor: int,
+    tensor_plan: Mapping[str, ParallelStyle] | None = None,
+) -> tuple[dict, TensorParallel | None]:
     """Tensor rank 0's local shapes (the largest shards) of a model after
-    ``parallelize_module`` on a tensor mesh of ``tensor`` ranks, and its tensor axis."""
+    ``parallelize_module`` on a tensor mesh of ``tensor`` ranks, or of a plain model under
+    ``tensor_plan`` (``parallelize_module``'s plan), and its tensor axis."""
+    if tensor_plan is not None and tensor == 1:
+        raise ValueError("plan: tensor_plan splits over the tensor axis; pass tensor=T > 1")
     if tensor == 1:
         if isinstance(params, nn.Module) and any(
             isinstance(p, DTensor) for p in params.parameters()
@@ -107,17 +122,31 @@ def tensor_table(params: ShapesArg, table: dict, tensor: int) -> tuple[dict, Ten
     if not isinstance(params, nn.Module):
         raise ValueError(
             f"plan: tensor={tensor} needs the model after parallelize_module (its DTensor "
-            "placements), not a table of shapes"
+            "placements) or the plain model with tensor_plan=, not a table of shapes"
         )
-    leaves = {}
-    for name, p in params.named_parameters():
-        if not isinstance(p, DTensor):
-            continue
+    dtensors = {n: p for n, p in params.named_parameters() if isinstance(p, DTensor)}
+    if tensor_plan is not None and dtensors:
+        raise ValueError(
+            f"plan: tensor_plan given for a model already parallelized (parameter "
+            f"{next(iter(dtensors))!r} is a DTensor); pass one or the other"
+        )
+    if tensor_plan is None and not dtensors:
+        raise ValueError(
+            f"plan: tensor={tensor}, but no parameter of the model is a DTensor: every one "
+            "would be planned as replicated over 'tensor'. Apply the tensor-parallel plan first "
+            "(parallelize_module(model, mesh['tensor'], plan)), or pass the plain model with "
+            "tensor_plan=plan"
+        )
+    leaves: dict[str, TensorLeaf] = {}
+    for name, p in dtensors.items():
         if p.device_mesh.size() != tensor:
             raise ValueError(
                 f"plan: parameter {name!r} is a DTensor on {p.device_mesh}; expected a tensor "
                 f"mesh of tensor={tensor} ranks"
             )
-        leaves[name] = leaf = leaf_of(name, p)
+        leaves[name] = leaf_of(name, p)
+    if tensor_plan is not None:
+        leaves = planned_leaves(params, tensor_plan)
+    for name, leaf in leaves.items():
         table[name] = (local_shape(leaf.shape, leaf.dim, tensor, 0), table[name][1])
     return table, TensorParallel(ShapeMesh(1, tensor), leaves)  # type: ignore[arg-type]

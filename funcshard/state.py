@@ -25,7 +25,12 @@ from funcshard import sharding as shard_lib
 from funcshard import tensor_parallel as tp_lib
 from funcshard.buckets import NAMESPACE, map_parts
 from funcshard.comm import params as params_lib
-from funcshard.compiling import Backend, backend_of, check_not_compiled_around_units
+from funcshard.compiling import (
+    Backend,
+    backend_of,
+    check_not_compiled_around_units,
+    unwrapped,
+)
 from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
@@ -382,7 +387,9 @@ def init(
 
     Args:
       model: holds the initial weights, identical on every rank; a meta-device model gives a
-        state without values that ``restore`` must fill.
+        state without values that ``restore`` must fill. A ``torch.compile(model)`` wrapper
+        is read as the model inside it: parameter names, checkpoints and exports are the plain
+        model's (``fs.functional_call`` on the wrapper still runs it compiled).
       opt: a pure optimizer from ``funcshard.optim``.
       mesh: from ``make_mesh``; with a tensor axis, DTensor params on ``mesh["tensor"]``
         have their local shards sharded over the data-parallel axes (docs/tensor-parallel.md).
@@ -431,6 +438,7 @@ def init(
     every = replica_check.period(check_replicas_every)
     backend = backend_of(compile, deterministic=deterministic)
     policy = policy or MixedPrecisionPolicy()
+    given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
     tensor = tp_lib.read_model(model, mesh_lib.tensor_axis(mesh))
     named = tp_lib.local_params(model)
     fault_lib.check_init(fault_tolerance, outer_strategy, named)
@@ -448,7 +456,7 @@ def init(
         tensor=tensor,
     )
     if layout.strategy.runs_units:
-        check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
+        check_not_compiled_around_units(given, layout.units[1:], layout.strategy)
     if layout.hierarchical:
         mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
     master = _pack_masters(layout, named)

@@ -11,6 +11,7 @@ tensor rank 0 only: every element once) and the full tensors of a local shard.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 
@@ -18,6 +19,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from funcshard.comm import ops
 
@@ -27,6 +37,7 @@ __all__ = [
     "read_model",
     "local_params",
     "leaf_of",
+    "planned_leaves",
     "chunk_sizes",
     "local_shape",
     "gather_numel",
@@ -226,3 +237,63 @@ def leaf_of(name: str, p: DTensor) -> TensorLeaf:
 def local_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.named_parameters()`` with each DTensor as its local shard."""
     return {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
+
+
+def planned_leaves(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, TensorLeaf]:
+    """The :class:`TensorLeaf` each parameter of plain ``model`` would get from
+    ``parallelize_module(model, mesh["tensor"], plan)`` (keys relative to ``model``, ``*``
+    wildcards per name component as torch matches them), without a mesh: torch's placements
+    of its styles (``ColwiseParallel``: a Linear's weight and bias Shard(0), an Embedding's
+    weight Shard(1); ``RowwiseParallel``: a Linear's weight Shard(1) and bias Replicate, an
+    Embedding's weight Shard(0); ``SequenceParallel``: Replicate; ``PrepareModule*``: none).
+
+    Raises:
+      ValueError: a key that names no submodule, a style on a module it cannot split, or a
+        style whose placements funcshard does not know (naming the key and the style).
+    """
+    modules = dict(model.named_modules())
+    named = {id(p): n for n, p in model.named_parameters()}  # a tied weight: its first name
+    leaves: dict[str, TensorLeaf] = {}
+    for key, style in plan.items():
+        matched = [name for name in modules if _matches(name, key)]
+        if not matched:
+            raise ValueError(f"tensor plan: key {key!r} names no submodule of the model")
+        for name in matched:
+            for local, placement in _style_placements(key, style, modules[name]).items():
+                p = modules[name].get_parameter(local)
+                leaves[named[id(p)]] = TensorLeaf(placement, tuple(p.shape), tuple(p.stride()))
+    return leaves
+
+
+def _matches(name: str, key: str) -> bool:
+    """Whether module ``name`` is what plan ``key`` names: as many components, each matching
+    its pattern (``parallelize_module`` walks the children so; "" is the model itself)."""
+    parts, atoms = (name.split(".") if name else []), (key.split(".") if key else [])
+    return len(parts) == len(atoms) and all(
+        fnmatch.fnmatch(part, atom) for part, atom in zip(parts, atoms, strict=True)
+    )
+
+
+def _style_placements(
+    key: str, style: ParallelStyle, module: nn.Module
+) -> dict[str, Shard | Replicate]:
+    """``{parameter name in module: placement}`` that ``style`` gives ``module``'s parameters."""
+    if isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
+        return {}
+    if isinstance(style, SequenceParallel):
+        return {n: Replicate() for n, _ in module.named_parameters()}
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and isinstance(
+        module, (nn.Linear, nn.Embedding)
+    ):
+        colwise = isinstance(style, ColwiseParallel)
+        if isinstance(module, nn.Embedding):
+            return {"weight": Shard(1 if colwise else 0)}
+        bias = Shard(0) if colwise else Replicate()
+        placements = {"weight": Shard(0 if colwise else 1)}
+        return placements | ({"bias": bias} if module.bias is not None else {})
+    raise ValueError(
+        f"tensor plan: key {key!r}: funcshard cannot plan {type(style).__name__} on "
+        f"{type(module).__name__} (ColwiseParallel and RowwiseParallel on nn.Linear and "
+        "nn.Embedding, SequenceParallel and PrepareModule* are known); parallelize the model "
+        "and pass it instead"
+    )

@@ -116,24 +116,25 @@ SP_LAYER_PLAN = {
 }
 
 
-def parallelize(model: Llama, mesh, *, sequence_parallel: bool = False) -> Llama:
-    """``model`` tensor-parallel on ``mesh["tensor"]``, in place: torchtitan's Llama plan
-    (with ``sequence_parallel``, its norms on sequence shards and the embedding rowwise; else
-    attention heads and MLP colwise / rowwise only); the head colwise, its logits gathered."""
-    tp = mesh["tensor"]
+def model_plan(*, sequence_parallel: bool = False) -> dict:
+    """torchtitan's Llama plan for the whole model (``parallelize_module``'s dict plan, the
+    layers by wildcard): with ``sequence_parallel``, its norms on sequence shards and the
+    embedding rowwise; else attention heads and MLP colwise / rowwise only; the head colwise,
+    its logits gathered."""
     if not sequence_parallel:
-        for layer in model.layers:
-            parallelize_module(layer, tp, LAYER_PLAN)
-        parallelize_module(model, tp, {"head": ColwiseParallel(output_layouts=Replicate())})
-        return model
-    for layer in model.layers:
-        parallelize_module(layer, tp, SP_LAYER_PLAN)
-    root_plan = {
+        layers = {f"layers.*.{k}": v for k, v in LAYER_PLAN.items()}
+        return layers | {"head": ColwiseParallel(output_layouts=Replicate())}
+    layers = {f"layers.*.{k}": v for k, v in SP_LAYER_PLAN.items()}
+    return layers | {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
-    parallelize_module(model, tp, root_plan)
+
+
+def parallelize(model: Llama, mesh, *, sequence_parallel: bool = False) -> Llama:
+    """``model`` tensor-parallel on ``mesh["tensor"]``, in place, by :func:`model_plan`."""
+    parallelize_module(model, mesh["tensor"], model_plan(sequence_parallel=sequence_parallel))
     return model
 
 

@@ -18,24 +18,10 @@ import torch.distributed as dist
 import funcshard as fs
 
 import models
+from helpers_compile import counting_backend
 
 STEPS, ROWS, MICRO, BLOCKS = 3, 8, 2, 2
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
-def _counting_backend(counts: collections.Counter):
-    """``aot_eager`` (AOTAutograd, graphs run as traced) counting forward/backward compiles."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    def compiler(kind: str):
-        def compile_graph(gm: torch.fx.GraphModule, example_inputs):  # noqa: ARG001
-            counts[kind] += 1
-            return make_boxed_func(gm.forward)
-
-        return compile_graph
-
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
 
 
 def _model_and_loss(kind: str):
@@ -78,18 +64,18 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
 
     def compile_blocks() -> None:
         for block in blocks:
-            block.compile(backend=_counting_backend(counts))
+            block.compile(backend=counting_backend(counts))
 
     if compile_when == "before":
         compile_blocks()
     if compile_when == "whole":  # the model as a whole (ZeRO-0/1 only)
-        model.compile(backend=_counting_backend(counts))
+        model.compile(backend=counting_backend(counts))
     state = fs.init(
         model,
         fs.optim.sgd(0.1, momentum=0.9),
         mesh=fs.make_mesh(shard, replicate, device_type="cpu"),
         strategy=strategy,
-        compile=_counting_backend(counts) if compile_when == "fs" else False,
+        compile=counting_backend(counts) if compile_when == "fs" else False,
     )
     assert (state.compile is None) == (compile_when != "fs")  # recorded in the static state
     if compile_when == "after":
@@ -177,10 +163,12 @@ def refusals_worker() -> list[str]:
         except (ValueError, TypeError) as e:
             errors.append(f"{type(e).__name__}: {e}")
     for strategy in ("optim_grads", "optim_grads_params"):  # the whole model compiled
-        for when in ("before", "after"):
+        for when in ("before", "after", "wrapper"):
             model = models.make_model(n_blocks=BLOCKS)
             if when == "before":
                 model.compile(backend="aot_eager")
+            if when == "wrapper":  # torch.compile(model): read as the model, still refused
+                model = torch.compile(model, backend="aot_eager")
             try:
                 state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy=strategy)
                 model.compile(backend="aot_eager")
@@ -193,15 +181,105 @@ def refusals_worker() -> list[str]:
 def test_compile_refusals(pool2):
     """compile= with deterministic=True is a ValueError at fs.init saying why; a compile that
     is no backend a TypeError naming what was given; under ZeRO-2/3 a model compiled as a whole
-    (its units' hooks inside the compiled region) a ValueError at fs.init, or at the step when
-    compiled after it, saying to compile the blocks instead."""
+    (its units' hooks inside the compiled region; in place or a torch.compile(model) wrapper) a
+    ValueError at fs.init, or at the step when compiled after it, saying to compile the blocks
+    instead."""
     deterministic, bad, *whole = pool2.run(refusals_worker)[0]
     assert deterministic.startswith("ValueError") and "deterministic=True" in deterministic
     assert "bitwise" in deterministic
     assert bad.startswith("TypeError") and "compile must be" in bad and "3" in bad
-    assert len(whole) == 4, whole
+    assert len(whole) == 6, whole
     for message in whole:
         assert "compiled as a whole" in message and "block.compile()" in message, message
+
+
+def wrapper_worker(strategy: str, directory: str) -> dict:
+    """``torch.compile(model)`` (a wrapper, not in place) under ZeRO-0/1: its state is named as
+    the plain model's, the wrapper runs compiled, and checkpoints go both ways between the two."""
+    import os
+
+    import safetensors.torch
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counts: collections.Counter = collections.Counter()
+    mesh = fs.make_mesh(device_type="cpu")
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+    plain = models.make_model(n_blocks=BLOCKS)
+    names = [n for n, _ in plain.named_parameters()]
+    compiled = torch.compile(models.make_model(n_blocks=BLOCKS), backend=counting_backend(counts))
+    state = fs.init(compiled, opt, mesh=mesh, strategy=strategy)
+    per_step = []
+    for step in range(STEPS):
+        state = models.train(state, compiled, [step], rows=ROWS, microbatches=MICRO)[0]
+        per_step.append(dict(counts))
+    eager = models.train(
+        fs.init(plain, opt, mesh=mesh, strategy=strategy),
+        plain,
+        range(STEPS),
+        rows=ROWS,
+        microbatches=MICRO,
+    )[0]
+    out = {"names": list(state.layout.names), "per_step": per_step}
+    full, eager_full = fs.full_params(state), fs.full_params(eager)
+    x = models.global_batch(0, ROWS)["x"]  # outside a step: the plain names into the wrapper
+    out["call"] = models.max_rel_err(
+        {"y": fs.functional_call(compiled, full, (x,))},
+        {"y": torch.func.functional_call(plain, full, (x,))},
+    )
+    out["full_names"], out["error"] = list(full), models.max_rel_err(full, eager_full)
+    fs.save(os.path.join(directory, "compiled"), state)
+    fs.save(os.path.join(directory, "plain"), eager)
+    into_plain = fs.restore(
+        os.path.join(directory, "compiled"),
+        like=fs.init(models.make_model(seed=1, n_blocks=BLOCKS), opt, mesh=mesh, strategy=strategy),
+    )
+    wrapper = torch.compile(models.make_model(seed=1, n_blocks=BLOCKS), backend="eager")
+    into_compiled = fs.restore(
+        os.path.join(directory, "plain"), like=fs.init(wrapper, opt, mesh=mesh, strategy=strategy)
+    )
+    out["into_plain"] = (
+        all(torch.equal(t, full[n]) for n, t in fs.full_params(into_plain).items())
+        and into_plain.step == STEPS
+    )
+    out["into_compiled"] = (
+        all(torch.equal(t, eager_full[n]) for n, t in fs.full_params(into_compiled).items())
+        and into_compiled.step == STEPS
+    )
+    fs.export_safetensors(os.path.join(directory, "hf"), state)
+    exported = safetensors.torch.load_file(os.path.join(directory, "hf", "model.safetensors"))
+    out["exported"] = sorted(exported)
+    out["plain_names"] = names
+    return out if dist.get_rank() == 0 else {}
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_torch_compile_wrapper_is_the_plain_model(pool2, tmp_path, strategy):
+    """``fs.init(torch.compile(model), ...)`` under ZeRO-0/1 reads the model inside the
+    wrapper: parameter names, full_params, the safetensors export and checkpoints are the plain
+    model's (a checkpoint of the compiled model restores into the plain one and back), and the
+    wrapper is what runs, in the step (its graphs compiled in the first step, none after; the
+    eager run's params to rounding) and in fs.functional_call outside it."""
+    out = pool2.run(wrapper_worker, strategy, str(tmp_path))[0]
+    names = out["plain_names"]
+    assert out["names"] == names and out["full_names"] == names, out["names"]
+    assert out["exported"] == sorted(names), out["exported"]
+    assert out["into_plain"] and out["into_compiled"]
+    first, *later = out["per_step"]
+    assert first == {"forward": 1, "backward": 1}, out["per_step"]
+    assert all(counts == first for counts in later), out["per_step"]
+    assert out["error"] < 1e-5, out["error"]
+    assert out["call"] < 1e-6, out["call"]
+
+
+def test_plan_reads_the_compiled_wrapper_as_the_model():
+    """``fs.plan(torch.compile(model), units=...)`` names units as ``fs.init`` does (the
+    plain model's) and plans what the plain model plans."""
+    model = models.make_model(n_blocks=BLOCKS)
+    units = [f"blocks.{i}" for i in range(BLOCKS)]
+    kw = dict(world_size=2, units=units, device_type="cpu")
+    wrapped = fs.plan(torch.compile(model, backend="eager"), **kw)
+    assert wrapped == fs.plan(model, **kw)
 
 
 # --- CUDA: inductor's kernels (triton) under the unit hooks and CUDA streams ----------------------

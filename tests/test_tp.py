@@ -9,6 +9,7 @@ relative, as the issue asks; measured ~1e-7).
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -23,6 +24,7 @@ import funcshard as fs
 import helpers_errors
 import helpers_hf
 import helpers_tp as tp
+from helpers_compile import counting_backend
 
 STEPS = 2
 ROWS = 8  # global batch: 4 per data-parallel rank at dp 2, 2 microbatches of 2
@@ -307,32 +309,52 @@ def test_hugging_face_llama_under_a_tensor_parallel_plan(pool4, strategy: str) -
 def compiled_worker(strategy: str, by_funcshard: bool) -> dict:
     """Blocks compiled in place (``layer.compile()``, torchtitan's way), or by funcshard
     (``fs.init(compile=...)``), on the tensor-parallel model: the eager run's losses and params
-    (aot_eager keeps eager's kernels)."""
-    torch._dynamo.reset()
+    (aot_eager keeps eager's kernels), and what the counting backend compiled after each step
+    with dynamo's frames and graph breaks."""
     mesh = tp.world_mesh(2, 1, 2)
-    runs = {}
+    runs, counts = {}, collections.Counter()
     for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         model = tp.parallelize(tp.make_model(seed=3), mesh)
         if compiled and not by_funcshard:
             for layer in model.layers:
-                layer.compile(backend="aot_eager")
-        backend = "aot_eager" if compiled and by_funcshard else False
+                layer.compile(backend=counting_backend(counts))
+        backend = counting_backend(counts) if compiled and by_funcshard else False
         opt = fs.optim.sgd(0.1, momentum=0.9)
         state = fs.init(model, opt, mesh=mesh, strategy=strategy, compile=backend)
-        state, history = tp.train(state, model, mesh, range(STEPS), rows=8, microbatches=2)
-        runs[compiled] = (fs.full_params(state), [m["loss"] for m in history])
+        per_step, losses = [], []
+        for step in range(STEPS):
+            state, [metrics] = tp.train(state, model, mesh, [step], rows=8, microbatches=2)
+            per_step.append(dict(counts))
+            losses.append(metrics["loss"])
+        runs[compiled] = (fs.full_params(state), losses)
     (eager, eager_losses), (comp, comp_losses) = runs[False], runs[True]
     rel = lambda a, b: float((a - b).norm() / (b.norm() + 1e-12))
+    counters = torch._dynamo.utils.counters
     return {
         "params": max(rel(comp[n], eager[n]) for n in eager),
         "loss": max(abs(a - b) / b for a, b in zip(comp_losses, eager_losses, strict=True)),
+        "per_step": per_step,
+        "frames": dict(counters["frames"]),
+        "graph_breaks": dict(counters["graph_break"]),
     }
 
 
 @pytest.mark.parametrize("by_funcshard", [False, True], ids=["block.compile", "compile="])
 def test_compiled_blocks_on_the_3d_mesh(pool4, by_funcshard: bool) -> None:
-    for errors in pool4.run(compiled_worker, "optim_grads_params", by_funcshard):
-        assert max(errors.values()) < TOL, errors
+    """The compiled run matches eager, and the blocks did run compiled: every graph built in
+    the first step (the user's compile: a forward and a backward graph per layer; funcshard's:
+    one call for all units, identical layers sharing one graph), none rebuilt after it, no
+    graph break, every frame dynamo met compiled."""
+    graphs = 1 if by_funcshard else len(tp.make_model().layers)
+    for out in pool4.run(compiled_worker, "optim_grads_params", by_funcshard):
+        assert max(out["params"], out["loss"]) < TOL, out
+        first, *later = out["per_step"]
+        assert first == {"forward": graphs, "backward": graphs}, out["per_step"]
+        assert all(counts == first for counts in later), out["per_step"]
+        assert out["graph_breaks"] == {}, out["graph_breaks"]
+        assert out["frames"]["total"] == out["frames"]["ok"] == graphs, out["frames"]
 
 
 def test_chunk_sizes_are_torchs_shard_placement() -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import funcshard as fs
 
@@ -153,4 +154,75 @@ def refusals_worker() -> str:
             fs.plan(model, world_size=4, **kwargs)
     with pytest.raises(ValueError, match="not a table of shapes"):
         fs.plan({"w": (4, 4)}, world_size=4, tensor=2)
+    with pytest.raises(ValueError, match="already parallelized.*'layers.0.attn.q.weight'"):
+        fs.plan(model, world_size=4, tensor=2, tensor_plan=H.model_plan())
     return "ok"
+
+
+# (world_size, shard, replicate, strategy, deterministic, outer_strategy) at tensor=2
+PLANNED = [
+    *[(8, 4, 1, s, False, "no_shard") for s in fs.STRATEGIES],
+    (8, 2, 2, "optim_grads_params", False, "optim"),
+    (4, 2, 1, "optim_grads", True, "no_shard"),
+]
+
+
+def _plans(model, **kw) -> list:
+    return [
+        fs.plan(
+            model,
+            world_size=world,
+            shard=shard,
+            replicate=replicate,
+            strategy=strategy,
+            deterministic=deterministic,
+            outer_strategy=outer,
+            optimizer=opt,
+            tensor=2,
+            **kw,
+        )
+        for world, shard, replicate, strategy, deterministic, outer in PLANNED
+        for opt in ("adamw", ours())
+    ]
+
+
+def parallelized_plans_worker(sequence_parallel: bool) -> list:
+    """fs.plan of the model after parallelize_module on a tensor mesh of 2 ranks."""
+    mesh = H.world_mesh(1, 1, 2)
+    model = H.parallelize(H.make_model(SEED), mesh, sequence_parallel=sequence_parallel)
+    return _plans(model)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_plan_of_a_plain_model_under_a_tensor_plan(pool2, sequence_parallel: bool) -> None:
+    """``fs.plan(plain_model, tensor=T, tensor_plan=plan)``, in this process (no process group,
+    a meta-device model) plans what ``fs.plan`` of the model after ``parallelize_module(model,
+    mesh["tensor"], plan)`` plans: memory, bytes and calls on every axis, Muon's gathers of the
+    split matrices included (the embedding rowwise and SequenceParallel norms under SP)."""
+    parallelized = pool2.run(parallelized_plans_worker, sequence_parallel)[0]
+    with torch.device("meta"):
+        plain = H.make_model(SEED)
+    planned = _plans(plain, tensor_plan=H.model_plan(sequence_parallel=sequence_parallel))
+    assert planned == parallelized
+    assert all(p.comm_by_axis["tensor"] > 0 for p in planned)
+
+
+def test_plan_refuses_a_plain_model_without_a_tensor_plan() -> None:
+    """A plain model with tensor=T > 1 and no tensor_plan would plan every parameter as
+    replicated over "tensor": a ValueError saying to apply the plan first or pass it; a
+    tensor_plan that names no submodule, splits a module torch cannot split, or comes without
+    a tensor axis: a ValueError naming it."""
+    plain = H.make_model(SEED)
+    with pytest.raises(ValueError, match="no parameter of the model is a DTensor") as e:
+        fs.plan(plain, world_size=4, tensor=4)
+    assert "parallelize_module" in str(e.value) and "tensor_plan=" in str(e.value)
+    cases = [
+        (dict(tensor=1), "tensor=T > 1"),
+        (dict(tensor_plan={"layers.*.nope": ColwiseParallel()}), "'layers.\\*.nope'"),
+        (dict(tensor_plan={"norm": ColwiseParallel()}), "'norm'.*ColwiseParallel on RMSNorm"),
+    ]
+    for kwargs, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            fs.plan(
+                plain, **{"world_size": 4, "tensor": 2, "tensor_plan": H.model_plan(), **kwargs}
+            )
