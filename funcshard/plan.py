@@ -55,6 +55,11 @@ batch check's (each rank's loss all-gathered, ``T * 8``; its verdict, 8 bytes, r
 loss over the data-parallel world) and,
 under ``fs.optim.muon``, each owner's all-gather of a split matrix (its shards padded to the
 largest, bfloat16: ``2 * T * ceil(n / T) * the rest``, one call each).
+
+With ``replica_groups=G > 1`` (``fs.FaultTolerance``: G groups, each of ``world_size`` ranks)
+every rank also all-reduces each bucket's reduced gradient (its master's numel on the
+gradient wire) and the loss across the groups through torchft, counted under the axis
+"replicas", and the group's ranks agree on a heal (8 bytes of metrics over "world").
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from torch import nn
 
 from funcshard.buckets import NAMESPACE, per_bucket_parts
 from funcshard.comm import params as params_lib
+from funcshard.comm.codec import EIGHT_BIT
 from funcshard.comm.ops import AXES
 from funcshard.comm.wires import wire_for
 from funcshard.layout import ROOT_UNIT, Layout, UnitsArg, build_layout
@@ -293,6 +299,30 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     return nbytes, calls, by_axis
 
 
+def _replica_groups(
+    layout: Layout, groups: int, world: int, nbytes: dict, calls: dict, by_axis: dict
+) -> None:
+    """Adds a fault-tolerant step's collectives across ``groups`` replica groups (none for
+    one): :class:`funcshard.fault.Replicas`' all-reduces and its heal agreement."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"plan: replica_groups must be an int >= 1, got {groups!r}")
+    if groups == 1:
+        return
+
+    def add(kind: str, size: int, axis: str) -> None:
+        nbytes[kind] += size
+        calls[kind] += 1
+        by_axis[axis] += size
+
+    for b in layout.buckets:
+        grad, comm = b.dtypes.grad, b.dtypes.comm
+        wire = grad if comm in EIGHT_BIT else comm
+        add("all_reduce", b.numel * _size(wire), "replicas")
+    add("metrics", _METRIC_BYTES, "replicas")  # the loss
+    if world > 1:  # the group's ranks agree whether one of them healed (2 fp32 flags)
+        add("metrics", 2 * _size(torch.float32), "world")
+
+
 def plan(
     params: ShapesArg,
     /,
@@ -311,6 +341,7 @@ def plan(
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = "no_shard",
     tensor: int = 1,
+    replica_groups: int = 1,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -338,6 +369,11 @@ def plan(
       tensor: ranks per tensor-parallel group (``make_mesh(tensor=T)``): ``params`` is then the
         model after ``parallelize_module`` on ``mesh["tensor"]``, planned with tensor rank 0's
         local shards (the module docstring).
+      replica_groups: replica groups of a fault-tolerant run (``fs.FaultTolerance``), each
+        of ``world_size`` ranks: more than one adds their all-reduce through torchft under
+        the axis "replicas" (each bucket's reduced gradient shard, on ``grad_comm_dtype``,
+        main grads for an 8-bit wire; the loss under "metrics") and the group's heal
+        agreement (8 bytes of metrics over "world").
 
     Returns:
       A :class:`Plan`.
@@ -368,6 +404,7 @@ def plan(
     comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
     for axis, nbytes in muon_by_axis.items():
         by_axis[axis] += nbytes
+    _replica_groups(layout, replica_groups, world_size, comm, calls, by_axis)
     return Plan(
         strategy=strategy,
         world_size=world_size,
