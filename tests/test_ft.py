@@ -181,25 +181,32 @@ def check_ends_equal(root: str, groups: list[int]) -> None:
 
 
 @needs_torchft
-def test_two_groups_of_every_strategy_start_heal_and_equal_the_replay(tmp_path, lighthouse):
+def test_two_groups_of_every_strategy_start_recover_and_equal_the_replay(tmp_path, lighthouse):
     # groups that start together: at step 0 torchft heals one rank of each group from the
     # other group and not the other rank; under ZeRO-1/2 a healing rank derives its compute
-    # params by an all-gather its group must join (#43). Every strategy at once, each its own
-    # two groups and lighthouse: a run is mostly process starts and quorum waits.
+    # params by an all-gather its group must join (#43). Both ranks of group 1 raise in the
+    # loss of step 1 (after its quorum), catch it and call again: group 0 waits out its
+    # all-reduce, and both must meet in a later quorum and commit every step together, not
+    # stay wedged on a failed quorum (#43). Every strategy at once, each its own two groups
+    # and lighthouse: a run is mostly process starts and quorum waits.
     steps, runs = 3, {}
     for strategy in STRATEGIES:
         root = str(tmp_path / strategy)
         os.makedirs(root)
         lh = lighthouse(min_replicas=2, root=root)
         runs[strategy] = [
-            p
-            for g in (0, 1)
-            for p in _ft_job.start_group(root, g, steps, lh.address, strategy=strategy)
+            *_ft_job.start_group(root, 0, steps, lh.address, strategy=strategy, timeout=SHORT),
+            *_ft_job.start_group(
+                root, 1, steps, lh.address, strategy=strategy, timeout=SHORT, raise_at=1
+            ),
         ]
     for strategy, procs in runs.items():
         root = str(tmp_path / strategy)
         wait_all(procs, root)
         assert all(p.returncode == 0 for p in procs), (strategy, logs(root))
+        for rank in (0, 1):
+            errors = [r for r in records(root, 1, rank) if r["kind"] == "error"]
+            assert [r["step"] for r in errors] == [1], (strategy, errors)
         by_step = committed_groups(root, 2)
         assert all(groups == [0, 1] for groups in by_step.values()), (strategy, by_step)
         check_ends_equal(root, [0, 1])
@@ -221,12 +228,18 @@ def check_bytes_equal_the_plan(root: str, groups: list[int]) -> None:
 
 
 @needs_torchft
-def test_a_killed_group_restarts_and_heals_while_the_survivor_waits(tmp_path, lighthouse):
+def test_a_killed_group_heals_even_after_a_stale_restore_while_the_survivor_waits(
+    tmp_path, lighthouse
+):
     # min_replicas=2 at the lighthouse: the groups start together, and the survivor, never
     # restarted, waits in its next quorum for the restarted group (min_replicas=1 lets it go
     # on alone: experiments/bench_ft.py measures that). The group restarts only once the
     # survivor's quorum timed out: its next call must ask the lighthouse again, not re-raise
-    # the old timeout (torchft keeps a failed quorum; #43).
+    # the old timeout (torchft keeps a failed quorum; #43). The restarted group heals to the
+    # survivor's step in fs.init, then restores an older checkpoint (the README's recipe):
+    # its first step must not reuse init's quorum (the survivor would average gradients of
+    # stale weights into a committed step), and the heal in that step moves its step: it
+    # returns the peers' state, computing nothing on the batch built for the old step (#43).
     root, steps, kill_at = str(tmp_path), 6, 3
     lh = lighthouse(min_replicas=2)
     survivor = _ft_job.start_group(root, 0, steps, lh.address, timeout=SHORT)
@@ -235,7 +248,7 @@ def test_a_killed_group_restarts_and_heals_while_the_survivor_waits(tmp_path, li
         p.wait(timeout=TIMEOUT)
     assert all(p.returncode == -signal.SIGKILL for p in victim), logs(root)
     wait_for(root, 0, "timeout")
-    restarted = _ft_job.start_group(root, 1, steps, lh.address, timeout=SHORT)
+    restarted = _ft_job.start_group(root, 1, steps, lh.address, timeout=SHORT, stale=True)
     wait_all(survivor + restarted, root)
     assert all(p.returncode == 0 for p in survivor + restarted), logs(root)
 
@@ -256,54 +269,14 @@ def test_a_killed_group_restarts_and_heals_while_the_survivor_waits(tmp_path, li
         assert init["step"] == kill_at, init
         served = [r for r in mine if r["kind"] == "step" and r["step"] == init["step"]]
         assert init["hash"] in {r["before"] for r in served}, (init, served)
-    by_step = committed_groups(root, 2)
-    check_ends_equal(root, [0, 1])
-    check_replay(root, [0, 1], by_step, steps)
-
-
-@needs_torchft
-def test_a_group_that_restores_an_older_state_after_init_heals_again(tmp_path, lighthouse):
-    # the restarted group heals to the survivor's step in fs.init, then restores an older
-    # checkpoint (the README's recipe): its first step must not reuse init's quorum (the
-    # survivor would average gradients of stale weights into a committed step), and the heal
-    # in that step moves its step: it returns the peers' state without computing anything
-    # on the batch built for the old step (#43)
-    root, steps, kill_at = str(tmp_path), 5, 3
-    lh = lighthouse(min_replicas=2)
-    survivor = _ft_job.start_group(root, 0, steps, lh.address, timeout=SHORT)
-    victim = _ft_job.start_group(root, 1, steps, lh.address, kill_at=kill_at, timeout=SHORT)
-    for p in victim:
-        p.wait(timeout=TIMEOUT)
-    restarted = _ft_job.start_group(root, 1, steps, lh.address, timeout=SHORT, stale=True)
-    wait_all(survivor + restarted, root)
-    assert all(p.returncode == 0 for p in survivor + restarted), logs(root)
-    for rank in (0, 1):
-        mine = [r for r in records(root, 1, rank) if r["kind"] == "step"]
-        restart = [r for r in records(root, 1, rank) if r["kind"] == "init"][-1]
-        first = [r for r in mine if r["t"] > restart["t"]][0]
         # the stale state's step (1) was refused: healed, not committed, not computed
+        steps_after = [
+            r for r in records(root, 1, rank) if r["kind"] == "step" and r["t"] > init["t"]
+        ]
+        first = steps_after[0]
         assert first["step"] == 1 and first["healed"] == 1 and not first["committed"], first
+        assert first["after"] == init["hash"], "the heal gave the survivor's state again"
     by_step = committed_groups(root, 2)
-    check_ends_equal(root, [0, 1])
-    check_replay(root, [0, 1], by_step, steps)
-
-
-@needs_torchft
-def test_a_group_whose_loss_raises_retries_and_both_groups_go_on(tmp_path, lighthouse):
-    # both ranks of group 1 raise in the loss of step 1 (after the step's quorum), catch it
-    # and call again: group 0 waits out its all-reduce, and both must meet in a later quorum
-    # and commit every step together (#43)
-    root, steps = str(tmp_path), 3
-    lh = lighthouse(min_replicas=2)
-    procs = _ft_job.start_group(root, 0, steps, lh.address, timeout=SHORT)
-    procs += _ft_job.start_group(root, 1, steps, lh.address, timeout=SHORT, raise_at=1)
-    wait_all(procs, root)
-    assert all(p.returncode == 0 for p in procs), logs(root)
-    for rank in (0, 1):
-        errors = [r for r in records(root, 1, rank) if r["kind"] == "error"]
-        assert [r["step"] for r in errors] == [1], errors
-    by_step = committed_groups(root, 2)
-    assert all(groups == [0, 1] for groups in by_step.values()), by_step
     check_ends_equal(root, [0, 1])
     check_replay(root, [0, 1], by_step, steps)
 
