@@ -99,12 +99,15 @@ def wait_all(procs: list[subprocess.Popen], root: str) -> None:
 
 
 def logs(root: str) -> str:
+    """The last lines of every rank's log under ``root`` (its groups, or its runs' groups)."""
     text = []
-    for group in sorted(os.listdir(root)):
-        for name in sorted(os.listdir(os.path.join(root, group))) if group[0] == "g" else []:
+    for here, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files) if os.path.basename(here)[:1] == "g" else []:
             if name.endswith(".log"):
-                with open(os.path.join(root, group, name)) as f:
-                    text.append(f"--- {group}/{name}\n" + "".join(f.readlines()[-15:]))
+                with open(os.path.join(here, name)) as f:
+                    where = os.path.relpath(os.path.join(here, name), root)
+                    text.append(f"--- {where}\n" + "".join(f.readlines()[-15:]))
     return "\n".join(text)
 
 
@@ -200,9 +203,9 @@ def test_two_groups_of_every_strategy_start_recover_and_equal_the_replay(tmp_pat
                 root, 1, steps, lh.address, strategy=strategy, timeout=SHORT, raise_at=1
             ),
         ]
+    wait_all([p for procs in runs.values() for p in procs], str(tmp_path))
     for strategy, procs in runs.items():
         root = str(tmp_path / strategy)
-        wait_all(procs, root)
         assert all(p.returncode == 0 for p in procs), (strategy, logs(root))
         for rank in (0, 1):
             errors = [r for r in records(root, 1, rank) if r["kind"] == "error"]
