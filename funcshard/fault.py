@@ -111,8 +111,9 @@ class Replicas:
     :meth:`quorum` / :meth:`join`.
 
     torchft decides per rank whether a rank heals (at step 0 each rank of a group may take a
-    different peer group's rank as its source, and heal or not); :meth:`quorum` makes the
-    ranks of a group agree, so that all of them derive their compute copies, or none.
+    different peer group's rank as its source, and heal or not); after each quorum
+    :meth:`agree` makes the ranks of a group agree (:func:`funcshard.state.heal`), so that
+    all of them derive their compute copies, or none.
     """
 
     def __init__(self, ft: FaultTolerance, device: torch.device) -> None:
