@@ -3,11 +3,12 @@
 ``python _ft_job.py ROOT GROUP STEPS LIGHTHOUSE RANK PORT [KILL_AT]`` is rank RANK of 2 (the
 group's store on 127.0.0.1:PORT, hosted by rank 0; :func:`start_group` starts both, in a
 process group of their own). It trains the small MLP (fp32 SGD with
-momentum, ZeRO-3) as replica group GROUP of a torchft lighthouse, until the
-committed step counter reaches STEPS. Each step's batch is a function of (GROUP, the state's
-step), so a retried step sees the same batch. Each rank appends JSON lines to
+momentum, ZeRO-3 unless told another strategy) as replica group GROUP of a torchft lighthouse,
+until the committed step counter reaches STEPS. Each step's batch is a function of (GROUP, the
+state's step), built again for every call, so a retried step sees the same batch and a step
+after a heal the batch of the step healed to. Each rank appends JSON lines to
 ``ROOT/g<GROUP>/rank<r>.jsonl``: ``init`` (the state ``fs.init`` returned: its step and hash),
-one ``step`` line per call (step, committed, replicas, the hash of the input state and of the
+one ``step`` line per call (step, committed, replicas, healed, the hash of the input state and of the
 returned one, the pid, the time) and ``final``; rank 0 saves the final full params as
 ``final.pt``. With KILL_AT, rank 0 SIGKILLs its process group (both ranks) inside the loss of
 step KILL_AT: after the step's quorum, before its cross-group all-reduce.
