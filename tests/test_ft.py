@@ -44,7 +44,7 @@ TIMEOUT = 120  # seconds a whole run may take before the test gives up on it
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # torchft's timeout of the runs where a group is lost or fails on purpose: a peer's broken
 # all-reduce waits it out, a quorum twice as long
-SHORT = 4.0
+SHORT = 5.0
 
 
 def lighthouse_binary() -> str:
