@@ -450,7 +450,7 @@ def run(
                 "comm": {k: v for k, v in stats.bytes.items() if v},
                 "comm_by_axis": {k: v for k, v in stats.bytes_by_axis.items() if v},
             }
-            row.update({k: metrics[k] for k in ("committed", "replicas") if k in metrics})
+            row.update({k: metrics[k] for k in ("committed", "replicas", "healed") if k in metrics})
             rows.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()

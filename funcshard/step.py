@@ -89,13 +89,13 @@ def train_step(
       averaged gradient), "nonfinite" (0 or 1), "nonfinite_params" (names, when nonfinite),
       "loss_scale" (fp16 only) and "aux" (the last microbatch's aux, if ``loss_fn`` gives one).
       A fault-tolerant state (``fs.init(fault_tolerance=...)``) adds "replicas" (the groups
-      whose gradients the step averaged) and "committed" (0: the quorum broke during the
-      step, and the state returned holds the input's values, loss scale included; or the
-      group healed). "healed": 1 when this group was behind its peers at the step's quorum
-      (a step of its own not committed, or a checkpoint restored after ``fs.init``): the
-      state returned is the peers', at their step, and nothing was computed or averaged
-      (``batch`` was built for the step the group left; "loss" and "grad_norm" are NaN).
-      Build the next batch for the returned ``state.step``.
+      whose gradients the step averaged), "committed" (0: the quorum broke during the step,
+      and the state returned holds the input's values, loss scale included; or the group
+      healed) and "healed" (1: this group was behind its peers at the step's quorum, after
+      a step of its own was not committed or a checkpoint was restored after ``fs.init``;
+      the state returned is the peers', at their step, and nothing was computed or averaged,
+      as ``batch`` was built for the step the group left; "loss" and "grad_norm" are NaN).
+      Build each batch for the ``state.step`` of the state passed.
 
     Raises:
       TimeoutError: a fault-tolerant step's quorum did not form in time (too few groups
@@ -183,6 +183,7 @@ def _committed(state: TrainState, metrics: dict[str, Any]) -> bool:
         return True
     metrics["loss"] = replicas.mean(metrics["loss"])
     metrics["replicas"] = replicas.size
+    metrics["healed"] = 0
     metrics["committed"] = int(replicas.commit())
     return bool(metrics["committed"])
 
