@@ -8,8 +8,8 @@ until the committed step counter reaches STEPS. Each step's batch is a function 
 state's step), built again for every call, so a retried step sees the same batch and a step
 after a heal the batch of the step healed to. Each rank appends JSON lines to
 ``ROOT/g<GROUP>/rank<r>.jsonl``: ``init`` (the state ``fs.init`` returned: its step and hash),
-one ``step`` line per call (step, committed, replicas, healed, the hash of the input state and of the
-returned one, the pid, the time) and ``final``; rank 0 saves the final full params as
+one ``step`` line per call (step, committed, replicas, healed, the hash of the input state
+and of the returned one, the pid, the time) and ``final``; rank 0 saves the final full params as
 ``final.pt``. With KILL_AT, rank 0 SIGKILLs its process group (both ranks) inside the loss of
 step KILL_AT: after the step's quorum, before its cross-group all-reduce.
 
