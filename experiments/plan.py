@@ -25,6 +25,13 @@ flags.DEFINE_enum(
     "outer_strategy", "no_shard", ["no_shard", "optim"], "optim: HFSDP (sharded over replicas)."
 )
 flags.DEFINE_integer("microbatches", 1, "Microbatches per step.")
+flags.DEFINE_integer(
+    "replica_groups",
+    1,
+    "Fault-tolerant replica groups of --world_size ranks each (torchft's all-reduce across "
+    'them: the axis "replicas").',
+    lower_bound=1,
+)
 flags.DEFINE_float("offload_fraction", 0.0, "Share of the optimizer stepped on the host.")
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "sgd_momentum", "sgd"], "Optimizer kind.")
 flags.DEFINE_enum(
@@ -84,6 +91,7 @@ def main(argv: list[str]) -> None:
             offload_fraction=FLAGS.offload_fraction,
             optimizer=FLAGS.optimizer,
             outer_strategy=FLAGS.outer_strategy,
+            replica_groups=FLAGS.replica_groups,
         )
         for s in fs.STRATEGIES
         if s != "no_shard" or FLAGS.outer_strategy == "no_shard"
@@ -94,7 +102,7 @@ def main(argv: list[str]) -> None:
         f"replicate={FLAGS.replicate} outer_strategy={FLAGS.outer_strategy} "
         f"policy={FLAGS.policy} grad_comm_dtype={FLAGS.grad_comm_dtype} "
         f"param_comm_dtype={FLAGS.param_comm_dtype} optimizer={FLAGS.optimizer} "
-        f"microbatches={FLAGS.microbatches}"
+        f"microbatches={FLAGS.microbatches} replica_groups={FLAGS.replica_groups}"
     )
     print("\nmemory per rank (GB = 1e9 B)")
     print(f"{'strategy':<20}" + "".join(f"{c:>15}" for c in (*COLUMNS, "model_states")))

@@ -402,8 +402,9 @@ def run(
     end = min(cfg.stop_at or cfg.steps, cfg.steps)
     progress = Progress(start, end, cfg.batch_size * (cfg.model.seq_len - 1), cfg.log_every, world)
     # with replica groups the data is a function of the committed step: a step that is not
-    # committed is retried on the same batch; group g takes rows g * world + rank of the
-    # groups' global batch
+    # committed is retried on the same batch, a step in which the group healed (its state
+    # is then the peers', at their step) gives the batch of the new step; group g takes rows
+    # g * world + rank of the groups' global batch
     groups = max(cfg.replica_groups, 1)
     # the data-parallel rows of the whole run: every group's, a tensor group sharing its rows
     row_rank, row_world = cfg.replica_group * dp_world + dp_rank, groups * dp_world
@@ -417,8 +418,14 @@ def run(
             world=row_world,
         ).to(device)
         t_step = time.perf_counter()
-        with fs.comm_stats() as stats:  # this rank's bytes per collective kind and mesh axis
-            state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=microbatches)
+        try:
+            with fs.comm_stats() as stats:  # this rank's bytes per collective kind and mesh axis
+                state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=microbatches)
+        except TimeoutError:  # too few replica groups for a quorum yet: the state is unchanged
+            if committed is None:
+                raise
+            logging.warning("step %d: no quorum of replica groups yet; asking again", step)
+            continue
         step_s = time.perf_counter() - t_step  # the process's first step compiles (--compile)
         if step == start and rank == 0 and cfg.compile:
             logging.info("first step %.2f s (compiling the blocks: %s)", step_s, cfg.compile)
@@ -443,7 +450,7 @@ def run(
                 "comm": {k: v for k, v in stats.bytes.items() if v},
                 "comm_by_axis": {k: v for k, v in stats.bytes_by_axis.items() if v},
             }
-            row.update({k: metrics[k] for k in ("committed", "replicas") if k in metrics})
+            row.update({k: metrics[k] for k in ("committed", "replicas", "healed") if k in metrics})
             rows.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()

@@ -92,9 +92,10 @@ def compile_units(
             stack.callback(setattr, module, "_compiled_call_impl", None)
 
 
-def unwrapped(model: nn.Module) -> nn.Module:
+def unwrapped(model: Any) -> Any:
     """The plain model inside a ``torch.compile(model)`` wrapper (an ``OptimizedModule``, whose
-    parameter names all start with ``_orig_mod.``); any other module itself.
+    parameter names all start with ``_orig_mod.``); anything else (a module, a table of
+    shapes) itself.
 
     funcshard names parameters, units, checkpoints and exports by the plain model's names, so
     that a state of the compiled model and one of the plain model are interchangeable; the

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from funcshard.comm import ops
 from funcshard.comm.ops import Pending
 from funcshard.strategy import OuterStrategy
 
@@ -43,7 +44,10 @@ class FaultTolerance:
       min_replicas: the fewest groups a step may commit with.
       lighthouse: the lighthouse's address (``http://host:port``); None: the environment's
         ``TORCHFT_LIGHTHOUSE``.
-      timeout: seconds a quorum, a cross-group all-reduce, a commit or a heal may take.
+      timeout: seconds a cross-group all-reduce, a commit or a heal may take; a quorum
+        waits twice as long (a peer may first have to time out of a step this group broke,
+        and then come to the quorum). A quorum that times out raises ``TimeoutError`` out of
+        ``train_step`` with the state unchanged; the next call asks the lighthouse again.
     """
 
     replica_id: str = "0"
@@ -105,6 +109,11 @@ class Replicas:
     manager's address from the group's rank 0 to the others. ``serve`` (given with each
     quorum) is what a healing peer receives; a state this group receives is returned by
     :meth:`quorum` / :meth:`join`.
+
+    torchft decides per rank whether a rank heals (at step 0 each rank of a group may take a
+    different peer group's rank as its source, and heal or not); after each quorum
+    :meth:`agree` makes the ranks of a group agree (:func:`funcshard.state.heal`), so that
+    all of them derive their compute copies, or none.
     """
 
     def __init__(self, ft: FaultTolerance, device: torch.device) -> None:
@@ -121,7 +130,9 @@ class Replicas:
         self.device = device
         self._serve: Callable[[], StateDict] | None = None
         self._received: StateDict | None = None
-        self._started = False  # a quorum started by join, for the first step
+        # the identity of the state fs.init returned after its quorum (join's): the first
+        # step reuses that quorum only for that very state (a restore replaces it)
+        self._joined: Any = None
         # rank 0 publishes its manager's address in the group's store before the others read
         # it (a store that outlives a job, as torchrun's agent's, may hold an older one)
         if torch.distributed.get_rank() == 0:
@@ -141,7 +152,9 @@ class Replicas:
             min_replica_size=ft.min_replicas,
             use_async_quorum=False,  # heal before the step: its first step is the peers'
             timeout=timeout,
-            quorum_timeout=timeout,
+            # a peer may wait out a broken step's all-reduce (``timeout``) before it comes
+            # to the quorum this group is already in: the quorum outlasts that
+            quorum_timeout=2 * timeout,
             connect_timeout=timeout,
             rank=torch.distributed.get_rank(),
             world_size=torch.distributed.get_world_size(),
@@ -158,25 +171,50 @@ class Replicas:
         self._received = state_dict
 
     def join(self, serve: Callable[[], StateDict], step: int) -> StateDict | None:
-        """The first quorum (inside ``fs.init``), kept for the first step: the peers' state
-        when this group heals, else None."""
-        received = self.quorum(serve, step)
-        self._started = True
-        return received
+        """The first quorum (inside ``fs.init``): the peers' state when this group heals,
+        else None. :meth:`joined` then names the state it may be reused for."""
+        return self.quorum(serve, step, None)
 
-    def quorum(self, serve: Callable[[], StateDict], step: int) -> StateDict | None:
-        """The step's quorum (the one :meth:`join` started, if the step is the first): the
-        peers' state when this group is behind them, else None."""
+    def joined(self, identity: Any) -> None:
+        """``fs.init`` returns the state of this identity: the first step reuses join's quorum
+        if it is given this state, and asks for a new one if it is given another (a state
+        restored from a checkpoint after ``fs.init``, whose step the quorum never saw)."""
+        self._joined = identity
+
+    def quorum(self, serve: Callable[[], StateDict], step: int, identity: Any) -> StateDict | None:
+        """The step's quorum (join's, for the first step on the state ``fs.init`` returned):
+        the peers' state when this group is behind them, else None.
+
+        Raises:
+          TimeoutError: no quorum formed within the quorum timeout; nothing changed, and the
+            next call asks the lighthouse again.
+        """
         self._serve = serve
-        if self._started:
-            self._started = False
+        joined, self._joined = self._joined, None
+        if joined is not None and joined == identity:
             return None
         manager = self.manager
         manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
         self._received = None
+        # torchft 0.2.0 keeps a failed quorum's future and re-raises its error at every later
+        # start_quorum without asking the lighthouse: a group would stay wedged after one
+        # timeout, even once its peers are back. A done, failed future is dropped here.
+        future = manager._quorum_future
+        if future is not None and future.done() and future.exception() is not None:
+            manager._quorum_future = None
         manager.start_quorum()
         received, self._received = self._received, None
         return received
+
+    def agree(self, healed: bool, moved: bool) -> tuple[bool, bool]:
+        """Whether any rank of this group healed in the quorum, and whether any heal moved
+        its step: a collective over the group's own world, so every rank of the group derives
+        its compute copies (a collective under ZeRO-1/2) or none, and every rank refuses the
+        batch or none."""
+        flags = torch.tensor([float(healed), float(moved)], device=self.device)
+        group = torch.distributed.group.WORLD
+        flags = ops.all_reduce(flags, group, axis=ops.Axis.WORLD, kind="metrics")
+        return bool(flags[0] > 0), bool(flags[1] > 0)
 
     @property
     def size(self) -> int:
@@ -186,12 +224,17 @@ class Replicas:
     def start_all_reduce(self, tensor: torch.Tensor) -> Pending:
         """The mean of ``tensor`` over the quorum's groups (``tensor`` is read before this
         returns). A failure is torchft's to record: the step is then not committed."""
+        return self._all_reduce(tensor, "all_reduce")
+
+    def _all_reduce(self, tensor: torch.Tensor, kind: str) -> Pending:
         x = tensor.clone()
+        ops.record(kind, x, ops.Axis.REPLICAS)
         return Pending(self.manager.allreduce(x), x)
 
     def mean(self, value: float) -> float:
         """A scalar's mean over the quorum's groups (the step's loss)."""
-        return float(self.start_all_reduce(torch.tensor([value], dtype=torch.float64)).wait())
+        loss = torch.tensor([value], dtype=torch.float64)
+        return float(self._all_reduce(loss, "metrics").wait())
 
     def commit(self) -> bool:
         """Whether every rank of every group of the quorum may apply the step (torchft's

@@ -56,6 +56,11 @@ batch check's (each rank's loss all-gathered, ``T * 8``; its verdict, 8 bytes, r
 loss over the data-parallel world) and,
 under ``fs.optim.muon``, each owner's all-gather of a split matrix (its shards padded to the
 largest, bfloat16: ``2 * T * ceil(n / T) * the rest``, one call each).
+
+With ``replica_groups=G > 1`` (``fs.FaultTolerance``: G groups, each of ``world_size`` ranks)
+every rank also all-reduces each bucket's reduced gradient (its master's numel on the
+gradient wire) and the loss across the groups through torchft, counted under the axis
+"replicas", and the group's ranks agree on a heal (8 bytes of metrics over "world").
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from funcshard.buckets import NAMESPACE, per_bucket_parts
 from funcshard.comm import params as params_lib
+from funcshard.comm.codec import EIGHT_BIT
 from funcshard.comm.ops import AXES
 from funcshard.comm.wires import wire_for
 from funcshard.compiling import unwrapped
@@ -297,6 +303,49 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     return nbytes, calls, by_axis
 
 
+def _replica_groups(
+    layout: Layout, groups: int, world: int, nbytes: dict, calls: dict, by_axis: dict
+) -> None:
+    """Adds a fault-tolerant step's collectives across ``groups`` replica groups (none for
+    one): :class:`funcshard.fault.Replicas`' all-reduces and its heal agreement."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"plan: replica_groups must be an int >= 1, got {groups!r}")
+    if groups == 1:
+        return
+
+    def add(kind: str, size: int, axis: str) -> None:
+        nbytes[kind] += size
+        calls[kind] += 1
+        by_axis[axis] += size
+
+    for b in layout.buckets:
+        grad, comm = b.dtypes.grad, b.dtypes.comm
+        wire = grad if comm in EIGHT_BIT else comm
+        add("all_reduce", b.numel * _size(wire), "replicas")
+    add("metrics", _METRIC_BYTES, "replicas")  # the loss
+    if world > 1:  # the group's ranks agree whether one of them healed (2 fp32 flags)
+        add("metrics", 2 * _size(torch.float32), "world")
+
+
+def _step_comm(
+    layout: Layout,
+    optimizer: str | Optimizer,
+    microbatches: int,
+    replicate: int,
+    world_size: int,
+    tensor: int,
+    replica_groups: int,
+) -> tuple[dict[str, int], dict[str, int], dict[str, int], int]:
+    """A step's bytes and calls per kind and bytes per axis: the data-parallel collectives,
+    Muon's exchange of whole matrices, the replica groups' all-reduce; and Muon's owner bytes."""
+    comm, calls, by_axis = _comm(layout, microbatches, replicate, world_size // tensor)
+    comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
+    for axis, nbytes in muon_by_axis.items():
+        by_axis[axis] += nbytes
+    _replica_groups(layout, replica_groups, world_size, comm, calls, by_axis)
+    return comm, calls, by_axis, muon_owner
+
+
 def plan(
     params: ShapesArg,
     /,
@@ -316,6 +365,7 @@ def plan(
     outer_strategy: str | OuterStrategy = "no_shard",
     tensor: int = 1,
     tensor_plan: Mapping[str, ParallelStyle] | None = None,
+    replica_groups: int = 1,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -347,6 +397,11 @@ def plan(
       tensor_plan: with the plain (e.g. meta-device) model and ``tensor=T``, the plan the
         model will be parallelized with (``parallelize_module``'s dict plan, keys relative to
         the model, ``*`` per name component): planned as that model, without a process group.
+      replica_groups: replica groups of a fault-tolerant run (``fs.FaultTolerance``), each
+        of ``world_size`` ranks: more than one adds their all-reduce through torchft under
+        the axis "replicas" (each bucket's reduced gradient shard, on ``grad_comm_dtype``,
+        main grads for an 8-bit wire; the loss under "metrics") and the group's heal
+        agreement (8 bytes of metrics over "world").
 
     Returns:
       A :class:`Plan`.
@@ -361,9 +416,7 @@ def plan(
     >>> p.padded_numel, p.memory.master, p.comm["reduce_scatter"]
     (48, 48, 192)
     """
-    strategy = Strategy.parse(strategy)
-    if isinstance(params, nn.Module):
-        params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
+    params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     shard = shard_size(world_size, shard, replicate, microbatches, tensor)
     table, tp = tensor_table(params, param_table(params, dtype), tensor, tensor_plan)
     model = params if isinstance(params, nn.Module) else None
@@ -381,12 +434,11 @@ def plan(
         outer_strategy=outer_strategy,
         tensor=tp,
     )
-    comm, calls, by_axis = _comm(layout, microbatches, replicate, world_size // tensor)
-    comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
-    for axis, nbytes in muon_by_axis.items():
-        by_axis[axis] += nbytes
+    comm, calls, by_axis, muon_owner = _step_comm(
+        layout, optimizer, microbatches, replicate, world_size, tensor, replica_groups
+    )
     return Plan(
-        strategy=strategy,
+        strategy=layout.strategy,
         world_size=world_size,
         shard=shard,
         replicate=replicate,

@@ -45,6 +45,8 @@ __all__ = [
     "init",
     "derive_compute",
     "tree",
+    "heal",
+    "identity",
 ]
 
 tree = optree.pytree.reexport(namespace=NAMESPACE, module="funcshard.tree")
@@ -417,7 +419,9 @@ def init(
       fault_tolerance: this rank's replica group joins the others through torchft
         (:mod:`funcshard.fault`): every step averages the gradients over the groups of its
         quorum. A group behind its peers (one that restarts) heals from a live peer here: the
-        state returned, step included, is bitwise theirs.
+        state returned, step included, is bitwise theirs. Pass the state returned, or a state
+        restored after it (its first step then asks for a quorum of its own, and heals it
+        from the peers when it is behind them).
       check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
         an input state whose step is a positive multiple of N, before donating it; 0: never.
 
@@ -475,8 +479,15 @@ def init(
     )
     if replicas is None:
         return state
-    received = replicas.join(lambda: state_dict(state), step=0)
-    return state if received is None else load_state_dict(state, received)
+    state, _ = heal(state, replicas.join(lambda: state_dict(state), step=0))
+    replicas.joined(identity(state))
+    return state
+
+
+def identity(state: TrainState) -> tuple[int, tuple[int, ...]]:
+    """What tells a state from another made after it (a restore reads into new buffers): its
+    step and the addresses of its master buffers."""
+    return state.step, tuple(m.data_ptr() for m in state.master)
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:
@@ -492,10 +503,32 @@ def state_dict(state: TrainState) -> dict[str, Any]:
     }
 
 
-def load_state_dict(state: TrainState, received: dict[str, Any]) -> TrainState:
+def heal(state: TrainState, received: dict[str, Any] | None) -> tuple[TrainState, bool]:
+    """A fault-tolerant state after its group's quorum: ``state`` itself when no rank of the
+    group healed, else (donated) with the peer's values where this rank received them
+    (``received``, from :meth:`funcshard.fault.Replicas.quorum`) and every rank's compute
+    copies derived again (the ranks of a group agree first: torchft may heal one rank of a
+    group and not the other, and under ZeRO-1/2 deriving is an all-gather over the group).
+
+    Returns:
+      ``(state, moved)``: ``moved`` when the heal changed the group's step (the caller's
+      batch, built for the old step, is then not this state's).
+    """
+    replicas = state.replicas
+    assert replicas is not None, "a fault-tolerant state"
+    moved = received is not None and int(received["step"]) != state.step
+    healed, moved = replicas.agree(received is not None, moved)
+    if not healed:
+        return state, False
+    return load_state_dict(state, received), moved
+
+
+def load_state_dict(state: TrainState, received: dict[str, Any] | None) -> TrainState:
     """``state`` (donated) with a peer's values (:func:`state_dict`) copied into its buffers
-    and the compute copies derived from them."""
+    (None: its own values) and the compute copies derived from them (a collective)."""
     d = state.donate("heal")
+    if received is None:
+        return d.state(compute=derive_compute(d.layout, d.master))
     leaves, treedef = optree.tree_flatten(d.opt_state, none_is_leaf=True, namespace=NAMESPACE)
     pairs = enumerate(fault_lib.pairs(d.master, received, "master"))
     master = tuple(fault_lib.copy_into(m, r, f"master[{i}]") for i, (m, r) in pairs)

@@ -24,7 +24,7 @@ from funcshard.layout import Layout
 from funcshard.produce import LossFn, producer_for
 from funcshard.reduction import reduction_of
 from funcshard.replica_check import check_replicas
-from funcshard.state import LossScale, TrainState, load_state_dict, state_dict
+from funcshard.state import LossScale, TrainState, heal, identity, state_dict
 
 __all__ = ["train_step", "full_params", "split_microbatches"]
 
@@ -90,12 +90,23 @@ def train_step(
       averaged gradient), "nonfinite" (0 or 1), "nonfinite_params" (names, when nonfinite),
       "loss_scale" (fp16 only) and "aux" (the last microbatch's aux, if ``loss_fn`` gives one).
       A fault-tolerant state (``fs.init(fault_tolerance=...)``) adds "replicas" (the groups
-      whose gradients the step averaged) and "committed" (0: the quorum broke during the
-      step, and the state returned holds the input's values, loss scale included).
+      whose gradients the step averaged), "committed" (0: the quorum broke during the step,
+      and the state returned holds the input's values, loss scale included; or the group
+      healed) and "healed" (1: this group was behind its peers at the step's quorum, after
+      a step of its own was not committed or a checkpoint was restored after ``fs.init``;
+      the state returned is the peers', at their step, and nothing was computed or averaged,
+      as ``batch`` was built for the step the group left; "loss" and "grad_norm" are NaN).
+      Build each batch for the ``state.step`` of the state passed.
+
+    Raises:
+      TimeoutError: a fault-tolerant step's quorum did not form in time (too few groups
+        alive); the state is unchanged and usable, and the next call asks again.
     """
     layout = state.layout
     _check_steppable(state)
-    state = _quorum(state)
+    state, moved = _quorum(state)
+    if moved:  # the batch was built for the step this group left: nothing is averaged
+        return state, _healed_metrics(state)
     reduction = reduction_of(layout)
     reduction.check_microbatches(layout.dp_size, microbatches)
     ls = state.loss_scale
@@ -146,14 +157,23 @@ def train_step(
     return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
 
 
-def _quorum(state: TrainState) -> TrainState:
+def _quorum(state: TrainState) -> tuple[TrainState, bool]:
     """A fault-tolerant state's quorum for this step: the state itself, or (this group was
-    behind its peers) the peers' state, received into its buffers."""
+    behind its peers) the peers' state, received into its buffers; and whether that moved
+    its step."""
     replicas = state.replicas
     if replicas is None:
-        return state
-    received = replicas.quorum(lambda: state_dict(state), state.step)
-    return state if received is None else load_state_dict(state, received)
+        return state, False
+    received = replicas.quorum(lambda: state_dict(state), state.step, identity(state))
+    return heal(state, received)
+
+
+def _healed_metrics(state: TrainState) -> dict[str, Any]:
+    replicas = state.replicas
+    assert replicas is not None, "only a fault-tolerant state heals"
+    metrics = _metrics(math.nan, math.nan, state.loss_scale, None)
+    metrics.update(nonfinite=0, replicas=replicas.size, committed=0, healed=1)
+    return metrics
 
 
 def _committed(state: TrainState, metrics: dict[str, Any]) -> bool:
@@ -164,6 +184,7 @@ def _committed(state: TrainState, metrics: dict[str, Any]) -> bool:
         return True
     metrics["loss"] = replicas.mean(metrics["loss"])
     metrics["replicas"] = replicas.size
+    metrics["healed"] = 0
     metrics["committed"] = int(replicas.commit())
     return bool(metrics["committed"])
 

@@ -3,14 +3,24 @@
 ``python _ft_job.py ROOT GROUP STEPS LIGHTHOUSE RANK PORT [KILL_AT]`` is rank RANK of 2 (the
 group's store on 127.0.0.1:PORT, hosted by rank 0; :func:`start_group` starts both, in a
 process group of their own). It trains the small MLP (fp32 SGD with
-momentum, ZeRO-3) as replica group GROUP of a torchft lighthouse, until the
-committed step counter reaches STEPS. Each step's batch is a function of (GROUP, the state's
-step), so a retried step sees the same batch. Each rank appends JSON lines to
+momentum, ZeRO-3 unless told another strategy) as replica group GROUP of a torchft lighthouse,
+until the committed step counter reaches STEPS. Each step's batch is a function of (GROUP, the
+state's step), built again for every call, so a retried step sees the same batch and a step
+after a heal the batch of the step healed to. Each rank appends JSON lines to
 ``ROOT/g<GROUP>/rank<r>.jsonl``: ``init`` (the state ``fs.init`` returned: its step and hash),
-one ``step`` line per call (step, committed, replicas, the hash of the input state and of the
-returned one, the pid, the time) and ``final``; rank 0 saves the final full params as
+one ``step`` line per call (step, committed, replicas, healed, the hash of the input state
+and of the returned one, the pid, the time) and ``final``; rank 0 saves the final full params as
 ``final.pt``. With KILL_AT, rank 0 SIGKILLs its process group (both ranks) inside the loss of
 step KILL_AT: after the step's quorum, before its cross-group all-reduce.
+
+:func:`start_group`'s options reach the ranks as environment variables: the strategy
+(``FT_JOB_STRATEGY``), the torchft timeout (``FT_JOB_TIMEOUT``, seconds), ``FT_JOB_RAISE_AT``
+(both ranks raise once inside the loss of that step; the loop catches it, records an
+``error`` line and calls again, as it does with a quorum's ``TimeoutError``: a ``timeout``
+line) and ``FT_JOB_STALE`` (a group that healed in ``fs.init`` then "restores an older
+checkpoint": its weights and optimizer state halved, its step set back to 1). Each ``step``
+line also holds the step's bytes per axis (``fs.comm_stats``), and ``init`` the bytes per axis
+``fs.plan`` predicts for a step of two groups.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import models  # noqa: E402
 
 ROWS = 8
 LR, MOMENTUM = 0.05, 0.9
+RETRIES = 20  # errors and quorum timeouts a rank catches before it gives up
 
 
 def state_hash(state: fs.TrainState) -> str:
@@ -53,6 +64,13 @@ def batch_for(group: int, step: int) -> dict:
     return models.global_batch(1000 * group + step, ROWS)
 
 
+def stale(state: fs.TrainState) -> fs.TrainState:
+    """An older state than ``state``, as a checkpoint restored over it gives: new buffers
+    (halved values) and step 1."""
+    older = fs.tree.map(lambda x: x.clone().mul_(0.5) if torch.is_tensor(x) else x, state)
+    return older.replace(step=1)
+
+
 def job(root: str, group: int, steps: int, lighthouse: str, kill_at: int | None) -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,18 +82,34 @@ def job(root: str, group: int, steps: int, lighthouse: str, kill_at: int | None)
         log.write(json.dumps({**record, "pid": os.getpid(), "t": time.time()}) + "\n")
         log.flush()
 
+    strategy = os.environ.get("FT_JOB_STRATEGY", "optim_grads_params")
+    raise_at = int(os.environ.get("FT_JOB_RAISE_AT", "-1"))
     model = models.make_model(seed=0)
-    ft = fs.FaultTolerance(replica_id=str(group), lighthouse=lighthouse, timeout=60.0)
+    timeout = float(os.environ.get("FT_JOB_TIMEOUT", "60"))
+    ft = fs.FaultTolerance(replica_id=str(group), lighthouse=lighthouse, timeout=timeout)
+    opt = fs.optim.sgd(LR, momentum=MOMENTUM)
     t0 = time.perf_counter()
-    state = fs.init(
+    mesh = fs.make_mesh(device_type="cpu")
+    state = fs.init(model, opt, mesh=mesh, strategy=strategy, fault_tolerance=ft)
+    planned = fs.plan(
         model,
-        fs.optim.sgd(LR, momentum=MOMENTUM),
-        mesh=fs.make_mesh(device_type="cpu"),
-        strategy="optim_grads_params",
-        fault_tolerance=ft,
+        world_size=world,
+        strategy=strategy,
+        optimizer=opt,
+        device_type="cpu",
+        replica_groups=2,
+    ).comm_by_axis
+    write(
+        kind="init",
+        step=state.step,
+        hash=state_hash(state),
+        s=time.perf_counter() - t0,
+        planned=planned,
     )
-    write(kind="init", step=state.step, hash=state_hash(state), s=time.perf_counter() - t0)
+    if os.environ.get("FT_JOB_STALE") and state.step > 1:
+        state = stale(state)
     loss = models.make_loss_fn(model)
+    failures = 0
     while state.step < steps:
         step = state.step
 
@@ -84,19 +118,35 @@ def job(root: str, group: int, steps: int, lighthouse: str, kill_at: int | None)
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             return loss(params, batch)
 
+        def raising(params, batch, step=step):
+            raise RuntimeError(f"a user's error in the loss of step {step}")
+
         time.sleep(float(os.environ.get("FT_JOB_STEP_SLEEP", "0")))  # a longer step (bench)
         before = state_hash(state)
         batch = models.local_batch(batch_for(group, step), rank, world)
         t0 = time.perf_counter()
-        state, metrics = fs.train_step(state, batch, loss_fn)
+        try:
+            with fs.comm_stats() as stats:
+                state, metrics = fs.train_step(
+                    state, batch, raising if step == raise_at else loss_fn
+                )
+        except (TimeoutError, RuntimeError) as e:  # the state is unchanged: call again
+            failures += 1
+            write(kind="timeout" if isinstance(e, TimeoutError) else "error", step=step, e=str(e))
+            if failures > RETRIES:
+                raise
+            raise_at = -1 if step == raise_at else raise_at  # the user's error is once
+            continue
         write(
             kind="step",
             step=step,
             committed=metrics["committed"],
             replicas=metrics["replicas"],
+            healed=metrics.get("healed", 0),
             before=before,
             after=state_hash(state),
             s=time.perf_counter() - t0,
+            by_axis={k: v for k, v in stats.bytes_by_axis.items() if v},
         )
     write(kind="final", step=state.step, hash=state_hash(state))
     if rank == 0:
@@ -107,13 +157,26 @@ def job(root: str, group: int, steps: int, lighthouse: str, kill_at: int | None)
 
 
 def start_group(
-    root: str, group: int, steps: int, lighthouse: str, kill_at: int | None = None
+    root: str,
+    group: int,
+    steps: int,
+    lighthouse: str,
+    kill_at: int | None = None,
+    *,
+    strategy: str = "optim_grads_params",
+    timeout: float = 60.0,
+    raise_at: int | None = None,
+    stale: bool = False,
 ) -> list[subprocess.Popen]:
-    """Starts group ``group``'s 2 ranks, in a new process group (rank 0 leads it)."""
+    """Starts group ``group``'s 2 ranks, in a new process group (rank 0 leads it); the
+    options are the module docstring's."""
     from funcshard.launch import free_port
 
     port, procs = free_port(), []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.update(FT_JOB_STRATEGY=strategy, FT_JOB_TIMEOUT=str(timeout))
+    env.update(FT_JOB_RAISE_AT=str(-1 if raise_at is None else raise_at))
+    env.update({"FT_JOB_STALE": "1"} if stale else {})
     os.makedirs(os.path.join(root, f"g{group}"), exist_ok=True)
     for rank in range(2):
         cmd = [sys.executable, os.path.abspath(__file__), root, str(group), str(steps)]

@@ -84,6 +84,23 @@ def test_formula_by_strategy():
     assert c["optim_grads_params"]["all_gather"] == 2 * 3 * Pp * w
 
 
+def test_replica_groups_add_the_replicas_axis():
+    # fault-tolerant replica groups: each bucket's reduced gradient shard (the master's numel
+    # on the gradient wire: bf16 here) and the loss across the groups under "replicas", and the
+    # group's heal agreement (2 fp32 flags) over "world"; one group: nothing more
+    shapes = {"a": (10, 3), "b": (7,)}  # padded over S=4: 12*3 + 8 = 44, 11 a rank
+    policy = fs.MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)
+    kw = dict(world_size=4, strategy="optim", optimizer="sgd", policy=policy)
+    one, two = fs.plan(shapes, **kw), fs.plan(shapes, replica_groups=2, **kw)
+    assert one.comm_by_axis["replicas"] == 0
+    assert two.comm_by_axis["replicas"] == 11 * 2 + 8
+    assert two.comm_by_axis["world"] == one.comm_by_axis["world"] + 8
+    assert two.comm["all_reduce"] == one.comm["all_reduce"] + 11 * 2
+    assert two.calls["all_reduce"] == one.calls["all_reduce"] + 1
+    with pytest.raises(ValueError, match="replica_groups must be an int >= 1, got 0"):
+        fs.plan(shapes, replica_groups=0, **kw)
+
+
 class _NoTensorOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         raise AssertionError(f"plan ran a tensor op: {func}")

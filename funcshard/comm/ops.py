@@ -44,6 +44,7 @@ class Axis(str, enum.Enum):
     REPLICATE = "replicate"
     WORLD = "world"  # a group over every data-parallel rank
     TENSOR = "tensor"  # a tensor-parallel group (what funcshard issues there: norms, Muon)
+    REPLICAS = "replicas"  # torchft's all-reduce across the replica groups (fs.FaultTolerance)
 
 
 # Their names, as ``CommStats.bytes_by_axis`` keys them.
@@ -60,8 +61,10 @@ class CommStats:
       calls: collective calls per kind.
       bytes_by_axis: the same bytes per mesh axis the collective ran on: "shard",
         "replicate", "world" (a group over every data-parallel rank: the loss, and the
-        gradients of ``no_shard``) or "tensor" (funcshard's own collectives over a
-        tensor-parallel group); its values sum to those of ``bytes``.
+        gradients of ``no_shard``), "tensor" (funcshard's own collectives over a
+        tensor-parallel group) or "replicas" (a fault-tolerant step's all-reduce across the
+        replica groups, through torchft: the gradient shards, and the loss under
+        "metrics"); its values sum to those of ``bytes``.
       gathered_live: bytes of gathered (unsharded) ZeRO-3 params alive right now.
       gathered_peak: the most bytes of gathered ZeRO-3 params alive at one moment.
     """
