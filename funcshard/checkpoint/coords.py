@@ -75,6 +75,7 @@ def scale_widths(shape: Sequence[int], dim: int | None, size: int) -> tuple[int,
     rows = [math.prod(local_shape(shape, dim, size, t)[1:]) for t in range(size)]
     return tuple(scale_index(b, n) if b else 0 for b, n in zip(blocks, rows, strict=True))
 
+
 Box = tuple[int, int, int]
 
 
@@ -189,9 +190,7 @@ class Coords:
         size = self.tensor.size
         if scales:
             return [(local[0], w) for w in scale_widths(leaf.shape, leaf.dim, size)]
-        return [
-            (local[0], *local_shape(leaf.shape, leaf.dim, size, t)[1:]) for t in range(size)
-        ]
+        return [(local[0], *local_shape(leaf.shape, leaf.dim, size, t)[1:]) for t in range(size)]
 
     def gather(self, name: str, local: torch.Tensor, scales: bool) -> torch.Tensor:
         """The tensor ranks' ``local`` rows of ``name`` (or of its scales) side by side: whole
