@@ -92,6 +92,11 @@ def reblocks(layout: Layout, info: dict | None, name: str, shape: tuple[int, ...
     return block_spans(shape, *source_blocks(info, name, shape)) != block_spans(shape, dim, size)
 
 
+def _scales(keys: Keys) -> bool:
+    """Whether ``keys`` name an 8-bit scales array (``tree.scale_path``'s)."""
+    return len(keys) > 2 and keys[-2].endswith("_scale")
+
+
 def conversions(
     layout: Layout, opt_state: Any, found: dict[Keys, tuple], info: dict | None = None
 ) -> dict[Keys, Keys | None]:
@@ -193,7 +198,7 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
     missing: list[Keys] = []
     convert = {} if model_only else conversions(layout, like.opt_state, found, source.info)
     for keys, shape in expected.items():
-        if keys in convert and convert[keys] is None:
+        if keys in convert and convert[keys] is None and (keys not in found or _scales(keys)):
             continue  # the scales of a moment the target quantizes (from a wider one, or
             # from 8-bit of other blocks: the source's scales are read with their moment)
         src = keys
