@@ -235,7 +235,7 @@ def plan_writes(
         start, stop, piece = writers.rows(spec)
         if not coords.writes(spec.name):  # replicated over "tensor": tensor rank 0 writes
             start = stop = spec.rows
-        data = None
+        data = view = None
         if stop > start:
             view = writers.local_rows(flat, spec, r, start, stop).detach()
             data = view.to("cpu", copy=True) if stage else view
@@ -251,8 +251,8 @@ def plan_writes(
         write = ArrayWrite(keys, shape, flat.dtype, chunk, start, stop, data, None, split)
         if not coords.gathers(spec.name):
             write.box = box
-        elif data is not None:  # whole rows: gathered over "tensor" below, in one order
-            gathered.append((write, data, scales))
+        elif view is not None:  # whole rows: gathered over "tensor" below, in one order
+            gathered.append((write, view, scales))
         return write
 
     arrays = rows_of(state.master, ("params",))
@@ -262,9 +262,10 @@ def plan_writes(
         lambda p, x: arrays.extend(rows_of(x, ("opt_state", *p))),
         lambda p, x: x,
     )
-    for write, data, scales in sorted(gathered, key=lambda g: g[0].keys):
-        rows = coords.gather(write.keys[-1], data, scales)
-        # rows every tensor rank now holds: tensor rank 0 writes them
+    for write, view, scales in sorted(gathered, key=lambda g: g[0].keys):
+        # on the state's device (the tensor group's backend); every tensor rank gets the rows
+        # and tensor rank 0 writes them
+        rows = coords.gather(write.keys[-1], view, scales)
         write.data = rows.to("cpu") if stage else rows
         if layout.tensor is not None and layout.tensor.rank != 0:
             write.start = write.stop = write.shape[0]
