@@ -214,6 +214,7 @@ def moments_worker(root: str, mu, nu) -> dict:
     state, model, mesh = _wide(2, 2, _adam(mu, nu))
     state, _ = H.train(state, model, mesh, range(2), rows=ROWS)
     fs.save(os.path.join(root, "a"), state)
+    fs.export_safetensors(os.path.join(root, "hf"), state)  # an uneven rowwise block too
     out = {"saved": _cpu(fs.full_params(state)), "restored": [], "losses": []}
     for s, t in [(4, 1), (1, 4), (2, 2)]:
         like, model, mesh = _wide(s, t, _adam(mu, nu), seed=9)
@@ -240,6 +241,8 @@ def test_adam_narrow_moments_restore_across_tensor_degrees(pool4, tmp_path, mu, 
         for full in r["restored"]:
             assert all(torch.equal(full[n], t) for n, t in first["saved"].items())
         assert all(np.isfinite(loss) for loss in r["losses"])
+    exported = load_file(os.path.join(tmp_path, "hf", "model.safetensors"))
+    assert all(torch.equal(exported[n], t) for n, t in first["saved"].items())
     saved = first["moments"]["a"]
     assert {n for _, n in saved} == {n for n, _ in H.make_wide().named_parameters()}
     for label in ("t1", "t4", "t2"):

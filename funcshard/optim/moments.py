@@ -23,7 +23,9 @@ Formats (``dtype`` of the stored moment):
   the others keep the master dtype (bitsandbytes' ``min_8bit_size``).
 
 A block sits inside one row, and every operation here is elementwise or a max over one block,
-so an element's stored bits depend only on its own row's values: the same on every layout.
+so an element's stored bits depend only on its own row's values: the same on every layout
+(on every data-parallel layout of one tensor degree for a rowwise tensor-parallel weight, whose
+blocks cut the row of its tensor rank's shard: :func:`block_of`).
 """
 
 from __future__ import annotations
