@@ -25,6 +25,7 @@ import optree
 __all__ = [
     "NAMESPACE",
     "Members",
+    "GlobalShape",
     "PerBucket",
     "BlockScales",
     "Ragged",
@@ -38,6 +39,28 @@ __all__ = [
 ]
 
 NAMESPACE = "funcshard"
+
+
+class GlobalShape(tuple):
+    """A tensor-parallel parameter's global shape, what the optimizer's rules are asked with,
+    carrying ``local``: the shard this rank holds. It is the plain tuple to every rule (masks
+    and labels compare and hash it as one); the 8-bit block rule reads ``local`` so that a
+    block never crosses a row of what a rank steps (:func:`funcshard.optim.moments.block_of`).
+
+    >>> s = GlobalShape((64, 192), (64, 96))
+    >>> s == (64, 192), s.local
+    (True, (64, 96))
+    """
+
+    local: tuple[int, ...]
+
+    def __new__(cls, shape: Iterable[int], local: Iterable[int]) -> GlobalShape:
+        self = super().__new__(cls, shape)
+        self.local = tuple(local)
+        return self
+
+    def __reduce__(self):
+        return GlobalShape, (tuple(self), self.local)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,8 +80,11 @@ class Members:
             raise ValueError(f"Members: {len(self.names)} names for {len(self.shapes)} shapes")
 
     def pairs(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """``(name, shape)`` of every parameter, in the model's (global) shapes."""
-        shapes = self.global_shapes if self.global_shapes is not None else self.shapes
+        """``(name, shape)`` of every parameter, in the model's (global) shapes (each a
+        :class:`GlobalShape` carrying the local one, under tensor parallelism)."""
+        if self.global_shapes is None:
+            return tuple(zip(self.names, self.shapes, strict=True))
+        shapes = (GlobalShape(g, s) for g, s in zip(self.global_shapes, self.shapes, strict=True))
         return tuple(zip(self.names, shapes, strict=True))
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard import mesh as mesh_lib
-from funcshard.buckets import Block, Members, PerBucket, scale_index
+from funcshard.buckets import Block, GlobalShape, Members, PerBucket, scale_index
 from funcshard.model_units import (
     ROOT_UNIT,
     UnitsArg,
@@ -391,7 +391,7 @@ def _bucket_leaves(
     over "tensor" share buckets with replicated ones: one collective per unit, as without)."""
     keys: dict[tuple, list[int]] = {}
     for i, (name, shape, dtypes, *_rest, unit) in enumerate(raw):
-        full = tensor.full_shape(name, shape) if tensor is not None else shape
+        full = GlobalShape(tensor.full_shape(name, shape), shape) if tensor is not None else shape
         rule = partition(name, full) if partition is not None else None
         keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
     leaves: list[LeafSpec | None] = [None] * len(raw)

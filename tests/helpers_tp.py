@@ -138,6 +138,55 @@ def parallelize(model: Llama, mesh, *, sequence_parallel: bool = False) -> Llama
     return model
 
 
+# A model whose weights are big enough for 8-bit moments (>= 4096 elements), with rowwise
+# (Shard(1)) weights whose local rows the global row's 8-bit block does not divide: ``down``'s
+# row of 384 is cut in blocks of 128, its local row at T=2 (192) is not a multiple of 128; and
+# ``odd``'s row of 195 splits unevenly at T=2 (98, 97) and T=4 (49, 49, 49, 48).
+WIDE, ODD = 384, 195
+
+
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.up = nn.Linear(64, WIDE, bias=False)
+        self.down = nn.Linear(WIDE, 64, bias=False)
+        self.gate = nn.Linear(64, ODD, bias=False)
+        self.odd = nn.Linear(ODD, 64, bias=False)
+        self.head = nn.Linear(64, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.down(nn.functional.silu(self.up(h))) + self.odd(torch.tanh(self.gate(h)))
+        return self.head(h).float()
+
+
+def make_wide(seed: int = 0) -> Wide:
+    """:class:`Wide`, its head's columns alternately 1x and 8x: the gradient rows of the
+    rowwise weights (one per residual feature) alternate in magnitude, so an 8-bit block that
+    crossed a row would code a small row with a large row's scale."""
+    torch.manual_seed(seed)
+    model = Wide()
+    with torch.no_grad():
+        model.head.weight[:, 1::2] *= 8.0
+    return model
+
+
+WIDE_PLAN = {
+    "up": ColwiseParallel(),
+    "down": RowwiseParallel(),
+    # torch's colwise -> rowwise pair cannot run an uneven split; the rowwise layer splits
+    # its replicated input itself instead (gate stays replicated)
+    "odd": RowwiseParallel(input_layouts=Replicate()),
+}
+
+
+def parallelize_wide(model: Wide, mesh) -> Wide:
+    """``model`` tensor-parallel on ``mesh["tensor"]``: up colwise, down / odd rowwise."""
+    parallelize_module(model, mesh["tensor"], WIDE_PLAN)
+    return model
+
+
 def global_batch(step: int, rows: int) -> dict:
     g = torch.Generator().manual_seed(2000 + step)
     return {

@@ -366,3 +366,91 @@ def test_chunk_sizes_are_torchs_shard_placement() -> None:
         for size in (1, 2, 3, 4, 5, 8):
             pieces = [c.shape[0] for c in torch.arange(n).chunk(size)]
             assert chunk_sizes(n, size) == tuple(pieces + [0] * (size - len(pieces))), (n, size)
+
+
+# --- 8-bit moments on rowwise weights -------------------------------------------------------
+
+BETAS, EPS, LR8 = (0.9, 0.999), 1e-8, 1e-3
+# One requantization of a value in a block of absmax A: int8 stores u = sqrt(x / A) to
+# 0.5 / 127, so x = A u^2 moves by at most A (2u + 0.5/127) 0.5/127 <= A (1/127 + 1/(4 127^2));
+# uint8 stores u = (x / A)^(1/4) to 0.5 / 255: at most A 4 (1 + 0.5/255)^3 0.5/255. A block lies
+# inside its row, so A <= the row's absmax; a 1e-5 relative slack covers the fp32 roundings of
+# the codec (a few ulps) and of the gradients (another summation order, ~1e-6).
+MU_BOUND = 1 / 127 + 1 / (4 * 127**2)
+NU_BOUND = 4 * (1 + 0.5 / 255) ** 3 * 0.5 / 255
+
+
+def adam8():
+    return fs.optim.adamw(LR8, BETAS, EPS, mu_dtype=torch.int8, nu_dtype=torch.uint8)
+
+
+def _moments_of(state) -> dict:
+    """This rank's rows of every 8-bit moment, decoded: ``(field, name) -> (global rows,
+    global columns along dim 1 or None, fp32 values)``."""
+    from funcshard.optim.moments import MomentFormat, decode_flat
+
+    layout, by = state.layout, state.opt_state_by_name()
+    out = {}
+    for field in ("mu", "nu"):
+        blocks = getattr(state.opt_state, field + "_scale").blocks
+        for name, values in getattr(by, field).items():
+            spec = layout.leaf(name)
+            if blocks[spec.bucket] is None:
+                continue
+            fmt = MomentFormat(values.dtype, blocks[spec.bucket])
+            got = decode_flat(fmt, values, getattr(by, field + "_scale")[name].reshape(-1))
+            start, stop = spec.row_range(layout.shard_rank)
+            cols = None
+            if layout.tensor.sharded(name):
+                d, lo, hi = layout.tensor.span(name)
+                start, stop, cols = (
+                    (start + lo, stop + lo, None) if d == 0 else (start, stop, (lo, hi))
+                )
+            out[(field, name)] = (start, stop, cols, got.cpu())
+    return out
+
+
+def moments8_worker(shard: int, tensor: int) -> dict:
+    mesh = tp.world_mesh(shard, 1, tensor)
+    model = tp.parallelize_wide(tp.make_wide(3), mesh)
+    state = fs.init(model, adam8(), mesh=mesh, strategy="optim_grads_params")
+    state, _ = tp.train(state, model, mesh, range(1), rows=ROWS)
+    return _moments_of(state)
+
+
+def _torch_adam_moments() -> dict:
+    """torch's fp32 Adam moments of the plain model after the same step."""
+    model = tp.make_wide(3)
+    opt = torch.optim.Adam(model.parameters(), lr=LR8, betas=BETAS, eps=EPS)
+    batch = tp.global_batch(0, ROWS)
+    logits = model(batch["x"])
+    torch.nn.functional.cross_entropy(
+        logits.reshape(-1, tp.VOCAB), batch["y"].reshape(-1)
+    ).backward()
+    opt.step()
+    state = {n: opt.state[p] for n, p in model.named_parameters()}
+    return {
+        **{("mu", n): s["exp_avg"] for n, s in state.items()},
+        **{("nu", n): s["exp_avg_sq"] for n, s in state.items()},
+    }
+
+
+@pytest.mark.parametrize("layout", [(2, 2), (1, 4)], ids=["S2xT2", "T4"])
+def test_8bit_moments_of_rowwise_weights_are_the_plain_models(pool4, layout) -> None:
+    """Every element of a stored 8-bit moment is within one quantization of torch's fp32
+    moment, the bound taken from its own row of the FULL matrix: a block never crosses a row
+    of the global weight, whatever the tensor degree (rows alternate 1x / 8x in magnitude, so
+    a block across two rows codes the small one 8 times too coarsely)."""
+    ref = _torch_adam_moments()
+    seen = set()
+    for got in pool4.run(moments8_worker, *layout):
+        for (field, name), (start, stop, cols, values) in got.items():
+            want = ref[(field, name)][start:stop]
+            rowmax = want.abs().amax(dim=1, keepdim=True)  # over the global row
+            if cols is not None:
+                want = want[:, cols[0] : cols[1]]
+            bound = rowmax * (MU_BOUND if field == "mu" else NU_BOUND) * (1 + 1e-5) + 1e-30
+            excess = float(((values - want).abs() - bound).amax())
+            assert excess <= 0, f"{field} {name} rows [{start}, {stop}): over by {excess}"
+            seen.add(name)
+    assert seen == {"up.weight", "down.weight", "gate.weight", "odd.weight"}, seen

@@ -3,7 +3,8 @@ layout and restored at another (or onto the plain model), read by JAX's Orbax as
 exported as full Hugging Face tensors, and loaded model-only into a tensor-parallel model.
 
 The model is ``helpers_tp``'s Llama (colwise q/k/v/w1/w3/head: Shard(0); rowwise o/w2:
-Shard(1)) on 4 ranks.
+Shard(1)) on 4 ranks, trained with SGD; Adam's 8-bit and bf16 moments on ``helpers_tp.Wide``
+(colwise, rowwise whose local row the 8-bit block does not divide, and rowwise split unevenly).
 """
 
 from __future__ import annotations
@@ -170,6 +171,89 @@ def model_only_worker(root: str) -> dict:
         state = fs.restore(path, like=like, model_only=True)
         out[label] = all(torch.equal(v, sd[n]) for n, v in fs.full_params(state).items())
     return out
+
+
+# --- Adam with 8-bit and narrow moments on colwise, rowwise and uneven rowwise weights -------
+
+BETAS = (0.9, 0.999)
+# One requantization of a value x in a block of absmax A (a block lies inside its row: A <= the
+# row's absmax): int8 stores sqrt(x / A) to 0.5/127, so x moves by at most
+# A (1/127 + 1/(4 127^2)); uint8 stores (x / A)^(1/4) to 0.5/255: at most A 4 (1 + 0.5/255)^3
+# 0.5/255. The 1e-5 relative slack covers the codec's fp32 roundings (a few ulps).
+BOUNDS = {"mu": 1 / 127 + 1 / (4 * 127**2), "nu": 4 * (1 + 0.5 / 255) ** 3 * 0.5 / 255}
+# helpers_tp.Wide's 8-bit weights whose blocks follow the tensor degree (a rowwise weight's
+# blocks cut its local row); the colwise and replicated ones are cut the same at every degree
+REBLOCKED = {"down.weight", "odd.weight"}
+
+
+def _adam(mu, nu):
+    return fs.optim.adamw(1e-3, BETAS, mu_dtype=mu, nu_dtype=nu)
+
+
+def _wide(shard: int, tensor: int, opt, seed: int = 3, strategy: str = "optim_grads_params"):
+    mesh = H.world_mesh(shard, 1, tensor)
+    model = H.make_wide(seed)
+    if tensor > 1:
+        H.parallelize_wide(model, mesh)
+    return fs.init(model, opt, mesh=mesh, strategy=strategy), model, mesh
+
+
+def _global_moments(directory: str) -> dict:
+    """A checkpoint's moments as full fp32 tensors: restored onto fp32 Adam, every rank holding
+    every row (no_shard, T=1), 8-bit ones dequantized with the blocks they were saved with."""
+    like, _, _ = _wide(4, 1, _adam(None, None), seed=9, strategy="no_shard")
+    by = fs.restore(directory, like=like).opt_state_by_name()
+    return {
+        (f, n): t.detach().cpu().clone() for f in ("mu", "nu") for n, t in getattr(by, f).items()
+    }
+
+
+def moments_worker(root: str, mu, nu) -> dict:
+    """Two steps at (S=2, T=2), saved; restored at (S=4, T=1), (S=1, T=4) and (S=2, T=2), saved
+    again there and stepped once more; every checkpoint's moments as full fp32 tensors."""
+    state, model, mesh = _wide(2, 2, _adam(mu, nu))
+    state, _ = H.train(state, model, mesh, range(2), rows=ROWS)
+    fs.save(os.path.join(root, "a"), state)
+    fs.export_safetensors(os.path.join(root, "hf"), state)  # an uneven rowwise block too
+    out = {"saved": _cpu(fs.full_params(state)), "restored": [], "losses": []}
+    for s, t in [(4, 1), (1, 4), (2, 2)]:
+        like, model, mesh = _wide(s, t, _adam(mu, nu), seed=9)
+        state = fs.restore(os.path.join(root, "a"), like=like)
+        out["restored"].append(_cpu(fs.full_params(state)))
+        fs.save(os.path.join(root, f"t{t}"), state)
+        state, history = H.train(state, model, mesh, [2], rows=ROWS)
+        out["losses"].append(float(history[0]["loss"]))
+    out["moments"] = {d: _global_moments(os.path.join(root, d)) for d in ("a", "t1", "t4", "t2")}
+    return out
+
+
+@pytest.mark.parametrize(
+    "mu,nu", [(torch.int8, torch.uint8), (torch.bfloat16, torch.bfloat16)], ids=["8bit", "bf16"]
+)
+def test_adam_narrow_moments_restore_across_tensor_degrees(pool4, tmp_path, mu, nu):
+    """Adam's narrow moments of colwise, rowwise and unevenly split rowwise weights, saved at
+    T=2 and restored at T=1, T=4 and T=2: params bitwise; moments bitwise where the blocks
+    are the same (all bf16, colwise and replicated 8-bit), else within one requantization
+    (a rowwise weight's 8-bit blocks cut its local row, which the tensor degree sets)."""
+    out = pool4.run(moments_worker, str(tmp_path), mu, nu)
+    first = out[0]
+    for r in out:
+        for full in r["restored"]:
+            assert all(torch.equal(full[n], t) for n, t in first["saved"].items())
+        assert all(np.isfinite(loss) for loss in r["losses"])
+    exported = load_file(os.path.join(tmp_path, "hf", "model.safetensors"))
+    assert all(torch.equal(exported[n], t) for n, t in first["saved"].items())
+    saved = first["moments"]["a"]
+    assert {n for _, n in saved} == {n for n, _ in H.make_wide().named_parameters()}
+    for label in ("t1", "t4", "t2"):
+        for (field, name), want in saved.items():
+            got = first["moments"][label][(field, name)]
+            if label == "t2" or name not in REBLOCKED or mu == torch.bfloat16:
+                assert torch.equal(got, want), f"{label}: {field} {name}"
+                continue
+            rowmax = want.abs().amax(dim=1, keepdim=True)
+            excess = float(((got - want).abs() - rowmax * BOUNDS[field] * (1 + 1e-5)).amax())
+            assert excess <= 0, f"{label}: {field} {name} over its bound by {excess}"
 
 
 def test_model_only_loads_into_a_tensor_parallel_model(pool4, tmp_path):

@@ -10,13 +10,17 @@ rank writing and reading only its own part:
   along ``d``; rows ``[a, b)`` of it are the *box* ``rows [a, b) x dim d [off, off + n)``.
   Such an array is stored with zarr chunks split along ``d`` too, one chunk column per tensor
   rank (``(rows per chunk, ..., cols / T, ...)``), so each tensor rank writes whole chunks of
-  its own and a restore onto the same tensor degree reads exactly its chunks. This needs
-  the split to be even (``D % T == 0``: torch gives the last rank fewer otherwise, and a
-  zarr edge chunk is stored padded); an uneven one is refused at save, naming the leaf.
+  its own and a restore onto the same tensor degree reads exactly its chunks. A zarr grid is
+  regular, so an uneven split (``D % T != 0``: torch gives the last ranks fewer) is stored in
+  whole rows instead: the tensor ranks' boxes are gathered over "tensor" at save and tensor
+  rank 0 writes them (:meth:`Coords.gathers`); any box of them reads back.
 * ``Replicate`` and plain parameters: the same on every tensor rank; tensor rank 0 writes.
 
 8-bit scales ``(rows, blocks per row)`` follow their moment: a ``Shard(0)`` leaf's rows are
-offset, a ``Shard(d >= 1)`` leaf's blocks are the tensor ranks' blocks side by side.
+offset, a ``Shard(d >= 1)`` leaf's blocks are the tensor ranks' blocks side by side (each
+tensor rank's blocks cut its own local row: :func:`row_blocks`). A checkpoint records the
+split dims (``split_dims`` of its record), so a restore onto another tensor degree knows the
+blocks the scales were cut by and re-blocks the moment (``reading``).
 
 A box is ``(dim, lo, hi)``: the range ``[lo, hi)`` along ``dim >= 1``; None: whole rows.
 """
@@ -27,14 +31,76 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
+from funcshard.buckets import Block, GlobalShape, Ragged, scale_index
 from funcshard.checkpoint.format import NUMPY_DTYPE, chunk_file
-from funcshard.tensor_parallel import TensorParallel
+from funcshard.comm import ops
+from funcshard.optim.moments import block_of
+from funcshard.tensor_parallel import TensorParallel, chunk_sizes, local_shape
 
-__all__ = ["Box", "Coords", "segments", "box_slices", "split_of", "read_box"]
+__all__ = [
+    "Box",
+    "Coords",
+    "segments",
+    "box_slices",
+    "split_of",
+    "read_box",
+    "row_blocks",
+    "scale_widths",
+    "block_spans",
+]
+
+
+def row_blocks(shape: Sequence[int], dim: int | None, size: int) -> tuple[Block | None, ...]:
+    """Per tensor rank, the 8-bit block of the shard of a parameter of global ``shape`` split
+    along ``dim`` over ``size`` ranks (:func:`funcshard.optim.moments.block_of` of its
+    :class:`GlobalShape`); one entry, the plain block, when ``dim`` is None or 0."""
+    shape = tuple(shape)
+    if dim is None or dim == 0:
+        return (block_of(shape),)
+    return tuple(
+        block_of(GlobalShape(shape, local_shape(shape, dim, size, t))) for t in range(size)
+    )
+
+
+def scale_widths(shape: Sequence[int], dim: int | None, size: int) -> tuple[int, ...]:
+    """Per tensor rank, the 8-bit scales a row of its shard has (see :func:`row_blocks`):
+    side by side they are a row of the global scales array."""
+    shape = tuple(shape)
+    blocks = row_blocks(shape, dim, size)
+    if len(blocks) == 1:
+        return (scale_index(blocks[0], math.prod(shape[1:])) if blocks[0] else 0,)
+    rows = [math.prod(local_shape(shape, dim, size, t)[1:]) for t in range(size)]
+    return tuple(scale_index(b, n) if b else 0 for b, n in zip(blocks, rows, strict=True))
+
 
 Box = tuple[int, int, int]
+
+
+def block_spans(shape: Sequence[int], dim: int | None, size: int) -> tuple:
+    """How the 8-bit blocks of a parameter of global ``shape`` split along ``dim`` over
+    ``size`` tensor ranks cut a global row: the lengths of its blocks in row order (a split
+    along dim 0 or 1 keeps each shard's row contiguous in the global row), or the shards and
+    their blocks for a split along a later dim. Two layouts with equal spans store the same
+    scales: a checkpoint of one reads into the other as stored."""
+    shape = tuple(shape)
+    blocks = row_blocks(shape, dim, size)
+    if dim is not None and dim >= 2:
+        return ("dim", dim, size, blocks)
+    if dim is None or dim == 0:
+        rows = [math.prod(shape[1:])]
+    else:
+        inner = math.prod(shape[2:])
+        rows = [n * inner for n in chunk_sizes(shape[1], size)]
+    spans: list[int] = []
+    for block, row in zip(blocks, rows, strict=True):
+        if block is None:
+            return ()
+        size_of = block.size if isinstance(block, Ragged) else block
+        spans += [min(size_of, row - i) for i in range(0, row, size_of)]
+    return tuple(spans)
 
 
 class Coords:
@@ -67,7 +133,7 @@ class Coords:
         if d == 0:
             return (full[0], *local[1:])
         assert self.tensor is not None
-        return (local[0], local[1] * self.tensor.size)
+        return (local[0], sum(scale_widths(full, d, self.tensor.size)))
 
     def rows(self, name: str, start: int, stop: int) -> tuple[int, int, Box | None]:
         """Local rows ``[start, stop)`` of ``name`` as global rows and box."""
@@ -90,27 +156,54 @@ class Coords:
         if d == 0:
             return self.rows(name, start, stop)
         assert self.tensor is not None
+        widths = scale_widths(self._leaf(name).shape, d, self.tensor.size)
         t = self.tensor.rank
-        return start, stop, (1, t * per_row, (t + 1) * per_row)
+        lo = sum(widths[:t])
+        assert widths[t] == per_row, (name, widths, per_row)
+        return start, stop, (1, lo, lo + per_row)
 
-    def split(self, name: str) -> tuple[int, int] | None:
-        """``(dim, chunk width)`` of an array split along ``dim >= 1`` among the tensor ranks
-        (None: chunked along dim 0 only).
-
-        Raises:
-          NotImplementedError: the split is uneven (see the module docstring)."""
+    def gathers(self, name: str) -> bool:
+        """Whether ``name`` is split along a dim >= 1 unevenly: stored in whole rows, which
+        tensor rank 0 writes after a gather over "tensor" (see the module docstring)."""
         d = self.dim(name)
         if d is None or d == 0:
+            return False
+        assert self.tensor is not None
+        return self._leaf(name).shape[d] % self.tensor.size != 0
+
+    def split(self, name: str, scales: bool = False) -> tuple[int, int] | None:
+        """``(dim, chunk width)`` of an array split along ``dim >= 1`` among the tensor ranks
+        (None: chunked along dim 0 only); ``scales``: of its 8-bit scales."""
+        d = self.dim(name)
+        if d is None or d == 0 or self.gathers(name):
             return None
         assert self.tensor is not None
         full = self._leaf(name).shape
-        if full[d] % self.tensor.size:
-            raise NotImplementedError(
-                f"checkpoint: parameter {name!r} of shape {full} is split over the tensor "
-                f"axis along dim {d} unevenly ({full[d]} over {self.tensor.size} ranks); "
-                "funcshard writes such a leaf only when the tensor degree divides that dim"
-            )
+        if scales:
+            return 1, scale_widths(full, d, self.tensor.size)[0]
         return d, full[d] // self.tensor.size
+
+    def widths(self, name: str, local: Sequence[int], scales: bool) -> list[tuple[int, ...]]:
+        """Every tensor rank's shape of ``local`` (rows of ``name``, or of its scales)."""
+        assert self.tensor is not None
+        leaf = self._leaf(name)
+        size = self.tensor.size
+        if scales:
+            return [(local[0], w) for w in scale_widths(leaf.shape, leaf.dim, size)]
+        return [(local[0], *local_shape(leaf.shape, leaf.dim, size, t)[1:]) for t in range(size)]
+
+    def gather(self, name: str, local: torch.Tensor, scales: bool) -> torch.Tensor:
+        """The tensor ranks' ``local`` rows of ``name`` (or of its scales) side by side: whole
+        global rows, on every tensor rank (one all-gather over "tensor", pieces padded)."""
+        assert self.tensor is not None
+        shapes = self.widths(name, tuple(local.shape), scales)
+        width = max(math.prod(s) for s in shapes)
+        buffer = torch.zeros(width, dtype=local.dtype, device=local.device)
+        buffer[: local.numel()].copy_(local.reshape(-1))
+        out = ops.all_gather(buffer, self.tensor.group, axis=ops.Axis.TENSOR, kind="checkpoint")
+        out = out.view(self.tensor.size, width)
+        parts = [out[t, : math.prod(s)].view(s) for t, s in enumerate(shapes)]
+        return torch.cat(parts, dim=1 if scales else self._leaf(name).dim)
 
 
 def box_slices(ndim: int, start: int, stop: int, box: Box | None) -> tuple[slice, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from funcshard.checkpoint.coords import Coords
+from funcshard.checkpoint.coords import Coords, block_spans
 from funcshard.checkpoint.format import FLOAT_NAMES, Keys, param_dir
 from funcshard.checkpoint.sources import Source
 from funcshard.checkpoint.tree import (
@@ -71,13 +71,41 @@ def expected_arrays(like: TrainState, model_only: bool) -> dict[Keys, tuple[int,
     return out
 
 
+def source_blocks(info: dict | None, name: str, shape: tuple[int, ...]):
+    """``(split dim, tensor degree)`` a checkpoint's 8-bit scales of ``name`` were cut by
+    (its record's ``split_dims`` and ``tensor``; ``(None, 1)`` when it records none)."""
+    dims = (info or {}).get("split_dims") or {}
+    dim = dims.get(name)
+    return (None, 1) if dim is None else (dim, int(info["tensor"]))
+
+
+def reblocks(layout: Layout, info: dict | None, name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the checkpoint's 8-bit blocks of ``name`` (global ``shape``) cut a global row
+    otherwise than the target's (another tensor degree whose shards' rows the blocks follow):
+    then the moment is dequantized with the source's blocks and quantized with the target's.
+    A checkpoint without ``split_dims`` (written before it was recorded) is read as stored."""
+    if info is None or "split_dims" not in info:
+        return False
+    tensor = layout.tensor
+    dim = None if tensor is None or name not in tensor.leaves else tensor.leaves[name].dim
+    size = 1 if tensor is None else tensor.size
+    return block_spans(shape, *source_blocks(info, name, shape)) != block_spans(shape, dim, size)
+
+
+def _scales(keys: Keys) -> bool:
+    """Whether ``keys`` name an 8-bit scales array (``tree.scale_path``'s)."""
+    return len(keys) > 2 and keys[-2].endswith("_scale")
+
+
 def conversions(
-    layout: Layout, opt_state: Any, found: dict[Keys, tuple]
+    layout: Layout, opt_state: Any, found: dict[Keys, tuple], info: dict | None = None
 ) -> dict[Keys, Keys | None]:
-    """Optimizer moments stored 8-bit on one side and not on the other: per target moment key,
-    the source scale key it must be dequantized with (None: the source is not 8-bit and the
-    target quantizes it); the target's scale keys of a moment it quantizes map to None."""
+    """Optimizer moments stored 8-bit on one side and not on the other, or 8-bit on both with
+    other blocks (``reblocks``): per target moment key, the source scale key it must be
+    dequantized with (None: the source is not 8-bit and the target quantizes it); the target's
+    scale keys of a moment it quantizes map to None."""
     n = len(layout.buckets)
+    coords = Coords(layout.tensor)
     paths, _ = opt_layout(opt_state, n)
     blocks = opt_blocks(opt_state, n)
     out: dict[Keys, Keys | None] = {}
@@ -96,6 +124,9 @@ def conversions(
                 out[("opt_state", *scale_path(p), s.name)] = None
             elif source_8bit and not target_8bit:
                 out[keys] = ("opt_state", *scale_path(p), s.name)
+            elif source_8bit and reblocks(layout, info, s.name, coords.shape(s.name, s.shape)):
+                out[keys] = ("opt_state", *scale_path(p), s.name)
+                out[("opt_state", *scale_path(p), s.name)] = None
     return out
 
 
@@ -165,10 +196,11 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
     keymap: dict[Keys, Keys] = {}
     problems, paths = ([], {}) if model_only else _optimizer_problems(like, source)
     missing: list[Keys] = []
-    convert = {} if model_only else conversions(layout, like.opt_state, found)
+    convert = {} if model_only else conversions(layout, like.opt_state, found, source.info)
     for keys, shape in expected.items():
-        if keys in convert and convert[keys] is None and keys not in found:
-            continue  # the scales of a moment the target quantizes from a wider one
+        if keys in convert and convert[keys] is None and (keys not in found or _scales(keys)):
+            continue  # the scales of a moment the target quantizes (from a wider one, or
+            # from 8-bit of other blocks: the source's scales are read with their moment)
         src = keys
         if keys not in found and keys[0] == "params":
             alias = next(

@@ -11,18 +11,19 @@ from typing import Any
 import torch
 
 from funcshard import sharding as shard_lib
-from funcshard.buckets import BlockScales, PerBucket, scale_index
-from funcshard.checkpoint.coords import Coords
+from funcshard.buckets import BlockScales, PerBucket
+from funcshard.checkpoint.coords import Coords, row_blocks, scale_widths
 from funcshard.checkpoint.format import Keys
-from funcshard.checkpoint.matching import conversions
+from funcshard.checkpoint.matching import conversions, source_blocks
 from funcshard.checkpoint.sources import ReadRequest, Source
 from funcshard.checkpoint.tree import (
     map_opt,
     spec_in,
 )
 from funcshard.layout import Bucket, Layout
-from funcshard.optim.moments import MomentFormat, block_of
+from funcshard.optim.moments import MomentFormat
 from funcshard.state import LossScale, TrainState, derive_compute
+from funcshard.tensor_parallel import chunk_sizes
 
 __all__ = ["Read", "read"]
 
@@ -122,7 +123,7 @@ def read(
         opt_state = like.optimizer.init(layout.per_bucket(master))
         step = 0
     else:
-        convert = conversions(layout, old_opt, source.arrays())
+        convert = conversions(layout, old_opt, source.arrays(), source.info)
 
         def buckets(path: Keys, olds: PerBucket) -> tuple:
             flats = olds.with_entries(
@@ -152,8 +153,10 @@ def read(
 def _convert_moments(
     layout: Layout, source: Source, opt_state: Any, convert: dict[Keys, Keys | None]
 ) -> None:
-    """Fills the moments stored 8-bit on one side only: this rank's rows are read as stored,
-    dequantized to fp32 (with the source's scales) and cast, or quantized (scales computed)."""
+    """Fills the moments stored 8-bit on one side only, or with other blocks: this rank's rows
+    are read as stored (whole global rows when 8-bit: its scales are the source's tensor ranks'
+    side by side), dequantized to fp32 with the source's blocks, this rank's part taken, and
+    cast, or quantized (scales computed with this layout's blocks)."""
     n, r = len(layout.buckets), layout.shard_rank
     coords = Coords(layout.tensor)
     parts: dict[Keys, PerBucket] = {}
@@ -168,47 +171,70 @@ def _convert_moments(
         start, stop = spec.row_range(r)
         if stop == start:
             continue
-        shape = (stop - start, *spec.shape[1:])
+        full = coords.shape(spec.name, spec.shape)
         dtype_name = found[keys][1]
-        src = torch.empty(shape, dtype=_TORCH_8BIT.get(dtype_name, torch.float32))
         g_start, g_stop, box = coords.rows(spec.name, start, stop)
-        requests.append(ReadRequest(keys, g_start, g_stop, src, box))
         src_scales = None
-        if scale_src is not None:
-            if box is not None:
-                raise NotImplementedError(
-                    f"checkpoint: {'/'.join(scale_src)}: converting the 8-bit moment of "
-                    f"{spec.name!r}, split over the tensor axis along a dim >= 1, to another "
-                    "moment dtype; restore it with the moment dtypes it was saved with"
-                )
+        if scale_src is None:
+            src = torch.empty((stop - start, *spec.shape[1:]), dtype=torch.float32)
+            requests.append(ReadRequest(keys, g_start, g_stop, src, box))
+        else:  # whole rows: the source's blocks may cross this rank's box
+            src = torch.empty((stop - start, *full[1:]), dtype=_TORCH_8BIT[dtype_name])
+            requests.append(ReadRequest(keys, g_start, g_stop, src))
             cols = found[scale_src][0][1]
             src_scales = torch.empty(stop - start, cols, dtype=torch.float32)
             requests.append(ReadRequest(scale_src, g_start, g_stop, src_scales))
-        jobs.append((keys, spec, src, src_scales))
+        jobs.append((keys, scale_src, spec, full, src, src_scales, box))
     source.read_into(requests)
-    for keys, spec, src, src_scales in jobs:
-        wide = src.float().reshape(-1)
+    for keys, scale_src, spec, full, src, src_scales, box in jobs:
+        wide = src.float()
         if src_scales is not None:
-            block = block_of(spec.shape)
-            if block is None or src_scales.shape[1] != scale_index(block, spec.row_numel):
-                raise ValueError(
-                    f"checkpoint: {'/'.join(scale_src)} has {src_scales.shape[1]} scales a row "
-                    f"for {spec.name!r} of shape {spec.shape}; expected the blocks of "
-                    f"funcshard.optim.moments.block_of: {block}"
-                )
-            fmt = MomentFormat(src.dtype, block)
-            wide = torch.empty(src.numel(), dtype=torch.float32)
-            fmt.decode(src.reshape(-1), src_scales.reshape(-1), wide)
+            wide = _dequantized(source.info, scale_src, spec.name, full, src, src_scales)
+            if box is not None:
+                wide = wide.narrow(box[0], box[1], box[2] - box[1])
+        wide = wide.contiguous().reshape(-1)
         flat = parts[keys[:-1]][spec.bucket]
         values = shard_lib.rows_view(flat, spec, r)
         scale_part = parts.get((*keys[:-2], keys[-2] + "_scale"))
         wide = wide.to(flat.device)
-        if src_scales is None and isinstance(scale_part, BlockScales):
+        if isinstance(scale_part, BlockScales) and scale_part.blocks[spec.bucket] is not None:
             block = scale_part.blocks[spec.bucket]
             scales = shard_lib.rows_view(scale_part[spec.bucket], spec.scales(block), r)
             MomentFormat(flat.dtype, block).encode(wide, values.view(-1), scales.view(-1))
         else:
             values.copy_(wide.view(values.shape).to(values.device))
+
+
+def _dequantized(
+    info: dict | None,
+    scale_key: Keys,
+    name: str,
+    full: tuple[int, ...],
+    values: torch.Tensor,
+    scales: torch.Tensor,
+) -> torch.Tensor:
+    """Whole global rows of an 8-bit moment as fp32, each source tensor rank's piece of a row
+    decoded with its blocks and its scales (side by side in ``scales``' rows)."""
+    dim, size = source_blocks(info, name, full)
+    blocks, widths = row_blocks(full, dim, size), scale_widths(full, dim, size)
+    if None in blocks or scales.shape[1] != sum(widths):
+        raise ValueError(
+            f"checkpoint: {'/'.join(scale_key)} has {scales.shape[1]} scales a row for "
+            f"{name!r} of shape {full}; expected {sum(widths)}, the blocks of "
+            f"funcshard.optim.moments.block_of over {size} tensor rank(s): {blocks}"
+        )
+    out = torch.empty(values.shape, dtype=torch.float32)
+    d = 1 if dim is None or dim == 0 else dim
+    pieces = [full[d]] if len(blocks) == 1 else chunk_sizes(full[d], size)
+    lo = at = 0
+    for block, width, cols in zip(blocks, widths, pieces, strict=True):
+        piece = values.narrow(d, lo, cols).contiguous()
+        got = torch.empty(piece.shape, dtype=torch.float32)
+        own = scales[:, at : at + width].contiguous()
+        MomentFormat(values.dtype, block).decode(piece.reshape(-1), own.reshape(-1), got.view(-1))
+        out.narrow(d, lo, cols).copy_(got)
+        lo, at = lo + cols, at + width
+    return out
 
 
 _TORCH_8BIT = {"int8": torch.int8, "uint8": torch.uint8}

@@ -136,8 +136,18 @@ def info(state: TrainState) -> dict:
         "outer_strategy": str(layout.outer),
         "mesh": list(layout.mesh.shape),
         "tensor": 1 if layout.tensor is None else layout.tensor.size,
+        "split_dims": split_dims(layout),
         "step": int(state.step),
     }
+
+
+def split_dims(layout: Layout) -> dict[str, int]:
+    """The dim each parameter split over "tensor" is split along (what a restore onto another
+    tensor degree needs to know the blocks of its 8-bit scales: ``coords.row_blocks``)."""
+    tensor = layout.tensor
+    if tensor is None:
+        return {}
+    return {n: leaf.dim for n, leaf in tensor.leaves.items() if leaf.dim is not None}
 
 
 # --- writing: the rows of each array this rank writes ---------------------------------------
@@ -208,6 +218,7 @@ def plan_writes(
     n = len(layout.buckets)
 
     coords = coords_lib.Coords(layout.tensor)
+    gathered: list[tuple[ArrayWrite, torch.Tensor, bool]] = []
 
     def rows_of(flats: tuple[torch.Tensor | None, ...], prefix: Keys) -> list[ArrayWrite]:
         out = []
@@ -224,20 +235,25 @@ def plan_writes(
         start, stop, piece = writers.rows(spec)
         if not coords.writes(spec.name):  # replicated over "tensor": tensor rank 0 writes
             start = stop = spec.rows
-        data = None
+        data = view = None
         if stop > start:
             view = writers.local_rows(flat, spec, r, start, stop).detach()
             data = view.to("cpu", copy=True) if stage else view
-        split = coords.split(spec.name)
+        split = coords.split(spec.name, scales)
         if scales:
             start, stop, box = coords.scale_rows(spec.name, start, stop, spec.row_numel)
-            split = None if split is None else (1, spec.row_numel)
         else:
             start, stop, box = coords.rows(spec.name, start, stop)
         shape = coords.shape(spec.name, spec.shape, scales)
-        chunk = chunk_rows(piece, spec.row_numel * flat.element_size(), chunk_bytes)
+        row = math.prod(shape[1:]) if coords.gathers(spec.name) else spec.row_numel
+        chunk = chunk_rows(piece, row * flat.element_size(), chunk_bytes)
         keys = (*prefix, spec.name)
-        return ArrayWrite(keys, shape, flat.dtype, chunk, start, stop, data, box, split)
+        write = ArrayWrite(keys, shape, flat.dtype, chunk, start, stop, data, None, split)
+        if not coords.gathers(spec.name):
+            write.box = box
+        elif view is not None:  # whole rows: gathered over "tensor" below, in one order
+            gathered.append((write, view, scales))
+        return write
 
     arrays = rows_of(state.master, ("params",))
     map_opt(
@@ -246,6 +262,14 @@ def plan_writes(
         lambda p, x: arrays.extend(rows_of(x, ("opt_state", *p))),
         lambda p, x: x,
     )
+    for write, view, scales in sorted(gathered, key=lambda g: g[0].keys):
+        # on the state's device (the tensor group's backend); every tensor rank gets the rows
+        # and tensor rank 0 writes them
+        rows = coords.gather(write.keys[-1], view, scales)
+        write.data = rows.to("cpu") if stage else rows
+        if layout.tensor is not None and layout.tensor.rank != 0:
+            write.start = write.stop = write.shape[0]
+            write.data = None
     scalars = {("opt_state", *p): v for p, v in opt_layout(state.opt_state, n)[1].items()}
     scalars[("step",)] = int(state.step)
     if state.loss_scale is not None:

@@ -23,7 +23,9 @@ Formats (``dtype`` of the stored moment):
   the others keep the master dtype (bitsandbytes' ``min_8bit_size``).
 
 A block sits inside one row, and every operation here is elementwise or a max over one block,
-so an element's stored bits depend only on its own row's values: the same on every layout.
+so an element's stored bits depend only on its own row's values: the same on every layout
+(on every data-parallel layout of one tensor degree for a rowwise tensor-parallel weight, whose
+blocks cut the row of its tensor rank's shard: :func:`block_of`).
 """
 
 from __future__ import annotations
@@ -69,15 +71,26 @@ def block_of(shape: tuple[int, ...]) -> Block | None:
     power of two <= 256 that divides it, if that is >= 32; else a row of at most 256 elements
     is one block, and a longer one is cut into blocks of 256 and a shorter last one.
 
+    A tensor-parallel parameter (a :class:`~funcshard.buckets.GlobalShape`) is 8-bit by its
+    global shape, whatever the tensor degree, and its blocks cut the row of the shard this
+    rank holds: a rowwise (``Shard(1)``) weight's local row is a piece of the global row, and
+    a block never crosses it, so an element's bits depend only on its own row's values of its
+    own tensor rank (the blocks follow the tensor degree; a checkpoint records them).
+
     >>> block_of((1024, 768)), block_of((64, 64)), block_of((4096,)), block_of((100, 100))
     (256, 64, None, 100)
     >>> block_of((256, 769))
     Ragged(size=256, row=769)
+    >>> from funcshard.buckets import GlobalShape
+    >>> block_of(GlobalShape((4096, 11008), (4096, 5504))), block_of((4096, 11008))
+    (128, 256)
     """
     numel = math.prod(shape)
     if len(shape) < 2 or numel < MIN_8BIT_NUMEL:
         return None
-    row = math.prod(shape[1:])
+    row = math.prod(getattr(shape, "local", shape)[1:])
+    if row == 0:  # an empty shard (torch's chunking leaves the last tensor ranks none)
+        return MAX_BLOCK
     block = MAX_BLOCK
     while block >= MIN_BLOCK and row % block:
         block //= 2

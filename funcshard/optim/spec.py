@@ -262,7 +262,7 @@ def _block_rule(quantized: bool, what: str):
     dtype, or when nothing is 8-bit), as a partition rule and per leaf of a tree."""
     if not quantized:
         return None, lambda params: None
-    rule = lambda name, shape: block_of(tuple(shape))
+    rule = lambda name, shape: block_of(shape if isinstance(shape, tuple) else tuple(shape))
     return rule, per_leaf_rule(rule, f"{what} 8-bit blocks")
 
 
