@@ -420,7 +420,6 @@ def plan(
     shard = shard_size(world_size, shard, replicate, microbatches, tensor)
     table, tp = tensor_table(params, param_table(params, dtype), tensor, tensor_plan)
     model = params if isinstance(params, nn.Module) else None
-    units = units_from_names(list(table)) if model is None and units is None else units
     layout = build_layout(
         table,
         model=model,
@@ -428,7 +427,7 @@ def plan(
         policy=policy or MixedPrecisionPolicy(),
         strategy=strategy,
         offload_fraction=offload_fraction,
-        units=units,
+        units=units_from_names(list(table)) if model is None and units is None else units,
         partition=None if isinstance(optimizer, str) else optimizer.partition,
         deterministic=deterministic,
         outer_strategy=outer_strategy,
