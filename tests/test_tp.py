@@ -27,6 +27,7 @@ import helpers_tp as tp
 STEPS = 2
 ROWS = 8  # global batch: 4 per data-parallel rank at dp 2, 2 microbatches of 2
 TOL = 1e-5
+BATCH_ROWS = 2048  # a realistic global batch of the batch check (x 8 tokens)
 
 # (shard, replicate, tensor)
 MESHES = {"S2xT2": (2, 1, 2), "R2xT2": (1, 2, 2), "T4": (1, 1, 4)}
@@ -222,23 +223,38 @@ def errors_worker() -> dict:
     out["partial"] = helpers_errors.error_text(
         lambda: fs.init(partial, fs.optim.sgd(0.1), mesh=mesh)
     )
-    # tensor ranks passing different batches (split by the global rank)
+    # tensor ranks passing different batches: a realistic one split by the global rank (the
+    # ranks' losses differ by ~2e-4 relative), then the same rows in another order on tensor
+    # rank 1 of the second tensor group only (the same loss to rounding)
     state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh)
-    batch = {k: v.chunk(4)[dist.get_rank()] for k, v in tp.global_batch(0, 8).items()}
+    batch = {k: v.chunk(4)[dist.get_rank()] for k, v in tp.global_batch(0, BATCH_ROWS).items()}
     out["batch"] = helpers_errors.error_text(
         lambda: fs.train_step(state, batch, tp.make_loss_fn(model))
     )
     state.check()  # not consumed: the error came before donation
+    batch = tp.local_batch(tp.global_batch(0, BATCH_ROWS), mesh)
+    if dist.get_rank() == 3:
+        batch["y"] = batch["y"].flip(0)
+    out["shuffled"] = helpers_errors.error_text(
+        lambda: fs.train_step(state, batch, tp.make_loss_fn(model))
+    )
+    state.check()
     return out
 
 
 def test_bad_input_is_named(pool4) -> None:
-    for out in pool4.run(errors_worker):
+    outs = pool4.run(errors_worker)
+    for out in outs:
         assert "ValueError" in out["other_mesh"] and "'layers.0.attn.q.weight'" in out["other_mesh"]
         assert "mesh['tensor']" in out["other_mesh"], out["other_mesh"]
         assert "no tensor axis" in out["no_tensor_axis"], out["no_tensor_axis"]
         assert "different batches" in out["batch"], out["batch"]
+        assert "'x'" in out["batch"] and "'y'" in out["batch"], out["batch"]
+        assert "different batches" in out["shuffled"], out["shuffled"]
         assert "'head.weight'" in out["partial"] and "Partial" in out["partial"], out["partial"]
+    # the group that passed the same batch raises too; only the other one names leaf and ranks
+    assert "'y'" in outs[3]["shuffled"] and "[2, 3]" in outs[3]["shuffled"], outs[3]["shuffled"]
+    assert "'y'" not in outs[0]["shuffled"], outs[0]["shuffled"]
 
 
 HF_PLAN = {
