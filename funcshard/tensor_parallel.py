@@ -123,6 +123,15 @@ class TensorParallel:
         leaf = self.leaves.get(name)
         return leaf.shape if leaf is not None else local
 
+    def agreed_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        """A shape of ``name`` every tensor rank derives alike, for choices that must agree
+        over "tensor" (which leaves are offloaded): tensor rank 0's shard of a split leaf (the
+        largest, as ``Shard`` places it), ``local`` for one replicated over "tensor"."""
+        leaf = self.leaves.get(name)
+        if leaf is None or leaf.dim is None:
+            return local
+        return local_shape(leaf.shape, leaf.dim, self.size, 0)
+
     def wrap(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``local`` as the parallelized model holds ``name``: a DTensor (differentiable: its
         gradient comes back as the local shard's, torch's redistribution of a partial one
