@@ -14,9 +14,15 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 import funcshard as fs
 
@@ -255,6 +261,53 @@ def test_bad_input_is_named(pool4) -> None:
     # the group that passed the same batch raises too; only the other one names leaf and ranks
     assert "'y'" in outs[3]["shuffled"] and "[2, 3]" in outs[3]["shuffled"], outs[3]["shuffled"]
     assert "'y'" not in outs[0]["shuffled"], outs[0]["shuffled"]
+
+
+def loss_parallel_worker(strategy: str) -> dict:
+    """torchtitan's loss parallelism: the head colwise with ``use_local_output=False`` hands
+    back logits sharded on the vocabulary (a DTensor), cross-entropy runs on the shards under
+    ``loss_parallel`` and the loss is a DTensor; the step runs inside the context (its
+    backward must, torch's rule) and trains as the plain model in one process. A loss_fn that
+    leaves the context before funcshard's backward is told so."""
+    mesh = tp.world_mesh(2, 1, 2)
+    model = tp.make_model(seed=3)
+    ref = tp.reference_run(
+        model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), STEPS, ROWS
+    )
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tensor"], tp.LAYER_PLAN)
+    parallelize_module(model, mesh["tensor"], {"head": ColwiseParallel(use_local_output=False)})
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
+
+    def loss_fn(params, batch):
+        logits = fs.functional_call(model, params, (batch["x"],))
+        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), logits
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+    history = []
+    with loss_parallel():
+        for step in range(STEPS):
+            batch = tp.local_batch(tp.global_batch(step, ROWS), mesh)
+            state, metrics = fs.train_step(state, batch, loss_fn, microbatches=2)
+            history.append(metrics)
+    out = _errors(state, history, ref)
+
+    def inside(params, batch):
+        with loss_parallel():
+            return loss_fn(params, batch)
+
+    batch = tp.local_batch(tp.global_batch(0, ROWS), mesh)
+    out["inside"] = helpers_errors.error_text(lambda: fs.train_step(state, batch, inside))
+    state.check()  # not consumed
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_loss_parallel_dtensor_loss(pool4, strategy: str) -> None:
+    for out in pool4.run(loss_parallel_worker, strategy):
+        inside = out.pop("inside")
+        assert max(out.values()) < TOL, out
+        assert "ValueError" in inside and "with loss_parallel():" in inside, inside
 
 
 HF_PLAN = {
