@@ -100,7 +100,6 @@ def train_step(
     reduction.check_microbatches(layout.dp_size, microbatches)
     ls = state.loss_scale
     scale = (ls.scale if ls is not None else 1.0) / microbatches
-    batch_print = _batch_print(layout, batch)  # as passed, before loss_fn sees it
 
     # split -> produce: each microbatch's gradients join the step's sum where it says; the
     # last one's backward (ZeRO-2/3) issues replicate reductions as bucket sums become final
@@ -108,6 +107,7 @@ def train_step(
     summed = reduction.microbatch_sum(microbatches)
     replicate = grads_lib.ReplicateAxis(layout, across=state.replicas)
     parts = split_microbatches(batch, microbatches)
+    batch_print = _batch_print(layout, batch)  # as passed, before loss_fn sees it
     losses, aux = [], None
     for k, mb in enumerate(parts):
         last = k == len(parts) - 1
@@ -132,10 +132,10 @@ def train_step(
     loss, apart = reduction.mean_loss(layout, losses, flag)
     if apart:  # on every rank, before anything is donated: the state stays usable
         raise ValueError(
-            "train_step: the ranks of a tensor group passed different batches: "
-            f"{why or 'those of another tensor group did (their error names leaf and ranks)'}; "
-            "every rank of a tensor group must pass the same local batch: split the global "
-            "batch by the data-parallel index (replicate * shard), not the global rank"
+            "train_step: every rank of a tensor group must step on the same local batch "
+            "(torch TP's rule: split the global batch by the data-parallel index, replicate * "
+            "shard, not the global rank); "
+            f"{why or 'the ranks of another tensor group did not (their error says how)'}"
         )
     metrics = _metrics(loss, norm, new_ls, aux)
     if not finite:

@@ -202,8 +202,8 @@ class TensorParallel:
             ranks = dist.get_process_group_ranks(self.group)
             named = ", ".join(f"{p!r} on ranks {[ranks[t] for t in ts]}" for p, ts in differ if ts)
             return (
-                f"batch leaf {named} differs from rank {ranks[0]}'s (the tensor group of "
-                f"ranks {ranks})"
+                f"the tensor group of ranks {ranks} passed different batches: batch leaf "
+                f"{named} differs from rank {ranks[0]}'s"
             )
         if not all(math.isfinite(v) for v in losses):
             return None  # a nonfinite loss: the step is skipped as any other
