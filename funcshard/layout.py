@@ -16,7 +16,9 @@ the masters encoded once by their owners and the inner shard kept so: :mod:`func
 
 Leaves of one gather unit with the same dtypes and placement form a bucket: one flat buffer,
 one collective, one fused optimizer call. The layout is computed locally from parameter shapes
-and the mesh shape alone, so every rank derives the same one without communicating.
+and the mesh shape alone, so every rank derives the same one without communicating (under
+tensor parallelism every tensor rank the same buckets of its own local shards: choices between
+leaves are made by shapes that agree over "tensor", :func:`_offload_sizes`).
 """
 
 from __future__ import annotations
