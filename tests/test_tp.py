@@ -416,3 +416,30 @@ def test_chunk_sizes_are_torchs_shard_placement() -> None:
         for size in (1, 2, 3, 4, 5, 8):
             pieces = [c.shape[0] for c in torch.arange(n).chunk(size)]
             assert chunk_sizes(n, size) == tuple(pieces + [0] * (size - len(pieces))), (n, size)
+
+
+def test_batch_fingerprint_sees_every_byte() -> None:
+    """The batch check's fingerprint: equal for the same bytes however they are held (a
+    strided view, another device's copy), different for one element changed by one unit, two
+    rows swapped, the same bytes as another dtype or shape; every element size has a word."""
+    from funcshard.tensor_parallel import batch_fingerprint
+
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 50_000, (2048, 8), generator=g)
+    base = batch_fingerprint({"x": x}, cpu)[1]
+    strided = torch.empty(2048, 16, dtype=x.dtype)[:, ::2]
+    strided.copy_(x)
+    assert torch.equal(batch_fingerprint({"x": strided}, cpu)[1], base)
+    bumped, swapped = x.clone(), x.clone()
+    bumped[1000, 3] += 1
+    swapped[[7, 9]] = x[[9, 7]]
+    for other in (bumped, swapped, x.view(torch.float64), x.reshape(1024, 16)):
+        assert not torch.equal(batch_fingerprint({"x": other}, cpu)[1], base)
+    leaves = {
+        "bool": torch.rand(5, 3, generator=g) > 0.5,
+        "bf16": torch.randn(5, 3, generator=g).bfloat16(),
+        "complex": torch.randn(5, 3, dtype=torch.complex128, generator=g),
+    }
+    paths, prints = batch_fingerprint(leaves, cpu)
+    assert paths == ("bf16", "bool", "complex") and prints.shape == (3, 3), (paths, prints)
