@@ -16,7 +16,9 @@ the masters encoded once by their owners and the inner shard kept so: :mod:`func
 
 Leaves of one gather unit with the same dtypes and placement form a bucket: one flat buffer,
 one collective, one fused optimizer call. The layout is computed locally from parameter shapes
-and the mesh shape alone, so every rank derives the same one without communicating.
+and the mesh shape alone, so every rank derives the same one without communicating (under
+tensor parallelism every tensor rank the same buckets of its own local shards: choices between
+leaves are made by shapes that agree over "tensor", :func:`_offload_sizes`).
 """
 
 from __future__ import annotations
@@ -359,6 +361,28 @@ def _pick_offloaded(sizes: list[int], fraction: float) -> set[int]:
     return chosen
 
 
+def _offload_sizes(
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    raw: list[tuple],
+    tensor: TensorParallel | None,
+    policy: MixedPrecisionPolicy,
+    shard_size: int,
+    deterministic: bool,
+) -> list[int]:
+    """The shard elements per leaf the offloaded leaves are picked by. Under tensor parallelism
+    every tensor rank must pick the same leaves (their buckets, hence the order of the
+    collectives over "tensor", follow from it), so a leaf split unevenly over "tensor" counts
+    as tensor rank 0's shard (:meth:`TensorParallel.agreed_shape`) on every rank."""
+    if tensor is None:
+        return [r[4] * r[5] for r in raw]
+    sizes = []
+    for name, (shape, dtype) in params.items():
+        agreed = tensor.agreed_shape(name, tuple(shape))
+        rows = _leaf_rows(name, agreed, dtype, policy, shard_size, deterministic)
+        sizes.append(rows[4] * rows[5])
+    return sizes
+
+
 def _leaf_rows(
     name: str,
     shape: tuple[int, ...],
@@ -453,7 +477,9 @@ def build_layout(
         + (unit_of(name, prefixes),)
         for name, (shape, dtype) in params.items()
     ]
-    offloaded = _pick_offloaded([r[4] * r[5] for r in raw], offload_fraction)
+    offloaded = _pick_offloaded(
+        _offload_sizes(params, raw, tensor, policy, shard_size, deterministic), offload_fraction
+    )
 
     leaves, buckets = _bucket_leaves(raw, offloaded, partition, tensor)
     if deterministic:

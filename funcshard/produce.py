@@ -15,10 +15,12 @@ whether they are already reduced over the shard axis.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from funcshard import sharding as shard_lib
 from funcshard.comm.grads import ReplicateAxis
@@ -34,11 +36,36 @@ LossFn = Callable[[Any, Any], Any]
 
 
 def loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
-    """Splits what ``loss_fn`` returned into a 0-d loss and its aux (None when absent)."""
+    """Splits what ``loss_fn`` returned into a 0-d loss and its aux (None when absent). The
+    loss may be a DTensor (torch's ``loss_parallel``): its backward runs as a DTensor's."""
     loss, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(f"loss_fn must return a scalar tensor or (loss, aux); got {type(loss)}")
     return loss.reshape(()), aux
+
+
+def reported(loss: torch.Tensor) -> torch.Tensor:
+    """The loss's value as the step sums it: a plain tensor, a DTensor's full value."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+@contextlib.contextmanager
+def dtensor_backward(loss: torch.Tensor) -> Iterator[None]:
+    """Around a backward of ``loss``: a DTensor loss whose backward meets a plain tensor (a
+    cross-entropy made under ``loss_parallel``, whose context is left) raises ValueError
+    saying where the context belongs."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not isinstance(loss, DTensor) or "got mixed torch.Tensor and DTensor" not in str(e):
+            raise
+        raise ValueError(
+            "train_step: loss_fn returned a DTensor loss whose backward meets plain tensors: "
+            "torch's loss_parallel needs its backward inside the context too, and funcshard "
+            "runs the backward after loss_fn returns; call the step inside it "
+            "(with loss_parallel(): fs.train_step(...)) rather than inside loss_fn"
+        ) from e
 
 
 class GradProducer(Protocol):
@@ -94,11 +121,12 @@ class ReplicatedGrads:
         try:
             loss, aux = loss_and_aux(loss_fn(step_params, batch))
             leaves = [params[n] for n in order]
-            grads = torch.autograd.grad(loss * scale, leaves, allow_unused=True)
+            with dtensor_backward(loss):
+                grads = torch.autograd.grad(loss * scale, leaves, allow_unused=True)
         finally:
             step_params.close()
         by_name = dict(zip(order, grads, strict=True))
-        return loss.detach(), aux, self._sections(by_name, sink.acc)
+        return reported(loss), aux, self._sections(by_name, sink.acc)
 
     def _sections(self, grads: dict[str, torch.Tensor | None], acc: Grads | None) -> Grads:
         """Per bucket, the gradients as rank sections: new, or added into ``acc``."""
@@ -148,7 +176,9 @@ class UnitGrads:
         )
         try:
             loss, aux = loss_and_aux(loss_fn(run.params, batch))
-            return loss.detach(), aux, run.backward(loss * scale)
+            with dtensor_backward(loss):
+                grads = run.backward(loss * scale)
+            return reported(loss), aux, grads
         finally:
             run.close()
 

@@ -17,6 +17,7 @@ import torch
 
 from funcshard import offload as offload_lib
 from funcshard import sharding as shard_lib
+from funcshard import tensor_parallel as tp_lib
 from funcshard.comm import grads as grads_lib
 from funcshard.comm import ops
 from funcshard.comm import params as params_lib
@@ -118,6 +119,7 @@ def train_step(
     summed = reduction.microbatch_sum(microbatches)
     replicate = grads_lib.ReplicateAxis(layout, across=state.replicas)
     parts = split_microbatches(batch, microbatches)
+    batch_print = _batch_print(layout, batch)  # as passed, before loss_fn sees it
     losses, aux = [], None
     for k, mb in enumerate(parts):
         last = k == len(parts) - 1
@@ -137,14 +139,15 @@ def train_step(
     norm = float(reduction.global_norm(layout, grads))
     finite = math.isfinite(norm)
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
-    loss, apart = reduction.mean_loss(layout, losses, _tensor_group_apart(layout, losses))
-    if apart:  # before anything is donated: the state stays usable
+    why = _tensor_group_apart(layout, batch_print, losses)
+    flag = None if batch_print is None else float(why is not None)
+    loss, apart = reduction.mean_loss(layout, losses, flag)
+    if apart:  # on every rank, before anything is donated: the state stays usable
         raise ValueError(
-            "train_step: the ranks of a tensor group passed different batches (their losses "
-            "differ); every rank of a tensor group must pass the same local batch: split the "
-            "global batch by the data-parallel index (replicate * shard), not the global rank "
-            "(a model drawing other random numbers per tensor rank, dropout seeded by rank, "
-            "differs the same way)"
+            "train_step: every rank of a tensor group must step on the same local batch "
+            "(torch TP's rule: split the global batch by the data-parallel index, replicate * "
+            "shard, not the global rank); "
+            f"{why or 'the ranks of another tensor group did not (their error says how)'}"
         )
     metrics = _metrics(loss, norm, new_ls, aux)
     if not finite:
@@ -189,20 +192,25 @@ def _committed(state: TrainState, metrics: dict[str, Any]) -> bool:
     return bool(metrics["committed"])
 
 
-def _tensor_group_apart(layout: Layout, losses: list[torch.Tensor]) -> float | None:
-    """1.0 where this rank's tensor group passed different batches, else 0.0 (None: no tensor
-    group). Torch TP's rule is one batch per tensor group; their losses, one float64 each
-    all-gathered over "tensor", then agree to far below what another batch gives (1e-3
-    relative: their bits may differ where the model's reductions round apart). The flag then
-    travels with the loss over the data-parallel world, so every rank raises, or none."""
-    tensor = layout.tensor
-    if tensor is None or tensor.size == 1:
+def _batch_print(layout: Layout, batch: Any) -> tuple[tuple[str, ...], torch.Tensor] | None:
+    """This rank's :func:`~funcshard.tensor_parallel.batch_fingerprint` (None: no tensor
+    group to compare it in)."""
+    if layout.tensor is None or layout.tensor.size == 1:
         return None
-    local = torch.stack([loss.double() for loss in losses]).sum().reshape(1).to(layout.device)
-    every = ops.all_gather(local, tensor.group, axis=ops.Axis.TENSOR, kind="metrics").tolist()
-    if not all(math.isfinite(v) for v in every):
-        return 0.0  # a nonfinite loss: the step is skipped as any other
-    return float(max(every) - min(every) > 1e-3 * max(abs(v) for v in every))
+    return tp_lib.batch_fingerprint(batch, layout.device)
+
+
+def _tensor_group_apart(
+    layout: Layout, batch_print: tuple[tuple[str, ...], torch.Tensor] | None, losses: list
+) -> str | None:
+    """Why this rank's tensor group did not step on one batch (torch TP's rule), or None:
+    its ranks' batch fingerprints and losses compared (one all-gather over "tensor"). The
+    verdict then travels with the loss over the data-parallel world, so every rank raises,
+    or none."""
+    if batch_print is None:
+        return None
+    loss = torch.stack([loss.double() for loss in losses]).sum().to(layout.device)
+    return layout.tensor.batch_apart(*batch_print, loss)
 
 
 def _check_steppable(state: TrainState) -> None:

@@ -13,9 +13,14 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import struct
+import zlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import optree
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -41,6 +46,7 @@ __all__ = [
     "chunk_sizes",
     "local_shape",
     "gather_numel",
+    "batch_fingerprint",
 ]
 
 
@@ -128,6 +134,15 @@ class TensorParallel:
         leaf = self.leaves.get(name)
         return leaf.shape if leaf is not None else local
 
+    def agreed_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        """A shape of ``name`` every tensor rank derives alike, for choices that must agree
+        over "tensor" (which leaves are offloaded): tensor rank 0's shard of a split leaf (the
+        largest, as ``Shard`` places it), ``local`` for one replicated over "tensor"."""
+        leaf = self.leaves.get(name)
+        if leaf is None or leaf.dim is None:
+            return local
+        return local_shape(leaf.shape, leaf.dim, self.size, 0)
+
     def wrap(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``local`` as the parallelized model holds ``name``: a DTensor (differentiable: its
         gradient comes back as the local shard's, torch's redistribution of a partial one
@@ -173,12 +188,90 @@ class TensorParallel:
         parts = [rows[t, : math.prod(s)].view(s) for t, s in enumerate(shapes)]
         return torch.cat(parts, dim=leaf.dim)
 
+    def batch_apart(
+        self, paths: tuple[str, ...], fingerprint: torch.Tensor, loss: torch.Tensor
+    ) -> str | None:
+        """Why this tensor group's ranks did not run on the same batch, or None.
+
+        One all-gather over "tensor" (counted under "metrics") of this rank's
+        :func:`batch_fingerprint` and its loss: a batch leaf whose bytes differ from tensor rank
+        0's is named with the ranks that differ; same bytes but losses apart (1e-3 relative:
+        the model's reductions may round apart) say the model draws other random numbers per
+        tensor rank."""
+        local = torch.cat([fingerprint.reshape(-1), loss.double().reshape(1).view(torch.int64)])
+        every = ops.all_gather(local, self.group, axis=ops.Axis.TENSOR, kind="metrics")
+        rows = every.view(self.size, -1).tolist()  # one sync; the rest is Python on ints
+        prints = [row[:-1] for row in rows]
+        losses = [struct.unpack("<d", struct.pack("<q", row[-1]))[0] for row in rows]
+        width = len(prints[0]) // max(len(paths), 1)
+        differ = [
+            (path, [t for t in range(self.size) if prints[t][cut] != prints[0][cut]])
+            for i, path in enumerate(paths)
+            for cut in [slice(i * width, (i + 1) * width)]
+        ]
+        if any(ts for _, ts in differ):
+            ranks = dist.get_process_group_ranks(self.group)
+            named = ", ".join(f"{p!r} on ranks {[ranks[t] for t in ts]}" for p, ts in differ if ts)
+            return (
+                f"the tensor group of ranks {ranks} passed different batches: batch leaf "
+                f"{named} differs from rank {ranks[0]}'s"
+            )
+        if not all(math.isfinite(v) for v in losses):
+            return None  # a nonfinite loss: the step is skipped as any other
+        if max(losses) - min(losses) > 1e-3 * max(abs(v) for v in losses):
+            ranks = dist.get_process_group_ranks(self.group)
+            return (
+                f"the tensor group of ranks {ranks} passed the same bytes but their losses "
+                f"differ ({losses}): the model draws other random numbers per tensor rank "
+                "(dropout seeded by rank?)"
+            )
+        return None
+
     def part_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This tensor rank's shard of ``name``'s global tensor ``full`` (a contiguous copy)."""
         leaf = self.leaves[name]
         pieces = chunk_sizes(leaf.shape[leaf.dim], self.size)
         start = sum(pieces[: self.rank])
         return full.narrow(leaf.dim, start, pieces[self.rank]).contiguous()
+
+
+# the integer word of each element size: a leaf's bytes read as integers, exactly
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def batch_fingerprint(batch: Any, device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
+    """``(paths, fingerprint)``: per batch leaf (by its path), three int64 that change with
+    any change of its bytes, shape or dtype: a CRC of shape and dtype, the sum of its
+    elements read as integers and their sum weighted by odd position factors (modulo 2^64,
+    so the same bits give the same sums in any order; rows swapped change the weighted one).
+    Computed on the leaf's device, no copy of the batch; ``fingerprint`` is ``(leaves, 3)``
+    on ``device``.
+
+    >>> paths, fp = batch_fingerprint({"x": torch.arange(4)}, torch.device("cpu"))
+    >>> paths, fp[0, 1:].tolist()
+    (('x',), [6, 34])
+    """
+    leaves = optree.tree_leaves(batch)
+    paths = tuple("/".join(map(str, p)) or "<batch>" for p in optree.tree_paths(batch))
+    rows = []
+    for leaf in leaves:
+        words = _words(leaf.detach())
+        odd = torch.arange(1, 2 * words.numel(), 2, dtype=torch.int64, device=words.device)
+        head = zlib.crc32(f"{tuple(leaf.shape)} {leaf.dtype}".encode())
+        sums = torch.stack([words.sum(), (words * odd).sum()]).to(device)
+        rows.append(torch.cat([sums.new_tensor([head]), sums]))
+    if not rows:
+        return paths, torch.zeros(0, 3, dtype=torch.int64, device=device)
+    return paths, torch.stack(rows)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as int64 of the same bits (an integer word per element; bytes for
+    element sizes without one), flattened."""
+    word = _WORDS.get(t.element_size())
+    if word is None:
+        t, word = t.contiguous().reshape(-1).view(torch.uint8), torch.uint8
+    return t.view(word).reshape(-1).to(torch.int64)
 
 
 def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> TensorParallel | None:

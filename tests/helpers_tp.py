@@ -187,6 +187,32 @@ def parallelize_wide(model: Wide, mesh) -> Wide:
     return model
 
 
+class Uneven(nn.Module):
+    """An MLP whose tensor split is uneven at T=2: 9 hidden rows, 5 and 4 a tensor rank, so
+    every split leaf is larger on tensor rank 0 than on rank 1, and ``mix`` (replicated over
+    "tensor") lies between the two in size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(8, 8)
+        self.up = nn.Linear(8, 9)
+        self.down = nn.Linear(9, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.relu(self.up(torch.tanh(self.mix(x)))))
+
+
+def make_uneven(seed: int = 0) -> Uneven:
+    torch.manual_seed(seed)
+    return Uneven()
+
+
+def parallelize_uneven(model: Uneven, mesh) -> Uneven:
+    """``up`` colwise, ``down`` rowwise (its bias replicated), ``mix`` left plain."""
+    parallelize_module(model, mesh["tensor"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
 def global_batch(step: int, rows: int) -> dict:
     g = torch.Generator().manual_seed(2000 + step)
     return {

@@ -15,9 +15,15 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 import funcshard as fs
 
@@ -29,6 +35,7 @@ from helpers_compile import counting_backend
 STEPS = 2
 ROWS = 8  # global batch: 4 per data-parallel rank at dp 2, 2 microbatches of 2
 TOL = 1e-5
+BATCH_ROWS = 2048  # a realistic global batch of the batch check (x 8 tokens)
 
 # (shard, replicate, tensor)
 MESHES = {"S2xT2": (2, 1, 2), "R2xT2": (1, 2, 2), "T4": (1, 1, 4)}
@@ -224,23 +231,88 @@ def errors_worker() -> dict:
     out["partial"] = helpers_errors.error_text(
         lambda: fs.init(partial, fs.optim.sgd(0.1), mesh=mesh)
     )
-    # tensor ranks passing different batches (split by the global rank)
+    # tensor ranks passing different batches: a realistic one split by the global rank (the
+    # ranks' losses differ by ~2e-4 relative), then the same rows in another order on tensor
+    # rank 1 of the second tensor group only (the same loss to rounding)
     state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh)
-    batch = {k: v.chunk(4)[dist.get_rank()] for k, v in tp.global_batch(0, 8).items()}
+    batch = {k: v.chunk(4)[dist.get_rank()] for k, v in tp.global_batch(0, BATCH_ROWS).items()}
     out["batch"] = helpers_errors.error_text(
         lambda: fs.train_step(state, batch, tp.make_loss_fn(model))
     )
     state.check()  # not consumed: the error came before donation
+    batch = tp.local_batch(tp.global_batch(0, BATCH_ROWS), mesh)
+    if dist.get_rank() == 3:
+        batch["y"] = batch["y"].flip(0)
+    out["shuffled"] = helpers_errors.error_text(
+        lambda: fs.train_step(state, batch, tp.make_loss_fn(model))
+    )
+    state.check()
     return out
 
 
 def test_bad_input_is_named(pool4) -> None:
-    for out in pool4.run(errors_worker):
+    outs = pool4.run(errors_worker)
+    for out in outs:
         assert "ValueError" in out["other_mesh"] and "'layers.0.attn.q.weight'" in out["other_mesh"]
         assert "mesh['tensor']" in out["other_mesh"], out["other_mesh"]
         assert "no tensor axis" in out["no_tensor_axis"], out["no_tensor_axis"]
         assert "different batches" in out["batch"], out["batch"]
+        assert "'x'" in out["batch"] and "'y'" in out["batch"], out["batch"]
+        assert "same local batch" in out["shuffled"], out["shuffled"]
         assert "'head.weight'" in out["partial"] and "Partial" in out["partial"], out["partial"]
+    # the group that passed the same batch raises too; only the other one names leaf and ranks
+    for out in outs[2:]:
+        assert "different batches" in out["shuffled"] and "'y' on ranks [3]" in out["shuffled"]
+        assert "'x'" not in out["shuffled"], out["shuffled"]
+    for out in outs[:2]:
+        assert "another tensor group" in out["shuffled"], out["shuffled"]
+
+
+def loss_parallel_worker(strategy: str) -> dict:
+    """torchtitan's loss parallelism: the head colwise with ``use_local_output=False`` hands
+    back logits sharded on the vocabulary (a DTensor), cross-entropy runs on the shards under
+    ``loss_parallel`` and the loss is a DTensor; the step runs inside the context (its
+    backward must, torch's rule) and trains as the plain model in one process. A loss_fn that
+    leaves the context before funcshard's backward is told so."""
+    mesh = tp.world_mesh(2, 1, 2)
+    model = tp.make_model(seed=3)
+    ref = tp.reference_run(
+        model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), STEPS, ROWS
+    )
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tensor"], tp.LAYER_PLAN)
+    parallelize_module(model, mesh["tensor"], {"head": ColwiseParallel(use_local_output=False)})
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
+
+    def loss_fn(params, batch):
+        logits = fs.functional_call(model, params, (batch["x"],))
+        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), logits
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+    history = []
+    with loss_parallel():
+        for step in range(STEPS):
+            batch = tp.local_batch(tp.global_batch(step, ROWS), mesh)
+            state, metrics = fs.train_step(state, batch, loss_fn, microbatches=2)
+            history.append(metrics)
+    out = _errors(state, history, ref)
+
+    def inside(params, batch):
+        with loss_parallel():
+            return loss_fn(params, batch)
+
+    batch = tp.local_batch(tp.global_batch(0, ROWS), mesh)
+    out["inside"] = helpers_errors.error_text(lambda: fs.train_step(state, batch, inside))
+    state.check()  # not consumed
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_loss_parallel_dtensor_loss(pool4, strategy: str) -> None:
+    for out in pool4.run(loss_parallel_worker, strategy):
+        inside = out.pop("inside")
+        assert max(out.values()) < TOL, out
+        assert "ValueError" in inside and "with loss_parallel():" in inside, inside
 
 
 HF_PLAN = {
@@ -454,3 +526,30 @@ def test_8bit_moments_of_rowwise_weights_are_the_plain_models(pool4, layout) -> 
             assert excess <= 0, f"{field} {name} rows [{start}, {stop}): over by {excess}"
             seen.add(name)
     assert seen == {"up.weight", "down.weight", "gate.weight", "odd.weight"}, seen
+
+
+def test_batch_fingerprint_sees_every_byte() -> None:
+    """The batch check's fingerprint: equal for the same bytes however they are held (a
+    strided view, another device's copy), different for one element changed by one unit, two
+    rows swapped, the same bytes as another dtype or shape; every element size has a word."""
+    from funcshard.tensor_parallel import batch_fingerprint
+
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 50_000, (2048, 8), generator=g)
+    base = batch_fingerprint({"x": x}, cpu)[1]
+    strided = torch.empty(2048, 16, dtype=x.dtype)[:, ::2]
+    strided.copy_(x)
+    assert torch.equal(batch_fingerprint({"x": strided}, cpu)[1], base)
+    bumped, swapped = x.clone(), x.clone()
+    bumped[1000, 3] += 1
+    swapped[[7, 9]] = x[[9, 7]]
+    for other in (bumped, swapped, x.view(torch.float64), x.reshape(1024, 16)):
+        assert not torch.equal(batch_fingerprint({"x": other}, cpu)[1], base)
+    leaves = {
+        "bool": torch.rand(5, 3, generator=g) > 0.5,
+        "bf16": torch.randn(5, 3, generator=g).bfloat16(),
+        "complex": torch.randn(5, 3, dtype=torch.complex128, generator=g),
+    }
+    paths, prints = batch_fingerprint(leaves, cpu)
+    assert paths == ("bf16", "bool", "complex") and prints.shape == (3, 3), (paths, prints)

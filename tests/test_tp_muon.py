@@ -60,11 +60,19 @@ def local_grads(model: nn.Module, grads: dict, tensor_mesh) -> dict:
     }
 
 
-def exact_worker(strategy: str, shard: int, tensor: int, fraction: float) -> dict:
+MODELS = {
+    "llama": (H.make_model, H.parallelize),
+    # split 5 / 4 over "tensor": each tensor rank's local sizes differ, its buckets must not
+    "uneven": (H.make_uneven, H.parallelize_uneven),
+}
+
+
+def exact_worker(strategy: str, shard: int, tensor: int, fraction: float, name: str) -> dict:
     mesh = H.world_mesh(shard, 1, tensor)
-    model = H.make_model(SEED)
+    make, parallelize = MODELS[name]
+    model = make(SEED)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    H.parallelize(model, mesh)
+    parallelize(model, mesh)
     opt = plain()
     state = fs.init(model, opt, mesh=mesh, strategy=strategy, offload_fraction=fraction)
     ref_state = opt.init(params)
@@ -78,19 +86,21 @@ def exact_worker(strategy: str, shard: int, tensor: int, fraction: float) -> dic
 
 
 @pytest.mark.parametrize(
-    "mesh,strategy,fraction",
+    "mesh,strategy,fraction,model",
     # the owner exchange runs as under ZeRO-1 for every sharded strategy: one of them, the
-    # replicated one, an offloaded one and tensor 4 (the suite's time)
+    # replicated one, an offloaded one, tensor 4 (the suite's time) and an offloaded one whose
+    # tensor split is uneven (the offloaded leaves must be the same on every tensor rank)
     [
-        ("2x2", "no_shard", 0.0),
-        ("2x2", "optim", 0.0),
-        ("2x2", "optim_grads_params", 0.5),
-        ("1x4", "optim_grads_params", 0.0),
+        ("2x2", "no_shard", 0.0, "llama"),
+        ("2x2", "optim", 0.0, "llama"),
+        ("2x2", "optim_grads_params", 0.5, "llama"),
+        ("1x4", "optim_grads_params", 0.0, "llama"),
+        ("2x2", "optim_grads_params", 0.5, "uneven"),
     ],
 )
-def test_tp_step_equals_one_process_bitwise(pool4, mesh, strategy, fraction) -> None:
+def test_tp_step_equals_one_process_bitwise(pool4, mesh, strategy, fraction, model) -> None:
     shard, tensor = MESHES[mesh]
-    for same in pool4.run(exact_worker, strategy, shard, tensor, fraction):
+    for same in pool4.run(exact_worker, strategy, shard, tensor, fraction, model):
         assert all(same.values()), [n for n, ok in same.items() if not ok]
 
 
