@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -13,7 +14,7 @@ from funcshard.checkpoint.commit import Agreement, Saver
 from funcshard.checkpoint.format import CHUNK_BYTES
 from funcshard.checkpoint.orbax import OrbaxSource
 from funcshard.checkpoint.sources import DictSource, Source
-from funcshard.state import TrainState
+from funcshard.state import Donation, TrainState
 
 __all__ = ["save", "restore", "rebuild_from_params", "open_source"]
 
@@ -98,21 +99,52 @@ def restore(
         problems, keymap = matching.match(like, source, model_only)
         if problems:
             raise matching.mismatch_error(f"checkpoint {path}", problems, source)
+        plan = reading.plan(like, source, model_only=model_only, keymap=keymap)
+        plan.check()  # every byte this rank reads, verified and dropped: like is untouched
     except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
         error = e
     agreement.raise_if_failed(f"restore from {path}: checking", error)
+    by = f"restore from {path}"
+    donated = _donate(like, by, model_only)
     try:
-        result = reading.read(like, source, model_only=model_only, keymap=keymap)
+        plan.fill(donated)
     except BaseException as e:  # noqa: BLE001
         error = e
-    agreement.raise_if_failed(f"restore from {path}: reading", error)
+    _raise_spoiled(agreement, like, by, "reading into its buffers", error)
     compute = None
     try:
-        compute = result.derive_compute(like)
+        compute = reading.derive(donated, plan.master)
     except BaseException as e:  # noqa: BLE001
         error = e
-    agreement.raise_if_failed(f"restore from {path}: deriving the compute copies", error)
-    return result.assemble(like, compute)  # consumes ``like``: every rank has all it needs
+    _raise_spoiled(agreement, like, by, "deriving the compute copies", error)
+    return plan.state(donated, compute)
+
+
+def _donate(like: TrainState, by: str, model_only: bool) -> Donation:
+    """``like``'s leaves for a restore to read into; ``like`` keeps none of them, and with
+    ``model_only`` nothing keeps its optimizer state (a fresh one replaces it: both would
+    otherwise be alive at once)."""
+    donated = like.donate(by, release=True)
+    if model_only:
+        donated = dataclasses.replace(donated, opt_state=None)
+    return donated
+
+
+def _raise_spoiled(
+    agreement: Agreement, like: TrainState, by: str, what: str, error: BaseException | None
+) -> None:
+    """Agrees on ``what`` (a phase after ``like`` was donated and written into); on failure
+    (on any rank) ``like`` refuses use on every rank, naming the failed restore, and the
+    error is raised."""
+    try:
+        agreement.raise_if_failed(f"{by}: {what}", error)
+    except BaseException as e:
+        like.spoil(
+            f"{by}, which failed while {what} after every rank had checked the checkpoint "
+            f"({type(e).__name__}: {str(e).splitlines()[0]}); its buffers hold part of the "
+            "checkpoint: build a fresh state with fs.init and restore into it"
+        )
+        raise
 
 
 def rebuild_from_params(like: TrainState, params: dict[str, torch.Tensor]) -> TrainState:
@@ -124,4 +156,7 @@ def rebuild_from_params(like: TrainState, params: dict[str, torch.Tensor]) -> Tr
     problems, keymap = matching.match(like, source, model_only=True)
     if problems:
         raise matching.mismatch_error("params", problems, source)
-    return reading.read(like, source, model_only=True, keymap=keymap).assemble(like)
+    plan = reading.plan(like, source, model_only=True, keymap=keymap)
+    donated = _donate(like, "rebuild_from_params", model_only=True)
+    plan.fill(donated)
+    return plan.state(donated, reading.derive(donated, plan.master))

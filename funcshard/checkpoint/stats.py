@@ -11,7 +11,7 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
-__all__ = ["IOStats", "io_stats", "count", "count_verified"]
+__all__ = ["IOStats", "io_stats", "count", "count_checked", "count_verified"]
 
 
 @dataclasses.dataclass
@@ -23,6 +23,7 @@ class IOStats:
     reads: int = 0
     writes: int = 0
     bytes_verified_extra: int = 0  # read only to verify a checksum block a read cut into
+    bytes_checked: int = 0  # read and verified before a restore writes anything (then dropped)
 
 
 _ACTIVE: contextvars.ContextVar[tuple[IOStats, ...]] = contextvars.ContextVar(
@@ -56,3 +57,9 @@ def count_verified(nbytes: int) -> None:
     """Adds bytes read only to complete a checksum block (not part of ``bytes_read``)."""
     for s in _ACTIVE.get():
         s.bytes_verified_extra += nbytes
+
+
+def count_checked(nbytes: int) -> None:
+    """Adds bytes read only to verify them before a restore writes into its target."""
+    for s in _ACTIVE.get():
+        s.bytes_checked += nbytes
