@@ -324,9 +324,9 @@ def derive_compute(
     """
     out = []
     for i, m in enumerate(master):
-        c = _derive_one(layout, i, m, None if local is None else local[i])
-        old = None if into is None else into[i]
-        if c is not None and old is not None and not old.is_meta and not _same_buffer(c, old):
+        old = None if into is None or into[i] is None or into[i].is_meta else into[i]
+        c = _derive_one(layout, i, m, None if local is None else local[i], old)
+        if c is not None and old is not None and not _same_buffer(c, old):
             assert old.shape == c.shape and old.dtype == c.dtype, "a compute copy of the layout"
             old.copy_(c)
             c = old
@@ -339,9 +339,10 @@ def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _derive_one(
-    layout: Layout, i: int, m: torch.Tensor, given: torch.Tensor | None
+    layout: Layout, i: int, m: torch.Tensor, given: torch.Tensor | None, into: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """Bucket ``i``'s compute copy of master ``m`` (``derive_compute``'s, one bucket)."""
+    """Bucket ``i``'s compute copy of master ``m`` (``derive_compute``'s, one bucket); ZeRO
+    0-2's full params gathered into ``into`` where the gather can write there."""
     inner = layout.inner
     bucket = layout.buckets[i]
     dtype, part = bucket.dtypes.compute, inner.buckets[i]
@@ -366,7 +367,7 @@ def _derive_one(
         local_i = params_lib.gather_replicas(layout, bucket, local_i)
     if sharded:
         return local_i if keep else None
-    return params_lib.gather_full(inner, part, local_i)
+    return params_lib.gather_full(inner, part, local_i, into)
 
 
 def _pack_masters(layout: Layout, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -425,19 +425,27 @@ class OrbaxSource:
         path: str,
     ) -> None:
         """Bytes ``[lo, hi)`` of a chunk file into ``out``, reading the whole checksum blocks
-        around them and verifying each."""
+        around them and verifying each: the blocks inside ``[lo, hi)`` straight into ``out``,
+        the (at most two) it cuts through into one block of scratch."""
         assert self.checksums is not None
         first, a, b = checksums_lib.blocks_of(lo, hi, size, self.block_bytes)
-        whole = out if (a, b) == (lo, hi) else memoryview(bytearray(b - a))
         step = self.block_bytes
-        for at in range(0, len(whole), step):  # each block checked while it is in cache
-            block = whole[at : at + step]
-            _pread(fd, block, a + at, leaf, path)
+        scratch: memoryview | None = None
+        for at in range(a, b, step):  # each block checked while it is in cache
+            end = min(at + step, b)
+            if lo <= at and end <= hi:
+                block = out[at - lo : end - lo]
+            else:
+                scratch = scratch or memoryview(bytearray(step))
+                block = scratch[: end - at]
+            _pread(fd, block, at, leaf, path)
             checksums_lib.verify(
-                block, first + at // step, crcs, step, leaf=leaf, file=path, at=a + at
+                block, first + (at - a) // step, crcs, step, leaf=leaf, file=path, at=at
             )
-        if whole is not out:
-            out[:] = whole[lo - a : hi - a]
+            if not (lo <= at and end <= hi):
+                c0, c1 = max(lo, at), min(hi, end)
+                out[c0 - lo : c1 - lo] = block[c0 - at : c1 - at]
+        if (a, b) != (lo, hi):
             stats.count_verified(b - a - (hi - lo))
 
     def _read_one(self, req: ReadRequest) -> int:
