@@ -102,8 +102,9 @@ class TrainState:
     the optimizer.
 
     Donation: ``train_step``, ``offload_step`` and ``restore(like=...)`` donate their input
-    state (like JAX's ``donate_argnums``): the steps reuse its buffers; ``restore`` reads into
-    new ones and donates ``like`` only once every rank has read (a failed one leaves it).
+    state (like JAX's ``donate_argnums``): they reuse its buffers; ``restore`` donates
+    ``like`` only once every rank has checked the checkpoint (a failed check leaves it), and
+    a restore that fails after that leaves it refusing use, naming the failure.
     Liveness is per buffer: every state that shares a buffer with a donated one (made by
     ``replace``, ``fs.tree.map``, unflatten, ...) raises :class:`ConsumedStateError` on any use
     afterwards; a copy whose tensors are new

@@ -66,17 +66,23 @@ def restore(
         ``.safetensors`` file, or a directory with ``model.safetensors`` or
         ``model.safetensors.index.json``).
       like: a state from ``fs.init`` for the target layout (may be unfilled, from a
-        meta-device model). Only its structure is used; it is consumed once every rank has
-        read its rows. The values are read into new buffers, so ``like``'s and the restored
-        state's live together until ``like`` is dropped (an unfilled ``like`` holds none).
+        meta-device model). None of its values survive; its buffers do. First every rank
+        reads and verifies every byte it will read, keeping none (checksum blocks one at a
+        time); once all agree, ``like`` is donated and the checkpoint is read into its own
+        buffers, the compute copies derived into its own, so a restore needs a little
+        scratch, not a second state (an unfilled ``like`` has no buffers: they are made).
+        With ``model_only`` its optimizer state is dropped before the fresh one is made.
       model_only: read only the params and start a fresh optimizer state at step 0.
 
     Returns:
       The restored state; every buffer derives from the checkpoint's values (cast to the
       master dtype).
 
-    Raises (on every rank, and on any of them ``like`` is left unconsumed and unchanged,
-    so an older checkpoint can be restored with it):
+    Raises (on every rank; an error found by the check, which covers all of those below,
+    leaves ``like`` unconsumed and unchanged on every rank, so an older checkpoint can be
+    restored with it; one that only the read itself meets, after the check, such as an I/O
+    error, leaves ``like`` refusing use on every rank with a ``ConsumedStateError`` that
+    names the failed restore, as its buffers then hold part of the checkpoint):
       CheckpointMismatchError: listing every mismatched name, shape, dtype or optimizer kind
         beside what the checkpoint holds.
       ChecksumError: bytes read differ from those ``save`` wrote, naming the leaf, the file
