@@ -145,10 +145,11 @@ def _raise_spoiled(
     try:
         agreement.raise_if_failed(f"{by}: {what}", error)
     except BaseException as e:
+        first_line = (str(e).splitlines() or [""])[0]
         like.spoil(
             f"{by}, which failed while {what} after every rank had checked the checkpoint "
-            f"({type(e).__name__}: {str(e).splitlines()[0]}); its buffers hold part of the "
-            "checkpoint: build a fresh state with fs.init and restore into it"
+            f"({type(e).__name__}: {first_line}); its buffers hold part of the checkpoint: "
+            "build a fresh state with fs.init and restore into it"
         )
         raise
 
@@ -164,5 +165,9 @@ def rebuild_from_params(like: TrainState, params: dict[str, torch.Tensor]) -> Tr
         raise matching.mismatch_error("params", problems, source)
     plan = reading.plan(like, source, model_only=True, keymap=keymap)
     donated = _donate(like, "rebuild_from_params", model_only=True)
-    plan.fill(donated)
-    return plan.state(donated, reading.derive(donated, plan.master))
+    try:
+        plan.fill(donated)
+        return plan.state(donated, reading.derive(donated, plan.master))
+    except BaseException as e:
+        like.spoil(f"rebuild_from_params, which failed after writing into its buffers: {e!r}")
+        raise

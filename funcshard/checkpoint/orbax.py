@@ -496,13 +496,15 @@ class OrbaxSource:
         """Raises what ``read_into(requests)`` would raise for the bytes it reads, keeping
         none of them: every checksum block verified (one block in memory at a time), or,
         without checksums, every chunk file's size; arrays read through tensorstore are only
-        opened. Writes no ``out``."""
+        opened. Writes no ``out``; ``READ_THREADS`` requests at a time, as ``read_into``."""
         for r in requests:
             self._simple(r.keys)
         self._ts([r.keys for r in requests if self._zarray[r.keys] is None])
-        for r in requests:
-            if self._zarray[r.keys] is not None:
-                self._pread_rows_checked(r.keys, r.start, r.stop, r.box)
+        simple = [r for r in requests if self._zarray[r.keys] is not None]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+            list(
+                pool.map(lambda r: self._pread_rows_checked(r.keys, r.start, r.stop, r.box), simple)
+            )
 
     def chunk_rows(self, keys: Keys) -> list[tuple[int, int]] | None:
         """The row range of each chunk file of an array (a 0-d one: ``[(0, 1)]``); None when
