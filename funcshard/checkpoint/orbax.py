@@ -486,7 +486,7 @@ class OrbaxSource:
         self._ts(slow)
         if len(requests) > 1:
             with concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
-                sizes = list(pool.map(self._read_one, requests))
+                sizes = list(pool.map(stats.in_context(self._read_one), requests))
         else:
             sizes = [self._read_one(r) for r in requests]
         for n in sizes:
@@ -502,9 +502,10 @@ class OrbaxSource:
         self._ts([r.keys for r in requests if self._zarray[r.keys] is None])
         simple = [r for r in requests if self._zarray[r.keys] is not None]
         with concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
-            list(
-                pool.map(lambda r: self._pread_rows_checked(r.keys, r.start, r.stop, r.box), simple)
+            check = stats.in_context(
+                lambda r: self._pread_rows_checked(r.keys, r.start, r.stop, r.box)
             )
+            list(pool.map(check, simple))
 
     def chunk_rows(self, keys: Keys) -> list[tuple[int, int]] | None:
         """The row range of each chunk file of an array (a 0-d one: ``[(0, 1)]``); None when
