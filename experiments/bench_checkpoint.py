@@ -9,6 +9,10 @@ On gloo CPU ranks, one AdamW ZeRO-3 state (masters + mu + nu, fp32):
 * the peak memory (max RSS) of ``python -m funcshard convert`` of a Llama's training
   checkpoint (``--hf_dim`` wide) to each format, beside the interpreter's own;
 * the 2 -> 3 resharding restore vs a 3 -> 3 same-layout restore (both at 3 ranks);
+* ``--parts=memory``: the peak memory of a restore above what the rank held before it
+  (its resident high-water mark, ``funcshard.testing.PeakMemory``, in fresh processes),
+  against the bytes of the state restored: same layout, onto ZeRO-1 with half the optimizer
+  offloaded, model-only, and resharded onto nproc + 1 ranks;
 * funcshard's durable write bandwidth vs this disk's ``fdatasync`` bandwidth, measured in the
   same run by every rank writing and syncing its share of bytes at once;
 * Hugging Face safetensors of a Llama (``transformers``, fp32, ``--hf_dim`` wide): export at 2
@@ -22,6 +26,7 @@ GPU (NCCL; the resharding rows need more ranks than a one-GPU machine has and ar
 
     python experiments/bench_checkpoint.py --dim=1536 --layers=8
     python experiments/bench_checkpoint.py --parts=checksums --reps=5   # checksums' cost only
+    python experiments/bench_checkpoint.py --parts=memory               # restore's peak memory
     python experiments/bench_checkpoint.py --device=cuda --nproc=1 --dim=4096 --layers=16
 """
 
@@ -44,6 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import funcshard as fs
 from funcshard import checkpoint as ckpt_lib
+from funcshard.testing import PeakMemory
 
 DIM = flags.DEFINE_integer("dim", 1536, "width of the square Linear layers")
 LAYERS = flags.DEFINE_integer("layers", 8, "number of Linear layers")
@@ -57,7 +63,8 @@ PARTS = flags.DEFINE_list(
     ["dcp", "reshard", "hf", "checksums", "convert"],
     "rows to run beside funcshard's save / restore: dcp, reshard, hf, checksums (the same "
     "save / restore without checksums, interleaved with the one with them), convert (peak "
-    "memory of python -m funcshard convert of the --hf_dim Llama's training checkpoint)",
+    "memory of python -m funcshard convert of the --hf_dim Llama's training checkpoint); "
+    "memory alone: the peak memory of fs.restore (and nothing else)",
 )
 NPROC = flags.DEFINE_integer(
     "nproc",
@@ -351,6 +358,76 @@ def bench_convert(root: str, dim: int, layers: int) -> dict:
     return out
 
 
+MEMORY_CASES = (  # name, strategy, offload fraction, model_only
+    ("same layout (ZeRO-3)", "optim_grads_params", 0.0, False),
+    ("ZeRO-1, half offloaded", "optim", 0.5, False),
+    ("model only (ZeRO-3)", "optim_grads_params", 0.0, True),
+)
+
+
+def memory_save(directory: str, dim: int, layers: int) -> None:
+    fs.save(directory, _state(dim, layers, "cpu")[0])
+
+
+def _state_bytes(state: fs.TrainState) -> int:
+    """Bytes of every distinct buffer of ``state`` (masters, compute copies, optimizer)."""
+    storages = {}
+    for t in fs.tree.leaves(state):
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            s = t.untyped_storage()
+            storages[(s.device, s.data_ptr())] = s.nbytes()
+    return sum(storages.values())
+
+
+def memory_restore(directory: str, dim: int, layers: int) -> list[dict]:
+    """Each case's peak memory of ``fs.restore`` above the rank's before it, and its state's
+    bytes (``like`` stays referenced meanwhile, as a caller's ``state`` would)."""
+    mesh = fs.make_mesh(device_type="cpu")
+    out = []
+    for _, strategy, offload, model_only in MEMORY_CASES:
+        opt = fs.optim.adamw(1e-3)
+        like = fs.init(
+            _model(dim, layers), opt, mesh=mesh, strategy=strategy, offload_fraction=offload
+        )
+        with PeakMemory() as peak:
+            state = fs.restore(directory, like=like, model_only=model_only)
+        out.append({"extra": peak.extra, "state": _state_bytes(state)})
+        del like, state
+    return out
+
+
+def bench_memory(root: str, dim: int, layers: int, nproc: int) -> dict:
+    """Peak memory of restores at nproc and nproc + 1 ranks of a checkpoint saved at nproc,
+    each in fresh processes whose freed blocks go back to the kernel at once."""
+    src = os.path.join(root, "memory-src")
+    _rm_local(src)
+    fs.launch(memory_save, src, dim, layers, nproc=nproc)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # the ranks inherit it
+    try:
+        return {
+            world: fs.launch(memory_restore, src, dim, layers, nproc=world)
+            for world in (nproc, nproc + 1)
+        }
+    finally:
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        _rm_local(src)
+
+
+def _print_memory(memory: dict, dim: int, layers: int) -> None:
+    n = dim * dim * layers + dim * layers
+    print(f"\nfs.restore peak memory: {n / 1e6:.1f}M params + AdamW, the worst rank of each")
+    print(f"{'restore':<36}{'state MiB':>10}{'peak extra MiB':>16}{'/ state':>9}")
+    saved = min(memory)
+    for world, ranks in memory.items():
+        for i, (name, *_) in enumerate(MEMORY_CASES):
+            worst = max(ranks, key=lambda r: r[i]["extra"] / r[i]["state"])[i]
+            label = f"{saved} -> {world} ranks, {name}"
+            mib = worst["state"] / 2**20, worst["extra"] / 2**20
+            print(
+                f"{label:<36}{mib[0]:>10.1f}{mib[1]:>16.1f}{worst['extra'] / worst['state']:>9.2f}"
+            )
+
+
 def _rm_local(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
@@ -368,6 +445,15 @@ def main(argv: list[str]) -> None:
     del argv
     root = DIR.value or tempfile.mkdtemp(prefix="bench_checkpoint_")
     os.makedirs(root, exist_ok=True)
+    if PARTS.value == ["memory"]:
+        try:
+            memory = bench_memory(root, DIM.value, LAYERS.value, NPROC.value)
+        finally:
+            if DIR.value is None:
+                shutil.rmtree(root, ignore_errors=True)
+        print(f"CPU: {_cpu_name()}")
+        _print_memory(memory, DIM.value, LAYERS.value)
+        return
     try:
         two = fs.launch(
             bench_two,

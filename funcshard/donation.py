@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ConsumedStateError", "Liveness", "liveness", "check", "consume"]
+__all__ = ["ConsumedStateError", "Liveness", "liveness", "check", "consume", "spoil"]
 
 
 class ConsumedStateError(RuntimeError):
@@ -73,4 +73,12 @@ def consume(tokens: tuple[Liveness, ...], by: str) -> None:
     """Marks the tokens donated to ``by`` (after checking that none already is)."""
     check(tokens)
     for live in tokens:
+        live.consumed_by = by
+
+
+def spoil(tokens: tuple[Liveness, ...], by: str) -> None:
+    """Records that the function the tokens were donated to failed after writing into the
+    buffers (``by`` says so): their states refuse use as before, naming it."""
+    for live in tokens:
+        assert live.consumed_by is not None, "spoiled before it was donated"
         live.consumed_by = by

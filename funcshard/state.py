@@ -110,8 +110,9 @@ class TrainState:
     the optimizer.
 
     Donation: ``train_step``, ``offload_step`` and ``restore(like=...)`` donate their input
-    state (like JAX's ``donate_argnums``): the steps reuse its buffers; ``restore`` reads into
-    new ones and donates ``like`` only once every rank has read (a failed one leaves it).
+    state (like JAX's ``donate_argnums``): they reuse its buffers; ``restore`` donates
+    ``like`` only once every rank has checked the checkpoint (a failed check leaves it), and
+    a restore that fails after that leaves it refusing use, naming the failure.
     Liveness is per buffer: every state that shares a buffer with a donated one (made by
     ``replace``, ``fs.tree.map``, unflatten, ...) raises :class:`ConsumedStateError` on any use
     afterwards; a copy whose tensors are new
@@ -153,17 +154,30 @@ class TrainState:
         was donated."""
         donation.check(self._live)
 
-    def donate(self, by: str) -> Donation:
+    def donate(self, by: str, *, release: bool = False) -> Donation:
         """Consumes this state for the function ``by``: this state and every state sharing a
         buffer with it refuse use from now on; the caller gets the leaves to reuse.
+        ``release``: this state drops its leaves too, so that the caller alone holds them
+        (a buffer the caller does not reuse is then freed once it drops it).
 
         Raises:
           ConsumedStateError: the state was consumed already.
         """
         donation.consume(self._live, by)
-        return Donation(
+        d = Donation(
             self._master, self._compute, self._opt_state, self._step, self._loss_scale, self._static
         )
+        if release:
+            for name in ("_master", "_compute"):
+                object.__setattr__(self, name, ())
+            object.__setattr__(self, "_opt_state", None)
+        return d
+
+    def spoil(self, by: str) -> None:
+        """Records that the function this state was donated to failed after writing into its
+        buffers: it (and every state sharing them) refuses use, naming ``by``, since the
+        buffers hold neither its values nor a result's."""
+        donation.spoil(self._live, by)
 
     @property
     def consumed(self) -> bool:
@@ -300,6 +314,8 @@ def derive_compute(
     layout: Layout,
     master: tuple[torch.Tensor, ...],
     local: Sequence[torch.Tensor | None] | None = None,
+    *,
+    into: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The compute copies implied by the master buffers (a collective under ZeRO 1-2).
 
@@ -316,38 +332,55 @@ def derive_compute(
       master: one master flat per bucket.
       local: optional, per bucket, the master already cast to the compute dtype on the device
         (``offload_step`` writes it during the CPU step); None entries are cast here.
+      into: optional, per bucket, a donated compute copy of the same layout to write each
+        new one into (``restore``): one bucket's new copy at a time is alive, not all.
     """
-    inner = layout.inner
     out = []
-    for i, (bucket, m) in enumerate(zip(layout.buckets, master, strict=True)):
-        dtype, part = bucket.dtypes.compute, inner.buckets[i]
-        sharded = layout.strategy.shards_params
-        # ZeRO-3 keeps a compute shard where it cannot be cast from the master at gather
-        # time: an offloaded master, or (HFSDP) a master that is 1/R of the shard
-        keep = sharded and (bucket.offload or layout.hierarchical)
-        if m.is_meta:
-            if keep and params_lib.packs_shard(inner, part):
-                out.append(params_lib.empty_packed(inner, part, "meta"))
-                continue
-            size = part.numel * (1 if sharded else inner.shard_size)
-            kept = keep or not sharded
-            out.append(torch.empty(size, dtype=dtype, device="meta") if kept else None)
-            continue
-        given = local[i] if local is not None else None
-        if given is not None:
-            assert given.dtype == dtype and given.numel() == m.numel(), "a derived shard"
-        local_i = (
-            given
-            if given is not None
-            else m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
-        )
-        if layout.hierarchical:  # the updated masters of every replica: the inner shard
-            local_i = params_lib.gather_replicas(layout, bucket, local_i)
-        if sharded:
-            out.append(local_i if keep else None)
-        else:
-            out.append(params_lib.gather_full(inner, part, local_i))
+    for i, m in enumerate(master):
+        old = None if into is None or into[i] is None or into[i].is_meta else into[i]
+        c = _derive_one(layout, i, m, None if local is None else local[i], old)
+        if c is not None and old is not None and not _same_buffer(c, old):
+            assert old.shape == c.shape and old.dtype == c.dtype, "a compute copy of the layout"
+            old.copy_(c)
+            c = old
+        out.append(c)
     return tuple(out)
+
+
+def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.device == b.device
+
+
+def _derive_one(
+    layout: Layout, i: int, m: torch.Tensor, given: torch.Tensor | None, into: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Bucket ``i``'s compute copy of master ``m`` (``derive_compute``'s, one bucket); ZeRO
+    0-2's full params gathered into ``into`` where the gather can write there."""
+    inner = layout.inner
+    bucket = layout.buckets[i]
+    dtype, part = bucket.dtypes.compute, inner.buckets[i]
+    sharded = layout.strategy.shards_params
+    # ZeRO-3 keeps a compute shard where it cannot be cast from the master at gather
+    # time: an offloaded master, or (HFSDP) a master that is 1/R of the shard
+    keep = sharded and (bucket.offload or layout.hierarchical)
+    if m.is_meta:
+        if keep and params_lib.packs_shard(inner, part):
+            return params_lib.empty_packed(inner, part, "meta")
+        size = part.numel * (1 if sharded else inner.shard_size)
+        kept = keep or not sharded
+        return torch.empty(size, dtype=dtype, device="meta") if kept else None
+    if given is not None:
+        assert given.dtype == dtype and given.numel() == m.numel(), "a derived shard"
+    local_i = (
+        given
+        if given is not None
+        else m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
+    )
+    if layout.hierarchical:  # the updated masters of every replica: the inner shard
+        local_i = params_lib.gather_replicas(layout, bucket, local_i)
+    if sharded:
+        return local_i if keep else None
+    return params_lib.gather_full(inner, part, local_i, into)
 
 
 def _pack_masters(layout: Layout, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

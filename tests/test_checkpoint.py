@@ -90,6 +90,8 @@ def restore_worker(
         "full": _cpu(fs.full_params(state)),
         "step": restored_step,
         "read": io.bytes_read,
+        "checked": io.bytes_checked,
+        "extra": io.bytes_verified_extra,
         "consumed": consumed,
         "offloaded": any(b.offload for b in state.layout.buckets),
     }
@@ -152,6 +154,8 @@ def test_each_rank_reads_its_share(pool2, pool3, tmp_path):
     assert sum(reads) == total, "rows must be read exactly once over all ranks"
     for b in reads:
         assert abs(b - total / 3) < 0.05 * total, f"per-rank reads {reads} of {total} bytes"
+    for r in results:  # verified once before the read, in the same whole checksum blocks
+        assert r["checked"] == r["read"] + r["extra"], r
 
 
 # --- Orbax interoperability ---------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -13,7 +14,7 @@ from funcshard.checkpoint.commit import Agreement, Saver
 from funcshard.checkpoint.format import CHUNK_BYTES
 from funcshard.checkpoint.orbax import OrbaxSource
 from funcshard.checkpoint.sources import DictSource, Source
-from funcshard.state import TrainState
+from funcshard.state import Donation, TrainState
 
 __all__ = ["save", "restore", "rebuild_from_params", "open_source"]
 
@@ -65,17 +66,23 @@ def restore(
         ``.safetensors`` file, or a directory with ``model.safetensors`` or
         ``model.safetensors.index.json``).
       like: a state from ``fs.init`` for the target layout (may be unfilled, from a
-        meta-device model). Only its structure is used; it is consumed once every rank has
-        read its rows. The values are read into new buffers, so ``like``'s and the restored
-        state's live together until ``like`` is dropped (an unfilled ``like`` holds none).
+        meta-device model). None of its values survive; its buffers do. First every rank
+        reads and verifies every byte it will read, keeping none (checksum blocks one at a
+        time); once all agree, ``like`` is donated and the checkpoint is read into its own
+        buffers, the compute copies derived into its own, so a restore needs a little
+        scratch, not a second state (an unfilled ``like`` has no buffers: they are made).
+        With ``model_only`` its optimizer state is dropped before the fresh one is made.
       model_only: read only the params and start a fresh optimizer state at step 0.
 
     Returns:
       The restored state; every buffer derives from the checkpoint's values (cast to the
       master dtype).
 
-    Raises (on every rank, and on any of them ``like`` is left unconsumed and unchanged,
-    so an older checkpoint can be restored with it):
+    Raises (on every rank; an error found by the check, which covers all of those below,
+    leaves ``like`` unconsumed and unchanged on every rank, so an older checkpoint can be
+    restored with it; one that only the read itself meets, after the check, such as an I/O
+    error, leaves ``like`` refusing use on every rank with a ``ConsumedStateError`` that
+    names the failed restore, as its buffers then hold part of the checkpoint):
       CheckpointMismatchError: listing every mismatched name, shape, dtype or optimizer kind
         beside what the checkpoint holds.
       ChecksumError: bytes read differ from those ``save`` wrote, naming the leaf, the file
@@ -98,21 +105,53 @@ def restore(
         problems, keymap = matching.match(like, source, model_only)
         if problems:
             raise matching.mismatch_error(f"checkpoint {path}", problems, source)
+        plan = reading.plan(like, source, model_only=model_only, keymap=keymap)
+        plan.check()  # every byte this rank reads, verified and dropped: like is untouched
     except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
         error = e
     agreement.raise_if_failed(f"restore from {path}: checking", error)
+    by = f"restore from {path}"
+    donated = _donate(like, by, model_only)
     try:
-        result = reading.read(like, source, model_only=model_only, keymap=keymap)
+        plan.fill(donated)
     except BaseException as e:  # noqa: BLE001
         error = e
-    agreement.raise_if_failed(f"restore from {path}: reading", error)
+    _raise_spoiled(agreement, like, by, "reading into its buffers", error)
     compute = None
     try:
-        compute = result.derive_compute(like)
+        compute = reading.derive(donated, plan.master)
     except BaseException as e:  # noqa: BLE001
         error = e
-    agreement.raise_if_failed(f"restore from {path}: deriving the compute copies", error)
-    return result.assemble(like, compute)  # consumes ``like``: every rank has all it needs
+    _raise_spoiled(agreement, like, by, "deriving the compute copies", error)
+    return plan.state(donated, compute)
+
+
+def _donate(like: TrainState, by: str, model_only: bool) -> Donation:
+    """``like``'s leaves for a restore to read into; ``like`` keeps none of them, and with
+    ``model_only`` nothing keeps its optimizer state (a fresh one replaces it: both would
+    otherwise be alive at once)."""
+    donated = like.donate(by, release=True)
+    if model_only:
+        donated = dataclasses.replace(donated, opt_state=None)
+    return donated
+
+
+def _raise_spoiled(
+    agreement: Agreement, like: TrainState, by: str, what: str, error: BaseException | None
+) -> None:
+    """Agrees on ``what`` (a phase after ``like`` was donated and written into); on failure
+    (on any rank) ``like`` refuses use on every rank, naming the failed restore, and the
+    error is raised."""
+    try:
+        agreement.raise_if_failed(f"{by}: {what}", error)
+    except BaseException as e:
+        first_line = (str(e).splitlines() or [""])[0]
+        like.spoil(
+            f"{by}, which failed while {what} after every rank had checked the checkpoint "
+            f"({type(e).__name__}: {first_line}); its buffers hold part of the checkpoint: "
+            "build a fresh state with fs.init and restore into it"
+        )
+        raise
 
 
 def rebuild_from_params(like: TrainState, params: dict[str, torch.Tensor]) -> TrainState:
@@ -124,4 +163,11 @@ def rebuild_from_params(like: TrainState, params: dict[str, torch.Tensor]) -> Tr
     problems, keymap = matching.match(like, source, model_only=True)
     if problems:
         raise matching.mismatch_error("params", problems, source)
-    return reading.read(like, source, model_only=True, keymap=keymap).assemble(like)
+    plan = reading.plan(like, source, model_only=True, keymap=keymap)
+    donated = _donate(like, "rebuild_from_params", model_only=True)
+    try:
+        plan.fill(donated)
+        return plan.state(donated, reading.derive(donated, plan.master))
+    except BaseException as e:
+        like.spoil(f"rebuild_from_params, which failed after writing into its buffers: {e!r}")
+        raise

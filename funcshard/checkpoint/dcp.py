@@ -129,8 +129,34 @@ class DCPSource:
     def scalars(self) -> set[Keys]:
         return set()
 
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        """Every file DCP's metadata names for the requested tensors exists (DCP records no
+        checksums)."""
+        fqns = {self.fqn[r.keys] for r in requests}
+        storage = self.metadata.storage_data or {}
+        for index, info in storage.items():
+            if index.fqn in fqns:
+                path = os.path.join(self.path, info.relative_path)
+                if not os.path.exists(path):
+                    raise FileNotFoundError(f"restore: {path} (of {index.fqn}) is missing")
+
     def read_into(self, requests: Sequence[ReadRequest]) -> None:
-        """Reads each request's rows through DCP's ``FileSystemReader`` (no collectives)."""
+        """Reads each request's rows through DCP's ``FileSystemReader`` (no collectives):
+        those read straight into their ``out`` at once, those cast through a buffer one at a
+        time (so at most one tensor's rows are in scratch)."""
+        direct = [r for r in requests if self._direct(r)]
+        if direct:
+            self._read(direct)
+        for r in requests:
+            if not self._direct(r):
+                self._read([r])
+
+    def _direct(self, r: ReadRequest) -> bool:
+        return (
+            r.out.dtype == self.tensor_metadata(r.keys).properties.dtype and r.out.is_contiguous()
+        )
+
+    def _read(self, requests: Sequence[ReadRequest]) -> None:
         items: list[ReadItem] = []
         targets: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         copies = []

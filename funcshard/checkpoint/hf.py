@@ -73,6 +73,21 @@ class SafetensorsSource:
     def scalars(self) -> set[Keys]:
         return set()
 
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        """Every file holds the bytes the requests read (safetensors has no checksums)."""
+        sizes: dict[str, int] = {}
+        for keys, start, stop, _, box in requests:
+            t = self.tensors[keys]
+            if t.file not in sizes:
+                sizes[t.file] = os.stat(t.file).st_size
+            segs = list(segments(t.shape, t.dtype.itemsize, start, stop, box))
+            end = max((t.offset + offset + n for offset, n in segs), default=0)
+            if end > sizes[t.file]:
+                raise OSError(
+                    f"restore: {t.file}: {keys[-1]} is short ({sizes[t.file]} bytes, rows "
+                    f"{start}:{stop} end at byte {end})"
+                )
+
     def read_into(self, requests: Sequence[ReadRequest]) -> None:
         fds: dict[str, int] = {}
         try:

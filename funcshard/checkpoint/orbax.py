@@ -300,7 +300,14 @@ class OrbaxSource:
     # --- data ----------------------------------------------------------------------------------
 
     def _pread_rows(
-        self, keys: Keys, start: int, stop: int, buf: memoryview, box: Box | None = None
+        self,
+        keys: Keys,
+        start: int,
+        stop: int,
+        buf: memoryview,
+        box: Box | None = None,
+        *,
+        check_only: bool = False,
     ) -> bool:
         """Rows ``[start, stop)`` (and ``box``) of a simple array into ``buf``, verified
         against the recorded checksums when there are some; False when a chunk file is absent
@@ -325,13 +332,39 @@ class OrbaxSource:
             hi = (min(stop, (k + 1) * chunk) - k * chunk) * row_bytes
             size = (min(rows, (k + 1) * chunk) - k * chunk) * row_bytes
             name = chunk_file(k, len(shape), md.get("dimension_separator", "."))
-            if not self._read_chunk(keys, name, k, (lo, hi, size), buf[at : at + hi - lo]):
+            span, out = (lo, hi, size), buf[at : at + hi - lo]
+            if not self._read_chunk(keys, name, k, span, out, check_only=check_only):
                 return False
             at += hi - lo
         return True
 
+    def _pread_rows_checked(self, keys: Keys, start: int, stop: int, box: Box | None) -> bool:
+        """What ``_pread_rows`` would do for rows ``[start, stop)`` (and ``box``), keeping no
+        bytes: each chunk's checksum blocks read one at a time and verified, or, without
+        checksums, its file's size checked. A read that takes part of a chunk's columns (a
+        tensor-parallel block) reads its rows into scratch as ``_pread_rows`` does instead.
+        False when a chunk file is absent from a checkpoint funcshard did not write."""
+        md = self._zarray[keys]
+        assert md is not None
+        if md["_split"] is not None or box is not None:
+            shape = [stop - start, *md["shape"][1:]]
+            if box is not None:
+                shape[box[0]] = box[2] - box[1]
+            scratch = np.empty(shape, dtype=NUMPY_DTYPE[md["dtype"]])
+            return self._pread_rows(
+                keys, start, stop, memoryview(scratch.reshape(-1).view(np.uint8)), box
+            )
+        nothing = memoryview(b"")
+        return self._pread_rows(keys, start, stop, nothing, check_only=True)
+
     def _read_chunk(
-        self, keys: Keys, name: str, k: int, span: tuple[int, int, int], out: memoryview
+        self,
+        keys: Keys,
+        name: str,
+        k: int,
+        span: tuple[int, int, int],
+        out: memoryview,
+        check_only: bool = False,
     ) -> bool:
         """Bytes ``[lo, hi)`` of chunk file ``name`` (of ``size`` real bytes; ``span``) into
         ``out``, verified when there are checksums; False when it is absent from a
@@ -349,7 +382,13 @@ class OrbaxSource:
                 ) from None
             return False
         try:
-            if recorded is None:
+            if check_only and recorded is None:
+                got = os.fstat(fd).st_size
+                if got < hi:
+                    raise OSError(f"{leaf_name}: chunk {k} is short ({got} of {hi} bytes)")
+            elif check_only:
+                self._verify_blocks(fd, lo, hi, size, recorded.get(name, []), leaf_name, path)
+            elif recorded is None:
                 _pread(fd, out, lo, leaf_name, k)
             else:
                 crcs = recorded.get(name, [])
@@ -357,6 +396,22 @@ class OrbaxSource:
         finally:
             os.close(fd)
         return True
+
+    def _verify_blocks(
+        self, fd: int, lo: int, hi: int, size: int, crcs: list[int], leaf: str, path: str
+    ) -> None:
+        """Reads the checksum blocks around bytes ``[lo, hi)`` of a chunk file one at a time
+        into one block of scratch and verifies each (what ``_pread_verified`` checks)."""
+        first, a, b = checksums_lib.blocks_of(lo, hi, size, self.block_bytes)
+        step = self.block_bytes
+        scratch = memoryview(bytearray(min(step, b - a)))
+        for at in range(a, b, step):
+            block = scratch[: min(step, b - at)]
+            _pread(fd, block, at, leaf, path)
+            checksums_lib.verify(
+                block, first + (at - a) // step, crcs, step, leaf=leaf, file=path, at=at
+            )
+        stats.count_checked(b - a)
 
     def _pread_verified(
         self,
@@ -370,19 +425,27 @@ class OrbaxSource:
         path: str,
     ) -> None:
         """Bytes ``[lo, hi)`` of a chunk file into ``out``, reading the whole checksum blocks
-        around them and verifying each."""
+        around them and verifying each: the blocks inside ``[lo, hi)`` straight into ``out``,
+        the (at most two) it cuts through into one block of scratch."""
         assert self.checksums is not None
         first, a, b = checksums_lib.blocks_of(lo, hi, size, self.block_bytes)
-        whole = out if (a, b) == (lo, hi) else memoryview(bytearray(b - a))
         step = self.block_bytes
-        for at in range(0, len(whole), step):  # each block checked while it is in cache
-            block = whole[at : at + step]
-            _pread(fd, block, a + at, leaf, path)
+        scratch: memoryview | None = None
+        for at in range(a, b, step):  # each block checked while it is in cache
+            end = min(at + step, b)
+            if lo <= at and end <= hi:
+                block = out[at - lo : end - lo]
+            else:
+                scratch = scratch or memoryview(bytearray(step))
+                block = scratch[: end - at]
+            _pread(fd, block, at, leaf, path)
             checksums_lib.verify(
-                block, first + at // step, crcs, step, leaf=leaf, file=path, at=a + at
+                block, first + (at - a) // step, crcs, step, leaf=leaf, file=path, at=at
             )
-        if whole is not out:
-            out[:] = whole[lo - a : hi - a]
+            if not (lo <= at and end <= hi):
+                c0, c1 = max(lo, at), min(hi, end)
+                out[c0 - lo : c1 - lo] = block[c0 - at : c1 - at]
+        if (a, b) != (lo, hi):
             stats.count_verified(b - a - (hi - lo))
 
     def _read_one(self, req: ReadRequest) -> int:
@@ -423,11 +486,26 @@ class OrbaxSource:
         self._ts(slow)
         if len(requests) > 1:
             with concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
-                sizes = list(pool.map(self._read_one, requests))
+                sizes = list(pool.map(stats.in_context(self._read_one), requests))
         else:
             sizes = [self._read_one(r) for r in requests]
         for n in sizes:
             stats.count(True, n)
+
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        """Raises what ``read_into(requests)`` would raise for the bytes it reads, keeping
+        none of them: every checksum block verified (one block in memory at a time), or,
+        without checksums, every chunk file's size; arrays read through tensorstore are only
+        opened. Writes no ``out``; ``READ_THREADS`` requests at a time, as ``read_into``."""
+        for r in requests:
+            self._simple(r.keys)
+        self._ts([r.keys for r in requests if self._zarray[r.keys] is None])
+        simple = [r for r in requests if self._zarray[r.keys] is not None]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+            check = stats.in_context(
+                lambda r: self._pread_rows_checked(r.keys, r.start, r.stop, r.box)
+            )
+            list(pool.map(check, simple))
 
     def chunk_rows(self, keys: Keys) -> list[tuple[int, int]] | None:
         """The row range of each chunk file of an array (a 0-d one: ``[(0, 1)]``); None when

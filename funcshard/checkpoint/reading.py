@@ -1,5 +1,11 @@
-"""Filling a target layout's flat buffers from any ``Source``: the rows each rank needs, into
-new buffers (a failed read leaves the target state as it was), then the new state.
+"""Filling a target layout's flat buffers from any ``Source``, in two phases.
+
+``plan`` settles what is read where (with the scalars, read at once) and writes nothing;
+``Plan.check`` has the source read and verify every byte the rank will read, keeping none
+(``Source.check``). Only then, once every rank has checked (``restore``'s agreement),
+``Plan.fill`` reads into the target's buffers: ``like``'s own, donated, so a restore needs
+about one leaf of scratch instead of a second state. A ``like`` from a meta-device model has
+no buffers: those are made here.
 """
 
 from __future__ import annotations
@@ -22,36 +28,36 @@ from funcshard.checkpoint.tree import (
 )
 from funcshard.layout import Bucket, Layout
 from funcshard.optim.moments import MomentFormat
-from funcshard.state import LossScale, TrainState, derive_compute
+from funcshard.state import Donation, LossScale, TrainState, derive_compute
 from funcshard.tensor_parallel import chunk_sizes
 
-__all__ = ["Read", "read"]
+__all__ = ["Plan", "plan"]
 
 
-def _new_flat(
-    bucket: Bucket, layout: Layout, numel: int, dtype: torch.dtype, *, pin: bool = False
+def _target(
+    old: torch.Tensor, bucket: Bucket, layout: Layout, *, pin: bool = False
 ) -> torch.Tensor:
-    """A fresh, unfilled flat for ``bucket``, where ``fs.init`` puts it. ``like``'s own
-    buffers are never written: a restore that fails leaves ``like`` as it was. ``pin``: an
-    offloaded master on a CUDA layout is page-locked, as ``fs.init`` makes it (it crosses to
-    the device every step; the optimizer state stays on the host)."""
+    """``old`` (``like``'s buffer, read into in place once donated), or where it is on the
+    meta device (an unfilled ``like``), a fresh flat where ``fs.init`` puts it. ``pin``: an
+    offloaded master on a CUDA layout is page-locked, as ``fs.init`` makes it."""
+    if not old.is_meta:
+        return old
     device = torch.device("cpu") if bucket.offload else layout.device
-    flat = torch.empty(numel, dtype=dtype, device=device)
+    flat = torch.empty(old.numel(), dtype=old.dtype, device=device)
     if pin and bucket.offload and layout.device.type == "cuda":
         flat = flat.pin_memory()
     return flat
 
 
-def _fill(
+def _requests(
     flats: Sequence[torch.Tensor | None],
     layout: Layout,
-    source: Source,
     prefix: Keys,
     keymap: dict[Keys, Keys],
     skip: Container[Keys] = (),
-) -> None:
-    """Copies this rank's real rows of every leaf from ``source`` into the bucket flats and
-    zeroes their padding rows (leaves in ``skip``: padding only; they are converted)."""
+) -> list[ReadRequest]:
+    """This rank's real rows of every leaf of the bucket flats (leaves in ``skip`` are
+    converted, not read), each into its rows of the flat."""
     r = layout.shard_rank
     coords = Coords(layout.tensor)
     blocks = getattr(flats, "blocks", None)
@@ -62,40 +68,68 @@ def _fill(
         for spec in layout.bucket_leaves(bucket):
             spec = spec_in(spec, blocks, bucket.index)
             start, stop = spec.row_range(r)
-            real = (stop - start) * spec.row_numel
-            flat[spec.offset + real : spec.offset + spec.shard_numel].zero_()
-            if stop > start and (*prefix, spec.name) not in skip:
-                keys = (*prefix, spec.name)
+            keys = (*prefix, spec.name)
+            if stop > start and keys not in skip:
                 out = shard_lib.rows_view(flat, spec, r)
                 if blocks is None:  # this tensor rank's part of the global array
                     start, stop, box = coords.rows(spec.name, start, stop)
                 else:
                     start, stop, box = coords.scale_rows(spec.name, start, stop, spec.row_numel)
                 requests.append(ReadRequest(keymap.get(keys, keys), start, stop, out, box))
-    source.read_into(requests)
+    return requests
+
+
+def _zero_padding(flats: Sequence[torch.Tensor | None], layout: Layout) -> None:
+    """Zeroes the padding rows of every leaf of the bucket flats."""
+    r = layout.shard_rank
+    blocks = getattr(flats, "blocks", None)
+    for bucket, flat in zip(layout.buckets, flats, strict=True):
+        if flat is None:
+            continue
+        for spec in layout.bucket_leaves(bucket):
+            spec = spec_in(spec, blocks, bucket.index)
+            start, stop = spec.row_range(r)
+            real = (stop - start) * spec.row_numel
+            flat[spec.offset + real : spec.offset + spec.shard_numel].zero_()
 
 
 @dataclasses.dataclass
-class Read:
-    """What ``read`` produced: every leaf of the new state but the derived compute copies."""
+class Plan:
+    """What a restore reads where: the target buffers (``like``'s own where it has them),
+    the requests into them, the moments to convert and the scalars, already read."""
 
+    source: Source
+    model_only: bool
     master: tuple[torch.Tensor, ...]
-    opt_state: Any
+    opt_state: Any  # None with model_only: the optimizer's init makes it from the masters
+    flats: list[Sequence[torch.Tensor | None]]  # every target part, for its padding
+    requests: list[ReadRequest]
+    conversions: list[_Conversion]
     step: int
     loss_scale: LossScale | None
 
-    def derive_compute(self, like: TrainState) -> tuple[torch.Tensor | None, ...]:
-        """The compute copies of the new masters (a collective under ZeRO 1-2)."""
-        return derive_compute(like.layout, self.master)
+    def check(self) -> None:
+        """Has the source read (and verify) every byte ``fill`` reads, keeping none; writes
+        no target buffer."""
+        self.source.check(self.requests + _conversion_requests(self))
 
-    def assemble(
-        self, like: TrainState, compute: tuple[torch.Tensor | None, ...] | None = None
-    ) -> TrainState:
-        """The new state; consumes ``like``, only now: a read that failed leaves it usable.
-        ``compute``: from ``derive_compute`` (derived here when None; every rank calls it)."""
-        if compute is None:
-            compute = self.derive_compute(like)
-        return like.donate("restore").state(
+    def fill(self, donated: Donation) -> None:
+        """Reads every leaf into the target buffers (``donated``'s: ``like``'s, consumed);
+        with ``model_only`` the optimizer state is ``init(master)``, made once ``like``'s is
+        released."""
+        layout = donated.layout
+        for flats in self.flats:
+            _zero_padding(flats, layout)
+        self.source.read_into(self.requests)
+        if self.model_only:
+            self.opt_state = donated.optimizer.init(layout.per_bucket(self.master))
+        elif self.conversions:
+            _convert_moments(layout, self.source, self.opt_state, self.conversions)
+
+    def state(self, donated: Donation, compute: tuple[torch.Tensor | None, ...]) -> TrainState:
+        """The restored state, from ``fill``'s buffers and ``compute`` (``derive_compute``
+        into ``donated.compute``)."""
+        return donated.state(
             master=self.master,
             compute=compute,
             opt_state=self.opt_state,
@@ -104,11 +138,17 @@ class Read:
         )
 
 
-def read(
+def derive(donated: Donation, master: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The compute copies of the restored masters, written into ``like``'s (a collective
+    under ZeRO 1-2)."""
+    return derive_compute(donated.layout, master, into=donated.compute)
+
+
+def plan(
     like: TrainState, source: Source, *, model_only: bool, keymap: dict[Keys, Keys] | None = None
-) -> Read:
-    """Reads every leaf for ``like``'s layout from ``source`` into new buffers, with no
-    collectives; ``like`` is neither written nor consumed (``Read.assemble`` consumes it).
+) -> Plan:
+    """What restoring ``like``'s layout from ``source`` reads where; reads only scalars,
+    writes nothing, runs no collective.
 
     Masters are read (cast to the master dtype); with ``model_only`` the optimizer state is
     ``like.optimizer.init(master)`` and the step 0, otherwise both are read too.
@@ -116,29 +156,33 @@ def read(
     layout = like.layout
     keymap = keymap or {}
     n = len(layout.buckets)
-    old_opt = like.opt_state  # checks that ``like`` is live
-    master = tuple(_new_flat(b, layout, b.numel, b.dtypes.master, pin=True) for b in layout.buckets)
-    _fill(master, layout, source, ("params",), keymap)
-    if model_only:
-        opt_state = like.optimizer.init(layout.per_bucket(master))
-        step = 0
-    else:
-        convert = conversions(layout, old_opt, source.arrays(), source.info)
+    master = tuple(
+        _target(m, b, layout, pin=True) for m, b in zip(like.master, layout.buckets, strict=True)
+    )
+    requests = _requests(master, layout, ("params",), keymap)
+    flats: list[Sequence[torch.Tensor | None]] = [master]
+    opt_state, jobs, step = None, [], 0
+    if not model_only:
+        convert = conversions(layout, like.opt_state, source.arrays(), source.info)
 
-        def buckets(path: Keys, olds: PerBucket) -> tuple:
-            flats = olds.with_entries(
-                None if o is None else _new_flat(b, layout, o.numel(), o.dtype)
+        def buckets(path: Keys, olds: PerBucket) -> PerBucket:
+            targets = olds.with_entries(
+                None if o is None else _target(o, b, layout)
                 for o, b in zip(olds, layout.buckets, strict=True)
             )
-            _fill(flats, layout, source, ("opt_state", *path), keymap, convert)
-            return flats
+            requests.extend(_requests(targets, layout, ("opt_state", *path), keymap, convert))
+            flats.append(targets)
+            return targets
 
         opt_state = map_opt(
-            old_opt, n, buckets, lambda p, x: type(x)(source.read_scalar(("opt_state", *p)))
+            like.opt_state,
+            n,
+            buckets,
+            lambda p, x: type(x)(source.read_scalar(("opt_state", *p))),
         )
-        if convert:
-            _convert_moments(layout, source, opt_state, convert)
         step = int(source.read_scalar(("step",)))
+        if convert:
+            jobs = _conversions(layout, source, opt_state, convert)
     loss_scale = like.loss_scale
     if loss_scale is not None:
         loss_scale = LossScale(float(layout.policy.loss_scale_init), 0)
@@ -147,60 +191,97 @@ def read(
                 float(source.read_scalar(("loss_scale", "scale"))),
                 int(source.read_scalar(("loss_scale", "good_steps"))),
             )
-    return Read(master, opt_state, step, loss_scale)
+    return Plan(source, model_only, master, opt_state, flats, requests, jobs, step, loss_scale)
 
 
-def _convert_moments(
+@dataclasses.dataclass(frozen=True)
+class _Conversion:
+    """A moment stored 8-bit on one side only, or with other blocks: this rank's rows as stored
+    (``rows``: its ``out`` on the meta device, for its shape and dtype; whole global rows when
+    the source is 8-bit, since its blocks may cross this rank's ``box``) and the source's
+    scales of them (``scales``, None when the source is not 8-bit)."""
+
+    keys: Keys
+    rows: ReadRequest
+    scales: ReadRequest | None
+    full: tuple[int, ...]  # the leaf's global shape
+    box: tuple[int, int, int] | None  # this rank's part of a whole row: (dim, start, stop)
+
+
+def _conversions(
     layout: Layout, source: Source, opt_state: Any, convert: dict[Keys, Keys | None]
-) -> None:
-    """Fills the moments stored 8-bit on one side only, or with other blocks: this rank's rows
-    are read as stored (whole global rows when 8-bit: its scales are the source's tensor ranks'
-    side by side), dequantized to fp32 with the source's blocks, this rank's part taken, and
-    cast, or quantized (scales computed with this layout's blocks)."""
+) -> list[_Conversion]:
+    """What converting each moment of ``convert`` reads (nothing is read here)."""
     n, r = len(layout.buckets), layout.shard_rank
     coords = Coords(layout.tensor)
     parts: dict[Keys, PerBucket] = {}
     map_opt(opt_state, n, lambda p, x: parts.__setitem__(("opt_state", *p), x), lambda p, x: x)
     found = source.arrays()
-    requests, jobs = [], []
+    out = []
     for keys, scale_src in convert.items():
-        part = parts[keys[:-1]]
-        if isinstance(part, BlockScales):
+        if isinstance(parts[keys[:-1]], BlockScales):
             continue  # computed with its moment
         spec = layout.leaf(keys[-1])
         start, stop = spec.row_range(r)
         if stop == start:
             continue
         full = coords.shape(spec.name, spec.shape)
-        dtype_name = found[keys][1]
         g_start, g_stop, box = coords.rows(spec.name, start, stop)
-        src_scales = None
         if scale_src is None:
-            src = torch.empty((stop - start, *spec.shape[1:]), dtype=torch.float32)
-            requests.append(ReadRequest(keys, g_start, g_stop, src, box))
-        else:  # whole rows: the source's blocks may cross this rank's box
-            src = torch.empty((stop - start, *full[1:]), dtype=_TORCH_8BIT[dtype_name])
-            requests.append(ReadRequest(keys, g_start, g_stop, src))
-            cols = found[scale_src][0][1]
-            src_scales = torch.empty(stop - start, cols, dtype=torch.float32)
-            requests.append(ReadRequest(scale_src, g_start, g_stop, src_scales))
-        jobs.append((keys, scale_src, spec, full, src, src_scales, box))
-    source.read_into(requests)
-    for keys, scale_src, spec, full, src, src_scales, box in jobs:
+            rows = torch.empty((stop - start, *spec.shape[1:]), dtype=torch.float32, device="meta")
+            request = ReadRequest(keys, g_start, g_stop, rows, box)
+            out.append(_Conversion(keys, request, None, full, None))
+            continue
+        dtype = _TORCH_8BIT[found[keys][1]]
+        rows = torch.empty((stop - start, *full[1:]), dtype=dtype, device="meta")
+        cols = found[scale_src][0][1]
+        src = torch.empty(stop - start, cols, dtype=torch.float32, device="meta")
+        scales = ReadRequest(scale_src, g_start, g_stop, src)
+        request = ReadRequest(keys, g_start, g_stop, rows)
+        out.append(_Conversion(keys, request, scales, full, box))
+    return out
+
+
+def _conversion_requests(plan: Plan) -> list[ReadRequest]:
+    return [r for c in plan.conversions for r in (c.rows, c.scales) if r is not None]
+
+
+def _real(request: ReadRequest) -> ReadRequest:
+    """``request`` with a fresh CPU ``out`` of its meta one's shape and dtype."""
+    out = torch.empty(request.out.shape, dtype=request.out.dtype)
+    return request._replace(out=out)
+
+
+def _convert_moments(
+    layout: Layout, source: Source, opt_state: Any, jobs: list[_Conversion]
+) -> None:
+    """Fills the moments stored 8-bit on one side only, one leaf at a time (so one leaf's
+    rows are in scratch): this rank's rows are read as stored, dequantized to fp32 (with the
+    source's scales) and cast, or quantized (scales computed)."""
+    n, r = len(layout.buckets), layout.shard_rank
+    parts: dict[Keys, PerBucket] = {}
+    map_opt(opt_state, n, lambda p, x: parts.__setitem__(("opt_state", *p), x), lambda p, x: x)
+    for job in jobs:
+        keys, spec = job.keys, layout.leaf(job.keys[-1])
+        rows = _real(job.rows)
+        scales = None if job.scales is None else _real(job.scales)
+        source.read_into([rows] if scales is None else [rows, scales])
+        src = rows.out
         wide = src.float()
-        if src_scales is not None:
-            wide = _dequantized(source.info, scale_src, spec.name, full, src, src_scales)
-            if box is not None:
-                wide = wide.narrow(box[0], box[1], box[2] - box[1])
+        if scales is not None:
+            wide = _dequantized(source.info, job.scales.keys, spec.name, job.full, src, scales.out)
+            if job.box is not None:
+                wide = wide.narrow(job.box[0], job.box[1], job.box[2] - job.box[1])
         wide = wide.contiguous().reshape(-1)
+        del src, rows
         flat = parts[keys[:-1]][spec.bucket]
         values = shard_lib.rows_view(flat, spec, r)
         scale_part = parts.get((*keys[:-2], keys[-2] + "_scale"))
         wide = wide.to(flat.device)
         if isinstance(scale_part, BlockScales) and scale_part.blocks[spec.bucket] is not None:
             block = scale_part.blocks[spec.bucket]
-            scales = shard_lib.rows_view(scale_part[spec.bucket], spec.scales(block), r)
-            MomentFormat(flat.dtype, block).encode(wide, values.view(-1), scales.view(-1))
+            out_scales = shard_lib.rows_view(scale_part[spec.bucket], spec.scales(block), r)
+            MomentFormat(flat.dtype, block).encode(wide, values.view(-1), out_scales.view(-1))
         else:
             values.copy_(wide.view(values.shape).to(values.device))
 

@@ -45,6 +45,11 @@ class Source(Protocol):
     def scalars(self) -> set[Keys]:
         """The keys of the scalars (step, optimizer counters)."""
 
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        """Raises what ``read_into(requests)`` would raise, as far as that is known without
+        keeping the bytes (checksums verified block by block, files' sizes), and writes no
+        ``out``: ``restore`` calls it before it reads into ``like``'s own buffers."""
+
     def read_into(self, requests: Sequence[ReadRequest]) -> None:
         """Copies each request's rows into its ``out``, cast to ``out``'s dtype."""
 
@@ -74,6 +79,9 @@ class DictSource:
 
     def scalars(self) -> set[Keys]:
         return set()
+
+    def check(self, requests: Sequence[ReadRequest]) -> None:
+        pass  # in memory: nothing can fail to be read
 
     def read_into(self, requests: Sequence[ReadRequest]) -> None:
         for keys, start, stop, out, box in requests:

@@ -213,6 +213,7 @@ def all_gather_pieces(
     *,
     axis: Axis | str,
     async_op: bool = False,
+    out: torch.Tensor | None = None,
 ):
     """Every rank's 1-D ``local``, cut into pieces of ``sizes``, gathered piece by piece: piece
     ``i`` of group rank ``q`` lands at ``size * offset_i + q * sizes[i]`` of the result
@@ -223,12 +224,15 @@ def all_gather_pieces(
     own buffer, so a CPU gloo group gets each peer's pieces by point-to-point sends that land
     where they belong: ``local`` is copied once (this rank's own pieces), where the
     collective's way copies the whole gathered buffer twice (gloo's copy-out, then the
-    permutation). Counted as the all-gather it replaces (its full output)."""
+    permutation). Counted as the all-gather it replaces (its full output). ``out``: where the
+    result goes (default: a new tensor; with one rank, ``local`` itself is the result)."""
     size = dist.get_world_size(group)
     if size == 1:
         return Pending(None, local) if async_op else local
     assert sum(sizes) == local.numel(), f"pieces {sum(sizes)} of a {local.numel()} buffer"
-    out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
+    if out is None:
+        out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
+    assert out.numel() == size * local.numel() and out.dtype == local.dtype, "an all-gather's out"
     record("all_gather", out, axis)
     if _by_sends(local, group):
         pending = _gather_by_sends(out, local.contiguous(), sizes, group)

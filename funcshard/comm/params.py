@@ -150,22 +150,27 @@ def all_gather_params(layout: Layout, bucket: Bucket, local: torch.Tensor) -> op
     )
 
 
-def gather_full(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
+def gather_full(
+    layout: Layout, bucket: Bucket, local: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """ZeRO 0-2's full compute params of a bucket from this rank's compute shard, through
     ``param_comm_dtype`` when it differs from the compute dtype (also with one shard, so the
-    compute params are the same function of the masters on every layout)."""
+    compute params are the same function of the masters on every layout). ``out``: where
+    the gather without a param wire writes (a donated copy, ``restore``'s); may be unused."""
     if param_wire(layout, bucket) is None:
-        return gather_shards(layout, bucket, local)
+        return gather_shards(layout, bucket, local, out)
     return all_gather_params(layout, bucket, local).wait()
 
 
-def gather_shards(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torch.Tensor:
+def gather_shards(
+    layout: Layout, bucket: Bucket, local: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """A bucket's local flat all-gathered over the shard axis into the full layout, as it is
-    (no param wire)."""
+    (no param wire); into ``out`` when given (with one shard, ``local`` is the result)."""
     if layout.shard_size == 1:
         return local
     group, axis = layout.shard_group, layout.shard_axis
-    return ops.all_gather_pieces(local, _sizes(layout, bucket), group, axis=axis)
+    return ops.all_gather_pieces(local, _sizes(layout, bucket), group, axis=axis, out=out)
 
 
 def all_gather_nbytes(layout: Layout, bucket: Bucket) -> int:
