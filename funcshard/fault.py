@@ -191,7 +191,11 @@ class Replicas:
         """
         self._serve = serve
         joined, self._joined = self._joined, None
-        if joined is not None and joined == identity:
+        if (
+            joined is not None
+            and len(joined) == len(identity)
+            and all(a is b for a, b in zip(joined, identity, strict=True))
+        ):
             return None
         manager = self.manager
         manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})

@@ -16,9 +16,8 @@ the masters encoded once by their owners and the inner shard kept so: :mod:`func
 
 Leaves of one gather unit with the same dtypes and placement form a bucket: one flat buffer,
 one collective, one fused optimizer call. The layout is computed locally from parameter shapes
-and the mesh shape alone, so every rank derives the same one without communicating (under
-tensor parallelism every tensor rank the same buckets of its own local shards: choices between
-leaves are made by shapes that agree over "tensor", :func:`_offload_sizes`).
+and the mesh shape alone, so every rank derives the same one without communicating (every
+tensor rank the same buckets of its local shards: offload picks by shapes that agree).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from funcshard.model_units import (
     tied_aliases,
     unit_of,
 )
+from funcshard.offload_choice import pick_offloaded
 from funcshard.policy import LeafDtypes, MixedPrecisionPolicy
 from funcshard.strategy import OuterStrategy, Strategy
 from funcshard.tensor_parallel import TensorParallel
@@ -335,32 +335,6 @@ def _drop_groups(layout: Layout) -> None:
         mesh_lib.drop_mesh_groups(layout.mesh)
 
 
-def _pick_offloaded(sizes: list[int], fraction: float) -> set[int]:
-    """Whole leaves whose summed size is close to ``fraction`` of the total, deterministically.
-
-    Largest leaves first (ties broken by position), a leaf is taken while it still fits under
-    the target; then the smallest leaf left out is added if that lands closer. The result is
-    within half a leaf of the target: ``|sum - target| <= min(left out) / 2``.
-    """
-    if fraction <= 0:
-        return set()
-    if fraction >= 1:
-        return set(range(len(sizes)))
-    target = fraction * sum(sizes)
-    chosen: set[int] = set()
-    acc = 0
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        if acc + sizes[i] <= target:
-            chosen.add(i)
-            acc += sizes[i]
-    left = [i for i in range(len(sizes)) if i not in chosen and sizes[i] > 0]
-    if left:
-        smallest = min(left, key=lambda i: (sizes[i], i))
-        if abs(acc + sizes[smallest] - target) < abs(acc - target):
-            chosen.add(smallest)
-    return chosen
-
-
 def _offload_sizes(
     params: dict[str, tuple[tuple[int, ...], torch.dtype]],
     raw: list[tuple],
@@ -477,7 +451,7 @@ def build_layout(
         + (unit_of(name, prefixes),)
         for name, (shape, dtype) in params.items()
     ]
-    offloaded = _pick_offloaded(
+    offloaded = pick_offloaded(
         _offload_sizes(params, raw, tensor, policy, shard_size, deterministic), offload_fraction
     )
 

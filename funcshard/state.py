@@ -10,7 +10,7 @@ is cast from the master at gather time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -24,13 +24,13 @@ from funcshard import mesh as mesh_lib
 from funcshard import sharding as shard_lib
 from funcshard import tensor_parallel as tp_lib
 from funcshard.buckets import NAMESPACE, map_parts
-from funcshard.comm import params as params_lib
 from funcshard.compiling import (
     Backend,
     backend_of,
     check_not_compiled_around_units,
     unwrapped,
 )
+from funcshard.derive import derive_compute, pack_masters
 from funcshard.donation import ConsumedStateError
 from funcshard.layout import Layout, UnitsArg, build_layout
 from funcshard.optim import Optimizer
@@ -310,99 +310,6 @@ def _unflatten(static: _Static, children) -> TrainState:
 tree.register_node(TrainState, _flatten, _unflatten)
 
 
-def derive_compute(
-    layout: Layout,
-    master: tuple[torch.Tensor, ...],
-    local: Sequence[torch.Tensor | None] | None = None,
-    *,
-    into: Sequence[torch.Tensor | None] | None = None,
-) -> tuple[torch.Tensor | None, ...]:
-    """The compute copies implied by the master buffers (a collective under ZeRO 1-2).
-
-    ZeRO 0-2: per bucket the full compute params (full layout, compute dtype, on the device),
-    the master itself when no cast or move is needed. ZeRO-3: only offloaded buckets keep a
-    device compute shard; the others are cast at gather time. HFSDP first all-gathers the
-    replicas' masters over "replicate" into the inner shard (:attr:`Layout.inner`), which
-    ZeRO-3 keeps for every bucket: in the compute dtype, or with a param wire as the ``R``
-    masters packed on it (each encoded once by its owner:
-    :func:`funcshard.comm.params.gather_replicas`).
-
-    Args:
-      layout: the state's layout.
-      master: one master flat per bucket.
-      local: optional, per bucket, the master already cast to the compute dtype on the device
-        (``offload_step`` writes it during the CPU step); None entries are cast here.
-      into: optional, per bucket, a donated compute copy of the same layout to write each
-        new one into (``restore``): one bucket's new copy at a time is alive, not all.
-    """
-    out = []
-    for i, m in enumerate(master):
-        old = None if into is None or into[i] is None or into[i].is_meta else into[i]
-        c = _derive_one(layout, i, m, None if local is None else local[i], old)
-        if c is not None and old is not None and not _same_buffer(c, old):
-            assert old.shape == c.shape and old.dtype == c.dtype, "a compute copy of the layout"
-            old.copy_(c)
-            c = old
-        out.append(c)
-    return tuple(out)
-
-
-def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.device == b.device
-
-
-def _derive_one(
-    layout: Layout, i: int, m: torch.Tensor, given: torch.Tensor | None, into: torch.Tensor | None
-) -> torch.Tensor | None:
-    """Bucket ``i``'s compute copy of master ``m`` (``derive_compute``'s, one bucket); ZeRO
-    0-2's full params gathered into ``into`` where the gather can write there."""
-    inner = layout.inner
-    bucket = layout.buckets[i]
-    dtype, part = bucket.dtypes.compute, inner.buckets[i]
-    sharded = layout.strategy.shards_params
-    # ZeRO-3 keeps a compute shard where it cannot be cast from the master at gather
-    # time: an offloaded master, or (HFSDP) a master that is 1/R of the shard
-    keep = sharded and (bucket.offload or layout.hierarchical)
-    if m.is_meta:
-        if keep and params_lib.packs_shard(inner, part):
-            return params_lib.empty_packed(inner, part, "meta")
-        size = part.numel * (1 if sharded else inner.shard_size)
-        kept = keep or not sharded
-        return torch.empty(size, dtype=dtype, device="meta") if kept else None
-    if given is not None:
-        assert given.dtype == dtype and given.numel() == m.numel(), "a derived shard"
-    local_i = (
-        given
-        if given is not None
-        else m.to(device=layout.device, dtype=dtype, non_blocking=bucket.offload)
-    )
-    if layout.hierarchical:  # the updated masters of every replica: the inner shard
-        local_i = params_lib.gather_replicas(layout, bucket, local_i)
-    if sharded:
-        return local_i if keep else None
-    return params_lib.gather_full(inner, part, local_i, into)
-
-
-def _pack_masters(layout: Layout, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """This rank's master flat of every bucket, packed from the model's weights (pinned on the
-    host when offloaded beside a CUDA device)."""
-    master = []
-    for bucket in layout.buckets:
-        specs = layout.bucket_leaves(bucket)
-        device = "cpu" if bucket.offload else layout.device
-        flat = shard_lib.pack_local(
-            [named[s.name] for s in specs],
-            specs,
-            layout.shard_rank,
-            dtype=bucket.dtypes.master,
-            device=device,
-        )
-        if bucket.offload and flat.device.type == "cpu" and layout.device.type == "cuda":
-            flat = flat.pin_memory()
-        master.append(flat)
-    return tuple(master)
-
-
 def init(
     model: nn.Module,
     opt: Optimizer,
@@ -496,18 +403,14 @@ def init(
         check_not_compiled_around_units(given, layout.units[1:], layout.strategy)
     if layout.hierarchical:
         mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
-    master = _pack_masters(layout, named)
-    fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
-    loss_scale = LossScale(float(policy.loss_scale_init), 0) if fp16 else None
-    replicas = None
-    if fault_tolerance is not None:
-        replicas = fault_lib.Replicas(fault_tolerance, layout.device)
+    master = pack_masters(layout, named)
+    replicas = fault_tolerance and fault_lib.Replicas(fault_tolerance, layout.device)
     state = TrainState(
         master=master,
         compute=derive_compute(layout, master),
         opt_state=opt.init(layout.per_bucket(master)),
         step=0,
-        loss_scale=loss_scale,
+        loss_scale=_initial_loss_scale(layout),
         static=_Static(layout, opt, backend, replicas, every),
     )
     if replicas is None:
@@ -517,10 +420,17 @@ def init(
     return state
 
 
-def identity(state: TrainState) -> tuple[int, tuple[int, ...]]:
-    """What tells a state from another made after it (a restore reads into new buffers): its
-    step and the addresses of its master buffers."""
-    return state.step, tuple(m.data_ptr() for m in state.master)
+def _initial_loss_scale(layout: Layout) -> LossScale | None:
+    """fp16 compute's dynamic loss scale at its start (None: no fp16 bucket)."""
+    fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
+    return LossScale(float(layout.policy.loss_scale_init), 0) if fp16 else None
+
+
+def identity(state: TrainState) -> tuple[Any, ...]:
+    """What tells a state from every other one, a state restored in place into its buffers
+    included: its buffers' liveness tokens (a donation hands the buffers on with fresh
+    ones), compared by ``is``."""
+    return state._live
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:

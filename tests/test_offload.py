@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import funcshard as fs
 from funcshard import offload as offload_lib
-from funcshard.layout import _pick_offloaded
+from funcshard.offload_choice import pick_offloaded
 
 import models
 
@@ -179,8 +179,8 @@ def test_trajectories_equal_no_offload(request, mesh: str) -> None:
 def test_pick_offloaded_is_close_and_deterministic() -> None:
     sizes = [400, 100, 300, 100, 50, 50, 0, 1000]
     for f in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
-        chosen = _pick_offloaded(sizes, f)
-        assert chosen == _pick_offloaded(list(sizes), f)
+        chosen = pick_offloaded(sizes, f)
+        assert chosen == pick_offloaded(list(sizes), f)
         achieved = sum(sizes[i] for i in chosen) / sum(sizes)
         assert abs(achieved - f) <= 25 / sum(sizes) + 1e-12, (f, achieved, chosen)  # 50 / 2
 

@@ -17,11 +17,11 @@ import tensorstore as ts
 import torch
 
 from funcshard.checkpoint import checksums as checksums_lib
+from funcshard.checkpoint import orbax_files as files
 from funcshard.checkpoint import stats
 from funcshard.checkpoint.coords import Box, box_slices, read_box, split_of
 from funcshard.checkpoint.format import (
     CHECKPOINT_METADATA_FILE,
-    COMMIT_FILE,
     METADATA_FILE,
     NUMPY_DTYPE,
     TORCH_FROM_NUMPY,
@@ -29,80 +29,15 @@ from funcshard.checkpoint.format import (
     chunk_file,
     param_dir,
     parse_json,
-    read_commit_mark,
     read_json,
     to_torch,
 )
+from funcshard.checkpoint.orbax_files import resolve_orbax_item
 from funcshard.checkpoint.sources import ReadRequest, copy_rows
 
 __all__ = ["OrbaxSource", "resolve_orbax_item"]
 
 READ_THREADS = 4
-
-
-def _pread(fd: int, out: memoryview, offset: int, leaf: str, chunk: int | str) -> None:
-    got = os.preadv(fd, [out], offset) if len(out) else 0
-    if got != len(out):
-        raise OSError(f"{leaf}: chunk {chunk} is short ({got} of {len(out)} bytes)")
-
-
-def resolve_orbax_item(path: str) -> tuple[str, str, bool]:
-    """``(item_dir, step_dir, root_is_params)`` of the Orbax checkpoint at ``path``.
-
-    ``path`` may be an item (it holds ``_METADATA``), or a step directory of Orbax's
-    ``CheckpointManager``: its single item (``<step>/default``), or the ``params`` item of a
-    Composite, whose tree is then the params themselves.
-    """
-    if os.path.exists(os.path.join(path, METADATA_FILE)):
-        return path, path, False
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"restore: {path} does not exist")
-    items = sorted(
-        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, METADATA_FILE))
-    )
-    if len(items) == 1 or "params" in items:
-        item = items[0] if len(items) == 1 else "params"
-        return os.path.join(path, item), path, item == "params"
-    if not items:
-        raise FileNotFoundError(
-            f"restore: {path} holds no Orbax checkpoint (no _METADATA in it nor in an item "
-            f"directory of it) and no Hugging Face safetensors (model.safetensors or "
-            f"model.safetensors.index.json); it holds {sorted(os.listdir(path))[:20]}"
-        )
-    raise FileNotFoundError(
-        f"restore: {path} holds several Orbax items {items} and none is "
-        "named 'params'; pass the item's directory"
-    )
-
-
-def _version(mark: dict) -> int:
-    try:
-        return int(mark.get("version", 0))
-    except (TypeError, ValueError):
-        return 0
-
-
-def _marks(
-    meta: dict, meta_path: str, info: dict | None, info_path: str | None, dirs: set[str]
-) -> list[tuple[str, dict]]:
-    """funcshard's marks on a checkpoint (see ``funcshard.checkpoint.format``), each with
-    where it was found: none on a checkpoint funcshard did not write."""
-    out = []
-    if isinstance(info, dict):
-        out.append((f"{info_path} (custom_metadata.funcshard)", info))
-    custom = meta.get("custom_metadata")
-    if isinstance(custom, dict) and isinstance(custom.get("funcshard"), dict):
-        out.append((f"{meta_path} (custom_metadata.funcshard)", custom["funcshard"]))
-    for d in sorted(dirs):
-        mark = read_commit_mark(d)
-        if mark is not None:
-            out.append((os.path.join(d, COMMIT_FILE), mark))
-    return out
-
-
-def _dtype_name(zarr_dtype: str) -> str:
-    np_dtype = NUMPY_DTYPE.get(zarr_dtype)
-    return np_dtype.name if np_dtype is not None else zarr_dtype
 
 
 class OrbaxSource:
@@ -154,7 +89,7 @@ class OrbaxSource:
                 info_path = ckpt_meta
                 self.info = (read_json(ckpt_meta).get("custom_metadata") or {}).get("funcshard")
                 break
-        marks = _marks(meta, meta_path, self.info, info_path, {self.directory, step_dir})
+        marks = files.marks(meta, meta_path, self.info, info_path, {self.directory, step_dir})
         self._check_record(marks, info_path or os.path.join(step_dir, CHECKPOINT_METADATA_FILE))
         record = self.record
         self.checksums: checksums_lib.Checksums | None = None if record is None else record.arrays
@@ -182,7 +117,7 @@ class OrbaxSource:
             where
             for where, mark in marks
             if mark.get("checksums") == checksums_lib.ALGORITHM
-            or (_version(mark) >= 3 and "checksums" not in mark)  # format 3 always says
+            or (files.version(mark) >= 3 and "checksums" not in mark)  # format 3 always says
         ]
         record_path = os.path.join(self.directory, checksums_lib.CHECKSUM_FILE)
         if self.record is None:
@@ -192,7 +127,7 @@ class OrbaxSource:
                     f"checksums (so say {'; '.join(claims)}); the checkpoint is damaged"
                 )
             return
-        version = max([self.record.version, *(_version(m) for _, m in marks)])
+        version = max([self.record.version, *(files.version(m) for _, m in marks)])
         if version >= 3 and (self.record.metadata is None or self.record.info is None):
             raise ValueError(
                 f"restore: {record_path} holds no checksums of the metadata files, though the "
@@ -286,7 +221,7 @@ class OrbaxSource:
         for k in keys:
             md = self._simple(k)
             if md is not None:
-                out[k] = (tuple(md["shape"]), _dtype_name(md["dtype"]))
+                out[k] = (tuple(md["shape"]), files.dtype_name(md["dtype"]))
             else:
                 slow.append(k)
         self._ts(slow)
@@ -389,7 +324,7 @@ class OrbaxSource:
             elif check_only:
                 self._verify_blocks(fd, lo, hi, size, recorded.get(name, []), leaf_name, path)
             elif recorded is None:
-                _pread(fd, out, lo, leaf_name, k)
+                files.pread(fd, out, lo, leaf_name, k)
             else:
                 crcs = recorded.get(name, [])
                 self._pread_verified(fd, out, lo, hi, size, crcs, leaf_name, path)
@@ -407,7 +342,7 @@ class OrbaxSource:
         scratch = memoryview(bytearray(min(step, b - a)))
         for at in range(a, b, step):
             block = scratch[: min(step, b - at)]
-            _pread(fd, block, at, leaf, path)
+            files.pread(fd, block, at, leaf, path)
             checksums_lib.verify(
                 block, first + (at - a) // step, crcs, step, leaf=leaf, file=path, at=at
             )
@@ -438,7 +373,7 @@ class OrbaxSource:
             else:
                 scratch = scratch or memoryview(bytearray(step))
                 block = scratch[: end - at]
-            _pread(fd, block, at, leaf, path)
+            files.pread(fd, block, at, leaf, path)
             checksums_lib.verify(
                 block, first + (at - a) // step, crcs, step, leaf=leaf, file=path, at=at
             )
