@@ -283,8 +283,8 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     # the norm's sums run over the masters' group (every rank under HFSDP), then over "tensor"
     masters, axis, T = layout.shard_size, layout.shard_axis, _tensor_size(layout)
     flag = int(T > 1)  # the tensor group's batch check rides with the loss
-    if T > 1:  # its losses, all-gathered over "tensor"
-        add("metrics", 1, T * _METRIC_BYTES, "tensor")
+    if T > 1:  # its batch digests (3 words) and losses, all-gathered over "tensor"
+        add("metrics", 1, T * 4 * _METRIC_BYTES, "tensor")
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
         if world > 1:
             add("metrics", 1, world * (M + flag) * _METRIC_BYTES, "world")

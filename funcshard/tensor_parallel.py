@@ -193,29 +193,21 @@ class TensorParallel:
     ) -> str | None:
         """Why this tensor group's ranks did not run on the same batch, or None.
 
-        One all-gather over "tensor" (counted under "metrics") of this rank's
-        :func:`batch_fingerprint` and its loss: a batch leaf whose bytes differ from tensor rank
-        0's is named with the ranks that differ; same bytes but losses apart (1e-3 relative:
-        the model's reductions may round apart) say the model draws other random numbers per
-        tensor rank."""
-        local = torch.cat([fingerprint.reshape(-1), loss.double().reshape(1).view(torch.int64)])
+        One all-gather over "tensor" (counted under "metrics") of four words whatever the
+        batch: a digest of this rank's :func:`batch_fingerprint` (its leaves' rows summed with
+        odd weights, modulo 2^64) and its loss. Only where the digests differ, a second one
+        of every leaf's fingerprint names the batch leaves that differ from tensor rank 0's,
+        with the ranks; the same bytes but losses apart (1e-3 relative: the model's
+        reductions may round apart) say the model draws other random numbers per tensor
+        rank."""
+        odd = torch.arange(1, 2 * fingerprint.shape[0], 2, dtype=torch.int64)
+        digest = (fingerprint * odd.to(fingerprint.device).unsqueeze(1)).sum(dim=0)
+        local = torch.cat([digest.reshape(-1), loss.double().reshape(1).view(torch.int64)])
         every = ops.all_gather(local, self.group, axis=ops.Axis.TENSOR, kind="metrics")
         rows = every.view(self.size, -1).tolist()  # one sync; the rest is Python on ints
-        prints = [row[:-1] for row in rows]
         losses = [struct.unpack("<d", struct.pack("<q", row[-1]))[0] for row in rows]
-        width = len(prints[0]) // max(len(paths), 1)
-        differ = [
-            (path, [t for t in range(self.size) if prints[t][cut] != prints[0][cut]])
-            for i, path in enumerate(paths)
-            for cut in [slice(i * width, (i + 1) * width)]
-        ]
-        if any(ts for _, ts in differ):
-            ranks = dist.get_process_group_ranks(self.group)
-            named = ", ".join(f"{p!r} on ranks {[ranks[t] for t in ts]}" for p, ts in differ if ts)
-            return (
-                f"the tensor group of ranks {ranks} passed different batches: batch leaf "
-                f"{named} differs from rank {ranks[0]}'s"
-            )
+        if any(row[:-1] != rows[0][:-1] for row in rows):
+            return self._batch_leaves_apart(paths, fingerprint)
         if not all(math.isfinite(v) for v in losses):
             return None  # a nonfinite loss: the step is skipped as any other
         if max(losses) - min(losses) > 1e-3 * max(abs(v) for v in losses):
@@ -226,6 +218,25 @@ class TensorParallel:
                 "(dropout seeded by rank?)"
             )
         return None
+
+    def _batch_leaves_apart(self, paths: tuple[str, ...], fingerprint: torch.Tensor) -> str:
+        """The batch leaves whose fingerprint differs from tensor rank 0's, with the ranks (an
+        all-gather of every leaf's fingerprint: only once the digests differ)."""
+        every = ops.all_gather(
+            fingerprint.reshape(-1), self.group, axis=ops.Axis.TENSOR, kind="metrics"
+        )
+        prints = every.view(self.size, len(paths), -1).tolist()
+        ranks = dist.get_process_group_ranks(self.group)
+        apart = [
+            [ranks[t] for t in range(self.size) if prints[t][i] != prints[0][i]]
+            for i in range(len(paths))
+        ]
+        named = ", ".join(f"{p!r} on ranks {r}" for p, r in zip(paths, apart, strict=True) if r)
+        return (
+            f"the tensor group of ranks {ranks} passed different batches: batch leaf "
+            f"{named or '(every leaf alike, their order or count not)'} differs from rank "
+            f"{ranks[0]}'s"
+        )
 
     def part_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This tensor rank's shard of ``name``'s global tensor ``full`` (a contiguous copy)."""
