@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import funcshard as fs
 from funcshard import checkpoint as ckpt_lib
-from funcshard.testing import PeakMemory
+from funcshard.testing import PeakMemory, state_bytes
 
 DIM = flags.DEFINE_integer("dim", 1536, "width of the square Linear layers")
 LAYERS = flags.DEFINE_integer("layers", 8, "number of Linear layers")
@@ -369,16 +369,6 @@ def memory_save(directory: str, dim: int, layers: int) -> None:
     fs.save(directory, _state(dim, layers, "cpu")[0])
 
 
-def _state_bytes(state: fs.TrainState) -> int:
-    """Bytes of every distinct buffer of ``state`` (masters, compute copies, optimizer)."""
-    storages = {}
-    for t in fs.tree.leaves(state):
-        if isinstance(t, torch.Tensor) and not t.is_meta:
-            s = t.untyped_storage()
-            storages[(s.device, s.data_ptr())] = s.nbytes()
-    return sum(storages.values())
-
-
 def memory_restore(directory: str, dim: int, layers: int) -> list[dict]:
     """Each case's peak memory of ``fs.restore`` above the rank's before it, and its state's
     bytes (``like`` stays referenced meanwhile, as a caller's ``state`` would)."""
@@ -391,7 +381,7 @@ def memory_restore(directory: str, dim: int, layers: int) -> list[dict]:
         )
         with PeakMemory() as peak:
             state = fs.restore(directory, like=like, model_only=model_only)
-        out.append({"extra": peak.extra, "state": _state_bytes(state)})
+        out.append({"extra": peak.extra, "state": state_bytes(state)})
         del like, state
     return out
 

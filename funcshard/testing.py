@@ -17,12 +17,14 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from funcshard._results import call_and_send, gather, stop
 from funcshard.launch import free_port, init_process_group
+from funcshard.state import tree
 
-__all__ = ["PeakMemory", "RankPool", "TIMEOUT_ENV", "scaled_timeout"]
+__all__ = ["PeakMemory", "RankPool", "TIMEOUT_ENV", "scaled_timeout", "state_bytes"]
 
 TIMEOUT_ENV = "FUNCSHARD_POOL_TIMEOUT"
 
@@ -169,3 +171,14 @@ class RankPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of every distinct buffer of a ``TrainState`` (masters, compute copies, optimizer
+    state; a buffer several leaves view counts once)."""
+    storages = {}
+    for t in tree.leaves(state):
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            s = t.untyped_storage()
+            storages[(s.device, s.data_ptr())] = s.nbytes()
+    return sum(storages.values())

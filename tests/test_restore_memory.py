@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
-from funcshard.testing import PeakMemory
+from funcshard.testing import PeakMemory, state_bytes
 
 DIM, LAYERS = 1024, 16  # 16.8M params: 100 MB of AdamW state a rank at 2 ranks
 BOUND = 0.10  # peak extra memory of a restore / the state's bytes
@@ -37,16 +37,6 @@ def _loss_fn(model: nn.Module):
         return fs.functional_call(model, params, (x,)).square().mean()
 
     return loss_fn
-
-
-def state_bytes(state: fs.TrainState) -> int:
-    """Bytes of every distinct buffer of ``state`` (masters, compute copies, optimizer)."""
-    storages = {}
-    for t in fs.tree.leaves(state):
-        if isinstance(t, torch.Tensor) and not t.is_meta:
-            s = t.untyped_storage()
-            storages[(s.device, s.data_ptr())] = s.nbytes()
-    return sum(storages.values())
 
 
 def save_worker(directory: str) -> None:
