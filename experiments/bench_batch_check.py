@@ -1,5 +1,5 @@
 """The cost of train_step's batch check on a tensor group: what a rank received fingerprinted
-(:func:`funcshard.tensor_parallel.batch_fingerprint`), the fingerprints and losses all-gathered
+(:func:`funcshard.parallel.tensor.batch_fingerprint`), the fingerprints and losses all-gathered
 over "tensor" and compared, beside the check it replaced (the loss alone all-gathered).
 
     python experiments/bench_batch_check.py                  # 2 gloo CPU ranks, T=2
@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import median_time  # noqa: E402
 
 import funcshard as fs  # noqa: E402
-from funcshard import tensor_parallel as tp_lib  # noqa: E402
-from funcshard.comm import ops  # noqa: E402
+from funcshard.distributed import ops  # noqa: E402
+from funcshard.parallel import tensor as tp_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rows", 2048, "Rows of each batch leaf.")

@@ -342,7 +342,7 @@ def bench_convert(root: str, dim: int, layers: int) -> dict:
     src = os.path.join(root, "convert-src")
     _rm_local(src)
     info = fs.launch(convert_save, src, dim, layers, nproc=2)[0]
-    out = {"base": _max_rss_mb("-c", "import funcshard.cli"), **info}
+    out = {"base": _max_rss_mb("-c", "import funcshard.checkpoint.cli"), **info}
     for name, extra in (
         ("safetensors", ()),
         ("safetensors --dtype=bf16", ("--dtype=bf16",)),

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import _ft_job  # noqa: E402
 
-from funcshard.launch import free_port  # noqa: E402
+from funcshard.distributed.launch import free_port  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 60, "Committed steps per run.", lower_bound=4)

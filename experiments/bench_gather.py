@@ -7,7 +7,7 @@ ranks, alternated in one run:
 * collective: ``all_gather_into_tensor`` then the copy of each leaf's rows into place
   (``torch.split_with_sizes_copy``), as FSDP2 does it (and funcshard on NCCL, which writes the
   gathered buffer in place). gloo gathers into a buffer of its own and copies the result out.
-* funcshard: ``funcshard.comm.ops.all_gather_pieces``, which on gloo sends each leaf's rows
+* funcshard: ``funcshard.distributed.ops.all_gather_pieces``, which on gloo sends each leaf's rows
   straight to where they belong on every peer (small leaves travel together).
 
 Reported per gather: median wall ms, the CPU ms of the rank's process (gloo's threads
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from absl import app, flags
 
 import funcshard as fs
-from funcshard.comm import ops
+from funcshard.distributed import ops
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("nproc", 2, "gloo ranks (the shard size)")

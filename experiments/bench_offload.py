@@ -27,8 +27,8 @@ from absl import app, flags
 from torch import nn
 
 import funcshard as fs
-from funcshard import offload as offload_lib
-from funcshard.launch import free_port, init_process_group
+from funcshard.distributed.launch import free_port, init_process_group
+from funcshard.step import update as offload_lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` as a package
 from experiments.timing import median_time  # noqa: E402

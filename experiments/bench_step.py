@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import funcshard as fs  # noqa: E402
-from funcshard.policy import native_bf16_reason  # noqa: E402
+from funcshard.layout.policy import native_bf16_reason  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("nproc", 2, "Local ranks (gloo on CPU, NCCL with --device=cuda).")

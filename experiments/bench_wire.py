@@ -38,7 +38,7 @@ from absl import app, flags
 
 import funcshard as fs
 from funcshard.comm import codec as wire
-from funcshard.comm import ops as collectives
+from funcshard.distributed import ops as collectives
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` as a package
 

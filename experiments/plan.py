@@ -15,7 +15,7 @@ import torch
 from absl import app, flags
 
 import funcshard as fs
-from funcshard.plan import format_bytes, transformer_shapes
+from funcshard.planner.plan import format_bytes, transformer_shapes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "llama70b", ["llama70b", "llama8b", "zero_7.5b"], "Shapes to plan.")

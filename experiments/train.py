@@ -32,7 +32,7 @@ from absl import app, flags  # noqa: E402
 import funcshard as fs  # noqa: E402
 from experiments.gpt import GPTConfig  # noqa: E402
 from experiments.trainer import Config, microbatches_for, run  # noqa: E402
-from funcshard.policy import native_bf16_reason  # noqa: E402
+from funcshard.layout.policy import native_bf16_reason  # noqa: E402
 
 DTYPES = {
     "bf16": torch.bfloat16,

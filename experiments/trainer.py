@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import funcshard as fs
 from experiments import data as data_lib
 from experiments.gpt import GPT, GPTConfig, tensor_plan
-from funcshard.mesh import local_device
+from funcshard.distributed.mesh import local_device
 
 __all__ = ["Config", "run", "lr_schedule", "final_line", "microbatches_for"]
 

@@ -3,22 +3,22 @@
 from funcshard import optim
 from funcshard.checkpoint import CheckpointManager, export_safetensors, restore, save
 from funcshard.comm.grads import reduce_scatter_grads
-from funcshard.comm.ops import CommStats, comm_stats
-from funcshard.fault import FaultTolerance
-from funcshard.functional import GatheredParams, functional_call
-from funcshard.launch import init_from_env, launch
-from funcshard.layout import STRATEGIES
-from funcshard.mesh import make_mesh
-from funcshard.offload import offload_step
-from funcshard.plan import plan
-from funcshard.policy import MixedPrecisionPolicy
-from funcshard.replica_check import ReplicaMismatchError, check_replicas
-from funcshard.sharding import shard
-from funcshard.state import ConsumedStateError, LossScale, TrainState, init, tree
-from funcshard.step import full_params, train_step
-from funcshard.strategy import OuterStrategy, Strategy
-from funcshard.summary import describe
-from funcshard.units import UnitParamsError
+from funcshard.distributed.launch import init_from_env, launch
+from funcshard.distributed.mesh import make_mesh
+from funcshard.distributed.ops import CommStats, comm_stats
+from funcshard.fault.replicas import FaultTolerance
+from funcshard.layout.layout import STRATEGIES
+from funcshard.layout.policy import MixedPrecisionPolicy
+from funcshard.layout.sharding import shard
+from funcshard.layout.strategy import OuterStrategy, Strategy
+from funcshard.planner.plan import plan
+from funcshard.planner.summary import describe
+from funcshard.state.replica_check import ReplicaMismatchError, check_replicas
+from funcshard.state.state import ConsumedStateError, LossScale, TrainState, init, tree
+from funcshard.step.functional import GatheredParams, functional_call
+from funcshard.step.train import full_params, train_step
+from funcshard.step.units import UnitParamsError
+from funcshard.step.update import offload_step
 
 __all__ = [
     "STRATEGIES",

@@ -1,8 +1,8 @@
-"""``python -m funcshard inspect | verify | convert`` (see ``funcshard.cli``)."""
+"""``python -m funcshard inspect | verify | convert`` (see ``funcshard.checkpoint.cli``)."""
 
 import sys
 
-from funcshard.cli import main
+from funcshard.checkpoint.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from funcshard._results import call_and_send, gather, stop
-from funcshard.launch import free_port, init_process_group
-from funcshard.state import tree
+from funcshard.distributed.launch import free_port, init_process_group
+from funcshard.distributed.results import call_and_send, gather, stop
+from funcshard.state.state import tree
 
 __all__ = ["PeakMemory", "RankPool", "TIMEOUT_ENV", "scaled_timeout", "state_bytes"]
 

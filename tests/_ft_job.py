@@ -170,7 +170,7 @@ def start_group(
 ) -> list[subprocess.Popen]:
     """Starts group ``group``'s 2 ranks, in a new process group (rank 0 leads it); the
     options are the module docstring's."""
-    from funcshard.launch import free_port
+    from funcshard.distributed.launch import free_port
 
     port, procs = free_port(), []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -190,7 +190,7 @@ def start_group(
 
 
 def main(argv: list[str]) -> None:
-    from funcshard.launch import init_process_group
+    from funcshard.distributed.launch import init_process_group
 
     root, group, steps, lighthouse, rank, port = argv[:6]
     kill_at = int(argv[6]) if len(argv) > 6 else None

@@ -114,7 +114,7 @@ if __name__ == "__main__":
         sys.exit(0)
     root_dir, nproc, n_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if nproc == 1:  # a 1-rank gloo group in this very process: no spawn to wait for
-        from funcshard.launch import free_port, init_process_group
+        from funcshard.distributed.launch import free_port, init_process_group
 
         init_process_group(0, 1, free_port(), backend="gloo")
         job(root_dir, n_steps)

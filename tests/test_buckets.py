@@ -1,4 +1,5 @@
-"""funcshard.buckets: PerBucket keeps each bucket's Members off the leaves, through tree maps.
+"""funcshard.layout.buckets: PerBucket keeps each bucket's Members off the leaves, through tree
+maps.
 
 The optimizer state that ``tree.map`` builds from a PerBucket of master buffers is again a
 PerBucket with the same members: that is how checkpoints and the offloaded step find the
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard.buckets import NAMESPACE, Members, PerBucket, is_per_bucket
+from funcshard.layout.buckets import NAMESPACE, Members, PerBucket, is_per_bucket
 
 MEMBERS = (Members(("a", "b"), ((2, 3), ())), Members(("c",), ((4,),)))
 

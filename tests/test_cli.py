@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 import transformers
 
 import funcshard as fs
-from funcshard import cli
+from funcshard.checkpoint import cli
 
 import helpers_checksums
 import helpers_hf

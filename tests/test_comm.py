@@ -435,7 +435,7 @@ def pieces_worker(shard: int, replicate: int, by_sends: bool) -> list[str]:
     together) and large, three gathers in flight at once, waited for in reverse order; then
     one dropped unwaited. ``by_sends``: gloo's way (sends to each piece's place), else the
     all-gather and placement NCCL takes. Returns failures."""
-    from funcshard.comm import ops
+    from funcshard.distributed import ops
 
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
     group = mesh["shard"].get_group()

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard import determinism
 from funcshard.comm.wires import TreeWire
+from funcshard.layout import determinism
 
 import models
 from helpers_determinism import (

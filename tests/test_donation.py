@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from funcshard import donation
+from funcshard.state import donation
 
 
 def test_states_sharing_a_storage_share_its_token() -> None:

@@ -61,7 +61,7 @@ class Lighthouse:
     """A lighthouse on a free port (1 s heartbeat timeout, a short join wait)."""
 
     def __init__(self, root: str, min_replicas: int) -> None:
-        from funcshard.launch import free_port
+        from funcshard.distributed.launch import free_port
 
         port = free_port()
         self.address = f"http://127.0.0.1:{port}"
@@ -350,7 +350,7 @@ def _init_on_2x1(outer: str, ft: fs.FaultTolerance) -> str:
 
 
 def test_missing_torchft_says_how_to_install(monkeypatch):
-    from funcshard import fault
+    from funcshard.fault import replicas as fault
 
     monkeypatch.setitem(sys.modules, "torchft", None)
     monkeypatch.setitem(sys.modules, "torchft.manager", None)

@@ -1,4 +1,4 @@
-"""funcshard.functional: functional_call with plain dicts, StepParams and GatheredParams.
+"""funcshard.step.functional: functional_call with plain dicts, StepParams and GatheredParams.
 
 A plain dict behaves as ``torch.func.functional_call``. ``StepParams`` (ZeRO-0/1) stay in the
 model until ``close()``, so that a recomputation in backward sees this step's weights, and
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import funcshard as fs
-from funcshard.functional import GatheredParams, StepParams
+from funcshard.step.functional import GatheredParams, StepParams
 
 import models
 

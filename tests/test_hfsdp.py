@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard.plan import transformer_shapes
+from funcshard.planner.plan import transformer_shapes
 
 import models
 

@@ -167,7 +167,7 @@ def test_pool_reports_a_dead_rank_before_its_timeout(tmp_path):
 def test_cuda_backend_routes_cpu_tensors_to_gloo(monkeypatch) -> None:
     """With CUDA, one process group serves CPU meshes over gloo and CUDA ones over NCCL, and a
     rank beyond the GPUs shares one (only a CUDA mesh needs a GPU per rank)."""
-    launch = importlib.import_module("funcshard.launch")  # the module, not fs.launch
+    launch = importlib.import_module("funcshard.distributed.launch")  # the module, not fs.launch
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -261,7 +261,7 @@ def test_init_from_env_joins_without_torchrun(tmp_path) -> None:
     env = {k: v for k, v in _job_env(shared=True).items() if not k.startswith("TORCHELASTIC")}
     env.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(importlib.import_module("funcshard.launch").free_port()),
+        MASTER_PORT=str(importlib.import_module("funcshard.distributed.launch").free_port()),
     )
     procs = [
         subprocess.Popen(

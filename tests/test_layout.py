@@ -1,4 +1,5 @@
-"""funcshard.layout: rows per shard rank, buckets, units, offload choice, the same on every rank.
+"""funcshard.layout.layout: rows per shard rank, buckets, units, offload choice, the same on
+every rank.
 
 The layout is computed from parameter shapes and the mesh shape alone: these tests build it on
 2 and 4 gloo ranks (meshes 2, 1x4, 2x2 and 4x1) and compare what each rank derived, and check
@@ -16,10 +17,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import funcshard as fs
-from funcshard import layout as layout_lib
-from funcshard.buckets import Members
-from funcshard.layout import LeafSpec
-from funcshard.offload_choice import pick_offloaded
+from funcshard.layout import build as build_lib
+from funcshard.layout import layout as layout_lib
+from funcshard.layout.buckets import Members
+from funcshard.layout.layout import LeafSpec
+from funcshard.layout.offload_choice import pick_offloaded
 
 import models
 
@@ -46,7 +48,7 @@ def _summary(layout: layout_lib.Layout) -> dict:
 
 def layouts_worker(shard: int, replicate: int) -> dict:
     mesh = fs.make_mesh(shard=shard, replicate=replicate, device_type="cpu")
-    build = lambda **kw: layout_lib.build_layout(
+    build = lambda **kw: build_lib.build_layout(
         _params(SHAPES), model=None, mesh=mesh, policy=FP32, **kw
     )
     return {s: _summary(build(strategy=s)) for s in fs.STRATEGIES}
@@ -100,7 +102,7 @@ def buckets_worker() -> dict:
     names = dict(model.named_parameters())
     params = {n: (tuple(p.shape), p.dtype) for n, p in names.items()}
     params["blocks.1.fc.bias"] = (params["blocks.1.fc.bias"][0], torch.float64)
-    build = lambda **kw: layout_lib.build_layout(
+    build = lambda **kw: build_lib.build_layout(
         params, model=model, mesh=mesh, policy=FP32, strategy="optim_grads_params", **kw
     )
     matrices = lambda name, shape: len(shape) == 2  # a rule key per optimizer rule
@@ -202,11 +204,11 @@ def errors_worker() -> list[str]:
         if "deterministic" in case:
             kw["policy"] = fs.MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)
         try:
-            layout_lib.build_layout(p, **kw)
+            build_lib.build_layout(p, **kw)
             messages.append("no error")
         except (ValueError, TypeError) as e:
             messages.append(f"{type(e).__name__}: {e}")
-    layout = layout_lib.build_layout(params, model=None, mesh=mesh, policy=FP32, strategy="optim")
+    layout = build_lib.build_layout(params, model=None, mesh=mesh, policy=FP32, strategy="optim")
     for lookup in (
         lambda: layout.leaf("nope"),
         lambda: layout.placement.leaves(Members(("x",), ((1,),))),
@@ -232,7 +234,7 @@ def test_bad_inputs_raise_and_say_what_was_expected(pool2) -> None:
 
 def aligned_worker() -> list:
     mesh = fs.make_mesh(device_type="cpu")
-    layout = layout_lib.build_layout(
+    layout = build_lib.build_layout(
         _params(SHAPES), model=None, mesh=mesh, policy=FP32, strategy="optim", deterministic=True
     )
     return [(s.name, s.shard_numel, s.offset, s.rows_per_shard) for s in layout.leaves]
@@ -240,8 +242,8 @@ def aligned_worker() -> list:
 
 def test_deterministic_layouts_align_every_shard_to_32_elements(pool2) -> None:
     for name, shard_numel, offset, rps in pool2.run(aligned_worker)[0]:
-        assert shard_numel % layout_lib.DETERMINISTIC_ALIGN == 0, name
-        assert offset % layout_lib.DETERMINISTIC_ALIGN == 0, name
+        assert shard_numel % build_lib.DETERMINISTIC_ALIGN == 0, name
+        assert offset % build_lib.DETERMINISTIC_ALIGN == 0, name
         rows = SHAPES[name][0] if SHAPES[name] else 1
         assert rps >= -(-rows // 2), name  # still holds all its rows
 

@@ -1,4 +1,4 @@
-"""funcshard.mesh: the ("replicate", "shard") mesh over every rank, and its checks.
+"""funcshard.distributed.mesh: the ("replicate", "shard") mesh over every rank, and its checks.
 
 ``make_mesh`` builds a replicate x shard mesh with the shard axis fastest (the ranks of one
 shard group are neighbours), ``shard=-1`` takes what ``replicate`` leaves, and a shape that
@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard import mesh as mesh_lib
-from funcshard.comm import ops as collectives
-from funcshard.launch import free_port, init_process_group
+from funcshard.distributed import mesh as mesh_lib
+from funcshard.distributed import ops as collectives
+from funcshard.distributed.launch import free_port, init_process_group
 
 import models
 

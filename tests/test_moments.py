@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
-from funcshard.buckets import Ragged
+from funcshard.layout.buckets import Ragged
 from funcshard.optim.moments import MomentFormat, block_of
 
 BF16, I8, U8 = torch.bfloat16, torch.int8, torch.uint8
@@ -483,7 +483,7 @@ def test_plain_orbax_reads_8bit_moments(pool1, tmp_path) -> None:
 
 
 def _blocked_worker(leaf: str) -> None:
-    from funcshard import offload as offload_lib
+    from funcshard.step import update as offload_lib
 
     model = make_model(7)
     opt = _adamw(I8, U8)

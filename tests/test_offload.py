@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard import offload as offload_lib
-from funcshard.offload_choice import pick_offloaded
+from funcshard.layout.offload_choice import pick_offloaded
+from funcshard.step import update as offload_lib
 
 import models
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
-from funcshard.plan import transformer_shapes
+from funcshard.planner.plan import transformer_shapes
 from funcshard.testing import RankPool
 
 import models as M

@@ -154,7 +154,7 @@ _CPUINFO_ARM = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n\n"
     ],
 )
 def test_native_bf16_reads_the_cpu_flags(monkeypatch, text, native, says) -> None:
-    from funcshard import policy
+    from funcshard.layout import policy
 
     monkeypatch.setattr(policy, "_cpuinfo", lambda: text)
     assert policy.native_bf16("cpu") is native

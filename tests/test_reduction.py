@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from funcshard import determinism
-from funcshard.reduction import RING, TREE, AddInto, CompleteTree, Fold, KeepSections, Tree
+from funcshard.layout import determinism
+from funcshard.step.reduction import RING, TREE, AddInto, CompleteTree, Fold, KeepSections, Tree
 
 
 def _values(n: int) -> list[list[torch.Tensor]]:

@@ -72,7 +72,7 @@ def test_full_params_round_trip_exactly(pool3, strategy: str) -> None:
 
 def _specs(shapes: list[tuple[int, ...]], shard_size: int) -> list:
     """Leaf specs of one bucket laid out as ``build_layout`` does (rows padded per shard)."""
-    from funcshard.layout import LeafSpec
+    from funcshard.layout.layout import LeafSpec
 
     specs, offset = [], 0
     for i, shape in enumerate(shapes):
@@ -89,7 +89,7 @@ def test_add_to_rank_sections_equals_building_them(shard_size: int) -> None:
     """The one-pass accumulation (a later microbatch, ZeRO-0/1 or one rank) gives the bits of
     building the sections and adding them, with uneven rows, a 0-d leaf, an unused leaf and
     bf16 gradients into an fp32 accumulator."""
-    from funcshard import sharding
+    from funcshard.layout import sharding
 
     shapes = [(37, 5), (), (7,), (3, 4, 2), (2, 3)]
     specs = _specs(shapes, shard_size)
@@ -107,7 +107,7 @@ def test_add_to_rank_sections_equals_building_them(shard_size: int) -> None:
 
 
 def test_rank_sections_of_no_gradient_are_on_the_given_device() -> None:
-    from funcshard import sharding
+    from funcshard.layout import sharding
 
     specs = _specs([(5, 2)], 2)
     out = sharding.to_rank_sections([None], specs, 2, torch.float32, device="meta")

@@ -1,4 +1,4 @@
-"""funcshard.state through its public behaviour: fs.init, the derived compute copies, names.
+"""funcshard.state.state through its public behaviour: fs.init, the derived compute copies, names.
 
 ``fs.init`` shards the model's weights into fp32 master buffers (this rank's rows, as
 ``fs.shard`` places them); every compute copy is derived from the masters, at init and after

@@ -200,7 +200,7 @@ def test_meta_model_gives_unfilled_state_that_refuses_to_step(pool2) -> None:
 
 
 def test_microbatch_split_errors_name_the_leaf() -> None:
-    from funcshard.step import split_microbatches
+    from funcshard.step.train import split_microbatches
 
     with pytest.raises(ValueError, match=r"'x'.*3 rows"):
         split_microbatches({"x": torch.zeros(3, 2)}, 4)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 import funcshard as fs
-from funcshard.strategy import OuterStrategy, Strategy
+from funcshard.layout.strategy import OuterStrategy, Strategy
 
 PREDICATES = {
     # name: (shards_optim, shards_grads, shards_params)

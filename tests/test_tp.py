@@ -435,7 +435,7 @@ def test_compiled_blocks_on_the_3d_mesh(pool4, by_funcshard: bool) -> None:
 def test_chunk_sizes_are_torchs_shard_placement() -> None:
     """funcshard places a shard (the plan's shapes, the checkpoint's offsets) by
     ``chunk_sizes``; torch's Shard places by ``torch.chunk``: they must agree, uneven too."""
-    from funcshard.tensor_parallel import chunk_sizes
+    from funcshard.parallel.tensor import chunk_sizes
 
     for n in range(40):
         for size in (1, 2, 3, 4, 5, 8):
@@ -535,7 +535,7 @@ def test_batch_fingerprint_sees_every_byte() -> None:
     """The batch check's fingerprint: equal for the same bytes however they are held (a
     strided view, another device's copy), different for one element changed by one unit, two
     rows swapped, the same bytes as another dtype or shape; every element size has a word."""
-    from funcshard.tensor_parallel import batch_fingerprint
+    from funcshard.parallel.tensor import batch_fingerprint
 
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)

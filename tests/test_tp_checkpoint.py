@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import funcshard as fs
-from funcshard import cli
+from funcshard.checkpoint import cli
 
 import helpers_tp as H
 

@@ -256,7 +256,7 @@ class Checkpointed(models.MLP):
 
 def phases_worker(strategy: str) -> list[str]:
     """The run's stored phase as each unit's pre-forward hook sees it."""
-    from funcshard.units import UnitRun
+    from funcshard.step.units import UnitRun
 
     torch.manual_seed(0)
     model = Checkpointed()
@@ -300,7 +300,7 @@ def test_saved_params_unpack_through_the_bucket_holder_alone() -> None:
     """The saved-tensor codec needs only "which holder re-gathers bucket b" (no UnitRun: the
     units package has no run <-> saved import cycle): a registered gathered param is packed
     to a token, and unpacking it asks that holder for the buffer, then lets it release."""
-    from funcshard.units.saved import SavedParams
+    from funcshard.step.units.saved import SavedParams
 
     calls = []
     full = torch.arange(12.0)

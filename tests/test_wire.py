@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import funcshard as fs
 from funcshard.comm import codec as wire
-from funcshard.plan import transformer_shapes
+from funcshard.planner.plan import transformer_shapes
 
 import helpers_determinism as det
 import models

@@ -14,7 +14,7 @@ from funcshard.checkpoint.commit import Agreement, Saver
 from funcshard.checkpoint.format import CHUNK_BYTES
 from funcshard.checkpoint.orbax import OrbaxSource
 from funcshard.checkpoint.sources import DictSource, Source
-from funcshard.state import Donation, TrainState
+from funcshard.state.state import Donation, TrainState
 
 __all__ = ["save", "restore", "rebuild_from_params", "open_source"]
 

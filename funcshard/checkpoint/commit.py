@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard import mesh as mesh_lib
 from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.checksums import (
     ChecksumError,
@@ -46,8 +45,9 @@ from funcshard.checkpoint.format import (
     fsync_dir,
 )
 from funcshard.checkpoint.writing import write_arrays, write_records
-from funcshard.layout import Layout
-from funcshard.state import TrainState
+from funcshard.distributed import mesh as mesh_lib
+from funcshard.layout.layout import Layout
+from funcshard.state.state import TrainState
 
 __all__ = [
     "Saver",

@@ -1,7 +1,7 @@
 """Global coordinates of a tensor-parallel state's leaves: checkpoints hold FULL arrays.
 
 A layout's leaves are the LOCAL tensor-parallel shards of the model's DTensor parameters
-(:mod:`funcshard.tensor_parallel`); a checkpoint holds each one at its global shape, every
+(:mod:`funcshard.parallel.tensor`); a checkpoint holds each one at its global shape, every
 rank writing and reading only its own part:
 
 * ``Shard(0)`` (colwise weights): the local rows are a contiguous range of global rows;
@@ -34,11 +34,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from funcshard.buckets import Block, GlobalShape, Ragged, scale_index
 from funcshard.checkpoint.format import NUMPY_DTYPE, chunk_file
-from funcshard.comm import ops
+from funcshard.distributed import ops
+from funcshard.layout.buckets import Block, GlobalShape, Ragged, scale_index
 from funcshard.optim.moments import block_of
-from funcshard.tensor_parallel import TensorParallel, chunk_sizes, local_shape
+from funcshard.parallel.tensor import TensorParallel, chunk_sizes, local_shape
 
 __all__ = [
     "Box",

@@ -23,7 +23,7 @@ from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.coords import Coords, segments
 from funcshard.checkpoint.format import Keys, fsync_dir
 from funcshard.checkpoint.sources import ReadRequest
-from funcshard.state import TrainState
+from funcshard.state.state import TrainState
 
 __all__ = ["SafetensorsSource", "export_safetensors"]
 

@@ -10,7 +10,7 @@ from typing import Any
 from funcshard.checkpoint.api import restore
 from funcshard.checkpoint.commit import Saver, is_leftover, remove_tree
 from funcshard.checkpoint.format import COMMIT_FILE, DEFAULT_ITEM, DELETE_MARK
-from funcshard.state import TrainState
+from funcshard.state.state import TrainState
 
 __all__ = ["CheckpointManager"]
 

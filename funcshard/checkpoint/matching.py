@@ -22,8 +22,8 @@ from funcshard.checkpoint.tree import (
     scale_path,
     spec_in,
 )
-from funcshard.layout import Layout
-from funcshard.state import TrainState
+from funcshard.layout.layout import Layout
+from funcshard.state.state import TrainState
 
 __all__ = ["CheckpointMismatchError", "expected_arrays", "conversions", "match", "mismatch_error"]
 

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from funcshard import sharding as shard_lib
-from funcshard.buckets import BlockScales, PerBucket
 from funcshard.checkpoint.coords import Coords, row_blocks, scale_widths
 from funcshard.checkpoint.format import Keys
 from funcshard.checkpoint.matching import conversions, source_blocks
@@ -26,10 +24,12 @@ from funcshard.checkpoint.tree import (
     map_opt,
     spec_in,
 )
-from funcshard.layout import Bucket, Layout
+from funcshard.layout import sharding as shard_lib
+from funcshard.layout.buckets import BlockScales, PerBucket
+from funcshard.layout.layout import Bucket, Layout
 from funcshard.optim.moments import MomentFormat
-from funcshard.state import Donation, LossScale, TrainState, derive_compute
-from funcshard.tensor_parallel import chunk_sizes
+from funcshard.parallel.tensor import chunk_sizes
+from funcshard.state.state import Donation, LossScale, TrainState, derive_compute
 
 __all__ = ["Plan", "plan"]
 

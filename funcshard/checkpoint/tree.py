@@ -17,9 +17,6 @@ from typing import Any
 
 import torch
 
-from funcshard import mesh as mesh_lib
-from funcshard import sharding as shard_lib
-from funcshard.buckets import BlockScales, PerBucket, map_parts
 from funcshard.checkpoint import coords as coords_lib
 from funcshard.checkpoint.format import (
     EIGHT_BIT_NAMES,
@@ -27,8 +24,11 @@ from funcshard.checkpoint.format import (
     Keys,
     chunk_rows,
 )
-from funcshard.layout import Layout, LeafSpec
-from funcshard.state import TrainState
+from funcshard.distributed import mesh as mesh_lib
+from funcshard.layout import sharding as shard_lib
+from funcshard.layout.buckets import BlockScales, PerBucket, map_parts
+from funcshard.layout.layout import Layout, LeafSpec
+from funcshard.state.state import TrainState
 
 __all__ = [
     "is_per_bucket",
@@ -61,7 +61,7 @@ def map_opt(
     path: Keys = (),
 ) -> Any:
     """Rebuilds an optimizer state, calling back on each per-bucket tuple and each scalar
-    (the walk is :func:`funcshard.buckets.map_parts`)."""
+    (the walk is :func:`funcshard.layout.buckets.map_parts`)."""
 
     def part(p: Keys, v: PerBucket) -> Any:
         if not is_per_bucket(v, n_buckets):

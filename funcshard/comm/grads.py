@@ -21,13 +21,14 @@ from typing import Protocol
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from funcshard import sharding as shard_lib
 from funcshard.comm.codec import EIGHT_BIT
-from funcshard.comm.ops import Axis, Pending
 from funcshard.comm.wires import wire_for
-from funcshard.layout import Bucket, Layout, build_layout
-from funcshard.policy import MixedPrecisionPolicy
-from funcshard.strategy import Strategy
+from funcshard.distributed.ops import Axis, Pending
+from funcshard.layout import sharding as shard_lib
+from funcshard.layout.build import build_layout
+from funcshard.layout.layout import Bucket, Layout
+from funcshard.layout.policy import MixedPrecisionPolicy
+from funcshard.layout.strategy import Strategy
 
 __all__ = [
     "reduce_scatter_grads",
@@ -42,7 +43,7 @@ __all__ = [
 
 
 class Across(Protocol):
-    """The replica groups of a fault-tolerant run (:class:`funcshard.fault.Replicas`): the
+    """The replica groups of a fault-tolerant run (:class:`funcshard.fault.replicas.Replicas`): the
     mean of a tensor over the groups of the step's quorum."""
 
     def start_all_reduce(self, tensor: torch.Tensor) -> Pending:
@@ -124,7 +125,7 @@ class ReplicateAxis:
 
     The order is descending bucket index, the order in which backward finishes the buckets of
     a model whose units run in the order of their parameters (the last unit first, the root
-    last). The step's last microbatch (ZeRO-2/3, :class:`funcshard.units.reducer.Reducer`)
+    last). The step's last microbatch (ZeRO-2/3, :class:`funcshard.step.units.reducer.Reducer`)
     calls :meth:`start` for a bucket once every use forward counted has been reduced over
     "shard" into the accumulator: its sum over microbatches and "shard" is final. A final
     bucket is issued (:func:`start_reduce_replicate_axis`) as soon as every bucket before it

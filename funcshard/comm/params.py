@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from funcshard import sharding as shard_lib
-from funcshard.comm import codec, ops
+from funcshard.comm import codec
 from funcshard.comm.codec import EIGHT_BIT
+from funcshard.distributed import ops
+from funcshard.layout import sharding as shard_lib
 
 if TYPE_CHECKING:
-    from funcshard.layout import Bucket, Layout, LeafSpec
+    from funcshard.layout.layout import Bucket, Layout, LeafSpec
 
 __all__ = [
     "param_wire",

@@ -10,13 +10,13 @@ layout's ``deterministic``:
   contribution is rounded once going out (and the sum once coming back, for an all-reduce),
   whatever the group size (``experiments/bench_wire.py`` measures both).
 * :class:`TreeWire` (``deterministic=True``): the rank blocks summed by the adjacent pairwise
-  tree of :mod:`funcshard.determinism`, bitwise the same on every layout.
+  tree of :mod:`funcshard.layout.determinism`, bitwise the same on every layout.
 * :class:`RingWire`: the default, ring collectives in the wire dtype.
 
 Every wire reduce-scatters by moving the bytes of a ring reduce-scatter (counted as its full
 buffer), and all-reduces as that reduce-scatter and an all-gather (:func:`all_reduce_by_halves`;
 the ring's own all-reduce where the backend has one), counted as an all-reduce of the wire
-tensor. A wire also says those byte counts, for :func:`funcshard.plan.plan`.
+tensor. A wire also says those byte counts, for :func:`funcshard.planner.plan.plan`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from funcshard import determinism
-from funcshard.comm import codec, ops
-from funcshard.comm.ops import Axis, Pending
+from funcshard.comm import codec
+from funcshard.distributed import ops
+from funcshard.distributed.ops import Axis, Pending
+from funcshard.layout import determinism
 
 if TYPE_CHECKING:
-    from funcshard.layout import Bucket, Layout
+    from funcshard.layout.layout import Bucket, Layout
 
 __all__ = [
     "Wire",
@@ -175,7 +176,7 @@ def _tree_blocks(blocks: torch.Tensor) -> torch.Tensor:
 class TreeWire(_Float):
     """``deterministic=True``: an all-to-all hands every rank the blocks of its part from every
     rank (the bytes of a ring reduce-scatter); ``wait()`` sums them by
-    :func:`funcshard.determinism.pairwise_sum` over group ranks."""
+    :func:`funcshard.layout.determinism.pairwise_sum` over group ranks."""
 
     __slots__ = ()
 

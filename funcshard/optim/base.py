@@ -8,8 +8,8 @@ the parameters in place, and returning updates would cost a pass over memory of 
 The gradients it applies are ``grad_scale * grads``, the factor folded into the fused kernel
 (so a clip costs no pass of its own). ``grad_norm`` is the global L2 norm of ``grads`` when the
 caller knows it (``train_step`` does: the norm over every shard and replica); a clip uses it
-instead of the local leaves' norm. ``placement`` (a :class:`funcshard.layout.Placement`, given
-with the buffers of a TrainState) says where every row of the parameters lives; elementwise
+instead of the local leaves' norm. ``placement`` (a :class:`funcshard.layout.layout.Placement`,
+given with the buffers of a TrainState) says where every row of the parameters lives; elementwise
 rules ignore it, a matrix rule (``muon``) uses it to assemble whole matrices. An optimizer
 whose update is not elementwise says so (``elementwise=False``): the offloaded step then never
 splits its buffers into blocks.
@@ -21,7 +21,7 @@ factor.
 
 Rules are per parameter: ``mask(name, shape)`` and ``labels(name, shape)``. On a plain pytree a
 leaf's name is its path joined with "."; inside a TrainState the leaves are per-bucket flat
-buffers (:class:`funcshard.buckets.PerBucket`) and a rule is asked about every parameter a
+buffers (:class:`funcshard.layout.buckets.PerBucket`) and a rule is asked about every parameter a
 buffer packs. ``partition(name, shape)`` is the key of an optimizer's rules: funcshard never
 packs parameters with different keys into one bucket, so one buffer always has one rule, and
 buffers with the same rule share one fused kernel call.
@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import optree
 import torch
 
-from funcshard.buckets import NAMESPACE, Members
+from funcshard.layout.buckets import NAMESPACE, Members
 
 if TYPE_CHECKING:
-    from funcshard.layout import Placement
+    from funcshard.layout.layout import Placement
 
 __all__ = [
     "Optimizer",

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import optree
 import torch
 
-from funcshard.buckets import NAMESPACE, is_per_bucket
+from funcshard.layout.buckets import NAMESPACE, is_per_bucket
 from funcshard.optim.base import GradientTransformation, Optimizer, PyTree, leaves
 from funcshard.optim.spec import per_leaf_rule
 
 if TYPE_CHECKING:
-    from funcshard.layout import Placement
+    from funcshard.layout.layout import Placement
 
 __all__ = [
     "ChainState",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from funcshard.buckets import scale_index
+from funcshard.layout.buckets import scale_index
 from funcshard.optim import kernels
 from funcshard.optim.moments import CHUNK, MomentFormat, dither_of, granule
 

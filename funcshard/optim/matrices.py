@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import optree
 import torch
 
-from funcshard.buckets import NAMESPACE, Members
-from funcshard.comm import ops as collectives
+from funcshard.distributed import ops as collectives
+from funcshard.layout.buckets import NAMESPACE, Members
 from funcshard.optim.base import Optimizer, PyTree, Schedule, leaf_params, not_negative
 from funcshard.optim.moments import decode_flat, encode_flat
 from funcshard.optim.owners import assign_owners, exchange_plan, ns_flops, order, rounds_of
 from funcshard.optim.spec import Buffers, Moments, Scalars, Spec, build
 
 if TYPE_CHECKING:
-    from funcshard.layout import Placement
+    from funcshard.layout.layout import Placement
 
 __all__ = ["MuonState", "muon", "newton_schulz", "ns_flops", "assign_owners", "exchange_plan"]
 

@@ -15,8 +15,9 @@ Formats (``dtype`` of the stored moment):
 * ``torch.int8`` (signed, for a first moment) and ``torch.uint8`` (unsigned, for a second
   moment): blockwise, one fp32 scale (the block's absmax) per block of consecutive elements
   that never crosses a row of its parameter: ``block`` divides the row, or the row is cut into
-  blocks of 256 and a shorter last one (a :class:`~funcshard.buckets.Ragged` block). Values are
-  companded, like bitsandbytes' dynamic map, so small elements of a block keep resolution:
+  blocks of 256 and a shorter last one (a :class:`~funcshard.layout.buckets.Ragged` block).
+  Values are companded, like bitsandbytes' dynamic map, so small elements of a block keep
+  resolution:
   int8 stores ``round(127 * sign(x) * sqrt(|x| / absmax))``, uint8 stores
   ``round(255 * (x / absmax) ** (1/4))`` (a second moment spans the square of a first
   moment's range). The rule for which parameters are 8-bit, and their blocks: :func:`block_of`;
@@ -35,7 +36,7 @@ import math
 
 import torch
 
-from funcshard.buckets import Block, Ragged, scale_index
+from funcshard.layout.buckets import Block, Ragged, scale_index
 
 __all__ = [
     "MIN_8BIT_NUMEL",
@@ -71,7 +72,7 @@ def block_of(shape: tuple[int, ...]) -> Block | None:
     power of two <= 256 that divides it, if that is >= 32; else a row of at most 256 elements
     is one block, and a longer one is cut into blocks of 256 and a shorter last one.
 
-    A tensor-parallel parameter (a :class:`~funcshard.buckets.GlobalShape`) is 8-bit by its
+    A tensor-parallel parameter (a :class:`~funcshard.layout.buckets.GlobalShape`) is 8-bit by its
     global shape, whatever the tensor degree, and its blocks cut the row of the shard this
     rank holds: a rowwise (``Shard(1)``) weight's local row is a piece of the global row, and
     a block never crosses it, so an element's bits depend only on its own row's values of its
@@ -81,7 +82,7 @@ def block_of(shape: tuple[int, ...]) -> Block | None:
     (256, 64, None, 100)
     >>> block_of((256, 769))
     Ragged(size=256, row=769)
-    >>> from funcshard.buckets import GlobalShape
+    >>> from funcshard.layout.buckets import GlobalShape
     >>> block_of(GlobalShape((4096, 11008), (4096, 5504))), block_of((4096, 11008))
     (128, 256)
     """

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import optree
 import torch
 
-from funcshard.buckets import NAMESPACE, Block, BlockScales, is_per_bucket
+from funcshard.layout.buckets import NAMESPACE, Block, BlockScales, is_per_bucket
 from funcshard.optim.base import (
     Mask,
     Optimizer,
@@ -41,7 +41,7 @@ from funcshard.optim.base import (
 from funcshard.optim.moments import EIGHT_BIT, MomentFormat, block_of, check_dtype
 
 if TYPE_CHECKING:
-    from funcshard.layout import Placement
+    from funcshard.layout.layout import Placement
 
 __all__ = ["Spec", "build", "Buffers", "Scalars", "Moments", "per_leaf_rule", "tree_zeros"]
 

@@ -1,0 +1,2 @@
+"""Model-parallel axes (tensor, experts): what the data-parallel layers ask of such an axis,
+behind one protocol."""

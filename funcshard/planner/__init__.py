@@ -1,0 +1,1 @@
+"""What a configuration will cost before it runs: memory per rank and bytes per mesh axis."""

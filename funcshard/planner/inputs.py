@@ -1,0 +1,152 @@
+"""What :func:`funcshard.planner.plan.plan` reads: a mesh known by its shape, the table of parameter
+shapes and dtypes (of a model, or given), the units a shape table implies, and the local shapes
+of a tensor-parallel model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from funcshard.parallel.tensor import (
+    TensorLeaf,
+    TensorParallel,
+    leaf_of,
+    local_shape,
+    planned_leaves,
+)
+
+__all__ = [
+    "ShapeMesh",
+    "ShapesArg",
+    "param_table",
+    "units_from_names",
+    "shard_size",
+    "tensor_table",
+]
+
+
+class ShapeMesh:
+    """A mesh known only by its shape: enough for ``build_layout`` (no process group)."""
+
+    device_type = "meta"
+
+    def __init__(self, replicate: int, shard: int) -> None:
+        self.shape = (replicate, shard)
+
+    def size(self, dim: int | None = None) -> int:
+        return math.prod(self.shape) if dim is None else self.shape[dim]
+
+
+ShapesArg = Mapping[str, Sequence[int] | tuple[Sequence[int], torch.dtype]] | nn.Module
+
+
+def param_table(
+    params: ShapesArg, dtype: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if isinstance(params, nn.Module):
+        return {n: (tuple(p.shape), p.dtype) for n, p in params.named_parameters()}
+    out = {}
+    for name, entry in params.items():
+        if len(entry) == 2 and isinstance(entry[1], torch.dtype):
+            out[name] = (tuple(entry[0]), entry[1])
+        else:
+            out[name] = (tuple(entry), dtype)
+        if any(not isinstance(d, int) or d < 0 for d in out[name][0]):
+            raise ValueError(
+                f"plan: parameter {name!r}: expected a shape of ints >= 0, got {entry!r}"
+            )
+    return out
+
+
+def units_from_names(names: Sequence[str]) -> list[str]:
+    """Units as ``default_units`` would find them: a prefix ending in a numeric component."""
+    units: dict[str, None] = {}
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                units[".".join(parts[: i + 1])] = None
+                break
+    return list(units)
+
+
+def shard_size(
+    world_size: int, shard: int, replicate: int, microbatches: int, tensor: int = 1
+) -> int:
+    """The shard group size of a ``plan`` call (``-1``: the world over replicas x tensor)."""
+    if world_size < 1 or replicate < 1 or microbatches < 1 or tensor < 1:
+        raise ValueError(
+            f"plan: world_size ({world_size}), replicate ({replicate}), tensor ({tensor}) and "
+            f"microbatches ({microbatches}) must be >= 1"
+        )
+    if shard == -1:
+        if world_size % (replicate * tensor):
+            raise ValueError(
+                f"plan: world size {world_size} is not divisible by replicate={replicate} x "
+                f"tensor={tensor}"
+            )
+        shard = world_size // (replicate * tensor)
+    if shard * replicate * tensor != world_size:
+        raise ValueError(
+            f"plan: shard ({shard}) x replicate ({replicate}) x tensor ({tensor}) must equal "
+            f"the world size {world_size}"
+        )
+    return shard
+
+
+def tensor_table(
+    params: ShapesArg,
+    table: dict,
+    tensor: int,
+    tensor_plan: Mapping[str, ParallelStyle] | None = None,
+) -> tuple[dict, TensorParallel | None]:
+    """Tensor rank 0's local shapes (the largest shards) of a model after
+    ``parallelize_module`` on a tensor mesh of ``tensor`` ranks, or of a plain model under
+    ``tensor_plan`` (``parallelize_module``'s plan), and its tensor axis."""
+    if tensor_plan is not None and tensor == 1:
+        raise ValueError("plan: tensor_plan splits over the tensor axis; pass tensor=T > 1")
+    if tensor == 1:
+        if isinstance(params, nn.Module) and any(
+            isinstance(p, DTensor) for p in params.parameters()
+        ):
+            raise ValueError(
+                "plan: the model holds DTensor parameters (parallelize_module); pass "
+                "tensor=T, the size of the tensor mesh they live on"
+            )
+        return table, None
+    if not isinstance(params, nn.Module):
+        raise ValueError(
+            f"plan: tensor={tensor} needs the model after parallelize_module (its DTensor "
+            "placements) or the plain model with tensor_plan=, not a table of shapes"
+        )
+    dtensors = {n: p for n, p in params.named_parameters() if isinstance(p, DTensor)}
+    if tensor_plan is not None and dtensors:
+        raise ValueError(
+            f"plan: tensor_plan given for a model already parallelized (parameter "
+            f"{next(iter(dtensors))!r} is a DTensor); pass one or the other"
+        )
+    if tensor_plan is None and not dtensors:
+        raise ValueError(
+            f"plan: tensor={tensor}, but no parameter of the model is a DTensor: every one "
+            "would be planned as replicated over 'tensor'. Apply the tensor-parallel plan first "
+            "(parallelize_module(model, mesh['tensor'], plan)), or pass the plain model with "
+            "tensor_plan=plan"
+        )
+    leaves: dict[str, TensorLeaf] = {}
+    for name, p in dtensors.items():
+        if p.device_mesh.size() != tensor:
+            raise ValueError(
+                f"plan: parameter {name!r} is a DTensor on {p.device_mesh}; expected a tensor "
+                f"mesh of tensor={tensor} ranks"
+            )
+        leaves[name] = leaf_of(name, p)
+    if tensor_plan is not None:
+        leaves = planned_leaves(params, tensor_plan)
+    for name, leaf in leaves.items():
+        table[name] = (local_shape(leaf.shape, leaf.dim, tensor, 0), table[name][1])
+    return table, TensorParallel(ShapeMesh(1, tensor), leaves)  # type: ignore[arg-type]

@@ -1,0 +1,494 @@
+"""``plan``: per-rank memory and per-step communication of a configuration, from shapes alone.
+
+The prediction runs the same :func:`funcshard.layout.build.build_layout` that ``fs.init``
+runs (same padding, buckets, units and offload choice) on a mesh described by its shape, so
+it needs no process group, allocates nothing, and answers for a 70B model on 1024 ranks at once.
+
+Bytes communicated follow the accounting of :mod:`funcshard.distributed.ops`: per rank, the size of
+the collective's full buffer (all-gather output, reduce-scatter input, all-reduce tensor); a
+group of one rank counts nothing; the scalar reductions of the metrics count under "metrics".
+Per step, with ``M`` microbatches, ``Pp`` the padded numel (rows padded to a multiple of the
+shard size ``S``), ``R`` the replicate size, ``W`` the world size, ``w`` the bytes of the wire
+dtype and ``c`` those of the compute dtype::
+
+    no_shard            all_reduce Pp*w (W > 1)
+    optim               reduce_scatter Pp*w, all_reduce Pp/S*w (R > 1), all_gather Pp*c
+    optim_grads         reduce_scatter M*Pp*w, all_reduce Pp/S*w (R > 1), all_gather Pp*c
+    optim_grads_params  all_gather 2*M*Pp*c, reduce_scatter M*Pp*w, all_reduce Pp/S*w (R > 1)
+
+(reduce-scatter and all-gather only when ``S > 1``). Under HFSDP (``outer_strategy="optim"``,
+``Pp`` padded to a multiple of ``R * S``) the all-reduce over "replicate" becomes a
+reduce-scatter ``Pp/S*w`` and an all-gather ``Pp/S*c`` over it, once per step, and the norm's
+metrics run over every rank ("world"). With ``deterministic=True`` and ``M > 1``
+``optim_grads`` and ``optim_grads_params`` reduce-scatter once per step (``Pp*w``): a rank sums
+its microbatches first; the tree collectives move and count the same bytes as the ring ones,
+and the metrics are all-gathers (the norm's per-row sums, ``S * rows_per_shard * 8``; every
+microbatch's loss, ``W * M * 8``). The ZeRO-3 all-gather counts a forward
+gather and a backward re-gather of every bucket: a unit is re-gathered whole, the root too
+(however optimizer rules, dtypes or offload split it into buckets), so this is exact when every
+unit saves one of its params for backward (a Linear weight does), an upper bound otherwise.
+
+The all-gathers move ``param_comm_dtype`` instead of ``c`` when it is set (under HFSDP both
+the one over "replicate" and those over "shard": the masters are encoded once and the bytes
+move on unchanged; ZeRO-3 keeps the inner shard so, in ``memory.compute``). An 8-bit wire
+(grads or params, :mod:`funcshard.comm.codec`) counts its bytes instead of ``numel * w``: per
+section of ``L`` elements in ``K`` blocks ``L + 4K`` (a one-element row: 4, no value byte);
+its all-reduce over ``n`` ranks counts ``n`` times its largest part.
+
+``fs.optim.muon`` adds the kind "muon" when more than one rank holds the state: per optimizer
+call (the device buckets together, each offloaded bucket on its own) the matrices are shared
+out between the ``R`` replicas (``W / S``; the world under ``no_shard``) by Newton-Schulz FLOPs.
+Within a replica, every rank sends each matrix's owner its rows and the owner sends every rank
+its rows of the result, both in bfloat16; a rank counts the inputs of both all-to-alls
+(``2 * 2 * (its rows' numel + the numel of the matrices it owns)``). With ``R > 1`` one
+all-gather over the replicas then brings each rank its rows of the other shares (``R * 2 *``
+the largest share's rows on that rank). Owners differ in load, so the plan gives the busiest
+rank's bytes and calls, and ``memory.muon_owner`` the most whole-matrix bytes an owner holds at
+once (the matrix being orthogonalized, the next one arriving, the iteration's workspace).
+
+With ``tensor=T`` (a model after ``parallelize_module`` on ``mesh["tensor"]``, or the plain model
+and the plan it will be parallelized with, ``tensor_plan=``) every rank holds
+its tensor rank's LOCAL shards, sharded over the data-parallel axes as plain parameters (``W``
+above is then the data-parallel world, ``world_size / T``); the plan is tensor rank 0's, whose
+shards are the largest (``torch.chunk``'s sizes). funcshard's own collectives over "tensor" are
+the norm's (metrics: an all-reduce of 8 bytes, deterministic: an all-gather of ``T * 8``), the
+batch check's (each rank's loss all-gathered, ``T * 8``; its verdict, 8 bytes, rides with the
+loss over the data-parallel world) and,
+under ``fs.optim.muon``, each owner's all-gather of a split matrix (its shards padded to the
+largest, bfloat16: ``2 * T * ceil(n / T) * the rest``, one call each).
+
+With ``replica_groups=G > 1`` (``fs.FaultTolerance``: G groups, each of ``world_size`` ranks)
+every rank also all-reduces each bucket's reduced gradient (its master's numel on the
+gradient wire) and the loss across the groups through torchft, counted under the axis
+"replicas", and the group's ranks agree on a heal (8 bytes of metrics over "world").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import optree
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from funcshard.comm import params as params_lib
+from funcshard.comm.codec import EIGHT_BIT
+from funcshard.comm.wires import wire_for
+from funcshard.distributed.ops import AXES
+from funcshard.layout.buckets import NAMESPACE, per_bucket_parts
+from funcshard.layout.build import build_layout
+from funcshard.layout.layout import ROOT_UNIT, Layout, UnitsArg
+from funcshard.layout.policy import MixedPrecisionPolicy
+from funcshard.layout.strategy import OuterStrategy, Strategy
+from funcshard.optim import MuonState, Optimizer
+from funcshard.optim.matrices import exchange_plan
+from funcshard.parallel.tensor import gather_numel
+from funcshard.planner.inputs import (
+    ShapeMesh,
+    ShapesArg,
+    param_table,
+    shard_size,
+    tensor_table,
+    units_from_names,
+)
+from funcshard.planner.report import KINDS, MemoryPlan, Plan, format_bytes
+from funcshard.step.compiling import unwrapped
+from funcshard.step.reduction import reduction_of
+
+__all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
+
+_OPTIMIZER_STATES = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}
+_METRIC_BYTES = 8  # one float64 scalar per reduction (loss sum, squared grad norm)
+
+
+def _optimizer_state_bytes(optimizer: str | Optimizer, layout: Layout) -> list[int]:
+    """Optimizer-state bytes per bucket: every tensor of every per-bucket part (moments in
+    their stored dtype, 8-bit scales), from a meta-device init (an optimizer of
+    ``multi_transform`` keeps its own parts)."""
+    if isinstance(optimizer, str):
+        if optimizer not in _OPTIMIZER_STATES:
+            raise ValueError(
+                f"plan: unknown optimizer {optimizer!r}; expected one of "
+                f"{sorted(_OPTIMIZER_STATES)} or an fs.optim optimizer"
+            )
+        n = _OPTIMIZER_STATES[optimizer]
+        return [n * b.numel * _size(b.dtypes.master) for b in layout.buckets]
+    nbytes = [0] * len(layout.buckets)
+    for part in per_bucket_parts(_meta_init(optimizer, layout)):
+        for i, x in enumerate(part):
+            if isinstance(x, torch.Tensor):
+                nbytes[i] += x.numel() * x.element_size()
+    return nbytes
+
+
+def _meta_init(optimizer: Optimizer, layout: Layout):
+    """The optimizer's initial state over meta buffers of the layout (nothing allocated)."""
+    return optimizer.init(
+        layout.per_bucket(
+            [torch.empty(b.numel, dtype=b.dtypes.master, device="meta") for b in layout.buckets]
+        )
+    )
+
+
+def _muon_exchange(
+    optimizer: str | Optimizer, layout: Layout
+) -> tuple[int, int, int, dict[str, int]]:
+    """``(bytes, calls, owner bytes, bytes by axis)`` of Muon's exchange on the busiest rank
+    (per axis: the busiest rank on that axis)."""
+    S = layout.shard_size
+    R = layout.dp_size // S  # replicas, each working on its share of the matrices
+    T = _tensor_size(layout)
+    if isinstance(optimizer, str) or S * R * T == 1:
+        return 0, 0, 0, {}
+    owned: set[int] = set()
+    muon_states = [
+        x
+        for x in optree.tree_leaves(
+            _meta_init(optimizer, layout),
+            is_leaf=lambda x: isinstance(x, MuonState),
+            none_is_leaf=False,
+            namespace=NAMESPACE,
+        )
+        if isinstance(x, MuonState)
+    ]
+    for st in muon_states:
+        for part in per_bucket_parts(st.momentum):
+            owned |= {i for i, x in enumerate(part) if x is not None}
+    groups = [[b.index for b in layout.buckets if not b.offload and b.index in owned]]
+    groups += [[b.index] for b in layout.buckets if b.offload and b.index in owned]
+    sent, calls, held, gathered, within, tensor = ([0] * S for _ in range(6))
+    calls = 0
+    add = lambda acc, part: [a + b for a, b in zip(acc, part or [0] * S, strict=True)]
+    for group in groups:
+        specs = [s for i in group for s in layout.bucket_leaves(layout.buckets[i])]
+        if not specs:
+            continue
+        ex = exchange_plan([_planned(layout, s, S, T) for s in specs], S, replicas=R)
+        sent, gathered = add(sent, ex.sent_bytes), add(gathered, ex.gather_bytes)
+        within, tensor = add(within, ex.shard_bytes), add(tensor, ex.tensor_bytes)
+        held = [max(a, b) for a, b in zip(held, ex.owner_bytes, strict=True)]
+        calls += ex.calls
+    by_axis = {layout.shard_axis: max(within), "tensor": max(tensor)}
+    if R > 1:
+        by_axis[layout.replicate_axis] = max(gathered)
+    return max(sent), calls, max(held), by_axis
+
+
+def _tensor_size(layout: Layout) -> int:
+    return 1 if layout.tensor is None else layout.tensor.size
+
+
+def _planned(layout: Layout, spec, S: int, T: int) -> tuple:
+    """One matrix as :func:`exchange_plan` reads it: local shape, rows per shard rank, the
+    model's shape, the elements of its all-gather over "tensor" (0 when not split)."""
+    rows = [spec.row_range(r) for r in range(S)]
+    if layout.tensor is None or not layout.tensor.sharded(spec.name) or T == 1:
+        return spec.shape, rows, spec.shape, 0
+    leaf = layout.tensor.leaves[spec.name]
+    return spec.shape, rows, leaf.shape, gather_numel(leaf.shape, leaf.dim, T)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _memory(
+    layout: Layout, state_bytes: list[int], device_type: str, microbatches: int, muon_owner: int = 0
+) -> MemoryPlan:
+    inner = layout.inner  # compute params and gradients live in it (itself but under HFSDP)
+    S = inner.shard_size
+    gathered_compute = layout.hierarchical and layout.replicas > 1
+    zero3 = layout.strategy.shards_params
+    sharded_grads = not _accumulates_unreduced(layout, microbatches)
+    # a deterministic step holds up to log2(M) partial sums of its microbatches
+    partials = max(1, microbatches.bit_length() - 1) if layout.deterministic else 1
+    master = compute = compute_shard = grads = opt = host = 0
+    unit_full: dict[int, int] = {}
+    for b, part in zip(layout.buckets, inner.buckets, strict=True):
+        d = b.dtypes
+        p_bytes, c_bytes = b.numel * _size(d.master), part.numel * _size(d.compute)
+        g_bytes = part.numel * _size(d.grad)
+        on_device = not b.offload or device_type == "cpu"
+        # m.to(device, compute) returns m itself (not under HFSDP: a gathered copy)
+        same = d.compute == d.master and on_device and not gathered_compute
+        if b.offload:
+            host += p_bytes + state_bytes[b.index]
+        else:
+            master += p_bytes
+            opt += state_bytes[b.index]
+        if zero3:
+            if layout.hierarchical:  # the inner shard, kept as it crossed "replicate"
+                packed = params_lib.packs_shard(inner, part)
+                kept = layout.replicas * params_lib.packed_nbytes(layout, b)
+                compute += 0 if same and not packed else kept
+            elif b.offload:  # a kept compute shard
+                compute += 0 if same else c_bytes
+            else:
+                compute_shard += 0 if same else c_bytes
+            unit_full[b.unit] = unit_full.get(b.unit, 0) + S * c_bytes
+        else:
+            kept = same and S == 1 and params_lib.param_wire(layout, b) is None  # the master itself
+            compute += 0 if kept else S * c_bytes
+        grads += g_bytes if sharded_grads else partials * S * g_bytes
+    gathered = 0
+    if zero3 and S > 1:
+        others = [v for u, v in unit_full.items() if u != ROOT_UNIT]
+        gathered = unit_full.get(ROOT_UNIT, 0) + max(others, default=0)
+    return MemoryPlan(master, compute, compute_shard, grads, opt, gathered, host, muon_owner)
+
+
+def _accumulates_unreduced(layout: Layout, microbatches: int) -> bool:
+    """Whether a step keeps full unreduced gradients until after its last microbatch."""
+    return not layout.strategy.runs_units or not reduction_of(layout).reduces_each_microbatch(
+        microbatches
+    )
+
+
+def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
+    inner = layout.inner  # gathers and gradients within a replica (itself but under HFSDP)
+    S, M = inner.shard_size, microbatches
+    strategy = layout.strategy
+    nbytes = dict.fromkeys(KINDS, 0)
+    calls = dict.fromkeys(KINDS, 0)
+    by_axis = dict.fromkeys(AXES, 0)
+
+    def add(kind: str, count: int, size: int, axis: str) -> None:
+        nbytes[kind] += count * size
+        calls[kind] += count
+        by_axis[axis] += count * size
+
+    for b, part in zip(layout.buckets, inner.buckets, strict=True):
+        if not strategy.shards_optim:
+            if world > 1:
+                add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(world), "world")
+            continue
+        if S > 1:
+            per_mb = not _accumulates_unreduced(layout, M)
+            rs = wire_for(inner, part).reduce_scatter_nbytes(S)
+            ag = params_lib.all_gather_nbytes(inner, part)
+            add("reduce_scatter", M if per_mb else 1, rs, "shard")
+            add("all_gather", 2 * M if strategy.shards_params else 1, ag, "shard")
+        if replicate > 1 and layout.hierarchical:  # into the masters and back, once a step
+            add(
+                "reduce_scatter",
+                1,
+                wire_for(layout, b).reduce_scatter_nbytes(replicate),
+                "replicate",
+            )
+            # the updated masters, packed on the param wire when there is one
+            add("all_gather", 1, replicate * params_lib.packed_nbytes(layout, b), "replicate")
+        elif replicate > 1:
+            add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(replicate), "replicate")
+    # the norm's sums run over the masters' group (every rank under HFSDP), then over "tensor"
+    masters, axis, T = layout.shard_size, layout.shard_axis, _tensor_size(layout)
+    flag = int(T > 1)  # the tensor group's batch check rides with the loss
+    if T > 1:  # its batch digests (3 words) and losses, all-gathered over "tensor"
+        add("metrics", 1, T * 4 * _METRIC_BYTES, "tensor")
+    if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
+        if world > 1:
+            add("metrics", 1, world * (M + flag) * _METRIC_BYTES, "world")
+        if masters > 1:
+            rows = sum(s.rows_per_shard for s in layout.leaves)
+            add("metrics", 1, masters * rows * _METRIC_BYTES, axis)
+        if T > 1:  # every tensor rank's part of the square
+            add("metrics", 1, T * _METRIC_BYTES, "tensor")
+        return nbytes, calls, by_axis
+    if world > 1:
+        add("metrics", 1, (1 + flag) * _METRIC_BYTES, "world")  # the loss
+    if masters > 1:
+        add("metrics", 1, _METRIC_BYTES, axis)  # the squared gradient norm
+    if T > 1:
+        add("metrics", 1, _METRIC_BYTES, "tensor")
+    return nbytes, calls, by_axis
+
+
+def _replica_groups(
+    layout: Layout, groups: int, world: int, nbytes: dict, calls: dict, by_axis: dict
+) -> None:
+    """Adds a fault-tolerant step's collectives across ``groups`` replica groups (none for
+    one): :class:`funcshard.fault.replicas.Replicas`' all-reduces and its heal agreement."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"plan: replica_groups must be an int >= 1, got {groups!r}")
+    if groups == 1:
+        return
+
+    def add(kind: str, size: int, axis: str) -> None:
+        nbytes[kind] += size
+        calls[kind] += 1
+        by_axis[axis] += size
+
+    for b in layout.buckets:
+        grad, comm = b.dtypes.grad, b.dtypes.comm
+        wire = grad if comm in EIGHT_BIT else comm
+        add("all_reduce", b.numel * _size(wire), "replicas")
+    add("metrics", _METRIC_BYTES, "replicas")  # the loss
+    if world > 1:  # the group's ranks agree whether one of them healed (2 fp32 flags)
+        add("metrics", 2 * _size(torch.float32), "world")
+
+
+def _step_comm(
+    layout: Layout,
+    optimizer: str | Optimizer,
+    microbatches: int,
+    replicate: int,
+    world_size: int,
+    tensor: int,
+    replica_groups: int,
+) -> tuple[dict[str, int], dict[str, int], dict[str, int], int]:
+    """A step's bytes and calls per kind and bytes per axis: the data-parallel collectives,
+    Muon's exchange of whole matrices, the replica groups' all-reduce; and Muon's owner bytes."""
+    comm, calls, by_axis = _comm(layout, microbatches, replicate, world_size // tensor)
+    comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
+    for axis, nbytes in muon_by_axis.items():
+        by_axis[axis] += nbytes
+    _replica_groups(layout, replica_groups, world_size, comm, calls, by_axis)
+    return comm, calls, by_axis, muon_owner
+
+
+def plan(
+    params: ShapesArg,
+    /,
+    *,
+    world_size: int,
+    shard: int = -1,
+    replicate: int = 1,
+    strategy: str | Strategy = "optim_grads_params",
+    policy: MixedPrecisionPolicy | None = None,
+    offload_fraction: float = 0.0,
+    microbatches: int = 1,
+    optimizer: str | Optimizer = "adamw",
+    units: UnitsArg = None,
+    dtype: torch.dtype = torch.float32,
+    device_type: str = "cuda",
+    deterministic: bool = False,
+    outer_strategy: str | OuterStrategy = "no_shard",
+    tensor: int = 1,
+    tensor_plan: Mapping[str, ParallelStyle] | None = None,
+    replica_groups: int = 1,
+) -> Plan:
+    """Predicts per-rank bytes and per-step communication without running anything.
+
+    Args:
+      params: ``{name: shape}`` or ``{name: (shape, dtype)}`` in ``named_parameters`` order,
+        or a model (a meta-device one is fine; a ``torch.compile(model)`` wrapper is read as
+        the model inside it, as ``fs.init`` reads it).
+      world_size: ranks in the world (``shard * replicate * tensor``).
+      shard: ranks per shard group; -1 means ``world_size // (replicate * tensor)`` (as
+        ``make_mesh``).
+      replicate: replicas (HSDP when > 1).
+      strategy: as in ``fs.init``.
+      policy: as in ``fs.init``; None = the default policy.
+      offload_fraction: as in ``fs.init``.
+      microbatches: as in ``fs.train_step``.
+      optimizer: "adamw" (2 states), "sgd_momentum" (1), "sgd" (0), or an ``fs.optim``
+        optimizer (its states are counted per bucket, its rules split buckets as in
+        ``fs.init``, and Muon's exchange is predicted).
+      units: as in ``fs.init``; None = the model's default units, or for a shape dict every
+        name prefix that ends in a number ("layers.3").
+      dtype: the model dtype of shape-only entries.
+      device_type: where the state lives; on "cpu" an offloaded master is also the device's.
+      deterministic: as in ``fs.init`` (its reductions and gradient accumulation).
+      outer_strategy: as in ``fs.init`` ("optim": HFSDP, masters and optimizer state over
+        replicate x shard, a reduce-scatter and an all-gather over "replicate" per step).
+      tensor: ranks per tensor-parallel group (``make_mesh(tensor=T)``): ``params`` is then the
+        model after ``parallelize_module`` on ``mesh["tensor"]``, planned with tensor rank 0's
+        local shards (the module docstring), or the plain model with ``tensor_plan``.
+      tensor_plan: with the plain (e.g. meta-device) model and ``tensor=T``, the plan the
+        model will be parallelized with (``parallelize_module``'s dict plan, keys relative to
+        the model, ``*`` per name component): planned as that model, without a process group.
+      replica_groups: replica groups of a fault-tolerant run (``fs.FaultTolerance``), each
+        of ``world_size`` ranks: more than one adds their all-reduce through torchft under
+        the axis "replicas" (each bucket's reduced gradient shard, on ``grad_comm_dtype``,
+        main grads for an 8-bit wire; the loss under "metrics") and the group's heal
+        agreement (8 bytes of metrics over "world").
+
+    Returns:
+      A :class:`Plan`.
+
+    Raises:
+      ValueError: ``tensor=T > 1`` with a model that holds no DTensor parameter and no
+        ``tensor_plan`` (it would plan every parameter as replicated), with a table of shapes,
+        or with DTensors on a mesh of another size; ``tensor_plan`` with a parallelized model
+        or ``tensor=1``; a mesh whose sizes do not multiply to ``world_size``.
+
+    >>> p = plan({"w": (10, 4)}, world_size=4, strategy="optim", optimizer="sgd")
+    >>> p.padded_numel, p.memory.master, p.comm["reduce_scatter"]
+    (48, 48, 192)
+    """
+    params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
+    shard = shard_size(world_size, shard, replicate, microbatches, tensor)
+    table, tp = tensor_table(params, param_table(params, dtype), tensor, tensor_plan)
+    model = params if isinstance(params, nn.Module) else None
+    layout = build_layout(
+        table,
+        model=model,
+        mesh=ShapeMesh(replicate, shard),  # type: ignore[arg-type]
+        policy=policy or MixedPrecisionPolicy(),
+        strategy=strategy,
+        offload_fraction=offload_fraction,
+        units=units_from_names(list(table)) if model is None and units is None else units,
+        partition=None if isinstance(optimizer, str) else optimizer.partition,
+        deterministic=deterministic,
+        outer_strategy=outer_strategy,
+        tensor=tp,
+    )
+    comm, calls, by_axis, muon_owner = _step_comm(
+        layout, optimizer, microbatches, replicate, world_size, tensor, replica_groups
+    )
+    return Plan(
+        strategy=layout.strategy,
+        world_size=world_size,
+        shard=shard,
+        replicate=replicate,
+        microbatches=microbatches,
+        numel=sum(math.prod(s.shape) for s in layout.leaves),
+        padded_numel=layout.shard_size * sum(b.numel for b in layout.buckets),
+        buckets=len(layout.buckets),
+        units=len(layout.units),
+        memory=_memory(
+            layout, _optimizer_state_bytes(optimizer, layout), device_type, microbatches, muon_owner
+        ),
+        comm=comm,
+        calls=calls,
+        comm_by_axis=by_axis,
+        outer_strategy=str(layout.outer),
+        tensor=tensor,
+    )
+
+
+def transformer_shapes(
+    *,
+    n_layers: int = 80,
+    dim: int = 8192,
+    ffn_dim: int = 28672,
+    n_heads: int = 64,
+    n_kv_heads: int = 8,
+    vocab: int = 32000,
+) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a Llama-style decoder (defaults: Llama-2-70B, 69.0B params).
+
+    >>> round(sum(math.prod(s) for s in transformer_shapes().values()) / 1e9, 2)
+    68.98
+    """
+    kv = dim // n_heads * n_kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, dim)}
+    for i in range(n_layers):
+        p = f"layers.{i}"
+        shapes.update(
+            {
+                f"{p}.attention.wq.weight": (dim, dim),
+                f"{p}.attention.wk.weight": (kv, dim),
+                f"{p}.attention.wv.weight": (kv, dim),
+                f"{p}.attention.wo.weight": (dim, dim),
+                f"{p}.feed_forward.w1.weight": (ffn_dim, dim),
+                f"{p}.feed_forward.w2.weight": (dim, ffn_dim),
+                f"{p}.feed_forward.w3.weight": (ffn_dim, dim),
+                f"{p}.attention_norm.weight": (dim,),
+                f"{p}.ffn_norm.weight": (dim,),
+            }
+        )
+    shapes["norm.weight"] = (dim,)
+    shapes["output.weight"] = (vocab, dim)
+    return shapes

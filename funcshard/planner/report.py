@@ -1,0 +1,122 @@
+"""What :func:`funcshard.planner.plan.plan` returns: memory per rank (:class:`MemoryPlan`) and
+traffic per step (:class:`Plan`), and how they print (``Plan.table``, :func:`format_bytes`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["KINDS", "MemoryPlan", "Plan", "format_bytes"]
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "metrics", "muon")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Bytes per rank.
+
+    Attributes:
+      master: master weight shards on the device.
+      compute: compute copies the state keeps (``derive_compute``): ZeRO 0-2 the full compute
+        params per bucket (0 where the master itself serves), ZeRO-3 only the device shard of
+        offloaded buckets, and under HFSDP the inner shard of every bucket (packed on
+        ``param_comm_dtype`` when it is set).
+      compute_shard: ZeRO-3, the compute-dtype shards cast from the masters at step time
+        (0 where no cast is needed).
+      grads: the gradient accumulator during a step: the full unreduced gradient under
+        ``no_shard`` / ``optim``, the reduced shard under ``optim_grads`` / ``_params``;
+        deterministic with M > 1 microbatches: log2(M) full unreduced partial sums.
+      opt_state: optimizer state on the device.
+      gathered_peak: ZeRO-3, most full (gathered) params alive at once: the root unit plus the
+        largest other unit.
+      host: offloaded master shards and their optimizer state, in host memory.
+      muon_owner: ``fs.optim.muon`` under a sharded strategy, the most whole-matrix bytes
+        (bfloat16) one owner holds at once during the step (the busiest rank).
+    """
+
+    master: int
+    compute: int
+    compute_shard: int
+    grads: int
+    opt_state: int
+    gathered_peak: int
+    host: int
+    muon_owner: int = 0
+
+    @property
+    def state(self) -> int:
+        """The TrainState's own buffers: masters, kept compute copies, optimizer state."""
+        return self.master + self.compute + self.opt_state + self.host
+
+    @property
+    def model_states(self) -> int:
+        """The ZeRO paper's "model states": params, gradients and optimizer state (with masters)."""
+        return self.state + self.compute_shard + self.grads
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """What one configuration costs per rank (see :func:`plan`)."""
+
+    strategy: str
+    world_size: int
+    shard: int
+    replicate: int
+    microbatches: int
+    numel: int
+    padded_numel: int
+    buckets: int
+    units: int
+    memory: MemoryPlan
+    comm: dict[str, int]
+    calls: dict[str, int]
+    # the same bytes per mesh axis ("shard", "replicate", "world", "tensor"): what crosses the
+    # slow link between nodes is the "replicate" entry (see ``fs.comm_stats().bytes_by_axis``)
+    comm_by_axis: dict[str, int] = dataclasses.field(default_factory=dict)
+    outer_strategy: str = "no_shard"
+    tensor: int = 1  # ranks per tensor-parallel group; memory and bytes are tensor rank 0's
+
+    def table(self) -> str:
+        """A readable summary."""
+        m = self.memory
+        rows = [
+            (
+                f"strategy={self.strategy} outer_strategy={self.outer_strategy} "
+                f"world={self.world_size} "
+                f"mesh=(replicate={self.replicate}, shard={self.shard}, tensor={self.tensor}) "
+                f"microbatches={self.microbatches}"
+            ),
+            (
+                f"params={self.numel:,} padded={self.padded_numel:,} buckets={self.buckets} "
+                f"units={self.units}"
+            ),
+            "memory per rank:",
+        ]
+        for name in (
+            "master",
+            "compute",
+            "compute_shard",
+            "grads",
+            "opt_state",
+            "gathered_peak",
+            "host",
+            "muon_owner",
+        ):
+            rows.append(f"  {name:<14}{format_bytes(getattr(m, name)):>12}")
+        rows.append(f"  {'model states':<14}{format_bytes(m.model_states):>12}")
+        rows.append("communicated per rank per step:")
+        for kind in KINDS:
+            rows.append(
+                f"  {kind:<14}{format_bytes(self.comm[kind]):>12}  ({self.calls[kind]} calls)"
+            )
+        rows.append("by mesh axis:")
+        for axis, nbytes in self.comm_by_axis.items():
+            rows.append(f"  {axis:<14}{format_bytes(nbytes):>12}")
+        return "\n".join(rows)
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units (GB = 1e9 bytes), as the ZeRO paper counts."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

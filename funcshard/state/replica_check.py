@@ -1,0 +1,157 @@
+"""Replicas that agree: ranks that hold the same rows must hold the same bits.
+
+Silent data corruption at scale is a device that computes wrong bits without an error. Under
+data parallelism it shows as replicas that drift apart: two ranks that hold the same rows of a
+master (HSDP's replicas over "replicate", every rank under ``no_shard``) or of the optimizer
+state, or the ranks of a tensor group that all hold a replicated leaf, stop agreeing after a
+step. :func:`check_replicas` compares one crc32c per leaf across each such group of ranks:
+the bytes on the wire are one 8-byte hash per leaf per rank of the group, whatever the model's
+size; only when some group disagrees does each rank send its findings to the others, so that
+every rank raises the same :class:`ReplicaMismatchError`.
+
+What it does not cover: the ranks of a fault-tolerant run's other replica groups (torchft's;
+each group is its own job), and the derived compute copies (derived from the masters after
+every step by a function, so a wrong master is what shows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import crc32c
+import torch
+import torch.distributed as dist
+
+from funcshard.distributed import ops
+from funcshard.layout.buckets import map_parts
+
+__all__ = ["ReplicaMismatchError", "check_replicas", "leaf_hashes", "period"]
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Ranks that hold the same rows of a leaf hold different bits (raised on every rank).
+
+    Attributes:
+      mismatches: one :class:`Mismatch` per leaf and group of ranks that disagree.
+    """
+
+    def __init__(self, mismatches: list[Mismatch]) -> None:
+        self.mismatches = mismatches
+        lines = [m.describe() for m in mismatches[:20]]
+        if len(mismatches) > 20:
+            lines.append(f"... and {len(mismatches) - 20} more")
+        super().__init__(
+            f"check_replicas: {len(mismatches)} leaf/leaves differ between ranks that must "
+            "hold the same bits (silent data corruption on a device, or ranks that did not "
+            "run the same step):\n  " + "\n  ".join(lines)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """One leaf whose ``axis`` group (its global ``ranks``) holds more than one hash."""
+
+    leaf: str
+    axis: str
+    ranks: tuple[int, ...]
+    hashes: tuple[int, ...]  # one per rank of ``ranks``
+
+    def describe(self) -> str:
+        by_hash: dict[int, list[int]] = {}
+        for rank, h in zip(self.ranks, self.hashes, strict=True):
+            by_hash.setdefault(h, []).append(rank)
+        sides = sorted(by_hash.values(), key=lambda rs: (-len(rs), rs))
+        said = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: crc32c "
+            f"{next(h for h, r in by_hash.items() if r is rs):08x}"
+            for rs in sides
+        )
+        return f"{self.leaf!r} over {self.axis!r}: {said}"
+
+
+def period(every: Any) -> int:
+    """``fs.init``'s ``check_replicas_every``, checked: an int >= 0 (0: never)."""
+    if isinstance(every, bool) or not isinstance(every, int):
+        raise TypeError(f"init: check_replicas_every must be an int, got {every!r}")
+    if every < 0:
+        raise ValueError(f"init: check_replicas_every must be >= 0 (0: never), got {every}")
+    return every
+
+
+def _crc(t: torch.Tensor) -> int:
+    """crc32c of a tensor's bytes (its elements in row-major order)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    raw = flat.view(torch.uint8).cpu().numpy()
+    return crc32c.crc32c(raw)
+
+
+def leaf_hashes(state: Any) -> dict[str, int]:
+    """One crc32c per leaf of this rank's rows: ``params/<name>`` for the masters and
+    ``opt_state/<path>/<name>`` for every per-parameter optimizer-state part (padding
+    excluded; scalars such as a step count under their path), in the same order on every
+    rank."""
+    out = {f"params/{name}": _crc(t) for name, t in state.params.items()}
+
+    def on_leaf(path: tuple[str, ...], x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            out["opt_state/" + "/".join(path)] = _crc(x)
+        return x
+
+    map_parts(state.opt_state_by_name(), lambda path, part: part, on_leaf)
+    return out
+
+
+def _groups(state: Any, labels: list[str]) -> list[tuple[str, Any, list[str]]]:
+    """(axis, group, labels it must agree on) for each group of ranks holding the same rows."""
+    layout = state.layout
+    placement = layout.placement
+    groups = []
+    if placement.replica_count > 1:  # HSDP's "replicate", the world under no_shard
+        groups.append((placement.replicas_axis, placement.replicas, labels))
+    tensor = layout.tensor
+    if tensor is not None and tensor.size > 1:  # a tensor group's replicated leaves
+        same = [label for label in labels if not tensor.sharded(label.rsplit("/", 1)[-1])]
+        if same:
+            groups.append((ops.Axis.TENSOR.value, tensor.group, same))
+    return groups
+
+
+def check_replicas(state: Any) -> None:
+    """Raises :class:`ReplicaMismatchError` on every rank where ranks holding the same rows of
+    a leaf hold different bits (a collective: every rank calls it).
+
+    Args:
+      state: a live :class:`funcshard.TrainState` (it is read, not consumed).
+
+    Raises:
+      ReplicaMismatchError: naming each leaf, the axis and the ranks on each side.
+      ConsumedStateError: ``state`` was donated.
+    """
+    state.check()
+    hashes = leaf_hashes(state)
+    labels = list(hashes)
+    found: list[Mismatch] = []
+    groups = _groups(state, labels)
+    for axis, group, names in groups:
+        local = torch.tensor([hashes[n] for n in names], dtype=torch.int64)
+        size = dist.get_world_size(group)
+        every = ops.all_gather(local, group, axis=axis, kind="replica_check").view(size, -1)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        differ = (every != every[0]).any(dim=0).nonzero().flatten().tolist()
+        found += [Mismatch(names[i], axis, ranks, tuple(every[:, i].tolist())) for i in differ]
+    if not groups:
+        return
+    # every rank raises, or none: the flag over every rank the state spans, then the findings
+    world = dist.group.WORLD
+    flag = ops.all_reduce(
+        torch.tensor([float(bool(found))]), world, axis=ops.Axis.WORLD, kind="replica_check"
+    )
+    if flag.item() == 0:
+        return
+    gathered: list[Any] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(gathered, found, group=world)
+    unique = sorted({m for ms in gathered for m in ms}, key=lambda m: (m.leaf, m.axis, m.ranks))
+    raise ReplicaMismatchError(unique)

@@ -1,0 +1,263 @@
+"""``train_step``: split -> produce -> reduce -> norm/metrics -> update.
+
+The parts: a gradient producer per way params are held (:mod:`funcshard.step.produce`), a
+reduction per summation rule (:mod:`funcshard.step.reduction`: microbatch sums, norm,
+loss), the reduction of the step's gradients over the mesh (:mod:`funcshard.comm.grads`) and the
+optimizer update (:func:`funcshard.step.update.apply_update`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import optree
+import torch
+
+from funcshard.comm import grads as grads_lib
+from funcshard.comm import params as params_lib
+from funcshard.distributed import ops
+from funcshard.layout import sharding as shard_lib
+from funcshard.layout.layout import Layout
+from funcshard.parallel import tensor as tp_lib
+from funcshard.state.replica_check import check_replicas
+from funcshard.state.state import LossScale, TrainState, heal, identity, state_dict
+from funcshard.step import update as offload_lib
+from funcshard.step.produce import LossFn, producer_for
+from funcshard.step.reduction import reduction_of
+
+__all__ = ["train_step", "full_params", "split_microbatches"]
+
+
+def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
+    """Splits every tensor of ``batch`` on dim 0 into ``microbatches`` nearly equal parts."""
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    leaves, treedef = optree.tree_flatten(batch)
+    for path, leaf in zip(optree.tree_paths(batch), leaves, strict=True):
+        path = "/".join(map(str, path)) or "<batch>"
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            raise TypeError(
+                f"batch leaf {path!r}: expected a tensor with a batch dim, got {leaf!r}"
+            )
+        if leaf.shape[0] < microbatches:
+            raise ValueError(
+                f"batch leaf {path!r}: {leaf.shape[0]} rows cannot split into "
+                f"{microbatches} microbatches"
+            )
+    parts = [torch.tensor_split(leaf, microbatches) for leaf in leaves]
+    return [optree.tree_unflatten(treedef, [p[i] for p in parts]) for i in range(microbatches)]
+
+
+def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
+    """Names of the params whose reduced gradient holds a NaN or Inf on any rank."""
+    flags = torch.zeros(len(layout.leaves), dtype=torch.float32, device=layout.device)
+    for bucket, g in zip(layout.buckets, grads, strict=True):
+        for index in bucket.leaves:
+            spec = layout.leaves[index]
+            part = g[spec.offset : spec.offset + spec.shard_numel]
+            flags[index] = float(not bool(torch.isfinite(part).all()))
+    if layout.shard_size > 1:
+        flags = ops.all_reduce(flags, layout.shard_group, axis=layout.shard_axis, kind="metrics")
+    return [spec.name for spec, f in zip(layout.leaves, flags.tolist(), strict=True) if f > 0]
+
+
+def _next_loss_scale(ls: LossScale | None, finite: bool, interval: int) -> LossScale | None:
+    if ls is None:
+        return None
+    if not finite:
+        return LossScale(ls.scale / 2, 0)
+    if ls.good_steps + 1 >= interval:
+        return LossScale(ls.scale * 2, 0)
+    return LossScale(ls.scale, ls.good_steps + 1)
+
+
+def train_step(
+    state: TrainState, batch: Any, loss_fn: LossFn, microbatches: int = 1
+) -> tuple[TrainState, dict[str, Any]]:
+    """One optimizer step on this rank's ``batch``; donates ``state``.
+
+    Like JAX's ``donate_argnums``: the step reuses the buffers of ``state``, so ``state`` and
+    every state sharing a buffer with it (``state.replace(...)``, ``fs.tree.map`` copies that
+    keep its tensors) raise ``ConsumedStateError`` afterwards. Use the returned state.
+
+    The update uses the mean over data-parallel ranks and microbatches of the gradients of
+    ``loss_fn(params, microbatch)``. A step whose gradient is not finite changes nothing but
+    the fp16 loss scale.
+
+    Returns:
+      ``(new_state, metrics)`` with "loss" (global mean), "grad_norm" (global L2 norm of the
+      averaged gradient), "nonfinite" (0 or 1), "nonfinite_params" (names, when nonfinite),
+      "loss_scale" (fp16 only) and "aux" (the last microbatch's aux, if ``loss_fn`` gives one).
+      A fault-tolerant state (``fs.init(fault_tolerance=...)``) adds "replicas" (the groups
+      whose gradients the step averaged), "committed" (0: the quorum broke during the step,
+      and the state returned holds the input's values, loss scale included; or the group
+      healed) and "healed" (1: this group was behind its peers at the step's quorum, after
+      a step of its own was not committed or a checkpoint was restored after ``fs.init``;
+      the state returned is the peers', at their step, and nothing was computed or averaged,
+      as ``batch`` was built for the step the group left; "loss" and "grad_norm" are NaN).
+      Build each batch for the ``state.step`` of the state passed.
+
+    Raises:
+      TimeoutError: a fault-tolerant step's quorum did not form in time (too few groups
+        alive); the state is unchanged and usable, and the next call asks again.
+    """
+    layout = state.layout
+    _check_steppable(state)
+    state, moved = _quorum(state)
+    if moved:  # the batch was built for the step this group left: nothing is averaged
+        return state, _healed_metrics(state)
+    reduction = reduction_of(layout)
+    reduction.check_microbatches(layout.dp_size, microbatches)
+    ls = state.loss_scale
+    scale = (ls.scale if ls is not None else 1.0) / microbatches
+
+    # split -> produce: each microbatch's gradients join the step's sum where it says; the
+    # last one's backward (ZeRO-2/3) issues replicate reductions as bucket sums become final
+    producer = producer_for(layout.inner, state.master, state.compute, state.compile)
+    summed = reduction.microbatch_sum(microbatches)
+    replicate = grads_lib.ReplicateAxis(layout, across=state.replicas)
+    parts = split_microbatches(batch, microbatches)
+    batch_print = _batch_print(layout, batch)  # as passed, before loss_fn sees it
+    losses, aux = [], None
+    for k, mb in enumerate(parts):
+        last = k == len(parts) - 1
+        sink = summed.sink(last=last, in_backward=producer.shard_reduced)
+        loss, aux, grads = producer.microbatch(
+            mb, loss_fn, scale, sink, replicate if last else None
+        )
+        summed.add(grads)
+        losses.append(loss)
+
+    # reduce (the rest of it) -> norm/metrics -> update
+    grads = grads_lib.reduce_step_grads(
+        layout, summed.result(), shard_reduced=producer.shard_reduced, replicate=replicate
+    )
+    if ls is not None:
+        torch._foreach_mul_(grads, 1.0 / ls.scale)
+    norm = float(reduction.global_norm(layout, grads))
+    finite = math.isfinite(norm)
+    new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
+    why = _tensor_group_apart(layout, batch_print, losses)
+    flag = None if batch_print is None else float(why is not None)
+    loss, apart = reduction.mean_loss(layout, losses, flag)
+    if apart:  # on every rank, before anything is donated: the state stays usable
+        raise ValueError(
+            "train_step: every rank of a tensor group must step on the same local batch "
+            "(torch TP's rule: split the global batch by the data-parallel index, replicate * "
+            "shard, not the global rank); "
+            f"{why or 'the ranks of another tensor group did not (their error says how)'}"
+        )
+    metrics = _metrics(loss, norm, new_ls, aux)
+    if not finite:
+        metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
+    if not _committed(state, metrics):  # the input's values, loss scale included
+        return state.donate("train_step").state(), metrics
+    donated = dataclasses.replace(state.donate("train_step"), loss_scale=new_ls)
+    if not finite:  # nothing but the loss scale changes
+        return donated.state(), metrics
+    return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
+
+
+def _quorum(state: TrainState) -> tuple[TrainState, bool]:
+    """A fault-tolerant state's quorum for this step: the state itself, or (this group was
+    behind its peers) the peers' state, received into its buffers; and whether that moved
+    its step."""
+    replicas = state.replicas
+    if replicas is None:
+        return state, False
+    received = replicas.quorum(lambda: state_dict(state), state.step, identity(state))
+    return heal(state, received)
+
+
+def _healed_metrics(state: TrainState) -> dict[str, Any]:
+    replicas = state.replicas
+    assert replicas is not None, "only a fault-tolerant state heals"
+    metrics = _metrics(math.nan, math.nan, state.loss_scale, None)
+    metrics.update(nonfinite=0, replicas=replicas.size, committed=0, healed=1)
+    return metrics
+
+
+def _committed(state: TrainState, metrics: dict[str, Any]) -> bool:
+    """Whether the step may change the state (always, but for a fault-tolerant step the
+    quorum's groups did not all finish: torchft's ``should_commit``); its metrics."""
+    replicas = state.replicas
+    if replicas is None:
+        return True
+    metrics["loss"] = replicas.mean(metrics["loss"])
+    metrics["replicas"] = replicas.size
+    metrics["healed"] = 0
+    metrics["committed"] = int(replicas.commit())
+    return bool(metrics["committed"])
+
+
+def _batch_print(layout: Layout, batch: Any) -> tuple[tuple[str, ...], torch.Tensor] | None:
+    """This rank's :func:`~funcshard.parallel.tensor.batch_fingerprint` (None: no tensor
+    group to compare it in)."""
+    if layout.tensor is None or layout.tensor.size == 1:
+        return None
+    return tp_lib.batch_fingerprint(batch, layout.device)
+
+
+def _tensor_group_apart(
+    layout: Layout, batch_print: tuple[tuple[str, ...], torch.Tensor] | None, losses: list
+) -> str | None:
+    """Why this rank's tensor group did not step on one batch (torch TP's rule), or None:
+    its ranks' batch fingerprints and losses compared (one all-gather over "tensor"). The
+    verdict then travels with the loss over the data-parallel world, so every rank raises,
+    or none."""
+    if batch_print is None:
+        return None
+    loss = torch.stack([loss.double() for loss in losses]).sum().to(layout.device)
+    return layout.tensor.batch_apart(*batch_print, loss)
+
+
+def _check_steppable(state: TrainState) -> None:
+    state.check()
+    if not state.filled:
+        raise RuntimeError(
+            "train_step: the state holds no values (built from a meta-device "
+            "model); fill it with fs.restore(..., model_only=True) first"
+        )
+    every = state.check_replicas_every
+    if every and state.step and state.step % every == 0:  # before anything is donated
+        check_replicas(state)
+
+
+def _metrics(loss: float, norm: float, loss_scale: LossScale | None, aux: Any) -> dict[str, Any]:
+    metrics: dict[str, Any] = {
+        "loss": loss,
+        "grad_norm": norm,
+        "nonfinite": int(not math.isfinite(norm)),
+    }
+    if loss_scale is not None:
+        metrics["loss_scale"] = loss_scale.scale
+    if aux is not None:
+        metrics["aux"] = aux
+    return metrics
+
+
+def full_params(state: TrainState) -> dict[str, torch.Tensor]:
+    """Every parameter's full tensor in the model's dtype, on every rank (a collective).
+
+    Tied weights appear under each of their names (as in ``model.state_dict()``), as the
+    same tensor. A tensor-parallel parameter comes as its global tensor (plain
+    ``torch.Tensor``), gathered over "tensor" too.
+    """
+    layout = state.layout
+    if not state.filled:
+        raise RuntimeError("full_params: the state holds no values; restore it first")
+    out = {}
+    for bucket, m in zip(layout.buckets, state.master, strict=True):
+        local = m.to(layout.device, bucket.dtypes.model)
+        if local.data_ptr() == m.data_ptr():
+            local = local.clone()
+        full = params_lib.gather_shards(layout, bucket, local)
+        for spec in layout.bucket_leaves(bucket):
+            out[spec.name] = shard_lib.full_view(full, spec, layout.shard_size)
+    if layout.tensor is not None:  # global tensors of the local shards
+        out = {n: layout.tensor.full(n, t) for n, t in out.items()}
+    named = {n: out[n] for n in layout.names}
+    named.update({alias: out[name] for alias, name in layout.aliases})
+    return named

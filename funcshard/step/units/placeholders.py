@@ -1,0 +1,90 @@
+"""Placeholders: what a unit's parameter is where its unit is not running (ZeRO-2/3).
+
+Any use of a placeholder raises :class:`UnitParamsError`, naming the parameter, instead of
+silently taking the module's own (stale) weights; metadata reads (shape, dtype) answer.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from funcshard.layout.layout import ROOT_UNIT, Layout
+
+__all__ = ["UnitParamsError", "Absent", "absent"]
+
+
+class UnitParamsError(RuntimeError):
+    """A unit's parameter was used where the unit was not running (ZeRO-2/3)."""
+
+
+# Metadata reads a placeholder answers; any other use raises.
+_METADATA = frozenset(
+    {
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.element_size,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.__repr__,
+        torch.Tensor.__format__,
+        torch.Tensor.__hash__,
+    }
+)
+
+
+class Absent(torch.Tensor):
+    """A meta tensor standing in for a parameter outside the unit that holds it."""
+
+    _why: str
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, why: str) -> Absent:
+        t = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+        t._why = why
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA or getattr(func, "__name__", None) == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        absent = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Absent))
+        raise UnitParamsError(absent._why)
+
+
+_MADE: weakref.WeakKeyDictionary[Layout, dict[str, Absent]] = weakref.WeakKeyDictionary()
+
+
+def absent(layout: Layout, names: list[str]) -> dict[str, Absent]:
+    """A placeholder per name, whose error says why the param is not there (made once per
+    layout: every microbatch of every step puts them in)."""
+    made = _MADE.setdefault(layout, {})
+    missing = [name for name in names if name not in made]
+    if missing:
+        made.update(_make(layout, missing))
+    return {name: made[name] for name in names}
+
+
+def _make(layout: Layout, names: list[str]) -> dict[str, Absent]:
+    out = {}
+    for name in names:
+        spec = layout.leaf(name)
+        if spec.unit == ROOT_UNIT:
+            why = (
+                f"parameter {name!r} (root unit) was used after forward: under "
+                f"{layout.strategy} the root's params are gathered for forward only, so "
+                "code outside the units cannot be recomputed in backward (activation "
+                "checkpointing); checkpoint units, or code inside them, instead"
+            )
+        else:
+            why = (
+                f"parameter {name!r} of unit {layout.units[spec.unit]!r} was used where "
+                f"that unit was not running: under {layout.strategy} a unit's params exist "
+                "only inside its forward (and its backward). Take a param outside of its "
+                "unit through params[name] in loss_fn"
+            )
+        out[name] = Absent(spec.shape, spec.dtypes.compute, why)
+    return out
