@@ -1,5 +1,5 @@
 """The cost of train_step's batch check on a tensor group: what a rank received fingerprinted
-(:func:`funcshard.parallel.tensor.batch_fingerprint`), the fingerprints and losses all-gathered
+(:func:`funcshard.parallel.batch.batch_fingerprint`), the fingerprints and losses all-gathered
 over "tensor" and compared, beside the check it replaced (the loss alone all-gathered).
 
     python experiments/bench_batch_check.py                  # 2 gloo CPU ranks, T=2
@@ -25,6 +25,7 @@ from timing import median_time  # noqa: E402
 
 import funcshard as fs  # noqa: E402
 from funcshard.distributed import ops  # noqa: E402
+from funcshard.parallel import batch as batch_lib  # noqa: E402
 from funcshard.parallel import tensor as tp_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -44,16 +45,16 @@ def worker(argv: list[str]) -> dict:
     batch = {k: torch.randint(0, 50_000, (FLAGS.rows, FLAGS.seq_len), generator=g) for k in "xy"}
     cpu, loss = torch.device("cpu"), torch.tensor(3.5, dtype=torch.float64)
 
-    paths, fingerprint = tp_lib.batch_fingerprint(batch, cpu)
+    check = tensor.batch_check(batch, cpu)  # fingerprints the batch
 
     def verdict():  # the step fingerprints as it starts, gathers after backward
-        assert tensor.batch_apart(paths, fingerprint, loss) is None
+        assert check.flag([loss]) == 0.0
 
     def loss_only():  # the check this one replaced: 8 bytes a rank
         ops.all_gather(loss.reshape(1), tensor.group, axis="tensor", kind="metrics").tolist()
 
     return {
-        "fingerprint": median_time(lambda: tp_lib.batch_fingerprint(batch, cpu), FLAGS.repeats),
+        "fingerprint": median_time(lambda: batch_lib.batch_fingerprint(batch, cpu), FLAGS.repeats),
         "verdict": median_time(verdict, FLAGS.repeats),
         "loss only": median_time(loss_only, FLAGS.repeats),
     }

@@ -14,8 +14,9 @@ from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.planner.plan import plan
 from funcshard.planner.summary import describe
 from funcshard.state.replica_check import ReplicaMismatchError, check_replicas
-from funcshard.state.state import ConsumedStateError, LossScale, TrainState, init, tree
+from funcshard.state.state import ConsumedStateError, LossScale, TrainState, tree
 from funcshard.step.functional import GatheredParams, functional_call
+from funcshard.step.init import init
 from funcshard.step.train import full_params, train_step
 from funcshard.step.units import UnitParamsError
 from funcshard.step.update import offload_step

@@ -535,7 +535,7 @@ def test_batch_fingerprint_sees_every_byte() -> None:
     """The batch check's fingerprint: equal for the same bytes however they are held (a
     strided view, another device's copy), different for one element changed by one unit, two
     rows swapped, the same bytes as another dtype or shape; every element size has a word."""
-    from funcshard.parallel.tensor import batch_fingerprint
+    from funcshard.parallel.batch import batch_fingerprint
 
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)

@@ -75,7 +75,7 @@ class Agreement:
         mesh is then this tensor rank's data-parallel submesh, the world all of them)."""
         if not dist.is_initialized():
             raise RuntimeError("checkpoints are collective: torch.distributed must be initialized")
-        if layout.tensor is not None:
+        if layout.tensor.size > 1:
             size = layout.mesh.size() * layout.tensor.size
             if size != dist.get_world_size():
                 raise ValueError(
@@ -396,7 +396,7 @@ class Saver:
         arrays, scalars = tree_lib.plan_writes(
             state, stage=background, chunk_bytes=self.chunk_bytes
         )
-        if state.layout.tensor is not None:  # chunks that no two tensor ranks share
+        if state.layout.tensor.size > 1:  # chunks that no two tensor ranks share
             tree_lib.align_chunks(arrays, agreement.group, self.chunk_bytes)
         tmp = start(final, agreement)
         info = tree_lib.info(state)

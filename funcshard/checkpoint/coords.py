@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from funcshard.checkpoint.format import NUMPY_DTYPE, chunk_file
 from funcshard.distributed import ops
-from funcshard.layout.buckets import Block, GlobalShape, Ragged, scale_index
+from funcshard.layout.buckets import Block, Ragged, scale_index
 from funcshard.optim.moments import block_of
-from funcshard.parallel.tensor import TensorParallel, chunk_sizes, local_shape
+from funcshard.parallel.axis import GlobalShape, ModelAxis
+from funcshard.parallel.tensor import chunk_sizes, local_shape
 
 __all__ = [
     "Box",
@@ -104,14 +105,15 @@ def block_spans(shape: Sequence[int], dim: int | None, size: int) -> tuple:
 
 
 class Coords:
-    """Where this tensor rank's local leaves sit in the global arrays (None-safe: a state
-    without a tensor axis maps every leaf to itself)."""
+    """Where this rank's local leaves sit in the global arrays along the model-parallel
+    axis (a state without one, :data:`~funcshard.parallel.axis.NO_AXIS`, maps every leaf to
+    itself)."""
 
-    def __init__(self, tensor: TensorParallel | None) -> None:
+    def __init__(self, tensor: ModelAxis) -> None:
         self.tensor = tensor
 
     def _leaf(self, name: str):
-        return None if self.tensor is None else self.tensor.leaves.get(name)
+        return self.tensor.leaves.get(name)
 
     def dim(self, name: str) -> int | None:
         leaf = self._leaf(name)
@@ -119,7 +121,7 @@ class Coords:
 
     def writes(self, name: str) -> bool:
         """Whether this tensor rank writes ``name`` (replicated ones: tensor rank 0 only)."""
-        return self.tensor is None or self.tensor.counts(name)
+        return self.tensor.counts(name)
 
     def shape(self, name: str, local: tuple[int, ...], scales: bool = False) -> tuple[int, ...]:
         """The global shape of ``name``'s array (``scales``: of its 8-bit scales, ``local``
@@ -132,7 +134,6 @@ class Coords:
             return tuple(full)
         if d == 0:
             return (full[0], *local[1:])
-        assert self.tensor is not None
         return (local[0], sum(scale_widths(full, d, self.tensor.size)))
 
     def rows(self, name: str, start: int, stop: int) -> tuple[int, int, Box | None]:
@@ -140,7 +141,6 @@ class Coords:
         d = self.dim(name)
         if d is None:
             return start, stop, None
-        assert self.tensor is not None
         _, lo, hi = self.tensor.span(name)
         if d == 0:
             return start + lo, stop + lo, None
@@ -155,7 +155,6 @@ class Coords:
             return start, stop, None
         if d == 0:
             return self.rows(name, start, stop)
-        assert self.tensor is not None
         widths = scale_widths(self._leaf(name).shape, d, self.tensor.size)
         t = self.tensor.rank
         lo = sum(widths[:t])
@@ -168,7 +167,6 @@ class Coords:
         d = self.dim(name)
         if d is None or d == 0:
             return False
-        assert self.tensor is not None
         return self._leaf(name).shape[d] % self.tensor.size != 0
 
     def split(self, name: str, scales: bool = False) -> tuple[int, int] | None:
@@ -177,7 +175,6 @@ class Coords:
         d = self.dim(name)
         if d is None or d == 0 or self.gathers(name):
             return None
-        assert self.tensor is not None
         full = self._leaf(name).shape
         if scales:
             return 1, scale_widths(full, d, self.tensor.size)[0]
@@ -185,7 +182,6 @@ class Coords:
 
     def widths(self, name: str, local: Sequence[int], scales: bool) -> list[tuple[int, ...]]:
         """Every tensor rank's shape of ``local`` (rows of ``name``, or of its scales)."""
-        assert self.tensor is not None
         leaf = self._leaf(name)
         size = self.tensor.size
         if scales:
@@ -195,7 +191,6 @@ class Coords:
     def gather(self, name: str, local: torch.Tensor, scales: bool) -> torch.Tensor:
         """The tensor ranks' ``local`` rows of ``name`` (or of its scales) side by side: whole
         global rows, on every tensor rank (one all-gather over "tensor", pieces padded)."""
-        assert self.tensor is not None
         shapes = self.widths(name, tuple(local.shape), scales)
         width = max(math.prod(s) for s in shapes)
         buffer = torch.zeros(width, dtype=local.dtype, device=local.device)

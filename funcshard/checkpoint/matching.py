@@ -87,8 +87,8 @@ def reblocks(layout: Layout, info: dict | None, name: str, shape: tuple[int, ...
     if info is None or "split_dims" not in info:
         return False
     tensor = layout.tensor
-    dim = None if tensor is None or name not in tensor.leaves else tensor.leaves[name].dim
-    size = 1 if tensor is None else tensor.size
+    dim = tensor.leaves[name].dim if name in tensor.leaves else None
+    size = tensor.size
     return block_spans(shape, *source_blocks(info, name, shape)) != block_spans(shape, dim, size)
 
 

@@ -135,7 +135,7 @@ def info(state: TrainState) -> dict:
         "strategy": str(layout.strategy),
         "outer_strategy": str(layout.outer),
         "mesh": list(layout.mesh.shape),
-        "tensor": 1 if layout.tensor is None else layout.tensor.size,
+        "tensor": layout.tensor.size,
         "split_dims": split_dims(layout),
         "step": int(state.step),
     }
@@ -144,10 +144,8 @@ def info(state: TrainState) -> dict:
 def split_dims(layout: Layout) -> dict[str, int]:
     """The dim each parameter split over "tensor" is split along (what a restore onto another
     tensor degree needs to know the blocks of its 8-bit scales: ``coords.row_blocks``)."""
-    tensor = layout.tensor
-    if tensor is None:
-        return {}
-    return {n: leaf.dim for n, leaf in tensor.leaves.items() if leaf.dim is not None}
+    leaves = layout.tensor.leaves
+    return {n: leaf.dim for n, leaf in leaves.items() if leaf.dim is not None}
 
 
 # --- writing: the rows of each array this rank writes ---------------------------------------
@@ -267,7 +265,7 @@ def plan_writes(
         # and tensor rank 0 writes them
         rows = coords.gather(write.keys[-1], view, scales)
         write.data = rows.to("cpu") if stage else rows
-        if layout.tensor is not None and layout.tensor.rank != 0:
+        if layout.tensor.rank != 0:
             write.start = write.stop = write.shape[0]
             write.data = None
     scalars = {("opt_state", *p): v for p, v in opt_layout(state.opt_state, n)[1].items()}

@@ -22,10 +22,11 @@ from typing import Any
 
 import optree
 
+from funcshard.parallel.axis import GlobalShape
+
 __all__ = [
     "NAMESPACE",
     "Members",
-    "GlobalShape",
     "PerBucket",
     "BlockScales",
     "Ragged",
@@ -39,28 +40,6 @@ __all__ = [
 ]
 
 NAMESPACE = "funcshard"
-
-
-class GlobalShape(tuple):
-    """A tensor-parallel parameter's global shape, what the optimizer's rules are asked with,
-    carrying ``local``: the shard this rank holds. It is the plain tuple to every rule (masks
-    and labels compare and hash it as one); the 8-bit block rule reads ``local`` so that a
-    block never crosses a row of what a rank steps (:func:`funcshard.optim.moments.block_of`).
-
-    >>> s = GlobalShape((64, 192), (64, 96))
-    >>> s == (64, 192), s.local
-    (True, (64, 96))
-    """
-
-    local: tuple[int, ...]
-
-    def __new__(cls, shape: Iterable[int], local: Iterable[int]) -> GlobalShape:
-        self = super().__new__(cls, shape)
-        self.local = tuple(local)
-        return self
-
-    def __reduce__(self):
-        return GlobalShape, (tuple(self), self.local)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -11,21 +11,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard.distributed import mesh as mesh_lib
-from funcshard.layout.buckets import GlobalShape
 from funcshard.layout.layout import Bucket, Layout, LeafSpec
 from funcshard.layout.model_units import UnitsArg, resolve_units, tied_aliases, unit_of
 from funcshard.layout.offload_choice import pick_offloaded
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
-from funcshard.parallel.tensor import TensorParallel
+from funcshard.parallel.axis import NO_AXIS, ModelAxis
 
 __all__ = ["build_layout", "DETERMINISTIC_ALIGN"]
 
 
 def _offload_sizes(
     params: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    raw: list[tuple],
-    tensor: TensorParallel | None,
+    tensor: ModelAxis,
     policy: MixedPrecisionPolicy,
     shard_size: int,
     deterministic: bool,
@@ -33,9 +31,8 @@ def _offload_sizes(
     """The shard elements per leaf the offloaded leaves are picked by. Under tensor parallelism
     every tensor rank must pick the same leaves (their buckets, hence the order of the
     collectives over "tensor", follow from it), so a leaf split unevenly over "tensor" counts
-    as tensor rank 0's shard (:meth:`TensorParallel.agreed_shape`) on every rank."""
-    if tensor is None:
-        return [r[4] * r[5] for r in raw]
+    as tensor rank 0's shard on every rank
+    (:meth:`~funcshard.parallel.axis.ModelAxis.agreed_shape`)."""
     sizes = []
     for name, (shape, dtype) in params.items():
         agreed = tensor.agreed_shape(name, tuple(shape))
@@ -68,7 +65,7 @@ def _bucket_leaves(
     raw: list[tuple],
     offloaded: set[int],
     partition: Callable[[str, tuple], Hashable] | None,
-    tensor: TensorParallel | None = None,
+    tensor: ModelAxis = NO_AXIS,
 ) -> tuple[list[LeafSpec], list[Bucket]]:
     """The leaf specs and buckets of ``raw`` (``_leaf_rows`` + the unit, per parameter):
     buckets in order of first appearance of (unit, dtypes, placement, rule), leaves in model
@@ -76,8 +73,7 @@ def _bucket_leaves(
     over "tensor" share buckets with replicated ones: one collective per unit, as without)."""
     keys: dict[tuple, list[int]] = {}
     for i, (name, shape, dtypes, *_rest, unit) in enumerate(raw):
-        full = GlobalShape(tensor.full_shape(name, shape), shape) if tensor is not None else shape
-        rule = partition(name, full) if partition is not None else None
+        rule = partition(name, tensor.rule_shape(name, shape)) if partition is not None else None
         keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
     leaves: list[LeafSpec | None] = [None] * len(raw)
     buckets = []
@@ -104,7 +100,7 @@ def build_layout(
     partition: Callable[[str, tuple], Hashable] | None = None,
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = OuterStrategy.NO_SHARD,
-    tensor: TensorParallel | None = None,
+    tensor: ModelAxis = NO_AXIS,
 ) -> Layout:
     """Computes the layout from ``{name: (shape, dtype)}`` in ``named_parameters`` order.
 
@@ -139,7 +135,7 @@ def build_layout(
         for name, (shape, dtype) in params.items()
     ]
     offloaded = pick_offloaded(
-        _offload_sizes(params, raw, tensor, policy, shard_size, deterministic), offload_fraction
+        _offload_sizes(params, tensor, policy, shard_size, deterministic), offload_fraction
     )
 
     leaves, buckets = _bucket_leaves(raw, offloaded, partition, tensor)

@@ -36,7 +36,7 @@ from funcshard.layout.buckets import Block, Members, PerBucket, scale_index
 from funcshard.layout.model_units import ROOT_UNIT, UnitsArg, default_units, tied_aliases
 from funcshard.layout.policy import LeafDtypes, MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
-from funcshard.parallel.tensor import TensorParallel
+from funcshard.parallel.axis import NO_AXIS, ModelAxis
 
 __all__ = [
     "STRATEGIES",
@@ -134,7 +134,7 @@ class Placement:
     replica_count: int = 1
     replica_rank: int = 0
     axis: str = "shard"  # the mesh axis of ``group``, for the accounting ("world": HFSDP)
-    tensor: TensorParallel | None = None
+    tensor: ModelAxis = NO_AXIS
 
     def leaves(self, members: Members) -> tuple[LeafSpec, ...]:
         """The specs of the parameters one flat buffer packs, in buffer order."""
@@ -171,7 +171,7 @@ class Layout:
     packed_sections: int = 0
     # the tensor axis of a tensor-parallel model (:mod:`funcshard.parallel.tensor`): leaves are
     # then its parameters' LOCAL shards, ``mesh`` the data-parallel submesh of this tensor rank
-    tensor: TensorParallel | None = None
+    tensor: ModelAxis = NO_AXIS
 
     def aliases_of(self, name: str) -> tuple[str, ...]:
         """The other names of parameter ``name`` in the model's state_dict (tied weights)."""
@@ -280,7 +280,7 @@ class Layout:
                 tuple(s.name for s in self.bucket_leaves(b)),
                 tuple(s.shape for s in self.bucket_leaves(b)),
                 None
-                if self.tensor is None or not self.tensor.leaves
+                if not self.tensor.leaves
                 else tuple(self.tensor.full_shape(s.name, s.shape) for s in self.bucket_leaves(b)),
             )
             for b in self.buckets

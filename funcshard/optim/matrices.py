@@ -39,6 +39,7 @@ from funcshard.optim.base import Optimizer, PyTree, Schedule, leaf_params, not_n
 from funcshard.optim.moments import decode_flat, encode_flat
 from funcshard.optim.owners import assign_owners, exchange_plan, ns_flops, order, rounds_of
 from funcshard.optim.spec import Buffers, Moments, Scalars, Spec, build
+from funcshard.parallel.axis import NO_AXIS
 
 if TYPE_CHECKING:
     from funcshard.layout.layout import Placement
@@ -164,7 +165,7 @@ def muon(
     def orthogonalize(tensor, m: _Matrix, whole: torch.Tensor) -> torch.Tensor:
         """``m``'s orthogonalized update from its whole local matrix (gathered over "tensor"
         into the full one and cut back to this tensor rank's shard where it is split)."""
-        if tensor is None or tensor.size == 1 or not tensor.sharded(m.name):
+        if not tensor.splits(m.name):
             return newton_schulz(whole, coefficients, ns_steps, eps)
         full = tensor.gather_whole(m.name, whole.to(torch.bfloat16), kind=KIND)
         return tensor.part_of(m.name, newton_schulz(full, coefficients, ns_steps, eps))
@@ -195,7 +196,7 @@ def muon(
             ):
                 matrices.append(_Matrix(name, shape, rows, u, full))
                 targets.append((target, _adjusted_lr(s.lr, adjust_lr_fn, full)))
-        tensor = None if placement is None else placement.tensor
+        tensor = NO_AXIS if placement is None else placement.tensor
         results = _orthogonalize_all(
             matrices,
             placement,

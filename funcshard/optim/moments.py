@@ -72,7 +72,7 @@ def block_of(shape: tuple[int, ...]) -> Block | None:
     power of two <= 256 that divides it, if that is >= 32; else a row of at most 256 elements
     is one block, and a longer one is cut into blocks of 256 and a shorter last one.
 
-    A tensor-parallel parameter (a :class:`~funcshard.layout.buckets.GlobalShape`) is 8-bit by its
+    A tensor-parallel parameter (a :class:`~funcshard.parallel.axis.GlobalShape`) is 8-bit by its
     global shape, whatever the tensor degree, and its blocks cut the row of the shard this
     rank holds: a rowwise (``Shard(1)``) weight's local row is a piece of the global row, and
     a block never crosses it, so an element's bits depend only on its own row's values of its
@@ -82,7 +82,7 @@ def block_of(shape: tuple[int, ...]) -> Block | None:
     (256, 64, None, 100)
     >>> block_of((256, 769))
     Ragged(size=256, row=769)
-    >>> from funcshard.layout.buckets import GlobalShape
+    >>> from funcshard.parallel.axis import GlobalShape
     >>> block_of(GlobalShape((4096, 11008), (4096, 5504))), block_of((4096, 11008))
     (128, 256)
     """

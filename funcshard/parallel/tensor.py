@@ -13,14 +13,10 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-import struct
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import optree
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -35,6 +31,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from funcshard.distributed import ops
+from funcshard.parallel.axis import NO_AXIS, NO_CHECK, BatchCheck, GlobalShape, ModelAxis
+from funcshard.parallel.batch import TensorBatchCheck
 
 __all__ = [
     "TensorLeaf",
@@ -46,7 +44,6 @@ __all__ = [
     "chunk_sizes",
     "local_shape",
     "gather_numel",
-    "batch_fingerprint",
 ]
 
 
@@ -188,55 +185,37 @@ class TensorParallel:
         parts = [rows[t, : math.prod(s)].view(s) for t, s in enumerate(shapes)]
         return torch.cat(parts, dim=leaf.dim)
 
-    def batch_apart(
-        self, paths: tuple[str, ...], fingerprint: torch.Tensor, loss: torch.Tensor
-    ) -> str | None:
-        """Why this tensor group's ranks did not run on the same batch, or None.
+    def splits(self, name: str) -> bool:
+        return self.size > 1 and self.sharded(name)
 
-        One all-gather over "tensor" (counted under "metrics") of four words whatever the
-        batch: a digest of this rank's :func:`batch_fingerprint` (its leaves' rows summed with
-        odd weights, modulo 2^64) and its loss. Only where the digests differ, a second one
-        of every leaf's fingerprint names the batch leaves that differ from tensor rank 0's,
-        with the ranks; the same bytes but losses apart (1e-3 relative: the model's
-        reductions may round apart) say the model draws other random numbers per tensor
-        rank."""
-        odd = torch.arange(1, 2 * fingerprint.shape[0], 2, dtype=torch.int64)
-        digest = (fingerprint * odd.to(fingerprint.device).unsqueeze(1)).sum(dim=0)
-        local = torch.cat([digest.reshape(-1), loss.double().reshape(1).view(torch.int64)])
-        every = ops.all_gather(local, self.group, axis=ops.Axis.TENSOR, kind="metrics")
-        rows = every.view(self.size, -1).tolist()  # one sync; the rest is Python on ints
-        losses = [struct.unpack("<d", struct.pack("<q", row[-1]))[0] for row in rows]
-        if any(row[:-1] != rows[0][:-1] for row in rows):
-            return self._batch_leaves_apart(paths, fingerprint)
-        if not all(math.isfinite(v) for v in losses):
-            return None  # a nonfinite loss: the step is skipped as any other
-        if max(losses) - min(losses) > 1e-3 * max(abs(v) for v in losses):
-            ranks = dist.get_process_group_ranks(self.group)
-            return (
-                f"the tensor group of ranks {ranks} passed the same bytes but their losses "
-                f"differ ({losses}): the model draws other random numbers per tensor rank "
-                "(dropout seeded by rank?)"
-            )
-        return None
+    def rule_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The global shape, carrying ``local`` (:class:`~funcshard.parallel.axis.GlobalShape`):
+        leaves split over "tensor" share buckets with replicated ones."""
+        return GlobalShape(self.full_shape(name, local), local)
 
-    def _batch_leaves_apart(self, paths: tuple[str, ...], fingerprint: torch.Tensor) -> str:
-        """The batch leaves whose fingerprint differs from tensor rank 0's, with the ranks (an
-        all-gather of every leaf's fingerprint: only once the digests differ)."""
-        every = ops.all_gather(
-            fingerprint.reshape(-1), self.group, axis=ops.Axis.TENSOR, kind="metrics"
-        )
-        prints = every.view(self.size, len(paths), -1).tolist()
-        ranks = dist.get_process_group_ranks(self.group)
-        apart = [
-            [ranks[t] for t in range(self.size) if prints[t][i] != prints[0][i]]
-            for i in range(len(paths))
-        ]
-        named = ", ".join(f"{p!r} on ranks {r}" for p, r in zip(paths, apart, strict=True) if r)
-        return (
-            f"the tensor group of ranks {ranks} passed different batches: batch leaf "
-            f"{named or '(every leaf alike, their order or count not)'} differs from rank "
-            f"{ranks[0]}'s"
-        )
+    def sum_square(self, square: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return square
+        return ops.all_reduce(square, self.group, axis=ops.Axis.TENSOR, kind="metrics")
+
+    def squares_in_order(self, square: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return square.reshape(1)
+        return ops.all_gather(square.reshape(1), self.group, axis=ops.Axis.TENSOR, kind="metrics")
+
+    def replica_groups(self, labels: list[str]) -> list[tuple[str, Any, list[str]]]:
+        """A tensor group's replicated leaves: the same bits on every tensor rank."""
+        same = [label for label in labels if not self.sharded(label.rsplit("/", 1)[-1])]
+        if self.size == 1 or not same:
+            return []
+        return [(ops.Axis.TENSOR.value, self.group, same)]
+
+    def batch_check(self, batch: Any, device: torch.device) -> BatchCheck:
+        """Torch TP's rule, checked: every rank of a tensor group steps on the same batch
+        (:class:`funcshard.parallel.batch.TensorBatchCheck`)."""
+        if self.size == 1:
+            return NO_CHECK
+        return TensorBatchCheck(self, batch, device)
 
     def part_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This tensor rank's shard of ``name``'s global tensor ``full`` (a contiguous copy)."""
@@ -246,46 +225,7 @@ class TensorParallel:
         return full.narrow(leaf.dim, start, pieces[self.rank]).contiguous()
 
 
-# the integer word of each element size: a leaf's bytes read as integers, exactly
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def batch_fingerprint(batch: Any, device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
-    """``(paths, fingerprint)``: per batch leaf (by its path), three int64 that change with
-    any change of its bytes, shape or dtype: a CRC of shape and dtype, the sum of its
-    elements read as integers and their sum weighted by odd position factors (modulo 2^64,
-    so the same bits give the same sums in any order; rows swapped change the weighted one).
-    Computed on the leaf's device, no copy of the batch; ``fingerprint`` is ``(leaves, 3)``
-    on ``device``.
-
-    >>> paths, fp = batch_fingerprint({"x": torch.arange(4)}, torch.device("cpu"))
-    >>> paths, fp[0, 1:].tolist()
-    (('x',), [6, 34])
-    """
-    leaves = optree.tree_leaves(batch)
-    paths = tuple("/".join(map(str, p)) or "<batch>" for p in optree.tree_paths(batch))
-    rows = []
-    for leaf in leaves:
-        words = _words(leaf.detach())
-        odd = torch.arange(1, 2 * words.numel(), 2, dtype=torch.int64, device=words.device)
-        head = zlib.crc32(f"{tuple(leaf.shape)} {leaf.dtype}".encode())
-        sums = torch.stack([words.sum(), (words * odd).sum()]).to(device)
-        rows.append(torch.cat([sums.new_tensor([head]), sums]))
-    if not rows:
-        return paths, torch.zeros(0, 3, dtype=torch.int64, device=device)
-    return paths, torch.stack(rows)
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as int64 of the same bits (an integer word per element; bytes for
-    element sizes without one), flattened."""
-    word = _WORDS.get(t.element_size())
-    if word is None:
-        t, word = t.contiguous().reshape(-1).view(torch.uint8), torch.uint8
-    return t.view(word).reshape(-1).to(torch.int64)
-
-
-def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> TensorParallel | None:
+def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> ModelAxis:
     """The tensor axis of ``model``'s DTensor parameters (None for a plain model on a mesh
     without one).
 
@@ -310,7 +250,7 @@ def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> TensorParall
             )
         leaves[name] = leaf_of(name, p)
     if tensor_mesh is None:
-        return None
+        return NO_AXIS
     return TensorParallel(tensor_mesh, leaves)
 
 

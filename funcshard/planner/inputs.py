@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from funcshard.parallel.axis import NO_AXIS, ModelAxis
 from funcshard.parallel.tensor import (
     TensorLeaf,
     TensorParallel,
@@ -104,7 +105,7 @@ def tensor_table(
     table: dict,
     tensor: int,
     tensor_plan: Mapping[str, ParallelStyle] | None = None,
-) -> tuple[dict, TensorParallel | None]:
+) -> tuple[dict, ModelAxis]:
     """Tensor rank 0's local shapes (the largest shards) of a model after
     ``parallelize_module`` on a tensor mesh of ``tensor`` ranks, or of a plain model under
     ``tensor_plan`` (``parallelize_module``'s plan), and its tensor axis."""
@@ -118,7 +119,7 @@ def tensor_table(
                 "plan: the model holds DTensor parameters (parallelize_module); pass "
                 "tensor=T, the size of the tensor mesh they live on"
             )
-        return table, None
+        return table, NO_AXIS
     if not isinstance(params, nn.Module):
         raise ValueError(
             f"plan: tensor={tensor} needs the model after parallelize_module (its DTensor "

@@ -177,14 +177,14 @@ def _muon_exchange(
 
 
 def _tensor_size(layout: Layout) -> int:
-    return 1 if layout.tensor is None else layout.tensor.size
+    return layout.tensor.size
 
 
 def _planned(layout: Layout, spec, S: int, T: int) -> tuple:
     """One matrix as :func:`exchange_plan` reads it: local shape, rows per shard rank, the
     model's shape, the elements of its all-gather over "tensor" (0 when not split)."""
     rows = [spec.row_range(r) for r in range(S)]
-    if layout.tensor is None or not layout.tensor.sharded(spec.name) or T == 1:
+    if not layout.tensor.splits(spec.name):
         return spec.shape, rows, spec.shape, 0
     leaf = layout.tensor.leaves[spec.name]
     return spec.shape, rows, leaf.shape, gather_numel(leaf.shape, leaf.dim, T)

@@ -111,12 +111,7 @@ def _groups(state: Any, labels: list[str]) -> list[tuple[str, Any, list[str]]]:
     groups = []
     if placement.replica_count > 1:  # HSDP's "replicate", the world under no_shard
         groups.append((placement.replicas_axis, placement.replicas, labels))
-    tensor = layout.tensor
-    if tensor is not None and tensor.size > 1:  # a tensor group's replicated leaves
-        same = [label for label in labels if not tensor.sharded(label.rsplit("/", 1)[-1])]
-        if same:
-            groups.append((ops.Axis.TENSOR.value, tensor.group, same))
-    return groups
+    return groups + layout.tensor.replica_groups(labels)
 
 
 def check_replicas(state: Any) -> None:

@@ -1,4 +1,4 @@
-"""TrainState: the immutable training state, and ``init`` which builds it.
+"""TrainState: the immutable training state (``fs.init`` builds it: :mod:`funcshard.step.init`).
 
 The one source of truth per weight is the master flat buffer of its bucket (on the device, or
 on the CPU for an offloaded bucket). Everything else is derived from it by
@@ -10,44 +10,29 @@ is cast from the master at gather time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from funcshard.distributed import mesh as mesh_lib
-from funcshard.fault import replicas as fault_lib
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.buckets import NAMESPACE, map_parts
-from funcshard.layout.build import build_layout
-from funcshard.layout.layout import Layout, UnitsArg
+from funcshard.layout.layout import Layout
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
-from funcshard.parallel import tensor as tp_lib
-from funcshard.state import donation, replica_check
-from funcshard.state.derive import derive_compute, pack_masters
+from funcshard.state import donation
+from funcshard.state.derive import derive_compute
 from funcshard.state.donation import ConsumedStateError
-from funcshard.step.compiling import (
-    Backend,
-    backend_of,
-    check_not_compiled_around_units,
-    unwrapped,
-)
 
 __all__ = [
     "TrainState",
     "Donation",
     "ConsumedStateError",
     "LossScale",
-    "init",
     "derive_compute",
     "tree",
-    "heal",
-    "identity",
 ]
 
 tree = optree.pytree.reexport(namespace=NAMESPACE, module="funcshard.tree")
@@ -61,11 +46,11 @@ class LossScale(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Static:
+class Static:
     layout: Layout
     optimizer: Optimizer
-    compile: Backend = None  # fs.init's compile: the torch.compile backend of the unit modules
-    replicas: fault_lib.Replicas | None = None
+    compile: Any = None  # fs.init's compile: the torch.compile backend of the unit modules
+    guard: Any = None  # fault tolerance's seam (funcshard.fault.seam): SOLO or a Group
     check_replicas_every: int = 0  # train_step compares replicas' bits every N steps (0: never)
 
 
@@ -79,7 +64,7 @@ class Donation:
     opt_state: Any
     step: int
     loss_scale: LossScale | None
-    static: _Static
+    static: Static
 
     @property
     def layout(self) -> Layout:
@@ -132,7 +117,7 @@ class TrainState:
         opt_state: Any,
         step: int,
         loss_scale: LossScale | None,
-        static: _Static,
+        static: Static,
     ) -> None:
         for name, value in (
             ("_master", tuple(master)),
@@ -220,7 +205,7 @@ class TrainState:
         return self._static.optimizer
 
     @property
-    def compile(self) -> Backend:
+    def compile(self) -> Any:
         """The ``torch.compile`` backend ``fs.init(compile=...)`` chose (None: eager)."""
         return self._static.compile
 
@@ -233,9 +218,15 @@ class TrainState:
         return self.layout.mesh
 
     @property
-    def replicas(self) -> fault_lib.Replicas | None:
-        """The replica groups of a fault-tolerant state (``fs.init(fault_tolerance=...)``)."""
-        return self._static.replicas
+    def guard(self) -> Any:
+        """How the state's steps start and end across replica groups (``fs.init``'s
+        ``fault_tolerance``: :mod:`funcshard.fault.seam`)."""
+        return self._static.guard
+
+    @property
+    def replicas(self) -> Any:
+        """The replica groups of a fault-tolerant state (None without fault tolerance)."""
+        return self._static.guard.across
 
     @property
     def policy(self) -> MixedPrecisionPolicy:
@@ -304,189 +295,8 @@ def _to_children(state: TrainState):
     return children, state._static, ("master", "compute", "opt_state", "step", "loss_scale")
 
 
-def _from_children(static: _Static, children) -> TrainState:
+def _from_children(static: Static, children) -> TrainState:
     return TrainState(*children, static=static)
 
 
 tree.register_node(TrainState, _to_children, _from_children)
-
-
-def init(
-    model: nn.Module,
-    opt: Optimizer,
-    *,
-    mesh: DeviceMesh,
-    policy: MixedPrecisionPolicy | None = None,
-    strategy: str | Strategy = "optim_grads_params",
-    offload_fraction: float = 0.0,
-    units: UnitsArg = None,
-    deterministic: bool = False,
-    outer_strategy: str | OuterStrategy = "no_shard",
-    compile: bool | str | Callable[..., Any] = False,
-    fault_tolerance: fault_lib.FaultTolerance | None = None,
-    check_replicas_every: int = 0,
-) -> TrainState:
-    """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
-
-    Args:
-      model: holds the initial weights, identical on every rank; a meta-device model gives a
-        state without values that ``restore`` must fill. A ``torch.compile(model)`` wrapper
-        is read as the model inside it: parameter names, checkpoints and exports are the plain
-        model's (``fs.functional_call`` on the wrapper still runs it compiled).
-      opt: a pure optimizer from ``funcshard.optim``.
-      mesh: from ``make_mesh``; with a tensor axis, DTensor params on ``mesh["tensor"]``
-        have their local shards sharded over the data-parallel axes (docs/tensor-parallel.md).
-      policy: mixed precision; default fp32 masters and grads, the model's compute dtype.
-      strategy: "no_shard" | "optim" | "optim_grads" | "optim_grads_params".
-      offload_fraction: share of this rank's optimizer numel stepped on the CPU.
-      units: gather units: submodule names or a predicate ``(name, module) -> bool``; None =
-        the children of every ``nn.ModuleList``. The remaining params form the root unit.
-      deterministic: params, optimizer state and metrics bitwise identical on every world
-        size, mesh, strategy and offload fraction that splits the same global batch into the
-        same number G = dp_size * microbatches of equal chunks (G a power of two), and across
-        save/restore between such layouts (see :mod:`funcshard.layout.determinism` for the cost).
-        On CUDA the offload fraction must match too (offloaded buckets step with the CPU
-        kernel, which may round differently from the CUDA one).
-      outer_strategy: what is sharded over the mesh's "replicate" axis. "no_shard" (HSDP):
-        each replica keeps its shard group's masters and optimizer state whole, gradient
-        shards are all-reduced over "replicate". "optim" (HFSDP): masters and optimizer
-        state are sharded over replicate x shard (1/(R*S) per rank); gradient shards are
-        reduce-scattered over "replicate" once per step, after the last microbatch, and the
-        updated compute params all-gathered over it once per step.
-      compile: True ("inductor"), a ``torch.compile`` backend name or callable: funcshard
-        runs each gather unit's module compiled (the user's own ``module.compile()`` where
-        there is one), its gather and reduce around the compiled call (see
-        :mod:`funcshard.step.compiling`); recorded in the state's static metadata
-        (``state.compile``).
-      fault_tolerance: this rank's replica group joins the others through torchft
-        (:mod:`funcshard.fault.replicas`): every step averages the gradients over the groups of its
-        quorum. A group behind its peers (one that restarts) heals from a live peer here: the
-        state returned, step included, is bitwise theirs. Pass the state returned, or a state
-        restored after it (its first step then asks for a quorum of its own, and heals it
-        from the peers when it is behind them).
-      check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
-        an input state whose step is a positive multiple of N, before donating it; 0: never.
-
-    Raises:
-      ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
-        or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
-        "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``; under
-        ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
-        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model.
-      TypeError: ``compile`` neither a bool, a backend name nor a callable.
-      ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
-    """
-    if not isinstance(opt, Optimizer):
-        raise TypeError(
-            f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
-            "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
-        )
-    every = replica_check.period(check_replicas_every)
-    backend = backend_of(compile, deterministic=deterministic)
-    policy = policy or MixedPrecisionPolicy()
-    given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
-    tensor = tp_lib.read_model(model, mesh_lib.tensor_axis(mesh))
-    named = tp_lib.local_params(model)
-    fault_lib.check_init(fault_tolerance, outer_strategy, named)
-    layout = build_layout(
-        {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
-        model=model,
-        mesh=mesh,
-        policy=policy,
-        strategy=strategy,
-        offload_fraction=offload_fraction,
-        units=units,
-        partition=opt.partition,
-        deterministic=deterministic,
-        outer_strategy=outer_strategy,
-        tensor=tensor,
-    )
-    if layout.strategy.runs_units:
-        check_not_compiled_around_units(given, layout.units[1:], layout.strategy)
-    if layout.hierarchical:
-        mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
-    master = pack_masters(layout, named)
-    replicas = fault_tolerance and fault_lib.Replicas(fault_tolerance, layout.device)
-    state = TrainState(
-        master=master,
-        compute=derive_compute(layout, master),
-        opt_state=opt.init(layout.per_bucket(master)),
-        step=0,
-        loss_scale=_initial_loss_scale(layout),
-        static=_Static(layout, opt, backend, replicas, every),
-    )
-    if replicas is None:
-        return state
-    state, _ = heal(state, replicas.join(lambda: state_dict(state), step=0))
-    replicas.joined(identity(state))
-    return state
-
-
-def _initial_loss_scale(layout: Layout) -> LossScale | None:
-    """fp16 compute's dynamic loss scale at its start (None: no fp16 bucket)."""
-    fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
-    return LossScale(float(layout.policy.loss_scale_init), 0) if fp16 else None
-
-
-def identity(state: TrainState) -> tuple[Any, ...]:
-    """What tells a state from every other one, a state restored in place into its buffers
-    included: its buffers' liveness tokens (a donation hands the buffers on with fresh
-    ones), compared by ``is``."""
-    return state._live
-
-
-def state_dict(state: TrainState) -> dict[str, Any]:
-    """What a healing replica group receives: every value of ``state`` but the derived
-    compute copies (masters, optimizer state, step, loss scale; offloaded parts included)."""
-    leaves = optree.tree_leaves(state.opt_state, none_is_leaf=True, namespace=NAMESPACE)
-    ls = state.loss_scale
-    return {
-        "master": list(state.master),
-        "opt_state": list(leaves),
-        "step": state.step,
-        "loss_scale": None if ls is None else [ls.scale, ls.good_steps],
-    }
-
-
-def heal(state: TrainState, received: dict[str, Any] | None) -> tuple[TrainState, bool]:
-    """A fault-tolerant state after its group's quorum: ``state`` itself when no rank of the
-    group healed, else (donated) with the peer's values where this rank received them
-    (``received``, from :meth:`funcshard.fault.replicas.Replicas.quorum`) and every rank's compute
-    copies derived again (the ranks of a group agree first: torchft may heal one rank of a
-    group and not the other, and under ZeRO-1/2 deriving is an all-gather over the group).
-
-    Returns:
-      ``(state, moved)``: ``moved`` when the heal changed the group's step (the caller's
-      batch, built for the old step, is then not this state's).
-    """
-    replicas = state.replicas
-    assert replicas is not None, "a fault-tolerant state"
-    moved = received is not None and int(received["step"]) != state.step
-    healed, moved = replicas.agree(received is not None, moved)
-    if not healed:
-        return state, False
-    return load_state_dict(state, received), moved
-
-
-def load_state_dict(state: TrainState, received: dict[str, Any] | None) -> TrainState:
-    """``state`` (donated) with a peer's values (:func:`state_dict`) copied into its buffers
-    (None: its own values) and the compute copies derived from them (a collective)."""
-    d = state.donate("heal")
-    if received is None:
-        return d.state(compute=derive_compute(d.layout, d.master))
-    leaves, treedef = optree.tree_flatten(d.opt_state, none_is_leaf=True, namespace=NAMESPACE)
-    pairs = enumerate(fault_lib.pairs(d.master, received, "master"))
-    master = tuple(fault_lib.copy_into(m, r, f"master[{i}]") for i, (m, r) in pairs)
-    opt = [
-        fault_lib.copy_into(x, r, f"opt_state leaf {i}") if isinstance(x, torch.Tensor) else r
-        for i, (x, r) in enumerate(fault_lib.pairs(leaves, received, "opt_state"))
-    ]
-    ls = received["loss_scale"]
-    return TrainState(
-        master=master,
-        compute=derive_compute(d.layout, master),
-        opt_state=optree.tree_unflatten(treedef, opt),
-        step=int(received["step"]),
-        loss_scale=None if ls is None else LossScale(float(ls[0]), int(ls[1])),
-        static=d.static,
-    )

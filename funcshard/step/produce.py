@@ -115,7 +115,7 @@ class ReplicatedGrads:
             for spec in layout.bucket_leaves(bucket):
                 params[spec.name] = shard_lib.full_view(full, spec, S).detach().requires_grad_()
                 order.append(spec.name)
-        wrap = layout.tensor.wrap if layout.tensor is not None else lambda n, t: t
+        wrap = layout.tensor.wrap
         step_params = StepParams((n, wrap(n, params[n])) for n in layout.names)
         step_params.compile_units = (layout.units[1:], self.backend)
         try:

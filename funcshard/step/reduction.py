@@ -215,9 +215,7 @@ class RingReduction:
             sq = norms.square().sum().to(layout.device)
         if layout.shard_size > 1:
             sq = ops.all_reduce(sq, layout.shard_group, axis=layout.shard_axis, kind="metrics")
-        if layout.tensor is not None and layout.tensor.size > 1:
-            sq = ops.all_reduce(sq, layout.tensor.group, axis=Axis.TENSOR, kind="metrics")
-        return sq.sqrt()
+        return layout.tensor.sum_square(sq).sqrt()
 
     def mean_loss(
         self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
@@ -253,15 +251,9 @@ class TreeReduction:
         sums = determinism.row_sums(layout, grads)
         if sums is not None and layout.shard_size > 1:
             sums = ops.all_gather(sums, layout.shard_group, axis=layout.shard_axis, kind="metrics")
-        if layout.tensor is None:
-            return determinism.norm_of_rows(layout, sums).sqrt()
-        # this tensor rank's part of the full model's square, then the parts in tensor order
+        # this rank's part of the full model's square, then the parts in the axis's order
         square = determinism.norm_of_rows(layout, sums, counts=layout.tensor.counts)
-        if layout.tensor.size > 1:
-            square = ops.all_gather(
-                square.reshape(1), layout.tensor.group, axis=Axis.TENSOR, kind="metrics"
-            )
-        return determinism.halving_sum(square.reshape(-1)).sqrt()
+        return determinism.halving_sum(layout.tensor.squares_in_order(square)).sqrt()
 
     def mean_loss(
         self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
@@ -286,7 +278,7 @@ def counted(layout: Layout, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     of them, but on a tensor rank other than 0 only the segments of leaves split over
     "tensor" (a replicated leaf is the same on every tensor rank: counted once)."""
     tensor = layout.tensor
-    if tensor is None or tensor.rank == 0:
+    if tensor.rank == 0:
         return list(grads)
     return [
         g[s.offset : s.offset + s.shard_numel]

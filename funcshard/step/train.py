@@ -20,9 +20,8 @@ from funcshard.comm import params as params_lib
 from funcshard.distributed import ops
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
-from funcshard.parallel import tensor as tp_lib
 from funcshard.state.replica_check import check_replicas
-from funcshard.state.state import LossScale, TrainState, heal, identity, state_dict
+from funcshard.state.state import LossScale, TrainState
 from funcshard.step import update as offload_lib
 from funcshard.step.produce import LossFn, producer_for
 from funcshard.step.reduction import reduction_of
@@ -103,11 +102,11 @@ def train_step(
       TimeoutError: a fault-tolerant step's quorum did not form in time (too few groups
         alive); the state is unchanged and usable, and the next call asks again.
     """
-    layout = state.layout
+    layout, guard = state.layout, state.guard
     _check_steppable(state)
-    state, moved = _quorum(state)
-    if moved:  # the batch was built for the step this group left: nothing is averaged
-        return state, _healed_metrics(state)
+    state, healed = guard.begin(state)  # the step's quorum, where replica groups have one
+    if healed is not None:  # the batch was built for the step this group left
+        return state, healed
     reduction = reduction_of(layout)
     reduction.check_microbatches(layout.dp_size, microbatches)
     ls = state.loss_scale
@@ -117,10 +116,10 @@ def train_step(
     # last one's backward (ZeRO-2/3) issues replicate reductions as bucket sums become final
     producer = producer_for(layout.inner, state.master, state.compute, state.compile)
     summed = reduction.microbatch_sum(microbatches)
-    replicate = grads_lib.ReplicateAxis(layout, across=state.replicas)
-    parts = split_microbatches(batch, microbatches)
-    batch_print = _batch_print(layout, batch)  # as passed, before loss_fn sees it
+    replicate = grads_lib.ReplicateAxis(layout, across=guard.across)
+    batch_check = layout.tensor.batch_check(batch, layout.device)  # before loss_fn sees it
     losses, aux = [], None
+    parts = split_microbatches(batch, microbatches)
     for k, mb in enumerate(parts):
         last = k == len(parts) - 1
         sink = summed.sink(last=last, in_backward=producer.shard_reduced)
@@ -138,79 +137,16 @@ def train_step(
         torch._foreach_mul_(grads, 1.0 / ls.scale)
     norm = float(reduction.global_norm(layout, grads))
     finite = math.isfinite(norm)
+    loss, apart = reduction.mean_loss(layout, losses, batch_check.flag(losses))
+    batch_check.raise_if(apart)  # on every rank, before anything is donated
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
-    why = _tensor_group_apart(layout, batch_print, losses)
-    flag = None if batch_print is None else float(why is not None)
-    loss, apart = reduction.mean_loss(layout, losses, flag)
-    if apart:  # on every rank, before anything is donated: the state stays usable
-        raise ValueError(
-            "train_step: every rank of a tensor group must step on the same local batch "
-            "(torch TP's rule: split the global batch by the data-parallel index, replicate * "
-            "shard, not the global rank); "
-            f"{why or 'the ranks of another tensor group did not (their error says how)'}"
-        )
-    metrics = _metrics(loss, norm, new_ls, aux)
-    if not finite:
-        metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
-    if not _committed(state, metrics):  # the input's values, loss scale included
+    metrics = _metrics(loss, norm, new_ls, aux, layout, grads)
+    if not guard.end(state, metrics):  # the input's values, loss scale included
         return state.donate("train_step").state(), metrics
     donated = dataclasses.replace(state.donate("train_step"), loss_scale=new_ls)
     if not finite:  # nothing but the loss scale changes
         return donated.state(), metrics
     return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
-
-
-def _quorum(state: TrainState) -> tuple[TrainState, bool]:
-    """A fault-tolerant state's quorum for this step: the state itself, or (this group was
-    behind its peers) the peers' state, received into its buffers; and whether that moved
-    its step."""
-    replicas = state.replicas
-    if replicas is None:
-        return state, False
-    received = replicas.quorum(lambda: state_dict(state), state.step, identity(state))
-    return heal(state, received)
-
-
-def _healed_metrics(state: TrainState) -> dict[str, Any]:
-    replicas = state.replicas
-    assert replicas is not None, "only a fault-tolerant state heals"
-    metrics = _metrics(math.nan, math.nan, state.loss_scale, None)
-    metrics.update(nonfinite=0, replicas=replicas.size, committed=0, healed=1)
-    return metrics
-
-
-def _committed(state: TrainState, metrics: dict[str, Any]) -> bool:
-    """Whether the step may change the state (always, but for a fault-tolerant step the
-    quorum's groups did not all finish: torchft's ``should_commit``); its metrics."""
-    replicas = state.replicas
-    if replicas is None:
-        return True
-    metrics["loss"] = replicas.mean(metrics["loss"])
-    metrics["replicas"] = replicas.size
-    metrics["healed"] = 0
-    metrics["committed"] = int(replicas.commit())
-    return bool(metrics["committed"])
-
-
-def _batch_print(layout: Layout, batch: Any) -> tuple[tuple[str, ...], torch.Tensor] | None:
-    """This rank's :func:`~funcshard.parallel.tensor.batch_fingerprint` (None: no tensor
-    group to compare it in)."""
-    if layout.tensor is None or layout.tensor.size == 1:
-        return None
-    return tp_lib.batch_fingerprint(batch, layout.device)
-
-
-def _tensor_group_apart(
-    layout: Layout, batch_print: tuple[tuple[str, ...], torch.Tensor] | None, losses: list
-) -> str | None:
-    """Why this rank's tensor group did not step on one batch (torch TP's rule), or None:
-    its ranks' batch fingerprints and losses compared (one all-gather over "tensor"). The
-    verdict then travels with the loss over the data-parallel world, so every rank raises,
-    or none."""
-    if batch_print is None:
-        return None
-    loss = torch.stack([loss.double() for loss in losses]).sum().to(layout.device)
-    return layout.tensor.batch_apart(*batch_print, loss)
 
 
 def _check_steppable(state: TrainState) -> None:
@@ -225,7 +161,14 @@ def _check_steppable(state: TrainState) -> None:
         check_replicas(state)
 
 
-def _metrics(loss: float, norm: float, loss_scale: LossScale | None, aux: Any) -> dict[str, Any]:
+def _metrics(
+    loss: float,
+    norm: float,
+    loss_scale: LossScale | None,
+    aux: Any,
+    layout: Layout,
+    grads: list[torch.Tensor],
+) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "loss": loss,
         "grad_norm": norm,
@@ -235,6 +178,8 @@ def _metrics(loss: float, norm: float, loss_scale: LossScale | None, aux: Any) -
         metrics["loss_scale"] = loss_scale.scale
     if aux is not None:
         metrics["aux"] = aux
+    if not math.isfinite(norm):
+        metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
     return metrics
 
 
@@ -256,8 +201,7 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         full = params_lib.gather_shards(layout, bucket, local)
         for spec in layout.bucket_leaves(bucket):
             out[spec.name] = shard_lib.full_view(full, spec, layout.shard_size)
-    if layout.tensor is not None:  # global tensors of the local shards
-        out = {n: layout.tensor.full(n, t) for n, t in out.items()}
+    out = {n: layout.tensor.full(n, t) for n, t in out.items()}  # global tensors of local parts
     named = {n: out[n] for n in layout.names}
     named.update({alias: out[name] for alias, name in layout.aliases})
     return named

@@ -391,7 +391,7 @@ class UnitRun:
     def as_model(self, name: str, view: torch.Tensor) -> torch.Tensor:
         """A gathered param as the model holds it (a DTensor for a tensor-parallel one)."""
         tensor = self.layout.tensor
-        return view if tensor is None else tensor.wrap(name, view)
+        return tensor.wrap(name, view)
 
     # --- what GatheredParams asks -------------------------------------------------------
     def param(self, name: str) -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""The one seam through which fault tolerance enters ``fs.init`` and ``train_step``.
+
+A state holds a guard: :data:`SOLO` for a run without fault tolerance (it does nothing), or a
+:class:`Group` of torchft replica groups. ``init`` asks the guard to ``join`` (a group behind
+its peers heals from them there); every step asks it to ``begin`` (the step's quorum, and a
+heal when this group is behind) and to ``end`` (whether the step may change the state:
+torchft's commit). Nothing else of funcshard knows of quorums, heals or commits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import optree
+import torch
+
+from funcshard.fault.replicas import FaultTolerance, Replicas, check_init, copy_into, pairs
+from funcshard.layout.buckets import NAMESPACE
+from funcshard.layout.strategy import OuterStrategy
+from funcshard.state.derive import derive_compute
+from funcshard.state.state import LossScale, TrainState
+
+__all__ = ["SOLO", "Group", "guard_for", "identity", "state_dict", "heal"]
+
+
+class Solo:
+    """No fault tolerance: every step commits, nothing heals."""
+
+    across = None  # no replica groups to average the gradients over
+
+    def join(self, state: TrainState) -> TrainState:
+        return state
+
+    def begin(self, state: TrainState) -> tuple[TrainState, dict[str, Any] | None]:
+        return state, None
+
+    def end(self, state: TrainState, metrics: dict[str, Any]) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "SOLO"
+
+
+SOLO = Solo()
+
+
+class Group:
+    """This rank's replica group among the others (torchft): quorums, heals and commits."""
+
+    def __init__(self, replicas: Replicas) -> None:
+        self.replicas = replicas
+
+    @property
+    def across(self) -> Replicas:
+        """What the step's gradient shards are averaged over after the group's own axes."""
+        return self.replicas
+
+    def join(self, state: TrainState) -> TrainState:
+        """``fs.init``'s quorum: a group behind its peers takes their state, step included."""
+        state, _ = heal(state, self.replicas.join(lambda: state_dict(state), step=0))
+        self.replicas.joined(identity(state))
+        return state
+
+    def begin(self, state: TrainState) -> tuple[TrainState, dict[str, Any] | None]:
+        """The step's quorum: ``(state, None)``, or, when the group healed to the peers' other
+        step, ``(their state, metrics)``: the caller's batch was built for the step the group
+        left, so nothing is computed or averaged."""
+        received = self.replicas.quorum(lambda: state_dict(state), state.step, identity(state))
+        state, moved = heal(state, received)
+        if not moved:
+            return state, None
+        metrics: dict[str, Any] = {"loss": math.nan, "grad_norm": math.nan, "nonfinite": 0}
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale.scale
+        metrics.update(replicas=self.replicas.size, committed=0, healed=1)
+        return state, metrics
+
+    def end(self, state: TrainState, metrics: dict[str, Any]) -> bool:
+        """Whether the step may change the state: the quorum's groups all finished (torchft's
+        ``should_commit``); the metrics get the groups' mean loss and the commit."""
+        metrics["loss"] = self.replicas.mean(metrics["loss"])
+        metrics["replicas"] = self.replicas.size
+        metrics["healed"] = 0
+        metrics["committed"] = int(self.replicas.commit())
+        return bool(metrics["committed"])
+
+    def shutdown(self) -> None:
+        self.replicas.shutdown()
+
+
+def guard_for(
+    ft: FaultTolerance | None,
+    outer: str | OuterStrategy,
+    named: dict[str, Any],
+    device: torch.device,
+) -> Solo | Group:
+    """The guard ``fs.init(fault_tolerance=ft)`` gives its state (refusing what it cannot do)."""
+    check_init(ft, outer, named)
+    return SOLO if ft is None else Group(Replicas(ft, device))
+
+
+def identity(state: TrainState) -> tuple[Any, ...]:
+    """What tells a state from every other one, a state restored in place into its buffers
+    included: its buffers' liveness tokens (a donation hands the buffers on with fresh
+    ones), compared by ``is``."""
+    return state._live
+
+
+def state_dict(state: TrainState) -> dict[str, Any]:
+    """What a healing replica group receives: every value of ``state`` but the derived
+    compute copies (masters, optimizer state, step, loss scale; offloaded parts included)."""
+    leaves = optree.tree_leaves(state.opt_state, none_is_leaf=True, namespace=NAMESPACE)
+    ls = state.loss_scale
+    return {
+        "master": list(state.master),
+        "opt_state": list(leaves),
+        "step": state.step,
+        "loss_scale": None if ls is None else [ls.scale, ls.good_steps],
+    }
+
+
+def heal(state: TrainState, received: dict[str, Any] | None) -> tuple[TrainState, bool]:
+    """A fault-tolerant state after its group's quorum: ``state`` itself when no rank of the
+    group healed, else (donated) with the peer's values where this rank received them
+    (``received``, from :meth:`funcshard.fault.replicas.Replicas.quorum`) and every rank's
+    compute copies derived again (the ranks of a group agree first: torchft may heal one rank
+    of a group and not the other, and under ZeRO-1/2 deriving is an all-gather over the group).
+
+    Returns:
+      ``(state, moved)``: ``moved`` when the heal changed the group's step (the caller's
+      batch, built for the old step, is then not this state's).
+    """
+    replicas = state.guard.replicas
+    moved = received is not None and int(received["step"]) != state.step
+    healed, moved = replicas.agree(received is not None, moved)
+    if not healed:
+        return state, False
+    return _load_state_dict(state, received), moved
+
+
+def _load_state_dict(state: TrainState, received: dict[str, Any] | None) -> TrainState:
+    """``state`` (donated) with a peer's values (:func:`state_dict`) copied into its buffers
+    (None: its own values) and the compute copies derived from them (a collective)."""
+    d = state.donate("heal")
+    if received is None:
+        return d.state(compute=derive_compute(d.layout, d.master))
+    leaves, treedef = optree.tree_flatten(d.opt_state, none_is_leaf=True, namespace=NAMESPACE)
+    ours = enumerate(pairs(d.master, received, "master"))
+    master = tuple(copy_into(m, r, f"master[{i}]") for i, (m, r) in ours)
+    opt = [
+        copy_into(x, r, f"opt_state leaf {i}") if isinstance(x, torch.Tensor) else r
+        for i, (x, r) in enumerate(pairs(leaves, received, "opt_state"))
+    ]
+    ls = received["loss_scale"]
+    return TrainState(
+        master=master,
+        compute=derive_compute(d.layout, master),
+        opt_state=optree.tree_unflatten(treedef, opt),
+        step=int(received["step"]),
+        loss_scale=None if ls is None else LossScale(float(ls[0]), int(ls[1])),
+        static=d.static,
+    )

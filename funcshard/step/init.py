@@ -1,0 +1,144 @@
+"""``fs.init``: a model's parameters sharded into a fresh TrainState (collective).
+
+The composition, as ``train_step`` is the step's: the model read (its model-parallel axis,
+its local parameters), the layout built, the masters packed and the compute copies derived
+from them, the optimizer state initialized, and the state handed to its fault-tolerance guard
+(which may heal it from live peers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from funcshard.distributed import mesh as mesh_lib
+from funcshard.fault import seam as fault_lib
+from funcshard.fault.replicas import FaultTolerance
+from funcshard.layout.build import build_layout
+from funcshard.layout.layout import Layout, UnitsArg
+from funcshard.layout.policy import MixedPrecisionPolicy
+from funcshard.layout.strategy import OuterStrategy, Strategy
+from funcshard.optim import Optimizer
+from funcshard.parallel import tensor as tp_lib
+from funcshard.state import replica_check
+from funcshard.state.derive import derive_compute, pack_masters
+from funcshard.state.state import LossScale, Static, TrainState
+from funcshard.step.compiling import backend_of, check_not_compiled_around_units, unwrapped
+
+__all__ = ["init"]
+
+
+def init(
+    model: nn.Module,
+    opt: Optimizer,
+    *,
+    mesh: DeviceMesh,
+    policy: MixedPrecisionPolicy | None = None,
+    strategy: str | Strategy = "optim_grads_params",
+    offload_fraction: float = 0.0,
+    units: UnitsArg = None,
+    deterministic: bool = False,
+    outer_strategy: str | OuterStrategy = "no_shard",
+    compile: bool | str | Callable[..., Any] = False,
+    fault_tolerance: FaultTolerance | None = None,
+    check_replicas_every: int = 0,
+) -> TrainState:
+    """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
+
+    Args:
+      model: holds the initial weights, identical on every rank; a meta-device model gives a
+        state without values that ``restore`` must fill. A ``torch.compile(model)`` wrapper
+        is read as the model inside it: parameter names, checkpoints and exports are the plain
+        model's (``fs.functional_call`` on the wrapper still runs it compiled).
+      opt: a pure optimizer from ``funcshard.optim``.
+      mesh: from ``make_mesh``; with a tensor axis, DTensor params on ``mesh["tensor"]``
+        have their local shards sharded over the data-parallel axes (docs/tensor-parallel.md).
+      policy: mixed precision; default fp32 masters and grads, the model's compute dtype.
+      strategy: "no_shard" | "optim" | "optim_grads" | "optim_grads_params".
+      offload_fraction: share of this rank's optimizer numel stepped on the CPU.
+      units: gather units: submodule names or a predicate ``(name, module) -> bool``; None =
+        the children of every ``nn.ModuleList``. The remaining params form the root unit.
+      deterministic: params, optimizer state and metrics bitwise identical on every world
+        size, mesh, strategy and offload fraction that splits the same global batch into the
+        same number G = dp_size * microbatches of equal chunks (G a power of two), and across
+        save/restore between such layouts (see :mod:`funcshard.layout.determinism` for the cost).
+        On CUDA the offload fraction must match too (offloaded buckets step with the CPU
+        kernel, which may round differently from the CUDA one).
+      outer_strategy: what is sharded over the mesh's "replicate" axis. "no_shard" (HSDP):
+        each replica keeps its shard group's masters and optimizer state whole, gradient
+        shards are all-reduced over "replicate". "optim" (HFSDP): masters and optimizer
+        state are sharded over replicate x shard (1/(R*S) per rank); gradient shards are
+        reduce-scattered over "replicate" once per step, after the last microbatch, and the
+        updated compute params all-gathered over it once per step.
+      compile: True ("inductor"), a ``torch.compile`` backend name or callable: funcshard
+        runs each gather unit's module compiled (the user's own ``module.compile()`` where
+        there is one), its gather and reduce around the compiled call (see
+        :mod:`funcshard.step.compiling`); recorded in the state's static metadata
+        (``state.compile``).
+      fault_tolerance: this rank's replica group joins the others through torchft
+        (:mod:`funcshard.fault.replicas`): every step averages the gradients over the groups of its
+        quorum. A group behind its peers (one that restarts) heals from a live peer here: the
+        state returned, step included, is bitwise theirs. Pass the state returned, or a state
+        restored after it (its first step then asks for a quorum of its own, and heals it
+        from the peers when it is behind them).
+      check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
+        an input state whose step is a positive multiple of N, before donating it; 0: never.
+
+    Raises:
+      ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
+        or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
+        "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``; under
+        ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
+        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model.
+      TypeError: ``compile`` neither a bool, a backend name nor a callable.
+      ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
+    """
+    if not isinstance(opt, Optimizer):
+        raise TypeError(
+            f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
+            "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
+        )
+    every = replica_check.period(check_replicas_every)
+    backend = backend_of(compile, deterministic=deterministic)
+    policy = policy or MixedPrecisionPolicy()
+    given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
+    tensor = tp_lib.read_model(model, mesh_lib.tensor_axis(mesh))
+    named = tp_lib.local_params(model)
+    guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
+    layout = build_layout(
+        {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
+        model=model,
+        mesh=mesh,
+        policy=policy,
+        strategy=strategy,
+        offload_fraction=offload_fraction,
+        units=units,
+        partition=opt.partition,
+        deterministic=deterministic,
+        outer_strategy=outer_strategy,
+        tensor=tensor,
+    )
+    if layout.strategy.runs_units:
+        check_not_compiled_around_units(given, layout.units[1:], layout.strategy)
+    if layout.hierarchical:
+        mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
+    master = pack_masters(layout, named)
+    state = TrainState(
+        master=master,
+        compute=derive_compute(layout, master),
+        opt_state=opt.init(layout.per_bucket(master)),
+        step=0,
+        loss_scale=_initial_loss_scale(layout),
+        static=Static(layout, opt, backend, guard, every),
+    )
+    return guard.join(state)
+
+
+def _initial_loss_scale(layout: Layout) -> LossScale | None:
+    """fp16 compute's dynamic loss scale at its start (None: no fp16 bucket)."""
+    fp16 = any(b.dtypes.compute == torch.float16 for b in layout.buckets)
+    return LossScale(float(layout.policy.loss_scale_init), 0) if fp16 else None
