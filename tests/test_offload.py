@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import funcshard as fs
 from funcshard.layout.offload_choice import pick_offloaded
+from funcshard.state import derive as derive_lib
 from funcshard.step import update as offload_lib
 
 import models
@@ -107,7 +108,7 @@ def _placement_problems(state) -> list[str]:
             out.append(f"bucket {bucket.index}: offloaded optimizer state on the device")
         if c is not None and c.dtype != bucket.dtypes.compute:
             out.append(f"bucket {bucket.index}: compute copy in {c.dtype}, a second master?")
-    derived = fs.state.derive_compute(layout, state.master)
+    derived = derive_lib.derive_compute(layout, state.master)
     for bucket, c, d in zip(layout.buckets, state.compute, derived, strict=True):
         if (c is None) != (d is None) or (c is not None and not torch.equal(c, d)):
             out.append(f"bucket {bucket.index}: compute copy is not derived from the master")
@@ -243,7 +244,7 @@ def _replace_masters(state, source) -> fs.TrainState:
     master = tuple(m.clone() for m in source.master)
     return state.replace(
         master=master,
-        compute=fs.state.derive_compute(state.layout, master),
+        compute=derive_lib.derive_compute(state.layout, master),
         opt_state=state.optimizer.init(state.layout.per_bucket(master)),
         step=0,
     )

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
+from funcshard.state import replica_check
 
 import helpers_tp
 import models
@@ -43,7 +44,7 @@ def hsdp_worker(strategy: str, shard: int, replicate: int, corrupt_rank: int, wh
     with fs.comm_stats() as stats:
         fs.check_replicas(state)  # agreeing replicas: no error
     clean_bytes = stats.bytes["replica_check"]
-    labels = len(fs.replica_check.leaf_hashes(state))
+    labels = len(replica_check.leaf_hashes(state))
     if dist.get_rank() == corrupt_rank:
         if what == "params":
             _flip_one_bit(state.params["inp.weight"])

@@ -17,6 +17,7 @@ every step by a function, so a wrong master is what shows).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import crc32c
@@ -24,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from funcshard.distributed import ops
-from funcshard.layout.buckets import map_parts
 
 __all__ = ["ReplicaMismatchError", "check_replicas", "leaf_hashes", "period"]
 
@@ -94,14 +94,25 @@ def leaf_hashes(state: Any) -> dict[str, int]:
     excluded; scalars such as a step count under their path), in the same order on every
     rank."""
     out = {f"params/{name}": _crc(t) for name, t in state.params.items()}
-
-    def on_leaf(path: tuple[str, ...], x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            out["opt_state/" + "/".join(path)] = _crc(x)
-        return x
-
-    map_parts(state.opt_state_by_name(), lambda path, part: part, on_leaf)
+    for path, x in _tensors(state.opt_state_by_name(), ()):
+        out["opt_state/" + "/".join(path)] = _crc(x)
     return out
+
+
+def _tensors(tree: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+    """Every tensor of an optimizer state keyed by name, with its path (NamedTuple fields,
+    indices and keys, as :func:`funcshard.layout.buckets.map_parts` names them)."""
+    if isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        for field in tree._fields:
+            yield from _tensors(getattr(tree, field), (*path, field))
+    elif isinstance(tree, (tuple, list)):
+        for i, v in enumerate(tree):
+            yield from _tensors(v, (*path, str(i)))
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(v, (*path, str(k)))
 
 
 def _groups(state: Any, labels: list[str]) -> list[tuple[str, Any, list[str]]]:
