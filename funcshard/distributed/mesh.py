@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from funcshard.distributed.dims import DATA_AXES, TENSOR, MeshDims
+
 __all__ = [
     "make_mesh",
     "local_device",
@@ -30,9 +32,6 @@ __all__ = [
     "data_parallel",
     "tensor_axis",
 ]
-
-AXES = ("replicate", "shard")
-TENSOR = "tensor"
 
 
 def make_mesh(
@@ -66,36 +65,18 @@ def make_mesh(
         raise RuntimeError(
             "make_mesh: torch.distributed is not initialized; run under torchrun or fs.launch"
         )
-    world = dist.get_world_size()
-    if replicate < 1:
-        raise ValueError(f"make_mesh: replicate must be >= 1, got {replicate}")
-    if tensor < 1:
-        raise ValueError(f"make_mesh: tensor must be >= 1, got {tensor}")
-    if shard == -1:
-        if world % (replicate * tensor):
-            raise ValueError(
-                f"make_mesh: world size {world} is not divisible by replicate={replicate} x "
-                f"tensor={tensor}"
-            )
-        shard = world // (replicate * tensor)
-    if shard < 1 or shard * replicate * tensor != world:
-        raise ValueError(
-            f"make_mesh: shard ({shard}) x replicate ({replicate}) x tensor ({tensor}) must "
-            f"equal the world size {world}"
-        )
+    dims = MeshDims.resolve(
+        dist.get_world_size(), shard=shard, replicate=replicate, tensor=tensor, who="make_mesh"
+    )
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         _use_own_gpu()
     _forget_dead_worlds()
     world_pg = dist.group.WORLD
-    key = (id(world_pg), device_type, replicate, shard, tensor)
+    key = (id(world_pg), device_type, dims)
     if key not in _MESHES:
-        if tensor == 1:
-            mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=AXES)
-        else:
-            shape, names = (replicate, shard, tensor), (*AXES, TENSOR)
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=dims.names)
         _MESHES[key] = (world_pg, hold(mesh, drop_mesh_groups))
     mesh = _MESHES[key][1]
     for axis in mesh.mesh_dim_names:
@@ -120,7 +101,7 @@ def data_parallel(mesh: DeviceMesh) -> DeviceMesh:
         return mesh
     dp = _DATA_PARALLEL.get(mesh)
     if dp is None:
-        dp = _DATA_PARALLEL[mesh] = mesh[AXES]
+        dp = _DATA_PARALLEL[mesh] = mesh[DATA_AXES]
     return dp
 
 
@@ -130,7 +111,7 @@ def data_parallel(mesh: DeviceMesh) -> DeviceMesh:
 # test pool, a few dozen of them running at any time. Keyed by the default group (held, so
 # that its id cannot come back) and the shape. Let go of once that group is destroyed
 # (``_forget_dead_worlds``).
-_MESHES: dict[tuple[int, str, int, int, int], tuple[object, DeviceMesh]] = {}
+_MESHES: dict[tuple[int, str, MeshDims], tuple[object, DeviceMesh]] = {}
 
 
 def world_timeout() -> datetime.timedelta | None:
@@ -181,7 +162,7 @@ def local_device(mesh: DeviceMesh) -> torch.device:
 
 
 def axis_size(mesh: DeviceMesh, axis: str) -> int:
-    return mesh.size(AXES.index(axis))
+    return mesh.size(DATA_AXES.index(axis))
 
 
 def axis_rank(mesh: DeviceMesh, axis: str) -> int:

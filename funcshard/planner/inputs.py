@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from funcshard.distributed.dims import MeshDims
 from funcshard.parallel.axis import NO_AXIS, ModelAxis
 from funcshard.parallel.tensor import (
     TensorLeaf,
@@ -80,24 +81,13 @@ def shard_size(
     world_size: int, shard: int, replicate: int, microbatches: int, tensor: int = 1
 ) -> int:
     """The shard group size of a ``plan`` call (``-1``: the world over replicas x tensor)."""
-    if world_size < 1 or replicate < 1 or microbatches < 1 or tensor < 1:
+    if world_size < 1 or microbatches < 1:  # the mesh's degrees: MeshDims checks them
         raise ValueError(
-            f"plan: world_size ({world_size}), replicate ({replicate}), tensor ({tensor}) and "
-            f"microbatches ({microbatches}) must be >= 1"
+            f"plan: world_size ({world_size}) and microbatches ({microbatches}) must be >= 1"
         )
-    if shard == -1:
-        if world_size % (replicate * tensor):
-            raise ValueError(
-                f"plan: world size {world_size} is not divisible by replicate={replicate} x "
-                f"tensor={tensor}"
-            )
-        shard = world_size // (replicate * tensor)
-    if shard * replicate * tensor != world_size:
-        raise ValueError(
-            f"plan: shard ({shard}) x replicate ({replicate}) x tensor ({tensor}) must equal "
-            f"the world size {world_size}"
-        )
-    return shard
+    return MeshDims.resolve(
+        world_size, shard=shard, replicate=replicate, tensor=tensor, who="plan"
+    ).shard
 
 
 def tensor_table(
