@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -132,7 +131,7 @@ def _donate(like: TrainState, by: str, model_only: bool) -> Donation:
     otherwise be alive at once)."""
     donated = like.donate(by, release=True)
     if model_only:
-        donated = dataclasses.replace(donated, opt_state=None)
+        donated = donated.replace(opt_state=None)
     return donated
 
 

@@ -21,7 +21,7 @@ from funcshard.layout.strategy import OuterStrategy
 from funcshard.state.derive import derive_compute
 from funcshard.state.state import LossScale, TrainState
 
-__all__ = ["SOLO", "Group", "guard_for", "identity", "state_dict", "heal"]
+__all__ = ["SOLO", "Group", "guard_for", "state_dict", "heal"]
 
 
 class Solo:
@@ -59,14 +59,14 @@ class Group:
     def join(self, state: TrainState) -> TrainState:
         """``fs.init``'s quorum: a group behind its peers takes their state, step included."""
         state, _ = heal(state, self.replicas.join(lambda: state_dict(state), step=0))
-        self.replicas.joined(identity(state))
+        self.replicas.joined(state.identity)
         return state
 
     def begin(self, state: TrainState) -> tuple[TrainState, dict[str, Any] | None]:
         """The step's quorum: ``(state, None)``, or, when the group healed to the peers' other
         step, ``(their state, metrics)``: the caller's batch was built for the step the group
         left, so nothing is computed or averaged."""
-        received = self.replicas.quorum(lambda: state_dict(state), state.step, identity(state))
+        received = self.replicas.quorum(lambda: state_dict(state), state.step, state.identity)
         state, moved = heal(state, received)
         if not moved:
             return state, None
@@ -98,13 +98,6 @@ def guard_for(
     """The guard ``fs.init(fault_tolerance=ft)`` gives its state (refusing what it cannot do)."""
     check_init(ft, outer, named)
     return SOLO if ft is None else Group(Replicas(ft, device))
-
-
-def identity(state: TrainState) -> tuple[Any, ...]:
-    """What tells a state from every other one, a state restored in place into its buffers
-    included: its buffers' liveness tokens (a donation hands the buffers on with fresh
-    ones), compared by ``is``."""
-    return state._live
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:

@@ -54,17 +54,39 @@ class Static:
     check_replicas_every: int = 0  # train_step compares replicas' bits every N steps (0: never)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Donation:
-    """What a consuming function gets of the state it consumed: the leaves (whose buffers it
-    may now reuse) and the static metadata, to build the state it returns."""
+class Leaves(NamedTuple):
+    """A state's leaves, declared once (the pytree children, in this order): the master flat
+    buffer of every bucket, their derived compute copies, the optimizer state, the step and
+    fp16's loss scale. Everything else of a state is static metadata (:class:`Static`)."""
 
     master: tuple[torch.Tensor, ...]
     compute: tuple[torch.Tensor | None, ...]
     opt_state: Any
     step: int
     loss_scale: LossScale | None
+
+    @classmethod
+    def of(cls, *args: Any, **kwargs: Any) -> Leaves:
+        """The leaves given by position or name, normalized (tuples of buffers, an int step)."""
+        leaves = cls(*args, **kwargs)
+        return leaves._replace(
+            master=tuple(leaves.master), compute=tuple(leaves.compute), step=int(leaves.step)
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Donation:
+    """What a consuming function gets of the state it consumed: the leaves (whose buffers it
+    may now reuse) and the static metadata, to build the state it returns. Each leaf reads
+    as an attribute (``d.master``, ``d.step``, ...)."""
+
+    leaves: Leaves
     static: Static
+
+    def __getattr__(self, name: str) -> Any:  # a leaf by its name (Leaves' fields)
+        if name in Leaves._fields:
+            return getattr(self.leaves, name)
+        raise AttributeError(name)
 
     @property
     def layout(self) -> Layout:
@@ -74,17 +96,13 @@ class Donation:
     def optimizer(self) -> Optimizer:
         return self.static.optimizer
 
+    def replace(self, **changes: Any) -> Donation:
+        """The same donation with some leaves changed."""
+        return Donation(self.leaves._replace(**changes), self.static)
+
     def state(self, **changes: Any) -> TrainState:
         """A new state with this one's static metadata and leaves, ``changes`` replaced."""
-        return TrainState(**{**_leaves(self), **changes}, static=self.static)
-
-
-_LEAVES = ("master", "compute", "opt_state", "step", "loss_scale")
-
-
-def _leaves(obj: Any) -> dict[str, Any]:
-    """The leaves of a state (or of a donation) by name."""
-    return {name: getattr(obj, name) for name in _LEAVES}
+        return TrainState(*self.leaves._replace(**changes), static=self.static)
 
 
 class TrainState:
@@ -108,29 +126,15 @@ class TrainState:
     returns fresh tensors.
     """
 
-    __slots__ = ("_master", "_compute", "_opt_state", "_step", "_loss_scale", "_static", "_live")
+    __slots__ = ("_leaves", "_static", "_live")
 
-    def __init__(
-        self,
-        master: tuple[torch.Tensor, ...],
-        compute: tuple[torch.Tensor | None, ...],
-        opt_state: Any,
-        step: int,
-        loss_scale: LossScale | None,
-        static: Static,
-    ) -> None:
-        for name, value in (
-            ("_master", tuple(master)),
-            ("_compute", tuple(compute)),
-            ("_opt_state", opt_state),
-            ("_step", int(step)),
-            ("_loss_scale", loss_scale),
-            ("_static", static),
-        ):
-            object.__setattr__(self, name, value)
+    def __init__(self, *leaves: Any, static: Static, **named: Any) -> None:
+        """``leaves``: those of :class:`Leaves`, by position or name."""
+        object.__setattr__(self, "_leaves", Leaves.of(*leaves, **named))
+        object.__setattr__(self, "_static", static)
+        master, compute, opt_state = self._leaves[:3]
         opt_leaves = optree.tree_leaves(opt_state, none_is_leaf=True, namespace=NAMESPACE)
-        buffers = (*self._master, *self._compute, *opt_leaves)
-        object.__setattr__(self, "_live", donation.liveness(buffers))
+        object.__setattr__(self, "_live", donation.liveness((*master, *compute, *opt_leaves)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("TrainState is immutable; functions return a new one")
@@ -150,14 +154,19 @@ class TrainState:
           ConsumedStateError: the state was consumed already.
         """
         donation.consume(self._live, by)
-        d = Donation(
-            self._master, self._compute, self._opt_state, self._step, self._loss_scale, self._static
-        )
+        d = Donation(self._leaves, self._static)
         if release:
-            for name in ("_master", "_compute"):
-                object.__setattr__(self, name, ())
-            object.__setattr__(self, "_opt_state", None)
+            object.__setattr__(
+                self, "_leaves", self._leaves._replace(master=(), compute=(), opt_state=None)
+            )
         return d
+
+    @property
+    def identity(self) -> tuple[Any, ...]:
+        """What tells this state from every other one, a state restored in place into its
+        buffers included: its buffers' liveness tokens (a donation hands the buffers on with
+        fresh ones), compared by ``is``."""
+        return self._live
 
     def spoil(self, by: str) -> None:
         """Records that the function this state was donated to failed after writing into its
@@ -169,31 +178,12 @@ class TrainState:
     def consumed(self) -> bool:
         return any(live.consumed_by is not None for live in self._live)
 
-    # --- leaves -------------------------------------------------------------------------
-    @property
-    def master(self) -> tuple[torch.Tensor, ...]:
-        self.check()
-        return self._master
-
-    @property
-    def compute(self) -> tuple[torch.Tensor | None, ...]:
-        self.check()
-        return self._compute
-
-    @property
-    def opt_state(self) -> Any:
-        self.check()
-        return self._opt_state
-
-    @property
-    def step(self) -> int:
-        self.check()
-        return self._step
-
-    @property
-    def loss_scale(self) -> LossScale | None:
-        self.check()
-        return self._loss_scale
+    # --- leaves: each a checked read of Leaves' field of its name (added below the class) ---
+    master: tuple[torch.Tensor, ...]
+    compute: tuple[torch.Tensor | None, ...]
+    opt_state: Any
+    step: int
+    loss_scale: LossScale | None
 
     # --- static -------------------------------------------------------------------------
     @property
@@ -277,22 +267,33 @@ class TrainState:
         The two share the buffers they have in common: donating either (``train_step``, ...)
         refuses both.
         """
-        return TrainState(**{**_leaves(self), **changes}, static=self._static)
+        return TrainState(*self._leaves._replace(**changes), static=self._static)
 
     def __repr__(self) -> str:
         if self.consumed:
             return "TrainState(<consumed>)"
         return (
-            f"TrainState(step={self._step}, strategy={self.strategy!r}, "
+            f"TrainState(step={self._leaves.step}, strategy={self.strategy!r}, "
             + (f"outer_strategy={self.outer_strategy!r}, " if self.layout.hierarchical else "")
             + f"params={len(self.layout.leaves)}, buckets={len(self.layout.buckets)})"
         )
 
 
+def _leaf_property(index: int, name: str) -> property:
+    def read(self: TrainState) -> Any:
+        self.check()
+        return self._leaves[index]
+
+    return property(read, doc=f"The state's {name} (raises ConsumedStateError once donated).")
+
+
+for _index, _name in enumerate(Leaves._fields):
+    setattr(TrainState, _name, _leaf_property(_index, _name))
+
+
 def _to_children(state: TrainState):
     state.check()
-    children = (state._master, state._compute, state._opt_state, state._step, state._loss_scale)
-    return children, state._static, ("master", "compute", "opt_state", "step", "loss_scale")
+    return tuple(state._leaves), state._static, Leaves._fields
 
 
 def _from_children(static: Static, children) -> TrainState:

@@ -8,7 +8,6 @@ optimizer update (:func:`funcshard.step.update.apply_update`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -143,7 +142,7 @@ def train_step(
     metrics = _metrics(loss, norm, new_ls, aux, layout, grads)
     if not guard.end(state, metrics):  # the input's values, loss scale included
         return state.donate("train_step").state(), metrics
-    donated = dataclasses.replace(state.donate("train_step"), loss_scale=new_ls)
+    donated = state.donate("train_step").replace(loss_scale=new_ls)
     if not finite:  # nothing but the loss scale changes
         return donated.state(), metrics
     return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
