@@ -8,10 +8,9 @@ cross-group all-reduce) every --kill_every of its steps and is restarted at once
 survives. Printed: committed steps per minute of the survivor in each run, the survivor's
 stall per failure (the wall time of its broken step plus the next one, less two normal
 steps), and the restarted group's time in fs.init (heal included) and its process start.
-Today's restart with torchrun (tests/test_kill_restart.py, tests/test_nodes.py) loses the
-whole job's restart plus the replayed steps: 10.3 s with fast rendezvous settings, 46.8 s
-with torch's defaults (measured in issue #37's setup), beside which the stall here is what
-survives of a failure.
+A restart with torchrun (tests/test_kill_restart.py, tests/test_nodes.py) loses the whole
+job's restart plus the replayed steps (docs/benchmarks.md has both figures), beside which the
+stall here is what survives of a failure.
 """
 
 from __future__ import annotations

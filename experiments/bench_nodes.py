@@ -36,8 +36,8 @@ the last step's loss (every row starts from the same model and sees the same bat
 
 Why 1gbit: HSDP all-reduces one fp32 gradient shard (23.1M / 2 x 4 B = 46 MB) per rank over
 "replicate" each step; a 2-rank ring sends and receives that much, so node 0's link carries
-2 ranks x 46 MB = 92 MB each way: 0.74 s at 1 Gbit/s, half of a step on an unshaped link
-here (1.6 s, 4 ranks on 2 cores). At 100mbit it would be 7.4 s (flat ZeRO-3 far more), and the link
+2 ranks x 46 MB = 92 MB each way: 0.74 s at 1 Gbit/s, about half of a step on an unshaped
+link here (docs/benchmarks.md). At 100mbit it would be 7.4 s (flat ZeRO-3 far more), and the link
 alone would set every time.
 """
 

@@ -34,19 +34,19 @@ def _model_and_loss(kind: str):
             return models.train(state, model, [step], rows=ROWS, microbatches=MICRO)[0]
 
         return model, model.blocks, train
-    import test_units  # transformers: only where used
+    import helpers_units  # transformers: only where used
 
-    model = test_units.hf_model("gpt2")
+    model = helpers_units.hf_model("gpt2")
     model.gradient_checkpointing_enable()
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def loss_fn(params, tokens):
         args = {"input_ids": tokens[:, :-1], "use_cache": False}
         out = fs.functional_call(model, params, (), args)
-        return test_units._ce(model, out.logits, tokens)
+        return helpers_units.ce(model, out.logits, tokens)
 
     def train(state, step):
-        tokens = test_units._tokens(step, ROWS).chunk(world)[rank]
+        tokens = helpers_units.token_batch(step, ROWS).chunk(world)[rank]
         return fs.train_step(state, tokens, loss_fn, microbatches=MICRO)[0]
 
     return model, model.transformer.h, train

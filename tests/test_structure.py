@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -213,3 +214,107 @@ def test_no_long_module_or_function() -> None:
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{os.path.relpath(path, PKG)}:{node.name}: {n} lines")
     assert long == []
+
+
+# The house by role: each folder imports only folders below it (the package's top level
+# above them all), read from the imports alone.
+FLOORS = (
+    ("distributed",),
+    ("parallel",),
+    ("layout",),
+    ("comm", "optim"),
+    ("state",),
+    ("fault",),
+    ("step",),
+    ("checkpoint", "planner"),
+)
+MAX_LOOSE_MODULES = 8
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) < 2 or (PKG / f"{parts[1]}.py").is_file():
+        return len(FLOORS)  # the top level: __init__, __main__, testing
+    return next(i for i, names in enumerate(FLOORS) if parts[1] in names)
+
+
+def test_every_folder_has_a_floor_and_a_docstring() -> None:
+    folders = sorted(p.name for p in PKG.iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(n for names in FLOORS for n in names)
+    for name in folders:
+        doc = ast.get_docstring(ast.parse((PKG / name / "__init__.py").read_text()))
+        assert doc, f"funcshard/{name}/__init__.py: a docstring saying what the folder is"
+
+
+def test_folders_import_only_downward() -> None:
+    up = [
+        f"{mod} -> {target}"
+        for mod, targets in graph(str(PKG)).items()
+        for target in targets
+        if _floor(target) > _floor(mod)
+    ]
+    assert up == []
+
+
+def test_few_loose_modules() -> None:
+    loose = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(loose) <= MAX_LOOSE_MODULES, loose
+
+
+def _code_names(path: Path) -> set[str]:
+    """The identifiers a module's code uses (names, attributes, arguments, definitions and
+    imports; not its strings, comments or docstrings)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update(a.name for a in node.names)
+            out.add(getattr(node, "module", None) or "")
+    return out
+
+
+def test_fault_tolerance_lives_in_its_folder() -> None:
+    """Quorums, heals and torchft are the fault folder's words: the step and init reach them
+    through the guard a state holds."""
+    words = ("quorum", "heal", "torchft", "Replicas")
+    outside = {
+        str(p.relative_to(PKG)): sorted(n for n in _code_names(p) if any(w in n for w in words))
+        for p in PKG.rglob("*.py")
+        if p.parent.name != "fault"
+    }
+    assert {p: names for p, names in outside.items() if names} == {}
+
+
+def test_no_layer_branches_on_the_tensor_axis() -> None:
+    """A layer asks the model-parallel axis (``parallel/axis.py``'s protocol); it never tests
+    whether there is one."""
+    branch = re.compile(r"tensor is (not )?None|isinstance\([^)]*TensorParallel")
+    hits = [
+        f"{p.relative_to(PKG)}:{i}"
+        for p in PKG.rglob("*.py")
+        if p.parent.name != "parallel"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if branch.search(line)
+    ]
+    assert hits == []
+
+
+def test_no_test_module_imports_another() -> None:
+    tests = Path(__file__).resolve().parent
+    hits = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            hits += [f"{path.name}: {n}" for n in names if n.startswith("test_")]
+    assert hits == []

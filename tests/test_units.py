@@ -7,54 +7,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import transformers
-from torch import nn
 
 import funcshard as fs
 
 import models
+from helpers_units import ce, hf_model, token_batch
 
-VOCAB, SEQ, ROWS, STEPS, MICRO = 37, 7, 4, 3, 2  # equal microbatches: mean of means
-
-
-def hf_model(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=SEQ,
-            tie_word_embeddings=False,
-            attn_implementation="eager",
-        )
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=16,
-            n_layer=2,
-            n_head=2,
-            n_positions=SEQ,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            attn_implementation="eager",
-        )
-        model = transformers.GPT2LMHeadModel(config)
-    return model.float().train()
-
-
-def _tokens(step: int, rows: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(step))
-
-
-def _ce(model: nn.Module, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    del model
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+ROWS, STEPS, MICRO = 4, 3, 2  # equal microbatches: mean of means
 
 
 def hf_checkpointing_worker(kind: str, strategy: str, checkpointing: bool) -> dict:
@@ -81,17 +40,17 @@ def hf_checkpointing_worker(kind: str, strategy: str, checkpointing: bool) -> di
             model, params, (), {"input_ids": tokens[:, :-1], "use_cache": False}
         )
         after_forward.append(stats.gathered_live)
-        return _ce(model, out.logits, tokens)
+        return ce(model, out.logits, tokens)
 
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     calls = []
     for step in range(STEPS):
-        tokens = _tokens(step, ROWS * world)
+        tokens = token_batch(step, ROWS * world)
         with fs.comm_stats() as stats:
             state, _ = fs.train_step(state, tokens.chunk(world)[rank], loss_fn, MICRO)
         calls.append(stats.calls["all_gather"])
         opt.zero_grad()
-        _ce(ref, ref(input_ids=tokens[:, :-1], use_cache=False).logits, tokens).backward()
+        ce(ref, ref(input_ids=tokens[:, :-1], use_cache=False).logits, tokens).backward()
         opt.step()
     got = fs.full_params(state)
     ref_params = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}

@@ -15,11 +15,10 @@ A ``CheckpointManager`` root is accepted too: ``inspect`` and ``convert`` take i
 step, ``verify`` every step.
 
 Memory of ``convert``: one leaf at a time, so the peak over the interpreter's own footprint
-is a small multiple of the largest leaf, whatever the checkpoint's total size: measured
-(``experiments/bench_checkpoint.py --parts=convert``) 1.1x to safetensors (written straight
-from the tensor read), 1.7x with ``--dtype=bf16`` (the cast), 2.4x to orbax (tensorstore's
-chunk buffer) and 2-3.6x to dcp (DCP's writer holds the previous tensor while the next
-loads, and serializes each with ``torch.save``).
+is a small multiple of the largest leaf, whatever the checkpoint's total size (the multiple
+per format, with the command that measures it: docs/benchmarks.md, "convert"): the cast of
+``--dtype`` adds one, tensorstore's chunk buffer (orbax) and DCP's writer (it holds the
+previous tensor while the next loads, and serializes each with ``torch.save``) more.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def make_mesh(
       ValueError: shard x replicate x tensor does not equal the world size, or a cuda mesh
         has more ranks on this node than visible GPUs.
     """
-    if tensor is None or isinstance(tensor, str):  # v1's third argument: make_mesh(S, R, "cpu")
+    if not isinstance(tensor, int):  # None, or v1's third argument: make_mesh(S, R, "cpu")
         tensor, device_type = 1, tensor if device_type is None else device_type
     if not dist.is_initialized():
         raise RuntimeError(

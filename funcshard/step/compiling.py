@@ -5,9 +5,9 @@ as ``module.compile()`` would compile it, with no hook inside: the unit's gather
 run around the compiled call, :func:`funcshard.step.units.run._around`'s way). One compiled call
 serves every unit, so identical blocks share one forward and one backward graph (the module
 is a graph input); a module the user compiled in place keeps the user's compile. Left eager:
-the gather's cast (none in fp32), the optimizer update (torch's fused AdamW kernel on one
-rank's 11.5M-element shard of the 23M GPT: 6.8 ms of CPU time, an inductor-compiled AdamW
-13.5 ms; under 1% of the step either way) and the collectives (issued by the unit hooks,
+the gather's cast (none in fp32), the optimizer update (torch's fused AdamW kernel: faster
+than an inductor-compiled AdamW on a rank's shard, and under 1% of the step either way;
+docs/benchmarks.md) and the collectives (issued by the unit hooks,
 outside the graph: tracing them as functional collectives into one graph per unit,
 SimpleFSDP's shape, is left to do).
 

@@ -103,9 +103,9 @@ def train_step(
     """
     layout, guard = state.layout, state.guard
     _check_steppable(state)
-    state, healed = guard.begin(state)  # the step's quorum, where replica groups have one
-    if healed is not None:  # the batch was built for the step this group left
-        return state, healed
+    state, skipped = guard.begin(state)  # replica groups: the step starts together, or not
+    if skipped is not None:  # the batch was built for a step this group left
+        return state, skipped
     reduction = reduction_of(layout)
     reduction.check_microbatches(layout.dp_size, microbatches)
     ls = state.loss_scale
