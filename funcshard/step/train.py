@@ -139,10 +139,14 @@ def train_step(
     loss, apart = reduction.mean_loss(layout, losses, batch_check.flag(losses))
     batch_check.raise_if(apart)  # on every rank, before anything is donated
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
-    metrics = _metrics(loss, norm, new_ls, aux, layout, grads)
-    if not guard.end(state, metrics):  # the input's values, loss scale included
-        return state.donate("train_step").state(), metrics
-    donated = state.donate("train_step").replace(loss_scale=new_ls)
+    metrics = _metrics(loss, norm, new_ls, aux)
+    committed = guard.end(state, metrics)
+    donated = state.donate("train_step")
+    if not finite:
+        metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
+    if not committed:  # the input's values, loss scale included
+        return donated.state(), metrics
+    donated = donated.replace(loss_scale=new_ls)
     if not finite:  # nothing but the loss scale changes
         return donated.state(), metrics
     return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
@@ -160,14 +164,7 @@ def _check_steppable(state: TrainState) -> None:
         check_replicas(state)
 
 
-def _metrics(
-    loss: float,
-    norm: float,
-    loss_scale: LossScale | None,
-    aux: Any,
-    layout: Layout,
-    grads: list[torch.Tensor],
-) -> dict[str, Any]:
+def _metrics(loss: float, norm: float, loss_scale: LossScale | None, aux: Any) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "loss": loss,
         "grad_norm": norm,
@@ -177,8 +174,6 @@ def _metrics(
         metrics["loss_scale"] = loss_scale.scale
     if aux is not None:
         metrics["aux"] = aux
-    if not math.isfinite(norm):
-        metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
     return metrics
 
 
