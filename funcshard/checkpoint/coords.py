@@ -119,6 +119,10 @@ class Coords:
         leaf = self._leaf(name)
         return None if leaf is None else leaf.dim
 
+    def writes_gathered(self) -> bool:
+        """Whether this rank writes the rows gathered whole over the axis (its rank 0 does)."""
+        return self.tensor.rank == 0
+
     def writes(self, name: str) -> bool:
         """Whether this tensor rank writes ``name`` (replicated ones: tensor rank 0 only)."""
         return self.tensor.counts(name)

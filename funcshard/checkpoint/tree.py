@@ -265,7 +265,7 @@ def plan_writes(
         # and tensor rank 0 writes them
         rows = coords.gather(write.keys[-1], view, scales)
         write.data = rows.to("cpu") if stage else rows
-        if layout.tensor.rank != 0:
+        if not coords.writes_gathered():
             write.start = write.stop = write.shape[0]
             write.data = None
     scalars = {("opt_state", *p): v for p, v in opt_layout(state.opt_state, n)[1].items()}

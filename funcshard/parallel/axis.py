@@ -114,6 +114,11 @@ class ModelAxis(Protocol):
         """This rank's part of ``name``'s global tensor ``full``."""
         ...
 
+    def counted_parts(self, flats: Sequence[torch.Tensor], specs: Sequence) -> list[torch.Tensor]:
+        """The parts of ``flats`` (one per bucket, its leaves ``specs[i]``: offset and shard
+        numel) whose elements this rank counts in a sum over the full model."""
+        ...
+
     def sum_square(self, square: torch.Tensor) -> torch.Tensor:
         """The full model's squared norm from this rank's part (summed over the axis)."""
         ...
@@ -176,6 +181,9 @@ class NoAxis:
 
     def part_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return full
+
+    def counted_parts(self, flats: Sequence[torch.Tensor], specs: Sequence) -> list[torch.Tensor]:
+        return list(flats)
 
     def sum_square(self, square: torch.Tensor) -> torch.Tensor:
         return square

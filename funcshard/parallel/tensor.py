@@ -193,6 +193,18 @@ class TensorParallel:
         leaves split over "tensor" share buckets with replicated ones."""
         return GlobalShape(self.full_shape(name, local), local)
 
+    def counted_parts(self, flats: Sequence[torch.Tensor], specs: Sequence) -> list[torch.Tensor]:
+        """All of them on tensor rank 0; on the others only the segments of leaves split over
+        "tensor" (a replicated leaf is the same on every tensor rank: counted once)."""
+        if self.rank == 0:
+            return list(flats)
+        return [
+            g[s.offset : s.offset + s.shard_numel]
+            for g, leaves in zip(flats, specs, strict=True)
+            for s in leaves
+            if self.sharded(s.name)
+        ]
+
     def sum_square(self, square: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return square

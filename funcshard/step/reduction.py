@@ -277,15 +277,7 @@ def counted(layout: Layout, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """The gradient shards whose elements this rank counts in a sum over the full model: all
     of them, but on a tensor rank other than 0 only the segments of leaves split over
     "tensor" (a replicated leaf is the same on every tensor rank: counted once)."""
-    tensor = layout.tensor
-    if tensor.rank == 0:
-        return list(grads)
-    return [
-        g[s.offset : s.offset + s.shard_numel]
-        for bucket, g in zip(layout.buckets, grads, strict=True)
-        for s in layout.bucket_leaves(bucket)
-        if tensor.sharded(s.name)
-    ]
+    return layout.tensor.counted_parts(grads, [layout.bucket_leaves(b) for b in layout.buckets])
 
 
 RING = RingReduction()
