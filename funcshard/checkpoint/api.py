@@ -6,11 +6,11 @@ import os
 
 import torch
 
-from funcshard.checkpoint import checksums, hf, matching, reading
+from funcshard.checkpoint import checksums, hf, matching, reading, storage
 from funcshard.checkpoint import dcp as dcp_lib
 from funcshard.checkpoint import safetensors as st
 from funcshard.checkpoint.commit import Agreement, Saver
-from funcshard.checkpoint.format import CHUNK_BYTES
+from funcshard.checkpoint.format import CHUNK_BYTES, COMMIT_FILE
 from funcshard.checkpoint.orbax import OrbaxSource
 from funcshard.checkpoint.sources import DictSource, Source
 from funcshard.state.state import Donation, TrainState
@@ -93,9 +93,14 @@ def restore(
     """
     like.check()
     agreement = Agreement.of(like.layout)
-    path = os.path.abspath(os.fspath(directory))
+    path = storage.normalize(directory)
     error: BaseException | None = None
     try:
+        if storage.is_object(path) and not storage.exists(os.path.join(path, COMMIT_FILE)):
+            raise FileNotFoundError(
+                f"restore: {path} holds no committed checkpoint (no {COMMIT_FILE}: a save "
+                "that never finished, or nothing)"
+            )
         source = open_source(path)
         if isinstance(source, OrbaxSource) and source.checksums is None:
             checksums.warn_unverified(path)

@@ -29,6 +29,7 @@ from typing import Any
 
 import crc32c
 
+from funcshard.checkpoint import storage
 from funcshard.checkpoint.format import FORMAT_VERSION, read_json, write_json
 
 __all__ = [
@@ -166,7 +167,7 @@ def read_checksums(item_dir: str) -> Record | None:
       ValueError: the file is damaged or uses another algorithm.
     """
     path = os.path.join(item_dir, CHECKSUM_FILE)
-    if not os.path.exists(path):
+    if not storage.exists(path):
         return None
     record = read_json(path)
     if record.get("algorithm") != ALGORITHM:

@@ -36,7 +36,7 @@ import torch
 from funcshard.checkpoint import commit as commit_lib
 from funcshard.checkpoint import dcp as dcp_lib
 from funcshard.checkpoint import safetensors as st
-from funcshard.checkpoint import writing
+from funcshard.checkpoint import storage, writing
 from funcshard.checkpoint.api import open_source
 from funcshard.checkpoint.checksums import Checksums
 from funcshard.checkpoint.format import (
@@ -47,7 +47,6 @@ from funcshard.checkpoint.format import (
     ZARR_DTYPE,
     Keys,
     chunk_rows,
-    fsync_dir,
     param_dir,
 )
 from funcshard.checkpoint.hf import SafetensorsSource
@@ -73,12 +72,12 @@ _STEP = re.compile(r"^\d+$")
 
 def manager_steps(path: str) -> list[str]:
     """The complete steps of a ``CheckpointManager`` root (empty when ``path`` is not one)."""
-    if not os.path.isdir(path) or os.path.exists(os.path.join(path, COMMIT_FILE)):
+    if not storage.isdir(path) or storage.exists(os.path.join(path, COMMIT_FILE)):
         return []
     steps = [
         n
-        for n in os.listdir(path)
-        if _STEP.match(n) and os.path.exists(os.path.join(path, n, COMMIT_FILE))
+        for n in storage.listdir(path)
+        if _STEP.match(n) and storage.exists(os.path.join(path, n, COMMIT_FILE))
     ]
     return [os.path.join(path, n) for n in sorted(steps, key=int)]
 
@@ -287,13 +286,16 @@ def convert(src: str, dst: str, to: str, dtype: torch.dtype | None = None) -> in
     """Writes the params of ``src`` as a ``to`` checkpoint at ``dst`` (which must not exist),
     leaf by leaf, atomically (a temporary directory renamed into place)."""
     source = _open(src)
-    final = os.path.abspath(dst)
-    if os.path.exists(final):
+    final = storage.normalize(dst)
+    if storage.is_object(final) and to != "orbax":
+        raise ValueError(f"convert: --to={to} writes a local directory; {final} is an object store")
+    if storage.exists(final):
         raise FileExistsError(f"convert: {final} already exists")
     if not _params(source):
         raise ValueError(f"convert: {src} holds no params")
-    tmp = f"{final}{TMP_MARK}{time.time_ns()}"
-    os.makedirs(tmp)
+    # an object store has no rename: written in place, it counts from its commit file, last
+    tmp = f"{final}{TMP_MARK}{time.time_ns()}" if storage.atomic_rename(final) else final
+    storage.makedirs(tmp)
     try:
         if to == "safetensors":
             _write_safetensors(tmp, source, dtype)
@@ -301,7 +303,7 @@ def convert(src: str, dst: str, to: str, dtype: torch.dtype | None = None) -> in
             _write_dcp(tmp, source, dtype)
         else:
             _write_orbax(tmp, source, dtype, final)
-        fsync_dir(tmp)
+        storage.fsync_dir(tmp)
         commit_lib.commit(tmp, final)
     except BaseException:
         commit_lib.remove_tree(tmp)

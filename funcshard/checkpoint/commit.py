@@ -1,12 +1,15 @@
-"""The commit protocol: every rank writes, all agree, one rank commits by renaming.
+"""The commit protocol: every rank writes, all agree, one rank commits.
 
 1. Rank 0 creates ``<final>.orbax-checkpoint-tmp-<ns>`` (after removing leftovers of killed
-   saves of the same name) and broadcasts its name, or its error.
+   saves of the same name) and broadcasts its name, or its error. On an object store, which
+   has no rename (:mod:`funcshard.checkpoint.storage`), the ranks write at ``<final>``
+   itself, after rank 0 removed what a killed save of it left: a checkpoint there counts
+   only once its commit file is written, last (step 3).
 2. Every rank writes its rows durably, with a checksum of every chunk it wrote; one
    all-reduce of success flags decides, and rank 0 gathers the checksums.
 3. On success rank 0 writes the metadata, the checksums and the commit files (fsync; see
-   ``writing.write_records``), renames
-   the directory into place and fsyncs the parent; one more all-reduce tells every rank. A
+   ``writing.write_records``; the checkpoint's commit file last), renames the directory into
+   place and fsyncs the parent (on a filesystem); one more all-reduce tells every rank. A
    failed save leaves nothing behind.
 
 ``write_and_commit`` is steps 2-3 for any writer (``export_safetensors`` too); a ``Saver`` runs
@@ -23,7 +26,6 @@ import contextvars
 import dataclasses
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from funcshard.checkpoint import storage
 from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.checksums import (
     ChecksumError,
@@ -39,10 +42,10 @@ from funcshard.checkpoint.checksums import (
 )
 from funcshard.checkpoint.format import (
     CHUNK_BYTES,
+    COMMIT_FILE,
     DELETE_MARK,
     TMP_MARK,
     Keys,
-    fsync_dir,
 )
 from funcshard.checkpoint.writing import write_arrays, write_records
 from funcshard.distributed import mesh as mesh_lib
@@ -138,7 +141,7 @@ def remove_tree(path: str) -> None:
     """Removes ``path`` if it exists; a failure to remove is logged, never raised over the
     error that made the removal necessary."""
     try:
-        shutil.rmtree(path)
+        storage.remove_tree(path)
     except FileNotFoundError:
         pass
     except OSError as e:
@@ -156,23 +159,34 @@ def is_leftover(name: str, base: str | None = None) -> bool:
 
 def _remove_stale(final: str) -> None:
     parent, base = os.path.split(final)
-    for name in os.listdir(parent):
+    for name in storage.listdir(parent):
         if is_leftover(name, base):
             remove_tree(os.path.join(parent, name))
 
 
+def _fresh(final: str) -> str:
+    """Where the ranks write ``final`` (rank 0, once it refused a committed one): a temporary
+    directory beside it, or on an object store ``final`` itself, emptied of a killed save."""
+    if not storage.atomic_rename(final):
+        if storage.exists(os.path.join(final, COMMIT_FILE)):
+            raise FileExistsError(f"save: {final} already exists")
+        remove_tree(final)  # a save of it that never committed: replaced
+        return final
+    if storage.exists(final):
+        raise FileExistsError(f"save: {final} already exists")
+    storage.makedirs(os.path.dirname(final))
+    _remove_stale(final)
+    tmp = f"{final}{TMP_MARK}{time.time_ns()}"
+    storage.makedirs(tmp)
+    return tmp
+
+
 def start(final: str, agreement: Agreement) -> str:
-    """Rank 0 creates the temporary directory; every rank learns its name (or the error)."""
+    """Rank 0 makes the place the ranks write to; every rank learns it (or the error)."""
     msg: Any = None
     if agreement.rank == 0:
         try:
-            if os.path.exists(final):
-                raise FileExistsError(f"save: {final} already exists")
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            _remove_stale(final)
-            tmp = f"{final}{TMP_MARK}{time.time_ns()}"
-            os.makedirs(tmp)
-            msg = ("ok", tmp)
+            msg = ("ok", _fresh(final))
         except OSError as e:
             msg = ("error", f"{type(e).__name__}: {e}")
     kind, value = agreement.broadcast(msg)
@@ -182,9 +196,12 @@ def start(final: str, agreement: Agreement) -> str:
 
 
 def commit(tmp: str, final: str) -> None:
-    """Renames the complete ``tmp`` into place, durably (rank 0)."""
-    os.rename(tmp, final)
-    fsync_dir(os.path.dirname(final))
+    """Renames the complete ``tmp`` into place, durably (rank 0); on an object store the
+    commit file written last did it."""
+    if tmp == final:
+        return
+    storage.rename(tmp, final)
+    storage.fsync_dir(os.path.dirname(final))
 
 
 def _agree(agreement: Agreement, what: str, error: BaseException | None, tmp: str) -> None:
@@ -391,7 +408,7 @@ class Saver:
             )
         self.wait()
         agreement = self._agreement(state.layout, background)
-        final = os.path.abspath(os.fspath(directory))
+        final = storage.normalize(directory)
         started = time.time_ns()
         arrays, scalars = tree_lib.plan_writes(
             state, stage=background, chunk_bytes=self.chunk_bytes

@@ -36,6 +36,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from funcshard.checkpoint import storage
+
 # 2: chunk checksums in <item>/_CHECKSUMS (funcshard.checkpoint.checksums); 3: checksums of
 # the metadata files too, and the marker in _METADATA and the commit files
 FORMAT_VERSION = 3
@@ -181,16 +183,12 @@ def leaf_metadata(keys: Keys, value_type: str) -> dict:
 
 def write_json(path: str, obj: Any) -> None:
     """Writes ``obj`` durably (fsync) at ``path``."""
-    with open(path, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    storage.write_bytes(path, json.dumps(obj).encode())
 
 
 def read_json(path: str) -> dict:
     """A JSON object file; a damaged one raises naming the file."""
-    with open(path, "rb") as f:
-        return parse_json(f.read(), path)
+    return parse_json(storage.read_bytes(path), path)
 
 
 def parse_json(data: bytes, path: str) -> dict:
@@ -214,14 +212,6 @@ def marker(checksums: str | None) -> dict:
     return {"version": FORMAT_VERSION, "checksums": checksums or "none"}
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 _COMMIT_MARK = re.compile(r"^funcshard format (\d+), checksums (\S+)$", re.MULTILINE)
 
 
@@ -230,28 +220,31 @@ def write_commit_file(directory: str, name: str, mark: dict | None = None) -> No
     text = f"Checkpoint commit was successful to {name}"
     if mark is not None:
         text += f"\nfuncshard format {mark['version']}, checksums {mark['checksums']}\n"
-    with open(os.path.join(directory, COMMIT_FILE), "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    storage.write_bytes(os.path.join(directory, COMMIT_FILE), text.encode())
 
 
 def read_commit_mark(directory: str) -> dict | None:
     """The mark in ``directory``'s ``commit_success.txt``; None without one (or without the
     file: Orbax's own checkpoints, and funcshard's before format 3)."""
     try:
-        with open(os.path.join(directory, COMMIT_FILE), errors="replace") as f:
-            found = _COMMIT_MARK.search(f.read(4096))
+        text = storage.read_bytes(os.path.join(directory, COMMIT_FILE))[:4096]
     except FileNotFoundError:
         return None
+    found = _COMMIT_MARK.search(text.decode(errors="replace"))
     return None if found is None else {"version": int(found[1]), "checksums": found[2]}
 
 
 def write_item_metadata(
-    item_dir: str, arrays: Sequence[Keys], scalars: Sequence[Keys], mark: dict | None = None
+    item_dir: str,
+    arrays: Sequence[Keys],
+    scalars: Sequence[Keys],
+    mark: dict | None = None,
+    *,
+    commit_file: bool = True,
 ) -> None:
-    """The item's ``_METADATA`` (its tree, and funcshard's ``mark``) and its
-    ``commit_success.txt``."""
+    """The item's ``_METADATA`` (its tree, and funcshard's ``mark``) and, with
+    ``commit_file``, its ``commit_success.txt`` (an item that is its checkpoint's directory
+    gets the checkpoint's, written last)."""
     tree = {str(k): leaf_metadata(k, "np.ndarray") for k in arrays}
     tree.update({str(k): leaf_metadata(k, "scalar") for k in scalars})
     write_json(
@@ -264,7 +257,8 @@ def write_item_metadata(
             "custom_metadata": None if mark is None else {"funcshard": mark},
         },
     )
-    write_commit_file(item_dir, os.path.basename(item_dir), mark)
+    if commit_file:
+        write_commit_file(item_dir, os.path.basename(item_dir), mark)
 
 
 def write_checkpoint_metadata(

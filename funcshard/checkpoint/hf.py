@@ -18,10 +18,10 @@ import torch
 
 from funcshard.checkpoint import commit as commit_lib
 from funcshard.checkpoint import safetensors as st
-from funcshard.checkpoint import stats
+from funcshard.checkpoint import stats, storage
 from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.coords import Coords, segments
-from funcshard.checkpoint.format import Keys, fsync_dir
+from funcshard.checkpoint.format import Keys
 from funcshard.checkpoint.sources import ReadRequest
 from funcshard.state.state import TrainState
 
@@ -181,7 +181,7 @@ def export_safetensors(
 
     def write_index(_: list[Any]) -> None:
         st.write_index(tmp, names, files)
-        fsync_dir(tmp)
+        storage.fsync_dir(tmp)
 
     commit_lib.write_and_commit(
         agreement,

@@ -7,6 +7,7 @@ import re
 import time
 from typing import Any
 
+from funcshard.checkpoint import storage
 from funcshard.checkpoint.api import restore
 from funcshard.checkpoint.commit import Saver, is_leftover, remove_tree
 from funcshard.checkpoint.format import COMMIT_FILE, DEFAULT_ITEM, DELETE_MARK
@@ -36,20 +37,20 @@ class CheckpointManager:
             raise ValueError(
                 f"CheckpointManager: max_to_keep must be >= 1 or None, got {max_to_keep}"
             )
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = storage.normalize(root)
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self.saver = Saver()
-        os.makedirs(self.root, exist_ok=True)
+        storage.makedirs(self.root)
 
     def _dir(self, step: int) -> str:
         return os.path.join(self.root, str(int(step)))
 
     def _complete_steps(self) -> list[int]:
         steps = []
-        for name in os.listdir(self.root):
+        for name in storage.listdir(self.root):
             path = os.path.join(self.root, name)
-            if _STEP_DIR.match(name) and os.path.exists(os.path.join(path, COMMIT_FILE)):
+            if _STEP_DIR.match(name) and storage.exists(os.path.join(path, COMMIT_FILE)):
                 steps.append(int(name))
         return sorted(steps)
 
@@ -65,7 +66,7 @@ class CheckpointManager:
     def _sweep(self) -> None:
         """Removes what killed saves and removals left behind (rank 0, between saves: the
         save in flight, if any, has just been committed)."""
-        for name in os.listdir(self.root):
+        for name in storage.listdir(self.root):
             if is_leftover(name) and _STEP_DIR.match(name.split(".", 1)[0]):
                 remove_tree(os.path.join(self.root, name))
 
@@ -79,10 +80,7 @@ class CheckpointManager:
             keep.add(steps[-1])
         for step in steps:
             if step not in keep:
-                path = self._dir(step)
-                doomed = f"{path}{DELETE_MARK}{time.time_ns()}"
-                os.rename(path, doomed)  # unlisted at once, even if the removal is cut short
-                remove_tree(doomed)
+                _remove_step(self._dir(step))
 
     def save(self, step: int, state: TrainState) -> None:
         """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``."""
@@ -117,3 +115,15 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _remove_step(path: str) -> None:
+    """Removes a committed step so that it is unlisted at once, even if the removal is cut
+    short: renamed aside on a filesystem, its commit file removed first on an object store."""
+    if storage.atomic_rename(path):
+        doomed = f"{path}{DELETE_MARK}{time.time_ns()}"
+        storage.rename(path, doomed)
+        remove_tree(doomed)
+    else:
+        storage.remove_file(os.path.join(path, COMMIT_FILE))
+        remove_tree(path)

@@ -18,7 +18,7 @@ import torch
 
 from funcshard.checkpoint import checksums as checksums_lib
 from funcshard.checkpoint import orbax_files as files
-from funcshard.checkpoint import stats
+from funcshard.checkpoint import stats, storage
 from funcshard.checkpoint.coords import Box, box_slices, read_box, split_of
 from funcshard.checkpoint.format import (
     CHECKPOINT_METADATA_FILE,
@@ -54,8 +54,7 @@ class OrbaxSource:
         self.label = path
         self.directory, step_dir, root_is_params = resolve_orbax_item(path)
         meta_path = os.path.join(self.directory, METADATA_FILE)
-        with open(meta_path, "rb") as f:
-            meta_bytes = f.read()
+        meta_bytes = storage.read_bytes(meta_path)
         self.record = checksums_lib.read_checksums(self.directory)
         if self.record is not None:  # checked before it is parsed: it says how to read
             self.record.verify_file(meta_bytes, METADATA_FILE, meta_path)
@@ -85,7 +84,7 @@ class OrbaxSource:
         info_path = None
         for d in (self.directory, step_dir):
             ckpt_meta = os.path.join(d, CHECKPOINT_METADATA_FILE)
-            if os.path.exists(ckpt_meta):
+            if storage.exists(ckpt_meta):
                 info_path = ckpt_meta
                 self.info = (read_json(ckpt_meta).get("custom_metadata") or {}).get("funcshard")
                 break
@@ -156,8 +155,7 @@ class OrbaxSource:
             name = f"{self._leaf_dir(keys)}/.zarray"
             path = os.path.join(self.directory, self._leaf_dir(keys), ".zarray")
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = storage.read_bytes(path)
             except FileNotFoundError:
                 raise FileNotFoundError(
                     f"restore: {self.directory}: array "
@@ -198,9 +196,9 @@ class OrbaxSource:
     def _spec(self, keys: Keys) -> dict:
         name = self._leaf_dir(keys)
         if self.use_ocdbt:
-            kv = {"driver": "ocdbt", "base": f"file://{self.directory}/", "path": name}
+            kv = {"driver": "ocdbt", "base": storage.kvstore(self.directory), "path": name}
         else:
-            kv = {"driver": "file", "path": os.path.join(self.directory, name)}
+            kv = storage.kvstore(os.path.join(self.directory, name))
         spec = {"driver": self.driver, "kvstore": kv, "open": True}
         if self.info is not None:
             # funcshard writes every chunk, so a missing one is damage, not the fill value
@@ -309,7 +307,7 @@ class OrbaxSource:
         path = os.path.join(self.directory, leaf_name, name)
         recorded = None if self.checksums is None else self.checksums.get(leaf_name, {})
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = storage.open_reader(path)
         except FileNotFoundError:
             if self.info is not None or recorded is not None:  # funcshard wrote every chunk
                 raise FileNotFoundError(
@@ -318,7 +316,7 @@ class OrbaxSource:
             return False
         try:
             if check_only and recorded is None:
-                got = os.fstat(fd).st_size
+                got = fd.size()
                 if got < hi:
                     raise OSError(f"{leaf_name}: chunk {k} is short ({got} of {hi} bytes)")
             elif check_only:
@@ -329,11 +327,11 @@ class OrbaxSource:
                 crcs = recorded.get(name, [])
                 self._pread_verified(fd, out, lo, hi, size, crcs, leaf_name, path)
         finally:
-            os.close(fd)
+            fd.close()
         return True
 
     def _verify_blocks(
-        self, fd: int, lo: int, hi: int, size: int, crcs: list[int], leaf: str, path: str
+        self, fd: storage.Reader, lo: int, hi: int, size: int, crcs: list[int], leaf: str, path: str
     ) -> None:
         """Reads the checksum blocks around bytes ``[lo, hi)`` of a chunk file one at a time
         into one block of scratch and verifies each (what ``_pread_verified`` checks)."""
@@ -350,7 +348,7 @@ class OrbaxSource:
 
     def _pread_verified(
         self,
-        fd: int,
+        fd: storage.Reader,
         out: memoryview,
         lo: int,
         hi: int,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from funcshard.checkpoint import storage
 from funcshard.checkpoint.format import (
     COMMIT_FILE,
     METADATA_FILE,
@@ -17,8 +18,8 @@ from funcshard.checkpoint.format import (
 __all__ = ["dtype_name", "marks", "pread", "resolve_orbax_item", "version"]
 
 
-def pread(fd: int, out: memoryview, offset: int, leaf: str, chunk: int | str) -> None:
-    got = os.preadv(fd, [out], offset) if len(out) else 0
+def pread(fd: storage.Reader, out: memoryview, offset: int, leaf: str, chunk: int | str) -> None:
+    got = fd.preadv([out], offset) if len(out) else 0
     if got != len(out):
         raise OSError(f"{leaf}: chunk {chunk} is short ({got} of {len(out)} bytes)")
 
@@ -30,12 +31,12 @@ def resolve_orbax_item(path: str) -> tuple[str, str, bool]:
     ``CheckpointManager``: its single item (``<step>/default``), or the ``params`` item of a
     Composite, whose tree is then the params themselves.
     """
-    if os.path.exists(os.path.join(path, METADATA_FILE)):
+    if storage.exists(os.path.join(path, METADATA_FILE)):
         return path, path, False
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         raise FileNotFoundError(f"restore: {path} does not exist")
     items = sorted(
-        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, METADATA_FILE))
+        d for d in storage.listdir(path) if storage.exists(os.path.join(path, d, METADATA_FILE))
     )
     if len(items) == 1 or "params" in items:
         item = items[0] if len(items) == 1 else "params"
@@ -44,7 +45,7 @@ def resolve_orbax_item(path: str) -> tuple[str, str, bool]:
         raise FileNotFoundError(
             f"restore: {path} holds no Orbax checkpoint (no _METADATA in it nor in an item "
             f"directory of it) and no Hugging Face safetensors (model.safetensors or "
-            f"model.safetensors.index.json); it holds {sorted(os.listdir(path))[:20]}"
+            f"model.safetensors.index.json); it holds {storage.listdir(path)[:20]}"
         )
     raise FileNotFoundError(
         f"restore: {path} holds several Orbax items {items} and none is "

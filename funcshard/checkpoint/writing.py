@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from funcshard.checkpoint import stats
+from funcshard.checkpoint import stats, storage
 from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.checksums import (
     ALGORITHM,
@@ -29,7 +29,6 @@ from funcshard.checkpoint.format import (
     ZARR_DTYPE,
     Keys,
     chunk_file,
-    fsync_dir,
     marker,
     param_dir,
     scalar_dtype,
@@ -71,7 +70,7 @@ def write_arrays(
     finished, so that a failed save's directory can be removed without a late write
     recreating files in it.
     """
-    os.makedirs(item_dir, exist_ok=True)
+    storage.makedirs(item_dir)
     ctx = ts.Context()
     specs, sources = [], []
     for a in arrays:
@@ -79,7 +78,7 @@ def write_arrays(
             continue
         spec = {
             "driver": "zarr",
-            "kvstore": {"driver": "file", "path": os.path.join(item_dir, param_dir(a.keys))},
+            "kvstore": storage.kvstore(os.path.join(item_dir, param_dir(a.keys))),
             "metadata": zarr_metadata(a.shape, ZARR_DTYPE[a.dtype], a.chunk_rows, a.split),
         }
         # one rank writes each .zarray; the others only write their chunks
@@ -93,7 +92,7 @@ def write_arrays(
                 {
                     "driver": "zarr",
                     "create": True,
-                    "kvstore": {"driver": "file", "path": os.path.join(item_dir, param_dir(keys))},
+                    "kvstore": storage.kvstore(os.path.join(item_dir, param_dir(keys))),
                     "metadata": zarr_metadata((), dtype, 1),
                 }
             )
@@ -164,14 +163,14 @@ def write_records(
     arrays, scalars = leaves
     mark = marker(None if sums is None else ALGORITHM)
     info = {**info, "checksums": mark["checksums"]}
-    write_item_metadata(item_dir, arrays, scalars, mark)
+    # the checkpoint's commit file last: an object store has no rename, it counts from there
+    write_item_metadata(item_dir, arrays, scalars, mark, commit_file=item is not None)
     if sums is not None:
         names = [METADATA_FILE] + [f"{param_dir(k)}/.zarray" for k in (*arrays, *scalars)]
-        metadata = {}
-        for name in names:
-            with open(os.path.join(item_dir, name), "rb") as f:
-                metadata[name] = file_crc(f.read())
+        metadata = {
+            name: file_crc(storage.read_bytes(os.path.join(item_dir, name))) for name in names
+        }
         write_checksums(item_dir, sums, metadata, info_crc(info))
     write_checkpoint_metadata(top, final_name, item, info, started_ns, mark)
-    fsync_dir(item_dir)
-    fsync_dir(top)
+    storage.fsync_dir(item_dir)
+    storage.fsync_dir(top)

@@ -1,0 +1,256 @@
+"""Where checkpoints live: the one module of the checkpoint package that touches storage.
+
+A location is a path (or a ``file://`` URL) on a filesystem, or an ``s3://bucket/key`` or
+``gs://bucket/key`` URL of an object store, reached through tensorstore's kvstores (its
+``s3`` and ``gcs`` drivers; never a client of our own). Every function here takes either and
+dispatches on it, so the writers, readers, the commit protocol and the manager above it never
+ask which kind they hold, but for the one difference that shapes the protocol: a filesystem
+renames a finished directory into place (:data:`atomic_rename`), an object store cannot, and a
+checkpoint there counts once its commit marker is written, last.
+
+Object stores take their endpoint and credentials from the standard environment:
+``AWS_ENDPOINT_URL`` (a local server in tests), ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` and the
+credentials tensorstore's s3 driver reads (``AWS_ACCESS_KEY_ID``, ...); GCS's defaults.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from typing import Any
+
+import tensorstore as ts
+
+__all__ = [
+    "Reader",
+    "atomic_rename",
+    "exists",
+    "fsync_dir",
+    "is_object",
+    "isdir",
+    "kvstore",
+    "listdir",
+    "makedirs",
+    "normalize",
+    "open_reader",
+    "read_bytes",
+    "remove_tree",
+    "rename",
+    "write_bytes",
+]
+
+_SCHEMES = {"s3://": "s3", "gs://": "gcs"}
+
+
+def is_object(path: str) -> bool:
+    """Whether ``path`` names an object store (s3://, gs://) rather than a filesystem."""
+    return str(path).startswith(tuple(_SCHEMES))
+
+
+def atomic_rename(path: str) -> bool:
+    """Whether a finished directory can be renamed into place at ``path`` (a filesystem)."""
+    return not is_object(path)
+
+
+def normalize(path: str | os.PathLike) -> str:
+    """An absolute filesystem path (``file://`` dropped), or the object URL without a trailing
+    slash."""
+    path = os.fspath(path)
+    if is_object(path):
+        return path.rstrip("/")
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    return os.path.abspath(path)
+
+
+# --- object stores through tensorstore's kvstores -----------------------------------------------
+
+
+def _split(url: str) -> tuple[str, str, str]:
+    """``(driver, bucket, key)`` of an object URL."""
+    scheme = next(s for s in _SCHEMES if url.startswith(s))
+    bucket, _, key = url[len(scheme) :].partition("/")
+    if not bucket:
+        raise ValueError(f"checkpoint: {url!r} names no bucket (expected {scheme}BUCKET/PATH)")
+    return _SCHEMES[scheme], bucket, key.strip("/")
+
+
+def _bucket_spec(driver: str, bucket: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {"driver": driver, "bucket": bucket}
+    if driver == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        if region:
+            spec["aws_region"] = region
+    return spec
+
+
+def kvstore(path: str) -> dict[str, Any]:
+    """The tensorstore kvstore spec of the location ``path`` (a directory: its keys below it)."""
+    if not is_object(path):
+        return {"driver": "file", "path": path}
+    driver, bucket, key = _split(path)
+    return {**_bucket_spec(driver, bucket), "path": f"{key}/" if key else ""}
+
+
+@functools.cache
+def _store(driver: str, bucket: str, endpoint: str | None) -> ts.KvStore:
+    del endpoint  # part of the cache key: a test's server
+    return ts.KvStore.open(_bucket_spec(driver, bucket)).result()
+
+
+def _object(path: str) -> tuple[ts.KvStore, str]:
+    driver, bucket, key = _split(path)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") if driver == "s3" else None
+    return _store(driver, bucket, endpoint), key
+
+
+def _prefix_range(key: str) -> ts.KvStore.KeyRange:
+    prefix = f"{key}/" if key else ""
+    return ts.KvStore.KeyRange(prefix, prefix[:-1] + "0" if prefix else "")
+
+
+def _keys_under(path: str) -> list[str]:
+    store, key = _object(path)
+    prefix = f"{key}/" if key else ""
+    return [k.decode()[len(prefix) :] for k in store.list(_prefix_range(key)).result()]
+
+
+# --- the operations ---------------------------------------------------------------------------
+
+
+def exists(path: str) -> bool:
+    """A file, a directory, an object or a prefix holding objects."""
+    if not is_object(path):
+        return os.path.exists(path)
+    store, key = _object(path)
+    if store.read(key).result().state == "value":
+        return True
+    return bool(_keys_under(path))
+
+
+def isdir(path: str) -> bool:
+    if not is_object(path):
+        return os.path.isdir(path)
+    return bool(_keys_under(path))
+
+
+def listdir(path: str) -> list[str]:
+    """The names directly below ``path`` (on an object store: none when no object is there)."""
+    if not is_object(path):
+        return os.listdir(path)
+    return sorted({k.split("/", 1)[0] for k in _keys_under(path)})
+
+
+def makedirs(path: str) -> None:
+    """A directory and its parents (nothing to make on an object store)."""
+    if not is_object(path):
+        os.makedirs(path, exist_ok=True)
+
+
+def read_bytes(path: str) -> bytes:
+    if not is_object(path):
+        with open(path, "rb") as f:
+            return f.read()
+    store, key = _object(path)
+    got = store.read(key).result()
+    if got.state != "value":
+        raise FileNotFoundError(f"{path}: no such object")
+    return bytes(got.value)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Writes ``data`` at ``path`` durably: fsync'd on a filesystem, acknowledged by the store."""
+    if not is_object(path):
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    store, key = _object(path)
+    store.write(key, data).result()
+
+
+def remove_tree(path: str) -> None:
+    """Removes a directory and everything below it (every object under the prefix)."""
+    if not is_object(path):
+        shutil.rmtree(path)
+        return
+    store, key = _object(path)
+    store.delete_range(_prefix_range(key)).result()
+
+
+def remove_file(path: str) -> None:
+    if not is_object(path):
+        os.remove(path)
+        return
+    store, key = _object(path)
+    store.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+
+
+def rename(src: str, dst: str) -> None:
+    """Moves a directory into place atomically (filesystems only: :func:`atomic_rename`)."""
+    assert atomic_rename(dst), "an object store has no rename"
+    os.rename(src, dst)
+
+
+def fsync_dir(path: str) -> None:
+    """Makes a rename or a new entry in ``path`` durable (an object store's are already)."""
+    if is_object(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- positioned reads -------------------------------------------------------------------------
+
+
+class Reader:
+    """Positioned reads of one file or object: ``preadv`` into buffers, ``size``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        if is_object(path):
+            self._fd = None
+            self._store, self._key = _object(path)
+            got = self._store.read(self._key, byte_range=slice(0, 0)).result()
+            if got.state != "value":
+                raise FileNotFoundError(f"{path}: no such object")
+        else:
+            self._fd = os.open(path, os.O_RDONLY)
+
+    def preadv(self, buffers: list[memoryview], offset: int) -> int:
+        """Reads into ``buffers`` (one after another) from byte ``offset``; the bytes read."""
+        if self._fd is not None:
+            return os.preadv(self._fd, buffers, offset)
+        want = sum(len(b) for b in buffers)
+        data = self._store.read(self._key, byte_range=slice(offset, offset + want)).result().value
+        at = 0
+        for b in buffers:
+            n = min(len(b), len(data) - at)
+            if n <= 0:
+                break
+            b[:n] = data[at : at + n]
+            at += n
+        return at
+
+    def size(self) -> int:
+        if self._fd is not None:
+            return os.fstat(self._fd).st_size
+        return len(self._store.read(self._key).result().value)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def open_reader(path: str) -> Reader:
+    """A :class:`Reader` of ``path``; FileNotFoundError when it is not there."""
+    return Reader(path)
