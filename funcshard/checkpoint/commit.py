@@ -272,6 +272,11 @@ def write_and_commit(
 # --- one save -----------------------------------------------------------------------------------
 
 
+def _bytes(arrays: list[tree_lib.ArrayWrite]) -> int:
+    """The bytes of the rows this rank writes."""
+    return sum(a.data.numel() * a.data.element_size() for a in arrays if a.data is not None)
+
+
 @dataclasses.dataclass
 class _Job:
     """One save: what to write, and what to run on rank 0 once it is committed."""
@@ -305,6 +310,7 @@ class Saver:
         self._error: BaseException | None = None
         self._final: str | None = None
         self._atexit = False
+        self._stats: dict[str, Any] = {"staged_s": None, "written_s": None, "bytes": 0}
 
     # the two disk-touching steps -----------------------------------------------------------
     def write_arrays(
@@ -407,6 +413,7 @@ class Saver:
                 "model); fill it with fs.restore(..., model_only=True) first"
             )
         self.wait()
+        called = time.perf_counter()
         agreement = self._agreement(state.layout, background)
         final = storage.normalize(directory)
         started = time.time_ns()
@@ -418,14 +425,18 @@ class Saver:
         tmp = start(final, agreement)
         info = tree_lib.info(state)
         job = _Job(final, tmp, item, arrays, scalars, info, started, after_commit)
+        stats = self._stats = {"staged_s": None, "written_s": None, "bytes": _bytes(arrays)}
         if not background:
             self._run(job, agreement)
+            stats["staged_s"] = stats["written_s"] = time.perf_counter() - called
             return
         context = contextvars.copy_context()  # the caller's io_stats count the writes
 
         def target() -> None:
+            began = time.perf_counter()
             try:
                 context.run(self._run, job, agreement)
+                stats["written_s"] = time.perf_counter() - began
             except BaseException as e:  # noqa: BLE001 - raised on the next wait()
                 self._error = e
 
@@ -435,6 +446,13 @@ class Saver:
             atexit.register(self._wait_at_exit)
             self._atexit = True
         self._thread.start()
+        stats["staged_s"] = time.perf_counter() - called
+
+    def last_save_stats(self) -> dict[str, Any]:
+        """The last save's ``staged_s`` (how long ``save`` blocked its caller: the rows copied
+        to host memory, for a background save), ``written_s`` (the write itself; None while a
+        background write runs) and ``bytes`` (this rank's array bytes)."""
+        return dict(self._stats)
 
     def wait(self) -> None:
         """Waits for the save in flight, if any; raises if it failed."""

@@ -103,6 +103,11 @@ class CheckpointManager:
         self.wait()
         return restore(self._dir(step), like=like, model_only=model_only)
 
+    def last_save_stats(self) -> dict[str, Any]:
+        """The last ``save``'s ``staged_s`` (how long it blocked the caller), ``written_s`` (its
+        background write; None while it runs) and ``bytes`` (this rank's)."""
+        return self.saver.last_save_stats()
+
     def wait(self) -> None:
         """Waits for the asynchronous save in flight; raises if it failed."""
         self.saver.wait()
