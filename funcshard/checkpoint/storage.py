@@ -212,16 +212,23 @@ def fsync_dir(path: str) -> None:
 
 
 class Reader:
-    """Positioned reads of one file or object: ``preadv`` into buffers, ``size``."""
+    """Positioned reads of one file or object: ``preadv`` into buffers, ``size``.
+
+    An object is fetched whole on its first read (one request; a chunk file is at most the
+    checkpoint's chunk target) and served from memory until :meth:`close`: a verified read
+    reads a chunk's checksum blocks one after another, which would otherwise be a request each.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._fd: int | None = None
+        self._data: bytes | None = None
         if is_object(path):
-            self._fd = None
-            self._store, self._key = _object(path)
-            got = self._store.read(self._key, byte_range=slice(0, 0)).result()
+            store, key = _object(path)
+            got = store.read(key).result()
             if got.state != "value":
                 raise FileNotFoundError(f"{path}: no such object")
+            self._data = bytes(got.value)
         else:
             self._fd = os.open(path, os.O_RDONLY)
 
@@ -229,26 +236,27 @@ class Reader:
         """Reads into ``buffers`` (one after another) from byte ``offset``; the bytes read."""
         if self._fd is not None:
             return os.preadv(self._fd, buffers, offset)
-        want = sum(len(b) for b in buffers)
-        data = self._store.read(self._key, byte_range=slice(offset, offset + want)).result().value
-        at = 0
+        assert self._data is not None, "read after close"
+        at = offset
         for b in buffers:
-            n = min(len(b), len(data) - at)
-            if n <= 0:
-                break
-            b[:n] = data[at : at + n]
+            n = max(0, min(len(b), len(self._data) - at))
+            b[:n] = self._data[at : at + n]
             at += n
-        return at
+            if n < len(b):
+                break
+        return at - offset
 
     def size(self) -> int:
         if self._fd is not None:
             return os.fstat(self._fd).st_size
-        return len(self._store.read(self._key).result().value)
+        assert self._data is not None, "read after close"
+        return len(self._data)
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        self._data = None
 
 
 def open_reader(path: str) -> Reader:

@@ -1,0 +1,189 @@
+"""Checkpoints at scale: an object store beside a local path, and the stall of a save.
+
+On gloo CPU ranks, one AdamW ZeRO-3 state (masters + mu + nu, fp32) of ``--layers`` square
+Linear layers ``--dim`` wide:
+
+* ``s3``: save and same-layout restore through a local S3 server (moto's, started here;
+  tensorstore's s3 kvstore, every rank writing its own rows straight to the store) beside
+  the same on a local path, best of ``--reps``, ratios s3 / path;
+* ``stall``: what ``mgr.save`` blocks the loop for (``last_save_stats()["staged_s"]``, the
+  rows copied to host memory) beside a synchronous save's time; and the training step's time
+  while a background write runs beside the step without one (median of ``--steps``).
+
+    python experiments/bench_storage.py                      # both parts, 2 ranks
+    python experiments/bench_storage.py --parts=stall --dim=2048 --layers=8
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from absl import app, flags
+from torch import nn
+
+import funcshard as fs
+
+DIM = flags.DEFINE_integer("dim", 1536, "width of the square Linear layers")
+LAYERS = flags.DEFINE_integer("layers", 8, "number of Linear layers")
+REPS = flags.DEFINE_integer("reps", 3, "repetitions of a save / restore; the best is reported")
+STEPS = flags.DEFINE_integer("steps", 6, "timed training steps with and without a write")
+NPROC = flags.DEFINE_integer("nproc", 2, "gloo ranks")
+PARTS = flags.DEFINE_list("parts", ["s3", "stall"], "s3 and / or stall")
+BUCKET = "funcshard-bench"
+
+
+def _setup(dim: int, layers: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers)))
+    mesh = fs.make_mesh(device_type="cpu")
+    opt = fs.optim.adamw(1e-3)
+    state = fs.init(model, opt, mesh=mesh, strategy="optim_grads_params")
+
+    def loss_fn(params, batch):
+        return fs.functional_call(model, params, (batch,)).square().mean()
+
+    def step(state):
+        return fs.train_step(state, torch.randn(8, dim), loss_fn)[0]
+
+    return step(state), step, lambda: fs.init(model, opt, mesh=mesh, strategy="optim")
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def bench_s3(env: dict, root: str, dim: int, layers: int, reps: int) -> dict:
+    os.environ.update(env)
+    state, _, fresh = _setup(dim, layers)
+    out = {}
+    for where, base in (("path", root), ("s3", f"s3://{BUCKET}/bench")):
+        saves, restores = [], []
+        for rep in range(reps):
+            target = f"{base}/{where}-{rep}"
+            saves.append(_timed(lambda t=target: fs.save(t, state)))
+            like = fresh()
+            restores.append(_timed(lambda t=target, like=like: fs.restore(t, like=like)))
+        out[where] = (min(saves), min(restores))
+    return out
+
+
+def bench_stall(root: str, dim: int, layers: int, steps: int) -> dict:
+    state, step, _ = _setup(dim, layers)
+    out = {}
+    with fs.CheckpointManager(os.path.join(root, "sync"), async_save=False) as mgr:
+        out["sync_s"] = _timed(lambda: mgr.save(0, state))
+    with fs.CheckpointManager(os.path.join(root, "async"), max_to_keep=1) as mgr:
+        mgr.save(0, state)  # the first makes the saver's own gloo group
+        mgr.wait()
+        dist.barrier()
+        mgr.save(10**6, state)  # a step the loop below never reaches
+        out["staged_s"] = mgr.last_save_stats()["staged_s"]
+        out["bytes"] = mgr.last_save_stats()["bytes"]
+        mgr.wait()
+        during = []
+        while len(during) < steps:  # steps while the background write runs
+            mgr.save(state.step, state)
+            t0 = time.perf_counter()
+            state = step(state)
+            during.append(time.perf_counter() - t0)
+        mgr.wait()
+    quiet = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state = step(state)
+        quiet.append(time.perf_counter() - t0)
+    out["step_during_s"] = statistics.median(during)
+    out["step_quiet_s"] = statistics.median(quiet)
+    return out
+
+
+def _s3_server() -> tuple[object, dict]:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_REGION": "us-east-1",
+    }
+    os.environ.update(env)  # boto3 here; the ranks, spawned after, inherit it too
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(
+        Bucket=BUCKET
+    )
+    return server, env
+
+
+RAW_MB = 8
+
+
+def _raw_s3(env: dict, nbytes: int) -> tuple[float, float]:
+    """Seconds to PUT, then GET, ``nbytes`` in RAW_MB objects through boto3 (no funcshard)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    body = os.urandom(RAW_MB << 20)
+    n = max(1, nbytes // len(body))
+    t0 = time.perf_counter()
+    for i in range(n):
+        client.put_object(Bucket=BUCKET, Key=f"raw/{i}", Body=body)
+    put = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(n):
+        client.get_object(Bucket=BUCKET, Key=f"raw/{i}")["Body"].read()
+    return put, time.perf_counter() - t0
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    root = tempfile.mkdtemp(prefix="bench_storage_")
+    n = NPROC.value
+    mb = 3 * 4 * LAYERS.value * (DIM.value * DIM.value + DIM.value) / 1e6
+    print(f"state: {mb:.0f} MB (AdamW ZeRO-3 masters + 2 moments, fp32) over {n} gloo ranks")
+    try:
+        if "s3" in PARTS.value:
+            server, env = _s3_server()
+            try:
+                r = fs.launch(bench_s3, env, root, DIM.value, LAYERS.value, REPS.value, nproc=n)
+                raw_put, raw_get = _raw_s3(env, int(mb * 1e6))
+            finally:
+                server.stop()
+            (ps, pr), (ss, sr) = r[0]["path"], r[0]["s3"]
+            print(f"{'':10}{'path s':>10}{'s3 s':>10}{'s3/path':>10}")
+            print(f"{'save':10}{ps:10.3f}{ss:10.3f}{ss / ps:10.2f}")
+            print(f"{'restore':10}{pr:10.3f}{sr:10.3f}{sr / pr:10.2f}")
+            print(
+                f"the server's own floor: the same bytes PUT in {RAW_MB} MB objects by one client "
+                f"{raw_put:.3f} s, GET {raw_get:.3f} s (save / floor {ss / raw_put:.2f}, "
+                f"restore / floor {sr / raw_get:.2f})"
+            )
+        if "stall" in PARTS.value:
+            r = fs.launch(bench_stall, root, DIM.value, LAYERS.value, STEPS.value, nproc=n)[0]
+            print(
+                f"stall: staged {r['staged_s']:.3f} s vs a synchronous save {r['sync_s']:.3f} s "
+                f"({r['staged_s'] / r['sync_s']:.3f}x; {r['bytes'] / 1e6:.0f} MB this rank); "
+                f"step during a background write {r['step_during_s']:.3f} s vs "
+                f"{r['step_quiet_s']:.3f} s without ({r['step_during_s'] / r['step_quiet_s']:.2f}x)"
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
