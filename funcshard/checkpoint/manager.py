@@ -11,6 +11,7 @@ from funcshard.checkpoint import storage
 from funcshard.checkpoint.api import restore
 from funcshard.checkpoint.commit import Saver, is_leftover, remove_tree
 from funcshard.checkpoint.format import COMMIT_FILE, DEFAULT_ITEM, DELETE_MARK
+from funcshard.checkpoint.local_tier import LocalTier
 from funcshard.state.state import TrainState
 
 __all__ = ["CheckpointManager"]
@@ -31,16 +32,39 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, root: str | os.PathLike, max_to_keep: int | None = 3, *, async_save: bool = True
+        self,
+        root: str | os.PathLike,
+        max_to_keep: int | None = 3,
+        *,
+        async_save: bool = True,
+        local_dir: str | os.PathLike | None = None,
+        local_replicas: int = 1,
+        persistent_every: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> None:
+        """Args beyond ``root``, ``max_to_keep`` and ``async_save``: ``local_dir`` (may hold
+        ``{node}``) keeps every save in the local tier too (:mod:`.local_tier`), with
+        ``local_replicas`` copies of each rank's on other nodes; ``persistent_every``: only the
+        saves whose step is a multiple of it go to ``root`` (None: every one);
+        ``ranks_per_node``: torchrun's ``LOCAL_WORLD_SIZE`` by default."""
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(
                 f"CheckpointManager: max_to_keep must be >= 1 or None, got {max_to_keep}"
+            )
+        if persistent_every is not None and persistent_every < 1:
+            raise ValueError(
+                f"CheckpointManager: persistent_every must be >= 1 or None, got {persistent_every}"
             )
         self.root = storage.normalize(root)
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self.saver = Saver()
+        self.persistent_every = persistent_every
+        self.local = (
+            None
+            if local_dir is None
+            else LocalTier(os.fspath(local_dir), local_replicas, ranks_per_node)
+        )
         storage.makedirs(self.root)
 
     def _dir(self, step: int) -> str:
@@ -83,7 +107,13 @@ class CheckpointManager:
                 _remove_step(self._dir(step))
 
     def save(self, step: int, state: TrainState) -> None:
-        """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``."""
+        """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``.
+        With a local tier, every step to it (synchronously: a local copy) and to ``root``
+        the multiples of ``persistent_every``."""
+        if self.local is not None:
+            self.local.save(step, state)
+            if self.persistent_every is not None and step % self.persistent_every:
+                return
         self.saver.save(
             self._dir(step),
             state,
@@ -95,7 +125,14 @@ class CheckpointManager:
     def restore(
         self, step: int | None = None, *, like: TrainState, model_only: bool = False
     ) -> TrainState:
-        """Restores ``step`` (default: the latest complete one) into ``like``'s layout."""
+        """Restores ``step`` (default: the latest complete one) into ``like``'s layout. With a
+        local tier and no ``step``: the newest step the live nodes' tiers hold for every rank
+        (bitwise the state saved), unless ``root`` holds a newer one."""
+        if step is None and self.local is not None and not model_only:
+            local = self.local.newest(like)
+            latest = self.latest_step()
+            if local is not None and (latest is None or local >= latest):
+                return self.local.restore(local, like)
         if step is None:
             step = self.latest_step()
             if step is None:

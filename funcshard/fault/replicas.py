@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +27,7 @@ from funcshard.distributed import ops
 from funcshard.distributed.ops import Pending
 from funcshard.layout.strategy import OuterStrategy
 
-__all__ = ["FaultTolerance", "Replicas", "LIGHTHOUSE_ENV", "check_init", "pairs", "copy_into"]
+__all__ = ["FaultTolerance", "Replicas", "LIGHTHOUSE_ENV", "check_init"]
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
@@ -270,29 +270,3 @@ def check_init(
             f"init: fault_tolerance needs the model's weights (a group may serve them to a "
             f"peer in fs.init); {meta[0]!r} is on the meta device"
         )
-
-
-def pairs(ours: Sequence[Any], received: dict[str, Any], key: str) -> list[tuple[Any, Any]]:
-    """(ours, the peer's) leaf by leaf; refuses another count."""
-    theirs = received[key]
-    if len(theirs) != len(ours):
-        raise ValueError(
-            f"heal: the peer's {key} has {len(theirs)} leaves, this group's {len(ours)} "
-            "(every replica group must build the same model, optimizer and layout)"
-        )
-    return list(zip(ours, theirs, strict=True))
-
-
-def copy_into(ours: torch.Tensor, theirs: Any, what: str) -> torch.Tensor:
-    """``ours`` with the peer's values; refuses another shape or dtype."""
-    if (
-        not isinstance(theirs, torch.Tensor)
-        or theirs.shape != ours.shape
-        or theirs.dtype != ours.dtype
-    ):
-        got = (tuple(theirs.shape), theirs.dtype) if isinstance(theirs, torch.Tensor) else theirs
-        raise ValueError(
-            f"heal: the peer's {what} is {got}, this group's {(tuple(ours.shape), ours.dtype)} "
-            "(every replica group must build the same model, optimizer and layout)"
-        )
-    return ours.copy_(theirs)

@@ -12,16 +12,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import optree
 import torch
 
-from funcshard.fault.replicas import FaultTolerance, Replicas, check_init, copy_into, pairs
-from funcshard.layout.buckets import NAMESPACE
+from funcshard.fault.replicas import FaultTolerance, Replicas, check_init
 from funcshard.layout.strategy import OuterStrategy
-from funcshard.state.derive import derive_compute
-from funcshard.state.state import LossScale, TrainState
+from funcshard.state.state import TrainState
+from funcshard.state.values import load_values, values
 
-__all__ = ["SOLO", "Group", "guard_for", "state_dict", "heal"]
+__all__ = ["SOLO", "Group", "guard_for", "heal"]
 
 
 class Solo:
@@ -58,7 +56,7 @@ class Group:
 
     def join(self, state: TrainState) -> TrainState:
         """``fs.init``'s quorum: a group behind its peers takes their state, step included."""
-        state, _ = heal(state, self.replicas.join(lambda: state_dict(state), step=0))
+        state, _ = heal(state, self.replicas.join(lambda: values(state), step=0))
         self.replicas.joined(state.identity)
         return state
 
@@ -66,7 +64,7 @@ class Group:
         """The step's quorum: ``(state, None)``, or, when the group healed to the peers' other
         step, ``(their state, metrics)``: the caller's batch was built for the step the group
         left, so nothing is computed or averaged."""
-        received = self.replicas.quorum(lambda: state_dict(state), state.step, state.identity)
+        received = self.replicas.quorum(lambda: values(state), state.step, state.identity)
         state, moved = heal(state, received)
         if not moved:
             return state, None
@@ -100,19 +98,6 @@ def guard_for(
     return SOLO if ft is None else Group(Replicas(ft, device))
 
 
-def state_dict(state: TrainState) -> dict[str, Any]:
-    """What a healing replica group receives: every value of ``state`` but the derived
-    compute copies (masters, optimizer state, step, loss scale; offloaded parts included)."""
-    leaves = optree.tree_leaves(state.opt_state, none_is_leaf=True, namespace=NAMESPACE)
-    ls = state.loss_scale
-    return {
-        "master": list(state.master),
-        "opt_state": list(leaves),
-        "step": state.step,
-        "loss_scale": None if ls is None else [ls.scale, ls.good_steps],
-    }
-
-
 def heal(state: TrainState, received: dict[str, Any] | None) -> tuple[TrainState, bool]:
     """A fault-tolerant state after its group's quorum: ``state`` itself when no rank of the
     group healed, else (donated) with the peer's values where this rank received them
@@ -129,28 +114,4 @@ def heal(state: TrainState, received: dict[str, Any] | None) -> tuple[TrainState
     healed, moved = replicas.agree(received is not None, moved)
     if not healed:
         return state, False
-    return _load_state_dict(state, received), moved
-
-
-def _load_state_dict(state: TrainState, received: dict[str, Any] | None) -> TrainState:
-    """``state`` (donated) with a peer's values (:func:`state_dict`) copied into its buffers
-    (None: its own values) and the compute copies derived from them (a collective)."""
-    d = state.donate("heal")
-    if received is None:
-        return d.state(compute=derive_compute(d.layout, d.master))
-    leaves, treedef = optree.tree_flatten(d.opt_state, none_is_leaf=True, namespace=NAMESPACE)
-    ours = enumerate(pairs(d.master, received, "master"))
-    master = tuple(copy_into(m, r, f"master[{i}]") for i, (m, r) in ours)
-    opt = [
-        copy_into(x, r, f"opt_state leaf {i}") if isinstance(x, torch.Tensor) else r
-        for i, (x, r) in enumerate(pairs(leaves, received, "opt_state"))
-    ]
-    ls = received["loss_scale"]
-    return TrainState(
-        master=master,
-        compute=derive_compute(d.layout, master),
-        opt_state=optree.tree_unflatten(treedef, opt),
-        step=int(received["step"]),
-        loss_scale=None if ls is None else LossScale(float(ls[0]), int(ls[1])),
-        static=d.static,
-    )
+    return load_values(state, received), moved
