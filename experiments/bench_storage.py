@@ -6,6 +6,9 @@ Linear layers ``--dim`` wide:
 * ``s3``: save and same-layout restore through a local S3 server (moto's, started here;
   tensorstore's s3 kvstore, every rank writing its own rows straight to the store) beside
   the same on a local path, best of ``--reps``, ratios s3 / path;
+* ``tier``: 4 ranks as 2 nodes of 2: the restore from the local tier after one node's tier
+  is lost (its ranks receive their values from the replicas on the other node) beside the
+  restore of the same step from the persistent checkpoint (on the S3 server, and on a path);
 * ``stall``: what ``mgr.save`` blocks the loop for (``last_save_stats()["staged_s"]``, the
   rows copied to host memory) beside a synchronous save's time; and the training step's time
   while a background write runs beside the step without one (median of ``--steps``).
@@ -34,7 +37,7 @@ LAYERS = flags.DEFINE_integer("layers", 8, "number of Linear layers")
 REPS = flags.DEFINE_integer("reps", 3, "repetitions of a save / restore; the best is reported")
 STEPS = flags.DEFINE_integer("steps", 6, "timed training steps with and without a write")
 NPROC = flags.DEFINE_integer("nproc", 2, "gloo ranks")
-PARTS = flags.DEFINE_list("parts", ["s3", "stall"], "s3 and / or stall")
+PARTS = flags.DEFINE_list("parts", ["s3", "tier", "stall"], "s3, tier and / or stall")
 BUCKET = "funcshard-bench"
 
 
@@ -51,7 +54,7 @@ def _setup(dim: int, layers: int):
     def step(state):
         return fs.train_step(state, torch.randn(8, dim), loss_fn)[0]
 
-    return step(state), step, lambda: fs.init(model, opt, mesh=mesh, strategy="optim")
+    return step(state), step, lambda: fs.init(model, opt, mesh=mesh, strategy="optim_grads_params")
 
 
 def _timed(fn) -> float:
@@ -105,6 +108,26 @@ def bench_stall(root: str, dim: int, layers: int, steps: int) -> dict:
     out["step_during_s"] = statistics.median(during)
     out["step_quiet_s"] = statistics.median(quiet)
     return out
+
+
+def bench_tier(env: dict, root: str, persistent: str, dim: int, layers: int, reps: int) -> dict:
+    os.environ.update(env)
+    state, _, fresh = _setup(dim, layers)
+    kw = dict(local_dir=os.path.join(root, "tier-{node}"), ranks_per_node=2, async_save=False)
+    with fs.CheckpointManager(persistent, **kw) as mgr:
+        mgr.save(state.step, state)
+        local, persistent = [], []
+        for _ in range(reps):
+            if dist.get_rank() == 0:  # node 1's tier lost
+                shutil.rmtree(os.path.join(root, "tier-1"), ignore_errors=True)
+            like = fresh()
+            local.append(_timed(lambda like=like: mgr.restore(like=like)))
+            like = fresh()
+            persistent.append(_timed(lambda like=like: mgr.restore(state.step, like=like)))
+            if dist.get_rank() == 2:  # node 1's tier back for the next rep
+                shutil.rmtree(os.path.join(root, "tier-1"), ignore_errors=True)
+            mgr.local.save(state.step + 1, state)
+    return {"local_s": min(local), "persistent_s": min(persistent)}
 
 
 def _s3_server() -> tuple[object, dict]:
@@ -173,6 +196,27 @@ def main(argv: list[str]) -> None:
                 f"{raw_put:.3f} s, GET {raw_get:.3f} s (save / floor {ss / raw_put:.2f}, "
                 f"restore / floor {sr / raw_get:.2f})"
             )
+        if "tier" in PARTS.value:
+            server, env = _s3_server()
+            try:
+                for name, persistent in (("s3", f"s3://{BUCKET}/tier"), ("path", root + "/p")):
+                    r = fs.launch(
+                        bench_tier,
+                        env,
+                        root,
+                        persistent,
+                        DIM.value,
+                        LAYERS.value,
+                        REPS.value,
+                        nproc=4,
+                    )[0]
+                    print(
+                        f"local tier, a node lost: restore {r['local_s']:.3f} s vs the "
+                        f"persistent restore on {name} {r['persistent_s']:.3f} s "
+                        f"({r['local_s'] / r['persistent_s']:.2f}x)"
+                    )
+            finally:
+                server.stop()
         if "stall" in PARTS.value:
             r = fs.launch(bench_stall, root, DIM.value, LAYERS.value, STEPS.value, nproc=n)[0]
             print(

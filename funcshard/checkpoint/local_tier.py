@@ -119,6 +119,7 @@ class LocalTier:
             record = {"world": self.world, "step": int(step), "layout": _signature(state)}
             storage.write_bytes(os.path.join(where, COMMIT), json.dumps(record).encode())
             self._retain()
+        dist.barrier()  # returns once the step is committed on every node
 
     def _retain(self) -> None:
         for step in self._committed()[:-KEEP]:

@@ -127,11 +127,11 @@ class CheckpointManager:
     ) -> TrainState:
         """Restores ``step`` (default: the latest complete one) into ``like``'s layout. With a
         local tier and no ``step``: the newest step the live nodes' tiers hold for every rank
-        (bitwise the state saved), unless ``root`` holds a newer one."""
+        (bitwise the state saved; every save goes to the tier, so it is at least as new as
+        ``root``'s, which is not listed then), else ``root``'s newest."""
         if step is None and self.local is not None and not model_only:
             local = self.local.newest(like)
-            latest = self.latest_step()
-            if local is not None and (latest is None or local >= latest):
+            if local is not None:
                 return self.local.restore(local, like)
         if step is None:
             step = self.latest_step()
