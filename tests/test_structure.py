@@ -318,3 +318,35 @@ def test_no_test_module_imports_another() -> None:
                 names = [node.module]
             hits += [f"{path.name}: {n}" for n in names if n.startswith("test_")]
     assert hits == []
+
+
+def test_checkpoints_touch_storage_through_one_module() -> None:
+    """``funcshard/checkpoint/storage.py`` alone opens, lists, removes or syncs files (a path
+    or an object store): the others only compose paths."""
+    path_ok = {"join", "basename", "dirname", "split"}
+    hits = []
+    for path in sorted((PKG / "checkpoint").glob("*.py")):
+        if path.name == "storage.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            bad = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                bad = node.func.id if node.func.id == "open" else None
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id == "shutil" or (
+                    node.value.id == "os"
+                    and node.attr not in ("path", "fspath", "PathLike", "environ")
+                ):
+                    bad = f"{node.value.id}.{node.attr}"
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "os"
+                and node.value.attr == "path"
+                and node.attr not in path_ok
+            ):
+                bad = f"os.path.{node.attr}"
+            if bad:
+                hits.append(f"{path.name}:{node.lineno}: {bad}")
+    assert hits == []

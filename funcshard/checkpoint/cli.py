@@ -229,15 +229,17 @@ def _write_safetensors(tmp: str, source: Source, dtype: torch.dtype | None) -> N
     names = st.file_names(len(files))
     for name, entries_i in zip(names, files, strict=True):
         head, _ = st.header_bytes(entries_i)
-        with open(os.path.join(tmp, name), "wb") as f:
-            f.write(head)
-            for e in entries_i:
-                t = load(e.name).contiguous().reshape(-1)
-                f.write(memoryview(t.view(torch.uint8).numpy()))
-                del t
-            f.flush()
-            os.fsync(f.fileno())
+        storage.write_stream(os.path.join(tmp, name), _file_parts(head, entries_i, load))
     st.write_index(tmp, names, files)
+
+
+def _file_parts(head: bytes, entries: list, load: Callable[[str], torch.Tensor]):
+    """A safetensors file's bytes, one tensor at a time."""
+    yield head
+    for e in entries:
+        t = load(e.name).contiguous().reshape(-1)
+        yield memoryview(t.view(torch.uint8).numpy())
+        del t
 
 
 def _write_dcp(tmp: str, source: Source, dtype: torch.dtype | None) -> None:

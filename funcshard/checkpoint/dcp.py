@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from funcshard.checkpoint import stats
+from funcshard.checkpoint import storage as storage_lib
 from funcshard.checkpoint.format import Keys
 from funcshard.checkpoint.sources import ReadRequest
 
@@ -42,7 +43,7 @@ _NOT_MODEL = ("optimizer.", "optim.", "lr_scheduler.", "dataloader.", "train_sta
 
 def is_dcp(path: str) -> bool:
     """A directory DCP wrote (it holds DCP's ``.metadata``)."""
-    return os.path.isdir(path) and os.path.exists(os.path.join(path, METADATA_FILE))
+    return storage_lib.exists(os.path.join(path, METADATA_FILE))
 
 
 def read_metadata(path: str) -> Metadata:
@@ -137,7 +138,7 @@ class DCPSource:
         for index, info in storage.items():
             if index.fqn in fqns:
                 path = os.path.join(self.path, info.relative_path)
-                if not os.path.exists(path):
+                if not storage_lib.exists(path):
                     raise FileNotFoundError(f"restore: {path} (of {index.fqn}) is missing")
 
     def read_into(self, requests: Sequence[ReadRequest]) -> None:

@@ -45,7 +45,7 @@ class SafetensorsSource:
         self.tensors: dict[Keys, _Tensor] = {}
         self.dtype_names: dict[Keys, str] = {}
         for file in st.files(path):
-            if not os.path.exists(file):
+            if not storage.exists(file):
                 raise FileNotFoundError(f"restore: {file} (named by {path}) does not exist")
             header, data = st.read_header(file)
             for name, entry in header.items():
@@ -79,7 +79,9 @@ class SafetensorsSource:
         for keys, start, stop, _, box in requests:
             t = self.tensors[keys]
             if t.file not in sizes:
-                sizes[t.file] = os.stat(t.file).st_size
+                reader = storage.open_reader(t.file)
+                sizes[t.file] = reader.size()
+                reader.close()
             segs = list(segments(t.shape, t.dtype.itemsize, start, stop, box))
             end = max((t.offset + offset + n for offset, n in segs), default=0)
             if end > sizes[t.file]:
@@ -89,7 +91,7 @@ class SafetensorsSource:
                 )
 
     def read_into(self, requests: Sequence[ReadRequest]) -> None:
-        fds: dict[str, int] = {}
+        fds: dict[str, storage.Reader] = {}
         try:
             for keys, start, stop, out, box in requests:
                 t = self.tensors[keys]
@@ -97,10 +99,10 @@ class SafetensorsSource:
                 buf = out if direct else torch.empty(out.shape, dtype=t.dtype)
                 view = memoryview(buf.view(torch.uint8).numpy()).cast("B") if buf.numel() else None
                 if t.file not in fds:
-                    fds[t.file] = os.open(t.file, os.O_RDONLY)
+                    fds[t.file] = storage.open_reader(t.file)
                 at = 0  # the rows' bytes, or the box's runs (one a row)
                 for offset, n in segments(t.shape, t.dtype.itemsize, start, stop, box):
-                    got = os.preadv(fds[t.file], [view[at : at + n]], t.offset + offset)
+                    got = fds[t.file].preadv([view[at : at + n]], t.offset + offset)
                     if got != n:
                         raise OSError(
                             f"restore: {t.file}: {keys[-1]} is short ({got} of {n} bytes "
@@ -111,8 +113,8 @@ class SafetensorsSource:
                     out.copy_(buf)
                 stats.count(True, at)
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for reader in fds.values():
+                reader.close()
 
     def read_scalar(self, keys: Keys) -> Any:
         raise KeyError(keys)
@@ -170,14 +172,13 @@ def export_safetensors(
     headers = [st.header_bytes(f) for f in files]
 
     agreement = commit_lib.Agreement.of(layout)
-    final = os.path.abspath(os.fspath(directory))
+    final = storage.normalize(directory)
     tmp = commit_lib.start(final, agreement)
 
     def create_files() -> None:  # every file at its full size, so every rank can write into it
         for name, (head, _), entries_i in zip(names, headers, files, strict=True):
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(head)
-                f.truncate(len(head) + sum(e.nbytes for e in entries_i))
+            size = len(head) + sum(e.nbytes for e in entries_i)
+            storage.create_file(os.path.join(tmp, name), head, size)
 
     def write_index(_: list[Any]) -> None:
         st.write_index(tmp, names, files)
@@ -209,7 +210,7 @@ def _write_rows(
     r = layout.shard_rank
     specs = {s.name: s for s in layout.leaves}
     for name, (head, offsets), entries in zip(names, headers, files, strict=True):
-        fd = os.open(os.path.join(tmp, name), os.O_WRONLY)
+        writer = storage.Writer(os.path.join(tmp, name))
         try:
             for e, offset in zip(entries, offsets, strict=True):
                 spec = specs[e.param]
@@ -223,15 +224,8 @@ def _write_rows(
                 start, stop, box = coords.rows(spec.name, start, stop)
                 at = 0
                 for where, n in segments(e.shape, e.dtype.itemsize, start, stop, box):
-                    _pwrite_all(fd, buf[at : at + n], len(head) + offset + where)
+                    writer.pwrite_all(buf[at : at + n], len(head) + offset + where)
                     at += n
                 stats.count(False, len(buf))
-            os.fsync(fd)
         finally:
-            os.close(fd)
-
-
-def _pwrite_all(fd: int, buf: memoryview, at: int) -> None:
-    done = 0
-    while done < len(buf):
-        done += os.pwrite(fd, buf[done:], at + done)
+            writer.close()

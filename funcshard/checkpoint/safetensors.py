@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from funcshard.checkpoint import storage
+
 __all__ = [
     "SINGLE",
     "INDEX",
@@ -57,40 +59,43 @@ CODES = {v: k for k, v in DTYPES.items()}
 
 def is_safetensors(path: str) -> bool:
     """A safetensors file, or a directory holding ``model.safetensors`` or the index."""
-    if os.path.isfile(path):
-        return path.endswith(".safetensors")
+    if path.endswith(".safetensors") and storage.isfile(path):
+        return True
     return (
-        os.path.isdir(path)
-        and not os.path.exists(os.path.join(path, "_METADATA"))
-        and any(os.path.exists(os.path.join(path, f)) for f in (SINGLE, INDEX))
+        storage.isdir(path)
+        and not storage.exists(os.path.join(path, "_METADATA"))
+        and any(storage.exists(os.path.join(path, f)) for f in (SINGLE, INDEX))
     )
 
 
 def files(path: str) -> list[str]:
     """The safetensors files of a checkpoint (one file, ``model.safetensors`` or the index's)."""
-    if os.path.isfile(path):
+    if path.endswith(".safetensors") and storage.isfile(path):
         return [path]
     index = os.path.join(path, INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            try:
-                weight_map = json.load(f)["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"restore: {index} is not a safetensors index ({e})") from None
+    if storage.exists(index):
+        try:
+            weight_map = json.loads(storage.read_bytes(index))["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"restore: {index} is not a safetensors index ({e})") from None
         return [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
     return [os.path.join(path, SINGLE)]
 
 
 def read_header(path: str) -> tuple[dict[str, Any], int]:
     """A safetensors file's header (without ``__metadata__``) and where its data starts."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
+    reader = storage.open_reader(path)
+    try:
+        head = bytearray(8)
+        if reader.preadv([memoryview(head)], 0) != 8:
             raise ValueError(f"restore: {path} is not a safetensors file (shorter than 8 bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER:
             raise ValueError(f"restore: {path} is not a safetensors file (header length {n})")
-        raw = f.read(n)
+        raw = bytearray(n)
+        reader.preadv([memoryview(raw)], 8)
+    finally:
+        reader.close()
     try:
         header = json.loads(raw)
     except ValueError as e:
@@ -156,7 +161,5 @@ def write_index(directory: str, names: list[str], files: list[list[Entry]]) -> N
         return
     total = sum(e.nbytes for f in files for e in f)
     weight_map = {e.name: n for n, f in zip(names, files, strict=True) for e in f}
-    with open(os.path.join(directory, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    storage.write_bytes(os.path.join(directory, INDEX), json.dumps(index, indent=2).encode())

@@ -24,6 +24,10 @@ import tensorstore as ts
 
 __all__ = [
     "Reader",
+    "Writer",
+    "create_file",
+    "isfile",
+    "write_stream",
     "atomic_rename",
     "exists",
     "fsync_dir",
@@ -257,6 +261,65 @@ class Reader:
             os.close(self._fd)
             self._fd = None
         self._data = None
+
+
+class Writer:
+    """Positioned writes into a file made at its full size (:func:`create_file`), by every
+    rank at once; ``close`` makes them durable. A filesystem's only: an object is written
+    whole, by one writer."""
+
+    def __init__(self, path: str) -> None:
+        if is_object(path):
+            raise ValueError(
+                f"{path}: positioned writes by several ranks need a filesystem; an object "
+                "store takes whole objects (fs.save writes there, export_safetensors does not)"
+            )
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY)
+
+    def pwrite_all(self, data: memoryview, at: int) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], at + done)
+
+    def close(self, *, sync: bool = True) -> None:
+        if self._fd is None:
+            return
+        try:
+            if sync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+def create_file(path: str, head: bytes, size: int) -> None:
+    """A file of ``size`` bytes starting with ``head`` (the rest zeros, sparse where it can)."""
+    if is_object(path):
+        raise ValueError(f"{path}: files written at positions by several ranks need a filesystem")
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+
+
+def write_stream(path: str, parts) -> None:
+    """Writes the byte buffers ``parts`` one after another at ``path``, durably; one part in
+    memory at a time on a filesystem, the object assembled whole on a store."""
+    if is_object(path):
+        write_bytes(path, b"".join(bytes(p) for p in parts))
+        return
+    with open(path, "wb") as f:
+        for p in parts:
+            f.write(p)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def isfile(path: str) -> bool:
+    if not is_object(path):
+        return os.path.isfile(path)
+    store, key = _object(path)
+    return store.read(key, byte_range=slice(0, 0)).result().state == "value"
 
 
 def open_reader(path: str) -> Reader:
