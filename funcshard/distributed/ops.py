@@ -45,6 +45,7 @@ class Axis(str, enum.Enum):
     WORLD = "world"  # a group over every data-parallel rank
     TENSOR = "tensor"  # a tensor-parallel group (what funcshard issues there: norms, Muon)
     REPLICAS = "replicas"  # torchft's all-reduce across the replica groups (fs.FaultTolerance)
+    EXPERT = "expert"  # an expert-parallel group: the tokens' all-to-all (fs.ExpertParallel)
 
 
 # Their names, as ``CommStats.bytes_by_axis`` keys them.
@@ -114,6 +115,12 @@ def comm_stats() -> Iterator[CommStats]:
         yield stats
     finally:
         _ACTIVE.remove(stats)
+
+
+def active() -> tuple[CommStats, ...]:
+    """The ``comm_stats`` blocks open now (what a collective issued outside this module counts
+    its bytes into)."""
+    return tuple(_ACTIVE)
 
 
 def record(kind: str | None, tensor: torch.Tensor, axis: Axis | str) -> None:

@@ -1,0 +1,129 @@
+"""``fs.ExpertParallel``: a torch ParallelStyle for an experts module stacked on dim 0.
+
+The module's parameters stack its experts on dim 0, ``(num_experts, ...)``, and its forward is
+``experts(x, num_tokens_per_expert)`` with the rows of ``x`` sorted by expert (torchtitan's
+``GroupedExperts`` convention); it reads its weights' local parts (``w.to_local()`` where a
+weight is a DTensor). Applied with ``parallelize_module(experts, mesh["expert"],
+fs.ExpertParallel())``, each of the E expert-parallel ranks holds ``num_experts / E``
+consecutive experts (DTensor ``Shard(0)`` on the expert mesh). Around the module's own
+forward, every rank's tokens travel to the ranks of their experts and back by all-to-all with
+uneven counts (torch's functional ``all_to_all_single_autograd``: the backward is the reverse
+all-to-all), so a token's output and every expert's gradient are those of the unparallelized
+module over all ranks' tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from funcshard.distributed import ops
+
+__all__ = ["ExpertParallel", "route"]
+
+KIND = "all_to_all"  # what fs.comm_stats counts the routing under (axis "expert")
+
+
+def route(counts: torch.Tensor, group: Any, size: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """``(input_splits, output_splits, received)`` of one dispatch: the tokens this rank sends
+    to each expert rank, those it receives from each, and ``received[src, j]``, the tokens of
+    rank ``src`` for this rank's local expert ``j`` (one all-to-all of the counts)."""
+    local = counts.numel() // size
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    ops.record(KIND, counts, ops.Axis.EXPERT)
+    grid = received.view(size, local)
+    return counts.view(size, local).sum(1).tolist(), grid.sum(1).tolist(), grid
+
+
+def _by_expert(grid: torch.Tensor) -> torch.Tensor:
+    """The order that takes received rows (source rank major) to local-expert major."""
+    starts = torch.cumsum(grid.reshape(-1), 0) - grid.reshape(-1)
+    starts = starts.view_as(grid)
+    pieces = [
+        torch.arange(int(starts[s, j]), int(starts[s, j] + grid[s, j]))
+        for j in range(grid.shape[1])
+        for s in range(grid.shape[0])
+    ]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+class ExpertParallel(ParallelStyle):
+    """Experts stacked on dim 0, sharded over a 1-D expert mesh; tokens routed by all-to-all
+    (see the module's docstring).
+
+    Raises (at ``parallelize_module``):
+      ValueError: a mesh of more than one dim, or a parameter whose dim 0 (its experts) the
+        mesh's size does not divide, naming it.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"ExpertParallel: expected the 1-D expert mesh (mesh['expert']), got a mesh of "
+                f"dims {device_mesh.mesh_dim_names}"
+            )
+        size = device_mesh.size()
+        for name, p in module.named_parameters():
+            if p.dim() == 0 or p.shape[0] % size:
+                raise ValueError(
+                    f"ExpertParallel: parameter {name!r} of shape {tuple(p.shape)}: expected "
+                    f"experts stacked on dim 0, a multiple of the expert mesh's {size} ranks"
+                )
+
+        def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for n, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+
+        return distribute_module(
+            module, device_mesh, partition, input_fn=self._dispatch, output_fn=self._combine
+        )
+
+    @staticmethod
+    def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x, counts = inputs[0], inputs[1]
+        size, group = mesh.size(), mesh.get_group()
+        if counts.numel() % size:
+            raise ValueError(
+                f"ExpertParallel: {counts.numel()} experts do not split over {size} expert ranks"
+            )
+        if int(counts.sum()) != x.shape[0]:
+            raise ValueError(
+                f"ExpertParallel: num_tokens_per_expert sums to {int(counts.sum())}, but x has "
+                f"{x.shape[0]} rows (sorted by expert, every row routed once)"
+            )
+        sends, recvs, grid = route(counts.to("cpu", torch.int64), group, size)
+        routed = _a2a(x, recvs, sends, group)
+        order = _by_expert(grid).to(x.device)
+        module._fs_route = (order, sends, recvs, group)
+        return (routed.index_select(0, order), grid.sum(0).to(counts.device), *inputs[2:])
+
+    @staticmethod
+    def _combine(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        order, sends, recvs, group = module._fs_route
+        back = torch.empty_like(out).index_copy(0, order, out)  # back to source-rank major
+        return _a2a(back, sends, recvs, group)
+
+
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    """torch's differentiable all-to-all, its bytes counted both ways: those this rank sends
+    forward, and in backward the gradient it sends back (the rows it received)."""
+    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    for stats in ops.active():
+        stats.record(KIND, sum(in_splits) * row, ops.Axis.EXPERT)
+    y = all_to_all_single_autograd(x, out_splits, in_splits, group)
+    if y.requires_grad:
+        y.register_hook(lambda g: _count_back(g, out_splits, row))
+    return y
+
+
+def _count_back(grad: torch.Tensor, out_splits: list[int], row: int) -> None:
+    for stats in ops.active():
+        stats.record(KIND, sum(out_splits) * row, ops.Axis.EXPERT)

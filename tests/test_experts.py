@@ -1,0 +1,100 @@
+"""``fs.ExpertParallel``: experts stacked on dim 0, sharded over the expert mesh, tokens routed
+by all-to-all. Each rank routes its own tokens (uneven over the experts, some experts getting
+none); outputs and every expert's gradient equal the unparallelized module's over all ranks'
+tokens (fp32: the same products and sums, so to rounding of the sum over ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import funcshard as fs
+
+NUM_EXPERTS, DIM, HIDDEN = 8, 6, 10
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's convention: ``forward(x, num_tokens_per_expert)``, x sorted by expert."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = nn.Parameter(torch.randn(NUM_EXPERTS, DIM, HIDDEN, generator=g) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(NUM_EXPERTS, HIDDEN, DIM, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
+        pieces = torch.split(x, counts.tolist())
+        return torch.cat([torch.relu(p @ w1[e]) @ w2[e] for e, p in enumerate(pieces)])
+
+
+def _tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s tokens sorted by expert, their counts (expert 3 gets none from anyone,
+    expert 0 none from odd ranks) and the gradient of its outputs."""
+    g = torch.Generator().manual_seed(100 + rank)
+    counts = torch.randint(0, 5, (NUM_EXPERTS,), generator=g)
+    counts[3] = 0
+    if rank % 2:
+        counts[0] = 0
+    n = int(counts.sum())
+    return torch.randn(n, DIM, generator=g), counts, torch.randn(n, DIM, generator=g)
+
+
+def ep_worker() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("expert",))
+    x, counts, grad = _tokens(rank)
+    plain = GroupedExperts()
+    ep = parallelize_module(GroupedExperts(), mesh, fs.ExpertParallel())
+    xin = x.clone().requires_grad_()
+    with fs.comm_stats() as stats:
+        out = ep(xin, counts)
+        (out * grad).sum().backward()
+    # the reference: the plain module on every rank's tokens
+    ref_out = plain(x, counts)
+    total = sum((plain(*_tokens(r)[:2]) * _tokens(r)[2]).sum() for r in range(world))
+    total.backward()
+    local = NUM_EXPERTS // world
+    mine = slice(rank * local, (rank + 1) * local)
+    return {
+        "out": (out - ref_out).abs().max().item(),
+        "w1": (ep.w1.grad.to_local() - plain.w1.grad[mine]).abs().max().item(),
+        "w2": (ep.w2.grad.to_local() - plain.w2.grad[mine]).abs().max().item(),
+        "x_grad": xin.grad.shape == x.shape,
+        "local_shape": tuple(ep.w1.to_local().shape),
+        "bytes": stats.bytes_by_axis["expert"],
+    }
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_expert_parallel_equals_the_plain_module(pool_of, n) -> None:
+    for result in pool_of(n).run(ep_worker):
+        assert result["local_shape"] == (NUM_EXPERTS // n, DIM, HIDDEN)
+        # the same products, but a matmul of more rows (every rank's tokens of an expert)
+        # blocks its sums otherwise, and the weights' gradients sum the ranks' tokens in
+        # another order: fp32 rounding of sums of a few dozen O(1) terms, a few ulps (1e-7)
+        assert result["out"] < 1e-6, result
+        assert result["w1"] < 1e-5 and result["w2"] < 1e-5, result
+        assert result["x_grad"] and result["bytes"] > 0, result
+
+
+def bad_worker() -> str:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("expert",))
+    experts = GroupedExperts()
+    experts.w1 = nn.Parameter(torch.zeros(NUM_EXPERTS + 1, DIM, HIDDEN))
+    try:
+        parallelize_module(experts, mesh, fs.ExpertParallel())
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_experts_that_do_not_split_are_named(pool2) -> None:
+    for message in pool2.run(bad_worker):
+        assert "'w1'" in message and "multiple of the expert mesh's 2 ranks" in message
