@@ -11,8 +11,8 @@ from funcshard.layout.layout import STRATEGIES
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.sharding import shard
 from funcshard.layout.strategy import OuterStrategy, Strategy
-from funcshard.planner.plan import plan
 from funcshard.parallel.experts import ExpertParallel
+from funcshard.planner.plan import plan
 from funcshard.planner.summary import describe
 from funcshard.state.replica_check import ReplicaMismatchError, check_replicas
 from funcshard.state.state import ConsumedStateError, LossScale, TrainState, tree
