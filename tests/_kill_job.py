@@ -52,12 +52,18 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def ckpt_root(root: str) -> str:
+    """Where the job's CheckpointManager writes: ``root/ckpt``, or ``$FUNCSHARD_KILL_CKPT``
+    (an s3:// URL: the object-store variant of the kill test)."""
+    return os.environ.get("FUNCSHARD_KILL_CKPT") or os.path.join(root, "ckpt")
+
+
 def job(root: str, steps: int, until: int | None = None, kill_at: int | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model(seed=0)
     state = fs.init(model, fs.optim.adamw(1e-2), mesh=mesh, strategy="optim_grads_params")
-    mgr = fs.CheckpointManager(os.path.join(root, "ckpt"), max_to_keep=2)
+    mgr = fs.CheckpointManager(ckpt_root(root), max_to_keep=2)
     start = mgr.latest_step()
     if start is not None:
         state = mgr.restore(like=state)

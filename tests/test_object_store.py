@@ -19,6 +19,7 @@ import funcshard as fs
 from funcshard.checkpoint import cli, storage
 
 import models
+from helpers_kill import kill_trials
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -161,3 +162,18 @@ def test_object_urls_are_split_into_bucket_and_key() -> None:
     assert spec == {"driver": "gcs", "bucket": "bucket", "path": "run/10/"}
     with pytest.raises(ValueError, match="names no bucket"):
         storage.kvstore("s3:///run")
+
+
+@pytest.mark.slow
+def test_kill_during_an_s3_save_leaves_the_previous_step_restorable(s3, pool2, tmp_path) -> None:
+    """The kill-during-save trials of test_kill_restart.py, the checkpoints on the store (the
+    job inherits this process's environment: the server's endpoint)."""
+    os.environ["FUNCSHARD_KILL_CKPT"] = f"s3://{BUCKET}/killed"
+    try:
+        kill_trials(
+            pool2,
+            str(tmp_path),
+            {**s3["env"], "FUNCSHARD_KILL_CKPT": os.environ["FUNCSHARD_KILL_CKPT"]},
+        )
+    finally:
+        del os.environ["FUNCSHARD_KILL_CKPT"]
