@@ -10,7 +10,7 @@ from einops import rearrange
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-__all__ = ["GPT", "GPTConfig", "tensor_plan"]
+__all__ = ["GPT", "GPTConfig", "GroupedExperts", "MoE", "tensor_plan"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -24,19 +24,69 @@ class GPTConfig:
     d_model: int = 64
     mlp_ratio: int = 4
     tied: bool = True
+    experts: int = 0  # > 0: each block's MLP is a mixture of that many experts (MoE)
+    top_k: int = 2  # experts per token
 
     def __post_init__(self) -> None:
         for field in ("vocab", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
             if getattr(self, field) < 1:
                 raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"GPTConfig: top_k ({self.top_k}) must lie in [1, experts]")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"GPTConfig: d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
             )
 
 
+class GroupedExperts(nn.Module):
+    """``num_experts`` MLPs stacked on dim 0 (torchtitan's convention, what
+    ``fs.ExpertParallel`` shards): ``forward(x, num_tokens_per_expert)``, rows sorted by expert.
+    A loop over the experts: ``torch._grouped_mm`` does not run on the CPU."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        for w in (self.w1, self.w2):
+            nn.init.normal_(w, std=0.02)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2))
+        pieces = torch.split(x, counts.tolist())
+        return torch.cat([F.gelu(p @ w1[e]) @ w2[e] for e, p in enumerate(pieces)])
+
+
+class MoE(nn.Module):
+    """Top-k routed experts: a linear router, a per-expert bias that steers only the choice
+    (DeepSeek-V3's auxiliary-loss-free balancing: the loop nudges ``router_bias`` against
+    ``last_load``), gate weights from the unbiased softmax, tokens sorted by expert."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
+        self.experts = GroupedExperts(cfg.experts, cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.register_buffer("router_bias", torch.zeros(cfg.experts))
+        self.last_load = torch.zeros(cfg.experts, dtype=torch.int64)  # this rank's, last call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores = self.router(x).softmax(dim=-1)
+        _, chosen = (scores.detach() + self.router_bias).topk(self.top_k, dim=-1)
+        gates = scores.gather(1, chosen)  # (tokens, top_k)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=scores.shape[1])
+        self.last_load = counts.detach().cpu()
+        out = self.experts(x[order // self.top_k], counts)
+        routed = torch.empty_like(out).index_copy(0, order, out).view(-1, self.top_k, shape[-1])
+        return (routed * gates.unsqueeze(-1)).sum(1).reshape(shape)
+
+
 class Block(nn.Module):
-    """Pre-LN block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LN block: x + attn(ln(x)), then x + mlp(ln(x)) (or a mixture of experts)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -47,8 +97,10 @@ class Block(nn.Module):
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
-        self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        self.moe = MoE(cfg) if cfg.experts else None
+        if self.moe is None:
+            self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+            self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -56,6 +108,8 @@ class Block(nn.Module):
         q, k, v = (rearrange(p(h), "b t (h d) -> b h t d", d=self.head_dim) for p in self.qkv)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(rearrange(y, "b h t d -> b t (h d)"))
+        if self.moe is not None:
+            return x + self.moe(self.ln2(x))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
     @property
@@ -90,7 +144,8 @@ class GPT(nn.Module):
         self.head = None if cfg.tied else nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.apply(self._init_weights)
         for block in self.blocks:  # GPT-2: scale the residual projections by depth
-            for proj in (block.proj, block.out):
+            projs = (block.proj,) if block.moe is not None else (block.proj, block.out)
+            for proj in projs:
                 nn.init.normal_(proj.weight, std=0.02 / (2 * cfg.n_layer) ** 0.5)
 
     @staticmethod

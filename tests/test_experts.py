@@ -5,6 +5,8 @@ tokens (fp32: the same products and sums, so to rounding of the sum over ranks).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,3 +100,43 @@ def bad_worker() -> str:
 def test_experts_that_do_not_split_are_named(pool2) -> None:
     for message in pool2.run(bad_worker):
         assert "'w1'" in message and "multiple of the expert mesh's 2 ranks" in message
+
+
+def moe_gpt_worker(strategy: str) -> float:
+    """The MoE GPT of experiments/gpt.py trained as a dense model (every expert gathered)
+    beside one plain process on the global batch: the largest parameter difference."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from experiments.gpt import GPT, GPTConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(vocab=16, seq_len=8, n_layer=2, d_model=16, n_head=2, experts=4, top_k=2)
+    torch.manual_seed(0)
+    model, ref = GPT(cfg), GPT(cfg)
+    ref.load_state_dict(model.state_dict())
+    mesh = fs.make_mesh(device_type="cpu")
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def loss_of(m, params, tokens):
+        logits = fs.functional_call(m, params, (tokens[:, :-1],)) if params else m(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, 16), tokens[:, 1:].reshape(-1))
+
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 16, (6 * world, 9), generator=g)
+        state, _ = fs.train_step(
+            state, tokens.chunk(world)[rank], lambda p, b: loss_of(model, p, b), microbatches=2
+        )
+        opt.zero_grad()
+        loss_of(ref, None, tokens).backward()
+        opt.step()
+    full = fs.full_params(state)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_the_moe_gpt_trains_as_a_dense_model(pool2, strategy) -> None:
+    for err in pool2.run(moe_gpt_worker, strategy):
+        assert err < 1e-5, err
