@@ -22,6 +22,7 @@ from helpers_compile import counting_backend
 
 STEPS, ROWS, MICRO, BLOCKS = 3, 8, 2, 2
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+BY_FS = ("fs", "both")  # fs.init(compile=...); "both": over blocks the user compiled too
 
 
 def _model_and_loss(kind: str):
@@ -60,13 +61,14 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     counts: collections.Counter = collections.Counter()
+    collectives: collections.Counter = collections.Counter()  # in funcshard's graphs
     model, blocks, train = _model_and_loss(kind)
 
     def compile_blocks() -> None:
         for block in blocks:
             block.compile(backend=counting_backend(counts))
 
-    if compile_when == "before":
+    if compile_when in ("before", "both"):
         compile_blocks()
     if compile_when == "whole":  # the model as a whole (ZeRO-0/1 only)
         model.compile(backend=counting_backend(counts))
@@ -75,9 +77,9 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
         fs.optim.sgd(0.1, momentum=0.9),
         mesh=fs.make_mesh(shard, replicate, device_type="cpu"),
         strategy=strategy,
-        compile=counting_backend(counts) if compile_when == "fs" else False,
+        compile=counting_backend(counts, collectives) if compile_when in BY_FS else False,
     )
-    assert (state.compile is None) == (compile_when != "fs")  # recorded in the static state
+    assert (state.compile is None) == (compile_when not in BY_FS)  # in the static state
     if compile_when == "after":
         compile_blocks()
     per_step = []
@@ -94,6 +96,8 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
         "bytes": dict(stats.bytes),
         "calls": dict(stats.calls),
         "gathered_peak": stats.gathered_peak,
+        "collectives": dict(collectives),
+        "buckets": len(state.layout.buckets),
     }
 
 
@@ -120,6 +124,10 @@ CASES = [("mlp", s, 2, 1, when) for s in STRATEGIES for when in ("before", "fs")
     ("mlp", "optim_grads_params", 2, 1, "after"),
     ("mlp", "optim_grads_params", 2, 2, "before"),  # HSDP: 2 shards x 2 replicas
     ("gpt2", "optim_grads_params", 2, 1, "before"),  # recomputation in the unit's backward
+    ("mlp", "optim_grads", 2, 1, "both"),
+    ("mlp", "optim_grads_params", 2, 1, "both"),
+    ("mlp", "optim_grads_params", 2, 2, "fs"),  # HSDP captured, "replicate" after the graph
+    ("gpt2", "optim_grads_params", 2, 1, "fs"),  # HF's checkpointing inside the capture
 ]
 
 
@@ -139,18 +147,45 @@ def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, 
         assert err <= tol[name], (name, err, tol[name])
     first, *later = compiled["per_step"]
     # the user's block.compile(): one forward and one backward graph per block; funcshard's
-    # compile= compiles one call for all units, so identical blocks share one graph
-    # (the whole model: one graph)
-    graphs = 1 if compile_when in ("fs", "whole") else BLOCKS
+    # compile= compiles one call for all units (identical blocks share one graph), and under
+    # ZeRO-2/3 captures the whole microbatch, the user's blocks inlined (the whole model: one
+    # graph)
+    graphs = 1 if compile_when in (*BY_FS, "whole") else BLOCKS
     assert first == {"forward": graphs, "backward": graphs}, first
     assert all(counts == first for counts in later), compiled["per_step"]
     assert compiled["graph_breaks"] == {}, compiled["graph_breaks"]
     frames = compiled["frames"]  # every frame dynamo met was compiled, none left to eager
     assert frames["total"] == frames["ok"] == graphs, frames
+    if compile_when in BY_FS and strategy in ("optim_grads", "optim_grads_params"):
+        _check_captured(strategy, eager, compiled)
+        return
     assert compiled["bytes"] == eager["bytes"] and compiled["calls"] == eager["calls"]
     assert compiled["gathered_peak"] == eager["gathered_peak"]
     if strategy == "optim_grads_params":
         assert 0 < eager["gathered_peak"]
+
+
+def _check_captured(strategy: str, eager: dict, compiled: dict) -> None:
+    """The captured step: every bucket's all-gather (ZeRO-3) in the forward graph and its
+    reduce-scatter in the backward graph, as functional collectives; comm_stats counts what
+    they move: the eager run's reduce-scatters, metrics (and ZeRO-2's all-gathers after the
+    update), and under ZeRO-3 one all-gather per bucket and microbatch (eager ZeRO-3 gathers
+    again in backward; the captured graph keeps the gathered params instead)."""
+    n = compiled["buckets"]
+    gathers = n if strategy == "optim_grads_params" else 0
+    collectives = compiled["collectives"]
+    assert collectives.get(("forward", "all_gather_into_tensor"), 0) == gathers, collectives
+    assert collectives[("backward", "reduce_scatter_tensor")] == n, collectives
+    assert ("backward", "all_gather_into_tensor") not in collectives, collectives
+    assert ("forward", "reduce_scatter_tensor") not in collectives, collectives
+    for kind in eager["bytes"]:  # ZeRO-2's all-gathers: the compute copies after the update
+        if kind != "all_gather" or not gathers:
+            assert compiled["bytes"][kind] == eager["bytes"][kind], kind
+            assert compiled["calls"][kind] == eager["calls"][kind], kind
+    if gathers:
+        assert compiled["calls"]["all_gather"] == gathers * MICRO * STEPS
+        per_call = eager["bytes"]["all_gather"] / eager["calls"]["all_gather"]
+        assert compiled["bytes"]["all_gather"] == per_call * gathers * MICRO * STEPS
 
 
 def refusals_worker() -> list[str]:

@@ -25,10 +25,11 @@ from torch.distributed.tensor import DTensor
 from funcshard.comm.grads import ReplicateAxis
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
-from funcshard.step.compiling import Backend
+from funcshard.step.compiling import Backend, capture_refusal
 from funcshard.step.functional import StepParams
 from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.units import UnitRun
+from funcshard.step.units.captured import CapturedGrads
 
 __all__ = ["GradProducer", "ReplicatedGrads", "UnitGrads", "producer_for", "loss_and_aux"]
 
@@ -190,16 +191,19 @@ def producer_for(
     backend: Backend = None,
 ) -> GradProducer:
     """The producer of ``layout``'s strategy over a state's masters and compute copies; with
-    ``backend`` (``fs.init``'s compile), unit modules run compiled.
+    ``backend`` (``fs.init``'s compile), ZeRO-2/3's microbatch runs captured
+    (:class:`~funcshard.step.units.captured.CapturedGrads`) where the layout allows, else
+    unit modules run compiled.
 
     ZeRO-3 casts each device bucket's shard from its master once per step (an offloaded
     bucket keeps a device compute shard, derived by ``offload_step``)."""
     if not layout.strategy.runs_units:
         return ReplicatedGrads(layout, compute, backend)
-    if not layout.strategy.shards_params:
-        return UnitGrads(layout, compute, backend)
-    shards = [
-        c if c is not None else m.to(layout.device, b.dtypes.compute)
-        for b, m, c in zip(layout.buckets, master, compute, strict=True)
-    ]
-    return UnitGrads(layout, shards, backend)
+    if layout.strategy.shards_params:
+        compute = [
+            c if c is not None else m.to(layout.device, b.dtypes.compute)
+            for b, m, c in zip(layout.buckets, master, compute, strict=True)
+        ]
+    if backend is not None and capture_refusal(layout) is None:
+        return CapturedGrads(layout, compute, backend)
+    return UnitGrads(layout, compute, backend)

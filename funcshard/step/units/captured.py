@@ -1,0 +1,182 @@
+"""The captured step (``fs.init(compile=...)`` under ZeRO-2/3): a microbatch's gathers, its
+forward (the whole ``loss_fn``) and, in backward, its reduce-scatters, in the compiled graphs.
+
+SimpleFSDP's shape on funcshard's buckets: one compiled function takes every bucket's
+compute shard (ZeRO-3) or replicated full buffer (ZeRO-2) and a *carrier* per bucket (a
+zero-stride zero in the bucket's main-grads dtype, of its shard's size, the only input that
+requires grad), and runs :class:`_Gather` per bucket, then ``loss_fn`` on plain
+``{name: view}`` params. ``_Gather`` is an autograd function dynamo traces whole: its forward
+all-gathers the shard over the shard axis with torch's functional collectives
+(``_c10d_functional.all_gather_into_tensor``, ZeRO-3) and lays it out as the bucket's full
+buffer; its backward puts the full gradient back into rank sections, casts it to the wire
+(``grad_comm_dtype``), divides by the data-parallel size and reduce-scatters it
+(``_c10d_functional.reduce_scatter_tensor``), in the main-grads dtype: the carrier's gradient
+is this rank's reduced shard. AOTAutograd splits the result into one forward and one backward
+graph, collectives inside each, for the compiler to fuse, bucket and reorder.
+
+What stays outside the graphs: the replicate-axis reduction of HSDP (issued per bucket once
+backward is over, as the step's :class:`~funcshard.comm.grads.ReplicateAxis` orders it), the
+optimizer update and the metrics. The gathered params a backward needs are saved by the
+forward graph (AOTAutograd's partitioner keeps them; it does not re-gather): the backward
+re-gather of eager ZeRO-3 does not happen, so a captured ZeRO-3 step moves one all-gather per
+bucket and microbatch, not two, and holds the microbatch's gathered params from its forward
+to its backward. ``fs.comm_stats`` counts what the graphs move, per call, from the layout
+(the collectives in the graphs are fixed by it): an all-gather of each bucket in forward
+(ZeRO-3), a reduce-scatter of each bucket that got a gradient in backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from funcshard.comm.grads import ReplicateAxis
+from funcshard.distributed import ops
+from funcshard.layout import sharding as shard_lib
+from funcshard.layout.layout import Layout
+from funcshard.step.compiling import Backend, compile_fn
+from funcshard.step.reduction import AddInto, Grads, Sink
+
+__all__ = ["CapturedGrads"]
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: a bucket's full buffer (leaf after leaf, each leaf's rank pieces adjacent, as
+    :func:`funcshard.layout.sharding.full_view` reads it). Backward: this rank's shard of the
+    mean gradient over the data-parallel ranks, in the carrier's dtype."""
+
+    @staticmethod
+    def forward(ctx, buffer, carrier, group, S, sizes, gather, dp, wire):  # noqa: ARG004
+        ctx.group, ctx.S, ctx.sizes, ctx.dp, ctx.wire = group, S, sizes, dp, wire
+        ctx.dtype = carrier.dtype
+        if not gather or S == 1:  # ZeRO-2's replicated buffer, or the shard is the whole
+            return buffer.view(-1)
+        gathered = funcol.all_gather_tensor(buffer, 0, group).view(S, -1)
+        return torch.cat([p.reshape(-1) for p in gathered.split(sizes, dim=1)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        S = ctx.S
+        if S > 1:  # leaf-major to rank sections: section r holds every leaf's piece r
+            starts = [0]
+            for n in ctx.sizes:
+                starts.append(starts[-1] + S * n)
+            pieces = zip(starts[:-1], ctx.sizes, strict=True)
+            grad = torch.cat([grad[a : a + S * n].view(S, n) for a, n in pieces], dim=1)
+            grad = grad.view(-1)
+        x = grad.to(ctx.wire)
+        if ctx.dp > 1:
+            x = x / ctx.dp
+        if S > 1:
+            x = funcol.reduce_scatter_tensor(x, "sum", 0, ctx.group)
+        return None, x.to(ctx.dtype), None, None, None, None, None, None
+
+
+def _captured(layout: Layout, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function the compiler traces: the buckets' gathers, then ``loss_fn``."""
+    from funcshard.step.produce import loss_and_aux  # the producers import this module
+
+    S, gather = layout.shard_size, layout.strategy.shards_params
+    group = layout.shard_group.group_name if S > 1 else None
+    plan = []
+    for b in layout.buckets:
+        specs = layout.bucket_leaves(b)
+        sizes = tuple(s.shard_numel for s in specs)
+        meta = (group, S, sizes, gather, layout.dp_size, b.dtypes.comm)
+        plan.append((specs, meta))
+
+    def step(buffers, carriers, batch):
+        params = {}
+        for (specs, meta), buffer, carrier in zip(plan, buffers, carriers, strict=True):
+            full = _Gather.apply(buffer, carrier, *meta)
+            for s in specs:
+                params[s.name] = shard_lib.full_view(full, s, S)
+        return loss_and_aux(loss_fn(params, batch))
+
+    return step
+
+
+# (layout, loss_fn, backend) -> the compiled step; weak on the layout and the loss so that a
+# state or a loss let go takes its graphs with it
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled(layout: Layout, loss_fn: Callable[..., Any], backend: Backend) -> Callable:
+    by_loss = _CACHE.setdefault(layout, weakref.WeakKeyDictionary())
+    by_backend = by_loss.setdefault(loss_fn, {})
+    key = id(backend) if callable(backend) else backend
+    if key not in by_backend:
+        by_backend[key] = compile_fn(_captured(layout, loss_fn), backend)
+    return by_backend[key]
+
+
+def _count(layout: Layout, kind: str, buckets: list[int], dtype_of: Callable) -> None:
+    """Counts in ``fs.comm_stats`` what the graphs moved over the shard axis: each bucket's
+    full buffer (an all-gather's output, a reduce-scatter's input)."""
+    S = layout.shard_size
+    if S == 1:
+        return
+    for i in buckets:
+        b = layout.buckets[i]
+        full = torch.empty((), dtype=dtype_of(b)).expand(S * b.numel)
+        ops.record(kind, full, layout.shard_axis)
+
+
+class CapturedGrads:
+    """ZeRO-2/3 with the microbatch in the compiled graphs (the module docstring)."""
+
+    shard_reduced = True
+
+    def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple, backend: Backend):
+        self.layout = layout
+        self.buffers = tuple(buffers)
+        self.backend = backend
+
+    def microbatch(
+        self,
+        batch: Any,
+        loss_fn: Callable[..., Any],
+        scale: float,
+        sink: Sink,
+        replicate: ReplicateAxis | None = None,
+    ) -> tuple[torch.Tensor, Any, Grads]:
+        from funcshard.step.produce import dtensor_backward, reported
+
+        assert isinstance(sink, AddInto), "a captured step adds into one accumulator"
+        layout = self.layout
+        buckets = list(range(len(layout.buckets)))
+        carriers = [
+            torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
+            .expand(b.numel)
+            .detach()
+            .requires_grad_()
+            for b in layout.buckets
+        ]
+        step = _compiled(layout, loss_fn, self.backend)
+        if layout.strategy.shards_params:
+            _count(layout, "all_gather", buckets, lambda b: b.dtypes.compute)
+        loss, aux = step(self.buffers, carriers, batch)
+        with dtensor_backward(loss):
+            grads = torch.autograd.grad(loss * scale, carriers, allow_unused=True)
+        reached = [i for i, g in enumerate(grads) if g is not None]
+        _count(layout, "reduce_scatter", reached, lambda b: b.dtypes.comm)
+        acc = sink.acc if sink.acc is not None else [None] * len(buckets)
+        for i in reached:
+            if acc[i] is None:
+                acc[i] = grads[i].to(layout.buckets[i].dtypes.grad)
+            else:
+                acc[i].add_(grads[i])
+        if replicate is not None and replicate.on_wire:  # HSDP: each bucket's sum is final
+            for i in buckets:
+                if acc[i] is None:
+                    acc[i] = torch.zeros(
+                        layout.buckets[i].numel,
+                        dtype=layout.buckets[i].dtypes.grad,
+                        device=layout.device,
+                    )
+                replicate.start(i, acc[i])
+        return reported(loss), aux, acc
