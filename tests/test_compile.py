@@ -192,7 +192,12 @@ def refusals_worker() -> list[str]:
     """What fs.init says of a compile= it cannot honour."""
     mesh = fs.make_mesh(device_type="cpu")
     errors = []
-    for kwargs in ({"compile": True, "deterministic": True}, {"compile": 3}):
+    for kwargs in (
+        {"compile": True, "deterministic": True},
+        {"compile": 3},
+        {"cuda_graphs": True},  # a CPU mesh
+        {"compile": "aot_eager", "cuda_graphs": True},
+    ):
         try:
             fs.init(models.make_model(n_blocks=BLOCKS), fs.optim.sgd(0.1), mesh=mesh, **kwargs)
         except (ValueError, TypeError) as e:
@@ -215,17 +220,63 @@ def refusals_worker() -> list[str]:
 
 def test_compile_refusals(pool2):
     """compile= with deterministic=True is a ValueError at fs.init saying why; a compile that
-    is no backend a TypeError naming what was given; under ZeRO-2/3 a model compiled as a whole
+    is no backend a TypeError naming what was given; cuda_graphs=True on a CPU mesh, or with a
+    backend other than inductor, a ValueError; under ZeRO-2/3 a model compiled as a whole
     (its units' hooks inside the compiled region; in place or a torch.compile(model) wrapper) a
     ValueError at fs.init, or at the step when compiled after it, saying to compile the blocks
     instead."""
-    deterministic, bad, *whole = pool2.run(refusals_worker)[0]
+    deterministic, bad, cpu_graphs, other_backend, *whole = pool2.run(refusals_worker)[0]
     assert deterministic.startswith("ValueError") and "deterministic=True" in deterministic
     assert "bitwise" in deterministic
     assert bad.startswith("TypeError") and "compile must be" in bad and "3" in bad
+    assert cpu_graphs.startswith("ValueError") and "CUDA mesh" in cpu_graphs, cpu_graphs
+    assert "'cpu'" in cpu_graphs, cpu_graphs
+    assert other_backend.startswith("ValueError") and "inductor" in other_backend, other_backend
     assert len(whole) == 6, whole
     for message in whole:
         assert "compiled as a whole" in message and "block.compile()" in message, message
+
+
+def not_captured_worker() -> dict:
+    """compile= on a ZeRO-3 layout the capture does not express (a bf16 param wire): the
+    warning fs.init gives, the graphs (per unit, no collective inside) and the eager params."""
+    import warnings
+
+    out = {}
+    for backend in (False, "fs"):
+        torch._dynamo.reset()
+        counts, collectives = collections.Counter(), collections.Counter()
+        model = models.make_model(n_blocks=BLOCKS)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = fs.init(
+                model,
+                fs.optim.sgd(0.1, momentum=0.9),
+                mesh=fs.make_mesh(device_type="cpu"),
+                policy=fs.MixedPrecisionPolicy(param_comm_dtype=torch.bfloat16),
+                compile=counting_backend(counts, collectives) if backend else False,
+            )
+        state = models.train(state, model, range(2), rows=ROWS, microbatches=MICRO)[0]
+        out[backend] = {
+            "warnings": [str(w.message) for w in caught if "compile=" in str(w.message)],
+            "counts": dict(counts),
+            "collectives": dict(collectives),
+            "params": fs.full_params(state),
+        }
+    return out if dist.get_rank() == 0 else {}
+
+
+def test_not_captured_warns_and_compiles_the_units(pool2):
+    """A layout the captured step cannot express warns at fs.init naming why (here the param
+    wire) and runs v4's regions: one forward and one backward graph for the units, no
+    collective inside them, the eager run's params."""
+    out = pool2.run(not_captured_worker)[0]
+    eager, compiled = out[False], out["fs"]
+    assert eager["warnings"] == [] and len(compiled["warnings"]) == 1, compiled["warnings"]
+    assert "param_comm_dtype=torch.bfloat16" in compiled["warnings"][0]
+    assert compiled["counts"] == {"forward": 1, "backward": 1}, compiled["counts"]
+    assert compiled["collectives"] == {}, compiled["collectives"]
+    assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-6
 
 
 def wrapper_worker(strategy: str, directory: str) -> dict:
@@ -319,12 +370,13 @@ def test_plan_reads_the_compiled_wrapper_as_the_model():
 
 # --- CUDA: inductor's kernels (triton) under the unit hooks and CUDA streams ----------------------
 def cuda_compile_worker(strategy: str) -> dict:
-    """One GPU: eager, the user's compiled blocks and ``fs.init(compile="inductor")``, each
-    ``STEPS`` steps of SGD with momentum from one model. Returns each compiled run's largest
-    relative error against eager and dynamo's graph breaks."""
+    """One GPU: eager, the user's compiled blocks, ``fs.init(compile="inductor")`` (the
+    captured step under ZeRO-2/3) and the same with ``cuda_graphs=True``, each ``STEPS`` steps
+    of SGD with momentum from one model. Returns each compiled run's largest relative error
+    against eager, dynamo's graph breaks and the frames it compiled after the first step."""
     mesh = fs.make_mesh(shard=1, replicate=1, device_type="cuda")
     out: dict = {}
-    for when in (None, "blocks", "fs"):
+    for when in (None, "blocks", "fs", "cuda_graphs"):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         model = models.make_model(seed=5, n_blocks=BLOCKS).cuda()
@@ -336,12 +388,15 @@ def cuda_compile_worker(strategy: str) -> dict:
             fs.optim.sgd(0.1, momentum=0.9),
             mesh=mesh,
             strategy=strategy,
-            compile="inductor" if when == "fs" else False,
+            compile="inductor" if when in ("fs", "cuda_graphs") else False,
+            cuda_graphs=when == "cuda_graphs",
         )
         loss_fn = models.make_loss_fn(model)
+        frames = []
         for step in range(STEPS):
             batch = {k: v.cuda() for k, v in models.global_batch(step, ROWS).items()}
             state, _ = fs.train_step(state, batch, loss_fn, microbatches=MICRO)
+            frames.append(torch._dynamo.utils.counters["frames"]["total"])
         params = {k: v.cpu() for k, v in fs.full_params(state).items()}
         if when is None:
             eager = params
@@ -349,6 +404,7 @@ def cuda_compile_worker(strategy: str) -> dict:
         out[when] = {
             "error": models.max_rel_err(params, eager),
             "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
+            "recompiled": frames[-1] - frames[0],
         }
     return out
 
@@ -359,8 +415,12 @@ def cuda_compile_worker(strategy: str) -> dict:
 def test_cuda_inductor_blocks_match_eager(strategy: str) -> None:
     """Inductor's fused kernels sum in another order than eager's: fp32 rounding, ~1e-7
     relative per op, a few hundred ops over 3 steps; a wrong or stale param is off by
-    lr * grad, ~1e-2 relative. Allowed: 1e-4."""
+    lr * grad, ~1e-2 relative. Allowed: 1e-4. The captured step replayed as CUDA graphs
+    (``cuda_graphs=True``) too: a replay's outputs copied out before the next one overwrites
+    them, nothing compiled after the first step."""
     [result] = fs.launch(cuda_compile_worker, strategy, nproc=1)
+    assert set(result) == {"blocks", "fs", "cuda_graphs"}, result
     for when, r in result.items():
         assert r["graph_breaks"] == {}, (when, r)
         assert r["error"] < 1e-4, (when, r)
+        assert r["recompiled"] == 0, (when, r)

@@ -115,15 +115,15 @@ def backend_of(
         CUDA's, or with a backend other than inductor.
     """
     if cuda_graphs:
-        if device_type != "cuda":
-            raise ValueError(
-                f"init: cuda_graphs=True needs a CUDA mesh; this mesh's device is "
-                f"{device_type!r} (CUDA graphs replay kernels captured on a GPU)"
-            )
         if compile not in (None, False, True, "inductor"):
             raise ValueError(
                 f"init: cuda_graphs=True compiles with inductor (mode='reduce-overhead'); "
                 f"compile={compile!r} names another backend"
+            )
+        if device_type != "cuda":
+            raise ValueError(
+                f"init: cuda_graphs=True needs a CUDA mesh; this mesh's device is "
+                f"{device_type!r} (CUDA graphs replay kernels captured on a GPU)"
             )
         compile = "inductor"
     if compile is None or compile is False:

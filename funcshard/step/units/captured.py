@@ -14,6 +14,12 @@ buffer; its backward puts the full gradient back into rank sections, casts it to
 is this rank's reduced shard. AOTAutograd splits the result into one forward and one backward
 graph, collectives inside each, for the compiler to fuse, bucket and reorder.
 
+With ``cuda_graphs=True`` the two graphs are inductor's CUDA graph trees
+(``mode="reduce-overhead"``): each microbatch marks a new step, and the loss and the reduced
+shards a replay returns are copied out of the graphs' static buffers before the next replay.
+NCCL collectives are captured inside the graphs as torchtitan captures them. Unverified on
+hardware: written where no GPU was lent; ``tests/test_compile.py``'s CUDA test checks it.
+
 What stays outside the graphs: the replicate-axis reduction of HSDP (issued per bucket once
 backward is over, as the step's :class:`~funcshard.comm.grads.ReplicateAxis` orders it), the
 optimizer update and the metrics. The gathered params a backward needs are saved by the
@@ -38,7 +44,7 @@ from funcshard.comm.grads import ReplicateAxis
 from funcshard.distributed import ops
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
-from funcshard.step.compiling import Backend, compile_fn
+from funcshard.step.compiling import Backend, CudaGraphs, compile_fn
 from funcshard.step.reduction import AddInto, Grads, Sink
 
 __all__ = ["CapturedGrads"]
@@ -159,7 +165,12 @@ class CapturedGrads:
         step = _compiled(layout, loss_fn, self.backend)
         if layout.strategy.shards_params:
             _count(layout, "all_gather", buckets, lambda b: b.dtypes.compute)
+        replayed = isinstance(self.backend, CudaGraphs)
+        if replayed:  # a new microbatch: the last replay's outputs may be overwritten now
+            torch.compiler.cudagraph_mark_step_begin()
         loss, aux = step(self.buffers, carriers, batch)
+        if replayed:  # a replay's outputs live in the graph's static buffers: keep copies
+            loss = loss.clone()
         with dtensor_backward(loss):
             grads = torch.autograd.grad(loss * scale, carriers, allow_unused=True)
         reached = [i for i, g in enumerate(grads) if g is not None]
@@ -167,7 +178,8 @@ class CapturedGrads:
         acc = sink.acc if sink.acc is not None else [None] * len(buckets)
         for i in reached:
             if acc[i] is None:
-                acc[i] = grads[i].to(layout.buckets[i].dtypes.grad)
+                grad = grads[i].to(layout.buckets[i].dtypes.grad)
+                acc[i] = grad.clone() if replayed and grad is grads[i] else grad
             else:
                 acc[i].add_(grads[i])
         if replicate is not None and replicate.on_wire:  # HSDP: each bucket's sum is final
