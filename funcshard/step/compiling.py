@@ -57,11 +57,25 @@ Backend = str | Callable[..., Any] | CudaGraphs | None
 (inductor replaying CUDA graphs), None: eager."""
 
 
-def compile_fn(fn: Callable[..., Any], backend: Backend) -> Callable[..., Any]:
-    """``torch.compile(fn)`` with ``backend`` (``CudaGraphs``: inductor's reduce-overhead)."""
+def compile_fn(
+    fn: Callable[..., Any], backend: Backend, *, constants: str | None = None
+) -> Callable[..., Any]:
+    """``torch.compile(fn)`` with ``backend`` (``CudaGraphs``: inductor's reduce-overhead).
+
+    ``constants``: the name of a variable ``fn`` closes over that holds an immutable tree of
+    Python constants (a layout's plan): dynamo's guards on its values are dropped, since
+    nothing can change them (thousands of int comparisons per call otherwise)."""
+    kw: dict[str, Any] = {}
+    if constants is not None:
+        names = (constants, f"L[{constants!r}]")  # a closure's variable, a local
+        kw["options"] = {
+            "guard_filter_fn": lambda entries: [
+                not any(e.name == n or e.name.startswith(n + "[") for n in names) for e in entries
+            ]
+        }
     if isinstance(backend, CudaGraphs):
-        return torch.compile(fn, backend=backend.backend, mode="reduce-overhead")
-    return torch.compile(fn, backend=backend)
+        return torch.compile(fn, backend=backend.backend, mode="reduce-overhead", **kw)
+    return torch.compile(fn, backend=backend, **kw)
 
 
 def capture_refusal(layout: Any) -> str | None:

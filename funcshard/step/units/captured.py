@@ -42,7 +42,6 @@ import torch.distributed._functional_collectives as funcol
 
 from funcshard.comm.grads import ReplicateAxis
 from funcshard.distributed import ops
-from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
 from funcshard.step.compiling import Backend, CudaGraphs, compile_fn
 from funcshard.step.reduction import AddInto, Grads, Sink
@@ -51,35 +50,54 @@ __all__ = ["CapturedGrads"]
 
 
 class _Gather(torch.autograd.Function):
-    """Forward: a bucket's full buffer (leaf after leaf, each leaf's rank pieces adjacent, as
-    :func:`funcshard.layout.sharding.full_view` reads it). Backward: this rank's shard of the
-    mean gradient over the data-parallel ranks, in the carrier's dtype."""
+    """Forward: a bucket's full params, one tensor per leaf (``leaves``: each one's numel,
+    shape and shard numel). Backward: this rank's shard of the mean of their gradients over
+    the data-parallel ranks, in the carrier's dtype.
+
+    One output per leaf, not the full flat buffer sliced after: the gradients then meet in one
+    concatenation into rank sections, where slices of one flat output would each be scattered
+    into a bucket-sized zero buffer and summed (a fused kernel that reads every leaf's
+    gradient for every element of the bucket)."""
 
     @staticmethod
-    def forward(ctx, buffer, carrier, group, S, sizes, gather, dp, wire):  # noqa: ARG004
-        ctx.group, ctx.S, ctx.sizes, ctx.dp, ctx.wire = group, S, sizes, dp, wire
+    def forward(ctx, buffer, carrier, group, S, leaves, gather, dp, wire):
+        ctx.group, ctx.S, ctx.leaves, ctx.dp, ctx.wire = group, S, leaves, dp, wire
         ctx.dtype = carrier.dtype
-        if not gather or S == 1:  # ZeRO-2's replicated buffer, or the shard is the whole
-            return buffer.view(-1)
-        gathered = funcol.all_gather_tensor(buffer, 0, group).view(S, -1)
-        return torch.cat([p.reshape(-1) for p in gathered.split(sizes, dim=1)])
+        if gather and S > 1:
+            gathered = funcol.all_gather_tensor(buffer, 0, group).view(S, -1)
+            pieces = gathered.split([n for _, _, n in leaves], dim=1)
+            return tuple(
+                p.reshape(-1)[:numel].view(shape)
+                for p, (numel, shape, _) in zip(pieces, leaves, strict=True)
+            )
+        # ZeRO-2's replicated full buffer (each leaf's rank pieces adjacent), or one shard
+        outs, start = [], 0
+        for numel, shape, n in leaves:
+            outs.append(buffer[start : start + numel].view(shape))
+            start += S * n
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad):
-        S = ctx.S
-        if S > 1:  # leaf-major to rank sections: section r holds every leaf's piece r
-            starts = [0]
-            for n in ctx.sizes:
-                starts.append(starts[-1] + S * n)
-            pieces = zip(starts[:-1], ctx.sizes, strict=True)
-            grad = torch.cat([grad[a : a + S * n].view(S, n) for a, n in pieces], dim=1)
-            grad = grad.view(-1)
-        x = grad.to(ctx.wire)
+    def backward(ctx, *grads):
+        S, flats = ctx.S, []
+        for g, (numel, _, n) in zip(grads, ctx.leaves, strict=True):
+            flat = g.reshape(-1) if g is not None else carrier_zeros(numel, grads)
+            if S * n > numel:  # the leaf's padding rows
+                flat = torch.cat([flat, flat.new_zeros(S * n - numel)])
+            flats.append(flat.view(S, n))
+        # rank sections: section r holds every leaf's piece r
+        x = torch.cat(flats, dim=1).view(-1).to(ctx.wire)
         if ctx.dp > 1:
             x = x / ctx.dp
         if S > 1:
             x = funcol.reduce_scatter_tensor(x, "sum", 0, ctx.group)
         return None, x.to(ctx.dtype), None, None, None, None, None, None
+
+
+def carrier_zeros(numel: int, grads: tuple) -> torch.Tensor:
+    """Zeros standing for a leaf's absent gradient, like the others'."""
+    ref = next(g for g in grads if g is not None)
+    return ref.new_zeros(numel)
 
 
 def _captured(layout: Layout, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -91,16 +109,16 @@ def _captured(layout: Layout, loss_fn: Callable[..., Any]) -> Callable[..., Any]
     plan = []
     for b in layout.buckets:
         specs = layout.bucket_leaves(b)
-        sizes = tuple(s.shard_numel for s in specs)
-        meta = (group, S, sizes, gather, layout.dp_size, b.dtypes.comm)
-        plan.append((specs, meta))
+        offsets = [sum(s.shard_numel for s in specs[:i]) for i in range(len(specs))]
+        assert [s.offset for s in specs] == offsets, "a bucket's leaves packed in order"
+        leaves = tuple((s.numel, tuple(s.shape), s.shard_numel) for s in specs)
+        meta = (group, S, leaves, gather, layout.dp_size, b.dtypes.comm)
+        plan.append((tuple(s.name for s in specs), meta))
 
     def step(buffers, carriers, batch):
         params = {}
-        for (specs, meta), buffer, carrier in zip(plan, buffers, carriers, strict=True):
-            full = _Gather.apply(buffer, carrier, *meta)
-            for s in specs:
-                params[s.name] = shard_lib.full_view(full, s, S)
+        for (names, meta), buffer, carrier in zip(plan, buffers, carriers, strict=True):
+            params.update(zip(names, _Gather.apply(buffer, carrier, *meta), strict=True))
         return loss_and_aux(loss_fn(params, batch))
 
     return step
@@ -116,7 +134,7 @@ def _compiled(layout: Layout, loss_fn: Callable[..., Any], backend: Backend) -> 
     by_backend = by_loss.setdefault(loss_fn, {})
     key = id(backend) if callable(backend) else backend
     if key not in by_backend:
-        by_backend[key] = compile_fn(_captured(layout, loss_fn), backend)
+        by_backend[key] = compile_fn(_captured(layout, loss_fn), backend, constants="plan")
     return by_backend[key]
 
 
