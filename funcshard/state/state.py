@@ -34,9 +34,8 @@ from funcshard.state.donation import ConsumedStateError
 from funcshard.step.compiling import (
     Backend,
     backend_of,
-    check_not_compiled_around_units,
+    check_units,
     unwrapped,
-    warn_not_captured,
 )
 
 __all__ = [
@@ -356,11 +355,10 @@ def init(
         reduce-scattered over "replicate" once per step, after the last microbatch, and the
         updated compute params all-gathered over it once per step.
       compile: True ("inductor"), a ``torch.compile`` backend name or callable: under
-        ZeRO-2/3 each microbatch's gathers, ``loss_fn`` and reduce-scatters are captured in
-        one forward and one backward graph (a layout the capture cannot express warns and
-        compiles each gather unit's module call instead); under ZeRO-0/1 each unit's module
-        call (see :mod:`funcshard.step.compiling`); recorded in the state's static metadata
-        (``state.compile``).
+        ZeRO-2/3 a microbatch's gathers, ``loss_fn`` and reduce-scatters in one forward and
+        one backward graph (where the layout allows; else, with a warning, and under ZeRO-0/1
+        each unit's module call: :mod:`funcshard.step.compiling`); recorded in the state's
+        static metadata (``state.compile``).
       fault_tolerance: this rank's replica group joins the others through torchft
         (:mod:`funcshard.fault.replicas`): every step averages the gradients over the groups of its
         quorum. A group behind its peers (one that restarts) heals from a live peer here: the
@@ -369,15 +367,14 @@ def init(
         from the peers when it is behind them).
       check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
         an input state whose step is a positive multiple of N, before donating it; 0: never.
-      cuda_graphs: compile with inductor's ``mode="reduce-overhead"`` (CUDA graph trees).
+      cuda_graphs: inductor's ``mode="reduce-overhead"`` (CUDA graph trees); off CUDA, ValueError.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
         or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
         "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``; under
         ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
-        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model;
-        ``cuda_graphs`` on a mesh that is not CUDA's.
+        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model.
       TypeError: ``compile`` neither a bool, a backend name nor a callable.
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
     """
@@ -387,12 +384,7 @@ def init(
             "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
         )
     every = replica_check.period(check_replicas_every)
-    backend = backend_of(
-        compile,
-        deterministic=deterministic,
-        cuda_graphs=cuda_graphs,
-        device_type=mesh.device_type,
-    )
+    backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
     policy = policy or MixedPrecisionPolicy()
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
     tensor = tp_lib.read_model(model, mesh_lib.tensor_axis(mesh))
@@ -411,9 +403,7 @@ def init(
         outer_strategy=outer_strategy,
         tensor=tensor,
     )
-    if layout.strategy.runs_units:
-        check_not_compiled_around_units(given, layout.units[1:], layout.strategy)
-        warn_not_captured(layout, backend)
+    check_units(given, layout, backend)
     if layout.hierarchical:
         mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
     master = pack_masters(layout, named)

@@ -38,6 +38,7 @@ __all__ = [
     "CudaGraphs",
     "backend_of",
     "capture_refusal",
+    "check_units",
     "compile_fn",
     "compiled_call",
     "compile_units",
@@ -99,6 +100,15 @@ def capture_refusal(layout: Any) -> str | None:
     return None
 
 
+def check_units(model: nn.Module, layout: Any, backend: Backend) -> None:
+    """``fs.init``'s checks of a ZeRO-2/3 layout's units against what is compiled: no
+    compiled region around them (:func:`check_not_compiled_around_units`), and a warning
+    where ``compile=`` cannot capture the step (:func:`warn_not_captured`)."""
+    if layout.strategy.runs_units:
+        check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
+        warn_not_captured(layout, backend)
+
+
 def warn_not_captured(layout: Any, backend: Backend) -> None:
     """Warns (at ``fs.init``) where ``compile=`` under ZeRO-2/3 runs v4's per-unit regions,
     the collectives outside the graphs, instead of the captured step, naming why."""
@@ -108,7 +118,7 @@ def warn_not_captured(layout: Any, backend: Backend) -> None:
             f"init: compile= captures a ZeRO-2/3 step's collectives in its graphs, but not "
             f"with {why}; each gather unit's module call is compiled instead, its gather and "
             "reduce-scatter outside the graph",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -117,11 +127,11 @@ def backend_of(
     *,
     deterministic: bool,
     cuda_graphs: bool = False,
-    device_type: str = "cpu",
+    mesh: Any = None,
 ) -> Backend:
     """The backend ``fs.init``'s ``compile`` argument names: True = "inductor", False or None
-    = eager, a string or callable = that ``torch.compile`` backend; with ``cuda_graphs``,
-    :class:`CudaGraphs` (inductor, also when ``compile`` is False).
+    = eager, a string or callable = that ``torch.compile`` backend; with ``cuda_graphs`` (on
+    ``mesh``, a CUDA one), :class:`CudaGraphs` (inductor, also when ``compile`` is False).
 
     Raises:
       TypeError: any other value.
@@ -134,6 +144,7 @@ def backend_of(
                 f"init: cuda_graphs=True compiles with inductor (mode='reduce-overhead'); "
                 f"compile={compile!r} names another backend"
             )
+        device_type = getattr(mesh, "device_type", None)
         if device_type != "cuda":
             raise ValueError(
                 f"init: cuda_graphs=True needs a CUDA mesh; this mesh's device is "

@@ -45,6 +45,7 @@ from funcshard.distributed import ops
 from funcshard.layout.layout import Layout
 from funcshard.step.compiling import Backend, CudaGraphs, compile_fn
 from funcshard.step.reduction import AddInto, Grads, Sink
+from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
 
 __all__ = ["CapturedGrads"]
 
@@ -102,8 +103,6 @@ def carrier_zeros(numel: int, grads: tuple) -> torch.Tensor:
 
 def _captured(layout: Layout, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     """The function the compiler traces: the buckets' gathers, then ``loss_fn``."""
-    from funcshard.step.produce import loss_and_aux  # the producers import this module
-
     S, gather = layout.shard_size, layout.strategy.shards_params
     group = layout.shard_group.group_name if S > 1 else None
     plan = []
@@ -168,8 +167,6 @@ class CapturedGrads:
         sink: Sink,
         replicate: ReplicateAxis | None = None,
     ) -> tuple[torch.Tensor, Any, Grads]:
-        from funcshard.step.produce import dtensor_backward, reported
-
         assert isinstance(sink, AddInto), "a captured step adds into one accumulator"
         layout = self.layout
         buckets = list(range(len(layout.buckets)))
