@@ -279,6 +279,44 @@ def test_not_captured_warns_and_compiles_the_units(pool2):
     assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-6
 
 
+def mixed_worker() -> dict:
+    """ZeRO-3 with bf16 compute over fp32 masters and main grads, half the buckets' optimizer
+    offloaded: eager, and captured by compile=. The params after two steps, the graphs'
+    collectives and the bytes."""
+    out = {}
+    for backend in (False, "fs"):
+        torch._dynamo.reset()
+        counts, collectives = collections.Counter(), collections.Counter()
+        model = models.make_model(n_blocks=BLOCKS)
+        state = fs.init(
+            model,
+            fs.optim.adamw(1e-2),
+            mesh=fs.make_mesh(device_type="cpu"),
+            policy=fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+            offload_fraction=0.5,
+            compile=counting_backend(counts, collectives) if backend else False,
+        )
+        with fs.comm_stats() as stats:
+            state = models.train(state, model, range(2), rows=ROWS, microbatches=MICRO)[0]
+        out[backend] = {
+            "params": fs.full_params(state),
+            "collectives": dict(collectives),
+            "reduce_scatter": stats.bytes["reduce_scatter"],
+        }
+    return out if dist.get_rank() == 0 else {}
+
+
+def test_captured_mixed_precision_and_offload(pool2):
+    """bf16 compute with fp32 main grads and an offloaded half are captured: the reduce-scatter
+    in the backward graph moves fp32 (the bytes of eager's), and the params match eager's to
+    bf16 rounding (the compiled backward may sum a gradient's contributions in another order)."""
+    out = pool2.run(mixed_worker)[0]
+    eager, compiled = out[False], out["fs"]
+    assert compiled["collectives"][("backward", "reduce_scatter_tensor")] > 0
+    assert compiled["reduce_scatter"] == eager["reduce_scatter"] > 0
+    assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-2
+
+
 def wrapper_worker(strategy: str, directory: str) -> dict:
     """``torch.compile(model)`` (a wrapper, not in place) under ZeRO-0/1: its state is named as
     the plain model's, the wrapper runs compiled, and checkpoints go both ways between the two."""
