@@ -317,6 +317,20 @@ def test_captured_mixed_precision_and_offload(pool2):
     assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-2
 
 
+def test_cuda_graphs_compile_is_inductors_reduce_overhead(monkeypatch) -> None:
+    """cuda_graphs=True compiles with inductor's CUDA graph trees (reduce-overhead's option),
+    beside the guard filter of the captured step's plan, in options (torch refuses a mode
+    beside options): what torch.compile is given, and that it takes it (not run: no GPU)."""
+    from funcshard.step.compiling import CudaGraphs, compile_fn
+
+    assert callable(compile_fn(lambda x: x + 1, CudaGraphs(), constants="plan"))
+    given = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: given.update(kw) or fn)
+    compile_fn(lambda x: x + 1, CudaGraphs(), constants="plan")
+    assert given["backend"] == "inductor" and "mode" not in given, given
+    assert given["options"]["triton.cudagraphs"] is True, given
+
+
 def wrapper_worker(strategy: str, directory: str) -> dict:
     """``torch.compile(model)`` (a wrapper, not in place) under ZeRO-0/1: its state is named as
     the plain model's, the wrapper runs compiled, and checkpoints go both ways between the two."""

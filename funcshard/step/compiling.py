@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -58,6 +59,10 @@ Backend = str | Callable[..., Any] | CudaGraphs | None
 (inductor replaying CUDA graphs), None: eager."""
 
 
+# torch 2.13's torch.compile(isolate_recompiles=); earlier torch (pyproject allows 2.11) lacks it
+_ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
 def compile_fn(
     fn: Callable[..., Any], backend: Backend, *, constants: str | None = None
 ) -> Callable[..., Any]:
@@ -65,9 +70,15 @@ def compile_fn(
 
     ``constants``: the name of a variable ``fn`` closes over that holds an immutable tree of
     Python constants (a layout's plan): dynamo's guards on its values are dropped, since
-    nothing can change them (thousands of int comparisons per call otherwise)."""
+    nothing can change them (thousands of int comparisons per call otherwise), and the
+    compile's entries are its own (``isolate_recompiles``, where torch has it)."""
     kw: dict[str, Any] = {}
-    if constants is not None:
+    if constants is not None and _ISOLATES:
+        # one code object serves every plan: each compile keeps its own entries, so that
+        # dropping the plan's guards cannot hand one plan's graphs to another (nor do many
+        # states in one process exhaust one shared recompile limit); without isolation
+        # (earlier torch) the guards stay
+        kw["isolate_recompiles"] = True
         names = (constants, f"L[{constants!r}]")  # a closure's variable, a local
         kw["options"] = {
             "guard_filter_fn": lambda entries: [
@@ -75,7 +86,9 @@ def compile_fn(
             ]
         }
     if isinstance(backend, CudaGraphs):
-        return torch.compile(fn, backend=backend.backend, mode="reduce-overhead", **kw)
+        # mode="reduce-overhead" is these options (torch refuses a mode beside options)
+        kw["options"] = {**kw.get("options", {}), "triton.cudagraphs": True}
+        return torch.compile(fn, backend=backend.backend, **kw)
     return torch.compile(fn, backend=backend, **kw)
 
 

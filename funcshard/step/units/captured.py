@@ -101,8 +101,9 @@ def carrier_zeros(numel: int, grads: tuple) -> torch.Tensor:
     return ref.new_zeros(numel)
 
 
-def _captured(layout: Layout, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The function the compiler traces: the buckets' gathers, then ``loss_fn``."""
+def _captured(layout: Layout) -> Callable[..., Any]:
+    """The function the compiler traces: the buckets' gathers, then ``loss_fn`` (an argument:
+    dynamo guards on its code and closure, so a loss made anew each step reuses the graphs)."""
     S, gather = layout.shard_size, layout.strategy.shards_params
     group = layout.shard_group.group_name if S > 1 else None
     plan = []
@@ -114,7 +115,7 @@ def _captured(layout: Layout, loss_fn: Callable[..., Any]) -> Callable[..., Any]
         meta = (group, S, leaves, gather, layout.dp_size, b.dtypes.comm)
         plan.append((tuple(s.name for s in specs), meta))
 
-    def step(buffers, carriers, batch):
+    def step(loss_fn, buffers, carriers, batch):
         params = {}
         for (names, meta), buffer, carrier in zip(plan, buffers, carriers, strict=True):
             params.update(zip(names, _Gather.apply(buffer, carrier, *meta), strict=True))
@@ -123,17 +124,17 @@ def _captured(layout: Layout, loss_fn: Callable[..., Any]) -> Callable[..., Any]
     return step
 
 
-# (layout, loss_fn, backend) -> the compiled step; weak on the layout and the loss so that a
-# state or a loss let go takes its graphs with it
+# layout -> backend -> the compiled step; weak on the layout, so that a state let go takes
+# its graphs with it. Each layout's compile keeps its own entries (``compile_fn``'s
+# ``constants``): the guards on its plan are dropped, so no other layout may share them.
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _compiled(layout: Layout, loss_fn: Callable[..., Any], backend: Backend) -> Callable:
-    by_loss = _CACHE.setdefault(layout, weakref.WeakKeyDictionary())
-    by_backend = by_loss.setdefault(loss_fn, {})
+def _compiled(layout: Layout, backend: Backend) -> Callable:
+    by_backend = _CACHE.setdefault(layout, {})
     key = id(backend) if callable(backend) else backend
     if key not in by_backend:
-        by_backend[key] = compile_fn(_captured(layout, loss_fn), backend, constants="plan")
+        by_backend[key] = compile_fn(_captured(layout), backend, constants="plan")
     return by_backend[key]
 
 
@@ -177,13 +178,13 @@ class CapturedGrads:
             .requires_grad_()
             for b in layout.buckets
         ]
-        step = _compiled(layout, loss_fn, self.backend)
+        step = _compiled(layout, self.backend)
         if layout.strategy.shards_params:
             _count(layout, "all_gather", buckets, lambda b: b.dtypes.compute)
         replayed = isinstance(self.backend, CudaGraphs)
         if replayed:  # a new microbatch: the last replay's outputs may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()
-        loss, aux = step(self.buffers, carriers, batch)
+        loss, aux = step(loss_fn, self.buffers, carriers, batch)
         if replayed:  # a replay's outputs live in the graph's static buffers: keep copies
             loss = loss.clone()
         with dtensor_backward(loss):
