@@ -7,8 +7,8 @@ zero-stride zero in the bucket's main-grads dtype, of its shard's size, the only
 requires grad), and runs :class:`_Gather` per bucket, then ``loss_fn`` on plain
 ``{name: view}`` params. ``_Gather`` is an autograd function dynamo traces whole: its forward
 all-gathers the shard over the shard axis with torch's functional collectives
-(``_c10d_functional.all_gather_into_tensor``, ZeRO-3) and lays it out as the bucket's full
-buffer; its backward puts the full gradient back into rank sections, casts it to the wire
+(``_c10d_functional.all_gather_into_tensor``, ZeRO-3) and hands out each leaf's full param;
+its backward concatenates their gradients into rank sections, casts them to the wire
 (``grad_comm_dtype``), divides by the data-parallel size and reduce-scatters it
 (``_c10d_functional.reduce_scatter_tensor``), in the main-grads dtype: the carrier's gradient
 is this rank's reduced shard. AOTAutograd splits the result into one forward and one backward
