@@ -10,7 +10,8 @@
 
 At world 1, plain torch runs beside them too: the unwrapped model, ``torch.optim.AdamW``
 (fused), autocast for bf16, the same microbatches and the same gradient norm: the floor any
-data-parallel library adds its overhead to. A throughput table follows: tokens/s, model
+data-parallel library adds its overhead to (with ``--compile``, also ``torch.compile(model)``
+as a whole: the compiled floor). A throughput table follows: tokens/s, model
 TFLOP/s per rank (6 N + 12 L T d per token) and, on a GPU whose bf16 peak is known, MFU.
 
 Each configuration builds both from one initial model and alternates their steps (funcshard,
@@ -101,8 +102,9 @@ flags.DEFINE_string(
 flags.DEFINE_list(
     "compile_modes",
     ["blocks", "fs"],
-    "With --compile: blocks (the user compiles the blocks) and/or fs (an eager model given "
-    "to fs.init(compile=BACKEND): funcshard compiles what it runs).",
+    "With --compile: blocks (the user compiles the blocks), fs (an eager model given "
+    "to fs.init(compile=BACKEND): funcshard captures the step) and/or cuda_graphs (the same "
+    "with cuda_graphs=True: inductor's CUDA graph trees; --device=cuda only).",
 )
 flags.DEFINE_bool(
     "bf16_anyway",
@@ -264,10 +266,13 @@ class _Funcshard:
         deterministic: bool = False,
         outer_strategy: str = "no_shard",
         compile: str = "",
+        cuda_graphs: bool = False,
     ) -> None:
         self.model, self.cfg = model, cfg
         opt = fs.optim.adamw(LR, weight_decay=0.1)
         kw = {"compile": compile} if compile else {}
+        if cuda_graphs:
+            kw["cuda_graphs"] = True
         self.state = fs.init(
             model,
             opt,
@@ -430,6 +435,16 @@ def _compiled_runners(cfg: Config, model: GPT, mesh, strategy: str, fs_policy, f
         runners["fs_compile"] = _Funcshard(
             model, mesh, strategy, fs_policy, cfg, compile=cfg.compile
         )
+    if "cuda_graphs" in cfg.compile_modes:  # the captured step replayed as CUDA graphs
+        runners["fs_cuda_graphs"] = _Funcshard(
+            copy.deepcopy(model),
+            mesh,
+            strategy,
+            fs_policy,
+            cfg,
+            compile=cfg.compile,
+            cuda_graphs=True,
+        )
     if "blocks" not in cfg.compile_modes:  # the main table compares the eager pair
         runners["funcshard"] = runners.pop("funcshard_eager")
         runners["fsdp2"] = runners.pop("fsdp2_eager")
@@ -453,6 +468,9 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
         runners["deterministic"] = _Funcshard(model, mesh, strategy, fs_policy, cfg, True)
     if dist.get_world_size() == 1:
         runners["torch"] = _Torch(copy.deepcopy(model), policy_name, cfg)
+        if cfg.compile:  # torch.compile(model) as a whole: the compiled floor
+            compiled = torch.compile(copy.deepcopy(model), backend=cfg.compile)
+            runners["torch_compiled"] = _Torch(compiled, policy_name, cfg)
     sync = torch.cuda.synchronize if cfg.device == "cuda" else lambda: None
     times: dict[str, list[float]] = {k: [] for k in runners}
     cpu: dict[str, list[float]] = {k: [] for k in runners}
@@ -683,6 +701,10 @@ COMPILE_RATIOS = (
     ("fsdp2 compiled/eager", "fsdp2", "fsdp2_eager"),
     ("fs compile=/fsdp2 compiled", "fs_compile", "fsdp2"),
     ("fs compile=/fs eager", "fs_compile", "funcshard_eager"),
+    ("fs compile=/torch compiled", "fs_compile", "torch_compiled"),
+    ("torch compiled/eager", "torch_compiled", "torch"),
+    ("fs cuda_graphs/torch compiled", "fs_cuda_graphs", "torch_compiled"),
+    ("fs cuda_graphs/compile=", "fs_cuda_graphs", "fs_compile"),
 )
 
 

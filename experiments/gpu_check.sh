@@ -14,8 +14,9 @@
 # step (the copies on their side streams), then checkpoint save / restore beside DCP. Python
 # packages missing on the device image (optree, crc32c) come as wheels in .whl (BUILD.md, "GPU").
 # The compile part: bench_step --compile=inductor on a 0.19B GPT (12 layers of the step part's),
-# funcshard's compiled blocks and fs.init(compile=) beside FSDP2's compiled blocks, each beside
-# its eager run. PARTS (default: all, in order) picks parts where device time is short, e.g.
+# funcshard's compiled blocks and fs.init(compile=) (the captured step; on CUDA also with
+# cuda_graphs=True) beside FSDP2's compiled blocks and torch.compile(model), each beside its
+# eager run. PARTS (default: all, in order) picks parts where device time is short, e.g.
 #   PARTS="machine cuda_tests compile step" experiments/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,7 @@ if [[ $DRY == 1 ]]; then
   STEP_MODEL=("${MODEL[@]}")
   TESTS=(tests/test_offload.py -k "cuda or matches")
   COMPILE_MODEL=("${MODEL[@]}")
+  COMPILE_MODES=blocks,fs
 else
   DEV=cuda
   MODEL=(--d_model=1536 --n_layer=24 --seq_len=1024 --vocab=32768 --batch=8)
@@ -66,6 +68,7 @@ else
   STEPS=(--steps=5 --warmup=2)
   TESTS=(-m cuda tests)
   COMPILE_MODEL=(--d_model=1024 --n_layer=12 --seq_len=1024 --vocab=32768 --batch=4)
+  COMPILE_MODES=blocks,fs,cuda_graphs
 fi
 
 part machine 60 bash -c "nvidia-smi 2>&1 | head -20; lscpu | grep -E 'Model name|^CPU\(s\)'; \
@@ -76,7 +79,7 @@ part step 150 "$PY" experiments/bench_step.py --device=$DEV --nproc=1 --policies
   --bf16_anyway --microbatches=2 "${STEP_MODEL[@]}" "${STEPS[@]}"
 part compile 240 env TORCHINDUCTOR_CACHE_DIR=/tmp/inductor "$PY" experiments/bench_step.py \
   --device=$DEV --nproc=1 --policies=bf16 --bf16_anyway --microbatches=2 --compile=inductor \
-  "${COMPILE_MODEL[@]}" "${STEPS[@]}"
+  --compile_modes=$COMPILE_MODES "${COMPILE_MODEL[@]}" "${STEPS[@]}"
 part offload 120 "$PY" experiments/bench_step.py --device=$DEV --nproc=1 --policies=bf16 \
   --bf16_anyway --microbatches=2 --strategies=optim_grads_params --offload_fraction=0.5 \
   --trace_dir="$LOGS" "${MODEL[@]}" --steps=3 --warmup=1

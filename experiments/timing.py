@@ -6,7 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-__all__ = ["median_time"]
+__all__ = ["median_time", "compile_times"]
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -19,3 +19,21 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def compile_times() -> str:
+    """What torch.compile spent so far in this process, per graph: each frame dynamo compiled
+    (tracing, AOTAutograd and the backend's forward compile) and each backward graph compiled
+    on its first backward; "" when nothing was compiled."""
+    import torch
+
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    frames = metrics.get("_compile.compile_inner", [])
+    backward = metrics.get("backward._backward_impl", [])
+    if not frames:
+        return ""
+    each = lambda times: ", ".join(f"{t:.2f}" for t in times)  # noqa: E731
+    return (
+        f"{len(frames)} forward graph(s) {each(frames)} s; "
+        f"{len(backward)} backward graph(s) {each(backward)} s"
+    )

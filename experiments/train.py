@@ -198,8 +198,16 @@ flags.DEFINE_string(
     "compile",
     "",
     "Compile each transformer block in place (block.compile) with this torch.compile backend: "
-    "inductor, aot_eager, ...; empty: eager. The first step's time (the compile) is logged; "
-    "metrics.jsonl has every step's wall time (step_s); inductor's cache serves a second run.",
+    "inductor, aot_eager, ...; empty: eager. The first step's time (the compile) is logged, "
+    "with each graph's compile time; metrics.jsonl has every step's wall time (step_s); "
+    "inductor's cache serves a second run.",
+)
+flags.DEFINE_enum(
+    "compile_by",
+    "blocks",
+    ["blocks", "fs"],
+    "With --compile: blocks (each block compiled in place, torchtitan's way) or fs "
+    "(fs.init(compile=): the microbatch's gathers, forward and reduce-scatters captured).",
 )
 flags.DEFINE_integer(
     "replica_groups",

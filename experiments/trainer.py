@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import funcshard as fs
 from experiments import data as data_lib
 from experiments.gpt import GPT, GPTConfig, tensor_plan
+from experiments.timing import compile_times
 from funcshard.distributed.mesh import local_device
 
 __all__ = ["Config", "run", "lr_schedule", "final_line", "microbatches_for"]
@@ -45,6 +46,7 @@ class Config:
     offload_fraction: float = 0.0
     deterministic: bool = False  # the same bits on every layout with as many gradient chunks
     compile: str = ""  # a torch.compile backend for each block, compiled in place; "": eager
+    compile_by: str = "blocks"  # or "fs": fs.init(compile=) captures the step instead
     microbatches: int = 1
     grad_chunks: int = 0  # G per step, whatever the world (microbatches = G / world); 0: unset
     batch_size: int = 64
@@ -340,7 +342,8 @@ def run(
     if cfg.tensor > 1:
         for block in model.blocks:
             parallelize_module(block, mesh["tensor"], tensor_plan())
-    for block in model.blocks if cfg.compile else ():  # torchtitan's way: each block in place
+    by_fs = cfg.compile and cfg.compile_by == "fs"
+    for block in model.blocks if cfg.compile and not by_fs else ():  # torchtitan's way
         block.compile(backend=cfg.compile)
     opt = make_optimizer(cfg)
     state = fs.init(
@@ -353,6 +356,7 @@ def run(
         offload_fraction=cfg.offload_fraction,
         deterministic=cfg.deterministic,
         fault_tolerance=fault_tolerance(cfg),
+        compile=cfg.compile if by_fs else False,
     )
 
     mgr = fs.CheckpointManager(cfg.checkpoint_dir, max_to_keep=3) if cfg.checkpoint_dir else None
@@ -428,7 +432,9 @@ def run(
             continue
         step_s = time.perf_counter() - t_step  # the process's first step compiles (--compile)
         if step == start and rank == 0 and cfg.compile:
-            logging.info("first step %.2f s (compiling the blocks: %s)", step_s, cfg.compile)
+            what = "the captured step" if by_fs else "the blocks"
+            logging.info("first step %.2f s (compiling %s: %s)", step_s, what, cfg.compile)
+            logging.info("compile time: %s", compile_times())
         if (
             saves
             and metrics.get("committed", 1)

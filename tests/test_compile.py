@@ -22,6 +22,7 @@ from helpers_compile import counting_backend
 
 STEPS, ROWS, MICRO, BLOCKS = 3, 8, 2, 2
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+BY_FS = ("fs", "both")  # fs.init(compile=...); "both": over blocks the user compiled too
 
 
 def _model_and_loss(kind: str):
@@ -60,13 +61,14 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     counts: collections.Counter = collections.Counter()
+    collectives: collections.Counter = collections.Counter()  # in funcshard's graphs
     model, blocks, train = _model_and_loss(kind)
 
     def compile_blocks() -> None:
         for block in blocks:
             block.compile(backend=counting_backend(counts))
 
-    if compile_when == "before":
+    if compile_when in ("before", "both"):
         compile_blocks()
     if compile_when == "whole":  # the model as a whole (ZeRO-0/1 only)
         model.compile(backend=counting_backend(counts))
@@ -75,9 +77,9 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
         fs.optim.sgd(0.1, momentum=0.9),
         mesh=fs.make_mesh(shard, replicate, device_type="cpu"),
         strategy=strategy,
-        compile=counting_backend(counts) if compile_when == "fs" else False,
+        compile=counting_backend(counts, collectives) if compile_when in BY_FS else False,
     )
-    assert (state.compile is None) == (compile_when != "fs")  # recorded in the static state
+    assert (state.compile is None) == (compile_when not in BY_FS)  # in the static state
     if compile_when == "after":
         compile_blocks()
     per_step = []
@@ -94,6 +96,8 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
         "bytes": dict(stats.bytes),
         "calls": dict(stats.calls),
         "gathered_peak": stats.gathered_peak,
+        "collectives": dict(collectives),
+        "buckets": len(state.layout.buckets),
     }
 
 
@@ -120,6 +124,10 @@ CASES = [("mlp", s, 2, 1, when) for s in STRATEGIES for when in ("before", "fs")
     ("mlp", "optim_grads_params", 2, 1, "after"),
     ("mlp", "optim_grads_params", 2, 2, "before"),  # HSDP: 2 shards x 2 replicas
     ("gpt2", "optim_grads_params", 2, 1, "before"),  # recomputation in the unit's backward
+    ("mlp", "optim_grads", 2, 1, "both"),
+    ("mlp", "optim_grads_params", 2, 1, "both"),
+    ("mlp", "optim_grads_params", 2, 2, "fs"),  # HSDP captured, "replicate" after the graph
+    ("gpt2", "optim_grads_params", 2, 1, "fs"),  # HF's checkpointing inside the capture
 ]
 
 
@@ -139,25 +147,57 @@ def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, 
         assert err <= tol[name], (name, err, tol[name])
     first, *later = compiled["per_step"]
     # the user's block.compile(): one forward and one backward graph per block; funcshard's
-    # compile= compiles one call for all units, so identical blocks share one graph
-    # (the whole model: one graph)
-    graphs = 1 if compile_when in ("fs", "whole") else BLOCKS
+    # compile= compiles one call for all units (identical blocks share one graph), and under
+    # ZeRO-2/3 captures the whole microbatch, the user's blocks inlined (the whole model: one
+    # graph)
+    graphs = 1 if compile_when in (*BY_FS, "whole") else BLOCKS
     assert first == {"forward": graphs, "backward": graphs}, first
     assert all(counts == first for counts in later), compiled["per_step"]
     assert compiled["graph_breaks"] == {}, compiled["graph_breaks"]
     frames = compiled["frames"]  # every frame dynamo met was compiled, none left to eager
     assert frames["total"] == frames["ok"] == graphs, frames
+    if compile_when in BY_FS and strategy in ("optim_grads", "optim_grads_params"):
+        _check_captured(strategy, eager, compiled)
+        return
     assert compiled["bytes"] == eager["bytes"] and compiled["calls"] == eager["calls"]
     assert compiled["gathered_peak"] == eager["gathered_peak"]
     if strategy == "optim_grads_params":
         assert 0 < eager["gathered_peak"]
 
 
+def _check_captured(strategy: str, eager: dict, compiled: dict) -> None:
+    """The captured step: every bucket's all-gather (ZeRO-3) in the forward graph and its
+    reduce-scatter in the backward graph, as functional collectives; comm_stats counts what
+    they move: the eager run's reduce-scatters, metrics (and ZeRO-2's all-gathers after the
+    update), and under ZeRO-3 one all-gather per bucket and microbatch (eager ZeRO-3 gathers
+    again in backward; the captured graph keeps the gathered params instead)."""
+    n = compiled["buckets"]
+    gathers = n if strategy == "optim_grads_params" else 0
+    collectives = compiled["collectives"]
+    assert collectives.get(("forward", "all_gather_into_tensor"), 0) == gathers, collectives
+    assert collectives[("backward", "reduce_scatter_tensor")] == n, collectives
+    assert ("backward", "all_gather_into_tensor") not in collectives, collectives
+    assert ("forward", "reduce_scatter_tensor") not in collectives, collectives
+    for kind in eager["bytes"]:  # ZeRO-2's all-gathers: the compute copies after the update
+        if kind != "all_gather" or not gathers:
+            assert compiled["bytes"][kind] == eager["bytes"][kind], kind
+            assert compiled["calls"][kind] == eager["calls"][kind], kind
+    if gathers:
+        assert compiled["calls"]["all_gather"] == gathers * MICRO * STEPS
+        per_call = eager["bytes"]["all_gather"] / eager["calls"]["all_gather"]
+        assert compiled["bytes"]["all_gather"] == per_call * gathers * MICRO * STEPS
+
+
 def refusals_worker() -> list[str]:
     """What fs.init says of a compile= it cannot honour."""
     mesh = fs.make_mesh(device_type="cpu")
     errors = []
-    for kwargs in ({"compile": True, "deterministic": True}, {"compile": 3}):
+    for kwargs in (
+        {"compile": True, "deterministic": True},
+        {"compile": 3},
+        {"cuda_graphs": True},  # a CPU mesh
+        {"compile": "aot_eager", "cuda_graphs": True},
+    ):
         try:
             fs.init(models.make_model(n_blocks=BLOCKS), fs.optim.sgd(0.1), mesh=mesh, **kwargs)
         except (ValueError, TypeError) as e:
@@ -180,17 +220,115 @@ def refusals_worker() -> list[str]:
 
 def test_compile_refusals(pool2):
     """compile= with deterministic=True is a ValueError at fs.init saying why; a compile that
-    is no backend a TypeError naming what was given; under ZeRO-2/3 a model compiled as a whole
+    is no backend a TypeError naming what was given; cuda_graphs=True on a CPU mesh, or with a
+    backend other than inductor, a ValueError; under ZeRO-2/3 a model compiled as a whole
     (its units' hooks inside the compiled region; in place or a torch.compile(model) wrapper) a
     ValueError at fs.init, or at the step when compiled after it, saying to compile the blocks
     instead."""
-    deterministic, bad, *whole = pool2.run(refusals_worker)[0]
+    deterministic, bad, cpu_graphs, other_backend, *whole = pool2.run(refusals_worker)[0]
     assert deterministic.startswith("ValueError") and "deterministic=True" in deterministic
     assert "bitwise" in deterministic
     assert bad.startswith("TypeError") and "compile must be" in bad and "3" in bad
+    assert cpu_graphs.startswith("ValueError") and "CUDA mesh" in cpu_graphs, cpu_graphs
+    assert "'cpu'" in cpu_graphs, cpu_graphs
+    assert other_backend.startswith("ValueError") and "inductor" in other_backend, other_backend
     assert len(whole) == 6, whole
     for message in whole:
         assert "compiled as a whole" in message and "block.compile()" in message, message
+
+
+def not_captured_worker() -> dict:
+    """compile= on a ZeRO-3 layout the capture does not express (a bf16 param wire): the
+    warning fs.init gives, the graphs (per unit, no collective inside) and the eager params."""
+    import warnings
+
+    out = {}
+    for backend in (False, "fs"):
+        torch._dynamo.reset()
+        counts, collectives = collections.Counter(), collections.Counter()
+        model = models.make_model(n_blocks=BLOCKS)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = fs.init(
+                model,
+                fs.optim.sgd(0.1, momentum=0.9),
+                mesh=fs.make_mesh(device_type="cpu"),
+                policy=fs.MixedPrecisionPolicy(param_comm_dtype=torch.bfloat16),
+                compile=counting_backend(counts, collectives) if backend else False,
+            )
+        state = models.train(state, model, range(2), rows=ROWS, microbatches=MICRO)[0]
+        out[backend] = {
+            "warnings": [str(w.message) for w in caught if "compile=" in str(w.message)],
+            "counts": dict(counts),
+            "collectives": dict(collectives),
+            "params": fs.full_params(state),
+        }
+    return out if dist.get_rank() == 0 else {}
+
+
+def test_not_captured_warns_and_compiles_the_units(pool2):
+    """A layout the captured step cannot express warns at fs.init naming why (here the param
+    wire) and runs v4's regions: one forward and one backward graph for the units, no
+    collective inside them, the eager run's params."""
+    out = pool2.run(not_captured_worker)[0]
+    eager, compiled = out[False], out["fs"]
+    assert eager["warnings"] == [] and len(compiled["warnings"]) == 1, compiled["warnings"]
+    assert "param_comm_dtype=torch.bfloat16" in compiled["warnings"][0]
+    assert compiled["counts"] == {"forward": 1, "backward": 1}, compiled["counts"]
+    assert compiled["collectives"] == {}, compiled["collectives"]
+    assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-6
+
+
+def mixed_worker() -> dict:
+    """ZeRO-3 with bf16 compute over fp32 masters and main grads, half the buckets' optimizer
+    offloaded: eager, and captured by compile=. The params after two steps, the graphs'
+    collectives and the bytes."""
+    out = {}
+    for backend in (False, "fs"):
+        torch._dynamo.reset()
+        counts, collectives = collections.Counter(), collections.Counter()
+        model = models.make_model(n_blocks=BLOCKS)
+        state = fs.init(
+            model,
+            fs.optim.adamw(1e-2),
+            mesh=fs.make_mesh(device_type="cpu"),
+            policy=fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+            offload_fraction=0.5,
+            compile=counting_backend(counts, collectives) if backend else False,
+        )
+        with fs.comm_stats() as stats:
+            state = models.train(state, model, range(2), rows=ROWS, microbatches=MICRO)[0]
+        out[backend] = {
+            "params": fs.full_params(state),
+            "collectives": dict(collectives),
+            "reduce_scatter": stats.bytes["reduce_scatter"],
+        }
+    return out if dist.get_rank() == 0 else {}
+
+
+def test_captured_mixed_precision_and_offload(pool2):
+    """bf16 compute with fp32 main grads and an offloaded half are captured: the reduce-scatter
+    in the backward graph moves fp32 (the bytes of eager's), and the params match eager's to
+    bf16 rounding (the compiled backward may sum a gradient's contributions in another order)."""
+    out = pool2.run(mixed_worker)[0]
+    eager, compiled = out[False], out["fs"]
+    assert compiled["collectives"][("backward", "reduce_scatter_tensor")] > 0
+    assert compiled["reduce_scatter"] == eager["reduce_scatter"] > 0
+    assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-2
+
+
+def test_cuda_graphs_compile_is_inductors_reduce_overhead(monkeypatch) -> None:
+    """cuda_graphs=True compiles with inductor's CUDA graph trees (reduce-overhead's option),
+    beside the guard filter of the captured step's plan, in options (torch refuses a mode
+    beside options): what torch.compile is given, and that it takes it (not run: no GPU)."""
+    from funcshard.step.compiling import CudaGraphs, compile_fn
+
+    assert callable(compile_fn(lambda x: x + 1, CudaGraphs(), constants="plan"))
+    given = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: given.update(kw) or fn)
+    compile_fn(lambda x: x + 1, CudaGraphs(), constants="plan")
+    assert given["backend"] == "inductor" and "mode" not in given, given
+    assert given["options"]["triton.cudagraphs"] is True, given
 
 
 def wrapper_worker(strategy: str, directory: str) -> dict:
@@ -284,12 +422,13 @@ def test_plan_reads_the_compiled_wrapper_as_the_model():
 
 # --- CUDA: inductor's kernels (triton) under the unit hooks and CUDA streams ----------------------
 def cuda_compile_worker(strategy: str) -> dict:
-    """One GPU: eager, the user's compiled blocks and ``fs.init(compile="inductor")``, each
-    ``STEPS`` steps of SGD with momentum from one model. Returns each compiled run's largest
-    relative error against eager and dynamo's graph breaks."""
+    """One GPU: eager, the user's compiled blocks, ``fs.init(compile="inductor")`` (the
+    captured step under ZeRO-2/3) and the same with ``cuda_graphs=True``, each ``STEPS`` steps
+    of SGD with momentum from one model. Returns each compiled run's largest relative error
+    against eager, dynamo's graph breaks and the frames it compiled after the first step."""
     mesh = fs.make_mesh(shard=1, replicate=1, device_type="cuda")
     out: dict = {}
-    for when in (None, "blocks", "fs"):
+    for when in (None, "blocks", "fs", "cuda_graphs"):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         model = models.make_model(seed=5, n_blocks=BLOCKS).cuda()
@@ -301,12 +440,15 @@ def cuda_compile_worker(strategy: str) -> dict:
             fs.optim.sgd(0.1, momentum=0.9),
             mesh=mesh,
             strategy=strategy,
-            compile="inductor" if when == "fs" else False,
+            compile="inductor" if when in ("fs", "cuda_graphs") else False,
+            cuda_graphs=when == "cuda_graphs",
         )
         loss_fn = models.make_loss_fn(model)
+        frames = []
         for step in range(STEPS):
             batch = {k: v.cuda() for k, v in models.global_batch(step, ROWS).items()}
             state, _ = fs.train_step(state, batch, loss_fn, microbatches=MICRO)
+            frames.append(torch._dynamo.utils.counters["frames"]["total"])
         params = {k: v.cpu() for k, v in fs.full_params(state).items()}
         if when is None:
             eager = params
@@ -314,6 +456,7 @@ def cuda_compile_worker(strategy: str) -> dict:
         out[when] = {
             "error": models.max_rel_err(params, eager),
             "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
+            "recompiled": frames[-1] - frames[0],
         }
     return out
 
@@ -324,8 +467,12 @@ def cuda_compile_worker(strategy: str) -> dict:
 def test_cuda_inductor_blocks_match_eager(strategy: str) -> None:
     """Inductor's fused kernels sum in another order than eager's: fp32 rounding, ~1e-7
     relative per op, a few hundred ops over 3 steps; a wrong or stale param is off by
-    lr * grad, ~1e-2 relative. Allowed: 1e-4."""
+    lr * grad, ~1e-2 relative. Allowed: 1e-4. The captured step replayed as CUDA graphs
+    (``cuda_graphs=True``) too: a replay's outputs copied out before the next one overwrites
+    them, nothing compiled after the first step."""
     [result] = fs.launch(cuda_compile_worker, strategy, nproc=1)
+    assert set(result) == {"blocks", "fs", "cuda_graphs"}, result
     for when, r in result.items():
         assert r["graph_breaks"] == {}, (when, r)
         assert r["error"] < 1e-4, (when, r)
+        assert r["recompiled"] == 0, (when, r)

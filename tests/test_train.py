@@ -356,6 +356,25 @@ def test_train_compiles_its_blocks_with_the_eager_runs_results(tmp_path):
     assert all(r["step_s"] > 0 for r in compiled + eager)
 
 
+def test_train_captures_the_step_and_logs_each_graphs_compile(tmp_path):
+    """``--compile=aot_eager --compile_by=fs`` gives the backend to ``fs.init(compile=)``
+    (ZeRO-3: the captured step): the run finishes, and the log names the capture and each
+    graph's compile time (one forward and one backward graph)."""
+    out = _train(
+        "--nproc=2",
+        "--steps=2",
+        *TINY,
+        "--param_dtype=fp32",
+        "--compile=aot_eager",
+        "--compile_by=fs",
+        f"--out_dir={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "compiling the captured step: aot_eager" in out.stderr, out.stderr[-2000:]
+    assert "compile time: 1 forward graph(s)" in out.stderr, out.stderr[-2000:]
+    assert "1 backward graph(s)" in out.stderr, out.stderr[-2000:]
+
+
 def test_train_with_tensor_parallel_blocks_equals_the_data_parallel_run(tmp_path):
     """``--tensor=2 --nproc=4`` (each block's heads and MLP split by ``gpt.tensor_plan``, a
     tensor group sharing its batch: the same 2 data-parallel ranks) trains as ``--nproc=2``:

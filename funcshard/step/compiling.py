@@ -1,15 +1,20 @@
 """``fs.init(..., compile=...)``: what funcshard compiles of what it runs itself.
 
-The region is each gather unit's module call (``torch.compile`` of ``nn.Module._call_impl``,
-as ``module.compile()`` would compile it, with no hook inside: the unit's gather and release
-run around the compiled call, :func:`funcshard.step.units.run._around`'s way). One compiled call
-serves every unit, so identical blocks share one forward and one backward graph (the module
-is a graph input); a module the user compiled in place keeps the user's compile. Left eager:
-the gather's cast (none in fp32), the optimizer update (torch's fused AdamW kernel: faster
-than an inductor-compiled AdamW on a rank's shard, and under 1% of the step either way;
-docs/benchmarks.md) and the collectives (issued by the unit hooks,
-outside the graph: tracing them as functional collectives into one graph per unit,
-SimpleFSDP's shape, is left to do).
+Under ZeRO-2/3 the microbatch is captured whole (:mod:`funcshard.step.units.captured`): each
+bucket's all-gather (torch's functional collectives), the forward of ``loss_fn`` (blocks the
+user compiled in place are inlined into it), and in backward each bucket's reduce-scatter, in
+one forward and one backward graph. A layout the capture cannot express
+(:func:`capture_refusal`: a tensor-parallel model, a param wire, a narrow or 8-bit gradient
+wire, HFSDP) runs v4's regions instead, with a warning at ``fs.init`` naming why: each gather
+unit's module call compiled (``torch.compile`` of ``nn.Module._call_impl``, as
+``module.compile()`` would compile it), the unit's gather and release around the compiled
+call (:func:`funcshard.step.units.run._around`), one compiled call serving every unit. Under
+ZeRO-0/1 the units' module calls are compiled the same way. Left eager: the optimizer update
+(torch's fused kernels; docs/benchmarks.md measures an inductor-compiled AdamW beside them).
+
+``cuda_graphs=True`` (:class:`CudaGraphs`) compiles the same regions with inductor's
+``mode="reduce-overhead"`` (CUDA graph trees: static input buffers, graphs replayed); a CPU
+mesh raises ValueError.
 
 ``compile`` does not combine with ``deterministic=True``: the bitwise contract rests on every
 layout running the same eager kernels on the same chunk; a compiled unit's fusions are chosen
@@ -19,27 +24,146 @@ per graph by the compiler (and may change with its version or cache), so init re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Backend", "backend_of", "compiled_call", "compile_units", "unwrapped"]
+__all__ = [
+    "Backend",
+    "CudaGraphs",
+    "backend_of",
+    "capture_refusal",
+    "check_units",
+    "compile_fn",
+    "compiled_call",
+    "compile_units",
+    "unwrapped",
+]
 
-Backend = str | Callable[..., Any] | None
-"""A ``torch.compile`` backend (a name such as "inductor", or a callable), None: eager."""
+
+@dataclasses.dataclass(frozen=True)
+class CudaGraphs:
+    """``cuda_graphs=True``: inductor with ``mode="reduce-overhead"`` (CUDA graph trees)."""
+
+    backend: str = "inductor"
 
 
-def backend_of(compile: bool | str | Callable[..., Any] | None, *, deterministic: bool) -> Backend:
+Backend = str | Callable[..., Any] | CudaGraphs | None
+"""A ``torch.compile`` backend (a name such as "inductor", or a callable), :class:`CudaGraphs`
+(inductor replaying CUDA graphs), None: eager."""
+
+
+# torch 2.13's torch.compile(isolate_recompiles=); earlier torch (pyproject allows 2.11) lacks it
+_ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
+def compile_fn(
+    fn: Callable[..., Any], backend: Backend, *, constants: str | None = None
+) -> Callable[..., Any]:
+    """``torch.compile(fn)`` with ``backend`` (``CudaGraphs``: inductor's reduce-overhead).
+
+    ``constants``: the name of a variable ``fn`` closes over that holds an immutable tree of
+    Python constants (a layout's plan): dynamo's guards on its values are dropped, since
+    nothing can change them (thousands of int comparisons per call otherwise), and the
+    compile's entries are its own (``isolate_recompiles``, where torch has it)."""
+    kw: dict[str, Any] = {}
+    if constants is not None and _ISOLATES:
+        # one code object serves every plan: each compile keeps its own entries, so that
+        # dropping the plan's guards cannot hand one plan's graphs to another (nor do many
+        # states in one process exhaust one shared recompile limit); without isolation
+        # (earlier torch) the guards stay
+        kw["isolate_recompiles"] = True
+        names = (constants, f"L[{constants!r}]")  # a closure's variable, a local
+        kw["options"] = {
+            "guard_filter_fn": lambda entries: [
+                not any(e.name == n or e.name.startswith(n + "[") for n in names) for e in entries
+            ]
+        }
+    if isinstance(backend, CudaGraphs):
+        # mode="reduce-overhead" is these options (torch refuses a mode beside options)
+        kw["options"] = {**kw.get("options", {}), "triton.cudagraphs": True}
+        return torch.compile(fn, backend=backend.backend, **kw)
+    return torch.compile(fn, backend=backend, **kw)
+
+
+def capture_refusal(layout: Any) -> str | None:
+    """Why the captured step (:mod:`funcshard.step.units.captured`) cannot run ``layout``'s
+    ZeRO-2/3 microbatch, None when it can."""
+    from funcshard.comm.params import param_wire
+    from funcshard.comm.wires import is_narrow
+
+    if layout.tensor.leaves:  # a model-parallel axis splits some of its params
+        return "a tensor-parallel model (its DTensor params are not traced as gathers yet)"
+    if layout.hierarchical:
+        return "HFSDP (outer_strategy='optim': its masters' packed inner shards)"
+    for b in layout.buckets:
+        if param_wire(layout, b) is not None:
+            return f"param_comm_dtype={layout.policy.param_comm_dtype} (a packed param wire)"
+        if is_narrow(b.dtypes.comm, b.dtypes.grad):
+            return (
+                f"grad_comm_dtype={b.dtypes.comm} (a narrow wire: rounded once, summed in fp32 "
+                "by an exchange of blocks)"
+            )
+    return None
+
+
+def check_units(model: nn.Module, layout: Any, backend: Backend) -> None:
+    """``fs.init``'s checks of a ZeRO-2/3 layout's units against what is compiled: no
+    compiled region around them (:func:`check_not_compiled_around_units`), and a warning
+    where ``compile=`` cannot capture the step (:func:`warn_not_captured`)."""
+    if layout.strategy.runs_units:
+        check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
+        warn_not_captured(layout, backend)
+
+
+def warn_not_captured(layout: Any, backend: Backend) -> None:
+    """Warns (at ``fs.init``) where ``compile=`` under ZeRO-2/3 runs v4's per-unit regions,
+    the collectives outside the graphs, instead of the captured step, naming why."""
+    why = None if backend is None else capture_refusal(layout)
+    if why is not None:
+        warnings.warn(
+            f"init: compile= captures a ZeRO-2/3 step's collectives in its graphs, but not "
+            f"with {why}; each gather unit's module call is compiled instead, its gather and "
+            "reduce-scatter outside the graph",
+            stacklevel=4,
+        )
+
+
+def backend_of(
+    compile: bool | str | Callable[..., Any] | None,
+    *,
+    deterministic: bool,
+    cuda_graphs: bool = False,
+    mesh: Any = None,
+) -> Backend:
     """The backend ``fs.init``'s ``compile`` argument names: True = "inductor", False or None
-    = eager, a string or callable = that ``torch.compile`` backend.
+    = eager, a string or callable = that ``torch.compile`` backend; with ``cuda_graphs`` (on
+    ``mesh``, a CUDA one), :class:`CudaGraphs` (inductor, also when ``compile`` is False).
 
     Raises:
       TypeError: any other value.
-      ValueError: a backend with ``deterministic=True``.
+      ValueError: a backend with ``deterministic=True``; ``cuda_graphs`` on a mesh that is not
+        CUDA's, or with a backend other than inductor.
     """
+    if cuda_graphs:
+        if compile not in (None, False, True, "inductor"):
+            raise ValueError(
+                f"init: cuda_graphs=True compiles with inductor (mode='reduce-overhead'); "
+                f"compile={compile!r} names another backend"
+            )
+        device_type = getattr(mesh, "device_type", None)
+        if device_type != "cuda":
+            raise ValueError(
+                f"init: cuda_graphs=True needs a CUDA mesh; this mesh's device is "
+                f"{device_type!r} (CUDA graphs replay kernels captured on a GPU)"
+            )
+        compile = "inductor"
     if compile is None or compile is False:
         return None
     if compile is True:
@@ -59,14 +183,14 @@ def backend_of(compile: bool | str | Callable[..., Any] | None, *, deterministic
             "contract across layouts rests on the same eager kernels on every layout, and a "
             "compiled unit's fused kernels are the compiler's choice; pass one or the other"
         )
-    return backend
+    return CudaGraphs() if cuda_graphs else backend
 
 
 @functools.cache
 def _compiled_impl(backend: Backend) -> Callable[..., Any]:
     """``nn.Module._call_impl`` compiled once per backend (dynamo's cache is per code object
     anyway, guarded per module): called with the module first."""
-    return torch.compile(nn.Module._call_impl, backend=backend)
+    return compile_fn(nn.Module._call_impl, backend)
 
 
 def compiled_call(module: nn.Module, backend: Backend) -> Callable[..., Any] | None:

@@ -27,7 +27,7 @@ from funcshard.parallel import tensor as tp_lib
 from funcshard.state import replica_check
 from funcshard.state.derive import derive_compute, pack_masters
 from funcshard.state.state import LossScale, Static, TrainState
-from funcshard.step.compiling import backend_of, check_not_compiled_around_units, unwrapped
+from funcshard.step.compiling import backend_of, check_units, unwrapped
 
 __all__ = ["init"]
 
@@ -46,6 +46,7 @@ def init(
     compile: bool | str | Callable[..., Any] = False,
     fault_tolerance: FaultTolerance | None = None,
     check_replicas_every: int = 0,
+    cuda_graphs: bool = False,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -74,11 +75,11 @@ def init(
         state are sharded over replicate x shard (1/(R*S) per rank); gradient shards are
         reduce-scattered over "replicate" once per step, after the last microbatch, and the
         updated compute params all-gathered over it once per step.
-      compile: True ("inductor"), a ``torch.compile`` backend name or callable: funcshard
-        runs each gather unit's module compiled (the user's own ``module.compile()`` where
-        there is one), its gather and reduce around the compiled call (see
-        :mod:`funcshard.step.compiling`); recorded in the state's static metadata
-        (``state.compile``).
+      compile: True ("inductor"), a ``torch.compile`` backend name or callable: under
+        ZeRO-2/3 a microbatch's gathers, ``loss_fn`` and reduce-scatters in one forward and
+        one backward graph (where the layout allows; else, with a warning, and under ZeRO-0/1
+        each unit's module call: :mod:`funcshard.step.compiling`); recorded in the state's
+        static metadata (``state.compile``).
       fault_tolerance: this rank's replica group joins the others through torchft
         (:mod:`funcshard.fault.replicas`): every step averages the gradients over the groups of its
         quorum. A group behind its peers (one that restarts) heals from a live peer here: the
@@ -87,6 +88,7 @@ def init(
         from the peers when it is behind them).
       check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
         an input state whose step is a positive multiple of N, before donating it; 0: never.
+      cuda_graphs: inductor's ``mode="reduce-overhead"`` (CUDA graph trees); off CUDA, ValueError.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
@@ -103,7 +105,7 @@ def init(
             "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
         )
     every = replica_check.period(check_replicas_every)
-    backend = backend_of(compile, deterministic=deterministic)
+    backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
     policy = policy or MixedPrecisionPolicy()
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
     tensor = tp_lib.read_model(model, mesh_lib.tensor_axis(mesh))
@@ -122,8 +124,7 @@ def init(
         outer_strategy=outer_strategy,
         tensor=tensor,
     )
-    if layout.strategy.runs_units:
-        check_not_compiled_around_units(given, layout.units[1:], layout.strategy)
+    check_units(given, layout, backend)
     if layout.hierarchical:
         mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
     master = pack_masters(layout, named)

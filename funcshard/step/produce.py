@@ -15,57 +15,24 @@ whether they are already reduced over the shard axis.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from funcshard.comm.grads import ReplicateAxis
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
-from funcshard.step.compiling import Backend
+from funcshard.step.compiling import Backend, capture_refusal
 from funcshard.step.functional import StepParams
 from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.units import UnitRun
+from funcshard.step.units.captured import CapturedGrads
+from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
 
 __all__ = ["GradProducer", "ReplicatedGrads", "UnitGrads", "producer_for", "loss_and_aux"]
 
 LossFn = Callable[[Any, Any], Any]
-
-
-def loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
-    """Splits what ``loss_fn`` returned into a 0-d loss and its aux (None when absent). The
-    loss may be a DTensor (torch's ``loss_parallel``): its backward runs as a DTensor's."""
-    loss, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"loss_fn must return a scalar tensor or (loss, aux); got {type(loss)}")
-    return loss.reshape(()), aux
-
-
-def reported(loss: torch.Tensor) -> torch.Tensor:
-    """The loss's value as the step sums it: a plain tensor, a DTensor's full value."""
-    loss = loss.detach()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
-@contextlib.contextmanager
-def dtensor_backward(loss: torch.Tensor) -> Iterator[None]:
-    """Around a backward of ``loss``: a DTensor loss whose backward meets a plain tensor (a
-    cross-entropy made under ``loss_parallel``, whose context is left) raises ValueError
-    saying where the context belongs."""
-    try:
-        yield
-    except RuntimeError as e:
-        if not isinstance(loss, DTensor) or "got mixed torch.Tensor and DTensor" not in str(e):
-            raise
-        raise ValueError(
-            "train_step: loss_fn returned a DTensor loss whose backward meets plain tensors: "
-            "torch's loss_parallel needs its backward inside the context too, and funcshard "
-            "runs the backward after loss_fn returns; call the step inside it "
-            "(with loss_parallel(): fs.train_step(...)) rather than inside loss_fn"
-        ) from e
 
 
 class GradProducer(Protocol):
@@ -190,16 +157,19 @@ def producer_for(
     backend: Backend = None,
 ) -> GradProducer:
     """The producer of ``layout``'s strategy over a state's masters and compute copies; with
-    ``backend`` (``fs.init``'s compile), unit modules run compiled.
+    ``backend`` (``fs.init``'s compile), ZeRO-2/3's microbatch runs captured
+    (:class:`~funcshard.step.units.captured.CapturedGrads`) where the layout allows, else
+    unit modules run compiled.
 
     ZeRO-3 casts each device bucket's shard from its master once per step (an offloaded
     bucket keeps a device compute shard, derived by ``offload_step``)."""
     if not layout.strategy.runs_units:
         return ReplicatedGrads(layout, compute, backend)
-    if not layout.strategy.shards_params:
-        return UnitGrads(layout, compute, backend)
-    shards = [
-        c if c is not None else m.to(layout.device, b.dtypes.compute)
-        for b, m, c in zip(layout.buckets, master, compute, strict=True)
-    ]
-    return UnitGrads(layout, shards, backend)
+    if layout.strategy.shards_params:
+        compute = [
+            c if c is not None else m.to(layout.device, b.dtypes.compute)
+            for b, m, c in zip(layout.buckets, master, compute, strict=True)
+        ]
+    if backend is not None and capture_refusal(layout) is None:
+        return CapturedGrads(layout, compute, backend)
+    return UnitGrads(layout, compute, backend)

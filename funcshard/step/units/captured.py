@@ -1,0 +1,210 @@
+"""The captured step (``fs.init(compile=...)`` under ZeRO-2/3): a microbatch's gathers, its
+forward (the whole ``loss_fn``) and, in backward, its reduce-scatters, in the compiled graphs.
+
+SimpleFSDP's shape on funcshard's buckets: one compiled function takes every bucket's
+compute shard (ZeRO-3) or replicated full buffer (ZeRO-2) and a *carrier* per bucket (a
+zero-stride zero in the bucket's main-grads dtype, of its shard's size, the only input that
+requires grad), and runs :class:`_Gather` per bucket, then ``loss_fn`` on plain
+``{name: view}`` params. ``_Gather`` is an autograd function dynamo traces whole: its forward
+all-gathers the shard over the shard axis with torch's functional collectives
+(``_c10d_functional.all_gather_into_tensor``, ZeRO-3) and hands out each leaf's full param;
+its backward concatenates their gradients into rank sections, casts them to the wire
+(``grad_comm_dtype``), divides by the data-parallel size and reduce-scatters it
+(``_c10d_functional.reduce_scatter_tensor``), in the main-grads dtype: the carrier's gradient
+is this rank's reduced shard. AOTAutograd splits the result into one forward and one backward
+graph, collectives inside each, for the compiler to fuse, bucket and reorder.
+
+With ``cuda_graphs=True`` the two graphs are inductor's CUDA graph trees
+(``mode="reduce-overhead"``): each microbatch marks a new step, and the loss and the reduced
+shards a replay returns are copied out of the graphs' static buffers before the next replay.
+NCCL collectives are captured inside the graphs as torchtitan captures them. Unverified on
+hardware: written where no GPU was lent; ``tests/test_compile.py``'s CUDA test checks it.
+
+What stays outside the graphs: the replicate-axis reduction of HSDP (issued per bucket once
+backward is over, as the step's :class:`~funcshard.comm.grads.ReplicateAxis` orders it), the
+optimizer update and the metrics. The gathered params a backward needs are saved by the
+forward graph (AOTAutograd's partitioner keeps them; it does not re-gather): the backward
+re-gather of eager ZeRO-3 does not happen, so a captured ZeRO-3 step moves one all-gather per
+bucket and microbatch, not two, and holds the microbatch's gathered params from its forward
+to its backward. ``fs.comm_stats`` counts what the graphs move, per call, from the layout
+(the collectives in the graphs are fixed by it): an all-gather of each bucket in forward
+(ZeRO-3), a reduce-scatter of each bucket that got a gradient in backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from funcshard.comm.grads import ReplicateAxis
+from funcshard.distributed import ops
+from funcshard.layout.layout import Layout
+from funcshard.step.compiling import Backend, CudaGraphs, compile_fn
+from funcshard.step.reduction import AddInto, Grads, Sink
+from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
+
+__all__ = ["CapturedGrads"]
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: a bucket's full params, one tensor per leaf (``leaves``: each one's numel,
+    shape and shard numel). Backward: this rank's shard of the mean of their gradients over
+    the data-parallel ranks, in the carrier's dtype.
+
+    One output per leaf, not the full flat buffer sliced after: the gradients then meet in one
+    concatenation into rank sections, where slices of one flat output would each be scattered
+    into a bucket-sized zero buffer and summed (a fused kernel that reads every leaf's
+    gradient for every element of the bucket)."""
+
+    @staticmethod
+    def forward(ctx, buffer, carrier, group, S, leaves, gather, dp, wire):
+        ctx.group, ctx.S, ctx.leaves, ctx.dp, ctx.wire = group, S, leaves, dp, wire
+        ctx.dtype = carrier.dtype
+        if gather and S > 1:
+            gathered = funcol.all_gather_tensor(buffer, 0, group).view(S, -1)
+            pieces = gathered.split([n for _, _, n in leaves], dim=1)
+            return tuple(
+                p.reshape(-1)[:numel].view(shape)
+                for p, (numel, shape, _) in zip(pieces, leaves, strict=True)
+            )
+        # ZeRO-2's replicated full buffer (each leaf's rank pieces adjacent), or one shard
+        outs, start = [], 0
+        for numel, shape, n in leaves:
+            outs.append(buffer[start : start + numel].view(shape))
+            start += S * n
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        S, flats = ctx.S, []
+        for g, (numel, _, n) in zip(grads, ctx.leaves, strict=True):
+            flat = g.reshape(-1) if g is not None else carrier_zeros(numel, grads)
+            if S * n > numel:  # the leaf's padding rows
+                flat = torch.cat([flat, flat.new_zeros(S * n - numel)])
+            flats.append(flat.view(S, n))
+        # rank sections: section r holds every leaf's piece r
+        x = torch.cat(flats, dim=1).view(-1).to(ctx.wire)
+        if ctx.dp > 1:
+            x = x / ctx.dp
+        if S > 1:
+            x = funcol.reduce_scatter_tensor(x, "sum", 0, ctx.group)
+        return None, x.to(ctx.dtype), None, None, None, None, None, None
+
+
+def carrier_zeros(numel: int, grads: tuple) -> torch.Tensor:
+    """Zeros standing for a leaf's absent gradient, like the others'."""
+    ref = next(g for g in grads if g is not None)
+    return ref.new_zeros(numel)
+
+
+def _captured(layout: Layout) -> Callable[..., Any]:
+    """The function the compiler traces: the buckets' gathers, then ``loss_fn`` (an argument:
+    dynamo guards on its code and closure, so a loss made anew each step reuses the graphs)."""
+    S, gather = layout.shard_size, layout.strategy.shards_params
+    group = layout.shard_group.group_name if S > 1 else None
+    plan = []
+    for b in layout.buckets:
+        specs = layout.bucket_leaves(b)
+        offsets = [sum(s.shard_numel for s in specs[:i]) for i in range(len(specs))]
+        assert [s.offset for s in specs] == offsets, "a bucket's leaves packed in order"
+        leaves = tuple((s.numel, tuple(s.shape), s.shard_numel) for s in specs)
+        meta = (group, S, leaves, gather, layout.dp_size, b.dtypes.comm)
+        plan.append((tuple(s.name for s in specs), meta))
+
+    def step(loss_fn, buffers, carriers, batch):
+        params = {}
+        for (names, meta), buffer, carrier in zip(plan, buffers, carriers, strict=True):
+            params.update(zip(names, _Gather.apply(buffer, carrier, *meta), strict=True))
+        return loss_and_aux(loss_fn(params, batch))
+
+    return step
+
+
+# layout -> backend -> the compiled step; weak on the layout, so that a state let go takes
+# its graphs with it. Each layout's compile keeps its own entries (``compile_fn``'s
+# ``constants``): the guards on its plan are dropped, so no other layout may share them.
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled(layout: Layout, backend: Backend) -> Callable:
+    by_backend = _CACHE.setdefault(layout, {})
+    key = id(backend) if callable(backend) else backend
+    if key not in by_backend:
+        by_backend[key] = compile_fn(_captured(layout), backend, constants="plan")
+    return by_backend[key]
+
+
+def _count(layout: Layout, kind: str, buckets: list[int], dtype_of: Callable) -> None:
+    """Counts in ``fs.comm_stats`` what the graphs moved over the shard axis: each bucket's
+    full buffer (an all-gather's output, a reduce-scatter's input)."""
+    S = layout.shard_size
+    if S == 1:
+        return
+    for i in buckets:
+        b = layout.buckets[i]
+        full = torch.empty((), dtype=dtype_of(b)).expand(S * b.numel)
+        ops.record(kind, full, layout.shard_axis)
+
+
+class CapturedGrads:
+    """ZeRO-2/3 with the microbatch in the compiled graphs (the module docstring)."""
+
+    shard_reduced = True
+
+    def __init__(self, layout: Layout, buffers: list[torch.Tensor] | tuple, backend: Backend):
+        self.layout = layout
+        self.buffers = tuple(buffers)
+        self.backend = backend
+
+    def microbatch(
+        self,
+        batch: Any,
+        loss_fn: Callable[..., Any],
+        scale: float,
+        sink: Sink,
+        replicate: ReplicateAxis | None = None,
+    ) -> tuple[torch.Tensor, Any, Grads]:
+        assert isinstance(sink, AddInto), "a captured step adds into one accumulator"
+        layout = self.layout
+        buckets = list(range(len(layout.buckets)))
+        carriers = [
+            torch.zeros(1, dtype=b.dtypes.grad, device=layout.device)
+            .expand(b.numel)
+            .detach()
+            .requires_grad_()
+            for b in layout.buckets
+        ]
+        step = _compiled(layout, self.backend)
+        if layout.strategy.shards_params:
+            _count(layout, "all_gather", buckets, lambda b: b.dtypes.compute)
+        replayed = isinstance(self.backend, CudaGraphs)
+        if replayed:  # a new microbatch: the last replay's outputs may be overwritten now
+            torch.compiler.cudagraph_mark_step_begin()
+        loss, aux = step(loss_fn, self.buffers, carriers, batch)
+        if replayed:  # a replay's outputs live in the graph's static buffers: keep copies
+            loss = loss.clone()
+        with dtensor_backward(loss):
+            grads = torch.autograd.grad(loss * scale, carriers, allow_unused=True)
+        reached = [i for i, g in enumerate(grads) if g is not None]
+        _count(layout, "reduce_scatter", reached, lambda b: b.dtypes.comm)
+        acc = sink.acc if sink.acc is not None else [None] * len(buckets)
+        for i in reached:
+            if acc[i] is None:
+                grad = grads[i].to(layout.buckets[i].dtypes.grad)
+                acc[i] = grad.clone() if replayed and grad is grads[i] else grad
+            else:
+                acc[i].add_(grads[i])
+        if replicate is not None and replicate.on_wire:  # HSDP: each bucket's sum is final
+            for i in buckets:
+                if acc[i] is None:
+                    acc[i] = torch.zeros(
+                        layout.buckets[i].numel,
+                        dtype=layout.buckets[i].dtypes.grad,
+                        device=layout.device,
+                    )
+                replicate.start(i, acc[i])
+        return reported(loss), aux, acc

@@ -1,0 +1,46 @@
+"""What ``loss_fn`` returned, as the producers read it: the loss and its aux, the value the step
+sums, and the backward of a DTensor loss."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["loss_and_aux", "reported", "dtensor_backward"]
+
+
+def loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
+    """Splits what ``loss_fn`` returned into a 0-d loss and its aux (None when absent). The
+    loss may be a DTensor (torch's ``loss_parallel``): its backward runs as a DTensor's."""
+    loss, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"loss_fn must return a scalar tensor or (loss, aux); got {type(loss)}")
+    return loss.reshape(()), aux
+
+
+def reported(loss: torch.Tensor) -> torch.Tensor:
+    """The loss's value as the step sums it: a plain tensor, a DTensor's full value."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+@contextlib.contextmanager
+def dtensor_backward(loss: torch.Tensor) -> Iterator[None]:
+    """Around a backward of ``loss``: a DTensor loss whose backward meets a plain tensor (a
+    cross-entropy made under ``loss_parallel``, whose context is left) raises ValueError
+    saying where the context belongs."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not isinstance(loss, DTensor) or "got mixed torch.Tensor and DTensor" not in str(e):
+            raise
+        raise ValueError(
+            "train_step: loss_fn returned a DTensor loss whose backward meets plain tensors: "
+            "torch's loss_parallel needs its backward inside the context too, and funcshard "
+            "runs the backward after loss_fn returns; call the step inside it "
+            "(with loss_parallel(): fs.train_step(...)) rather than inside loss_fn"
+        ) from e
