@@ -166,6 +166,10 @@ flags.DEFINE_integer("n_layer", 2, "Transformer blocks.", lower_bound=1)
 flags.DEFINE_integer("n_head", 4, "Attention heads.", lower_bound=1)
 flags.DEFINE_integer("d_model", 64, "Model width.", lower_bound=1)
 flags.DEFINE_bool("tied", True, "Tie the output head to the token embedding.")
+flags.DEFINE_integer(
+    "experts", 0, "Experts per block (a mixture-of-experts GPT); 0: dense MLPs.", lower_bound=0
+)
+flags.DEFINE_integer("top_k", 2, "Experts each token is routed to (with --experts).", lower_bound=1)
 flags.DEFINE_integer("vocab", 16, "Vocabulary of the synthetic Markov source.", lower_bound=2)
 flags.DEFINE_float(
     "concentration", 0.1, "Dirichlet concentration of the Markov rows.", lower_bound=1e-6
@@ -312,6 +316,10 @@ def _check_world(world: int) -> None:
             f"--batch_size={FLAGS.batch_size} must be divisible by the data-parallel size "
             f"{dp_world} x --microbatches={microbatches}"
         )
+    if FLAGS.experts and FLAGS.top_k > FLAGS.experts:
+        _fail(f"--top_k={FLAGS.top_k} exceeds --experts={FLAGS.experts}")
+    if FLAGS.experts and tensor > 1:
+        _fail("--experts with --tensor: the tensor plan splits dense MLPs (fc, out) only")
     if FLAGS.d_model % FLAGS.n_head:
         _fail(f"--d_model={FLAGS.d_model} must be divisible by --n_head={FLAGS.n_head}")
     if _use_cuda() and not _under_torchrun() and world > torch.cuda.device_count():
