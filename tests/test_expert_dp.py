@@ -14,13 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import funcshard as fs
 from funcshard.distributed import mesh as mesh_lib
 from funcshard.distributed.dims import MeshDims
 
 import helpers_experts as moe
+from helpers_errors import error_text
 
 STEPS = 2
 ROWS = 16  # 4 a rank, 2 microbatches of 2
@@ -139,3 +142,93 @@ def test_mesh_dims_refuse_an_expert_degree_that_does_not_divide_shard() -> None:
         MeshDims(1, 3, 1, 2)
     dims = MeshDims.resolve(8, shard=4, replicate=2, expert=2)
     assert dims.shape == (2, 2, 2) and dims.expert_dp_size == 4 and dims.dp_size == 8
+
+
+def _state_on(mesh_name: str | None, seed: int):
+    """A fresh state of the MoE on ``mesh_name``, or of the plain model on shard 4."""
+    if mesh_name is not None:
+        return _ep_state(mesh_name, "optim_grads_params", seed=seed)[:2]
+    model = moe.make_model(seed)
+    mesh = fs.make_mesh(shard=4, device_type="cpu")
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+    return fs.init(model, opt, mesh=mesh, strategy="optim_grads_params"), model
+
+
+def checkpoint_worker(root: str) -> dict:
+    state, model = _state_on("S4E2", seed=3)
+    state, _ = moe.train(state, model, range(1), rows=ROWS)
+    saved = fs.full_params(state)
+    fs.save(f"{root}/e2", state)
+    state, _ = moe.train(state, model, range(1, 2), rows=ROWS)
+    on = {"E2": fs.full_params(state)}
+    restored, after = {}, {}
+    for name, mesh_name in (("E4", "S4E4"), ("plain", None), ("R2S2E2", "R2S2E2")):
+        fresh, model = _state_on(mesh_name, seed=11)
+        fresh = fs.restore(f"{root}/e2", like=fresh)
+        restored[name] = fs.full_params(fresh)
+        fresh, _ = moe.train(fresh, model, range(1, 2), rows=ROWS)
+        after[name] = fs.full_params(fresh)
+        if name == "plain":  # and back from the plain model onto E4
+            fs.save(f"{root}/plain", fresh)
+            back, model = _state_on("S4E4", seed=12)
+            after["plain->E4"] = fs.full_params(fs.restore(f"{root}/plain", like=back))
+    rel = lambda a, b: max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b)
+    return {
+        "restored_bitwise": all(
+            torch.equal(r[n], saved[n]) for r in restored.values() for n in saved
+        ),
+        "shapes": {n: tuple(t.shape) for n, t in restored["E4"].items()},
+        "trains_on": max(rel(after[k], on["E2"]) for k in ("E4", "plain", "R2S2E2")),
+        "plain_back_bitwise": all(
+            torch.equal(after["plain->E4"][n], after["plain"][n]) for n in saved
+        ),
+    }
+
+
+def test_checkpoints_are_global_and_restore_onto_any_expert_degree(pool4, tmp_path) -> None:
+    """E2 -> E4, -> the plain model (and back onto E4), -> R2 x S2 x E2: the restored params
+    are the saved ones bit for bit, experts as (num_experts, ...), and each trains on as the
+    run that never stopped (momentum restored; the sums' order differs across E)."""
+    for r in pool4.run(checkpoint_worker, str(tmp_path)):
+        assert r["restored_bitwise"] and r["plain_back_bitwise"], r
+        assert r["shapes"]["experts.w1"] == (moe.EXPERTS, moe.DIM, moe.HIDDEN)
+        assert r["trains_on"] < 1e-6, r
+
+
+def _init(model, mesh):
+    return fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy="optim_grads_params")
+
+
+def bad_input_worker() -> dict:
+    mesh = fs.make_mesh(shard=4, expert=2, device_type="cpu")
+    other = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("x", "expert"))  # other pairs
+    errors = {"E3": error_text(lambda: fs.make_mesh(shard=4, expert=3, device_type="cpu"))}
+    model = moe.place_experts(moe.make_model(), other["expert"])
+    errors["other_mesh"] = error_text(lambda: _init(model, mesh))
+    model = moe.place_experts(moe.make_model(), mesh["expert"])
+    errors["no_expert_axis"] = error_text(lambda: _init(model, fs.make_mesh(device_type="cpu")))
+    model = moe.make_model()
+    w = torch.randn(3, moe.DIM, moe.HIDDEN)  # 3 experts on 2 expert ranks
+    model.experts.w1 = nn.Parameter(distribute_tensor(w, mesh["expert"], [Shard(0)]))
+    errors["uneven_experts"] = error_text(lambda: _init(model, mesh))
+    model = moe.make_model()
+    w = model.experts.w1.data
+    model.experts.w1 = nn.Parameter(distribute_tensor(w, mesh["expert"], [Replicate()]))
+    errors["replicated"] = error_text(lambda: _init(model, mesh))
+    return errors
+
+
+def test_bad_input_is_named(pool4) -> None:
+    errors = pool4.run(bad_input_worker)[0]
+    assert (
+        "ValueError" in errors["E3"]
+        and "expert=3 must be >= 1 and divide shard=4" in (errors["E3"])
+    )
+    for key in ("other_mesh", "no_expert_axis"):
+        assert errors[key].startswith("ValueError: parameter 'experts.w1'"), errors[key]
+        assert "expected experts on mesh['expert']" in errors[key], errors[key]
+    assert (
+        "expert=2 must divide the number of experts (dim 0 of (3, 8, 12))"
+        in (errors["uneven_experts"])
+    )
+    assert "experts stacked on dim 0 as Shard(0)" in errors["replicated"], errors["replicated"]
