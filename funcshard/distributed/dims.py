@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["MeshDims", "DATA_AXES", "TENSOR"]
+__all__ = ["MeshDims", "DATA_AXES", "TENSOR", "EXPERT", "SHARD_OUTER"]
 
 DATA_AXES = ("replicate", "shard")
 TENSOR = "tensor"
+EXPERT = "expert"
+SHARD_OUTER = "shard_outer"  # the shard ranks of one expert index: "shard" = shard_outer x expert
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,20 +27,42 @@ class MeshDims:
     (2, 4, ('replicate', 'shard', 'tensor'), (2, 2, 2))
     >>> MeshDims.resolve(4).has_tensor, MeshDims.resolve(4).names
     (False, ('replicate', 'shard'))
+
+    ``expert = E > 1`` carves the expert axis out of "shard", innermost within it (shard rank
+    ``s = s_outer * E + e``): the DeviceMesh is then ``(R, S / E, E[, T])`` named
+    ``("replicate", "shard_outer", "expert"[, "tensor"])``, "shard" their flattened pair, the
+    global rank the same as without it.
+
+    >>> dims = MeshDims.resolve(8, shard=4, replicate=2, expert=2)
+    >>> dims.names, dims.shape, dims.expert_dp_size
+    (('replicate', 'shard_outer', 'expert'), (2, 2, 2), 4)
     """
 
     replicate: int
     shard: int
     tensor: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("replicate", "shard", "tensor"):
+        for axis in ("replicate", "shard", "tensor", "expert"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis} must be >= 1, got {getattr(self, axis)}")
+        if self.shard % self.expert:
+            raise ValueError(
+                f"expert={self.expert} must divide shard={self.shard}: the expert axis is "
+                "carved out of the shard axis"
+            )
 
     @classmethod
     def resolve(
-        cls, world: int, *, shard: int = -1, replicate: int = 1, tensor: int = 1, who: str = "mesh"
+        cls,
+        world: int,
+        *,
+        shard: int = -1,
+        replicate: int = 1,
+        tensor: int = 1,
+        expert: int = 1,
+        who: str = "mesh",
     ) -> MeshDims:
         """The dims of a world of ``world`` ranks; ``shard=-1``: what the other axes leave.
 
@@ -62,7 +86,12 @@ class MeshDims:
                 f"{who}: shard ({shard}) x replicate ({replicate}) x tensor ({tensor}) must "
                 f"equal the world size {world}"
             )
-        return cls(replicate, shard, tensor)
+        if expert < 1 or shard % expert:
+            raise ValueError(
+                f"{who}: expert={expert} must be >= 1 and divide shard={shard} (the expert axis "
+                "is carved out of the shard axis: shard rank s = s_outer * expert + e)"
+            )
+        return cls(replicate, shard, tensor, expert)
 
     @property
     def world(self) -> int:
@@ -83,10 +112,24 @@ class MeshDims:
         return self.tensor > 1
 
     @property
+    def has_experts(self) -> bool:
+        return self.expert > 1
+
+    @property
+    def expert_dp_size(self) -> int:
+        """The ranks holding one expert index: the data-parallel ranks of an expert weight."""
+        return self.replicate * self.shard // self.expert
+
+    @property
     def names(self) -> tuple[str, ...]:
         """The DeviceMesh's axis names, outermost first."""
-        return (*DATA_AXES, TENSOR) if self.has_tensor else DATA_AXES
+        data = ("replicate", SHARD_OUTER, EXPERT) if self.has_experts else DATA_AXES
+        return (*data, TENSOR) if self.has_tensor else data
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.replicate, self.shard, self.tensor)[: len(self.names)]
+        if self.has_experts:
+            data = (self.replicate, self.shard // self.expert, self.expert)
+        else:
+            data = (self.replicate, self.shard)
+        return (*data, self.tensor) if self.has_tensor else data

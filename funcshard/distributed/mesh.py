@@ -1,5 +1,6 @@
 """Device meshes: a torch DeviceMesh with axes ("replicate", "shard"), and "tensor" innermost
-when the model is tensor-parallel."""
+when the model is tensor-parallel; with experts, "shard" is the flattened pair ("shard_outer",
+"expert") (:class:`~funcshard.distributed.dims.MeshDims`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import datetime
 import gc
 import itertools
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from funcshard.distributed.dims import DATA_AXES, TENSOR, MeshDims
+from funcshard.distributed.dims import DATA_AXES, EXPERT, SHARD_OUTER, TENSOR, MeshDims
 
 __all__ = [
     "make_mesh",
@@ -31,6 +33,7 @@ __all__ = [
     "hold",
     "data_parallel",
     "tensor_axis",
+    "expert_axis",
 ]
 
 
@@ -39,6 +42,7 @@ def make_mesh(
     replicate: int = 1,
     tensor: int | str | None = 1,
     device_type: str | None = None,
+    expert: int = 1,
 ) -> DeviceMesh:
     """Builds the ("replicate", "shard") mesh over all ranks, or ("replicate", "shard",
     "tensor") with ``tensor > 1``.
@@ -51,13 +55,18 @@ def make_mesh(
         ``parallelize_module`` the model on, before ``fs.init``. 1: the 2-D mesh. (A string
         here is v1's positional ``device_type``, still taken.)
       device_type: "cuda" or "cpu"; None picks "cuda" when available.
+      expert: ranks per expert-parallel group, carved out of "shard", innermost within it
+        (shard rank ``s = s_outer * expert + e``); ``mesh["expert"]`` is the mesh to put the
+        experts on (``Shard(0)``), before ``fs.init``. The mesh's dims are then
+        ``("replicate", "shard_outer", "expert"[, "tensor"])``, ``mesh["shard"]`` their
+        flattened "shard_outer" x "expert". 1: the mesh without it, unchanged.
 
     The same shape on the same world gives the same mesh: its groups are made once.
 
     Raises:
       RuntimeError: torch.distributed is not initialized.
-      ValueError: shard x replicate x tensor does not equal the world size, or a cuda mesh
-        has more ranks on this node than visible GPUs.
+      ValueError: shard x replicate x tensor does not equal the world size, ``expert`` does
+        not divide ``shard``, or a cuda mesh has more ranks on this node than visible GPUs.
     """
     if not isinstance(tensor, int):  # None, or v1's third argument: make_mesh(S, R, "cpu")
         tensor, device_type = 1, tensor if device_type is None else device_type
@@ -66,7 +75,12 @@ def make_mesh(
             "make_mesh: torch.distributed is not initialized; run under torchrun or fs.launch"
         )
     dims = MeshDims.resolve(
-        dist.get_world_size(), shard=shard, replicate=replicate, tensor=tensor, who="make_mesh"
+        dist.get_world_size(),
+        shard=shard,
+        replicate=replicate,
+        tensor=tensor,
+        expert=expert,
+        who="make_mesh",
     )
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,11 +91,29 @@ def make_mesh(
     key = (id(world_pg), device_type, dims)
     if key not in _MESHES:
         mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=dims.names)
+        if dims.has_experts:
+            mesh[SHARD_OUTER, EXPERT]._flatten(DATA_AXES[1])
         _MESHES[key] = (world_pg, hold(mesh, drop_mesh_groups))
     mesh = _MESHES[key][1]
     for axis in mesh.mesh_dim_names:
         inherit_timeout(mesh.get_group(axis))
+    if dims.has_experts:
+        inherit_timeout(sliced(mesh, DATA_AXES[1]).get_group())
     return mesh
+
+
+def sliced(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
+    """``mesh[names]``, where a name may be the flattened "shard" of a mesh with experts (torch
+    warns that such slicing will move; the mesh is kept, so the slice is made once by torch)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh[names]
+
+
+def expert_axis(mesh: DeviceMesh) -> DeviceMesh | None:
+    """``mesh["expert"]``, or None for a mesh without an expert axis."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh[EXPERT] if EXPERT in names else None
 
 
 def tensor_axis(mesh: DeviceMesh) -> DeviceMesh | None:
@@ -96,12 +128,13 @@ _DATA_PARALLEL: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.Weak
 
 def data_parallel(mesh: DeviceMesh) -> DeviceMesh:
     """The ("replicate", "shard") mesh of this rank's tensor rank: ``mesh`` itself for a mesh
-    without a tensor axis."""
-    if TENSOR not in (getattr(mesh, "mesh_dim_names", None) or ()):
+    without a tensor or expert axis (with one, "shard" is the flattened "shard_outer" x
+    "expert": every rank its own data-parallel rank)."""
+    if tuple(getattr(mesh, "mesh_dim_names", None) or ()) in ((), DATA_AXES):
         return mesh
     dp = _DATA_PARALLEL.get(mesh)
     if dp is None:
-        dp = _DATA_PARALLEL[mesh] = mesh[DATA_AXES]
+        dp = _DATA_PARALLEL[mesh] = sliced(mesh, DATA_AXES)
     return dp
 
 
@@ -208,7 +241,8 @@ def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     world = dist.group.WORLD
     # every rank makes the groups of every tensor rank's submesh, in tensor order
     root = mesh._get_root_mesh() if mesh.size() < dist.get_world_size() else mesh
-    slices = root.mesh if root.mesh.dim() == 3 else root.mesh.unsqueeze(-1)
+    tensor = root.mesh.shape[-1] if TENSOR in (root.mesh_dim_names or ()) else 1
+    slices = root.mesh.reshape(replicate, shard, tensor)  # rank (r * S + s) * T + t, experts or not
     mine = None
     for t in range(slices.shape[-1]):
         ranks = slices[..., t]  # (replicate, shard) global ranks

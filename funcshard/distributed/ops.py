@@ -33,6 +33,7 @@ __all__ = [
     "reduce_scatter",
     "all_reduce",
     "all_to_all",
+    "all_to_all_rows",
     "exchange_blocks",
 ]
 
@@ -63,9 +64,11 @@ class CommStats:
       bytes_by_axis: the same bytes per mesh axis the collective ran on: "shard",
         "replicate", "world" (a group over every data-parallel rank: the loss, and the
         gradients of ``no_shard``), "tensor" (funcshard's own collectives over a
-        tensor-parallel group) or "replicas" (a fault-tolerant step's all-reduce across the
+        tensor-parallel group), "replicas" (a fault-tolerant step's all-reduce across the
         replica groups, through torchft: the gradient shards, and the loss under
-        "metrics"); its values sum to those of ``bytes``.
+        "metrics") or "expert" (tokens sent to their experts and back by
+        :func:`all_to_all_rows`, forward and backward, under "all_to_all"); its values sum
+        to those of ``bytes``.
       gathered_live: bytes of gathered (unsharded) ZeRO-3 params alive right now.
       gathered_peak: the most bytes of gathered ZeRO-3 params alive at one moment.
     """
@@ -426,3 +429,41 @@ def exchange_blocks(
         recv, full.contiguous(), [block] * size, [block] * size, group, axis=axis, kind=kind
     )
     return Pending.then(pending, lambda r: combine(r.view(size, block)))
+
+
+class _RowsAllToAll(torch.autograd.Function):
+    """The differentiable all-to-all of rows: the backward sends the gradient back the way the
+    rows came (the splits swapped), counted as the forward is."""
+
+    @staticmethod
+    def forward(ctx, x, out_rows, in_rows, group, axis, kind):
+        ctx.meta = (out_rows, in_rows, group, axis, kind)
+        return _rows_all_to_all(x, out_rows, in_rows, group, axis, kind)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_rows, in_rows, group, axis, kind = ctx.meta
+        return _rows_all_to_all(grad, in_rows, out_rows, group, axis, kind), *([None] * 5)
+
+
+def _rows_all_to_all(x, out_rows, in_rows, group, axis, kind) -> torch.Tensor:
+    row = x.shape[1:]
+    out = x.new_empty((sum(out_rows), *row))
+    record(kind, x, axis)
+    dist.all_to_all_single(out, x.contiguous(), list(out_rows), list(in_rows), group=group)
+    return out
+
+
+def all_to_all_rows(
+    x: torch.Tensor,
+    out_rows: list[int],
+    in_rows: list[int],
+    group: dist.ProcessGroup,
+    *,
+    axis: Axis | str = Axis.EXPERT,
+    kind: str = "all_to_all",
+) -> torch.Tensor:
+    """Rows of ``x`` to the ranks of ``group`` (``in_rows[r]`` to rank ``r``, ``out_rows[r]``
+    from it), differentiable: tokens to their experts and back. Counts the rows this rank
+    sends (its own part included) under ``kind`` and ``axis``, in forward and backward."""
+    return _RowsAllToAll.apply(x, list(out_rows), list(in_rows), group, axis, kind)

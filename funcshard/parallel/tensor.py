@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -237,9 +237,11 @@ class TensorParallel:
         return full.narrow(leaf.dim, start, pieces[self.rank]).contiguous()
 
 
-def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> ModelAxis:
+def read_model(
+    model: nn.Module, tensor_mesh: DeviceMesh | None, *, skip: Collection[str] = ()
+) -> ModelAxis:
     """The tensor axis of ``model``'s DTensor parameters (None for a plain model on a mesh
-    without one).
+    without one); ``skip``: parameters another axis has taken (experts).
 
     Raises:
       ValueError: a DTensor on a mesh other than ``tensor_mesh`` (or on a mesh without a tensor
@@ -248,7 +250,7 @@ def read_model(model: nn.Module, tensor_mesh: DeviceMesh | None) -> ModelAxis:
     """
     leaves = {}
     for name, p in model.named_parameters():
-        if not isinstance(p, DTensor):
+        if not isinstance(p, DTensor) or name in skip:
             continue
         if tensor_mesh is None:
             raise ValueError(

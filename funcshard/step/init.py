@@ -23,7 +23,7 @@ from funcshard.layout.layout import Layout, UnitsArg
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
-from funcshard.parallel import tensor as tp_lib
+from funcshard.parallel import expert_axis as expert_lib
 from funcshard.state import replica_check
 from funcshard.state.derive import derive_compute, pack_masters
 from funcshard.state.state import LossScale, Static, TrainState
@@ -108,8 +108,8 @@ def init(
     backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
     policy = policy or MixedPrecisionPolicy()
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
-    tensor = tp_lib.read_model(model, mesh_lib.tensor_axis(mesh))
-    named = tp_lib.local_params(model)
+    tensor = expert_lib.read_axes(model, mesh)
+    named = expert_lib.layout_params(model, tensor)
     guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
     layout = build_layout(
         {n: (tuple(p.shape), p.dtype) for n, p in named.items()},

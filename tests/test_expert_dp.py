@@ -1,0 +1,234 @@
+"""The expert axis inside the data-parallel engine: a mixture-of-experts model whose experts are
+``Shard(0)`` DTensors on ``mesh["expert"]`` (``fs.make_mesh(..., expert=E)``) trains as the
+plain model in one process on the concatenated global batch.
+
+fp32, SGD with momentum, 2 microbatches, top-1 routing with uneven tokens per expert: every
+strategy on (S4, E2), (S4, E4) and (R2, S2, E2) within 1e-5 (params, losses, grad norms). An
+expert's gradient averaged over every data-parallel rank (a divide by R x S / E would be off
+by E), the norm counting each expert once, checkpoints global across E and into the plain
+model, the all-to-all counted on "expert", and the refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import funcshard as fs
+from funcshard.distributed import mesh as mesh_lib
+from funcshard.distributed.dims import MeshDims
+
+import helpers_experts as moe
+from helpers_errors import error_text
+
+STEPS = 2
+ROWS = 16  # 4 a rank, 2 microbatches of 2
+TOL = 1e-5
+
+# (shard, replicate, expert) on 4 ranks
+MESHES = {"S4E2": (4, 1, 2), "S4E4": (4, 1, 4), "R2S2E2": (2, 2, 2)}
+
+
+def _errors(state, history, ref) -> dict:
+    full = fs.full_params(state)
+    assert not any(isinstance(t, DTensor) for t in full.values()), "full_params: plain tensors"
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    assert shapes == {n: tuple(t.shape) for n, t in ref["params"].items()}, shapes
+    rel = lambda a, b: float((a - b).norm() / (b.norm() + 1e-12))
+    return {
+        "params": max(rel(full[n], ref["params"][n]) for n in ref["params"]),
+        "loss": max(abs(m["loss"] - r) / r for m, r in zip(history, ref["losses"], strict=True)),
+        "norm": max(
+            abs(m["grad_norm"] - r) / r for m, r in zip(history, ref["norms"], strict=True)
+        ),
+    }
+
+
+def _ep_state(mesh_name: str, strategy: str, seed: int = 3, **kw):
+    shard, replicate, expert = MESHES[mesh_name]
+    mesh = fs.make_mesh(shard=shard, replicate=replicate, expert=expert, device_type="cpu")
+    model = moe.make_model(seed)
+    plain = moe.make_model(seed)
+    moe.place_experts(model, mesh["expert"])
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+    return fs.init(model, opt, mesh=mesh, strategy=strategy, **kw), model, plain, mesh
+
+
+def sgd_worker(mesh_name: str, strategy: str, kw: dict) -> dict:
+    state, model, plain, _ = _ep_state(mesh_name, strategy, **kw)
+    ref = moe.reference_run(plain, STEPS, ROWS)
+    state, history = moe.train(state, model, range(STEPS), rows=ROWS)
+    return _errors(state, history, ref)
+
+
+@pytest.mark.parametrize("strategy", fs.STRATEGIES)
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_every_strategy_equals_one_plain_process(pool4, mesh: str, strategy: str) -> None:
+    for errors in pool4.run(sgd_worker, mesh, strategy, {}):
+        assert max(errors.values()) < TOL, errors
+
+
+def test_hfsdp_equals_one_plain_process(pool4) -> None:
+    kw = {"outer_strategy": "optim"}
+    for errors in pool4.run(sgd_worker, "R2S2E2", "optim_grads_params", kw):
+        assert max(errors.values()) < TOL, errors
+
+
+def routing_worker() -> tuple:
+    mesh = fs.make_mesh(shard=4, expert=2, device_type="cpu")
+    model = moe.place_experts(moe.make_model(3), mesh["expert"])
+    plain = moe.make_model(3)
+    x = moe.global_batch(0, ROWS)["x"]
+    idx = torch.softmax(plain.router(torch.tanh(plain.embed(x))), -1).argmax(-1)
+    local = tuple(model.experts.w1.to_local().shape)
+    return local, torch.bincount(idx, minlength=moe.EXPERTS).tolist()
+
+
+def test_routing_is_uneven_and_experts_are_sharded(pool4) -> None:
+    """What the parity above stands on: the batch leaves the experts uneven loads, and each
+    expert rank holds only its experts in the forward."""
+    for local, counts in pool4.run(routing_worker):
+        assert local == (moe.EXPERTS // 2, moe.DIM, moe.HIDDEN)
+        assert len(set(counts)) > 1, counts
+
+
+def mesh_worker(shard: int, replicate: int, expert: int) -> dict:
+    mesh = fs.make_mesh(shard=shard, replicate=replicate, expert=expert, device_type="cpu")
+    dp = mesh_lib.data_parallel(mesh)
+    ranks = dist.get_process_group_ranks
+    return {
+        "names": mesh.mesh_dim_names,
+        "expert": ranks(mesh["expert"].get_group()),
+        "shard": ranks(mesh_lib.axis_group(dp, "shard")),
+        "replicate": ranks(mesh_lib.axis_group(dp, "replicate")),
+        "dp": tuple(dp.shape),
+        "again": fs.make_mesh(shard=shard, replicate=replicate, expert=expert, device_type="cpu")
+        is mesh,
+    }
+
+
+@pytest.mark.parametrize("shard, replicate, expert", [(4, 1, 2), (4, 1, 4), (2, 2, 2)])
+def test_the_expert_axis_is_innermost_within_shard(pool4, shard, replicate, expert) -> None:
+    for rank, r in enumerate(pool4.run(mesh_worker, shard, replicate, expert)):
+        assert r["names"] == ("replicate", "shard_outer", "expert")
+        first = rank - rank % expert  # shard rank s = s_outer * E + e: E consecutive ranks
+        assert r["expert"] == list(range(first, first + expert))
+        first = rank - rank % shard
+        assert r["shard"] == list(range(first, first + shard))
+        assert r["replicate"] == list(range(rank % shard, 4, shard))
+        assert r["dp"] == (replicate, shard) and r["again"]
+
+
+def test_expert_one_is_the_mesh_without_it(pool4) -> None:
+    for r in pool4.run(axes_worker):
+        assert r == (("replicate", "shard"), (1, 4))
+
+
+def axes_worker() -> tuple:
+    mesh = fs.make_mesh(shard=4, expert=1, device_type="cpu")
+    return mesh.mesh_dim_names, tuple(mesh.shape)
+
+
+def test_mesh_dims_refuse_an_expert_degree_that_does_not_divide_shard() -> None:
+    with pytest.raises(ValueError, match=r"expert=3 must be >= 1 and divide shard=4"):
+        MeshDims.resolve(4, shard=4, expert=3, who="make_mesh")
+    with pytest.raises(ValueError, match="expert=0"):
+        MeshDims.resolve(4, expert=0)
+    with pytest.raises(ValueError, match="expert=2 must divide shard=3"):
+        MeshDims(1, 3, 1, 2)
+    dims = MeshDims.resolve(8, shard=4, replicate=2, expert=2)
+    assert dims.shape == (2, 2, 2) and dims.expert_dp_size == 4 and dims.dp_size == 8
+
+
+def _state_on(mesh_name: str | None, seed: int):
+    """A fresh state of the MoE on ``mesh_name``, or of the plain model on shard 4."""
+    if mesh_name is not None:
+        return _ep_state(mesh_name, "optim_grads_params", seed=seed)[:2]
+    model = moe.make_model(seed)
+    mesh = fs.make_mesh(shard=4, device_type="cpu")
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+    return fs.init(model, opt, mesh=mesh, strategy="optim_grads_params"), model
+
+
+def checkpoint_worker(root: str) -> dict:
+    state, model = _state_on("S4E2", seed=3)
+    state, _ = moe.train(state, model, range(1), rows=ROWS)
+    saved = fs.full_params(state)
+    fs.save(f"{root}/e2", state)
+    state, _ = moe.train(state, model, range(1, 2), rows=ROWS)
+    on = {"E2": fs.full_params(state)}
+    restored, after = {}, {}
+    for name, mesh_name in (("E4", "S4E4"), ("plain", None), ("R2S2E2", "R2S2E2")):
+        fresh, model = _state_on(mesh_name, seed=11)
+        fresh = fs.restore(f"{root}/e2", like=fresh)
+        restored[name] = fs.full_params(fresh)
+        fresh, _ = moe.train(fresh, model, range(1, 2), rows=ROWS)
+        after[name] = fs.full_params(fresh)
+        if name == "plain":  # and back from the plain model onto E4
+            fs.save(f"{root}/plain", fresh)
+            back, model = _state_on("S4E4", seed=12)
+            after["plain->E4"] = fs.full_params(fs.restore(f"{root}/plain", like=back))
+    rel = lambda a, b: max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b)
+    return {
+        "restored_bitwise": all(
+            torch.equal(r[n], saved[n]) for r in restored.values() for n in saved
+        ),
+        "shapes": {n: tuple(t.shape) for n, t in restored["E4"].items()},
+        "trains_on": max(rel(after[k], on["E2"]) for k in ("E4", "plain", "R2S2E2")),
+        "plain_back_bitwise": all(
+            torch.equal(after["plain->E4"][n], after["plain"][n]) for n in saved
+        ),
+    }
+
+
+def test_checkpoints_are_global_and_restore_onto_any_expert_degree(pool4, tmp_path) -> None:
+    """E2 -> E4, -> the plain model (and back onto E4), -> R2 x S2 x E2: the restored params
+    are the saved ones bit for bit, experts as (num_experts, ...), and each trains on as the
+    run that never stopped (momentum restored; the sums' order differs across E)."""
+    for r in pool4.run(checkpoint_worker, str(tmp_path)):
+        assert r["restored_bitwise"] and r["plain_back_bitwise"], r
+        assert r["shapes"]["experts.w1"] == (moe.EXPERTS, moe.DIM, moe.HIDDEN)
+        assert r["trains_on"] < 1e-6, r
+
+
+def _init(model, mesh):
+    return fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy="optim_grads_params")
+
+
+def bad_input_worker() -> dict:
+    mesh = fs.make_mesh(shard=4, expert=2, device_type="cpu")
+    other = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("x", "expert"))  # other pairs
+    errors = {"E3": error_text(lambda: fs.make_mesh(shard=4, expert=3, device_type="cpu"))}
+    model = moe.place_experts(moe.make_model(), other["expert"])
+    errors["other_mesh"] = error_text(lambda: _init(model, mesh))
+    model = moe.place_experts(moe.make_model(), mesh["expert"])
+    errors["no_expert_axis"] = error_text(lambda: _init(model, fs.make_mesh(device_type="cpu")))
+    model = moe.make_model()
+    w = torch.randn(3, moe.DIM, moe.HIDDEN)  # 3 experts on 2 expert ranks
+    model.experts.w1 = nn.Parameter(distribute_tensor(w, mesh["expert"], [Shard(0)]))
+    errors["uneven_experts"] = error_text(lambda: _init(model, mesh))
+    model = moe.make_model()
+    w = model.experts.w1.data
+    model.experts.w1 = nn.Parameter(distribute_tensor(w, mesh["expert"], [Replicate()]))
+    errors["replicated"] = error_text(lambda: _init(model, mesh))
+    return errors
+
+
+def test_bad_input_is_named(pool4) -> None:
+    errors = pool4.run(bad_input_worker)[0]
+    assert (
+        "ValueError" in errors["E3"]
+        and "expert=3 must be >= 1 and divide shard=4" in (errors["E3"])
+    )
+    for key in ("other_mesh", "no_expert_axis"):
+        assert errors[key].startswith("ValueError: parameter 'experts.w1'"), errors[key]
+        assert "expected experts on mesh['expert']" in errors[key], errors[key]
+    assert (
+        "expert=2 must divide the number of experts (dim 0 of (3, 8, 12))"
+        in (errors["uneven_experts"])
+    )
+    assert "experts stacked on dim 0 as Shard(0)" in errors["replicated"], errors["replicated"]
