@@ -140,3 +140,70 @@ def moe_gpt_worker(strategy: str) -> float:
 def test_the_moe_gpt_trains_as_a_dense_model(pool2, strategy) -> None:
     for err in pool2.run(moe_gpt_worker, strategy):
         assert err < 1e-5, err
+
+
+class RoutedMoE(nn.Module):
+    """A router (dense, top-1: uneven loads), the experts behind ``fs.ExpertParallel``'s
+    convention, a head: what ``fs.init`` takes with the experts on ``mesh["expert"]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.inp = nn.Linear(4, DIM)
+        self.router = nn.Linear(DIM, NUM_EXPERTS, bias=False)
+        self.experts = GroupedExperts()
+        self.head = nn.Linear(DIM, 3)
+        with torch.no_grad():
+            for p in (*self.inp.parameters(), self.router.weight, *self.head.parameters()):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        choice = self.router(h).argmax(-1)
+        order = torch.argsort(choice, stable=True)
+        counts = torch.bincount(choice, minlength=NUM_EXPERTS)
+        y = self.experts(h[order], counts)
+        return self.head(torch.empty_like(y).index_copy(0, order, y) + h)
+
+
+def ep_train_worker(strategy: str, shard: int, replicate: int, expert: int) -> dict:
+    """Two SGD-momentum steps of 2 microbatches with fs.ExpertParallel on mesh["expert"],
+    beside the plain model on the global batch in one process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = fs.make_mesh(shard=shard, replicate=replicate, expert=expert, device_type="cpu")
+    model, ref = RoutedMoE(), RoutedMoE()
+    parallelize_module(model.experts, mesh["expert"], fs.ExpertParallel())
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def loss_of(m, params, batch):
+        logits = fs.functional_call(m, params, (batch["x"],)) if params else m(batch["x"])
+        return nn.functional.cross_entropy(logits, batch["y"])
+
+    losses = []
+    with fs.comm_stats() as stats:
+        for step in range(2):
+            g = torch.Generator().manual_seed(50 + step)
+            batch = {"x": torch.randn(8 * world, 4, generator=g)}
+            batch["y"] = torch.randint(0, 3, (8 * world,), generator=g)
+            local = {k: v.chunk(world)[rank] for k, v in batch.items()}
+            state, metrics = fs.train_step(
+                state, local, lambda p, b: loss_of(model, p, b), microbatches=2
+            )
+            losses.append(metrics["loss"])
+            opt.zero_grad()
+            loss = loss_of(ref, None, batch)
+            loss.backward()
+            opt.step()
+            losses[-1] -= loss.item()
+    full = fs.full_params(state)
+    err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return {"err": err, "loss": max(abs(v) for v in losses), "a2a": stats.bytes_by_axis["expert"]}
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_expert_parallel_trains_through_fs_init_as_one_process(pool4, strategy) -> None:
+    for mesh in ((4, 1, 2), (2, 2, 2)):
+        for result in pool4.run(ep_train_worker, strategy, *mesh):
+            assert result["err"] < 1e-5 and result["loss"] < 1e-5, (mesh, result)
+            assert result["a2a"] > 0, result
