@@ -31,6 +31,7 @@ from absl import app, flags
 from torch import nn
 
 import funcshard as fs
+from funcshard.testing import local_s3
 
 DIM = flags.DEFINE_integer("dim", 1536, "width of the square Linear layers")
 LAYERS = flags.DEFINE_integer("layers", 8, "number of Linear layers")
@@ -130,26 +131,6 @@ def bench_tier(env: dict, root: str, persistent: str, dim: int, layers: int, rep
     return {"local_s": min(local), "persistent_s": min(persistent)}
 
 
-def _s3_server() -> tuple[object, dict]:
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_REGION": "us-east-1",
-    }
-    os.environ.update(env)  # boto3 here; the ranks, spawned after, inherit it too
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(
-        Bucket=BUCKET
-    )
-    return server, env
-
-
 RAW_MB = 8
 
 
@@ -172,21 +153,15 @@ def _raw_s3(env: dict, nbytes: int) -> tuple[float, float]:
 
 def main(argv: list[str]) -> None:
     del argv
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     root = tempfile.mkdtemp(prefix="bench_storage_")
     n = NPROC.value
     mb = 3 * 4 * LAYERS.value * (DIM.value * DIM.value + DIM.value) / 1e6
     print(f"state: {mb:.0f} MB (AdamW ZeRO-3 masters + 2 moments, fp32) over {n} gloo ranks")
     try:
         if "s3" in PARTS.value:
-            server, env = _s3_server()
-            try:
+            with local_s3(BUCKET) as env:
                 r = fs.launch(bench_s3, env, root, DIM.value, LAYERS.value, REPS.value, nproc=n)
                 raw_put, raw_get = _raw_s3(env, int(mb * 1e6))
-            finally:
-                server.stop()
             (ps, pr), (ss, sr) = r[0]["path"], r[0]["s3"]
             print(f"{'':10}{'path s':>10}{'s3 s':>10}{'s3/path':>10}")
             print(f"{'save':10}{ps:10.3f}{ss:10.3f}{ss / ps:10.2f}")
@@ -197,8 +172,7 @@ def main(argv: list[str]) -> None:
                 f"restore / floor {sr / raw_get:.2f})"
             )
         if "tier" in PARTS.value:
-            server, env = _s3_server()
-            try:
+            with local_s3(BUCKET) as env:
                 for name, persistent in (("s3", f"s3://{BUCKET}/tier"), ("path", root + "/p")):
                     r = fs.launch(
                         bench_tier,
@@ -215,8 +189,6 @@ def main(argv: list[str]) -> None:
                         f"persistent restore on {name} {r['persistent_s']:.3f} s "
                         f"({r['local_s'] / r['persistent_s']:.2f}x)"
                     )
-            finally:
-                server.stop()
         if "stall" in PARTS.value:
             r = fs.launch(bench_stall, root, DIM.value, LAYERS.value, STEPS.value, nproc=n)[0]
             print(

@@ -10,10 +10,11 @@ and then runs any importable function on all of them::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -182,3 +183,32 @@ def state_bytes(state: Any) -> int:
             s = t.untyped_storage()
             storages[(s.device, s.data_ptr())] = s.nbytes()
     return sum(storages.values())
+
+
+@contextlib.contextmanager
+def local_s3(bucket: str) -> Iterator[dict[str, str]]:
+    """A local S3 server (moto's, from the test extra) with ``bucket`` made, for tests and
+    benchmarks of object-store checkpoints; yields the environment a process needs to reach
+    it (also set in this one's, so that ranks spawned later inherit it)."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        env = {
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_REGION": "us-east-1",
+        }
+        os.environ.update(env)
+        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1")
+        client.create_bucket(Bucket=bucket)
+        yield env
+    finally:
+        server.stop()

@@ -9,7 +9,6 @@ and ``python -m funcshard inspect / verify`` work there as on a path.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -17,11 +16,12 @@ import torch
 
 import funcshard as fs
 from funcshard.checkpoint import cli, storage
+from funcshard.testing import local_s3
 
 import models
 from helpers_kill import kill_trials
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 BUCKET = "funcshard-test"
@@ -31,21 +31,9 @@ ROWS = 37
 @pytest.fixture(scope="module")
 def s3() -> dict:
     """A local S3 server and a bucket; the environment a rank needs to reach it."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_REGION": "us-east-1",
-    }
-    os.environ.update(env)
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1")
-    client.create_bucket(Bucket=BUCKET)
-    yield {"env": env, "client": client}
-    server.stop()
+    with local_s3(BUCKET) as env:
+        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1")
+        yield {"env": env, "client": client}
 
 
 def _keys(s3: dict, prefix: str) -> list[str]:
