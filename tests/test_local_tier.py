@@ -51,14 +51,17 @@ def tier_worker(root: str, lose: list[int], strategy: str = "optim_grads_params"
             mgr.save(state.step, state)
             saved[state.step] = _values(state)
     dist.barrier()
+    kept = sorted(os.listdir(local.format(node=1)))  # what retention left, before the losses
+    dist.barrier()
     if dist.get_rank() == 0:
         for node in lose:
             shutil.rmtree(local.format(node=node))
-        os.makedirs(local.format(node=0) + "/9", exist_ok=True)  # a step never committed
+        for node in {0, 1} - set(lose):  # step 9: every rank's file of step 2, never committed
+            shutil.copytree(local.format(node=node) + "/2", local.format(node=node) + "/9")
+            os.remove(local.format(node=node) + "/9/COMMIT")
     dist.barrier()
     with fs.CheckpointManager(os.path.join(root, "persistent"), **kw) as mgr:
         restored = mgr.restore(like=fresh(strategy))
-    kept = sorted(os.listdir(local.format(node=1))) if 1 not in lose else []
     return {
         "step": restored.step,
         "bitwise": strategy != "optim_grads_params"
