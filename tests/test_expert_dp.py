@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import funcshard as fs
 from funcshard.distributed import mesh as mesh_lib
 from funcshard.distributed.dims import MeshDims
+from funcshard.planner.experts import Routing
 
 import helpers_experts as moe
 from helpers_errors import error_text
@@ -232,3 +233,47 @@ def test_bad_input_is_named(pool4) -> None:
         in (errors["uneven_experts"])
     )
     assert "experts stacked on dim 0 as Shard(0)" in errors["replicated"], errors["replicated"]
+
+
+def bytes_worker(mesh_name: str, strategy: str, kw: dict) -> dict:
+    shard, replicate, expert = MESHES[mesh_name]
+    state, model, _, _ = _ep_state(mesh_name, strategy, **kw)
+    p = fs.plan(
+        model,
+        world_size=4,
+        shard=shard,
+        replicate=replicate,
+        expert=expert,
+        routing=Routing(rows=ROWS // 4, width=moe.DIM),
+        strategy=strategy,
+        optimizer=fs.optim.sgd(0.1, momentum=0.9),
+        microbatches=2,
+        device_type="cpu",
+        **kw,
+    )
+    with fs.comm_stats() as stats:
+        state, _ = moe.train(state, model, range(1), rows=ROWS)
+    return {"plan": p, "by_axis": dict(stats.bytes_by_axis), "bytes": dict(stats.bytes)}
+
+
+BYTES_CASES = [("S4E2", s, {}) for s in fs.STRATEGIES] + [
+    ("S4E4", "optim_grads_params", {}),
+    ("R2S2E2", "optim_grads_params", {}),
+    ("R2S2E2", "optim_grads_params", {"outer_strategy": "optim"}),
+]
+
+
+@pytest.mark.parametrize("case", BYTES_CASES, ids=str)
+def test_bytes_equal_the_plan(pool4, case) -> None:
+    """Per axis, every data-parallel collective as ``fs.plan(..., expert=E)`` predicts it (the
+    experts' gathers and reductions on "shard" / "replicate"); the all-to-all's bytes on
+    "expert", whose per-rank share follows the routing, summed over the ranks as the plan's
+    balanced routing sums them."""
+    results = pool4.run(bytes_worker, *case)
+    p = results[0]["plan"]
+    measured = {a: max(r["by_axis"].get(a, 0) for r in results) for a in p.comm_by_axis}
+    measured["expert"] = sum(r["by_axis"].get("expert", 0) for r in results) // 4
+    assert measured == p.comm_by_axis, (measured, p.comm_by_axis)
+    assert p.comm_by_axis["expert"] == 4 * (ROWS // 4) * moe.DIM * 4 > 0
+    total = sum(r["bytes"].get("all_to_all", 0) for r in results)
+    assert total == 4 * p.comm["all_to_all"]

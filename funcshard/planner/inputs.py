@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from funcshard.distributed.dims import MeshDims
+from funcshard.distributed.dims import EXPERT, MeshDims
 from funcshard.parallel.axis import NO_AXIS, ModelAxis
 from funcshard.parallel.tensor import (
     TensorLeaf,
@@ -27,7 +27,7 @@ __all__ = [
     "ShapesArg",
     "param_table",
     "units_from_names",
-    "shard_size",
+    "mesh_dims",
     "tensor_table",
 ]
 
@@ -77,17 +77,22 @@ def units_from_names(names: Sequence[str]) -> list[str]:
     return list(units)
 
 
-def shard_size(
-    world_size: int, shard: int, replicate: int, microbatches: int, tensor: int = 1
-) -> int:
-    """The shard group size of a ``plan`` call (``-1``: the world over replicas x tensor)."""
+def mesh_dims(
+    world_size: int, shard: int, replicate: int, microbatches: int, tensor: int = 1, expert: int = 1
+) -> MeshDims:
+    """The mesh of a ``plan`` call (``shard=-1``: the world over replicas x tensor)."""
     if world_size < 1 or microbatches < 1:  # the mesh's degrees: MeshDims checks them
         raise ValueError(
             f"plan: world_size ({world_size}) and microbatches ({microbatches}) must be >= 1"
         )
     return MeshDims.resolve(
-        world_size, shard=shard, replicate=replicate, tensor=tensor, who="plan"
-    ).shard
+        world_size, shard=shard, replicate=replicate, tensor=tensor, expert=expert, who="plan"
+    )
+
+
+def _expert(p: DTensor) -> bool:
+    """An expert DTensor (on an expert mesh): planned global, as ``fs.init`` holds it."""
+    return EXPERT in (p.device_mesh.mesh_dim_names or ())
 
 
 def tensor_table(
@@ -103,7 +108,7 @@ def tensor_table(
         raise ValueError("plan: tensor_plan splits over the tensor axis; pass tensor=T > 1")
     if tensor == 1:
         if isinstance(params, nn.Module) and any(
-            isinstance(p, DTensor) for p in params.parameters()
+            isinstance(p, DTensor) and not _expert(p) for p in params.parameters()
         ):
             raise ValueError(
                 "plan: the model holds DTensor parameters (parallelize_module); pass "
@@ -115,7 +120,9 @@ def tensor_table(
             f"plan: tensor={tensor} needs the model after parallelize_module (its DTensor "
             "placements) or the plain model with tensor_plan=, not a table of shapes"
         )
-    dtensors = {n: p for n, p in params.named_parameters() if isinstance(p, DTensor)}
+    dtensors = {
+        n: p for n, p in params.named_parameters() if isinstance(p, DTensor) and not _expert(p)
+    }
     if tensor_plan is not None and dtensors:
         raise ValueError(
             f"plan: tensor_plan given for a model already parallelized (parameter "

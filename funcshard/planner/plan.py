@@ -76,6 +76,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from funcshard.comm import params as params_lib
 from funcshard.comm.codec import EIGHT_BIT
 from funcshard.comm.wires import wire_for
+from funcshard.distributed.dims import MeshDims
 from funcshard.distributed.ops import AXES
 from funcshard.layout.buckets import NAMESPACE, per_bucket_parts
 from funcshard.layout.build import build_layout
@@ -85,11 +86,12 @@ from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
 from funcshard.parallel.tensor import gather_numel
+from funcshard.planner.experts import Routing, add_all_to_all
 from funcshard.planner.inputs import (
     ShapeMesh,
     ShapesArg,
+    mesh_dims,
     param_table,
-    shard_size,
     tensor_table,
     units_from_names,
 )
@@ -195,8 +197,9 @@ def _size(dtype: torch.dtype) -> int:
 
 
 def _memory(
-    layout: Layout, state_bytes: list[int], device_type: str, microbatches: int, muon_owner: int = 0
+    layout: Layout, opt: str | Optimizer, device_type: str, microbatches: int, muon_owner: int = 0
 ) -> MemoryPlan:
+    state_bytes = _optimizer_state_bytes(opt, layout)
     inner = layout.inner  # compute params and gradients live in it (itself but under HFSDP)
     S = inner.shard_size
     gathered_compute = layout.hierarchical and layout.replicas > 1
@@ -332,18 +335,18 @@ def _step_comm(
     layout: Layout,
     optimizer: str | Optimizer,
     microbatches: int,
-    replicate: int,
-    world_size: int,
-    tensor: int,
+    dims: MeshDims,
     replica_groups: int,
+    routing: Routing | None,
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int], int]:
     """A step's bytes and calls per kind and bytes per axis: the data-parallel collectives,
-    Muon's exchange of whole matrices, the replica groups' all-reduce; and Muon's owner bytes."""
-    comm, calls, by_axis = _comm(layout, microbatches, replicate, world_size // tensor)
+    Muon's exchange, the replica groups' all-reduce, the all-to-alls; Muon's owner bytes."""
+    comm, calls, by_axis = _comm(layout, microbatches, dims.replicate, dims.dp_size)
     comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
     for axis, nbytes in muon_by_axis.items():
         by_axis[axis] += nbytes
-    _replica_groups(layout, replica_groups, world_size, comm, calls, by_axis)
+    _replica_groups(layout, replica_groups, dims.world, comm, calls, by_axis)
+    add_all_to_all(dims.expert, routing, microbatches, comm, calls, by_axis)
     return comm, calls, by_axis, muon_owner
 
 
@@ -367,6 +370,8 @@ def plan(
     tensor: int = 1,
     tensor_plan: Mapping[str, ParallelStyle] | None = None,
     replica_groups: int = 1,
+    expert: int = 1,
+    routing: Routing | None = None,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -403,6 +408,8 @@ def plan(
         the axis "replicas" (each bucket's reduced gradient shard, on ``grad_comm_dtype``,
         main grads for an 8-bit wire; the loss under "metrics") and the group's heal
         agreement (8 bytes of metrics over "world").
+      expert, routing: ``make_mesh(expert=E)``'s degree (experts planned global, as ``fs.init``
+        holds them); a :class:`~funcshard.planner.experts.Routing`: its all-to-alls, "expert".
 
     Returns:
       A :class:`Plan`.
@@ -418,13 +425,13 @@ def plan(
     (48, 48, 192)
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
-    shard = shard_size(world_size, shard, replicate, microbatches, tensor)
+    dims = mesh_dims(world_size, shard, replicate, microbatches, tensor, expert)
     table, tp = tensor_table(params, param_table(params, dtype), tensor, tensor_plan)
     model = params if isinstance(params, nn.Module) else None
     layout = build_layout(
         table,
         model=model,
-        mesh=ShapeMesh(replicate, shard),  # type: ignore[arg-type]
+        mesh=ShapeMesh(replicate, dims.shard),  # type: ignore[arg-type]
         policy=policy or MixedPrecisionPolicy(),
         strategy=strategy,
         offload_fraction=offload_fraction,
@@ -435,21 +442,19 @@ def plan(
         tensor=tp,
     )
     comm, calls, by_axis, muon_owner = _step_comm(
-        layout, optimizer, microbatches, replicate, world_size, tensor, replica_groups
+        layout, optimizer, microbatches, dims, replica_groups, routing
     )
     return Plan(
         strategy=layout.strategy,
         world_size=world_size,
-        shard=shard,
+        shard=dims.shard,
         replicate=replicate,
         microbatches=microbatches,
         numel=sum(math.prod(s.shape) for s in layout.leaves),
         padded_numel=layout.shard_size * sum(b.numel for b in layout.buckets),
         buckets=len(layout.buckets),
         units=len(layout.units),
-        memory=_memory(
-            layout, _optimizer_state_bytes(optimizer, layout), device_type, microbatches, muon_owner
-        ),
+        memory=_memory(layout, optimizer, device_type, microbatches, muon_owner),
         comm=comm,
         calls=calls,
         comm_by_axis=by_axis,
