@@ -41,11 +41,13 @@ def s3() -> dict:
         "AWS_SECRET_ACCESS_KEY": "test",
         "AWS_REGION": "us-east-1",
     }
-    os.environ.update(env)
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1")
-    client.create_bucket(Bucket=BUCKET)
-    yield {"env": env, "client": client}
-    server.stop()
+    with pytest.MonkeyPatch.context() as mp:  # this process's, for the module's tests only
+        for k, v in env.items():
+            mp.setenv(k, v)
+        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1")
+        client.create_bucket(Bucket=BUCKET)
+        yield {"env": env, "client": client}
+        server.stop()
 
 
 def _keys(s3: dict, prefix: str) -> list[str]:
