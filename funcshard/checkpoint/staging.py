@@ -16,11 +16,20 @@ in flight first (one save at a time per ``Saver``).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from funcshard.checkpoint.format import Keys
 
 __all__ = ["Staging"]
+
+
+def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` of contiguous host tensors as one memcpy on this thread. torch's
+    copy splits a large one over its intra-op threads, which, with a rank per core, contend
+    with the other ranks' and make the stall erratic (docs/benchmarks.md, "Checkpoints at
+    scale")."""
+    np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
 
 
 class Staging:
@@ -44,7 +53,11 @@ class Staging:
             self._buffers[keys] = buf
         if pinned:
             self._devices.add(rows.device)
-        buf.copy_(rows, non_blocking=pinned)
+            buf.copy_(rows, non_blocking=True)
+        elif rows.is_contiguous():  # one thread: see _host_copy
+            _host_copy(buf, rows)
+        else:
+            buf.copy_(rows)
         return buf
 
     def ready(self) -> None:
