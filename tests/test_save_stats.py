@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
+from funcshard.checkpoint import storage
 
 import models
 
@@ -48,6 +49,16 @@ def _steps(state, model, steps, device: str):
     return state
 
 
+def _tensorstore_nice() -> list[int]:
+    """The nice values of tensorstore's worker threads (Linux)."""
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().startswith("ts_pool"):
+                out.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+    return out
+
+
 def staging_worker(root: str, device: str) -> dict:
     """Two background saves with training in between: the second reuses the first's host
     buffers (pinned for CUDA rows), and each step restores to the params it had when saved."""
@@ -68,6 +79,7 @@ def staging_worker(root: str, device: str) -> dict:
         restored = {s: fs.full_params(mgr.restore(s, like=make())) for s in (1, 2)}
     same = all(torch.equal(restored[s][k].cpu(), saved[s][k]) for s in (1, 2) for k in saved[s])
     return {
+        "nice": _tensorstore_nice(),
         "reused": buffers[0] == buffers[1],
         "pinned": all(p for _, p in buffers[0]),
         "held": held,
@@ -81,6 +93,8 @@ def test_background_saves_reuse_their_host_buffers(pool2, tmp_path) -> None:
         assert r["same"]  # the staged copy, not the state trained on after save returned
         assert r["reused"] and r["held"] == r["bytes"] > 0  # one host copy of this rank's rows
         assert not r["pinned"]
+        # the write yields to the step: tensorstore's workers (restore used them too) niced
+        assert r["nice"] and min(r["nice"]) == storage.BACKGROUND_NICE, r["nice"]
 
 
 @pytest.mark.cuda

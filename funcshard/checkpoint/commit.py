@@ -435,6 +435,7 @@ class Saver:
         context = contextvars.copy_context()  # the caller's io_stats count the writes
 
         def target() -> None:
+            storage.yield_to_compute()  # the write takes what the step leaves idle
             began = time.perf_counter()
             try:
                 context.run(self._run, job, agreement)
