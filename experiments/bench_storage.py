@@ -10,8 +10,9 @@ Linear layers ``--dim`` wide:
   is lost (its ranks receive their values from the replicas on the other node) beside the
   restore of the same step from the persistent checkpoint (on the S3 server, and on a path);
 * ``stall``: what ``mgr.save`` blocks the loop for (``last_save_stats()["staged_s"]``, the
-  rows copied to host memory) beside a synchronous save's time; and the training step's time
-  while a background write runs beside the step without one (median of ``--steps``).
+  rows copied to the saver's host buffers) beside a synchronous save's time; and the training
+  step's time while a background write runs beside the step before it, without one (``--steps``
+  rounds, each measure beside its peer of the same round).
 
     python experiments/bench_storage.py                      # both parts, 2 ranks
     python experiments/bench_storage.py --parts=stall --dim=2048 --layers=8
@@ -82,33 +83,43 @@ def bench_s3(env: dict, root: str, dim: int, layers: int, reps: int) -> dict:
 
 
 def bench_stall(root: str, dim: int, layers: int, steps: int) -> dict:
+    """Each measure beside its peer in the same round (the machine's load drifts between
+    rounds): a synchronous save beside a background one's stall; a step while the background
+    write of the save just made runs beside the step before it, without one."""
     state, step, _ = _setup(dim, layers)
-    out = {}
-    with fs.CheckpointManager(os.path.join(root, "sync"), async_save=False) as mgr:
-        out["sync_s"] = _timed(lambda: mgr.save(0, state))
-    with fs.CheckpointManager(os.path.join(root, "async"), max_to_keep=1) as mgr:
-        mgr.save(0, state)  # the first makes the saver's own gloo group
+    sync_s, staged_s, during, quiet, written = [], [], [], [], []
+    with (
+        fs.CheckpointManager(os.path.join(root, "sync"), 1, async_save=False) as sync,
+        fs.CheckpointManager(os.path.join(root, "async"), max_to_keep=1) as mgr,
+    ):
+        mgr.save(0, state)  # the first makes the saver's own gloo group and its buffers
         mgr.wait()
-        dist.barrier()
-        mgr.save(10**6, state)  # a step the loop below never reaches
-        out["staged_s"] = mgr.last_save_stats()["staged_s"]
-        out["bytes"] = mgr.last_save_stats()["bytes"]
-        mgr.wait()
-        during = []
-        while len(during) < steps:  # steps while the background write runs
+        for _ in range(steps):
+            sync_s.append(_timed(lambda s=state: sync.save(s.step, s)))
+            dist.barrier()
+            t0 = time.perf_counter()
+            state = step(state)
+            quiet.append(time.perf_counter() - t0)
+            dist.barrier()
             mgr.save(state.step, state)
+            staged_s.append(mgr.last_save_stats()["staged_s"])
             t0 = time.perf_counter()
             state = step(state)
             during.append(time.perf_counter() - t0)
-        mgr.wait()
-    quiet = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state = step(state)
-        quiet.append(time.perf_counter() - t0)
-    out["step_during_s"] = statistics.median(during)
-    out["step_quiet_s"] = statistics.median(quiet)
-    return out
+            mgr.wait()
+            written.append(mgr.last_save_stats()["written_s"])
+        nbytes = mgr.last_save_stats()["bytes"]
+    med = statistics.median
+    return {
+        "sync_s": med(sync_s),
+        "staged_s": med(staged_s),
+        "staged_ratio": med([a / b for a, b in zip(staged_s, sync_s, strict=True)]),
+        "written_s": med(written),
+        "bytes": nbytes,
+        "step_during_s": med(during),
+        "step_quiet_s": med(quiet),
+        "step_ratio": med([a / b for a, b in zip(during, quiet, strict=True)]),
+    }
 
 
 def bench_tier(env: dict, root: str, persistent: str, dim: int, layers: int, reps: int) -> dict:
@@ -192,10 +203,12 @@ def main(argv: list[str]) -> None:
         if "stall" in PARTS.value:
             r = fs.launch(bench_stall, root, DIM.value, LAYERS.value, STEPS.value, nproc=n)[0]
             print(
-                f"stall: staged {r['staged_s']:.3f} s vs a synchronous save {r['sync_s']:.3f} s "
-                f"({r['staged_s'] / r['sync_s']:.3f}x; {r['bytes'] / 1e6:.0f} MB this rank); "
-                f"step during a background write {r['step_during_s']:.3f} s vs "
-                f"{r['step_quiet_s']:.3f} s without ({r['step_during_s'] / r['step_quiet_s']:.2f}x)"
+                f"stall (medians of {STEPS.value} rounds; ratios: the median of each round's): "
+                f"staged {r['staged_s']:.4f} s vs a synchronous save {r['sync_s']:.3f} s "
+                f"({r['staged_ratio']:.3f}x; {r['bytes'] / 1e6:.0f} MB this rank; the background "
+                f"write {r['written_s']:.3f} s); a step while the write runs "
+                f"{r['step_during_s']:.3f} s vs {r['step_quiet_s']:.3f} s without "
+                f"({r['step_ratio']:.2f}x)"
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)

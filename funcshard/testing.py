@@ -189,7 +189,8 @@ def state_bytes(state: Any) -> int:
 def local_s3(bucket: str) -> Iterator[dict[str, str]]:
     """A local S3 server (moto's, from the test extra) with ``bucket`` made, for tests and
     benchmarks of object-store checkpoints; yields the environment a process needs to reach
-    it (also set in this one's, so that ranks spawned later inherit it)."""
+    it (also set in this one's while the server runs, so that ranks spawned meanwhile
+    inherit it; the previous values come back on exit)."""
     import logging
 
     import boto3
@@ -198,6 +199,7 @@ def local_s3(bucket: str) -> Iterator[dict[str, str]]:
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
+    before = dict(os.environ)
     try:
         host, port = server.get_host_and_port()
         env = {
@@ -211,4 +213,9 @@ def local_s3(bucket: str) -> Iterator[dict[str, str]]:
         client.create_bucket(Bucket=bucket)
         yield env
     finally:
+        for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                os.environ.pop(k, None)
         server.stop()

@@ -23,8 +23,23 @@ KILL_NPROC = os.environ.get("FUNCSHARD_KILL_NPROC")
 
 
 def check_kill_root(root: str, env: dict | None = None) -> dict:
-    """Restores every listed step of the job's checkpoints on another layout; their hashes."""
+    """Restores every listed step of the job's checkpoints on another layout; their hashes.
+
+    ``env`` holds while it runs only: the pool's ranks outlive the test (a leftover
+    ``FUNCSHARD_KILL_CKPT`` sent a later path trial's check to a stopped S3 server)."""
+    saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
+    try:
+        return _check_kill_root(root)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _check_kill_root(root: str) -> dict:
     mgr = fs.CheckpointManager(ckpt_root(root), max_to_keep=None)
     mesh = fs.make_mesh(device_type="cpu")
     out = {}

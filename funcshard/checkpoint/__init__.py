@@ -21,6 +21,7 @@ Modules, along the seams:
   and ``export_safetensors``), ``dcp``:
   torch.distributed.checkpoint directories (a reader, and a streaming writer);
 * ``commit``: agreement, temporary directory, fsync, rename, leftovers, and the ``Saver``;
+  ``staging``: a background save's host buffers (pinned for accelerator rows), reused;
 * ``manager``: ``CheckpointManager``; ``api``: ``save``, ``restore``.
 """
 

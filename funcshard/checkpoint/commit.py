@@ -13,10 +13,11 @@
    failed save leaves nothing behind.
 
 ``write_and_commit`` is steps 2-3 for any writer (``export_safetensors`` too); a ``Saver`` runs
-it, synchronously or in one background thread (at most one save in
-flight; the next ``save``/``wait`` raises a background failure). Its collectives run on the
-state's world group, or for asynchronous saves on a gloo group of the saver's own, so that
-they never interleave with training's collectives.
+it, synchronously or in one background thread (at most one save in flight; the next
+``save``/``wait`` raises a background failure). A background save returns once this rank's
+rows are staged in host buffers it keeps (:mod:`.staging`); step 1 runs in its thread too.
+Its collectives run on the state's world group, or for asynchronous saves on a gloo group of
+the saver's own, so that they never interleave with training's collectives.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from funcshard.checkpoint.format import (
     TMP_MARK,
     Keys,
 )
+from funcshard.checkpoint.staging import Staging
 from funcshard.checkpoint.writing import write_arrays, write_records
 from funcshard.distributed import mesh as mesh_lib
 from funcshard.layout.layout import Layout
@@ -282,7 +284,7 @@ class _Job:
     """One save: what to write, and what to run on rank 0 once it is committed."""
 
     final: str
-    tmp: str
+    tmp: str  # "" until the place is made (a background save makes it in its thread)
     item: str | None
     arrays: list[tree_lib.ArrayWrite]
     scalars: dict[Keys, Any]
@@ -311,6 +313,7 @@ class Saver:
         self._final: str | None = None
         self._atexit = False
         self._stats: dict[str, Any] = {"staged_s": None, "written_s": None, "bytes": 0}
+        self._staging = Staging()  # a background save's host buffers, kept between saves
 
     # the two disk-touching steps -----------------------------------------------------------
     def write_arrays(
@@ -359,6 +362,8 @@ class Saver:
 
     def _run(self, job: _Job, agreement: Agreement) -> None:
         first = agreement.rank == 0
+        if not job.tmp:  # a background save makes its place here, off the caller's stall
+            job.tmp = start(job.final, agreement)
 
         def finish(per_rank: list[Checksums]) -> None:
             checksums: Checksums = {}
@@ -417,12 +422,9 @@ class Saver:
         agreement = self._agreement(state.layout, background)
         final = storage.normalize(directory)
         started = time.time_ns()
-        arrays, scalars = tree_lib.plan_writes(
-            state, stage=background, chunk_bytes=self.chunk_bytes
-        )
-        if state.layout.tensor.size > 1:  # chunks that no two tensor ranks share
-            tree_lib.align_chunks(arrays, agreement.group, self.chunk_bytes)
-        tmp = start(final, agreement)
+        arrays, scalars = self._plan(state, agreement, background)
+        # a background save's place is made in its thread (a collective on the saver's group)
+        tmp = "" if background else start(final, agreement)
         info = tree_lib.info(state)
         job = _Job(final, tmp, item, arrays, scalars, info, started, after_commit)
         stats = self._stats = {"staged_s": None, "written_s": None, "bytes": _bytes(arrays)}
@@ -433,6 +435,7 @@ class Saver:
         context = contextvars.copy_context()  # the caller's io_stats count the writes
 
         def target() -> None:
+            storage.yield_to_compute()  # the write takes what the step leaves idle
             began = time.perf_counter()
             try:
                 context.run(self._run, job, agreement)
@@ -447,6 +450,19 @@ class Saver:
             self._atexit = True
         self._thread.start()
         stats["staged_s"] = time.perf_counter() - called
+
+    def _plan(
+        self, state: TrainState, agreement: Agreement, background: bool
+    ) -> tuple[list[tree_lib.ArrayWrite], dict[Keys, Any]]:
+        """This rank's writes; a background save's rows staged in the saver's host buffers."""
+        stage = self._staging.copy if background else None
+        arrays, scalars = tree_lib.plan_writes(state, stage=stage, chunk_bytes=self.chunk_bytes)
+        if background:
+            self._staging.ready()
+            self._staging.retain({a.keys for a in arrays if a.data is not None})
+        if state.layout.tensor.size > 1:  # chunks that no two tensor ranks share
+            tree_lib.align_chunks(arrays, agreement.group, self.chunk_bytes)
+        return arrays, scalars
 
     def last_save_stats(self) -> dict[str, Any]:
         """The last save's ``staged_s`` (how long ``save`` blocked its caller: the rows copied
@@ -468,10 +484,12 @@ class Saver:
             self.wait()
 
     def close(self) -> None:
-        """Waits for the save in flight; the saver may still be used after."""
+        """Waits for the save in flight and drops the staging buffers; the saver may still be
+        used after."""
         try:
             self.wait()
         finally:
+            self._staging.release()
             if self._atexit:
                 atexit.unregister(self._wait_at_exit)
                 self._atexit = False

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import threading
 from typing import Any
 
 import tensorstore as ts
@@ -42,6 +43,7 @@ __all__ = [
     "remove_tree",
     "rename",
     "write_bytes",
+    "yield_to_compute",
 ]
 
 _SCHEMES = {"s3://": "s3", "gs://": "gcs"}
@@ -325,3 +327,37 @@ def isfile(path: str) -> bool:
 def open_reader(path: str) -> Reader:
     """A :class:`Reader` of ``path``; FileNotFoundError when it is not there."""
     return Reader(path)
+
+
+# --- the background writer's priority -------------------------------------------------------
+
+BACKGROUND_NICE = 19
+
+
+def yield_to_compute() -> None:
+    """Lowers the CPU priority of the calling thread (a background save's writer) and of
+    tensorstore's worker threads, which do its copies and system calls, to
+    ``BACKGROUND_NICE``, so that a write in flight takes the cores the training step leaves
+    idle rather than time from the step. Linux only (threads found under
+    ``/proc/self/task``); a no-op elsewhere, and for a thread already at that nice or above.
+
+    An unprivileged process cannot raise a thread's priority again: tensorstore's workers stay
+    at this priority for the process's life, so on a busy CPU a synchronous save or a restore
+    after a background save yields to other work too (on an idle one it runs as fast).
+    """
+    if not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"):
+        return
+    tids = [threading.get_native_id()]
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("ts_pool"):  # tensorstore's ts_pool_worker
+                    tids.append(int(tid))
+        except OSError:  # the thread has exited
+            continue
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+        except OSError:
+            continue

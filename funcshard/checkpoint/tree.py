@@ -203,12 +203,15 @@ class ArrayWrite:
 
 
 def plan_writes(
-    state: TrainState, *, stage: bool, chunk_bytes: int
+    state: TrainState,
+    *,
+    stage: Callable[[Keys, torch.Tensor], torch.Tensor] | None,
+    chunk_bytes: int,
 ) -> tuple[list[ArrayWrite], dict[Keys, Any]]:
     """What this rank writes: its rows of every array, and (all ranks know them) the scalars.
 
-    ``stage`` copies the rows to fresh host memory (an asynchronous save must not see later
-    in-place updates of the state's buffers).
+    ``stage(keys, rows)``, if given, copies the rows of an array to host memory (an
+    asynchronous save must not see later in-place updates of the state's buffers).
     """
     layout = state.layout
     writers = Writers.of(layout)
@@ -234,9 +237,11 @@ def plan_writes(
         if not coords.writes(spec.name):  # replicated over "tensor": tensor rank 0 writes
             start = stop = spec.rows
         data = view = None
+        keys = (*prefix, spec.name)
         if stop > start:
             view = writers.local_rows(flat, spec, r, start, stop).detach()
-            data = view.to("cpu", copy=True) if stage else view
+            gathered_later = coords.gathers(spec.name)  # staged once gathered, below
+            data = stage(keys, view) if stage is not None and not gathered_later else view
         split = coords.split(spec.name, scales)
         if scales:
             start, stop, box = coords.scale_rows(spec.name, start, stop, spec.row_numel)
@@ -245,7 +250,6 @@ def plan_writes(
         shape = coords.shape(spec.name, spec.shape, scales)
         row = math.prod(shape[1:]) if coords.gathers(spec.name) else spec.row_numel
         chunk = chunk_rows(piece, row * flat.element_size(), chunk_bytes)
-        keys = (*prefix, spec.name)
         write = ArrayWrite(keys, shape, flat.dtype, chunk, start, stop, data, None, split)
         if not coords.gathers(spec.name):
             write.box = box
@@ -264,10 +268,12 @@ def plan_writes(
         # on the state's device (the tensor group's backend); every tensor rank gets the rows
         # and tensor rank 0 writes them
         rows = coords.gather(write.keys[-1], view, scales)
-        write.data = rows.to("cpu") if stage else rows
+        write.data = rows
         if not coords.writes_gathered():
             write.start = write.stop = write.shape[0]
             write.data = None
+        elif stage is not None:
+            write.data = stage(write.keys, rows)
     scalars = {("opt_state", *p): v for p, v in opt_layout(state.opt_state, n)[1].items()}
     scalars[("step",)] = int(state.step)
     if state.loss_scale is not None:
