@@ -274,6 +274,53 @@ def test_bytes_equal_the_plan(pool4, case) -> None:
     measured = {a: max(r["by_axis"].get(a, 0) for r in results) for a in p.comm_by_axis}
     measured["expert"] = sum(r["by_axis"].get("expert", 0) for r in results) // 4
     assert measured == p.comm_by_axis, (measured, p.comm_by_axis)
-    assert p.comm_by_axis["expert"] == 4 * (ROWS // 4) * moe.DIM * 4 > 0
+    assert p.comm["all_to_all"] == 4 * (ROWS // 4) * moe.DIM * 4 > 0
     total = sum(r["bytes"].get("all_to_all", 0) for r in results)
     assert total == 4 * p.comm["all_to_all"]
+
+
+def traffic_worker(mesh_name: str, strategy: str, kw: dict) -> dict:
+    state, model, _, _ = _ep_state(mesh_name, strategy, **kw)
+    expert_rows = {n: tuple(state.params[n].shape) for n in ("experts.w1", "experts.w2")}
+    with fs.comm_stats() as stats:
+        state, _ = moe.train(state, model, range(1), rows=ROWS)
+    return {"by_axis": dict(stats.bytes_by_axis), "rows": expert_rows}
+
+
+def _planned(params, strategy: str, kw: dict):
+    sgd = fs.optim.sgd(0.1, momentum=0.9)
+    return fs.plan(
+        params, world_size=4, shard=4, strategy=strategy, optimizer=sgd, microbatches=2, **kw
+    )
+
+
+TRAFFIC_CASES = [
+    ("S4E2", "optim_grads_params", {}),
+    ("S4E4", "optim_grads_params", {}),
+    ("S4E2", "optim_grads", {}),
+]
+
+
+@pytest.mark.parametrize("case", TRAFFIC_CASES, ids=str)
+def test_expert_traffic_is_divided_by_the_expert_degree(pool4, case) -> None:
+    """The experts' own gathers and reductions over "shard" move 1/E of what the same model
+    moves without expert parallelism (measured; nothing when S = E), the dense part unchanged
+    (planned for the dense parameters alone); each rank holds 1/S of every expert's master rows, as without."""
+    mesh_name, strategy, kw = case
+    expert = MESHES[mesh_name][2]
+    results = pool4.run(traffic_worker, *case)
+    measured = max(r["by_axis"].get("shard", 0) for r in results)
+    plain = moe.make_model(3)
+    dense = {n: tuple(p.shape) for n, p in plain.named_parameters() if not n.startswith("experts")}
+    whole = _planned(plain, strategy, kw).comm_by_axis["shard"]
+    dense_part = _planned(dense, strategy, kw).comm_by_axis["shard"]
+    experts_part = whole - dense_part
+    assert experts_part > 0 and experts_part % expert == 0, (whole, dense_part)
+    # S / E = 1 (S4E4): each rank holds its experts whole, and nothing moves for them
+    expected = experts_part // expert if MESHES[mesh_name][0] > expert else 0
+    assert measured - dense_part == expected, (measured, whole, dense_part)
+    for r in results:  # 4 experts over S=4 shard ranks: one expert's rows each
+        assert r["rows"] == {
+            "experts.w1": (1, moe.DIM, moe.HIDDEN),
+            "experts.w2": (1, moe.HIDDEN, moe.DIM),
+        }

@@ -205,15 +205,14 @@ def _write_rows(
     """This rank's rows of every entry (a tensor-parallel shard's rows or block of the full
     tensor), at their offsets, then fsync of every file."""
     layout = state.layout
-    writers = tree_lib.Writers.of(layout)
     coords = Coords(layout.tensor)
-    r = layout.shard_rank
     specs = {s.name: s for s in layout.leaves}
     for name, (head, offsets), entries in zip(names, headers, files, strict=True):
         writer = storage.Writer(os.path.join(tmp, name))
         try:
             for e, offset in zip(entries, offsets, strict=True):
                 spec = specs[e.param]
+                writers, r = tree_lib.Writers.of(layout, spec), layout.spec_rank(spec)
                 start, stop, _ = writers.rows(spec)
                 if stop <= start or not coords.writes(spec.name):
                     continue

@@ -58,13 +58,13 @@ def _requests(
 ) -> list[ReadRequest]:
     """This rank's real rows of every leaf of the bucket flats (leaves in ``skip`` are
     converted, not read), each into its rows of the flat."""
-    r = layout.shard_rank
     coords = Coords(layout.tensor)
     blocks = getattr(flats, "blocks", None)
     requests = []
     for bucket, flat in zip(layout.buckets, flats, strict=True):
         if flat is None:
             continue
+        r = layout.over(bucket).shard_rank
         for spec in layout.bucket_leaves(bucket):
             spec = spec_in(spec, blocks, bucket.index)
             start, stop = spec.row_range(r)
@@ -81,11 +81,11 @@ def _requests(
 
 def _zero_padding(flats: Sequence[torch.Tensor | None], layout: Layout) -> None:
     """Zeroes the padding rows of every leaf of the bucket flats."""
-    r = layout.shard_rank
     blocks = getattr(flats, "blocks", None)
     for bucket, flat in zip(layout.buckets, flats, strict=True):
         if flat is None:
             continue
+        r = layout.over(bucket).shard_rank
         for spec in layout.bucket_leaves(bucket):
             spec = spec_in(spec, blocks, bucket.index)
             start, stop = spec.row_range(r)
@@ -212,7 +212,7 @@ def _conversions(
     layout: Layout, source: Source, opt_state: Any, convert: dict[Keys, Keys | None]
 ) -> list[_Conversion]:
     """What converting each moment of ``convert`` reads (nothing is read here)."""
-    n, r = len(layout.buckets), layout.shard_rank
+    n = len(layout.buckets)
     coords = Coords(layout.tensor)
     parts: dict[Keys, PerBucket] = {}
     map_opt(opt_state, n, lambda p, x: parts.__setitem__(("opt_state", *p), x), lambda p, x: x)
@@ -222,7 +222,7 @@ def _conversions(
         if isinstance(parts[keys[:-1]], BlockScales):
             continue  # computed with its moment
         spec = layout.leaf(keys[-1])
-        start, stop = spec.row_range(r)
+        start, stop = spec.row_range(layout.spec_rank(spec))
         if stop == start:
             continue
         full = coords.shape(spec.name, spec.shape)
@@ -258,11 +258,12 @@ def _convert_moments(
     """Fills the moments stored 8-bit on one side only, one leaf at a time (so one leaf's
     rows are in scratch): this rank's rows are read as stored, dequantized to fp32 (with the
     source's scales) and cast, or quantized (scales computed)."""
-    n, r = len(layout.buckets), layout.shard_rank
+    n = len(layout.buckets)
     parts: dict[Keys, PerBucket] = {}
     map_opt(opt_state, n, lambda p, x: parts.__setitem__(("opt_state", *p), x), lambda p, x: x)
     for job in jobs:
         keys, spec = job.keys, layout.leaf(job.keys[-1])
+        r = layout.spec_rank(spec)
         rows = _real(job.rows)
         scales = None if job.scales is None else _real(job.scales)
         source.read_into([rows] if scales is None else [rows, scales])

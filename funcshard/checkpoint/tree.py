@@ -161,14 +161,16 @@ class Writers:
     split: bool = False  # no_shard: every rank holds every row, so split them evenly
 
     @classmethod
-    def of(cls, layout: Layout) -> Writers:
-        mesh = layout.mesh
+    def of(cls, layout: Layout, spec: LeafSpec) -> Writers:
+        """The writers of leaf ``spec`` (the ranks of its bucket's groups)."""
+        layout = layout.over(layout.buckets[spec.bucket])
+        mesh = layout.group_mesh
         if not layout.strategy.shards_optim:  # every rank holds everything: split the rows
             shard = mesh_lib.axis_size(mesh, "shard")
             index = mesh_lib.axis_rank(mesh, "replicate") * shard + mesh_lib.axis_rank(
                 mesh, "shard"
             )
-            return cls(layout.dp_size, index, True, split=True)
+            return cls(mesh.size(), index, True, split=True)
         # the first replica writes (under HFSDP every rank holds rows no other rank holds)
         return cls(layout.shard_size, layout.shard_rank, layout.placement.replica_rank == 0)
 
@@ -214,8 +216,6 @@ def plan_writes(
     asynchronous save must not see later in-place updates of the state's buffers).
     """
     layout = state.layout
-    writers = Writers.of(layout)
-    r = layout.shard_rank
     n = len(layout.buckets)
 
     coords = coords_lib.Coords(layout.tensor)
@@ -233,6 +233,7 @@ def plan_writes(
         return out
 
     def _write_of(spec: LeafSpec, scales: bool, flat: torch.Tensor, prefix: Keys) -> ArrayWrite:
+        writers, r = Writers.of(layout, spec), layout.spec_rank(spec)
         start, stop, piece = writers.rows(spec)
         if not coords.writes(spec.name):  # replicated over "tensor": tensor rank 0 writes
             start = stop = spec.rows

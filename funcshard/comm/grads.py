@@ -64,6 +64,7 @@ def start_reduce_shard_axis(layout: Layout, bucket: Bucket, sections: torch.Tens
     """``reduce_shard_axis`` without waiting and without the final cast: ``wait()`` gives this
     rank's shard of the mean as the bucket's wire (:func:`funcshard.comm.wires.wire_for`) sums
     it: in ``grad_comm_dtype``, or in fp32 on a narrow wire."""
+    layout = layout.over(bucket)  # an expert bucket: over the ranks of its expert index
     wire = wire_for(layout, bucket)
     x = sections.to(wire.scale_dtype)
     if layout.dp_size > 1:  # a division by one would be a pass over the gradient for nothing
@@ -104,6 +105,7 @@ def start_reduce_replicate_axis(
 
 
 def _start_replicate(layout: Layout, bucket: Bucket, local: torch.Tensor) -> Pending:
+    layout = layout.over(bucket)
     group, grad = layout.replicate_group, bucket.dtypes.grad
     wire = wire_for(layout, bucket)
     if layout.hierarchical:
@@ -251,7 +253,7 @@ def reduce_step_grads(
     for index in replicate.rest():
         part, g = inner.buckets[index], grads[index]
         if g is None:
-            numel = part.numel * (1 if shard_reduced else inner.shard_size)
+            numel = part.numel * (1 if shard_reduced else inner.over(part).shard_size)
             g = torch.zeros(numel, dtype=part.dtypes.grad, device=layout.device)
         if not shard_reduced:
             g = reduce_shard_axis(inner, part, g)

@@ -111,6 +111,7 @@ def gather_replicas(layout: Layout, bucket: Bucket, local: torch.Tensor) -> torc
     once, here, and the inner shard is the ``R`` packed sections in replica order: they
     cross "replicate" and stay packed (:func:`packs_shard`); else the compute-dtype shard
     gathered over "replicate" from the replicas' master flats."""
+    layout = layout.over(bucket)  # an expert bucket: over the ranks of its expert index
     replicas = layout.replicas
     if param_wire(layout, bucket) is None:
         if replicas == 1:
@@ -131,6 +132,7 @@ def all_gather_params(layout: Layout, bucket: Bucket, local: torch.Tensor) -> op
     Without a param wire the compute-dtype shards move. With one, the packed shards do
     (``local`` packed here, or already packed under :func:`packs_shard`), and the result is
     decoded once, section by section, on arrival."""
+    layout = layout.over(bucket)
     S, wire = layout.shard_size, param_wire(layout, bucket)
     if wire is None:
         if S == 1:
@@ -168,6 +170,7 @@ def gather_shards(
 ) -> torch.Tensor:
     """A bucket's local flat all-gathered over the shard axis into the full layout, as it is
     (no param wire); into ``out`` when given (with one shard, ``local`` is the result)."""
+    layout = layout.over(bucket)
     if layout.shard_size == 1:
         return local
     group, axis = layout.shard_group, layout.shard_axis
@@ -176,4 +179,4 @@ def gather_shards(
 
 def all_gather_nbytes(layout: Layout, bucket: Bucket) -> int:
     """Bytes counted for one shard-axis all-gather of a bucket's compute params."""
-    return layout.shard_size * _sections(layout) * packed_nbytes(layout, bucket)
+    return layout.over(bucket).shard_size * _sections(layout) * packed_nbytes(layout, bucket)

@@ -34,6 +34,7 @@ __all__ = [
     "data_parallel",
     "tensor_axis",
     "expert_axis",
+    "expert_data_parallel",
 ]
 
 
@@ -114,6 +115,16 @@ def expert_axis(mesh: DeviceMesh) -> DeviceMesh | None:
     """``mesh["expert"]``, or None for a mesh without an expert axis."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh[EXPERT] if EXPERT in names else None
+
+
+def expert_data_parallel(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The ("replicate", "shard_outer") mesh of this rank's expert index (and tensor rank):
+    the ranks holding the same experts, over which expert weights are data-parallel; None for
+    a mesh without an expert axis."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if EXPERT not in names:
+        return None
+    return sliced(mesh, (DATA_AXES[0], SHARD_OUTER))
 
 
 def tensor_axis(mesh: DeviceMesh) -> DeviceMesh | None:
@@ -199,11 +210,13 @@ def axis_size(mesh: DeviceMesh, axis: str) -> int:
 
 
 def axis_rank(mesh: DeviceMesh, axis: str) -> int:
-    return mesh.get_local_rank(axis)
+    """This rank's place along data-parallel ``axis`` of a ("replicate", "shard") mesh (by
+    position: an expert view's second dim is "shard_outer")."""
+    return mesh.get_local_rank(DATA_AXES.index(axis))
 
 
 def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
-    return mesh.get_group(axis)
+    return mesh.get_group(DATA_AXES.index(axis))
 
 
 # The flattened group of each mesh, kept while the mesh lives (keyed by the mesh itself:
@@ -217,7 +230,8 @@ def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
         return dist.group.WORLD
     group = _FLAT_GROUPS.get(mesh)
     if group is None:
-        group = _FLAT_GROUPS[mesh] = inherit_timeout(mesh._flatten("dp").get_group())
+        name = "dp" if tuple(mesh.mesh_dim_names or ()) == DATA_AXES else "expert_dp"
+        group = _FLAT_GROUPS[mesh] = inherit_timeout(mesh._flatten(name).get_group())
         hold(mesh, lambda m: _FLAT_GROUPS.pop(m, None))
     return group
 
@@ -239,10 +253,11 @@ def master_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     if replicate == 1 or shard == 1:
         return world_group(mesh)
     world = dist.group.WORLD
-    # every rank makes the groups of every tensor rank's submesh, in tensor order
+    # every rank makes the groups of every tensor rank's submesh (and, for an expert view of
+    # S / E shard ranks, every expert index's), in rank order
     root = mesh._get_root_mesh() if mesh.size() < dist.get_world_size() else mesh
-    tensor = root.mesh.shape[-1] if TENSOR in (root.mesh_dim_names or ()) else 1
-    slices = root.mesh.reshape(replicate, shard, tensor)  # rank (r * S + s) * T + t, experts or not
+    # rank (r * S + s) * T + t, experts or not; ((r * S / E + s_outer) * E + e) * T + t
+    slices = root.mesh.reshape(replicate, shard, -1)
     mine = None
     for t in range(slices.shape[-1]):
         ranks = slices[..., t]  # (replicate, shard) global ranks

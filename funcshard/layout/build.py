@@ -25,7 +25,7 @@ def _offload_sizes(
     params: dict[str, tuple[tuple[int, ...], torch.dtype]],
     tensor: ModelAxis,
     policy: MixedPrecisionPolicy,
-    shard_size: int,
+    shard_sizes: list[int],
     deterministic: bool,
 ) -> list[int]:
     """The shard elements per leaf the offloaded leaves are picked by. Under tensor parallelism
@@ -34,7 +34,7 @@ def _offload_sizes(
     as tensor rank 0's shard on every rank
     (:meth:`~funcshard.parallel.axis.ModelAxis.agreed_shape`)."""
     sizes = []
-    for name, (shape, dtype) in params.items():
+    for (name, (shape, dtype)), shard_size in zip(params.items(), shard_sizes, strict=True):
         agreed = tensor.agreed_shape(name, tuple(shape))
         rows = _leaf_rows(name, agreed, dtype, policy, shard_size, deterministic)
         sizes.append(rows[4] * rows[5])
@@ -74,17 +74,18 @@ def _bucket_leaves(
     keys: dict[tuple, list[int]] = {}
     for i, (name, shape, dtypes, *_rest, unit) in enumerate(raw):
         rule = partition(name, tensor.rule_shape(name, shape)) if partition is not None else None
-        keys.setdefault((unit, dtypes, i in offloaded, rule), []).append(i)
+        key = (unit, dtypes, i in offloaded, rule, tensor.on_experts(name))
+        keys.setdefault(key, []).append(i)
     leaves: list[LeafSpec | None] = [None] * len(raw)
     buckets = []
     ordered = sorted(keys.items(), key=lambda kv: kv[1][0])
-    for b, ((unit, dtypes, off, *_), members) in enumerate(ordered):
+    for b, ((unit, dtypes, off, _, expert), members) in enumerate(ordered):
         offset = 0
         for i in members:
             name, shape, _, rows, rps, row_numel, _ = raw[i]
             leaves[i] = LeafSpec(name, shape, dtypes, unit, rows, rps, row_numel, b, offset)
             offset += rps * row_numel
-        buckets.append(Bucket(b, unit, dtypes, off, tuple(members), offset))
+        buckets.append(Bucket(b, unit, dtypes, off, tuple(members), offset, expert))
     return leaves, buckets
 
 
@@ -101,6 +102,7 @@ def build_layout(
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = OuterStrategy.NO_SHARD,
     tensor: ModelAxis = NO_AXIS,
+    expert_mesh: DeviceMesh | None = None,
 ) -> Layout:
     """Computes the layout from ``{name: (shape, dtype)}`` in ``named_parameters`` order.
 
@@ -112,6 +114,8 @@ def build_layout(
     ``deterministic`` asks for the layout-independent reductions of
     :mod:`funcshard.layout.determinism` (it checks that the mesh and policy allow them).
     ``outer_strategy`` is what is sharded over "replicate" (``"optim"``: HFSDP).
+    ``expert_mesh``: the ("replicate", "shard_outer") mesh expert leaves are data-parallel
+    over (default: that of ``mesh``'s expert axis, if it has one).
     """
     strategy = Strategy.parse(strategy)
     outer = OuterStrategy.parse(outer_strategy, what="outer_strategy")
@@ -123,19 +127,28 @@ def build_layout(
         )
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must lie in [0, 1], got {offload_fraction}")
+    if expert_mesh is None:
+        expert_mesh = mesh_lib.expert_data_parallel(mesh)
     mesh = mesh_lib.data_parallel(mesh)
     prefixes = resolve_units(model, units) if model is not None else list(units or [])
-    shard_size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
-    if outer.shards_optim:
-        shard_size *= mesh_lib.axis_size(mesh, "replicate")
+    # an expert leaf's rows are spread over the ranks of its expert index only
+    shard_sizes = [
+        _shard_size(expert_mesh if tensor.on_experts(name) else mesh, strategy, outer)
+        for name in params
+    ]
+    if deterministic and expert_mesh is not None and any(map(tensor.on_experts, params)):
+        raise ValueError(
+            "deterministic=True with expert parallel: the layout-independent reductions do "
+            "not cover expert weights yet (their rows are reduced over the S / E ranks of "
+            "one expert index); train the model without deterministic=True"
+        )
 
     raw = [
-        _leaf_rows(name, shape, dtype, policy, shard_size, deterministic)
-        + (unit_of(name, prefixes),)
-        for name, (shape, dtype) in params.items()
+        _leaf_rows(name, shape, dtype, policy, size, deterministic) + (unit_of(name, prefixes),)
+        for (name, (shape, dtype)), size in zip(params.items(), shard_sizes, strict=True)
     ]
     offloaded = pick_offloaded(
-        _offload_sizes(params, tensor, policy, shard_size, deterministic), offload_fraction
+        _offload_sizes(params, tensor, policy, shard_sizes, deterministic), offload_fraction
     )
 
     leaves, buckets = _bucket_leaves(raw, offloaded, partition, tensor)
@@ -156,7 +169,14 @@ def build_layout(
         deterministic=deterministic,
         outer=outer,
         tensor=tensor,
+        expert_mesh=expert_mesh,
     )
+
+
+def _shard_size(mesh: DeviceMesh, strategy: Strategy, outer: OuterStrategy) -> int:
+    """Ranks a leaf's master rows are spread over on ``mesh`` (a data-parallel mesh)."""
+    size = mesh_lib.axis_size(mesh, "shard") if strategy.shards_optim else 1
+    return size * mesh_lib.axis_size(mesh, "replicate") if outer.shards_optim else size
 
 
 # Elements a deterministic layout aligns each leaf's shard (hence its full view) to. CPU kernels

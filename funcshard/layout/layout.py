@@ -111,6 +111,9 @@ class Bucket:
     offload: bool
     leaves: tuple[int, ...]
     numel: int  # local (per-shard) flat elements, padding included
+    # expert leaves: rows spread over the data-parallel ranks of one expert index
+    # (:meth:`Layout.over`), not over every data-parallel rank
+    expert: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -172,6 +175,34 @@ class Layout:
     # the tensor axis of a tensor-parallel model (:mod:`funcshard.parallel.tensor`): leaves are
     # then its parameters' LOCAL shards, ``mesh`` the data-parallel submesh of this tensor rank
     tensor: ModelAxis = NO_AXIS
+    # expert parallel: the ("replicate", "shard_outer") mesh of this rank's expert index, the
+    # ranks an expert bucket's rows are spread over; None without an expert axis
+    expert_mesh: DeviceMesh | None = None
+    # the view of the expert buckets (:meth:`over`): its groups are ``expert_mesh``'s
+    expert_view: bool = False
+
+    def over(self, bucket: Bucket) -> Layout:
+        """The layout whose groups a bucket's rows are spread over: this one, or for an
+        expert bucket its view on ``expert_mesh`` (the ``S / E`` shard ranks and the replicas
+        holding the same experts). Its ``dp_size`` stays the whole data-parallel world's,
+        the mean every gradient is divided by (torchtitan #1324)."""
+        return self.experts_view if bucket.expert else self
+
+    def spec_rank(self, spec: LeafSpec) -> int:
+        """The shard rank whose rows of leaf ``spec`` this rank holds (its bucket's groups)."""
+        return self.over(self.buckets[spec.bucket]).shard_rank
+
+    @functools.cached_property
+    def experts_view(self) -> Layout:
+        """This layout as the expert buckets' collectives see it (see :meth:`over`)."""
+        if self.expert_mesh is None:
+            raise ValueError("this layout has no expert axis")
+        return dataclasses.replace(self, expert_view=True)
+
+    @property
+    def group_mesh(self) -> DeviceMesh:
+        """The mesh this layout's groups are axes of (``expert_mesh`` in the expert view)."""
+        return self.expert_mesh if self.expert_view else self.mesh
 
     def aliases_of(self, name: str) -> tuple[str, ...]:
         """The other names of parameter ``name`` in the model's state_dict (tied weights)."""
@@ -185,14 +216,15 @@ class Layout:
     @functools.cached_property
     def replicas(self) -> int:
         """The size of the mesh's "replicate" axis."""
-        return mesh_lib.axis_size(self.mesh, "replicate")
+        return mesh_lib.axis_size(self.group_mesh, "replicate")
 
     @functools.cached_property
     def shard_size(self) -> int:
-        """Ranks the master rows are spread over (``R * S`` under HFSDP)."""
+        """Ranks the master rows are spread over (``R * S`` under HFSDP; ``S / E`` and
+        ``R * S / E`` in the expert view)."""
         if not self.strategy.shards_optim:
             return 1
-        size = mesh_lib.axis_size(self.mesh, "shard")
+        size = mesh_lib.axis_size(self.group_mesh, "shard")
         return size * self.replicas if self.hierarchical else size
 
     @property
@@ -200,9 +232,9 @@ class Layout:
         """This rank's master index (``s * R + r`` under HFSDP)."""
         if not self.strategy.shards_optim:
             return 0
-        rank = mesh_lib.axis_rank(self.mesh, "shard")
+        rank = mesh_lib.axis_rank(self.group_mesh, "shard")
         if self.hierarchical:
-            return rank * self.replicas + mesh_lib.axis_rank(self.mesh, "replicate")
+            return rank * self.replicas + mesh_lib.axis_rank(self.group_mesh, "replicate")
         return rank
 
     @property
@@ -213,8 +245,8 @@ class Layout:
     def shard_group(self):
         """The group of ``shard_size`` ranks, its rank order that of ``shard_rank``."""
         if self.hierarchical:
-            return mesh_lib.master_group(self.mesh)
-        return mesh_lib.axis_group(self.mesh, "shard")
+            return mesh_lib.master_group(self.group_mesh)
+        return mesh_lib.axis_group(self.group_mesh, "shard")
 
     @property
     def shard_axis(self) -> str:
@@ -226,8 +258,8 @@ class Layout:
         """The group gradient shards are all-reduced over (the world when nothing is sharded;
         under HFSDP the "replicate" axis they are reduce-scattered over)."""
         if not self.strategy.shards_optim:
-            return mesh_lib.world_group(self.mesh)
-        return mesh_lib.axis_group(self.mesh, "replicate")
+            return mesh_lib.world_group(self.group_mesh)
+        return mesh_lib.axis_group(self.group_mesh, "replicate")
 
     @property
     def replicate_axis(self) -> str:
@@ -292,7 +324,7 @@ class Layout:
         Its groups are dropped once their world is destroyed
         (:func:`funcshard.distributed.mesh.hold`)."""
         size = self.shard_size
-        replicas = self.dp_size // size
+        replicas = self.group_mesh.size() // size
         mesh_lib.hold(self, _drop_groups)
         return Placement(
             group=self.shard_group if size > 1 else None,
@@ -302,6 +334,7 @@ class Layout:
             specs={
                 m: tuple(self.bucket_leaves(b))
                 for m, b in zip(self.members, self.buckets, strict=True)
+                if b.expert == self.expert_view
             },
             replicas=self.replicate_group if replicas > 1 else None,
             replica_count=replicas,
@@ -323,5 +356,9 @@ class Layout:
 def _drop_groups(layout: Layout) -> None:
     """What a layout of a destroyed world keeps of its groups: its placement, its mesh's."""
     layout.__dict__.pop("placement", None)
-    if layout.mesh is not None:
-        mesh_lib.drop_mesh_groups(layout.mesh)
+    view = layout.__dict__.pop("experts_view", None)
+    if view is not None:
+        view.__dict__.pop("placement", None)
+    for mesh in (layout.mesh, layout.expert_mesh):
+        if mesh is not None:
+            mesh_lib.drop_mesh_groups(mesh)

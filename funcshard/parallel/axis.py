@@ -77,6 +77,11 @@ class ModelAxis(Protocol):
         """Whether ``name``'s elements are split over the axis's ranks."""
         ...
 
+    def on_experts(self, name: str) -> bool:
+        """Whether ``name`` is an expert weight: its rows data-parallel over the ranks of its
+        expert index only (:meth:`funcshard.layout.layout.Layout.over`)."""
+        ...
+
     def splits(self, name: str) -> bool:
         """Whether this rank holds only part of ``name`` (sharded over more than one rank):
         a whole-matrix transform (Muon) must gather it."""
@@ -154,6 +159,9 @@ class NoAxis:
     group = None
 
     def sharded(self, name: str) -> bool:
+        return False
+
+    def on_experts(self, name: str) -> bool:
         return False
 
     def splits(self, name: str) -> bool:

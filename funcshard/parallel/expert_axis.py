@@ -2,20 +2,18 @@
 ``(num_experts, ...)`` made ``Shard(0)`` DTensors on ``mesh["expert"]`` (by
 ``fs.ExpertParallel`` or any style that places them so) before ``fs.init``.
 
-funcshard keeps an expert parameter GLOBAL in its layout, the ``(num_experts, ...)`` tensor
-sharded over the data-parallel axes ("replicate" x "shard") like a dense one, and hands the
-model this rank's experts as the DTensor it had (:meth:`ExpertAxis.wrap`: rows
-``[e * n / E, (e + 1) * n / E)`` of the gathered tensor). The gradient of the other experts'
-rows is zero on this rank, so the step's sum over every data-parallel rank divided by
-``R * S`` is the one-process mean over the global batch (every token's gradient of an expert
-reaches the rank holding it by the model's own all-to-all): the divide factor is that of a
-dense weight, never ``R * S / E`` (torchtitan #1324). Norms, the optimizer, ``full_params`` and
-checkpoints then see each expert once, in global shapes, whatever ``E``.
-
-What this design does not do yet: move only an expert rank's own experts. Its gathers
-(ZeRO-3) and gradient reductions carry the whole ``(num_experts, ...)`` tensor over "shard"
-and "replicate" (as the same model without expert parallelism does), where sharding the experts
-over the ``S / E x R`` ranks of one expert index would move ``1 / E`` of it.
+An expert parameter is held in the layout as this expert rank's rows, ``(num_experts / E,
+...)``, the DTensor's local shard, and those rows are data-parallel over the ranks of the
+same expert index only: the ``S / E`` shard ranks of "shard_outer" and the replicas
+(:meth:`funcshard.layout.layout.Layout.over`), so a ZeRO-3 gather or a gradient reduction
+moves ``1 / E`` of the expert tensor, as torchtitan's ``dp_shard_in_ep`` mesh does. Every
+token's gradient of an expert reaches the rank holding it by the model's own all-to-all, so
+the sum over the ranks of one expert index, divided by ``R * S``, is the one-process mean
+over the global batch: the divide factor is that of a dense weight, never ``R * S / E``
+(torchtitan #1324). Norms count each expert once (summed over "shard", which holds every
+expert index; under ``no_shard`` over "expert", a dense leaf counted on expert rank 0), and
+the optimizer's rules, ``full_params`` and checkpoints see global shapes ``(num_experts,
+...)``, whatever ``E``.
 """
 
 from __future__ import annotations
@@ -30,8 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from funcshard.distributed import mesh as mesh_lib
+from funcshard.distributed import ops
 from funcshard.distributed.dims import EXPERT
-from funcshard.parallel.axis import NO_AXIS, BatchCheck, ModelAxis
+from funcshard.parallel.axis import NO_AXIS, BatchCheck, GlobalShape, ModelAxis
 from funcshard.parallel.tensor import read_model as read_tensor_axis
 
 __all__ = ["ExpertLeaf", "ExpertAxis", "read_axes", "layout_params"]
@@ -39,26 +38,33 @@ __all__ = ["ExpertLeaf", "ExpertAxis", "read_axes", "layout_params"]
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLeaf:
-    """One expert parameter: its global shape ``(num_experts, ...)`` and stride."""
+    """One expert parameter: its global shape ``(num_experts, ...)`` and stride, split along
+    dim 0 (``Shard(0)``) as a tensor-parallel leaf is along its ``dim``."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    dim: int = 0
+    placement: Shard = Shard(0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExpertAxis:
     """The expert axis of a state over ``inner``, the model's other axis (the tensor axis, or
-    :data:`~funcshard.parallel.axis.NO_AXIS`): every question of the protocol is ``inner``'s
-    (an expert leaf is whole in the layout, replicated over "tensor"), but the wrap of an
-    expert leaf for the forward."""
+    :data:`~funcshard.parallel.axis.NO_AXIS`): an expert leaf is split over "expert" (and
+    replicated over "tensor"); every other leaf is ``inner``'s.
+
+    ``over_shard``: whether the layout's shard group holds every expert index (a sharded
+    strategy: "shard" is "shard_outer" x "expert"); under ``no_shard`` it does not, and a sum
+    over the full model adds the expert ranks' parts over "expert"."""
 
     mesh: DeviceMesh
     experts: Mapping[str, ExpertLeaf]
     inner: ModelAxis = NO_AXIS
+    over_shard: bool = True
 
     @property
     def leaves(self) -> Mapping[str, Any]:
-        return self.inner.leaves
+        return {**self.inner.leaves, **self.experts}
 
     @property
     def size(self) -> int:
@@ -72,21 +78,55 @@ class ExpertAxis:
     def group(self) -> Any:
         return self.inner.group
 
+    @property
+    def expert_size(self) -> int:
+        return self.mesh.size()
+
     def local_rows(self, name: str) -> tuple[int, int]:
         """``(start, rows)``: this expert rank's experts in ``name``'s global dim 0."""
-        rows = self.experts[name].shape[0] // self.mesh.size()
+        rows = self.experts[name].shape[0] // self.expert_size
         return self.mesh.get_local_rank() * rows, rows
 
+    def on_experts(self, name: str) -> bool:
+        return name in self.experts
+
+    def sharded(self, name: str) -> bool:
+        return name in self.experts or self.inner.sharded(name)
+
+    def splits(self, name: str) -> bool:
+        if name in self.experts:
+            return self.expert_size > 1
+        return self.inner.splits(name)
+
+    def counts(self, name: str) -> bool:
+        return name in self.experts or self.inner.counts(name)
+
+    def span(self, name: str) -> tuple[int, int, int]:
+        if name not in self.experts:
+            return self.inner.span(name)
+        start, rows = self.local_rows(name)
+        return 0, start, start + rows
+
+    def full_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        leaf = self.experts.get(name)
+        return leaf.shape if leaf is not None else self.inner.full_shape(name, local)
+
+    def agreed_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        return local if name in self.experts else self.inner.agreed_shape(name, local)
+
+    def rule_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        if name in self.experts:
+            return GlobalShape(self.experts[name].shape, local)
+        return self.inner.rule_shape(name, local)
+
     def wrap(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """An expert leaf as the model holds it: this expert rank's rows of the global tensor
-        ``local`` as a ``Shard(0)`` DTensor on ``mesh["expert"]`` (differentiable: the other
-        rows' gradient is zero here); any other leaf as ``inner`` wraps it."""
+        """An expert leaf as the model holds it: this expert rank's rows ``local`` as a
+        ``Shard(0)`` DTensor on ``mesh["expert"]``; any other leaf as ``inner`` wraps it."""
         leaf = self.experts.get(name)
         if leaf is None:
             return self.inner.wrap(name, local)
-        start, rows = self.local_rows(name)
         return DTensor.from_local(
-            local.narrow(0, start, rows),
+            local,
             self.mesh,
             (Shard(0),),
             run_check=False,
@@ -94,41 +134,48 @@ class ExpertAxis:
             stride=leaf.stride,
         )
 
-    # --- the rest is the inner axis's: an expert leaf is whole in the layout --------------
-    def sharded(self, name: str) -> bool:
-        return self.inner.sharded(name)
-
-    def splits(self, name: str) -> bool:
-        return self.inner.splits(name)
-
-    def counts(self, name: str) -> bool:
-        return self.inner.counts(name)
-
-    def span(self, name: str) -> tuple[int, int, int]:
-        return self.inner.span(name)
-
-    def full_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
-        return self.inner.full_shape(name, local)
-
-    def agreed_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
-        return self.inner.agreed_shape(name, local)
-
-    def rule_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
-        return self.inner.rule_shape(name, local)
-
     def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        return self.inner.full(name, local)
+        if name not in self.experts:
+            return self.inner.full(name, local)
+        return self.gather_whole(name, local, kind="params")
 
     def gather_whole(self, name: str, local: torch.Tensor, *, kind: str) -> torch.Tensor:
-        return self.inner.gather_whole(name, local, kind=kind)
+        """The global ``(num_experts, ...)`` tensor of this expert rank's rows (one all-gather
+        over "expert", counted under ``kind``); every expert rank gets the same bits."""
+        if name not in self.experts:
+            return self.inner.gather_whole(name, local, kind=kind)
+        if self.expert_size == 1:
+            return local
+        rows = ops.all_gather(
+            local.contiguous().reshape(-1), self.mesh.get_group(), axis=ops.Axis.EXPERT, kind=kind
+        )
+        return rows.view(self.experts[name].shape)
 
     def part_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return self.inner.part_of(name, full)
+        if name not in self.experts:
+            return self.inner.part_of(name, full)
+        start, rows = self.local_rows(name)
+        return full.narrow(0, start, rows).contiguous()
 
     def counted_parts(self, flats: Sequence[torch.Tensor], specs: Sequence) -> list[torch.Tensor]:
-        return self.inner.counted_parts(flats, specs)
+        """``inner``'s; under ``no_shard`` (:attr:`over_shard` False) with experts split, a
+        dense leaf only on expert rank 0 (the sum adds the expert ranks' parts)."""
+        if self.over_shard or self.expert_size == 1 or self.mesh.get_local_rank() == 0:
+            return self.inner.counted_parts(flats, specs)
+        if self.inner.size > 1 and self.inner.rank != 0:  # experts: replicated over "tensor"
+            return []
+        return [
+            g[s.offset : s.offset + s.shard_numel]
+            for g, leaves in zip(flats, specs, strict=True)
+            for s in leaves
+            if s.name in self.experts
+        ]
 
     def sum_square(self, square: torch.Tensor) -> torch.Tensor:
+        if not self.over_shard and self.expert_size > 1:
+            square = ops.all_reduce(
+                square, self.mesh.get_group(), axis=ops.Axis.EXPERT, kind="metrics"
+            )
         return self.inner.sum_square(square)
 
     def squares_in_order(self, square: torch.Tensor) -> torch.Tensor:
@@ -141,7 +188,7 @@ class ExpertAxis:
         return self.inner.batch_check(batch, device)
 
     def __repr__(self) -> str:
-        return f"ExpertAxis({sorted(self.experts)}, E={self.mesh.size()}, inner={self.inner!r})"
+        return f"ExpertAxis({sorted(self.experts)}, E={self.expert_size}, inner={self.inner!r})"
 
 
 def _where(name: str, p: DTensor) -> str:
@@ -173,9 +220,10 @@ def _on_expert_axis(p: torch.Tensor, expert_mesh: DeviceMesh | None) -> bool:
     return EXPERT in (p.device_mesh.mesh_dim_names or ())
 
 
-def read_axes(model: nn.Module, mesh: DeviceMesh) -> ModelAxis:
+def read_axes(model: nn.Module, mesh: DeviceMesh, *, over_shard: bool = True) -> ModelAxis:
     """The model-parallel axis of ``model`` on ``mesh``: its experts (DTensors ``Shard(0)`` on
     ``mesh["expert"]``) over its tensor axis (:func:`funcshard.parallel.tensor.read_model`).
+    ``over_shard``: the strategy shards over "shard" (:attr:`ExpertAxis.over_shard`).
 
     Raises:
       ValueError: an expert DTensor on a mesh other than ``mesh["expert"]`` (or on a mesh
@@ -195,19 +243,11 @@ def read_axes(model: nn.Module, mesh: DeviceMesh) -> ModelAxis:
             )
         experts[name] = _expert_leaf(name, p, expert_mesh)
     inner = read_tensor_axis(model, mesh_lib.tensor_axis(mesh), skip=experts)
-    return ExpertAxis(expert_mesh, experts, inner) if experts else inner
+    return ExpertAxis(expert_mesh, experts, inner, over_shard) if experts else inner
 
 
 def layout_params(model: nn.Module, axis: ModelAxis) -> dict[str, torch.Tensor]:
-    """``model.named_parameters()`` as the layout holds them: an expert leaf's global tensor
-    (a collective over "expert", every rank in the same order), a tensor-parallel DTensor's
-    local shard."""
-    experts = axis.experts if isinstance(axis, ExpertAxis) else {}
-    out = {}
-    for name, p in model.named_parameters():
-        if name in experts:
-            with torch.no_grad():
-                out[name] = p.full_tensor()
-        else:
-            out[name] = p.to_local() if isinstance(p, DTensor) else p
-    return out
+    """``model.named_parameters()`` as the layout holds them: a DTensor's local shard (an
+    expert leaf's: this expert rank's experts)."""
+    del axis
+    return {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}

@@ -113,6 +113,9 @@ class TensorParallel:
         leaf = self.leaves.get(name)
         return leaf is not None and leaf.dim is not None
 
+    def on_experts(self, name: str) -> bool:
+        return False
+
     def counts(self, name: str) -> bool:
         """Whether this rank counts ``name``'s local elements in a sum over the full model:
         a sharded one on every tensor rank, a replicated one on tensor rank 0 only."""

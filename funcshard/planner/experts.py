@@ -7,8 +7,59 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["Routing", "add_all_to_all"]
+from funcshard.distributed.dims import EXPERT
+from funcshard.parallel.axis import ModelAxis
+from funcshard.parallel.expert_axis import ExpertAxis, ExpertLeaf
+
+__all__ = ["Routing", "add_all_to_all", "expert_table"]
+
+
+class _ExpertShape:
+    """An expert axis known by its size (expert rank 0's view), for ``build_layout``."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return 0
+
+
+def expert_table(
+    params: object, table: dict, axis: ModelAxis, expert: int, over_shard: bool
+) -> tuple[dict, ModelAxis]:
+    """The layout's table and axis of a model whose experts are DTensors on an expert mesh:
+    each expert leaf as expert rank 0's rows ``(num_experts / E, ...)``, data-parallel over
+    the ranks of one expert index (as ``fs.init`` holds it); ``table`` and ``axis`` as they
+    are without one.
+
+    Raises:
+      ValueError: ``expert`` does not divide a parameter's number of experts (named).
+    """
+    if not isinstance(params, nn.Module):
+        return table, axis
+    experts = {}
+    for name, p in params.named_parameters():
+        if not (isinstance(p, DTensor) and EXPERT in (p.device_mesh.mesh_dim_names or ())):
+            continue
+        if expert == 1:
+            return table, axis  # planned as the same model without the axis: global experts
+        if p.dim() == 0 or p.shape[0] % expert:
+            raise ValueError(
+                f"plan: parameter {name!r} of shape {tuple(p.shape)}: expert={expert} must "
+                "divide its number of experts (dim 0)"
+            )
+        experts[name] = ExpertLeaf(tuple(p.shape), tuple(p.stride()))
+        shape, dtype = table[name]
+        table[name] = ((shape[0] // expert, *shape[1:]), dtype)
+    if not experts:
+        return table, axis
+    return table, ExpertAxis(_ExpertShape(expert), experts, axis, over_shard)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

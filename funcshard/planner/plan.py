@@ -86,7 +86,7 @@ from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
 from funcshard.parallel.tensor import gather_numel
-from funcshard.planner.experts import Routing, add_all_to_all
+from funcshard.planner.experts import Routing, add_all_to_all, expert_table
 from funcshard.planner.inputs import (
     ShapeMesh,
     ShapesArg,
@@ -201,7 +201,6 @@ def _memory(
 ) -> MemoryPlan:
     state_bytes = _optimizer_state_bytes(opt, layout)
     inner = layout.inner  # compute params and gradients live in it (itself but under HFSDP)
-    S = inner.shard_size
     gathered_compute = layout.hierarchical and layout.replicas > 1
     zero3 = layout.strategy.shards_params
     sharded_grads = not _accumulates_unreduced(layout, microbatches)
@@ -210,6 +209,7 @@ def _memory(
     master = compute = compute_shard = grads = opt = host = 0
     unit_full: dict[int, int] = {}
     for b, part in zip(layout.buckets, inner.buckets, strict=True):
+        S = inner.over(part).shard_size  # an expert bucket's: over its expert index's ranks
         d = b.dtypes
         p_bytes, c_bytes = b.numel * _size(d.master), part.numel * _size(d.compute)
         g_bytes = part.numel * _size(d.grad)
@@ -236,7 +236,7 @@ def _memory(
             compute += 0 if kept else S * c_bytes
         grads += g_bytes if sharded_grads else partials * S * g_bytes
     gathered = 0
-    if zero3 and S > 1:
+    if zero3 and layout.inner.shard_size > 1:
         others = [v for u, v in unit_full.items() if u != ROOT_UNIT]
         gathered = unit_full.get(ROOT_UNIT, 0) + max(others, default=0)
     return MemoryPlan(master, compute, compute_shard, grads, opt, gathered, host, muon_owner)
@@ -251,7 +251,7 @@ def _accumulates_unreduced(layout: Layout, microbatches: int) -> bool:
 
 def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     inner = layout.inner  # gathers and gradients within a replica (itself but under HFSDP)
-    S, M = inner.shard_size, microbatches
+    M = microbatches
     strategy = layout.strategy
     nbytes = dict.fromkeys(KINDS, 0)
     calls = dict.fromkeys(KINDS, 0)
@@ -263,9 +263,11 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
         by_axis[axis] += count * size
 
     for b, part in zip(layout.buckets, inner.buckets, strict=True):
+        # an expert bucket's rows move among the ranks of its expert index only
+        S, ranks = inner.over(part).shard_size, layout.over(b).group_mesh.size()
         if not strategy.shards_optim:
-            if world > 1:
-                add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(world), "world")
+            if ranks > 1:
+                add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(ranks), "world")
             continue
         if S > 1:
             per_mb = not _accumulates_unreduced(layout, M)
@@ -302,6 +304,8 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
         add("metrics", 1, (1 + flag) * _METRIC_BYTES, "world")  # the loss
     if masters > 1:
         add("metrics", 1, _METRIC_BYTES, axis)  # the squared gradient norm
+    if not strategy.shards_optim and any(b.expert for b in layout.buckets):
+        add("metrics", 1, _METRIC_BYTES, "expert")  # its expert ranks' parts (no "shard")
     if T > 1:
         add("metrics", 1, _METRIC_BYTES, "tensor")
     return nbytes, calls, by_axis
@@ -427,6 +431,8 @@ def plan(
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     dims = mesh_dims(world_size, shard, replicate, microbatches, tensor, expert)
     table, tp = tensor_table(params, param_table(params, dtype), tensor, tensor_plan)
+    sharded = Strategy.parse(strategy).shards_optim
+    table, tp = expert_table(params, table, tp, dims.expert, sharded)
     model = params if isinstance(params, nn.Module) else None
     layout = build_layout(
         table,
@@ -440,6 +446,9 @@ def plan(
         deterministic=deterministic,
         outer_strategy=outer_strategy,
         tensor=tp,
+        expert_mesh=ShapeMesh(replicate, dims.shard // dims.expert)
+        if tp.leaves and any(map(tp.on_experts, table))
+        else None,
     )
     comm, calls, by_axis, muon_owner = _step_comm(
         layout, optimizer, microbatches, dims, replica_groups, routing
@@ -451,7 +460,7 @@ def plan(
         replicate=replicate,
         microbatches=microbatches,
         numel=sum(math.prod(s.shape) for s in layout.leaves),
-        padded_numel=layout.shard_size * sum(b.numel for b in layout.buckets),
+        padded_numel=sum(layout.over(b).shard_size * b.numel for b in layout.buckets),
         buckets=len(layout.buckets),
         units=len(layout.units),
         memory=_memory(layout, optimizer, device_type, microbatches, muon_owner),

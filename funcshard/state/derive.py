@@ -75,7 +75,7 @@ def _derive_one(
     if m.is_meta:
         if keep and params_lib.packs_shard(inner, part):
             return params_lib.empty_packed(inner, part, "meta")
-        size = part.numel * (1 if sharded else inner.shard_size)
+        size = part.numel * (1 if sharded else inner.over(part).shard_size)
         kept = keep or not sharded
         return torch.empty(size, dtype=dtype, device="meta") if kept else None
     if given is not None:
@@ -102,7 +102,7 @@ def pack_masters(layout: Layout, named: dict[str, torch.Tensor]) -> tuple[torch.
         flat = shard_lib.pack_local(
             [named[s.name] for s in specs],
             specs,
-            layout.shard_rank,
+            layout.over(bucket).shard_rank,
             dtype=bucket.dtypes.master,
             device=device,
         )

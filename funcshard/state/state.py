@@ -237,12 +237,13 @@ class TrainState:
         return self._by_name(self.master)
 
     def _by_name(self, flats: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
-        layout, r = self.layout, self.layout.shard_rank
+        layout = self.layout
         blocks = getattr(flats, "blocks", None)  # BlockScales: one scale per block of a row
         views = {}
         for i, (bucket, flat) in enumerate(zip(layout.buckets, flats, strict=True)):
             if flat is None:
                 continue
+            r = layout.over(bucket).shard_rank
             for spec in layout.bucket_leaves(bucket):
                 spec = spec if blocks is None else spec.scales(blocks[i])
                 views[spec.name] = shard_lib.local_view(flat, spec, r)

@@ -108,7 +108,7 @@ def init(
     backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
     policy = policy or MixedPrecisionPolicy()
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
-    tensor = expert_lib.read_axes(model, mesh)
+    tensor = expert_lib.read_axes(model, mesh, over_shard=Strategy.parse(strategy).shards_optim)
     named = expert_lib.layout_params(model, tensor)
     guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
     layout = build_layout(
@@ -127,6 +127,8 @@ def init(
     check_units(given, layout, backend)
     if layout.hierarchical:
         mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
+    if layout.expert_mesh is not None:
+        _ = layout.experts_view.placement  # its groups too (HFSDP's, no_shard's flattened one)
     master = pack_masters(layout, named)
     state = TrainState(
         master=master,

@@ -76,9 +76,10 @@ class ReplicatedGrads:
     ) -> tuple[torch.Tensor, Any, Grads]:
         del replicate  # reduced after the step's microbatches
         assert isinstance(sink, AddInto), "ZeRO-0/1 add into one accumulator"
-        layout, S = self.layout, self.layout.shard_size
+        layout = self.layout
         params, order = {}, []
         for bucket, full in zip(layout.buckets, self.compute, strict=True):
+            S = layout.over(bucket).shard_size
             for spec in layout.bucket_leaves(bucket):
                 params[spec.name] = shard_lib.full_view(full, spec, S).detach().requires_grad_()
                 order.append(spec.name)
@@ -97,10 +98,10 @@ class ReplicatedGrads:
 
     def _sections(self, grads: dict[str, torch.Tensor | None], acc: Grads | None) -> Grads:
         """Per bucket, the gradients as rank sections: new, or added into ``acc``."""
-        layout, S = self.layout, self.layout.shard_size
+        layout = self.layout
         out: Grads = []
         for i, bucket in enumerate(layout.buckets):
-            specs = layout.bucket_leaves(bucket)
+            specs, S = layout.bucket_leaves(bucket), layout.over(bucket).shard_size
             bucket_grads = [grads[s.name] for s in specs]
             if acc is None:
                 dtype = bucket.dtypes.grad

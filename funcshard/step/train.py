@@ -16,6 +16,7 @@ import torch
 
 from funcshard.comm import grads as grads_lib
 from funcshard.comm import params as params_lib
+from funcshard.distributed import mesh as mesh_lib
 from funcshard.distributed import ops
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
@@ -56,8 +57,9 @@ def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
             spec = layout.leaves[index]
             part = g[spec.offset : spec.offset + spec.shard_numel]
             flags[index] = float(not bool(torch.isfinite(part).all()))
-    if layout.shard_size > 1:
-        flags = ops.all_reduce(flags, layout.shard_group, axis=layout.shard_axis, kind="metrics")
+    if layout.dp_size > 1:  # over the world: an expert leaf's rows are not on every shard rank
+        world = mesh_lib.world_group(layout.mesh)
+        flags = ops.all_reduce(flags, world, axis=ops.Axis.WORLD, kind="metrics")
     return [spec.name for spec, f in zip(layout.leaves, flags.tolist(), strict=True) if f > 0]
 
 
@@ -194,7 +196,7 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
             local = local.clone()
         full = params_lib.gather_shards(layout, bucket, local)
         for spec in layout.bucket_leaves(bucket):
-            out[spec.name] = shard_lib.full_view(full, spec, layout.shard_size)
+            out[spec.name] = shard_lib.full_view(full, spec, layout.over(bucket).shard_size)
     out = {n: layout.tensor.full(n, t) for n, t in out.items()}  # global tensors of local parts
     named = {n: out[n] for n in layout.names}
     named.update({alias: out[name] for alias, name in layout.aliases})

@@ -114,7 +114,7 @@ def _as_bucket_flats(state: TrainState | Donation, grads: Any) -> tuple[torch.Te
         for bucket in layout.buckets:
             flat = torch.zeros(bucket.numel, dtype=bucket.dtypes.grad, device=layout.device)
             for spec in layout.bucket_leaves(bucket):
-                view = shard_lib.local_view(flat, spec, layout.shard_rank)
+                view = shard_lib.local_view(flat, spec, layout.over(bucket).shard_rank)
                 if grads[spec.name].shape != view.shape:
                     raise ValueError(
                         f"offload_step: gradient {spec.name!r} has shape "

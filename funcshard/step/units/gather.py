@@ -30,8 +30,9 @@ class GatherFn(torch.autograd.Function):
         if run.phase is Phase.FORWARD:  # not a recomputation in backward
             run.reducer.entries[bucket] += 1
         full = source.graph_full(bucket)
-        specs = run.layout.bucket_leaves(run.layout.buckets[bucket])
-        return tuple(shard_lib.full_view(full, s, run.layout.shard_size) for s in specs)
+        b = run.layout.buckets[bucket]
+        specs, S = run.layout.bucket_leaves(b), run.layout.over(b).shard_size
+        return tuple(shard_lib.full_view(full, s, S) for s in specs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -73,7 +74,8 @@ class Gatherer:
             return self.buffers[bucket].detach()  # outputs alias it, not autograd views of it
         self.prefetch([bucket])
         full = self._pending.pop(bucket).wait()
-        if self.layout.shard_size > 1:  # with one shard the "full" buffer is the shard itself
+        # with one shard the "full" buffer is the shard itself
+        if self.layout.over(self.layout.buckets[bucket]).shard_size > 1:
             ops.track_gathered(full)
         return full
 

@@ -44,7 +44,7 @@ from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
 from funcshard.step.reduction import AddInto, CompleteTree, KeepSections, Sink
 
-__all__ = ["Reducer", "Reducing", "Sections", "Completing"]
+__all__ = ["Reducer", "Reducing", "Sections", "Completing", "ExpertsAfter"]
 
 Acc = list[torch.Tensor | None]
 
@@ -67,8 +67,8 @@ class Sections:
         self.layout, self.acc = layout, acc
 
     def take(self, bucket: int, grads: list[torch.Tensor | None]) -> None:
-        layout = self.layout
-        b = layout.buckets[bucket]
+        b = self.layout.buckets[bucket]
+        layout = self.layout.over(b)
         specs, S = layout.bucket_leaves(b), layout.shard_size
         if self.acc[bucket] is None:
             dtype = b.dtypes.grad
@@ -105,8 +105,8 @@ class Reducing:
         self._in_flight: list[tuple[int, Pending]] = []
 
     def take(self, bucket: int, grads: list[torch.Tensor | None]) -> None:
-        layout = self.layout
-        b = layout.buckets[bucket]
+        b = self.layout.buckets[bucket]
+        layout = self.layout.over(b)
         specs, S = layout.bucket_leaves(b), layout.shard_size
         # With one data-parallel rank the reduction is the identity: a later microbatch (or
         # use) adds its gradient straight into the accumulator. (With replicas but one shard
@@ -150,6 +150,40 @@ class Reducing:
             if self.replicate is not None and self._uses[bucket] == self.entries[bucket]:
                 self.replicate.start(bucket, self.acc[bucket])
         self._in_flight.clear()
+
+
+class ExpertsAfter:
+    """Expert buckets' uses kept as rank sections during backward and reduced once it is
+    over, in descending bucket order (the replicate axis's); the other buckets as ``inner``
+    reduces them. A rank whose experts got no token reaches no gradient of them, so the
+    order of their reductions over the ranks of an expert index cannot follow backward's."""
+
+    def __init__(self, layout: Layout, inner: _Path, reducing: Reducing) -> None:
+        self.layout, self.inner, self.reducing = layout, inner, reducing
+        self._sections = Sections(layout, [None] * len(layout.buckets))
+
+    def take(self, bucket: int, grads: list[torch.Tensor | None]) -> None:
+        if self.layout.buckets[bucket].expert:
+            self._sections.take(bucket, grads)
+        else:
+            self.inner.take(bucket, grads)
+
+    def drain(self) -> None:
+        self.inner.drain()
+        for b in reversed(self.layout.buckets):
+            if not b.expert:
+                continue
+            sections = self._sections.acc[b.index]
+            if sections is None:  # no token reached this rank's experts: zeros
+                view = self.layout.over(b)
+                sections = torch.zeros(
+                    view.shard_size * b.numel, dtype=b.dtypes.grad, device=view.device
+                )
+            self._sections.acc[b.index] = None
+            self.reducing.start(b.index, sections, uses=max(self.reducing.entries[b.index], 1))
+
+    def finish(self) -> None:
+        self.inner.finish()
 
 
 class Completing:
@@ -265,6 +299,8 @@ class Reducer:
             path = reducing
             if self.complete is not None:
                 path = Completing(self.layout, self.complete, self.entries, reducing)
+            if any(b.expert for b in self.layout.buckets):
+                path = ExpertsAfter(self.layout, path, reducing)
         self._path = path
         try:
             torch.autograd.grad(loss, self.carriers, allow_unused=True)
