@@ -73,9 +73,17 @@ def test_every_strategy_equals_one_plain_process(pool4, mesh: str, strategy: str
         assert max(errors.values()) < TOL, errors
 
 
-def test_hfsdp_equals_one_plain_process(pool4) -> None:
-    kw = {"outer_strategy": "optim"}
-    for errors in pool4.run(sgd_worker, "R2S2E2", "optim_grads_params", kw):
+COMPOSED = [
+    ("R2S2E2", "optim_grads_params", {"outer_strategy": "optim"}),
+    ("R2S2E2", "optim", {"outer_strategy": "optim"}),
+    ("S4E2", "optim_grads_params", {"offload_fraction": 0.5}),
+    ("R2S2E2", "optim_grads", {"offload_fraction": 1.0}),
+]
+
+
+@pytest.mark.parametrize("case", COMPOSED, ids=str)
+def test_hfsdp_and_offload_equal_one_plain_process(pool4, case) -> None:
+    for errors in pool4.run(sgd_worker, *case):
         assert max(errors.values()) < TOL, errors
 
 
