@@ -332,3 +332,23 @@ def test_expert_traffic_is_divided_by_the_expert_degree(pool4, case) -> None:
             "experts.w1": (1, moe.DIM, moe.HIDDEN),
             "experts.w2": (1, moe.HIDDEN, moe.DIM),
         }
+
+
+def replicas_worker(mesh_name: str, strategy: str) -> dict:
+    state, model, _, _ = _ep_state(mesh_name, strategy)
+    state, _ = moe.train(state, model, range(1), rows=ROWS)
+    clean = error_text(lambda: fs.check_replicas(state))  # experts differ across "expert"
+    if dist.get_rank() == 0:
+        w = state.params["experts.w1"].view(-1)
+        w[0] = w[0] + 1.0
+    return {"clean": clean, "flipped": error_text(lambda: fs.check_replicas(state))}
+
+
+@pytest.mark.parametrize("mesh, strategy", [("S4E2", "no_shard"), ("R2S2E2", "optim")])
+def test_check_replicas_compares_experts_among_their_holders(pool4, mesh, strategy) -> None:
+    """``fs.check_replicas`` compares an expert leaf among the ranks of its expert index (the
+    others hold other experts), and names one that drifted."""
+    for rank, r in enumerate(pool4.run(replicas_worker, mesh, strategy)):
+        assert r["clean"] is None, r["clean"]
+        if rank in (0, 2):  # rank 0's expert index's holders, on both meshes
+            assert "experts.w1" in r["flipped"], (rank, r["flipped"])

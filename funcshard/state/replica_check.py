@@ -118,11 +118,19 @@ def _tensors(tree: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...]
 def _groups(state: Any, labels: list[str]) -> list[tuple[str, Any, list[str]]]:
     """(axis, group, labels it must agree on) for each group of ranks holding the same rows."""
     layout = state.layout
-    placement = layout.placement
+    on_experts = lambda label: layout.tensor.on_experts(label.rsplit("/", 1)[-1])  # noqa: E731
+    experts = [label for label in labels if on_experts(label)]
+    dense = [label for label in labels if not on_experts(label)]
     groups = []
-    if placement.replica_count > 1:  # HSDP's "replicate", the world under no_shard
-        groups.append((placement.replicas_axis, placement.replicas, labels))
+    # HSDP's "replicate", the world under no_shard; an expert leaf's among its expert index's
+    for placement, part in ((layout.placement, dense), (_experts_placement(layout), experts)):
+        if part and placement.replica_count > 1:
+            groups.append((placement.replicas_axis, placement.replicas, part))
     return groups + layout.tensor.replica_groups(labels)
+
+
+def _experts_placement(layout: Any) -> Any:
+    return layout.experts_view.placement if layout.expert_mesh is not None else layout.placement
 
 
 def check_replicas(state: Any) -> None:
