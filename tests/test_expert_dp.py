@@ -313,7 +313,8 @@ TRAFFIC_CASES = [
 def test_expert_traffic_is_divided_by_the_expert_degree(pool4, case) -> None:
     """The experts' own gathers and reductions over "shard" move 1/E of what the same model
     moves without expert parallelism (measured; nothing when S = E), the dense part unchanged
-    (planned for the dense parameters alone); each rank holds 1/S of every expert's master rows, as without."""
+    (planned for the dense parameters alone); each rank holds 1/S of every expert's master
+    rows, as without."""
     mesh_name, strategy, kw = case
     expert = MESHES[mesh_name][2]
     results = pool4.run(traffic_worker, *case)
