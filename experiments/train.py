@@ -169,6 +169,13 @@ flags.DEFINE_bool("tied", True, "Tie the output head to the token embedding.")
 flags.DEFINE_integer(
     "experts", 0, "Experts per block (a mixture-of-experts GPT); 0: dense MLPs.", lower_bound=0
 )
+flags.DEFINE_integer(
+    "expert",
+    1,
+    "Expert-parallel ranks (with --experts): the experts of each block split over them "
+    "(fs.ExpertParallel, tokens by all-to-all), carved out of --shard.",
+    lower_bound=1,
+)
 flags.DEFINE_integer("top_k", 2, "Experts each token is routed to (with --experts).", lower_bound=1)
 flags.DEFINE_integer("vocab", 16, "Vocabulary of the synthetic Markov source.", lower_bound=2)
 flags.DEFINE_float(
@@ -318,6 +325,13 @@ def _check_world(world: int) -> None:
         )
     if FLAGS.experts and FLAGS.top_k > FLAGS.experts:
         _fail(f"--top_k={FLAGS.top_k} exceeds --experts={FLAGS.experts}")
+    if FLAGS.expert > 1 and not FLAGS.experts:
+        _fail(f"--expert={FLAGS.expert} splits experts: pass --experts=N (an MoE GPT)")
+    if FLAGS.experts % FLAGS.expert:
+        _fail(f"--expert={FLAGS.expert} must divide --experts={FLAGS.experts}")
+    shard = FLAGS.shard if FLAGS.shard != -1 else world // (FLAGS.replicate * tensor)
+    if shard % FLAGS.expert:
+        _fail(f"--expert={FLAGS.expert} must divide the shard size {shard} (carved out of it)")
     if FLAGS.experts and tensor > 1:
         _fail("--experts with --tensor: the tensor plan splits dense MLPs (fc, out) only")
     if FLAGS.d_model % FLAGS.n_head:

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import funcshard as fs
 from experiments import data as data_lib
-from experiments.gpt import GPT, GPTConfig, tensor_plan
+from experiments.gpt import GPT, GPTConfig, GroupedExperts, tensor_plan
 from experiments.timing import compile_times
 from funcshard.distributed.mesh import local_device
 
@@ -38,6 +38,7 @@ class Config:
     shard: int = -1
     replicate: int = 1
     tensor: int = 1  # tensor-parallel ranks per group (each block split by gpt.tensor_plan)
+    expert: int = 1  # expert-parallel ranks per group, out of "shard" (fs.ExpertParallel)
     strategy: str = "optim_grads_params"
     outer_strategy: str = "no_shard"  # "optim": HFSDP (the optimizer sharded over replicas too)
     policy: fs.MixedPrecisionPolicy = dataclasses.field(
@@ -331,7 +332,11 @@ def run(
     _init_logging(rank)
     device_type = None if cfg.device == "auto" else cfg.device
     mesh = fs.make_mesh(
-        shard=cfg.shard, replicate=cfg.replicate, tensor=cfg.tensor, device_type=device_type
+        shard=cfg.shard,
+        replicate=cfg.replicate,
+        tensor=cfg.tensor,
+        expert=cfg.expert,
+        device_type=device_type,
     )
     device = local_device(mesh)
     _set_threads(cfg, device)
@@ -342,6 +347,10 @@ def run(
     if cfg.tensor > 1:
         for block in model.blocks:
             parallelize_module(block, mesh["tensor"], tensor_plan())
+    if cfg.expert > 1:  # each block's experts over mesh["expert"], tokens by all-to-all
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                parallelize_module(module, mesh["expert"], fs.ExpertParallel())
     by_fs = cfg.compile and cfg.compile_by == "fs"
     for block in model.blocks if cfg.compile and not by_fs else ():  # torchtitan's way
         block.compile(backend=cfg.compile)
