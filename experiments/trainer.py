@@ -254,7 +254,8 @@ def evaluate(
     the same bits on every world with the same G, as the training metrics are.
     """
     params = fs.full_params(state)  # collective: every rank gathers the full model
-    if cfg.tensor > 1:  # full tensors go to the plain model (a meta copy: no memory)
+    params.update(model.named_buffers())  # the router's bias
+    if cfg.tensor > 1 or cfg.expert > 1:  # full tensors go to the plain model (a meta copy)
         with torch.device("meta"):
             model = GPT(model.cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
