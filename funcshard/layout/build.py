@@ -131,17 +131,7 @@ def build_layout(
         expert_mesh = mesh_lib.expert_data_parallel(mesh)
     mesh = mesh_lib.data_parallel(mesh)
     prefixes = resolve_units(model, units) if model is not None else list(units or [])
-    # an expert leaf's rows are spread over the ranks of its expert index only
-    shard_sizes = [
-        _shard_size(expert_mesh if tensor.on_experts(name) else mesh, strategy, outer)
-        for name in params
-    ]
-    if deterministic and expert_mesh is not None and any(map(tensor.on_experts, params)):
-        raise ValueError(
-            "deterministic=True with expert parallel: the layout-independent reductions do "
-            "not cover expert weights yet (their rows are reduced over the S / E ranks of "
-            "one expert index); train the model without deterministic=True"
-        )
+    shard_sizes = _shard_sizes(params, tensor, mesh, expert_mesh, strategy, outer, deterministic)
 
     raw = [
         _leaf_rows(name, shape, dtype, policy, size, deterministic) + (unit_of(name, prefixes),)
@@ -171,6 +161,29 @@ def build_layout(
         tensor=tensor,
         expert_mesh=expert_mesh,
     )
+
+
+def _shard_sizes(
+    params: dict,
+    tensor: ModelAxis,
+    mesh: DeviceMesh,
+    expert_mesh: DeviceMesh | None,
+    strategy: Strategy,
+    outer: OuterStrategy,
+    deterministic: bool,
+) -> list[int]:
+    """Per leaf, the ranks its master rows are spread over: an expert leaf's over the ranks of
+    its expert index only (``expert_mesh``)."""
+    if deterministic and expert_mesh is not None and any(map(tensor.on_experts, params)):
+        raise ValueError(
+            "deterministic=True with expert parallel: the layout-independent reductions do "
+            "not cover expert weights yet (their rows are reduced over the S / E ranks of "
+            "one expert index); train the model without deterministic=True"
+        )
+    return [
+        _shard_size(expert_mesh if tensor.on_experts(name) else mesh, strategy, outer)
+        for name in params
+    ]
 
 
 def _shard_size(mesh: DeviceMesh, strategy: Strategy, outer: OuterStrategy) -> int:

@@ -5,16 +5,19 @@ routing=...)``)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from funcshard.distributed.dims import EXPERT
+from funcshard.distributed.dims import EXPERT, MeshDims
+from funcshard.layout.strategy import Strategy
 from funcshard.parallel.axis import ModelAxis
 from funcshard.parallel.expert_axis import ExpertAxis, ExpertLeaf
+from funcshard.planner.inputs import ShapeMesh, param_table, tensor_table
 
-__all__ = ["Routing", "add_all_to_all", "expert_table"]
+__all__ = ["Routing", "add_all_to_all", "expert_table", "model_table"]
 
 
 class _ExpertShape:
@@ -30,25 +33,40 @@ class _ExpertShape:
         return 0
 
 
+def model_table(
+    params: object,
+    dtype: torch.dtype,
+    tensor: int,
+    tensor_plan: Any,
+    dims: MeshDims,
+    strategy: str | Strategy,
+) -> tuple[dict, ModelAxis, ShapeMesh | None]:
+    """The shapes ``build_layout`` takes for a plan (:func:`funcshard.planner.inputs.
+    tensor_table`, then :func:`expert_table`): the table, the model's axis, the expert mesh."""
+    table, axis = tensor_table(params, param_table(params, dtype), tensor, tensor_plan)
+    return expert_table(params, table, axis, dims, strategy)
+
+
 def expert_table(
-    params: object, table: dict, axis: ModelAxis, expert: int, over_shard: bool
-) -> tuple[dict, ModelAxis]:
-    """The layout's table and axis of a model whose experts are DTensors on an expert mesh:
-    each expert leaf as expert rank 0's rows ``(num_experts / E, ...)``, data-parallel over
-    the ranks of one expert index (as ``fs.init`` holds it); ``table`` and ``axis`` as they
-    are without one.
+    params: object, table: dict, axis: ModelAxis, dims: MeshDims, strategy: str | Strategy
+) -> tuple[dict, ModelAxis, ShapeMesh | None]:
+    """The layout's table, axis and expert mesh of a model whose experts are DTensors on an
+    expert mesh: each expert leaf as expert rank 0's rows ``(num_experts / E, ...)``,
+    data-parallel over the ``R x S / E`` ranks of one expert index (as ``fs.init`` holds it);
+    ``table`` and ``axis`` as they are (and no expert mesh) without one.
 
     Raises:
       ValueError: ``expert`` does not divide a parameter's number of experts (named).
     """
+    expert = dims.expert
     if not isinstance(params, nn.Module):
-        return table, axis
+        return table, axis, None
     experts = {}
     for name, p in params.named_parameters():
         if not (isinstance(p, DTensor) and EXPERT in (p.device_mesh.mesh_dim_names or ())):
             continue
         if expert == 1:
-            return table, axis  # planned as the same model without the axis: global experts
+            return table, axis, None  # planned as the same model without the axis: global experts
         if p.dim() == 0 or p.shape[0] % expert:
             raise ValueError(
                 f"plan: parameter {name!r} of shape {tuple(p.shape)}: expert={expert} must "
@@ -58,8 +76,10 @@ def expert_table(
         shape, dtype = table[name]
         table[name] = ((shape[0] // expert, *shape[1:]), dtype)
     if not experts:
-        return table, axis
-    return table, ExpertAxis(_ExpertShape(expert), experts, axis, over_shard)  # type: ignore[arg-type]
+        return table, axis, None
+    sharded = Strategy.parse(strategy).shards_optim
+    axis = ExpertAxis(_ExpertShape(expert), experts, axis, sharded)  # type: ignore[arg-type]
+    return table, axis, ShapeMesh(dims.replicate, dims.shard // expert)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -86,13 +86,11 @@ from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
 from funcshard.parallel.tensor import gather_numel
-from funcshard.planner.experts import Routing, add_all_to_all, expert_table
+from funcshard.planner.experts import Routing, add_all_to_all, model_table
 from funcshard.planner.inputs import (
     ShapeMesh,
     ShapesArg,
     mesh_dims,
-    param_table,
-    tensor_table,
     units_from_names,
 )
 from funcshard.planner.report import KINDS, MemoryPlan, Plan, format_bytes
@@ -116,7 +114,7 @@ def _optimizer_state_bytes(optimizer: str | Optimizer, layout: Layout) -> list[i
                 f"{sorted(_OPTIMIZER_STATES)} or an fs.optim optimizer"
             )
         n = _OPTIMIZER_STATES[optimizer]
-        return [n * b.numel * _size(b.dtypes.master) for b in layout.buckets]
+        return [n * b.numel * b.dtypes.master.itemsize for b in layout.buckets]
     nbytes = [0] * len(layout.buckets)
     for part in per_bucket_parts(_meta_init(optimizer, layout)):
         for i, x in enumerate(part):
@@ -141,7 +139,7 @@ def _muon_exchange(
     (per axis: the busiest rank on that axis)."""
     S = layout.shard_size
     R = layout.dp_size // S  # replicas, each working on its share of the matrices
-    T = _tensor_size(layout)
+    T = layout.tensor.size
     if isinstance(optimizer, str) or S * R * T == 1:
         return 0, 0, 0, {}
     owned: set[int] = set()
@@ -178,10 +176,6 @@ def _muon_exchange(
     return max(sent), calls, max(held), by_axis
 
 
-def _tensor_size(layout: Layout) -> int:
-    return layout.tensor.size
-
-
 def _planned(layout: Layout, spec, S: int, T: int) -> tuple:
     """One matrix as :func:`exchange_plan` reads it: local shape, rows per shard rank, the
     model's shape, the elements of its all-gather over "tensor" (0 when not split)."""
@@ -190,10 +184,6 @@ def _planned(layout: Layout, spec, S: int, T: int) -> tuple:
         return spec.shape, rows, spec.shape, 0
     leaf = layout.tensor.leaves[spec.name]
     return spec.shape, rows, leaf.shape, gather_numel(leaf.shape, leaf.dim, T)
-
-
-def _size(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 def _memory(
@@ -211,8 +201,8 @@ def _memory(
     for b, part in zip(layout.buckets, inner.buckets, strict=True):
         S = inner.over(part).shard_size  # an expert bucket's: over its expert index's ranks
         d = b.dtypes
-        p_bytes, c_bytes = b.numel * _size(d.master), part.numel * _size(d.compute)
-        g_bytes = part.numel * _size(d.grad)
+        p_bytes, c_bytes = b.numel * d.master.itemsize, part.numel * d.compute.itemsize
+        g_bytes = part.numel * d.grad.itemsize
         on_device = not b.offload or device_type == "cpu"
         # m.to(device, compute) returns m itself (not under HFSDP: a gathered copy)
         same = d.compute == d.master and on_device and not gathered_compute
@@ -287,7 +277,7 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
         elif replicate > 1:
             add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(replicate), "replicate")
     # the norm's sums run over the masters' group (every rank under HFSDP), then over "tensor"
-    masters, axis, T = layout.shard_size, layout.shard_axis, _tensor_size(layout)
+    masters, axis, T = layout.shard_size, layout.shard_axis, layout.tensor.size
     flag = int(T > 1)  # the tensor group's batch check rides with the loss
     if T > 1:  # its batch digests (3 words) and losses, all-gathered over "tensor"
         add("metrics", 1, T * 4 * _METRIC_BYTES, "tensor")
@@ -329,10 +319,10 @@ def _replica_groups(
     for b in layout.buckets:
         grad, comm = b.dtypes.grad, b.dtypes.comm
         wire = grad if comm in EIGHT_BIT else comm
-        add("all_reduce", b.numel * _size(wire), "replicas")
+        add("all_reduce", b.numel * wire.itemsize, "replicas")
     add("metrics", _METRIC_BYTES, "replicas")  # the loss
     if world > 1:  # the group's ranks agree whether one of them healed (2 fp32 flags)
-        add("metrics", 2 * _size(torch.float32), "world")
+        add("metrics", 2 * torch.float32.itemsize, "world")
 
 
 def _step_comm(
@@ -430,9 +420,7 @@ def plan(
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     dims = mesh_dims(world_size, shard, replicate, microbatches, tensor, expert)
-    table, tp = tensor_table(params, param_table(params, dtype), tensor, tensor_plan)
-    sharded = Strategy.parse(strategy).shards_optim
-    table, tp = expert_table(params, table, tp, dims.expert, sharded)
+    table, tp, expert_mesh = model_table(params, dtype, tensor, tensor_plan, dims, strategy)
     model = params if isinstance(params, nn.Module) else None
     layout = build_layout(
         table,
@@ -446,13 +434,10 @@ def plan(
         deterministic=deterministic,
         outer_strategy=outer_strategy,
         tensor=tp,
-        expert_mesh=ShapeMesh(replicate, dims.shard // dims.expert)
-        if tp.leaves and any(map(tp.on_experts, table))
-        else None,
+        expert_mesh=expert_mesh,
     )
-    comm, calls, by_axis, muon_owner = _step_comm(
-        layout, optimizer, microbatches, dims, replica_groups, routing
-    )
+    step = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing)
+    comm, calls, by_axis, muon_owner = step
     return Plan(
         strategy=layout.strategy,
         world_size=world_size,
