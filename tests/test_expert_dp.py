@@ -268,6 +268,9 @@ BYTES_CASES = [("S4E2", s, {}) for s in fs.STRATEGIES] + [
     ("S4E4", "optim_grads_params", {}),
     ("R2S2E2", "optim_grads_params", {}),
     ("R2S2E2", "optim_grads_params", {"outer_strategy": "optim"}),
+    ("S4E2", "optim_grads_params", {"deterministic": True}),
+    ("S4E2", "no_shard", {"deterministic": True}),
+    ("R2S2E2", "optim", {"deterministic": True, "outer_strategy": "optim"}),
 ]
 
 
@@ -353,3 +356,30 @@ def test_check_replicas_compares_experts_among_their_holders(pool4, mesh, strate
         assert r["clean"] is None, r["clean"]
         if rank in (0, 2):  # rank 0's expert index's holders, on both meshes
             assert "experts.w1" in r["flipped"], (rank, r["flipped"])
+
+
+def deterministic_worker(mesh_name: str, strategy: str, kw: dict) -> dict:
+    state, model, _, _ = _ep_state(mesh_name, strategy, deterministic=True, **kw)
+    state, history = moe.train(state, model, range(STEPS), rows=ROWS)
+    full = {n: t.clone() for n, t in fs.full_params(state).items()}
+    return {"params": full, "metrics": [(m["loss"], m["grad_norm"]) for m in history]}
+
+
+DETERMINISTIC = [
+    ("S4E2", "optim_grads_params", {}),
+    ("S4E2", "no_shard", {}),
+    ("S4E2", "optim", {}),
+    ("R2S2E2", "optim_grads", {}),
+    ("R2S2E2", "optim_grads_params", {"outer_strategy": "optim"}),
+]
+
+
+def test_deterministic_is_bitwise_across_layouts_of_one_expert_degree(pool4) -> None:
+    """``deterministic=True`` with the experts on mesh["expert"] (E = 2): the same bits of
+    params, losses and grad norms on every data-parallel layout and strategy of 4 ranks."""
+    runs = {str(case): pool4.run(deterministic_worker, *case)[0] for case in DETERMINISTIC}
+    first = next(iter(runs.values()))
+    for name, run in runs.items():
+        assert run["metrics"] == first["metrics"], (name, run["metrics"], first["metrics"])
+        for n, t in first["params"].items():
+            assert torch.equal(run["params"][n], t), (name, n)

@@ -131,7 +131,7 @@ def build_layout(
         expert_mesh = mesh_lib.expert_data_parallel(mesh)
     mesh = mesh_lib.data_parallel(mesh)
     prefixes = resolve_units(model, units) if model is not None else list(units or [])
-    shard_sizes = _shard_sizes(params, tensor, mesh, expert_mesh, strategy, outer, deterministic)
+    shard_sizes = _shard_sizes(params, tensor, mesh, expert_mesh, strategy, outer)
 
     raw = [
         _leaf_rows(name, shape, dtype, policy, size, deterministic) + (unit_of(name, prefixes),)
@@ -170,16 +170,9 @@ def _shard_sizes(
     expert_mesh: DeviceMesh | None,
     strategy: Strategy,
     outer: OuterStrategy,
-    deterministic: bool,
 ) -> list[int]:
     """Per leaf, the ranks its master rows are spread over: an expert leaf's over the ranks of
     its expert index only (``expert_mesh``)."""
-    if deterministic and expert_mesh is not None and any(map(tensor.on_experts, params)):
-        raise ValueError(
-            "deterministic=True with expert parallel: the layout-independent reductions do "
-            "not cover expert weights yet (their rows are reduced over the S / E ranks of "
-            "one expert index); train the model without deterministic=True"
-        )
     return [
         _shard_size(expert_mesh if tensor.on_experts(name) else mesh, strategy, outer)
         for name in params

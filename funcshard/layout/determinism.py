@@ -157,36 +157,50 @@ def _row_sums(flat: torch.Tensor, spec) -> torch.Tensor:
     )
 
 
-def row_sums(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor | None:
+def row_sums(
+    layout: Layout, grads: list[torch.Tensor], *, experts: bool = False
+) -> torch.Tensor | None:
     """This rank's sums of squares of its rows of every leaf (fp64, parameter order; None: no
-    leaves); a row's sum is the same bits on every layout."""
+    leaves); a row's sum is the same bits on every layout. ``experts``: of the expert
+    buckets' leaves instead of the others'."""
     local = []
     for bucket, g in zip(layout.buckets, grads, strict=True):
+        if bucket.expert != experts:
+            continue
         g = g.to(layout.device)
         local.extend(_row_sums(g, spec) for spec in layout.bucket_leaves(bucket))
     return torch.cat(local) if local else None
 
 
 def norm_of_rows(
-    layout: Layout, sums: torch.Tensor | None, counts: Callable[[str], bool] | None = None
+    layout: Layout,
+    sums: torch.Tensor | None,
+    counts: Callable[[str], bool] | None = None,
+    expert_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The squared L2 norm (0-d fp64) from every shard's :func:`row_sums` in shard order: every
     real row in parameter order, summed by :func:`halving_sum`; padding rows are dropped, so
     they never count, and so are the leaves ``counts(name)`` leaves out (tensor parallel: a
-    replicated leaf counts on one tensor rank)."""
-    if sums is None:
-        return torch.zeros((), dtype=torch.float64, device=layout.device)
-    where, at = {}, 0
+    replicated leaf counts on one tensor rank). ``expert_sums``: the expert leaves' row sums
+    of every expert rank (dim 0, in expert order) and every shard of its expert index (each
+    expert rank's experts are consecutive global rows)."""
+    where, at = {}, [0, 0]  # columns of a leaf among its kind's (dense, expert) row sums
     for bucket in layout.buckets:
         for spec in layout.bucket_leaves(bucket):
-            where[spec.name] = at
-            at += spec.rows_per_shard
-    sums = sums.view(layout.shard_size, at)
-    real = [
-        sums[:, where[s.name] : where[s.name] + s.rows_per_shard].reshape(-1)[: s.rows]
-        for s in layout.leaves
-        if counts is None or counts(s.name)
-    ]
-    if not real:
+            where[spec.name] = at[bucket.expert]
+            at[bucket.expert] += spec.rows_per_shard
+    dense = None if sums is None else sums.view(layout.shard_size, at[0])
+    experts = None
+    if expert_sums is not None:
+        experts = expert_sums.view(expert_sums.shape[0], layout.experts_view.shard_size, at[1])
+
+    def real(s) -> torch.Tensor:
+        if layout.buckets[s.bucket].expert:
+            cols = experts[:, :, where[s.name] : where[s.name] + s.rows_per_shard]
+            return cols.reshape(cols.shape[0], -1)[:, : s.rows].reshape(-1)
+        return dense[:, where[s.name] : where[s.name] + s.rows_per_shard].reshape(-1)[: s.rows]
+
+    rows = [real(s) for s in layout.leaves if counts is None or counts(s.name)]
+    if not rows:
         return torch.zeros((), dtype=torch.float64, device=layout.device)
-    return halving_sum(torch.cat(real))
+    return halving_sum(torch.cat(rows))

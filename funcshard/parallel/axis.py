@@ -82,6 +82,10 @@ class ModelAxis(Protocol):
         expert index only (:meth:`funcshard.layout.layout.Layout.over`)."""
         ...
 
+    def expert_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every expert rank's 1-D ``rows`` stacked in expert rank order, ``(E, n)``."""
+        ...
+
     def splits(self, name: str) -> bool:
         """Whether this rank holds only part of ``name`` (sharded over more than one rank):
         a whole-matrix transform (Muon) must gather it."""
@@ -163,6 +167,9 @@ class NoAxis:
 
     def on_experts(self, name: str) -> bool:
         return False
+
+    def expert_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.reshape(1, -1)
 
     def splits(self, name: str) -> bool:
         return False

@@ -99,7 +99,18 @@ class ExpertAxis:
         return self.inner.splits(name)
 
     def counts(self, name: str) -> bool:
-        return name in self.experts or self.inner.counts(name)
+        """``inner``'s: an expert leaf is split over "expert" (each rank counts its experts)
+        and replicated over "tensor" (counted on tensor rank 0)."""
+        return self.inner.counts(name)
+
+    def expert_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every expert rank's ``rows`` (a 1-D tensor of one length on each), stacked in expert
+        rank order: ``(E, n)`` (one all-gather over "expert", counted under "metrics")."""
+        if self.expert_size == 1:
+            return rows.reshape(1, -1)
+        group = self.mesh.get_group()
+        gathered = ops.all_gather(rows, group, axis=ops.Axis.EXPERT, kind="metrics")
+        return gathered.view(self.expert_size, -1)
 
     def span(self, name: str) -> tuple[int, int, int]:
         if name not in self.experts:

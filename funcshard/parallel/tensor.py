@@ -116,6 +116,9 @@ class TensorParallel:
     def on_experts(self, name: str) -> bool:
         return False
 
+    def expert_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.reshape(1, -1)
+
     def counts(self, name: str) -> bool:
         """Whether this rank counts ``name``'s local elements in a sum over the full model:
         a sharded one on every tensor rank, a replicated one on tensor rank 0 only."""

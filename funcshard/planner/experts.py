@@ -12,12 +12,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from funcshard.distributed.dims import EXPERT, MeshDims
+from funcshard.layout.layout import Layout
 from funcshard.layout.strategy import Strategy
 from funcshard.parallel.axis import ModelAxis
 from funcshard.parallel.expert_axis import ExpertAxis, ExpertLeaf
 from funcshard.planner.inputs import ShapeMesh, param_table, tensor_table
 
-__all__ = ["Routing", "add_all_to_all", "expert_table", "model_table"]
+__all__ = ["Routing", "add_all_to_all", "add_expert_row_sums", "expert_table", "model_table"]
 
 
 class _ExpertShape:
@@ -129,3 +130,16 @@ def add_all_to_all(
     comm["all_to_all"] = comm.get("all_to_all", 0) + routing.bytes
     calls["all_to_all"] = calls.get("all_to_all", 0) + 4 * routing.layers * microbatches
     by_axis["expert"] = by_axis.get("expert", 0) + routing.bytes
+
+
+def add_expert_row_sums(layout: Layout, expert, add, metric_bytes: int) -> None:
+    """A deterministic norm's all-gathers of the expert leaves' row sums (``expert(spec)``:
+    whether a leaf is one): over their expert index's shards, then over "expert"."""
+    view = layout.experts_view
+    rows = sum(s.rows_per_shard for s in layout.leaves if expert(s))
+    size = view.shard_size * rows * metric_bytes
+    if view.shard_size > 1:
+        add("metrics", 1, size, view.shard_axis)
+    experts = layout.mesh.size(1) // view.group_mesh.size(1)  # S / (S / E)
+    if experts > 1:
+        add("metrics", 1, experts * size, "expert")

@@ -86,7 +86,7 @@ from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
 from funcshard.parallel.tensor import gather_numel
-from funcshard.planner.experts import Routing, add_all_to_all, model_table
+from funcshard.planner.experts import Routing, add_all_to_all, add_expert_row_sums, model_table
 from funcshard.planner.inputs import (
     ShapeMesh,
     ShapesArg,
@@ -284,9 +284,12 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
         if world > 1:
             add("metrics", 1, world * (M + flag) * _METRIC_BYTES, "world")
+        expert = lambda s: layout.buckets[s.bucket].expert  # noqa: E731
         if masters > 1:
-            rows = sum(s.rows_per_shard for s in layout.leaves)
+            rows = sum(s.rows_per_shard for s in layout.leaves if not expert(s))
             add("metrics", 1, masters * rows * _METRIC_BYTES, axis)
+        if any(map(expert, layout.leaves)):  # over their expert index's shards, then "expert"
+            add_expert_row_sums(layout, expert, add, _METRIC_BYTES)
         if T > 1:  # every tensor rank's part of the square
             add("metrics", 1, T * _METRIC_BYTES, "tensor")
         return nbytes, calls, by_axis

@@ -251,8 +251,18 @@ class TreeReduction:
         sums = determinism.row_sums(layout, grads)
         if sums is not None and layout.shard_size > 1:
             sums = ops.all_gather(sums, layout.shard_group, axis=layout.shard_axis, kind="metrics")
+        experts = determinism.row_sums(layout, grads, experts=True)
+        if experts is not None:  # over its expert index's shards, then over "expert"
+            view = layout.experts_view
+            if view.shard_size > 1:
+                experts = ops.all_gather(
+                    experts, view.shard_group, axis=view.shard_axis, kind="metrics"
+                )
+            experts = layout.tensor.expert_rows(experts)
         # this rank's part of the full model's square, then the parts in the axis's order
-        square = determinism.norm_of_rows(layout, sums, counts=layout.tensor.counts)
+        square = determinism.norm_of_rows(
+            layout, sums, counts=layout.tensor.counts, expert_sums=experts
+        )
         return determinism.halving_sum(layout.tensor.squares_in_order(square)).sqrt()
 
     def mean_loss(

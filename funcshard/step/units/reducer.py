@@ -158,9 +158,17 @@ class ExpertsAfter:
     reduces them. A rank whose experts got no token reaches no gradient of them, so the
     order of their reductions over the ranks of an expert index cannot follow backward's."""
 
-    def __init__(self, layout: Layout, inner: _Path, reducing: Reducing) -> None:
-        self.layout, self.inner, self.reducing = layout, inner, reducing
+    def __init__(
+        self,
+        layout: Layout,
+        inner: _Path,
+        reducing: Reducing,
+        tree: determinism.PairwiseSum | None = None,
+    ) -> None:
+        self.layout, self.inner, self.reducing, self.tree = layout, inner, reducing, tree
         self._sections = Sections(layout, [None] * len(layout.buckets))
+        if isinstance(inner, Completing):  # the expert buckets are completed here
+            inner._completed.update(b.index for b in layout.buckets if b.expert)
 
     def take(self, bucket: int, grads: list[torch.Tensor | None]) -> None:
         if self.layout.buckets[bucket].expert:
@@ -174,16 +182,21 @@ class ExpertsAfter:
             if not b.expert:
                 continue
             sections = self._sections.acc[b.index]
+            if self.tree is not None:  # the earlier microbatches' sums first (deterministic)
+                sections = self.tree.total(b.index, sections)
             if sections is None:  # no token reached this rank's experts: zeros
-                view = self.layout.over(b)
-                sections = torch.zeros(
-                    view.shard_size * b.numel, dtype=b.dtypes.grad, device=view.device
-                )
+                sections = _zero_sections(self.layout, b)
             self._sections.acc[b.index] = None
             self.reducing.start(b.index, sections, uses=max(self.reducing.entries[b.index], 1))
 
     def finish(self) -> None:
         self.inner.finish()
+
+
+def _zero_sections(layout: Layout, bucket) -> torch.Tensor:
+    """A bucket's rank sections of zeros (a rank no gradient of it reached)."""
+    size = layout.over(bucket).shard_size * bucket.numel
+    return torch.zeros(size, dtype=bucket.dtypes.grad, device=layout.device)
 
 
 class Completing:
@@ -300,7 +313,7 @@ class Reducer:
             if self.complete is not None:
                 path = Completing(self.layout, self.complete, self.entries, reducing)
             if any(b.expert for b in self.layout.buckets):
-                path = ExpertsAfter(self.layout, path, reducing)
+                path = ExpertsAfter(self.layout, path, reducing, self.complete)
         self._path = path
         try:
             torch.autograd.grad(loss, self.carriers, allow_unused=True)
@@ -315,6 +328,8 @@ class Reducer:
         if deferred:  # each bucket's summed uses, reduced once (over "replicate" after it)
             reducing = Reducing(self.layout, self.acc)
             for bucket, value in enumerate(sections):
+                if value is None and self.layout.buckets[bucket].expert:
+                    value = _zero_sections(self.layout, self.layout.buckets[bucket])
                 if value is not None:
                     reducing.start(bucket, value)
             reducing.finish()
