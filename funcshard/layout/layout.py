@@ -138,6 +138,14 @@ class Placement:
     replica_rank: int = 0
     axis: str = "shard"  # the mesh axis of ``group``, for the accounting ("world": HFSDP)
     tensor: ModelAxis = NO_AXIS
+    # the placement of the expert buckets (their own groups: Layout.over), None without
+    experts: Placement | None = None
+
+    def of(self, members: Members) -> Placement:
+        """The placement of the bucket packing ``members``: this one, or the experts'."""
+        if members in self.specs or self.experts is None:
+            return self
+        return self.experts
 
     def leaves(self, members: Members) -> tuple[LeafSpec, ...]:
         """The specs of the parameters one flat buffer packs, in buffer order."""
@@ -342,6 +350,9 @@ class Layout:
             replicas_axis=self.replicate_axis,
             axis=self.shard_axis,
             tensor=self.tensor,
+            experts=self.experts_view.placement
+            if not self.expert_view and any(b.expert for b in self.buckets)
+            else None,
         )
 
     def per_bucket(self, values: Sequence) -> PerBucket:

@@ -19,6 +19,13 @@ same owner index: the T owners of its shards form one tensor group. Each gathers
 matrix as above, they all-gather it over "tensor" along the split dim (bfloat16), every one
 orthogonalizes the full matrix (the same bits) and keeps its own shard.
 
+A 3-D parameter stacks experts on dim 0, ``(num_experts, m, n)``: each expert's matrix is
+orthogonalized as its own (as torch.optim.Muon would the experts as separate parameters). Its
+rows are experts, so a shard holds whole experts: the owner gathers the leaf's rows like a
+matrix's and runs Newton-Schulz per expert; an expert-parallel rank's experts are whole on it,
+so nothing is gathered over "expert" (the expert buckets have their own placement, their
+groups: :meth:`funcshard.layout.layout.Placement.of`).
+
 Everything else of the update (momentum, Nesterov, weight decay, the step itself) is elementwise
 and runs on the local rows, exactly as torch does it on the whole tensor.
 """
@@ -91,19 +98,25 @@ def _leaf_members(tree: PyTree) -> list[Members | None]:
 
 
 def _check_2d(tree: PyTree) -> None:
-    bad = [(name, shape) for pairs in leaf_params(tree) for name, shape in pairs if len(shape) != 2]
+    bad = [
+        (name, shape)
+        for pairs in leaf_params(tree)
+        for name, shape in pairs
+        if len(shape) not in (2, 3)
+    ]
     if bad:
         name, shape = bad[0]
         raise ValueError(
             f"muon: parameter {name!r} has shape {shape}; Muon orthogonalizes 2-D "
-            f"matrices only (give {[n for n, _ in bad]} to another optimizer, e.g. "
+            "matrices, and each matrix of a 3-D parameter stacking experts on dim 0, only "
+            f"(give {[n for n, _ in bad]} to another optimizer, e.g. "
             "fs.optim.multi_transform({'muon': muon(...), 'adamw': adamw(...)}, "
             "labels))"
         )
 
 
 def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
-    a, b = shape[:2]
+    a, b = shape[-2:]  # one matrix's (an expert's, of a 3-D parameter)
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, a / b))
     return lr * 0.2 * math.sqrt(max(a, b))  # "match_rms_adamw"
@@ -122,7 +135,8 @@ def muon(
     owner_computes: bool = True,
     mu_dtype: torch.dtype | None = None,
 ) -> Optimizer:
-    """torch.optim.Muon's update for 2-D parameters, as a pure optimizer.
+    """torch.optim.Muon's update for 2-D parameters (and 3-D ones stacking experts on dim 0,
+    each expert's matrix on its own), as a pure optimizer.
 
     Per matrix: ``buf.lerp_(g, 1 - momentum)``; the update is ``g.lerp(buf, momentum)``
     (Nesterov) or ``buf``; ``O`` its Newton-Schulz orthogonalization (bfloat16);
@@ -146,7 +160,7 @@ def muon(
         bf16 / fp16 / int8 as ``fs.optim.adamw``'s ``mu_dtype`` (the update runs in fp32).
 
     Raises:
-      ValueError: a parameter is not 2-D (named), or a hyperparameter is out of range.
+      ValueError: a parameter neither 2-D nor 3-D (named), or a hyperparameter is out of range.
     """
     not_negative("lr", 0.0 if callable(lr) else lr)
     not_negative("momentum", momentum)
@@ -164,7 +178,13 @@ def muon(
 
     def orthogonalize(tensor, m: _Matrix, whole: torch.Tensor) -> torch.Tensor:
         """``m``'s orthogonalized update from its whole local matrix (gathered over "tensor"
-        into the full one and cut back to this tensor rank's shard where it is split)."""
+        into the full one and cut back to this tensor rank's shard where it is split). A 3-D
+        parameter's rows are experts, each orthogonalized as its own matrix (an expert rank
+        holds its experts whole: nothing is gathered over "expert")."""
+        if len(m.full) == 3:
+            experts = whole.view(whole.shape[0], *m.full[1:])
+            done = [newton_schulz(x, coefficients, ns_steps, eps) for x in experts]
+            return torch.stack(done).reshape(whole.shape) if done else whole.bfloat16()
         if not tensor.splits(m.name):
             return newton_schulz(whole, coefficients, ns_steps, eps)
         full = tensor.gather_whole(m.name, whole.to(torch.bfloat16), kind=KIND)
@@ -174,7 +194,7 @@ def muon(
 
     def step(bufs: Buffers, s: Scalars, params: PyTree, placement: Placement | None) -> None:
         """The elementwise part on the local rows, then every matrix orthogonalized whole."""
-        matrices, targets = [], []
+        groups: dict[int, tuple] = {}  # per placement (expert buckets have their own)
         for j, (members, pairs) in enumerate(
             zip(_leaf_members(params), leaf_params(params), strict=True)
         ):
@@ -191,21 +211,17 @@ def muon(
             if narrow:
                 encode_flat(fmt, buf, stored, scales)
             p.mul_(1 - s.lr * wd)
-            for name, shape, rows, u, target, full in _matrices_of(
-                p, upd, members, pairs, placement
-            ):
+            where = placement if placement is None or members is None else placement.of(members)
+            _, matrices, targets = groups.setdefault(id(where), (where, [], []))
+            for name, shape, rows, u, target, full in _matrices_of(p, upd, members, pairs, where):
                 matrices.append(_Matrix(name, shape, rows, u, full))
                 targets.append((target, _adjusted_lr(s.lr, adjust_lr_fn, full)))
-        tensor = NO_AXIS if placement is None else placement.tensor
-        results = _orthogonalize_all(
-            matrices,
-            placement,
-            functools.partial(orthogonalize, tensor),
-            ns_steps,
-            owner_computes,
-        )
-        for (target, alr), o in zip(targets, results, strict=True):
-            target.add_(o.to(target.device), alpha=-alr)
+        for where, matrices, targets in groups.values():  # in bucket order on every rank
+            tensor = NO_AXIS if where is None else where.tensor
+            orth = functools.partial(orthogonalize, tensor)
+            results = _orthogonalize_all(matrices, where, orth, ns_steps, owner_computes)
+            for (target, alr), o in zip(targets, results, strict=True):
+                target.add_(o.to(target.device), alpha=-alr)
 
     moments = {"momentum": mu_rule}
     return build(
@@ -219,9 +235,10 @@ def _matrices_of(
     """``(name, local shape, row ranges per rank, local update rows, local param rows, the
     model's shape)`` per matrix held by one leaf (a whole tensor, or a flat buffer of row
     shards; under tensor parallelism of this tensor rank's local shards)."""
-    if members is None:  # a plain pytree leaf: the whole matrix is here
+    if members is None:  # a plain pytree leaf: the whole matrix is here (3-D: rows of experts)
         ((name, shape),) = pairs
-        yield name, shape, ((0, shape[0]),), update, param, shape
+        rows = (shape[0], math.prod(shape[1:]))
+        yield name, rows, ((0, shape[0]),), update.view(rows), param.view(rows), shape
         return
     if placement is None:
         raise ValueError(
@@ -232,8 +249,9 @@ def _matrices_of(
         rows = tuple(spec.row_range(r) for r in range(placement.size))
         start, stop = rows[placement.rank]
         span = slice(spec.offset, spec.offset + (stop - start) * spec.row_numel)
-        local = (stop - start, spec.shape[1])
-        yield spec.name, spec.shape, rows, update[span].view(local), param[span].view(local), full
+        local = (stop - start, spec.row_numel)  # 3-D: a row is an expert's matrix
+        shape = (spec.shape[0], spec.row_numel)
+        yield spec.name, shape, rows, update[span].view(local), param[span].view(local), full
 
 
 def _orthogonalize_all(

@@ -16,9 +16,11 @@ __all__ = ["ns_flops", "assign_owners", "order", "rounds_of", "ExchangePlan", "e
 
 
 def ns_flops(shape: Sequence[int], steps: int) -> int:
-    """Multiply-add FLOPs of ``steps`` Newton-Schulz iterations on a matrix of ``shape``."""
-    n, m = sorted(shape)
-    return steps * (4 * n * n * m + 2 * n**3)
+    """Multiply-add FLOPs of ``steps`` Newton-Schulz iterations on a matrix of ``shape`` (or
+    on each of the matrices a 3-D ``shape`` stacks on dim 0: experts)."""
+    *stacked, a, b = shape
+    n, m = sorted((a, b))
+    return math.prod(stacked) * steps * (4 * n * n * m + 2 * n**3)
 
 
 def assign_owners(shapes: Sequence[Sequence[int]], size: int, steps: int = 5) -> list[int]:
