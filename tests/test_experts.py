@@ -102,6 +102,29 @@ def test_experts_that_do_not_split_are_named(pool2) -> None:
         assert "'w1'" in message and "multiple of the expert mesh's 2 ranks" in message
 
 
+def router_worker() -> str:
+    """Rank 1's router picks expert NUM_EXPERTS (out of range); rank 0's is fine."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("expert",))
+    experts = parallelize_module(GroupedExperts(), mesh, fs.ExpertParallel())
+    idx = torch.tensor([0, 1, NUM_EXPERTS if dist.get_rank() == 1 else 2])
+    counts = torch.bincount(idx, minlength=NUM_EXPERTS)
+    try:
+        experts(torch.zeros(3, DIM), counts)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_router_index_out_of_range_is_refused_on_every_rank(pool2) -> None:
+    """The offending rank names its counts; its peers, which would otherwise wait in the
+    all-to-all of the rows, learn of it at the counts' exchange and raise too."""
+    first, second = pool2.run(router_worker)
+    assert "another expert rank's" in first, first
+    assert f"for the module's {NUM_EXPERTS} experts" in second, second
+    assert "router index out of range" in second, second
+
+
 def moe_gpt_worker(strategy: str) -> float:
     """The MoE GPT of experiments/gpt.py trained as a dense model (every expert gathered)
     beside one plain process on the global batch: the largest parameter difference."""

@@ -62,6 +62,12 @@ class ExpertParallel(ParallelStyle):
     Raises (at ``parallelize_module``):
       ValueError: a mesh of more than one dim, or a parameter whose dim 0 (its experts) the
         mesh's size does not divide, naming it.
+
+    Raises (in the forward, on every rank of the expert group):
+      ValueError: a rank's ``num_tokens_per_expert`` not of one entry per expert (a router
+        index out of range), negative, or not summing to its rows; the offending rank names
+        it, its peers learn of it at the exchange of the counts (which carries -1s) instead
+        of waiting in the all-to-all of the rows.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -90,26 +96,43 @@ class ExpertParallel(ParallelStyle):
     def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, counts = inputs[0], inputs[1]
         size, group = mesh.size(), mesh.get_group()
-        if counts.numel() % size:
-            raise ValueError(
-                f"ExpertParallel: {counts.numel()} experts do not split over {size} expert ranks"
-            )
-        if int(counts.sum()) != x.shape[0]:
-            raise ValueError(
-                f"ExpertParallel: num_tokens_per_expert sums to {int(counts.sum())}, but x has "
-                f"{x.shape[0]} rows (sorted by expert, every row routed once)"
-            )
-        sends, recvs, grid = route(counts.to("cpu", torch.int64), group, size)
+        experts = next(p.shape[0] for p in module.parameters())
+        counts = counts.to("cpu", torch.int64)
+        problem = _bad_counts(counts, experts, x.shape[0])
+        # a bad rank sends -1 counts: every rank of the group learns of it at the exchange,
+        # and raises, instead of the others waiting in the all-to-all of the rows
+        sent = torch.full((experts,), -1, dtype=torch.int64) if problem else counts
+        sends, recvs, grid = route(sent, group, size)
+        if problem or bool((grid < 0).any()):
+            where = f"this rank's: {problem}" if problem else "another expert rank's"
+            raise ValueError(f"ExpertParallel: bad num_tokens_per_expert ({where})")
         routed = _a2a(x, recvs, sends, group)
         order = _by_expert(grid).to(x.device)
         module._fs_route = (order, sends, recvs, group)
-        return (routed.index_select(0, order), grid.sum(0).to(counts.device), *inputs[2:])
+        return (routed.index_select(0, order), grid.sum(0).to(inputs[1].device), *inputs[2:])
 
     @staticmethod
     def _combine(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         order, sends, recvs, group = module._fs_route
         back = torch.empty_like(out).index_copy(0, order, out)  # back to source-rank major
         return _a2a(back, sends, recvs, group)
+
+
+def _bad_counts(counts: torch.Tensor, experts: int, rows: int) -> str:
+    """What is wrong with one rank's ``num_tokens_per_expert`` ("" when nothing)."""
+    if counts.dim() != 1 or counts.numel() != experts:
+        return (
+            f"{tuple(counts.shape)} for the module's {experts} experts; a router index out of "
+            f"range [0, {experts}) makes torch.bincount(idx, minlength={experts}) longer"
+        )
+    if bool((counts < 0).any()):
+        return f"a negative count in {counts.tolist()}"
+    if int(counts.sum()) != rows:
+        return (
+            f"they sum to {int(counts.sum())}, but x has {rows} rows (sorted by expert, every "
+            "row routed once)"
+        )
+    return ""
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
