@@ -383,3 +383,33 @@ def test_deterministic_is_bitwise_across_layouts_of_one_expert_degree(pool4) -> 
         assert run["metrics"] == first["metrics"], (name, run["metrics"], first["metrics"])
         for n, t in first["params"].items():
             assert torch.equal(run["params"][n], t), (name, n)
+
+
+def tensor_worker(strategy: str, kw: dict) -> dict:
+    """Experts on mesh["expert"], the head split over mesh["tensor"] (colwise, its output
+    gathered): a tensor group's ranks share their batch, as torch's tensor parallel asks."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = fs.make_mesh(shard=2, tensor=2, expert=2, device_type="cpu")
+    model, plain = moe.make_model(3), moe.make_model(3)
+    moe.place_experts(model, mesh["expert"])
+    parallelize_module(model, mesh["tensor"], {"head": ColwiseParallel(output_layouts=Replicate())})
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy, **kw)
+    ref = moe.reference_run(plain, STEPS, ROWS)
+    loss_fn, history = moe.make_loss_fn(model), []
+    for step in range(STEPS):
+        batch = {
+            k: v.chunk(2)[dist.get_rank() // 2] for k, v in moe.global_batch(step, ROWS).items()
+        }
+        state, metrics = fs.train_step(state, batch, loss_fn, microbatches=2)
+        history.append(metrics)
+    return _errors(state, history, ref)
+
+
+@pytest.mark.parametrize(
+    "strategy, kw", [("optim", {}), ("optim_grads_params", {}), ("no_shard", {})], ids=str
+)
+def test_experts_beside_a_tensor_parallel_layer_equal_one_plain_process(pool4, strategy, kw):
+    """A 4-D mesh (S2 x E2 x T2): dense layers tensor-parallel, experts expert-parallel."""
+    for errors in pool4.run(tensor_worker, strategy, kw):
+        assert max(errors.values()) < TOL, errors
