@@ -25,6 +25,22 @@ def make_hf(kind: str, seed: int = 0, meta: bool = False) -> torch.nn.Module:
             tie_word_embeddings=False,
         )
         cls = transformers.LlamaForCausalLM
+    elif kind == "qwen3moe":  # experts stacked in memory, one tensor per expert in its files
+        config = transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=40,
+            moe_intermediate_size=12,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         config = transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4

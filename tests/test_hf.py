@@ -50,6 +50,7 @@ CASES = {  # name: (model, max_shard_size of save_pretrained or None for one fil
     "llama-sharded-fp32": ("llama", "40KB", torch.float32),
     "gpt2-single-bf16": ("gpt2", None, torch.bfloat16),
     "llama-file-fp16": ("llama", None, torch.float16),
+    "qwen3moe-sharded-fp32": ("qwen3moe", "40KB", torch.float32),  # per-expert tensors
 }
 
 
@@ -159,6 +160,52 @@ def test_export_loads_in_transformers(pool2, tmp_path, case):
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_stacked_experts_export_as_transformers_writes_them(pool2, tmp_path):
+    """A Qwen3-MoE state's stacked experts go out as transformers' own per-expert tensors:
+    the names ``save_pretrained`` writes, each row written once, ``from_pretrained`` giving
+    the same logits; ``split_experts=False`` writes the stacked parameters instead."""
+    directory = str(tmp_path / "out")
+    results = pool2.run(export_worker, directory, "qwen3moe", "optim_grads_params", 30_000, None)
+    model = make_hf("qwen3moe")
+    model.save_pretrained(tmp_path / "ref", safe_serialization=True)
+    theirs = {}
+    for f in os.listdir(tmp_path / "ref"):
+        if f.endswith(".safetensors"):
+            theirs.update(safetensors_torch.load_file(os.path.join(tmp_path / "ref", f)))
+    ours = {}
+    for f in os.listdir(directory):
+        if f.endswith(".safetensors"):
+            ours.update(safetensors_torch.load_file(os.path.join(directory, f)))
+    assert sorted(ours) == sorted(theirs)
+    assert any(".experts.3.up_proj.weight" in n for n in ours)
+    for n, t in theirs.items():
+        assert torch.equal(ours[n], t), n
+    total = sum(t.numel() * t.element_size() for t in theirs.values())
+    assert sum(r["written"] for r in results) == total, "every row is written exactly once"
+    model.config.save_pretrained(directory)
+    loaded = type(model).from_pretrained(directory, dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def stacked_worker(directory: str) -> None:
+    mesh = fs.make_mesh(device_type="cpu")
+    state = fs.init(make_hf("qwen3moe"), fs.optim.adamw(1e-3), mesh=mesh, strategy="optim")
+    fs.export_safetensors(directory, state, split_experts=False)
+
+
+def test_stacked_experts_export_as_the_state_dict_when_asked(pool2, tmp_path):
+    directory = str(tmp_path / "out")
+    pool2.run(stacked_worker, directory)
+    loaded = safetensors_torch.load_file(os.path.join(directory, "model.safetensors"))
+    model = make_hf("qwen3moe")
+    fresh = make_hf("qwen3moe", seed=1)
+    fresh.load_state_dict(loaded, strict=True)
+    for name, t in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], t), name
 
 
 def test_full_params_of_tied_gpt2_loads_strictly(pool2):
