@@ -12,6 +12,7 @@ from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.sharding import shard
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.parallel.experts import ExpertParallel
+from funcshard.planner.experts import Routing
 from funcshard.planner.plan import plan
 from funcshard.planner.summary import describe
 from funcshard.state.replica_check import ReplicaMismatchError, check_replicas
@@ -34,6 +35,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OuterStrategy",
     "ReplicaMismatchError",
+    "Routing",
     "Strategy",
     "TrainState",
     "UnitParamsError",

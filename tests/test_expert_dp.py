@@ -413,3 +413,15 @@ def test_experts_beside_a_tensor_parallel_layer_equal_one_plain_process(pool4, s
     """A 4-D mesh (S2 x E2 x T2): dense layers tensor-parallel, experts expert-parallel."""
     for errors in pool4.run(tensor_worker, strategy, kw):
         assert max(errors.values()) < TOL, errors
+
+
+# A bf16 gradient wire rounds each rank's contribution once (relative 2^-9 = 2e-3 an element);
+# the parameters move by lr x gradient over 2 steps, so their error relative to the weights
+# stays far below that, and the loss and norm (of gradients rounded once) within ~2e-3.
+WIRE_TOL = 1e-2
+
+
+def test_a_bf16_gradient_wire_stays_within_its_rounding(pool4) -> None:
+    kw = {"policy": fs.MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)}
+    for errors in pool4.run(sgd_worker, "R2S2E2", "optim_grads_params", kw):
+        assert max(errors.values()) < WIRE_TOL, errors
