@@ -59,8 +59,9 @@ class GroupedExperts(nn.Module):
 
 class MoE(nn.Module):
     """Top-k routed experts: a linear router, a per-expert bias that steers only the choice
-    (DeepSeek-V3's auxiliary-loss-free balancing: the loop nudges ``router_bias`` against
-    ``last_load``), gate weights from the unbiased softmax, tokens sorted by expert."""
+    (DeepSeek-V3's auxiliary-loss-free balancing: the loop nudges ``router_bias`` against the
+    step's global load, :func:`expert_load` handed back as ``fs.summed`` and
+    :func:`balance_routers`), gate weights from the unbiased softmax, tokens sorted by expert."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -83,6 +84,26 @@ class MoE(nn.Module):
         out = self.experts(x[order // self.top_k], counts)
         routed = torch.empty_like(out).index_copy(0, order, out).view(-1, self.top_k, shape[-1])
         return (routed * gates.unsqueeze(-1)).sum(1).reshape(shape)
+
+
+def expert_load(model: nn.Module) -> torch.Tensor:
+    """Tokens per expert of the model's last forward, a row per MoE block ``(blocks, experts)``:
+    this rank's microbatch only. A ``loss_fn`` returns it as ``fs.summed(expert_load(model))``
+    in its aux, so that ``metrics["aux"]`` holds the step's load over every microbatch and
+    data-parallel rank."""
+    return torch.stack([m.last_load for m in model.modules() if isinstance(m, MoE)])
+
+
+@torch.no_grad()
+def balance_routers(model: nn.Module, load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free update from the step's GLOBAL ``load`` (the summed
+    :func:`expert_load`): each block's ``router_bias`` rises by ``rate`` for the experts below
+    that block's mean load and falls by ``rate`` for those above. Every rank applies the same
+    update from the same total, so the buffers stay equal across ranks."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe, row in zip(moes, load, strict=True):
+        row = row.to(moe.router_bias.device, torch.float32)
+        moe.router_bias.add_(rate * torch.sign(row.mean() - row))
 
 
 class Block(nn.Module):

@@ -177,6 +177,12 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 flags.DEFINE_integer("top_k", 2, "Experts each token is routed to (with --experts).", lower_bound=1)
+flags.DEFINE_float(
+    "router_bias_rate",
+    1e-3,
+    "With --experts: DeepSeek-V3's router bias update per step, from the step's global load.",
+    lower_bound=0.0,
+)
 flags.DEFINE_integer("vocab", 16, "Vocabulary of the synthetic Markov source.", lower_bound=2)
 flags.DEFINE_float(
     "concentration", 0.1, "Dirichlet concentration of the Markov rows.", lower_bound=1e-6

@@ -24,7 +24,14 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import funcshard as fs
 from experiments import data as data_lib
-from experiments.gpt import GPT, GPTConfig, GroupedExperts, tensor_plan
+from experiments.gpt import (
+    GPT,
+    GPTConfig,
+    GroupedExperts,
+    balance_routers,
+    expert_load,
+    tensor_plan,
+)
 from experiments.timing import compile_times
 from funcshard.distributed.mesh import local_device
 
@@ -64,6 +71,7 @@ class Config:
     mu_dtype: torch.dtype | None = None
     nu_dtype: torch.dtype | None = None
     stochastic_rounding: bool = False  # bf16 moments rounded stochastically
+    router_bias_rate: float = 1e-3  # MoE: DeepSeek-V3's bias update speed (gamma); 0: none
     # the model; its vocab is the Markov source's (a text file's own vocab replaces it)
     model: GPTConfig = dataclasses.field(default_factory=lambda: GPTConfig(vocab=16, seq_len=32))
     concentration: float = 0.1
@@ -410,7 +418,10 @@ def run(
 
     def loss_fn(params, batch):
         x = batch["x"]
-        return _loss(fs.functional_call(model, params, (x[:, :-1],)), x)
+        loss = _loss(fs.functional_call(model, params, (x[:, :-1],)), x)
+        if not cfg.model.experts:
+            return loss
+        return loss, {"load": fs.summed(expert_load(model))}  # the step's, over every rank
 
     schedule = lr_schedule(cfg)
     end = min(cfg.stop_at or cfg.steps, cfg.steps)
@@ -441,6 +452,8 @@ def run(
             logging.warning("step %d: no quorum of replica groups yet; asking again", step)
             continue
         step_s = time.perf_counter() - t_step  # the process's first step compiles (--compile)
+        if cfg.model.experts and metrics.get("committed", 1) and "aux" in metrics:
+            balance_routers(model, metrics["aux"]["load"], cfg.router_bias_rate)
         if step == start and rank == 0 and cfg.compile:
             what = "the captured step" if by_fs else "the blocks"
             logging.info("first step %.2f s (compiling %s: %s)", step_s, what, cfg.compile)

@@ -19,6 +19,7 @@ from funcshard.state.replica_check import ReplicaMismatchError, check_replicas
 from funcshard.state.state import ConsumedStateError, LossScale, TrainState, tree
 from funcshard.step.functional import GatheredParams, functional_call
 from funcshard.step.init import init
+from funcshard.step.summed import summed
 from funcshard.step.train import full_params, train_step
 from funcshard.step.units import UnitParamsError
 from funcshard.step.update import offload_step
@@ -56,6 +57,7 @@ __all__ = [
     "restore",
     "save",
     "shard",
+    "summed",
     "train_step",
     "tree",
 ]

@@ -162,10 +162,15 @@ class Reduction(Protocol):
         ...
 
     def mean_loss(
-        self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
-    ) -> tuple[float, float]:
-        """The mean of every rank's microbatch losses, and the sum of every rank's ``flag``
-        (carried with the losses over the data-parallel world; None: no flag, 0.0 back)."""
+        self,
+        layout: Layout,
+        losses: list[torch.Tensor],
+        flag: float | None = None,
+        sums: torch.Tensor | None = None,
+    ) -> tuple[float, float, torch.Tensor | None]:
+        """The mean of every rank's microbatch losses, the sum of every rank's ``flag`` and of
+        every rank's ``sums`` (a float64 vector: the step's ``fs.summed`` aux), all carried with
+        the losses over the data-parallel world (None: none, 0.0 / None back)."""
         ...
 
 
@@ -218,15 +223,20 @@ class RingReduction:
         return layout.tensor.sum_square(sq).sqrt()
 
     def mean_loss(
-        self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
-    ) -> tuple[float, float]:
+        self,
+        layout: Layout,
+        losses: list[torch.Tensor],
+        flag: float | None = None,
+        sums: torch.Tensor | None = None,
+    ) -> tuple[float, float, torch.Tensor | None]:
         total = torch.stack([loss.double() for loss in losses]).sum().to(layout.device)
-        if flag is not None:
-            total = torch.stack([total, torch.tensor(flag, dtype=total.dtype, device=total.device)])
+        extra = [] if flag is None else [float(flag)]
+        total = torch.cat([total.reshape(1), total.new_tensor(extra)] + _listed(sums))
         world = mesh_lib.world_group(layout.mesh)
-        total = ops.all_reduce(total, world, axis=Axis.WORLD, kind="metrics").reshape(-1)
+        total = ops.all_reduce(total, world, axis=Axis.WORLD, kind="metrics")
         flags = float(total[1]) if flag is not None else 0.0
-        return float(total[0]) / (len(losses) * layout.dp_size), flags
+        summed = total[1 + len(extra) :] if sums is not None else None
+        return float(total[0]) / (len(losses) * layout.dp_size), flags, summed
 
 
 class TreeReduction:
@@ -266,21 +276,30 @@ class TreeReduction:
         return determinism.halving_sum(layout.tensor.squares_in_order(square)).sqrt()
 
     def mean_loss(
-        self, layout: Layout, losses: list[torch.Tensor], flag: float | None = None
-    ) -> tuple[float, float]:
+        self,
+        layout: Layout,
+        losses: list[torch.Tensor],
+        flag: float | None = None,
+        sums: torch.Tensor | None = None,
+    ) -> tuple[float, float, torch.Tensor | None]:
         """Every chunk's loss all-gathered over the world, summed by one tree in chunk order
-        (``flag`` travels as one more element per rank, summed apart)."""
+        (``flag`` and ``sums`` travel as more elements per rank, summed apart in rank order)."""
         local = torch.stack([loss.double() for loss in losses]).to(layout.device)
-        n = local.numel()
-        if flag is not None:
-            local = torch.cat([local, local.new_tensor([flag])])
+        n, f = local.numel(), int(flag is not None)
+        local = torch.cat([local, local.new_tensor([flag] if f else [])] + _listed(sums))
+        width = local.numel()
         world = mesh_lib.world_group(layout.mesh)
         if dist.get_world_size(world) > 1:
             local = ops.all_gather(local, world, axis=Axis.WORLD, kind="metrics")
-        per_rank = local.view(-1, n + (flag is not None))
-        flags = float(per_rank[:, n].sum()) if flag is not None else 0.0
+        per_rank = local.view(-1, width)
+        flags = float(per_rank[:, n].sum()) if f else 0.0
+        summed = per_rank[:, n + f :].sum(0) if sums is not None else None
         chunks = per_rank[:, :n].reshape(-1)
-        return float(determinism.halving_sum(chunks)) / chunks.numel(), flags
+        return float(determinism.halving_sum(chunks)) / chunks.numel(), flags, summed
+
+
+def _listed(sums: torch.Tensor | None) -> list[torch.Tensor]:
+    return [] if sums is None else [sums]
 
 
 def counted(layout: Layout, grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
 from funcshard.state.replica_check import check_replicas
 from funcshard.state.state import LossScale, TrainState
+from funcshard.step import summed as summed_lib
 from funcshard.step import update as offload_lib
 from funcshard.step.produce import LossFn, producer_for
 from funcshard.step.reduction import reduction_of
@@ -89,7 +90,10 @@ def train_step(
     Returns:
       ``(new_state, metrics)`` with "loss" (global mean), "grad_norm" (global L2 norm of the
       averaged gradient), "nonfinite" (0 or 1), "nonfinite_params" (names, when nonfinite),
-      "loss_scale" (fp16 only) and "aux" (the last microbatch's aux, if ``loss_fn`` gives one).
+      "loss_scale" (fp16 only) and "aux" (the last microbatch's aux, if ``loss_fn`` gives one;
+      each ``fs.summed(tensor)`` in it replaced by that tensor summed over the step's
+      microbatches and data-parallel ranks, every token counted once, e.g. a router's tokens
+      per expert: see :mod:`funcshard.step.summed`).
       A fault-tolerant state (``fs.init(fault_tolerance=...)``) adds "replicas" (the groups
       whose gradients the step averaged), "committed" (0: the quorum broke during the step,
       and the state returned holds the input's values, loss scale included; or the group
@@ -119,7 +123,7 @@ def train_step(
     summed = reduction.microbatch_sum(microbatches)
     replicate = grads_lib.ReplicateAxis(layout, across=guard.across)
     batch_check = layout.tensor.batch_check(batch, layout.device)  # before loss_fn sees it
-    losses, aux = [], None
+    losses, aux, aux_sums = [], None, None
     parts = split_microbatches(batch, microbatches)
     for k, mb in enumerate(parts):
         last = k == len(parts) - 1
@@ -129,6 +133,7 @@ def train_step(
         )
         summed.add(grads)
         losses.append(loss)
+        aux_sums = summed_lib.add_summed(aux_sums, aux)
 
     # reduce (the rest of it) -> norm/metrics -> update
     grads = grads_lib.reduce_step_grads(
@@ -138,10 +143,11 @@ def train_step(
         torch._foreach_mul_(grads, 1.0 / ls.scale)
     norm = float(reduction.global_norm(layout, grads))
     finite = math.isfinite(norm)
-    loss, apart = reduction.mean_loss(layout, losses, batch_check.flag(losses))
+    flat = summed_lib.flat_sums(aux_sums, layout.device)  # rides with the loss
+    loss, apart, totals = reduction.mean_loss(layout, losses, batch_check.flag(losses), flat)
     batch_check.raise_if(apart)  # on every rank, before anything is donated
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
-    metrics = _metrics(loss, norm, new_ls, aux)
+    metrics = _metrics(loss, norm, new_ls, summed_lib.with_totals(aux, aux_sums, totals))
     committed = guard.end(state, metrics)
     donated = state.donate("train_step")
     if not finite:
