@@ -105,6 +105,7 @@ class Fsdp2:
 
     def __init__(self, model: GPT, mesh) -> None:
         self.model = copy.deepcopy(model)
+        self.expert = mesh["expert"].size()
         for experts in _experts(self.model):
             parallelize_module(experts, mesh["expert"], fs.ExpertParallel())
             fully_shard(experts, mesh=mesh["shard_outer"], reshard_after_forward=True)
@@ -120,6 +121,12 @@ class Fsdp2:
             loss = _loss(self.model(part[:, :-1]), part) / len(parts)
             loss.backward()
             total += float(loss.detach())
+        # fully_shard over "shard_outer" averages the experts' gradients over S / E ranks;
+        # the mean over all S is E times smaller (torchtitan sets the divide factor, which
+        # gloo's reduce-scatter does not take: PREMUL_SUM)
+        for experts in _experts(self.model):
+            for p in experts.parameters():
+                p.grad.div_(self.expert)
         # no gradient norm: torch's clip_grad_norm_ refuses the experts' and the blocks'
         # mix of meshes; funcshard computes its norm every step (a small advantage to FSDP2)
         self.opt.step()

@@ -135,6 +135,9 @@ def test_text_source_windows_come_from_the_file(tmp_path):
         (["--grad_chunks=3"], "--grad_chunks=3 gradient chunks per step do not split over 2"),
         (["--param_comm_dtype=int4"], "--param_comm_dtype"),
         (["--tensor=2", "--n_head=3"], "--n_head=3 must be divisible by --tensor=2"),
+        (["--expert=2"], "--expert=2 splits experts: pass --experts=N"),
+        (["--expert=2", "--experts=3", "--top_k=1"], "--expert=2 must divide --experts=3"),
+        (["--expert=4", "--experts=8"], "--expert=4 must divide the shard size 2"),
     ],
 )
 def test_bad_flags_fail_before_launching_and_name_the_flag(args, flag):
@@ -392,3 +395,31 @@ def test_train_with_tensor_parallel_blocks_equals_the_data_parallel_run(tmp_path
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     assert tp_rows[0]["comm_by_axis"].get("tensor", 0) > 0  # the norm's sum over "tensor"
     assert dp_final["final_loss"] == pytest.approx(tp_final["final_loss"], rel=1e-5)
+
+
+def test_train_with_expert_parallel_experts_equals_the_dense_moe_run(tmp_path):
+    """``--experts=4 --expert=2`` (each block's experts split over mesh["expert"] by
+    ``fs.ExpertParallel``, tokens routed by all-to-all) trains as the same MoE GPT without the
+    expert axis: the same losses, grad norms and held-out loss to fp32 rounding, and the
+    all-to-all counted on "expert"."""
+    runs = {}
+    for name, args in {"dense": [], "ep": ["--expert=2"]}.items():
+        out_dir = tmp_path / name
+        out = _train(
+            "--nproc=2",
+            "--experts=4",
+            *args,
+            "--steps=2",
+            *TINY,
+            "--param_dtype=fp32",
+            f"--out_dir={out_dir}",
+        )
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[name] = _rows(out_dir)
+    (dense_rows, dense_final), (ep_rows, ep_final) = runs["dense"], runs["ep"]
+    for a, b in zip(dense_rows, ep_rows, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert ep_rows[0]["comm_by_axis"].get("expert", 0) > 0
+    assert "expert" not in dense_rows[0]["comm_by_axis"]
+    assert dense_final["final_loss"] == pytest.approx(ep_final["final_loss"], rel=1e-5)
