@@ -4,7 +4,8 @@ safetensors in and out.
 A plain JAX process restores a checkpoint with no target and gets::
 
     {"params": {name: full master array}, "opt_state": {"count": int, "mu": {...}, ...},
-     "step": int, "loss_scale": {"scale": float, "good_steps": int}}   # loss_scale: fp16 only
+     "step": int, "loss_scale": {"scale": float, "good_steps": int},   # loss_scale: fp16 only
+     "buffers": {name: the model's persistent buffer}}   # funcshard.state.buffers
 
 Every rank writes its own rows of each array (nothing is gathered) and reads exactly the rows
 its target layout needs (any world size, mesh, strategy, offload fraction); the restored state
@@ -22,7 +23,8 @@ Modules, along the seams:
   torch.distributed.checkpoint directories (a reader, and a streaming writer);
 * ``commit``: agreement, temporary directory, fsync, rename, leftovers, and the ``Saver``;
   ``staging``: a background save's host buffers (pinned for accelerator rows), reused;
-* ``manager``: ``CheckpointManager``; ``api``: ``save``, ``restore``.
+* ``manager``: ``CheckpointManager``; ``api``: ``save``, ``restore``; ``buffers``: the model's
+  persistent buffers read back into ``like``'s model.
 """
 
 from funcshard.checkpoint.api import rebuild_from_params, restore, save

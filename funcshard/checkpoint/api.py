@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from funcshard.checkpoint import buffers as buffers_lib
 from funcshard.checkpoint import checksums, hf, matching, reading, storage
 from funcshard.checkpoint import dcp as dcp_lib
 from funcshard.checkpoint import safetensors as st
@@ -24,7 +25,8 @@ def save(
     """Writes ``state`` as one Orbax checkpoint at ``directory`` (collective).
 
     Every rank writes its own rows of each array; the directory appears only when complete.
-    For asynchronous saves, use ``CheckpointManager``.
+    The model's persistent buffers (``state.buffers``, read from the model now) go beside the
+    params as ``("buffers", name)`` arrays. For asynchronous saves, use ``CheckpointManager``.
 
     Args:
       directory: where the checkpoint goes; must not exist.
@@ -73,6 +75,11 @@ def restore(
         With ``model_only`` its optimizer state is dropped before the fresh one is made.
       model_only: read only the params and start a fresh optimizer state at step 0.
 
+    The model's persistent buffers that the checkpoint holds (``fs.save`` writes those of the
+    saved state's model: :mod:`funcshard.state.buffers`) are copied into the buffers of
+    ``like``'s model, in place, with or without ``model_only``; a buffer it lacks keeps the
+    model's value.
+
     Returns:
       The restored state; every buffer derives from the checkpoint's values (cast to the
       master dtype).
@@ -107,10 +114,12 @@ def restore(
         if isinstance(source, dcp_lib.DCPSource):
             source.align(like.layout.names)
         problems, keymap = matching.match(like, source, model_only)
-        if problems:
-            raise matching.mismatch_error(f"checkpoint {path}", problems, source)
+        buffer_reads, bad_buffers = buffers_lib.buffer_reads(like, source)
+        if problems or bad_buffers:
+            raise matching.mismatch_error(f"checkpoint {path}", problems + bad_buffers, source)
         plan = reading.plan(like, source, model_only=model_only, keymap=keymap)
         plan.check()  # every byte this rank reads, verified and dropped: like is untouched
+        source.check(buffer_reads)
     except BaseException as e:  # noqa: BLE001 - every rank must reach the agreement
         error = e
     agreement.raise_if_failed(f"restore from {path}: checking", error)
@@ -118,6 +127,8 @@ def restore(
     donated = _donate(like, by, model_only)
     try:
         plan.fill(donated)
+        source.read_into(buffer_reads)
+        buffers_lib.copy_into_model(like, buffer_reads)  # the model's buffers, in place
     except BaseException as e:  # noqa: BLE001
         error = e
     _raise_spoiled(agreement, like, by, "reading into its buffers", error)

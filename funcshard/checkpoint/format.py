@@ -61,6 +61,11 @@ ZARR_DTYPE = {
     torch.bfloat16: "bfloat16",
     torch.int8: "|i1",  # 8-bit optimizer moments (their fp32 scales are arrays beside them)
     torch.uint8: "|u1",
+    # the model's buffers (funcshard.state.buffers): counters and masks beside float ones
+    torch.int64: "<i8",
+    torch.int32: "<i4",
+    torch.int16: "<i2",
+    torch.bool: "|b1",
 }
 NUMPY_DTYPE = {  # zarr dtype string -> numpy dtype (what chunk files hold, little-endian)
     "<f4": np.dtype("<f4"),
@@ -82,6 +87,10 @@ TORCH_FROM_NUMPY = {
     np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
     np.dtype(np.int8): torch.int8,
     np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(bool): torch.bool,
 }
 FLOAT_NAMES = ("float32", "float64", "float16", "bfloat16")
 EIGHT_BIT_NAMES = ("int8", "uint8")  # 8-bit optimizer moments

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from funcshard.checkpoint import coords as coords_lib
 from funcshard.checkpoint.format import (
@@ -40,6 +41,7 @@ __all__ = [
     "ArrayWrite",
     "plan_writes",
     "align_chunks",
+    "buffer_writes",
 ]
 
 
@@ -282,7 +284,34 @@ def plan_writes(
         scalars[("loss_scale", "good_steps")] = int(state.loss_scale.good_steps)
     order = {name: i for i, name in enumerate(layout.names)}
     arrays.sort(key=lambda a: (a.keys[:-1], order[a.keys[-1]]))
-    return arrays, scalars
+    return arrays + buffer_writes(state, stage=stage, chunk_bytes=chunk_bytes), scalars
+
+
+def buffer_writes(
+    state: TrainState,
+    *,
+    stage: Callable[[Keys, torch.Tensor], torch.Tensor] | None,
+    chunk_bytes: int,
+) -> list[ArrayWrite]:
+    """The model's persistent buffers (:mod:`funcshard.state.buffers`) as ``("buffers", name)``
+    arrays, whole: every rank holds the same values, so the first rank of the data-parallel
+    world of tensor rank 0 writes them (staged: the loop may update them during the write)."""
+    layout = state.layout
+    world = mesh_lib.world_group(layout.mesh)
+    writes = dist.get_rank(world) == 0 and layout.tensor.rank == 0
+    out = []
+    for name, tensor in state.buffers.values().items():
+        keys = ("buffers", name)
+        rows = tensor.shape[0] if tensor.dim() else 1
+        data = None
+        if writes:
+            data = tensor.detach().reshape(rows, *tensor.shape[1:])
+            data = stage(keys, data) if stage is not None else data
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+        chunk = chunk_rows(rows, row_bytes, chunk_bytes)
+        start = 0 if writes else rows
+        out.append(ArrayWrite(keys, tuple(tensor.shape), tensor.dtype, chunk, start, rows, data))
+    return out
 
 
 def align_chunks(arrays: list[ArrayWrite], group, chunk_bytes: int) -> None:

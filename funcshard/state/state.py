@@ -23,6 +23,7 @@ from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
 from funcshard.state import donation
+from funcshard.state.buffers import NO_BUFFERS, ModelBuffers
 from funcshard.state.derive import derive_compute
 from funcshard.state.donation import ConsumedStateError
 
@@ -52,6 +53,7 @@ class Static:
     compile: Any = None  # fs.init's compile: the torch.compile backend of the unit modules
     guard: Any = None  # fault tolerance's seam (funcshard.fault.seam): SOLO or a Group
     check_replicas_every: int = 0  # train_step compares replicas' bits every N steps (0: never)
+    buffers: ModelBuffers = NO_BUFFERS  # the model's persistent buffers, which checkpoints carry
 
 
 class Leaves(NamedTuple):
@@ -202,6 +204,12 @@ class TrainState:
     @property
     def check_replicas_every(self) -> int:
         return self._static.check_replicas_every  # fs.init's; 0: never
+
+    @property
+    def buffers(self) -> ModelBuffers:
+        """The model's persistent buffers (read from the model itself) that ``fs.save`` writes
+        and ``fs.restore`` copies back (:mod:`funcshard.state.buffers`)."""
+        return self._static.buffers
 
     @property
     def mesh(self) -> DeviceMesh:

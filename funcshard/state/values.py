@@ -10,6 +10,7 @@ import optree
 import torch
 
 from funcshard.layout.buckets import NAMESPACE
+from funcshard.state.buffers import ModelBuffers
 from funcshard.state.derive import derive_compute
 from funcshard.state.state import LossScale, TrainState
 
@@ -18,7 +19,8 @@ __all__ = ["values", "load_values"]
 
 def values(state: TrainState) -> dict[str, Any]:
     """Every value of ``state`` but the derived compute copies: masters, optimizer state
-    leaves, step, loss scale (offloaded parts included), in plain containers. What a healing
+    leaves, step, loss scale (offloaded parts included), the model's persistent buffers
+    (:mod:`funcshard.state.buffers`), in plain containers. What a healing
     replica group receives, and what the local checkpoint tier keeps of each rank."""
     leaves = optree.tree_leaves(state.opt_state, none_is_leaf=True, namespace=NAMESPACE)
     ls = state.loss_scale
@@ -27,6 +29,7 @@ def values(state: TrainState) -> dict[str, Any]:
         "opt_state": list(leaves),
         "step": state.step,
         "loss_scale": None if ls is None else [ls.scale, ls.good_steps],
+        "buffers": {n: t.detach() for n, t in state.buffers.values().items()},
     }
 
 
@@ -49,6 +52,7 @@ def load_values(state: TrainState, received: dict[str, Any] | None, by: str = "h
         for i, (x, r) in enumerate(_pairs(leaves, received, "opt_state"))
     ]
     ls = received["loss_scale"]
+    _load_buffers(d.static.buffers, received.get("buffers", {}))
     return TrainState(
         master=master,
         compute=derive_compute(d.layout, master),
@@ -57,6 +61,15 @@ def load_values(state: TrainState, received: dict[str, Any] | None, by: str = "h
         loss_scale=None if ls is None else LossScale(float(ls[0]), int(ls[1])),
         static=d.static,
     )
+
+
+@torch.no_grad()
+def _load_buffers(buffers: ModelBuffers, received: dict[str, torch.Tensor]) -> None:
+    """The received values of the model's persistent buffers, copied into the model's own
+    (those both hold; checked like the other leaves)."""
+    for name in buffers.names:
+        if name in received:
+            _copy_into(buffers.get(name), received[name], f"buffer {name!r}")
 
 
 def _pairs(ours: Sequence[Any], received: dict[str, Any], key: str) -> list[tuple[Any, Any]]:

@@ -25,6 +25,7 @@ from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
 from funcshard.parallel import expert_axis as expert_lib
 from funcshard.state import replica_check
+from funcshard.state.buffers import ModelBuffers
 from funcshard.state.derive import derive_compute, pack_masters
 from funcshard.state.state import LossScale, Static, TrainState
 from funcshard.step.compiling import backend_of, check_units, unwrapped
@@ -136,7 +137,7 @@ def init(
         opt_state=opt.init(layout.per_bucket(master)),
         step=0,
         loss_scale=_initial_loss_scale(layout),
-        static=Static(layout, opt, backend, guard, every),
+        static=Static(layout, opt, backend, guard, every, ModelBuffers.of(model)),
     )
     return guard.join(state)
 
