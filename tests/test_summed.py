@@ -120,3 +120,25 @@ def test_the_moe_gpt_balances_its_routers_from_the_load() -> None:
     biases = [b.moe.router_bias for b in model.blocks]
     assert torch.equal(biases[0], torch.tensor([-0.01, 0.01, 0.0, 0.0]))
     assert torch.equal(biases[1], torch.tensor([0.01, 0.01, 0.01, -0.01]))
+
+
+def mismatch_worker() -> str:
+    mesh = fs.make_mesh(shard=2, device_type="cpu")
+    model = Routed()
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh)
+
+    def loss_fn(params, batch):  # a leaf whose shape follows the microbatch's rows
+        logits, _ = fs.functional_call(model, params, (batch["x"],))
+        loss = nn.functional.cross_entropy(logits, batch["y"])
+        return loss, {"rows": fs.summed(torch.ones(batch["x"].shape[0]))}
+
+    try:
+        fs.train_step(state, _batch(0, 5), loss_fn, microbatches=2)  # 3 rows, then 2
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_summed_leaves_must_agree_across_microbatches(pool2) -> None:
+    for message in pool2.run(mismatch_worker):
+        assert "same fs.summed leaves" in message and "rows" in message, message
