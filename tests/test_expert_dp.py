@@ -425,3 +425,49 @@ def test_a_bf16_gradient_wire_stays_within_its_rounding(pool4) -> None:
     kw = {"policy": fs.MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)}
     for errors in pool4.run(sgd_worker, "R2S2E2", "optim_grads_params", kw):
         assert max(errors.values()) < WIRE_TOL, errors
+
+
+def narrow_worker(kw: dict, mu_dtype) -> dict:
+    mesh = fs.make_mesh(shard=4, expert=2, device_type="cpu")
+    model, plain = moe.make_model(3), moe.make_model(3)
+    moe.place_experts(model, mesh["expert"])
+    opt = fs.optim.sgd(0.1, momentum=0.9, mu_dtype=mu_dtype)
+    state = fs.init(model, opt, mesh=mesh, strategy="optim_grads_params", **kw)
+    ref = moe.reference_run(plain, STEPS, ROWS)
+    state, history = moe.train(state, model, range(STEPS), rows=ROWS)
+    return _errors(state, history, ref)
+
+
+# An 8-bit blockwise gradient wire rounds each element to 1/254 of its block's largest
+# (relative 4e-3 at the block's maximum); a bf16 momentum (SGD's buffer) rounds it by 2^-9
+# each step. Params move by lr x gradient over 2 steps and norms see one rounding: both stay
+# within a few 1e-3, and 2e-2 leaves margin on any CPU (the rounding is the format's).
+NARROW_TOL = 2e-2
+
+
+@pytest.mark.parametrize(
+    "kw, mu_dtype",
+    [
+        ({"policy": fs.MixedPrecisionPolicy(grad_comm_dtype=torch.int8)}, None),
+        ({}, torch.bfloat16),
+    ],
+    ids=["int8-gradient-wire", "bf16-momentum"],
+)
+def test_an_8bit_wire_and_a_narrow_momentum_stay_within_their_rounding(pool4, kw, mu_dtype):
+    for errors in pool4.run(narrow_worker, kw, mu_dtype):
+        assert max(errors.values()) < NARROW_TOL, errors
+
+
+def hfsdp_rows_worker() -> dict:
+    state, _, _, _ = _ep_state("R2S2E2", "optim_grads_params", outer_strategy="optim")
+    return {n: tuple(state.params[n].shape) for n in ("experts.w1", "experts.w2")}
+
+
+def test_hfsdp_holds_one_rs_th_of_the_expert_rows(pool4) -> None:
+    """Under HFSDP an expert leaf's masters are spread over R x S / E ranks of its expert
+    index, 2 local experts over 2: 1/(S x R) of the 4 experts' rows each."""
+    for rows in pool4.run(hfsdp_rows_worker):
+        assert rows == {
+            "experts.w1": (1, moe.DIM, moe.HIDDEN),
+            "experts.w2": (1, moe.HIDDEN, moe.DIM),
+        }
