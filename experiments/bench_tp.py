@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from absl import app, flags
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import turns  # noqa: E402
 from gpt import GPT, GPTConfig, tensor_plan  # noqa: E402
 
 import funcshard as fs  # noqa: E402
@@ -54,82 +51,24 @@ LR = 1e-3
 NPROC = 4
 
 
-def _loss(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
-
-
-def _global_batch(step: int, cfg: GPTConfig) -> torch.Tensor:
-    """The step's global batch: ``FLAGS.batch`` sequences per data-parallel rank at S4."""
-    g = torch.Generator().manual_seed(10_000 + step)
-    return torch.randint(0, cfg.vocab, (4 * FLAGS.batch, cfg.seq_len + 1), generator=g)
-
-
-class FunShard:
+def _funshard(model: GPT, mesh, tensor: int) -> turns.FunShard:
     """funcshard ZeRO-3 on a (shard, tensor) mesh."""
-
-    def __init__(self, model: GPT, shard: int, tensor: int) -> None:
-        self.mesh = fs.make_mesh(shard=shard, tensor=tensor, device_type="cpu")
-        self.model = copy.deepcopy(model)
-        if tensor > 1:
-            for block in self.model.blocks:
-                parallelize_module(block, self.mesh["tensor"], tensor_plan())
-        self.state = fs.init(self.model, fs.optim.adamw(LR), mesh=self.mesh)
-        self.dp_rank, self.dp_size = dist.get_rank() // tensor, shard
-        self.bytes: dict[str, int] = {}
-
-    def step(self, x: torch.Tensor) -> float:
-        def loss_fn(params, batch):
-            return _loss(fs.functional_call(self.model, params, (batch[:, :-1],)), batch)
-
-        with fs.comm_stats() as stats:
-            self.state, metrics = fs.train_step(
-                self.state, x, loss_fn, microbatches=FLAGS.microbatches
-            )
-        self.bytes = dict(stats.bytes_by_axis)
-        return metrics["loss"]
-
-    def state_bytes(self) -> int:
-        leaves = [t for t in fs.tree.leaves(self.state) if isinstance(t, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in leaves)
-
-
-class Fsdp2:
-    """FSDP2 + TP on the same plan: fully_shard per block and the root on mesh["shard"]."""
-
-    def __init__(self, model: GPT, mesh) -> None:
-        self.model = copy.deepcopy(model)
-        for block in self.model.blocks:
+    model = copy.deepcopy(model)
+    if tensor > 1:
+        for block in model.blocks:
             parallelize_module(block, mesh["tensor"], tensor_plan())
-            fully_shard(block, mesh=mesh["shard"], reshard_after_forward=True)
-        fully_shard(self.model, mesh=mesh["shard"], reshard_after_forward=True)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, foreach=True)
+    state = fs.init(model, fs.optim.adamw(LR), mesh=mesh)
+    return turns.FunShard(model, state, FLAGS.microbatches)
 
-    def step(self, x: torch.Tensor) -> float:
-        total = 0.0
-        parts = x.chunk(FLAGS.microbatches)
-        for part in parts:
-            loss = _loss(self.model(part[:, :-1]), part) / len(parts)
-            loss.backward()
-            total += float(loss.detach())
-        # no gradient norm: torch's clip_grad_norm_ refuses FSDP2 + TP's mix of meshes (the
-        # 1-D and 2-D DTensors); funcshard computes its norm every step (a small advantage
-        # to FSDP2 here)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        mean = torch.tensor(total, dtype=torch.float64)
-        dist.all_reduce(mean)  # the global mean, as funcshard's metrics
-        return float(mean) / dist.get_world_size()  # a tensor group's ranks: the same loss
 
-    def state_bytes(self) -> int:
-        local = lambda t: t.to_local() if isinstance(t, DTensor) else t
-        params = [local(p) for p in self.model.parameters()]
-        moments = [
-            local(v)
-            for s in self.opt.state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-        ]
-        return sum(t.numel() * t.element_size() for t in params + moments)
+def _fsdp2(model: GPT, mesh) -> turns.Fsdp2:
+    """FSDP2 + TP on the same plan: fully_shard per block and the root on mesh["shard"]."""
+    model = copy.deepcopy(model)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tensor"], tensor_plan())
+        fully_shard(block, mesh=mesh["shard"], reshard_after_forward=True)
+    fully_shard(model, mesh=mesh["shard"], reshard_after_forward=True)
+    return turns.Fsdp2(model, LR, FLAGS.microbatches)
 
 
 def worker(cfg: GPTConfig, argv: list[str]) -> dict:
@@ -137,33 +76,21 @@ def worker(cfg: GPTConfig, argv: list[str]) -> dict:
     torch.set_num_threads(FLAGS.threads)
     torch.manual_seed(0)
     model = GPT(cfg)
+    mesh = fs.make_mesh(shard=2, tensor=2, device_type="cpu")
     runners = {
-        "funcshard S4": FunShard(model, 4, 1),
-        "funcshard S2xT2": FunShard(model, 2, 2),
+        "funcshard S4": _funshard(model, fs.make_mesh(shard=4, device_type="cpu"), 1),
+        "funcshard S2xT2": _funshard(model, mesh, 2),
+        "FSDP2+TP S2xT2": _fsdp2(model, mesh),
     }
-    runners["FSDP2+TP S2xT2"] = Fsdp2(model, runners["funcshard S2xT2"].mesh)
-    dp = {"funcshard S4": (dist.get_rank(), 4), "funcshard S2xT2": (dist.get_rank() // 2, 2)}
+    rank = dist.get_rank()
+    dp = {"funcshard S4": (rank, 4), "funcshard S2xT2": (rank // 2, 2)}
     dp["FSDP2+TP S2xT2"] = dp["funcshard S2xT2"]
-    wall = {n: [] for n in runners}
-    cpu = {n: [] for n in runners}
-    losses = {n: [] for n in runners}
-    for step in range(FLAGS.warmup + FLAGS.steps):
-        for name, runner in runners.items():
-            index, size = dp[name]
-            x = _global_batch(step, cfg).chunk(size)[index]
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            losses[name].append(runner.step(x))
-            if step >= FLAGS.warmup:
-                wall[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
-    return {
-        "wall": {n: statistics.median(v) for n, v in wall.items()},
-        "cpu": {n: statistics.median(v) for n, v in cpu.items()},
-        "state_bytes": {n: r.state_bytes() for n, r in runners.items()},
-        "bytes_by_axis": {n: r.bytes for n, r in runners.items() if isinstance(r, FunShard)},
-        "losses": losses,
-    }
+
+    def batch_of(name: str, step: int) -> torch.Tensor:
+        index, size = dp[name]
+        return turns.global_batch(step, cfg.vocab, cfg.seq_len, 4 * FLAGS.batch).chunk(size)[index]
+
+    return turns.in_turns(runners, batch_of, FLAGS.steps, FLAGS.warmup)
 
 
 def main(argv: list[str]) -> None:
@@ -180,22 +107,12 @@ def main(argv: list[str]) -> None:
     r0 = out[0]
     n_params = sum(p.numel() for p in GPT(cfg).parameters())
     print(f"GPT {n_params / 1e6:.1f}M params, {NPROC} gloo CPU ranks, fp32, ZeRO-3, AdamW")
-    print(f"{'runner':<18}{'wall s':>9}{'cpu s':>9}{'state MB/rank':>15}  bytes/step by axis")
-    for name in r0["wall"]:
-        axes = r0["bytes_by_axis"].get(name, {})
-        shown = ", ".join(f"{a} {b / 1e6:.2f} MB" for a, b in sorted(axes.items()) if b)
-        print(
-            f"{name:<18}{r0['wall'][name]:>9.3f}{r0['cpu'][name]:>9.3f}"
-            f"{max(o['state_bytes'][name] for o in out) / 1e6:>15.2f}  {shown or '-'}"
-        )
+    turns.print_table(out, width=18)
     ours, theirs = r0["wall"]["funcshard S2xT2"], r0["wall"]["FSDP2+TP S2xT2"]
     ours_c, theirs_c = r0["cpu"]["funcshard S2xT2"], r0["cpu"]["FSDP2+TP S2xT2"]
     print(f"funcshard / FSDP2+TP at T=2: wall {ours / theirs:.2f}, cpu {ours_c / theirs_c:.2f}")
     print(f"funcshard T=2 / T=1: wall {ours / r0['wall']['funcshard S4']:.2f}")
-    curves = r0["losses"]
-    diff = max(
-        abs(a - b) for n in curves for a, b in zip(curves[n], curves["funcshard S4"], strict=True)
-    )
+    diff = turns.largest_loss_difference(r0, "funcshard S4")
     print(f"largest loss difference between runners: {diff:.2e}")
 
 
