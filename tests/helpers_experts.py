@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import funcshard as fs
 from funcshard.distributed import ops
 
+import models
+
 D_IN, DIM, HIDDEN, EXPERTS, CLASSES = 6, 8, 12, 4, 5
 
 
@@ -115,16 +117,10 @@ def global_batch(step: int, rows: int) -> dict:
 
 def local_batch(batch: dict) -> dict:
     """Every rank its own data-parallel rank (no tensor axis here)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return {k: v.chunk(world)[rank] for k, v in batch.items()}
+    return models.local_batch(batch, dist.get_rank(), dist.get_world_size())
 
 
-def make_loss_fn(model: nn.Module):
-    def loss_fn(params, batch):
-        logits = fs.functional_call(model, params, (batch["x"],))
-        return nn.functional.cross_entropy(logits, batch["y"])
-
-    return loss_fn
+make_loss_fn = models.make_loss_fn  # logits of batch["x"] against batch["y"]
 
 
 def train(state, model, steps, *, rows: int, microbatches: int = 2):

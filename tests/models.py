@@ -73,6 +73,26 @@ def local_batch(batch: dict, rank: int, world: int) -> dict:
     return {k: v.chunk(world)[rank] for k, v in batch.items()}
 
 
+def parity_errors(state: fs.TrainState, history: list[dict], ref: dict) -> dict:
+    """The largest relative errors of a run against one process's ``ref`` (``params``,
+    ``losses``, ``norms``): params (from ``fs.full_params``, plain global tensors of the
+    reference's shapes), every step's loss and grad norm."""
+    from torch.distributed.tensor import DTensor
+
+    full = fs.full_params(state)
+    assert not any(isinstance(t, DTensor) for t in full.values()), "full_params: plain tensors"
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    assert shapes == {n: tuple(t.shape) for n, t in ref["params"].items()}, shapes
+    rel = lambda a, b: float((a - b).norm() / (b.norm() + 1e-12))  # noqa: E731
+    return {
+        "params": max(rel(full[n], ref["params"][n]) for n in ref["params"]),
+        "loss": max(abs(m["loss"] - r) / r for m, r in zip(history, ref["losses"], strict=True)),
+        "norm": max(
+            abs(m["grad_norm"] - r) / r for m, r in zip(history, ref["norms"], strict=True)
+        ),
+    }
+
+
 def make_loss_fn(model: nn.Module):
     def loss_fn(params, batch):
         logits = fs.functional_call(model, params, (batch["x"],))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import funcshard as fs
 from funcshard.distributed import mesh as mesh_lib
@@ -24,6 +24,7 @@ from funcshard.distributed.dims import MeshDims
 from funcshard.planner.experts import Routing
 
 import helpers_experts as moe
+import models
 from helpers_errors import error_text
 
 STEPS = 2
@@ -34,19 +35,7 @@ TOL = 1e-5
 MESHES = {"S4E2": (4, 1, 2), "S4E4": (4, 1, 4), "R2S2E2": (2, 2, 2)}
 
 
-def _errors(state, history, ref) -> dict:
-    full = fs.full_params(state)
-    assert not any(isinstance(t, DTensor) for t in full.values()), "full_params: plain tensors"
-    shapes = {n: tuple(t.shape) for n, t in full.items()}
-    assert shapes == {n: tuple(t.shape) for n, t in ref["params"].items()}, shapes
-    rel = lambda a, b: float((a - b).norm() / (b.norm() + 1e-12))
-    return {
-        "params": max(rel(full[n], ref["params"][n]) for n in ref["params"]),
-        "loss": max(abs(m["loss"] - r) / r for m, r in zip(history, ref["losses"], strict=True)),
-        "norm": max(
-            abs(m["grad_norm"] - r) / r for m, r in zip(history, ref["norms"], strict=True)
-        ),
-    }
+_errors = models.parity_errors
 
 
 def _ep_state(mesh_name: str, strategy: str, seed: int = 3, **kw):

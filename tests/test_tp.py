@@ -30,6 +30,7 @@ import funcshard as fs
 import helpers_errors
 import helpers_hf
 import helpers_tp as tp
+import models
 from helpers_compile import counting_backend
 
 STEPS = 2
@@ -41,20 +42,7 @@ BATCH_ROWS = 2048  # a realistic global batch of the batch check (x 8 tokens)
 MESHES = {"S2xT2": (2, 1, 2), "R2xT2": (1, 2, 2), "T4": (1, 1, 4)}
 
 
-def _errors(state, history, ref) -> dict:
-    full = fs.full_params(state)
-    assert not any(isinstance(t, DTensor) for t in full.values()), "full_params: plain tensors"
-    assert {n: tuple(t.shape) for n, t in full.items()} == {
-        n: tuple(t.shape) for n, t in ref["params"].items()
-    }
-    rel = lambda a, b: float((a - b).norm() / (b.norm() + 1e-12))
-    return {
-        "params": max(rel(full[n], ref["params"][n]) for n in ref["params"]),
-        "loss": max(abs(m["loss"] - r) / r for m, r in zip(history, ref["losses"], strict=True)),
-        "norm": max(
-            abs(m["grad_norm"] - r) / r for m, r in zip(history, ref["norms"], strict=True)
-        ),
-    }
+_errors = models.parity_errors
 
 
 def sgd_worker(strategy: str, mesh_name: str, sequence_parallel: bool, kw: dict) -> dict:
