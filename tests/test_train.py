@@ -378,23 +378,33 @@ def test_train_captures_the_step_and_logs_each_graphs_compile(tmp_path):
     assert "1 backward graph(s)" in out.stderr, out.stderr[-2000:]
 
 
+def _same_runs(tmp_path, runs: dict[str, list[str]], steps: int) -> dict:
+    """``train.py`` with each of ``runs``' arguments (fp32, tiny), its rows and final line,
+    after checking that every step's loss and grad norm and the held-out loss agree to fp32
+    rounding (1e-5: the runs differ in summation order only)."""
+    out = {}
+    for name, args in runs.items():
+        out_dir = tmp_path / name
+        fp32 = ["--param_dtype=fp32", f"--out_dir={out_dir}"]
+        done = _train(*args, f"--steps={steps}", *TINY, *fp32)
+        assert done.returncode == 0, done.stderr[-4000:]
+        out[name] = _rows(out_dir)
+    (rows_a, final_a), (rows_b, final_b) = out.values()
+    for a, b in zip(rows_a, rows_b, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert final_a["final_loss"] == pytest.approx(final_b["final_loss"], rel=1e-5)
+    return out
+
+
 def test_train_with_tensor_parallel_blocks_equals_the_data_parallel_run(tmp_path):
     """``--tensor=2 --nproc=4`` (each block's heads and MLP split by ``gpt.tensor_plan``, a
     tensor group sharing its batch: the same 2 data-parallel ranks) trains as ``--nproc=2``:
     the same losses and grad norms to fp32 rounding (TP changes the matmuls' summation order
     only), and the held-out loss of the full params."""
-    runs = {}
-    for name, args in {"dp": ["--nproc=2"], "tp": ["--nproc=4", "--tensor=2"]}.items():
-        out_dir = tmp_path / name
-        out = _train(*args, "--steps=3", *TINY, "--param_dtype=fp32", f"--out_dir={out_dir}")
-        assert out.returncode == 0, out.stderr[-4000:]
-        runs[name] = _rows(out_dir)
-    (dp_rows, dp_final), (tp_rows, tp_final) = runs["dp"], runs["tp"]
-    for a, b in zip(dp_rows, tp_rows, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    runs = _same_runs(tmp_path, {"dp": ["--nproc=2"], "tp": ["--nproc=4", "--tensor=2"]}, 3)
+    tp_rows, _ = runs["tp"]
     assert tp_rows[0]["comm_by_axis"].get("tensor", 0) > 0  # the norm's sum over "tensor"
-    assert dp_final["final_loss"] == pytest.approx(tp_final["final_loss"], rel=1e-5)
 
 
 def test_train_with_expert_parallel_experts_equals_the_dense_moe_run(tmp_path):
@@ -402,24 +412,8 @@ def test_train_with_expert_parallel_experts_equals_the_dense_moe_run(tmp_path):
     ``fs.ExpertParallel``, tokens routed by all-to-all) trains as the same MoE GPT without the
     expert axis: the same losses, grad norms and held-out loss to fp32 rounding, and the
     all-to-all counted on "expert"."""
-    runs = {}
-    for name, args in {"dense": [], "ep": ["--expert=2"]}.items():
-        out_dir = tmp_path / name
-        out = _train(
-            "--nproc=2",
-            "--experts=4",
-            *args,
-            "--steps=2",
-            *TINY,
-            "--param_dtype=fp32",
-            f"--out_dir={out_dir}",
-        )
-        assert out.returncode == 0, out.stderr[-4000:]
-        runs[name] = _rows(out_dir)
-    (dense_rows, dense_final), (ep_rows, ep_final) = runs["dense"], runs["ep"]
-    for a, b in zip(dense_rows, ep_rows, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    moe = ["--nproc=2", "--experts=4"]
+    runs = _same_runs(tmp_path, {"dense": moe, "ep": [*moe, "--expert=2"]}, 2)
+    (dense_rows, _), (ep_rows, _) = runs["dense"], runs["ep"]
     assert ep_rows[0]["comm_by_axis"].get("expert", 0) > 0
     assert "expert" not in dense_rows[0]["comm_by_axis"]
-    assert dense_final["final_loss"] == pytest.approx(ep_final["final_loss"], rel=1e-5)
