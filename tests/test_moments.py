@@ -16,6 +16,7 @@ from torch import nn
 
 import funcshard as fs
 from funcshard.layout.buckets import Ragged
+from funcshard.layout.parts import StateParts
 from funcshard.optim.moments import MomentFormat, block_of
 
 BF16, I8, U8 = torch.bfloat16, torch.int8, torch.uint8
@@ -500,13 +501,13 @@ def _blocked_worker(leaf: str) -> None:
         i = next(
             b.index for b in state.layout.buckets if leaf in state.layout.members[b.index].names
         )
-        split = offload_lib._split_opt_state(state.opt_state)
+        split = StateParts.of(state.opt_state)
         master = state.master[i].clone()
         grad = torch.randn(master.numel(), generator=torch.Generator().manual_seed(0))
         out = torch.empty(master.numel(), dtype=torch.bfloat16)
         new = offload_lib.step_and_cast(
             opt,
-            offload_lib._select(split, [i]),
+            split.select([i]),
             master,
             grad,
             out,

@@ -32,6 +32,7 @@ __all__ = [
     "Ragged",
     "Block",
     "scale_index",
+    "granule",
     "Path",
     "is_per_bucket",
     "map_parts",
@@ -144,6 +145,14 @@ def scale_index(block: Block, element: int) -> int:
         rows, rest = divmod(element, block.row)
         return rows * block.per_row + -(-rest // block.size)
     return -(-element // block)
+
+
+def granule(block: Block | None) -> int:
+    """What a chunk of a buffer cut by ``block`` is a multiple of, in elements: a block, or a
+    row when ragged; 1 without blocks."""
+    if block is None:
+        return 1
+    return block.row if isinstance(block, Ragged) else block
 
 
 def _at_boundary(block: Block, element: int) -> bool:

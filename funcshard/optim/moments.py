@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from funcshard.layout.buckets import Block, Ragged, scale_index
+from funcshard.layout.buckets import Block, Ragged, granule, scale_index
 
 __all__ = [
     "MIN_8BIT_NUMEL",
@@ -98,14 +98,6 @@ def block_of(shape: tuple[int, ...]) -> Block | None:
     if block >= MIN_BLOCK:
         return block
     return row if row <= MAX_BLOCK else Ragged(MAX_BLOCK, row)
-
-
-def granule(block: Block | None) -> int:
-    """What a chunk of a buffer cut by ``block`` is a multiple of, in elements: a block, or a
-    row when ragged; 1 without blocks."""
-    if block is None:
-        return 1
-    return block.row if isinstance(block, Ragged) else block
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,17 +7,16 @@ call (the update is elementwise).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from funcshard.layout.buckets import BlockScales, Members, PerBucket, flatten_parts, is_per_bucket
+from funcshard.layout.buckets import Members, PerBucket
 from funcshard.layout.layout import Placement
+from funcshard.layout.parts import StateParts, is_one_bucket_part
 from funcshard.optim import Optimizer
-from funcshard.optim.moments import granule
 
 __all__ = ["BLOCK_NUMEL", "THREADS_ENV", "default_threads", "offload_threads", "step_and_cast"]
 
@@ -103,33 +102,14 @@ def step_and_cast(
             compute_out.copy_(master)
         return new_state
     numel = master.numel()
-    leaves, unflatten = flatten_parts(opt_state, is_part=_is_one_tuple)
-    is_bucket = [_is_one_tuple(x) for x in leaves]
-    if (
-        grad.numel() != numel
-        or compute_out.numel() != numel
-        or any(
-            b and x[0] is not None and _numel_of(x) != numel
-            for x, b in zip(leaves, is_bucket, strict=True)
-        )
-    ):
+    parts = StateParts.of(opt_state, is_part=is_one_bucket_part, where=None)
+    if grad.numel() != numel or compute_out.numel() != numel or not parts.covers(numel):
         raise ValueError(
             f"step_and_cast: master numel {numel}, grad {grad.numel()}, "
             f"compute_out {compute_out.numel()}: expected equal sizes"
         )
-    if block % 64:
-        raise ValueError(f"step_and_cast: block must be a multiple of 64, got {block}")
-    # whole 8-bit blocks: a multiple of every block, or of the row of ragged ones
-    unit = math.lcm(
-        64, *[granule(b) for x in leaves if isinstance(x, BlockScales) for b in x.blocks]
-    )
-    block = max(1, block // unit) * unit
     new_state = opt_state
-    for start in range(0, max(numel, 1), block):
-        stop = min(start + block, numel)
-        chunk = unflatten(
-            [_block_of(x, start, stop) if b else x for x, b in zip(leaves, is_bucket, strict=True)]
-        )
+    for start, stop, chunk in parts.blocks(numel, block):
         _, new_state = optimizer.update(
             one(grad[start:stop]),
             chunk,
@@ -140,21 +120,4 @@ def step_and_cast(
         )
         compute_out[start:stop].copy_(master[start:stop])
     # The blocks updated the state's buffers in place; keep them, take the scalars (count).
-    new_leaves = flatten_parts(new_state, is_part=_is_one_tuple)[0]
-    return unflatten([x if b else y for x, y, b in zip(leaves, new_leaves, is_bucket, strict=True)])
-
-
-def _is_one_tuple(x: Any) -> bool:
-    """A per-bucket part of a one-bucket state: a PerBucket, or a plain one-tuple of a tensor."""
-    return is_per_bucket(x) or (type(x) is tuple and len(x) == 1 and isinstance(x[0], torch.Tensor))
-
-
-def _numel_of(x: tuple) -> int:
-    """Elements of the master that a one-bucket part covers (8-bit scales: one per block)."""
-    return x.element_numel(0) if is_per_bucket(x) else x[0].numel()
-
-
-def _block_of(x: tuple, start: int, stop: int) -> tuple:
-    if is_per_bucket(x):
-        return x.element_range(start, stop)
-    return (None if x[0] is None else x[0][start:stop],)
+    return parts.keep_buffers(new_state)

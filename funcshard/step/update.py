@@ -21,14 +21,14 @@ round an element differently (an ulp); trajectories then agree to rounding, not 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from funcshard.layout import sharding as shard_lib
-from funcshard.layout.buckets import PerBucket, flatten_parts, is_per_bucket
+from funcshard.layout.buckets import PerBucket
 from funcshard.layout.layout import Bucket
+from funcshard.layout.parts import StateParts
 from funcshard.state.state import Donation, TrainState, derive_compute
 from funcshard.step.host import (
     BLOCK_NUMEL,
@@ -48,54 +48,6 @@ __all__ = [
     "BLOCK_NUMEL",
     "THREADS_ENV",
 ]
-
-
-# --- the optimizer state of a subset of buckets ------------------------------------------------
-def _split_opt_state(opt_state: Any):
-    """``(leaves, unflatten, is_bucket)``: the state flattened down to its PerBucket parts."""
-    leaves, unflatten = flatten_parts(opt_state)
-    is_bucket = [is_per_bucket(x) for x in leaves]
-    stray = [
-        x for x, b in zip(leaves, is_bucket, strict=True) if not b and isinstance(x, torch.Tensor)
-    ]
-    if stray:
-        raise TypeError(
-            f"offload_step: the optimizer state holds {len(stray)} tensors outside "
-            "per-bucket parts; build it as opt.init(state.layout.per_bucket(master)), "
-            "not from a plain tuple of buffers"
-        )
-    return leaves, unflatten, is_bucket
-
-
-def _select(split, index: Sequence[int]) -> Any:
-    """The optimizer state of buckets ``index`` only (same tree, shorter PerBucket parts)."""
-    leaves, unflatten, is_bucket = split
-    return unflatten([x.select(index) if b else x for x, b in zip(leaves, is_bucket, strict=True)])
-
-
-def _merge(split, parts: list[tuple[Sequence[int], Any]]) -> Any:
-    """Reassembles the full optimizer state from the new states of disjoint bucket subsets."""
-    leaves, unflatten, is_bucket = split
-    flat_parts = [(index, flatten_parts(sub)[0]) for index, sub in parts]
-    out = []
-    for j, (x, b) in enumerate(zip(leaves, is_bucket, strict=True)):
-        if b:
-            slots: list[Any] = list(x)
-            covered = [False] * len(x)
-            for index, sub in flat_parts:
-                for k, i in enumerate(index):
-                    slots[i], covered[i] = sub[j][k], True
-            assert all(covered), "bucket subsets must cover every bucket"
-            out.append(x.with_entries(slots))
-        else:
-            values = [sub[j] for _, sub in flat_parts]
-            if any(v != values[0] for v in values[1:]):
-                raise RuntimeError(
-                    f"offload_step: optimizer state leaf {j} differs between "
-                    f"device and CPU buckets after the step: {values}"
-                )
-            out.append(values[0] if values else x)
-    return unflatten(out)
 
 
 def _needs_cast(bucket: Bucket) -> bool:
@@ -180,7 +132,7 @@ def apply_update(
     it donates; ``train_step`` builds them)."""
     layout = state.layout
     master = state.master
-    split = _split_opt_state(state.opt_state)
+    split = StateParts.of(state.opt_state)
     if grad_norm is None:
         grad_norm = float(reduction_of(layout).global_norm(layout, list(grads)))
     device_idx = [b.index for b in layout.buckets if not b.offload]
@@ -196,7 +148,7 @@ def apply_update(
         new_master, parts, local = _host_step(
             state, grads, split, device_idx, cpu_idx, threads, grad_norm
         )
-    new_opt = _merge(split, parts)
+    new_opt = split.merge(parts)
     assert all(m is master[i] for i, m in enumerate(new_master)), "masters step in place"
     return state.state(
         master=tuple(new_master),
@@ -215,7 +167,7 @@ def _device_step(state: Donation, grads, split, device_idx: list[int], grad_norm
     moved = subset(grads[i].to(master[i].dtype) for i in device_idx)
     _, new = state.optimizer.update(
         moved,
-        _select(split, device_idx),
+        split.select(device_idx),
         subset(master[i] for i in device_idx),
         donate=True,
         grad_norm=grad_norm,
@@ -317,11 +269,11 @@ def _cpu_bucket_step(
     state: Donation, split, i: int, grad: torch.Tensor, out: torch.Tensor | None, grad_norm
 ) -> tuple[list[int], Any]:
     """Offloaded bucket ``i`` stepped on the CPU (its cast written into ``out`` when given):
-    the part ``_merge`` takes."""
+    the part ``StateParts.merge`` takes."""
     layout = state.layout
     new = step_and_cast(
         state.optimizer,
-        _select(split, [i]),
+        split.select([i]),
         state.master[i],
         grad,
         out,
