@@ -142,6 +142,10 @@ class ModelAxis(Protocol):
 
     def batch_check(self, batch: Any, device: torch.device) -> BatchCheck: ...
 
+    @property
+    def capture_refusal(self) -> str | None:
+        """Why the captured step cannot trace this axis's parameters; None when it can."""
+
 
 class _NoCheck:
     def flag(self, losses: Sequence[torch.Tensor]) -> float | None:
@@ -211,6 +215,8 @@ class NoAxis:
 
     def batch_check(self, batch: Any, device: torch.device) -> BatchCheck:
         return NO_CHECK
+
+    capture_refusal = None
 
     def __repr__(self) -> str:
         return "NO_AXIS"

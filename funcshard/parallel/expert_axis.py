@@ -82,6 +82,12 @@ class ExpertAxis:
     def expert_size(self) -> int:
         return self.mesh.size()
 
+    @property
+    def capture_refusal(self) -> str | None:
+        if self.experts:
+            return "expert parallel (its token all-to-all is not traced yet)"
+        return self.inner.capture_refusal
+
     def local_rows(self, name: str) -> tuple[int, int]:
         """``(start, rows)``: this expert rank's experts in ``name``'s global dim 0."""
         rows = self.experts[name].shape[0] // self.expert_size

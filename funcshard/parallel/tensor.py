@@ -108,6 +108,12 @@ class TensorParallel:
     def group(self):
         return self.mesh.get_group()
 
+    @property
+    def capture_refusal(self) -> str | None:
+        if not self.leaves:
+            return None
+        return "a tensor-parallel model (its DTensor params are not traced as gathers yet)"
+
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s elements are split over the tensor ranks."""
         leaf = self.leaves.get(name)

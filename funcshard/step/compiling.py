@@ -98,8 +98,8 @@ def capture_refusal(layout: Any) -> str | None:
     from funcshard.comm.params import param_wire
     from funcshard.comm.wires import is_narrow
 
-    if layout.tensor.leaves:  # a model-parallel axis splits some of its params
-        return "a tensor-parallel model (its DTensor params are not traced as gathers yet)"
+    if layout.tensor.capture_refusal is not None:  # a model-parallel axis splits some params
+        return layout.tensor.capture_refusal
     if layout.hierarchical:
         return "HFSDP (outer_strategy='optim': its masters' packed inner shards)"
     for b in layout.buckets:
