@@ -232,3 +232,20 @@ def test_local_dir_that_nodes_share_is_refused(pool4, tmp_path) -> None:
     """4 ranks on one host as 2 nodes: a local_dir without {node} is one directory for both."""
     for result in pool4.run(shared_worker, str(tmp_path)):
         assert "is one directory for nodes [0, 1]" in result and "{node}" in result, result
+
+
+def test_the_newest_timeline_is_chosen_unless_root_went_on_without_it() -> None:
+    """``choose`` on two ranks (one a node): the newest timeline's newest complete step."""
+    from funcshard.checkpoint.local_records import Timeline, choose
+
+    old, new = Timeline("old", 1, None), Timeline("new", 2, 4)  # new began at restore(2)
+    views = [
+        {("old", 4): (old, [0, 1]), ("new", 3): (new, [0, 1]), ("new", 5): (new, [0])},
+        {("old", 4): (old, [0, 1]), ("new", 3): (new, [0, 1])},
+    ]
+    got = choose(views, 2, 4)  # root's 4 is the abandoned one the timeline saw begin
+    assert got is not None and (got.step, got.timeline, got.continues) == (3, new, False)
+    views[1][("new", 5)] = (new, [1])
+    assert choose(views, 2, 4) == (5, new, True)
+    assert choose(views, 2, 6) is None  # root went on past step 5 without this tier
+    assert choose([{("old", 4): (old, [0])}, {}], 2, None) is None  # rank 1's copy lost
