@@ -176,10 +176,9 @@ class CheckpointManager:
             out |= {"bytes": 0, "persistent": False}
         if last is None or last.blocked_s is None:  # none yet, or a failed save
             out |= {"staged_s": None, "written_s": None}
-        return out | {
-            "local_s": last and last.local_s,
-            "local_bytes": last and last.local_bytes or 0,
-        }
+        if last is None:
+            return out | {"local_s": None, "local_bytes": 0}
+        return out | {"local_s": last.local_s, "local_bytes": last.local_bytes}
 
     def wait(self) -> None:
         """Waits for the asynchronous save in flight; raises if it failed."""
