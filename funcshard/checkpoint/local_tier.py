@@ -105,7 +105,7 @@ def _signature(state: TrainState) -> str:
 
 def _remove(path: str) -> None:
     """Removes a file or a directory tree; a failure is logged (a sweep never fails a save)."""
-    if os.path.isdir(path):
+    if storage.isdir(path):
         remove_tree(path)
         return
     try:
