@@ -39,6 +39,39 @@ def test_last_save_stats_say_what_the_caller_waited_for(pool2, tmp_path) -> None
         assert sync["staged_s"] == sync["written_s"]  # a synchronous save blocks throughout
 
 
+def tier_stats_worker(root: str) -> list[dict]:
+    """Steps 1-3 with a local tier (two ranks as two nodes), step 2 to root too."""
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=7)
+    state = fs.init(model, fs.optim.adamw(0.1), mesh=mesh, strategy="optim_grads_params")
+    local = os.path.join(root, "local-{node}")
+    kw = dict(local_dir=local, ranks_per_node=1, persistent_every=2)
+    out = []
+    with fs.CheckpointManager(os.path.join(root, "root"), **kw) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state)
+            staged = mgr.last_save_stats()
+            mgr.wait()
+            out.append((staged, mgr.last_save_stats()))
+    return out
+
+
+def test_last_save_stats_with_a_local_tier_are_the_last_saves(pool2, tmp_path) -> None:
+    """Each save's own figures: the tier's write counts in the stall, and a step kept in the
+    tier only reports no persistent bytes (not the previous persistent save's)."""
+    for result in pool2.run(tier_stats_worker, str(tmp_path)):
+        for step, (staged, written) in zip((1, 2, 3), result, strict=True):
+            assert staged["step"] == written["step"] == step, result
+            assert written["persistent"] == (step == 2), result
+            assert written["local_bytes"] > 0 and written["local_s"] > 0, result
+            assert written["staged_s"] >= written["local_s"], result  # the tier's write stalls
+            if step == 2:
+                assert written["bytes"] > 0 and written["written_s"] > 0, result
+            else:
+                assert written["bytes"] == 0, result
+                assert written["staged_s"] == written["written_s"] == written["local_s"], result
+
+
 def _steps(state, model, steps, device: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_fn = models.make_loss_fn(model)

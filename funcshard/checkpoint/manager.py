@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from funcshard.checkpoint import storage
 from funcshard.checkpoint.api import restore
@@ -60,12 +60,17 @@ class CheckpointManager:
         self.async_save = async_save
         self.saver = Saver()
         self.persistent_every = persistent_every
-        self.local = (
-            None
-            if local_dir is None
-            else LocalTier(os.fspath(local_dir), local_replicas, ranks_per_node)
-        )
+        self._last: _Last | None = None
         storage.makedirs(self.root)
+        self.local = None
+        if local_dir is not None:
+            self.local = LocalTier(
+                os.fspath(local_dir),
+                local_replicas,
+                ranks_per_node,
+                root=self.root,
+                root_latest=self.latest_step,
+            )
 
     def _dir(self, step: int) -> str:
         return os.path.join(self.root, str(int(step)))
@@ -110,9 +115,14 @@ class CheckpointManager:
         """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``.
         With a local tier, every step to it (synchronously: a local copy) and to ``root``
         the multiples of ``persistent_every``."""
+        called = time.perf_counter()
+        self._last = _Last(int(step), None, 0, False, None)  # what a failed save leaves
+        local_s, local_bytes = None, 0
         if self.local is not None:
-            self.local.save(step, state)
+            local_bytes = self.local.save(step, state)
+            local_s = time.perf_counter() - called
             if self.persistent_every is not None and step % self.persistent_every:
+                self._last = _Last(int(step), local_s, local_bytes, False, local_s)
                 return
         self.saver.save(
             self._dir(step),
@@ -121,6 +131,8 @@ class CheckpointManager:
             item=DEFAULT_ITEM,
             after_commit=lambda: self._retain(int(step)),
         )
+        blocked = time.perf_counter() - called
+        self._last = _Last(int(step), local_s, local_bytes, True, blocked)
 
     def restore(
         self, step: int | None = None, *, like: TrainState, model_only: bool = False
@@ -129,21 +141,44 @@ class CheckpointManager:
         local tier and no ``step``: the newest step the live nodes' tiers hold for every rank
         (bitwise the state saved; every save goes to the tier, so it is at least as new as
         ``root``'s, which is not listed then), else ``root``'s newest."""
+        self.wait()
         if step is None and self.local is not None and not model_only:
-            local = self.local.newest(like)
-            if local is not None:
-                return self.local.restore(local, like)
+            state = self.local.restore_newest(like)
+            if state is not None:
+                return state
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"CheckpointManager: no complete checkpoint in {self.root}")
-        self.wait()
-        return restore(self._dir(step), like=like, model_only=model_only)
+        state = restore(self._dir(step), like=like, model_only=model_only)
+        if self.local is not None:  # what the tier holds past ``step`` is abandoned
+            self.local.begin()
+        return state
 
     def last_save_stats(self) -> dict[str, Any]:
-        """The last ``save``'s ``staged_s`` (how long it blocked the caller), ``written_s`` (its
-        background write; None while it runs) and ``bytes`` (this rank's)."""
-        return self.saver.last_save_stats()
+        """The last ``save``'s: ``step``; ``staged_s`` (how long it blocked the caller: the
+        local tier's write, then the persistent save's staging, or all of it when synchronous);
+        ``written_s`` (the persistent write; None while it runs in the background; the tier's
+        when the step went to the tier only); ``bytes`` (this rank's array bytes in ``root``, 0
+        when it went to the tier only); ``local_s`` and ``local_bytes`` (the tier's write and
+        the bytes this rank wrote there, its replicas' included; None and 0 without a tier);
+        ``persistent`` (whether it went to ``root``)."""
+        last = self._last
+        if last is None:
+            out = {"step": None, **self.saver.last_save_stats(), "persistent": False}
+        elif last.persistent:
+            out = {"step": last.step, **self.saver.last_save_stats(), "persistent": True}
+            out["staged_s"] = last.blocked_s
+            if not self.async_save:
+                out["written_s"] = last.blocked_s
+        else:
+            out = {"step": last.step, "staged_s": last.blocked_s, "written_s": last.blocked_s}
+            out |= {"bytes": 0, "persistent": False}
+        if last is None or last.blocked_s is None:  # none yet, or a failed save
+            out |= {"staged_s": None, "written_s": None}
+        if last is None:
+            return out | {"local_s": None, "local_bytes": 0}
+        return out | {"local_s": last.local_s, "local_bytes": last.local_bytes}
 
     def wait(self) -> None:
         """Waits for the asynchronous save in flight; raises if it failed."""
@@ -157,6 +192,16 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Last(NamedTuple):
+    """What ``last_save_stats`` reports of the last save (``blocked_s`` None: it failed)."""
+
+    step: int
+    local_s: float | None
+    local_bytes: int
+    persistent: bool
+    blocked_s: float | None
 
 
 def _remove_step(path: str) -> None:
