@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import os
-import re
-import time
 from typing import Any
 
+from funcshard.checkpoint import steps as steps_lib
 from funcshard.checkpoint import storage
 from funcshard.checkpoint.api import restore
-from funcshard.checkpoint.commit import Saver, is_leftover, remove_tree
-from funcshard.checkpoint.format import COMMIT_FILE, DEFAULT_ITEM, DELETE_MARK
+from funcshard.checkpoint.commit import Saver
+from funcshard.checkpoint.format import DEFAULT_ITEM
 from funcshard.checkpoint.local_tier import LocalTier
 from funcshard.state.state import TrainState
 
 __all__ = ["CheckpointManager"]
-
-_STEP_DIR = re.compile(r"^\d+$")
 
 
 class CheckpointManager:
@@ -66,17 +63,13 @@ class CheckpointManager:
             else LocalTier(os.fspath(local_dir), local_replicas, ranks_per_node)
         )
         storage.makedirs(self.root)
+        storage.probe(self.root)  # an object store that does not answer fails here, fast
 
     def _dir(self, step: int) -> str:
         return os.path.join(self.root, str(int(step)))
 
     def _complete_steps(self) -> list[int]:
-        steps = []
-        for name in storage.listdir(self.root):
-            path = os.path.join(self.root, name)
-            if _STEP_DIR.match(name) and storage.exists(os.path.join(path, COMMIT_FILE)):
-                steps.append(int(name))
-        return sorted(steps)
+        return steps_lib.committed(self.root)  # on an object store: its index of steps
 
     def all_steps(self) -> list[int]:
         """The complete steps, ascending (waits for an asynchronous save first)."""
@@ -88,11 +81,9 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def _sweep(self) -> None:
-        """Removes what killed saves and removals left behind (rank 0, between saves: the
-        save in flight, if any, has just been committed)."""
-        for name in storage.listdir(self.root):
-            if is_leftover(name) and _STEP_DIR.match(name.split(".", 1)[0]):
-                remove_tree(os.path.join(self.root, name))
+        """Removes what killed or failed saves and removals left behind (rank 0, between
+        saves: the save in flight, if any, has just been committed)."""
+        steps_lib.sweep(self.root)
 
     def _retain(self, just_saved: int) -> None:
         self._sweep()
@@ -104,7 +95,7 @@ class CheckpointManager:
             keep.add(steps[-1])
         for step in steps:
             if step not in keep:
-                _remove_step(self._dir(step))
+                steps_lib.remove(self.root, step)
 
     def save(self, step: int, state: TrainState) -> None:
         """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``.
@@ -120,6 +111,7 @@ class CheckpointManager:
             background=self.async_save,
             item=DEFAULT_ITEM,
             after_commit=lambda: self._retain(int(step)),
+            prepare=lambda: steps_lib.mark(self.root, int(step)),
         )
 
     def restore(
@@ -157,15 +149,3 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _remove_step(path: str) -> None:
-    """Removes a committed step so that it is unlisted at once, even if the removal is cut
-    short: renamed aside on a filesystem, its commit file removed first on an object store."""
-    if storage.atomic_rename(path):
-        doomed = f"{path}{DELETE_MARK}{time.time_ns()}"
-        storage.rename(path, doomed)
-        remove_tree(doomed)
-    else:
-        storage.remove_file(os.path.join(path, COMMIT_FILE))
-        remove_tree(path)
