@@ -13,6 +13,7 @@ every rank, naming it; an endpoint that does not answer fails within a bounded t
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -219,7 +220,15 @@ def _within(seconds: float, fn) -> str | None:
 
 
 def test_an_endpoint_that_does_not_answer_fails_fast_naming_it(s3, monkeypatch) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    silent = socket.socket()  # accepts connections (the kernel does), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    with silent:
+        hung = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", hung)
+        error = _within(120, lambda: fs.CheckpointManager(f"s3://{BUCKET}/silent"))
+        assert error is not None and "did not answer within" in error and hung in error, error
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: refused
     monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
     began = time.monotonic()
     error = _within(120, lambda: fs.CheckpointManager(f"s3://{BUCKET}/dead"))

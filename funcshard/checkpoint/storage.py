@@ -29,6 +29,7 @@ from typing import Any
 import tensorstore as ts
 
 __all__ = [
+    "CURL_DEFAULTS",
     "PROBE_TIMEOUT_S",
     "TIMEOUT_ENV",
     "Reader",
@@ -170,11 +171,19 @@ def _where(path: str) -> str:
     return f"{driver} bucket {bucket!r} at {endpoint}"
 
 
-def _result(future: Any, path: str, what: str, budget: float | None = None) -> Any:
+def _result(
+    future: Any, path: str, what: str, budget: float | None = None, deadline: float | None = None
+) -> Any:
     """``future``'s result; a store's failure as a :class:`StoreError` naming ``what`` was
-    asked of ``path``, the bucket, the endpoint and the answer."""
+    asked of ``path``, the bucket, the endpoint and the answer; with ``deadline``, no answer
+    within that many seconds too."""
     try:
-        return future.result()
+        return future.result(timeout=deadline)
+    except TimeoutError as e:
+        future.cancel()
+        raise StoreError(
+            f"{what} {path}: the {_where(path)} did not answer within {deadline:g} s"
+        ) from e
     except ValueError as e:  # tensorstore's errors: a status message
         answer = str(e).split(" [http_response_body=", 1)[0]
         budget = retry_budget() if budget is None else budget
@@ -184,9 +193,20 @@ def _result(future: Any, path: str, what: str, budget: float | None = None) -> A
         ) from e
 
 
+# libcurl's limits on one request, unless the environment sets them: tensorstore sets none, so a
+# connection that the network drops silently waits minutes, and one that stalls, forever
+CURL_DEFAULTS = {
+    "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": "10",
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "30",  # 30 s below 1 byte/s: cut, retried
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "1",
+}
+
+
 @functools.cache
 def _store(driver: str, bucket: str, endpoint: str | None, budget: float) -> ts.KvStore:
     del endpoint  # part of the cache key: a test's server
+    for name, value in CURL_DEFAULTS.items():  # read when tensorstore makes its transport
+        os.environ.setdefault(name, value)
     spec = _bucket_spec(driver, bucket, budget)
     url = f"{'s3' if driver == 's3' else 'gs'}://{bucket}"
     return _result(ts.KvStore.open(spec), url, "opening", budget)
@@ -200,7 +220,7 @@ def _object(path: str, budget: float | None = None) -> tuple[ts.KvStore, str]:
 
 def probe(path: str) -> None:
     """Checks that the store holding ``path`` answers a listing (the bucket exists and may be
-    listed), retrying for at most ``PROBE_TIMEOUT_S``; a no-op on a filesystem.
+    listed) within ``PROBE_TIMEOUT_S`` (retries included); a no-op on a filesystem.
 
     Raises:
       StoreError: naming the bucket, the endpoint and the store's answer.
@@ -210,7 +230,8 @@ def probe(path: str) -> None:
     budget = min(PROBE_TIMEOUT_S, retry_budget())
     store, key = _object(path, budget)
     nothing = _prefix_range(f"{key}/_funcshard_probe" if key else "_funcshard_probe")
-    _result(store.list(nothing), path, "probing", budget)  # an empty listing: the cheapest
+    listing = store.list(nothing)  # an empty listing: the cheapest request
+    _result(listing, path, "probing", budget, deadline=PROBE_TIMEOUT_S)
 
 
 def _prefix_range(key: str) -> ts.KvStore.KeyRange:
