@@ -10,7 +10,8 @@
 3. On success rank 0 writes the metadata, the checksums and the commit files (fsync; see
    ``writing.write_records``; the checkpoint's commit file last), renames the directory into
    place and fsyncs the parent (on a filesystem); one more all-reduce tells every rank. A
-   failed save leaves nothing behind.
+   failed save leaves nothing behind; what runs after the commit (retention) never touches
+   the committed checkpoint, and its failure is logged, not raised.
 
 ``write_and_commit`` is steps 2-3 for any writer (``export_safetensors`` too); a ``Saver`` runs
 it, synchronously or in one background thread (at most one save in flight; the next

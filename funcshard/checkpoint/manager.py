@@ -24,6 +24,8 @@ class CheckpointManager:
     it with ``ocp.CheckpointManager(root).restore(step)``. An incomplete step (still under its
     temporary name, or without ``commit_success.txt``) is never listed; retention keeps the
     ``max_to_keep`` highest steps and never deletes the latest one nor the one just written.
+    On an object store the steps are listed from a small index (:mod:`.steps`), and the store
+    is probed when the manager is made (:func:`.storage.probe`).
 
     ``saver`` owns the asynchronous save in flight (one at a time).
     """
