@@ -4,21 +4,29 @@ server the tests start (moto's), never a mock of our own.
 Every rank writes its own shard straight to the store; a checkpoint counts once its commit
 file is written, last: one without it is neither listed nor restored, and a later save of
 that step replaces it. Checksums, retention, asynchronous saves, restore onto another layout
-and ``python -m funcshard inspect / verify`` work there as on a path.
+and ``python -m funcshard inspect / verify`` work there as on a path. The manager lists its
+steps from a small index (never every object), sweeps what killed saves left, and a failure
+after the commit (retention) never touches the committed step. A missing bucket raises on
+every rank, naming it; an endpoint that does not answer fails within a bounded time.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 
 import pytest
 import torch
 
 import funcshard as fs
 from funcshard.checkpoint import cli, storage
+from funcshard.distributed.launch import free_port
 from funcshard.testing import local_s3
 
 import models
+from helpers_errors import error_text
 from helpers_kill import kill_trials
 
 pytest.importorskip("moto.server")
@@ -74,20 +82,47 @@ def test_a_save_to_s3_restores_onto_another_layout_bitwise(s3, pool2, pool1) -> 
     assert all(torch.equal(again[0][n], again[1][n]) for n in again[0])
 
 
+class _Listed:
+    """Counts the keys this process's object-store listings return (storage's one lister)."""
+
+    def __init__(self) -> None:
+        self.keys, self._real = 0, storage._keys_under
+
+    def __enter__(self) -> _Listed:
+        def counting(path: str) -> list[str]:
+            keys = self._real(path)
+            self.keys += len(keys)
+            return keys
+
+        storage._keys_under = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        storage._keys_under = self._real
+
+
 def manager_worker(env: dict, root: str) -> dict:
     os.environ.update(env)
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model(seed=5)
     state = fs.init(model, _opt(), mesh=mesh, strategy="optim")
+    listed_by_save = []
     with fs.CheckpointManager(root, max_to_keep=2) as mgr:  # asynchronous saves
         for step in range(3):
             state, _ = models.train(state, model, [step], rows=ROWS)
-            mgr.save(state.step, state)
-        mgr.wait()
+            with _Listed() as listed:
+                mgr.save(state.step, state)
+                mgr.wait()
+            listed_by_save.append(listed.keys)
+        with _Listed() as listed:
+            latest = mgr.latest_step()
         steps = mgr.all_steps()
         restored = mgr.restore(like=fs.init(model, _opt(), mesh=mesh, strategy="optim"))
     return {
         "steps": steps,
+        "latest": latest,
+        "listed_by_save": listed_by_save,
+        "listed_by_latest": listed.keys,
         "same": all(
             torch.equal(a, b)
             for a, b in zip(
@@ -101,9 +136,112 @@ def test_the_manager_keeps_and_lists_committed_steps_only(s3, pool2) -> None:
     root = f"s3://{BUCKET}/managed"
     # a killed save of step 9 left objects but no commit file: never listed
     s3["client"].put_object(Bucket=BUCKET, Key="managed/9/default/_METADATA", Body=b"{}")
-    for result in pool2.run(manager_worker, s3["env"], root):
+    results = pool2.run(manager_worker, s3["env"], root)
+    for result in results:
         assert result["steps"] == [2, 3] and result["same"], result
-    assert not any(k.startswith("managed/1/") for k in _keys(s3, "managed/")), "retention"
+    keys = _keys(s3, "managed/")
+    # the steps are listed from the index (a key a step), not from every object of the root:
+    # latest_step() lists as many keys as there are steps, a save on rank 0 a few times that
+    assert results[0]["listed_by_latest"] == len(results[0]["steps"]), results[0]
+    per_step = sum(k.startswith("managed/3/") for k in keys)
+    bound = 3 * (2 + 1)  # three listings of an index of max_to_keep + 1 steps
+    assert per_step > bound and max(results[0]["listed_by_save"]) <= bound, (per_step, results)
+    assert not any(k.startswith("managed/1/") for k in keys), "retention"
+    assert not any(k.startswith("managed/9/") for k in keys), "the killed save's objects"
+
+
+def retention_failure_worker(env: dict, root: str) -> dict:
+    """max_to_keep=1; retention's removal of step 1 fails (the store removed its commit file,
+    then the request failed): step 2, committed, stands; the next save sweeps step 1."""
+    os.environ.update(env)
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=7)
+    state = fs.init(model, _opt(), mesh=mesh, strategy="optim")
+    mgr = fs.CheckpointManager(root, max_to_keep=1, async_save=False)
+    mgr.save(1, state)
+    state, _ = models.train(state, model, [0], rows=ROWS)
+    real = storage.remove_file
+
+    def removed_then_failed(path: str) -> None:
+        real(path)
+        if path.endswith("/1/commit_success.txt"):
+            raise OSError(f"{path}: the request timed out (injected)")
+
+    storage.remove_file = removed_then_failed
+    try:
+        error = error_text(lambda: mgr.save(2, state))
+    finally:
+        storage.remove_file = real
+    after_failure = mgr.all_steps()
+    like = fs.init(models.make_model(seed=8), _opt(), mesh=mesh, strategy="optim")
+    restored = fs.full_params(mgr.restore(like=like))
+    same = all(torch.equal(restored[n], t) for n, t in fs.full_params(state).items())
+    mgr.save(3, state)
+    return {"error": error, "after_failure": after_failure, "same": same, "end": mgr.all_steps()}
+
+
+def test_a_retention_failure_never_touches_the_committed_step(s3, pool2) -> None:
+    root = f"s3://{BUCKET}/retention"
+    for r in pool2.run(retention_failure_worker, s3["env"], root):
+        assert r["error"] is None, r  # the save committed: retention's failure is logged
+        assert r["after_failure"] == [2] and r["same"] and r["end"] == [3], r
+    assert not any(k.startswith("retention/1/") for k in _keys(s3, "retention/")), "swept"
+
+
+def missing_bucket_worker(env: dict) -> list[str | None]:
+    os.environ.update(env)
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=9)
+    state = fs.init(model, _opt(), mesh=mesh, strategy="optim")
+    url = "s3://no-such-bucket-52/run"
+    like = fs.init(model, _opt(), mesh=mesh, strategy="optim")
+    return [
+        error_text(lambda: fs.save(f"{url}/1", state)),
+        error_text(lambda: fs.restore(f"{url}/1", like=like)),
+        error_text(lambda: fs.CheckpointManager(url)),
+    ]
+
+
+def test_a_missing_bucket_raises_on_every_rank_naming_it(s3, pool2) -> None:
+    for rank, errors in enumerate(pool2.run(missing_bucket_worker, s3["env"])):
+        for error in errors:  # every rank, never a collective's timeout
+            assert error is not None and "no-such-bucket-52" in error, (rank, error)
+            assert "NoSuchBucket" in error, (rank, error)
+
+
+def _within(seconds: float, fn) -> str | None:
+    """``fn``'s error text, failing the test if it has not returned after ``seconds``."""
+    out: list[str | None] = []
+    thread = threading.Thread(target=lambda: out.append(error_text(fn)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, f"still retrying after {seconds} s"
+    return out[0]
+
+
+def test_an_endpoint_that_does_not_answer_fails_fast_naming_it(s3, monkeypatch) -> None:
+    silent = socket.socket()  # accepts connections (the kernel does), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    with silent:
+        hung = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", hung)
+        error = _within(120, lambda: fs.CheckpointManager(f"s3://{BUCKET}/silent"))
+        assert error is not None and "did not answer within" in error and hung in error, error
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: refused
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    began = time.monotonic()
+    error = _within(120, lambda: fs.CheckpointManager(f"s3://{BUCKET}/dead"))
+    assert error is not None and "StoreError" in error and dead in error, error
+    assert BUCKET in error, error
+    probed = time.monotonic() - began
+    monkeypatch.setenv(storage.TIMEOUT_ENV, "2")  # a write: the configured budget
+    error = _within(120, lambda: storage.write_bytes(f"s3://{BUCKET}/dead/x", b"x"))
+    assert error is not None and dead in error and "Could not connect" in error, error
+    assert probed < 60, probed  # PROBE_TIMEOUT_S of retries, not tensorstore's 15 minutes
+    monkeypatch.setenv(storage.TIMEOUT_ENV, "zero")
+    with pytest.raises(ValueError, match=storage.TIMEOUT_ENV):
+        storage.retry_budget()
 
 
 def partial_worker(env: dict, url: str) -> str:
@@ -147,7 +285,9 @@ def test_object_urls_are_split_into_bucket_and_key() -> None:
     assert storage.is_object("s3://b/x") and storage.is_object("gs://b/x")
     assert not storage.is_object("/tmp/x") and storage.normalize("file:///tmp/x") == "/tmp/x"
     spec = storage.kvstore("gs://bucket/run/10")
+    retries = spec.pop("context")["gcs_request_retries"]  # bounded by FUNCSHARD_STORE_TIMEOUT_S
     assert spec == {"driver": "gcs", "bucket": "bucket", "path": "run/10/"}
+    assert 0 < retries["max_retries"] < 32, retries  # tensorstore's own: 32, about 15 minutes
     with pytest.raises(ValueError, match="names no bucket"):
         storage.kvstore("s3:///run")
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
+from funcshard.checkpoint import storage
 
 import models
 from helpers_errors import cpu_params, error_text
@@ -124,3 +125,35 @@ def test_full_disk_on_tmpfs(pool2, tmp_path):
     for r in results:
         assert r["error"] is not None and "No space left" in r["error"], r["error"]
         assert r["intact"] and r["listing"] == ["1"] and r["steps"] == [1, 3], r
+
+
+def retention_failure_worker(root: str) -> dict:
+    """max_to_keep=1; retention's removal of step 1 fails after step 2 is committed."""
+    mesh = fs.make_mesh(device_type="cpu")
+    model = models.make_model(seed=0)
+    state = fs.init(model, fs.optim.adamw(1e-2), mesh=mesh, strategy="optim")
+    mgr = fs.CheckpointManager(root, max_to_keep=1, async_save=False)
+    mgr.save(1, state)
+    real = storage.rename
+
+    def refused(src: str, dst: str) -> None:  # retention renames the step aside first
+        if fs.checkpoint.DELETE_MARK not in dst:
+            return real(src, dst)  # the commit's rename
+        raise OSError(errno.EACCES, f"{src}: Permission denied (injected)")
+
+    storage.rename = refused
+    try:
+        error = error_text(lambda: mgr.save(2, state))
+    finally:
+        storage.rename = real
+    after_failure = mgr.all_steps()
+    mgr.save(3, state)  # retention runs again, and succeeds
+    return {"error": error, "after_failure": after_failure, "end": mgr.all_steps()}
+
+
+def test_a_retention_failure_after_the_commit_is_logged_and_the_save_stands(pool2, tmp_path):
+    """The save committed: its caller learns of no failure (rank 0 logs retention's), and
+    the next save's retention removes what this one's could not."""
+    for r in pool2.run(retention_failure_worker, str(tmp_path / "run")):
+        assert r["error"] is None, r
+        assert r["after_failure"] == [1, 2] and r["end"] == [3], r

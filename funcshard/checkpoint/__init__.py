@@ -23,8 +23,9 @@ Modules, along the seams:
   torch.distributed.checkpoint directories (a reader, and a streaming writer);
 * ``commit``: agreement, temporary directory, fsync, rename, leftovers, and the ``Saver``;
   ``staging``: a background save's host buffers (pinned for accelerator rows), reused;
-* ``manager``: ``CheckpointManager``; ``api``: ``save``, ``restore``; ``buffers``: the model's
-  persistent buffers read back into ``like``'s model.
+* ``manager``: ``CheckpointManager``; ``steps``: its root's committed steps (an object store's
+  index of them) and the sweep of killed saves; ``api``: ``save``, ``restore``; ``buffers``:
+  the model's persistent buffers read back into ``like``'s model.
 """
 
 from funcshard.checkpoint.api import rebuild_from_params, restore, save

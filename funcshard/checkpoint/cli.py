@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +35,7 @@ import torch
 from funcshard.checkpoint import commit as commit_lib
 from funcshard.checkpoint import dcp as dcp_lib
 from funcshard.checkpoint import safetensors as st
+from funcshard.checkpoint import steps as steps_lib
 from funcshard.checkpoint import storage, writing
 from funcshard.checkpoint.api import open_source
 from funcshard.checkpoint.checksums import Checksums
@@ -64,7 +64,6 @@ DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
 }
-_STEP = re.compile(r"^\d+$")
 
 
 # --- reading any checkpoint ------------------------------------------------------------------
@@ -72,14 +71,12 @@ _STEP = re.compile(r"^\d+$")
 
 def manager_steps(path: str) -> list[str]:
     """The complete steps of a ``CheckpointManager`` root (empty when ``path`` is not one)."""
-    if not storage.isdir(path) or storage.exists(os.path.join(path, COMMIT_FILE)):
+    if storage.is_object(path):
+        if storage.isfile(os.path.join(path, COMMIT_FILE)):
+            return []  # one checkpoint
+    elif not os.path.isdir(path) or os.path.exists(os.path.join(path, COMMIT_FILE)):
         return []
-    steps = [
-        n
-        for n in storage.listdir(path)
-        if _STEP.match(n) and storage.exists(os.path.join(path, n, COMMIT_FILE))
-    ]
-    return [os.path.join(path, n) for n in sorted(steps, key=int)]
+    return [os.path.join(path, str(s)) for s in steps_lib.committed(path)]  # an s3 root's index
 
 
 def _open(path: str) -> Source:

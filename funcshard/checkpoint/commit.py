@@ -10,7 +10,8 @@
 3. On success rank 0 writes the metadata, the checksums and the commit files (fsync; see
    ``writing.write_records``; the checkpoint's commit file last), renames the directory into
    place and fsyncs the parent (on a filesystem); one more all-reduce tells every rank. A
-   failed save leaves nothing behind.
+   failed save leaves nothing behind; what runs after the commit (retention) never touches
+   the committed checkpoint, and its failure is logged, not raised.
 
 ``write_and_commit`` is steps 2-3 for any writer (``export_safetensors`` too); a ``Saver`` runs
 it, synchronously or in one background thread (at most one save in flight; the next
@@ -184,14 +185,23 @@ def _fresh(final: str) -> str:
 
 
 def start(final: str, agreement: Agreement) -> str:
-    """Rank 0 makes the place the ranks write to; every rank learns it (or the error)."""
+    """Rank 0 makes the place the ranks write to; every rank learns it, or raises rank 0's
+    error (whatever its kind: a store's error or a bug, never left to a collective's timeout
+    on the other ranks)."""
     msg: Any = None
+    error: BaseException | None = None
     if agreement.rank == 0:
         try:
             msg = ("ok", _fresh(final))
-        except OSError as e:
-            msg = ("error", f"{type(e).__name__}: {e}")
+        except BaseException as e:  # noqa: BLE001 - every rank must learn of it
+            error = e
+            msg = (
+                "error",
+                f"save to {final}: rank 0 could not make its place: {type(e).__name__}: {e}",
+            )
     kind, value = agreement.broadcast(msg)
+    if error is not None:
+        raise error
     if kind != "ok":
         raise OSError(value)
     return value
@@ -240,7 +250,8 @@ def write_and_commit(
       finish: run on rank 0 with every rank's ``write`` result (rank order), before the rename
         (metadata, index files, fsync).
       prepare: run on rank 0 before any rank writes (e.g. creating files at their size).
-      after_commit: run on rank 0 once the directory is in place (e.g. retention).
+      after_commit: run on rank 0 once the directory is in place (e.g. retention); its
+        failure is logged, never raised: the checkpoint stands and is never touched.
     """
     first = agreement.rank == 0
     error: BaseException | None = None
@@ -263,12 +274,28 @@ def write_and_commit(
         try:
             finish(results)
             commit(tmp, final)
-            if after_commit is not None:
-                after_commit()
         except BaseException as e:  # noqa: BLE001
             error = e
             remove_tree(tmp)  # gone already if the rename happened: then the save stands
+        else:  # committed: nothing after may remove it (on an object store tmp is final)
+            _after(after_commit, what)
     agreement.raise_if_failed(f"{what}: commit", error)
+
+
+def _after(after_commit: Callable[[], None] | None, what: str) -> None:
+    """Runs ``after_commit`` (rank 0, once committed); its failure is logged, not raised."""
+    if after_commit is None:
+        return
+    try:
+        after_commit()
+    except Exception as e:  # noqa: BLE001 - the checkpoint is committed: it stands
+        logging.warning(
+            "funcshard.checkpoint: %s committed, but what runs after the commit (retention) "
+            "failed; the checkpoint stands and the next save tries again: %s: %s",
+            what,
+            type(e).__name__,
+            e,
+        )
 
 
 # --- one save -----------------------------------------------------------------------------------
@@ -291,6 +318,7 @@ class _Job:
     info: dict
     started_ns: int
     after_commit: Callable[[], None] | None
+    prepare: Callable[[], None] | None = None
 
     @property
     def item_dir(self) -> str:
@@ -389,6 +417,7 @@ class Saver:
             f"save to {job.final}",
             write=lambda: self.write_arrays(job.item_dir, job.arrays, job.scalars, first),
             finish=finish,
+            prepare=job.prepare,
             after_commit=job.after_commit,
         )
 
@@ -400,6 +429,7 @@ class Saver:
         background: bool = False,
         item: str | None = None,
         after_commit: Callable[[], None] | None = None,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         """Writes ``state`` at ``directory`` (collective; see ``funcshard.checkpoint.save``).
 
@@ -409,7 +439,10 @@ class Saver:
           background: return once staged; the write runs in a thread of this saver.
           item: None writes the item at the top of ``directory``; a name writes it as
             ``directory/<item>/`` with Orbax's step metadata (a CheckpointManager step).
-          after_commit: run on rank 0 once the checkpoint is in place (e.g. retention).
+          after_commit: run on rank 0 once the checkpoint is in place (e.g. retention); its
+            failure is logged.
+          prepare: run on rank 0 before any rank writes (e.g. the manager's step index); its
+            failure fails the save on every rank.
         """
         state.check()
         if not state.filled:
@@ -426,7 +459,7 @@ class Saver:
         # a background save's place is made in its thread (a collective on the saver's group)
         tmp = "" if background else start(final, agreement)
         info = tree_lib.info(state)
-        job = _Job(final, tmp, item, arrays, scalars, info, started, after_commit)
+        job = _Job(final, tmp, item, arrays, scalars, info, started, after_commit, prepare)
         stats = self._stats = {"staged_s": None, "written_s": None, "bytes": _bytes(arrays)}
         if not background:
             self._run(job, agreement)

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any, NamedTuple
 
+from funcshard.checkpoint import steps as steps_lib
 from funcshard.checkpoint import storage
 from funcshard.checkpoint.api import restore
-from funcshard.checkpoint.commit import Saver, is_leftover, remove_tree
-from funcshard.checkpoint.format import COMMIT_FILE, DEFAULT_ITEM, DELETE_MARK
+from funcshard.checkpoint.commit import Saver
+from funcshard.checkpoint.format import DEFAULT_ITEM
 from funcshard.checkpoint.local_tier import LocalTier
 from funcshard.state.state import TrainState
 
 __all__ = ["CheckpointManager"]
-
-_STEP_DIR = re.compile(r"^\d+$")
 
 
 class CheckpointManager:
@@ -27,6 +25,8 @@ class CheckpointManager:
     it with ``ocp.CheckpointManager(root).restore(step)``. An incomplete step (still under its
     temporary name, or without ``commit_success.txt``) is never listed; retention keeps the
     ``max_to_keep`` highest steps and never deletes the latest one nor the one just written.
+    On an object store the steps are listed from a small index (:mod:`.steps`), and the store
+    is probed when the manager is made (:func:`.storage.probe`).
 
     ``saver`` owns the asynchronous save in flight (one at a time).
     """
@@ -62,6 +62,7 @@ class CheckpointManager:
         self.persistent_every = persistent_every
         self._last: _Last | None = None
         storage.makedirs(self.root)
+        storage.probe(self.root)  # an object store that does not answer fails here, fast
         self.local = None
         if local_dir is not None:
             self.local = LocalTier(
@@ -76,12 +77,7 @@ class CheckpointManager:
         return os.path.join(self.root, str(int(step)))
 
     def _complete_steps(self) -> list[int]:
-        steps = []
-        for name in storage.listdir(self.root):
-            path = os.path.join(self.root, name)
-            if _STEP_DIR.match(name) and storage.exists(os.path.join(path, COMMIT_FILE)):
-                steps.append(int(name))
-        return sorted(steps)
+        return steps_lib.committed(self.root)  # on an object store: its index of steps
 
     def all_steps(self) -> list[int]:
         """The complete steps, ascending (waits for an asynchronous save first)."""
@@ -93,11 +89,9 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def _sweep(self) -> None:
-        """Removes what killed saves and removals left behind (rank 0, between saves: the
-        save in flight, if any, has just been committed)."""
-        for name in storage.listdir(self.root):
-            if is_leftover(name) and _STEP_DIR.match(name.split(".", 1)[0]):
-                remove_tree(os.path.join(self.root, name))
+        """Removes what killed or failed saves and removals left behind (rank 0, between
+        saves: the save in flight, if any, has just been committed)."""
+        steps_lib.sweep(self.root)
 
     def _retain(self, just_saved: int) -> None:
         self._sweep()
@@ -109,7 +103,7 @@ class CheckpointManager:
             keep.add(steps[-1])
         for step in steps:
             if step not in keep:
-                _remove_step(self._dir(step))
+                steps_lib.remove(self.root, step)
 
     def save(self, step: int, state: TrainState) -> None:
         """Saves ``state`` as ``root/<step>/`` (collective); async unless ``async_save=False``.
@@ -130,6 +124,7 @@ class CheckpointManager:
             background=self.async_save,
             item=DEFAULT_ITEM,
             after_commit=lambda: self._retain(int(step)),
+            prepare=lambda: steps_lib.mark(self.root, int(step)),
         )
         blocked = time.perf_counter() - called
         self._last = _Last(int(step), local_s, local_bytes, True, blocked)
@@ -202,15 +197,3 @@ class _Last(NamedTuple):
     local_bytes: int
     persistent: bool
     blocked_s: float | None
-
-
-def _remove_step(path: str) -> None:
-    """Removes a committed step so that it is unlisted at once, even if the removal is cut
-    short: renamed aside on a filesystem, its commit file removed first on an object store."""
-    if storage.atomic_rename(path):
-        doomed = f"{path}{DELETE_MARK}{time.time_ns()}"
-        storage.rename(path, doomed)
-        remove_tree(doomed)
-    else:
-        storage.remove_file(os.path.join(path, COMMIT_FILE))
-        remove_tree(path)

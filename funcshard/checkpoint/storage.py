@@ -10,7 +10,12 @@ checkpoint there counts once its commit marker is written, last.
 
 Object stores take their endpoint and credentials from the standard environment:
 ``AWS_ENDPOINT_URL`` (a local server in tests), ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` and the
-credentials tensorstore's s3 driver reads (``AWS_ACCESS_KEY_ID``, ...); GCS's defaults.
+credentials tensorstore's s3 driver reads (``AWS_ACCESS_KEY_ID``, ...); GCS's defaults. A
+request that fails for a reason worth retrying (no connection, a 5xx, throttling) is retried
+with exponential backoff for at most ``FUNCSHARD_STORE_TIMEOUT_S`` seconds (default 60;
+tensorstore's own default gives up after 32 attempts, about 15 minutes); every failure of a
+store raises :class:`StoreError`, an OSError naming the URL, the endpoint and the cause.
+:func:`probe` checks that a store answers, with at most :data:`PROBE_TIMEOUT_S` of retries.
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ from typing import Any
 import tensorstore as ts
 
 __all__ = [
+    "CURL_DEFAULTS",
+    "PROBE_TIMEOUT_S",
+    "TIMEOUT_ENV",
     "Reader",
+    "StoreError",
     "Writer",
     "create_file",
     "isfile",
@@ -39,6 +48,8 @@ __all__ = [
     "makedirs",
     "normalize",
     "open_reader",
+    "probe",
+    "retry_budget",
     "read_bytes",
     "remove_tree",
     "rename",
@@ -82,10 +93,61 @@ def _split(url: str) -> tuple[str, str, str]:
     return _SCHEMES[scheme], bucket, key.strip("/")
 
 
-def _bucket_spec(driver: str, bucket: str) -> dict[str, Any]:
-    spec: dict[str, Any] = {"driver": driver, "bucket": bucket}
+TIMEOUT_ENV = "FUNCSHARD_STORE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 10.0  # the check when a CheckpointManager is made: fail fast
+_RETRIES = {"s3": "s3_request_retries", "gcs": "gcs_request_retries"}
+
+
+class StoreError(OSError):
+    """A request to an object store failed (after its retries), naming the URL, the endpoint
+    and the store's answer."""
+
+
+def retry_budget() -> float:
+    """Seconds a store request may keep retrying: ``FUNCSHARD_STORE_TIMEOUT_S``, default 60."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        budget = float(text)
+    except ValueError:
+        budget = -1.0
+    if not budget > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
+    return budget
+
+
+def _retries(budget: float) -> dict[str, Any]:
+    """Tensorstore's retry resource whose backoff (doubling from ``initial_delay`` up to
+    ``max_delay``, each wait plus a jitter of at most ``min(initial_delay, 1 s)``) sums to at
+    most ``budget`` seconds."""
+    initial = min(1.0, budget / 8)
+    cap = max(initial, min(16.0, budget / 4))
+    retries, spent = 0, 0.0
+    while True:
+        wait = min(initial * 2**retries, cap) + min(initial, 1.0)
+        if spent + wait > budget:
+            break
+        spent, retries = spent + wait, retries + 1
+    return {"max_retries": retries, "initial_delay": f"{initial:.6f}s", "max_delay": f"{cap:.6f}s"}
+
+
+def _endpoint(driver: str) -> str | None:
+    if driver != "s3":
+        return None
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def _bucket_spec(driver: str, bucket: str, budget: float | None = None) -> dict[str, Any]:
+    budget = retry_budget() if budget is None else budget
+    spec: dict[str, Any] = {
+        "driver": driver,
+        "bucket": bucket,
+        "context": {_RETRIES[driver]: _retries(budget)},
+    }
     if driver == "s3":
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint = _endpoint(driver)
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if endpoint:
             spec["endpoint"] = endpoint
@@ -102,16 +164,74 @@ def kvstore(path: str) -> dict[str, Any]:
     return {**_bucket_spec(driver, bucket), "path": f"{key}/" if key else ""}
 
 
+def _where(path: str) -> str:
+    """The store ``path`` lives in, for messages: its bucket and endpoint."""
+    driver, bucket, _ = _split(path)
+    endpoint = _endpoint(driver) or "the driver's default endpoint"
+    return f"{driver} bucket {bucket!r} at {endpoint}"
+
+
+def _result(
+    future: Any, path: str, what: str, budget: float | None = None, deadline: float | None = None
+) -> Any:
+    """``future``'s result; a store's failure as a :class:`StoreError` naming ``what`` was
+    asked of ``path``, the bucket, the endpoint and the answer; with ``deadline``, no answer
+    within that many seconds too."""
+    try:
+        return future.result(timeout=deadline)
+    except TimeoutError as e:
+        future.cancel()
+        raise StoreError(
+            f"{what} {path}: the {_where(path)} did not answer within {deadline:g} s"
+        ) from e
+    except ValueError as e:  # tensorstore's errors: a status message
+        answer = str(e).split(" [http_response_body=", 1)[0]
+        budget = retry_budget() if budget is None else budget
+        raise StoreError(
+            f"{what} {path}: the {_where(path)} failed: {answer} (requests are retried for "
+            f"at most {budget:g} s: {TIMEOUT_ENV})"
+        ) from e
+
+
+# libcurl's limits on one request, unless the environment sets them: tensorstore sets none, so a
+# connection that the network drops silently waits minutes, and one that stalls, forever
+CURL_DEFAULTS = {
+    "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": "10",
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "30",  # 30 s below 1 byte/s: cut, retried
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "1",
+}
+
+
 @functools.cache
-def _store(driver: str, bucket: str, endpoint: str | None) -> ts.KvStore:
+def _store(driver: str, bucket: str, endpoint: str | None, budget: float) -> ts.KvStore:
     del endpoint  # part of the cache key: a test's server
-    return ts.KvStore.open(_bucket_spec(driver, bucket)).result()
+    for name, value in CURL_DEFAULTS.items():  # read when tensorstore makes its transport
+        os.environ.setdefault(name, value)
+    spec = _bucket_spec(driver, bucket, budget)
+    url = f"{'s3' if driver == 's3' else 'gs'}://{bucket}"
+    return _result(ts.KvStore.open(spec), url, "opening", budget)
 
 
-def _object(path: str) -> tuple[ts.KvStore, str]:
+def _object(path: str, budget: float | None = None) -> tuple[ts.KvStore, str]:
     driver, bucket, key = _split(path)
-    endpoint = os.environ.get("AWS_ENDPOINT_URL") if driver == "s3" else None
-    return _store(driver, bucket, endpoint), key
+    budget = retry_budget() if budget is None else budget
+    return _store(driver, bucket, _endpoint(driver), budget), key
+
+
+def probe(path: str) -> None:
+    """Checks that the store holding ``path`` answers a listing (the bucket exists and may be
+    listed) within ``PROBE_TIMEOUT_S`` (retries included); a no-op on a filesystem.
+
+    Raises:
+      StoreError: naming the bucket, the endpoint and the store's answer.
+    """
+    if not is_object(path):
+        return
+    budget = min(PROBE_TIMEOUT_S, retry_budget())
+    store, key = _object(path, budget)
+    nothing = _prefix_range(f"{key}/_funcshard_probe" if key else "_funcshard_probe")
+    listing = store.list(nothing)  # an empty listing: the cheapest request
+    _result(listing, path, "probing", budget, deadline=PROBE_TIMEOUT_S)
 
 
 def _prefix_range(key: str) -> ts.KvStore.KeyRange:
@@ -122,7 +242,8 @@ def _prefix_range(key: str) -> ts.KvStore.KeyRange:
 def _keys_under(path: str) -> list[str]:
     store, key = _object(path)
     prefix = f"{key}/" if key else ""
-    return [k.decode()[len(prefix) :] for k in store.list(_prefix_range(key)).result()]
+    keys = _result(store.list(_prefix_range(key)), path, "listing")
+    return [k.decode()[len(prefix) :] for k in keys]
 
 
 # --- the operations ---------------------------------------------------------------------------
@@ -133,7 +254,7 @@ def exists(path: str) -> bool:
     if not is_object(path):
         return os.path.exists(path)
     store, key = _object(path)
-    if store.read(key).result().state == "value":
+    if _result(store.read(key), path, "reading").state == "value":
         return True
     return bool(_keys_under(path))
 
@@ -162,7 +283,7 @@ def read_bytes(path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
     store, key = _object(path)
-    got = store.read(key).result()
+    got = _result(store.read(key), path, "reading")
     if got.state != "value":
         raise FileNotFoundError(f"{path}: no such object")
     return bytes(got.value)
@@ -177,7 +298,7 @@ def write_bytes(path: str, data: bytes) -> None:
             os.fsync(f.fileno())
         return
     store, key = _object(path)
-    store.write(key, data).result()
+    _result(store.write(key, data), path, "writing")
 
 
 def remove_tree(path: str) -> None:
@@ -186,7 +307,7 @@ def remove_tree(path: str) -> None:
         shutil.rmtree(path)
         return
     store, key = _object(path)
-    store.delete_range(_prefix_range(key)).result()
+    _result(store.delete_range(_prefix_range(key)), path, "removing")
 
 
 def remove_file(path: str) -> None:
@@ -194,7 +315,7 @@ def remove_file(path: str) -> None:
         os.remove(path)
         return
     store, key = _object(path)
-    store.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+    _result(store.delete_range(ts.KvStore.KeyRange(key, key + "\0")), path, "removing")
 
 
 def rename(src: str, dst: str) -> None:
@@ -231,7 +352,7 @@ class Reader:
         self._data: bytes | None = None
         if is_object(path):
             store, key = _object(path)
-            got = store.read(key).result()
+            got = _result(store.read(key), path, "reading")
             if got.state != "value":
                 raise FileNotFoundError(f"{path}: no such object")
             self._data = bytes(got.value)
@@ -321,7 +442,8 @@ def isfile(path: str) -> bool:
     if not is_object(path):
         return os.path.isfile(path)
     store, key = _object(path)
-    return store.read(key, byte_range=slice(0, 0)).result().state == "value"
+    got = _result(store.read(key, byte_range=slice(0, 0)), path, "reading")
+    return got.state == "value"
 
 
 def open_reader(path: str) -> Reader:
