@@ -85,6 +85,59 @@ def test_expert_parallel_equals_the_plain_module(pool_of, n) -> None:
         assert result["x_grad"] and result["bytes"] > 0, result
 
 
+class CutOffExperts(GroupedExperts):
+    """Returns ``torch.zeros_like(x)`` when it gets no rows, as many experts modules do: an
+    output cut off from autograd on a rank whose experts got no token."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, counts) if x.shape[0] else torch.zeros_like(x)
+
+
+def cut_off_worker() -> dict:
+    """Every token of both ranks to expert 0 (rank 0's): rank 1's experts get no row."""
+    import datetime
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # the hang guard: the all-to-alls of this group give up after a minute
+    group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("expert",))
+    ep = parallelize_module(CutOffExperts(), mesh, fs.ExpertParallel())
+    rows = 3
+    x = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
+    counts = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
+    counts[0] = rows
+    xin = x.clone().requires_grad_()
+    with fs.comm_stats() as stats:
+        try:
+            (ep(xin, counts) + xin).sum().backward()
+        except RuntimeError as e:
+            return {"error": str(e)[:300]}
+    # the reference: the plain module on every rank's tokens (the same counts on each)
+    plain = GroupedExperts()
+    xs = [torch.randn(rows, DIM, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    xs = [t.requires_grad_() for t in xs]
+    sum((plain(t, counts) + t).sum() for t in xs).backward()
+    received = rows * dist.get_world_size() if dist.get_rank() == 0 else 0
+    return {
+        "x_grad": (xin.grad - xs[dist.get_rank()].grad).abs().max().item(),
+        "bytes": stats.bytes_by_axis["expert"],
+        # the counts, then each row's DIM floats: sent out and back, forward and backward
+        "expected": 8 * NUM_EXPERTS + 2 * 4 * DIM * (rows + received),
+    }
+
+
+def test_an_expert_output_cut_off_from_autograd_does_not_hang_the_backward(pool2) -> None:
+    """Rank 1's experts get no token and return ``zeros_like(x)``: it still runs the two
+    backward all-to-alls rank 0 waits in (within the hang guard's minute), the input
+    gradients are the plain module's, and each rank counts every byte it sends, rank 1 its
+    backward send too."""
+    for result in pool2.run(cut_off_worker):
+        assert "error" not in result, result
+        assert result["x_grad"] < 1e-6, result
+        assert result["bytes"] == result["expected"], result
+
+
 def bad_worker() -> str:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("expert",))

@@ -14,6 +14,7 @@ module over all ranks' tokens.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -108,12 +109,18 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f"ExpertParallel: bad num_tokens_per_expert ({where})")
         routed = _a2a(x, recvs, sends, group)
         order = _by_expert(grid).to(x.device)
-        module._fs_route = (order, sends, recvs, group)
+        module._fs_route = (order, sends, recvs, group, routed)
         return (routed.index_select(0, order), grid.sum(0).to(inputs[1].device), *inputs[2:])
 
     @staticmethod
     def _combine(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        order, sends, recvs, group = module._fs_route
+        order, sends, recvs, group, routed = module._fs_route
+        del module._fs_route  # the dispatched rows: not held past the layer's forward
+        if routed.requires_grad:
+            # every rank runs both backward all-to-alls its peers wait for, also when the
+            # module's output does not depend on its input (an empty-input path returning
+            # torch.zeros_like(x), cut off from autograd)
+            out = _Tied.apply(out, routed)
         back = torch.empty_like(out).index_copy(0, order, out)  # back to source-rank major
         return _a2a(back, sends, recvs, group)
 
@@ -135,10 +142,26 @@ def _bad_counts(counts: torch.Tensor, experts: int, rows: int) -> str:
     return ""
 
 
+class _Tied(torch.autograd.Function):
+    """``out`` as it is, in the graph of ``anchor`` (the dispatched rows): backward gives
+    ``anchor`` a zero gradient, so that the dispatch's backward all-to-all runs whatever the
+    experts did with their rows."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.anchor
+        return grad, torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
     """torch's differentiable all-to-all, its bytes counted both ways: those this rank sends
     forward, and in backward the gradient it sends back (the rows it received)."""
-    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    row = math.prod(x.shape[1:]) * x.element_size()  # also with no rows to send forward
     for stats in ops.active():
         stats.record(KIND, sum(in_splits) * row, ops.Axis.EXPERT)
     y = all_to_all_single_autograd(x, out_splits, in_splits, group)
