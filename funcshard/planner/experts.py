@@ -57,10 +57,18 @@ def expert_table(
     ``table`` and ``axis`` as they are (and no expert mesh) without one.
 
     Raises:
-      ValueError: ``expert`` does not divide a parameter's number of experts (named).
+      ValueError: ``expert`` does not divide a parameter's number of experts (named);
+        ``expert > 1`` with a table of shapes or a model without expert DTensors (its
+        experts would be planned as dense weights).
     """
     expert = dims.expert
     if not isinstance(params, nn.Module):
+        if expert > 1:
+            raise ValueError(
+                f"plan: expert={expert} with a table of shapes, which cannot say which "
+                "parameters are experts (each would be planned as a dense weight); pass the "
+                "model after parallelize_module(experts, mesh['expert'], fs.ExpertParallel())"
+            )
         return table, axis, None
     experts = {}
     for name, p in params.named_parameters():
@@ -77,6 +85,14 @@ def expert_table(
         shape, dtype = table[name]
         table[name] = ((shape[0] // expert, *shape[1:]), dtype)
     if not experts:
+        if expert > 1:
+            raise ValueError(
+                f"plan: expert={expert}, but no parameter of the model is an expert DTensor "
+                "(Shard(0) on a mesh with an 'expert' dim): every expert would be planned as a "
+                "dense weight, gathered and reduced whole. Plan the model as fs.init takes it, "
+                "after parallelize_module(experts, mesh['expert'], fs.ExpertParallel()), or "
+                "plan expert=1"
+            )
         return table, axis, None
     sharded = Strategy.parse(strategy).shards_optim
     axis = ExpertAxis(_ExpertShape(expert), experts, axis, sharded)  # type: ignore[arg-type]

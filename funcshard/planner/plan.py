@@ -415,7 +415,9 @@ def plan(
       ValueError: ``tensor=T > 1`` with a model that holds no DTensor parameter and no
         ``tensor_plan`` (it would plan every parameter as replicated), with a table of shapes,
         or with DTensors on a mesh of another size; ``tensor_plan`` with a parallelized model
-        or ``tensor=1``; a mesh whose sizes do not multiply to ``world_size``.
+        or ``tensor=1``; a mesh whose sizes do not multiply to ``world_size``; ``expert=E >
+        1`` with a table of shapes or a model none of whose parameters is an expert DTensor
+        (its experts would be planned as dense weights).
 
     >>> p = plan({"w": (10, 4)}, world_size=4, strategy="optim", optimizer="sgd")
     >>> p.padded_numel, p.memory.master, p.comm["reduce_scatter"]
