@@ -155,6 +155,66 @@ def test_experts_that_do_not_split_are_named(pool2) -> None:
         assert "'w1'" in message and "multiple of the expert mesh's 2 ranks" in message
 
 
+class ListedExperts(nn.Module):
+    """Experts as a ModuleList (not stacked): each Linear's dim 0 is its output features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(NUM_EXPERTS))
+
+
+class SharedScale(GroupedExperts):
+    """A scale every expert shares, inside the experts module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(DIM))
+
+
+def refusals_worker() -> dict:
+    import transformers
+
+    world = dist.get_world_size()
+    expert = init_device_mesh("cpu", (world,), mesh_dim_names=("expert",))
+    tensor = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=DIM, moe_intermediate_size=4, num_experts=NUM_EXPERTS, num_experts_per_tok=2
+    )
+    cases = {
+        "tensor_mesh": (GroupedExperts(), tensor),
+        "module_list": (ListedExperts(), expert),
+        "shared": (SharedScale(), expert),
+        "transformers": (
+            transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config),
+            expert,
+        ),
+    }
+    errors = {}
+    for key, (module, mesh) in cases.items():
+        try:
+            parallelize_module(module, mesh, fs.ExpertParallel())
+            errors[key] = "accepted"
+        except ValueError as e:
+            errors[key] = str(e)
+    return errors
+
+
+def test_what_is_not_stacked_experts_on_the_expert_mesh_is_refused_by_name(pool2) -> None:
+    """A mesh other than mesh["expert"], a ModuleList of experts, a weight shared by every
+    expert inside the module, and transformers' experts signature: each a ValueError at
+    parallelize_module that names the module or parameter and says what was expected."""
+    errors = pool2.run(refusals_worker)[0]
+    assert "expected the 1-D expert mesh" in errors["tensor_mesh"], errors
+    assert "('tensor',)" in errors["tensor_mesh"], errors
+    assert "'experts.0.weight' belongs to a submodule" in errors["module_list"], errors
+    assert "ModuleList" in errors["module_list"], errors
+    assert f"'scale' of shape ({DIM},)" in errors["shared"], errors
+    assert f"other parameters stack {NUM_EXPERTS}" in errors["shared"], errors
+    message = errors["transformers"]
+    assert "Qwen3MoeExperts" in message and "top_k_index" in message, errors
+    assert "apply_expert_parallelism" in message and "router" not in message, errors
+
+
 def router_worker() -> str:
     """Rank 1's router picks expert NUM_EXPERTS (out of range); rank 0's is fine."""
     world = dist.get_world_size()
