@@ -334,12 +334,34 @@ def ep_train_worker(strategy: str, shard: int, replicate: int, expert: int) -> d
             losses[-1] -= loss.item()
     full = fs.full_params(state)
     err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
-    return {"err": err, "loss": max(abs(v) for v in losses), "a2a": stats.bytes_by_axis["expert"]}
+    planned = fs.plan(
+        model,
+        world_size=world,
+        shard=shard,
+        replicate=replicate,
+        expert=expert,
+        strategy=strategy,
+        microbatches=2,
+        routing=fs.Routing(rows=8, width=DIM),  # rows a step (a rank routes 8, top-1)
+    )
+    return {
+        "err": err,
+        "loss": max(abs(v) for v in losses),
+        "a2a": stats.bytes_by_axis["expert"],
+        "calls": stats.calls["all_to_all"],
+        "planned": (2 * planned.comm_by_axis["expert"], 2 * planned.calls["all_to_all"]),
+    }
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_expert_parallel_trains_through_fs_init_as_one_process(pool4, strategy) -> None:
+    """...and its all-to-alls, the rows and the counts' exchange, as ``fs.plan`` predicts
+    them: each rank's calls, and its bytes summed over the ranks as the plan's balanced
+    routing sums them (every rank routes 8 rows a step)."""
     for mesh in ((4, 1, 2), (2, 2, 2)):
-        for result in pool4.run(ep_train_worker, strategy, *mesh):
+        results = pool4.run(ep_train_worker, strategy, *mesh)
+        for result in results:
             assert result["err"] < 1e-5 and result["loss"] < 1e-5, (mesh, result)
-            assert result["a2a"] > 0, result
+            assert result["calls"] == result["planned"][1], (mesh, result)
+        measured = sum(r["a2a"] for r in results)
+        assert measured == 4 * results[0]["planned"][0] > 0, (mesh, results)
