@@ -231,6 +231,8 @@ def _memory(
             kept = same and S == 1 and params_lib.param_wire(layout, b) is None  # the master itself
             compute += 0 if kept else S * c_bytes
         grads += g_bytes if sharded_grads else partials * S * g_bytes
+        if sharded_grads and b.expert:  # its unreduced sections, held to the end of backward
+            grads += S * g_bytes
     gathered = 0
     if zero3 and layout.inner.shard_size > 1:
         others = [v for u, v in unit_full.items() if u != ROOT_UNIT]
