@@ -86,7 +86,7 @@ class ExpertParallel(ParallelStyle):
         _check_signature(module)
         _check_stacked(module, device_mesh.size())
         # what fs.plan reads: the experts whose counts each forward exchanges
-        module._fs_routed_experts = next(p.shape[0] for p in module.parameters())
+        module._fs_routed_experts = next((p.shape[0] for p in module.parameters()), 0)
 
         def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for n, p in list(mod.named_parameters(recurse=False)):
