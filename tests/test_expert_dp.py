@@ -279,6 +279,53 @@ def test_bytes_equal_the_plan(pool4, case) -> None:
     assert total == 4 * p.comm["all_to_all"]
 
 
+def held_grads_worker(mesh_name: str, strategy: str) -> dict:
+    """The gradients held at the end of each microbatch's backward (before the expert
+    buckets' reductions start): the accumulator's reduced shards and the expert buckets'
+    unreduced sections, beside ``fs.plan``'s ``memory.grads``."""
+    from funcshard.step.units import reducer
+
+    shard, replicate, expert = MESHES[mesh_name]
+    state, model, _, _ = _ep_state(mesh_name, strategy)
+    held = []
+    drain = reducer.ExpertsAfter.drain
+
+    def measured_drain(self) -> None:
+        tensors = [*self._sections.acc, *self.reducing.acc]
+        held.append(sum(t.numel() * t.element_size() for t in tensors if t is not None))
+        drain(self)
+
+    reducer.ExpertsAfter.drain = measured_drain
+    try:
+        moe.train(state, model, range(1), rows=ROWS)
+    finally:
+        reducer.ExpertsAfter.drain = drain
+    p = fs.plan(
+        model,
+        world_size=4,
+        shard=shard,
+        replicate=replicate,
+        expert=expert,
+        strategy=strategy,
+        optimizer=fs.optim.sgd(0.1, momentum=0.9),
+        microbatches=2,
+        device_type="cpu",
+    )
+    return {"held": held, "planned": p.memory.grads}
+
+
+@pytest.mark.parametrize("mesh", ["S4E2", "R2S2E2"])
+def test_the_plan_counts_the_expert_sections_held_to_the_end_of_backward(pool4, mesh) -> None:
+    """Under ZeRO-2/3 an expert bucket's unreduced sections (S / E times its shard) wait for
+    the end of backward beside the accumulator: ``fs.plan``'s ``memory.grads`` is the most
+    a rank holds then (the last microbatch of a rank whose experts got tokens; one whose
+    experts got none holds no sections until it reduces zeros)."""
+    results = pool4.run(held_grads_worker, mesh, "optim_grads_params")
+    planned = results[0]["planned"]
+    assert max(max(r["held"]) for r in results) == planned, results
+    assert all(len(r["held"]) == 2 and max(r["held"]) <= planned for r in results), results
+
+
 def traffic_worker(mesh_name: str, strategy: str, kw: dict) -> dict:
     state, model, _, _ = _ep_state(mesh_name, strategy, **kw)
     expert_rows = {n: tuple(state.params[n].shape) for n in ("experts.w1", "experts.w2")}

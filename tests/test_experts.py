@@ -85,6 +85,59 @@ def test_expert_parallel_equals_the_plain_module(pool_of, n) -> None:
         assert result["x_grad"] and result["bytes"] > 0, result
 
 
+class CutOffExperts(GroupedExperts):
+    """Returns ``torch.zeros_like(x)`` when it gets no rows, as many experts modules do: an
+    output cut off from autograd on a rank whose experts got no token."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, counts) if x.shape[0] else torch.zeros_like(x)
+
+
+def cut_off_worker() -> dict:
+    """Every token of both ranks to expert 0 (rank 0's): rank 1's experts get no row."""
+    import datetime
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # the hang guard: the all-to-alls of this group give up after a minute
+    group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("expert",))
+    ep = parallelize_module(CutOffExperts(), mesh, fs.ExpertParallel())
+    rows = 3
+    x = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
+    counts = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
+    counts[0] = rows
+    xin = x.clone().requires_grad_()
+    with fs.comm_stats() as stats:
+        try:
+            (ep(xin, counts) + xin).sum().backward()
+        except RuntimeError as e:
+            return {"error": str(e)[:300]}
+    # the reference: the plain module on every rank's tokens (the same counts on each)
+    plain = GroupedExperts()
+    xs = [torch.randn(rows, DIM, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    xs = [t.requires_grad_() for t in xs]
+    sum((plain(t, counts) + t).sum() for t in xs).backward()
+    received = rows * dist.get_world_size() if dist.get_rank() == 0 else 0
+    return {
+        "x_grad": (xin.grad - xs[dist.get_rank()].grad).abs().max().item(),
+        "bytes": stats.bytes_by_axis["expert"],
+        # the counts, then each row's DIM floats: sent out and back, forward and backward
+        "expected": 8 * NUM_EXPERTS + 2 * 4 * DIM * (rows + received),
+    }
+
+
+def test_an_expert_output_cut_off_from_autograd_does_not_hang_the_backward(pool2) -> None:
+    """Rank 1's experts get no token and return ``zeros_like(x)``: it still runs the two
+    backward all-to-alls rank 0 waits in (within the hang guard's minute), the input
+    gradients are the plain module's, and each rank counts every byte it sends, rank 1 its
+    backward send too."""
+    for result in pool2.run(cut_off_worker):
+        assert "error" not in result, result
+        assert result["x_grad"] < 1e-6, result
+        assert result["bytes"] == result["expected"], result
+
+
 def bad_worker() -> str:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("expert",))
@@ -100,6 +153,66 @@ def bad_worker() -> str:
 def test_experts_that_do_not_split_are_named(pool2) -> None:
     for message in pool2.run(bad_worker):
         assert "'w1'" in message and "multiple of the expert mesh's 2 ranks" in message
+
+
+class ListedExperts(nn.Module):
+    """Experts as a ModuleList (not stacked): each Linear's dim 0 is its output features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(NUM_EXPERTS))
+
+
+class SharedScale(GroupedExperts):
+    """A scale every expert shares, inside the experts module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(DIM))
+
+
+def refusals_worker() -> dict:
+    import transformers
+
+    world = dist.get_world_size()
+    expert = init_device_mesh("cpu", (world,), mesh_dim_names=("expert",))
+    tensor = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=DIM, moe_intermediate_size=4, num_experts=NUM_EXPERTS, num_experts_per_tok=2
+    )
+    cases = {
+        "tensor_mesh": (GroupedExperts(), tensor),
+        "module_list": (ListedExperts(), expert),
+        "shared": (SharedScale(), expert),
+        "transformers": (
+            transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config),
+            expert,
+        ),
+    }
+    errors = {}
+    for key, (module, mesh) in cases.items():
+        try:
+            parallelize_module(module, mesh, fs.ExpertParallel())
+            errors[key] = "accepted"
+        except ValueError as e:
+            errors[key] = str(e)
+    return errors
+
+
+def test_what_is_not_stacked_experts_on_the_expert_mesh_is_refused_by_name(pool2) -> None:
+    """A mesh other than mesh["expert"], a ModuleList of experts, a weight shared by every
+    expert inside the module, and transformers' experts signature: each a ValueError at
+    parallelize_module that names the module or parameter and says what was expected."""
+    errors = pool2.run(refusals_worker)[0]
+    assert "expected the 1-D expert mesh" in errors["tensor_mesh"], errors
+    assert "('tensor',)" in errors["tensor_mesh"], errors
+    assert "'experts.0.weight' belongs to a submodule" in errors["module_list"], errors
+    assert "ModuleList" in errors["module_list"], errors
+    assert f"'scale' of shape ({DIM},)" in errors["shared"], errors
+    assert f"other parameters stack {NUM_EXPERTS}" in errors["shared"], errors
+    message = errors["transformers"]
+    assert "Qwen3MoeExperts" in message and "top_k_index" in message, errors
+    assert "apply_expert_parallelism" in message and "router" not in message, errors
 
 
 def router_worker() -> str:
@@ -221,12 +334,34 @@ def ep_train_worker(strategy: str, shard: int, replicate: int, expert: int) -> d
             losses[-1] -= loss.item()
     full = fs.full_params(state)
     err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
-    return {"err": err, "loss": max(abs(v) for v in losses), "a2a": stats.bytes_by_axis["expert"]}
+    planned = fs.plan(
+        model,
+        world_size=world,
+        shard=shard,
+        replicate=replicate,
+        expert=expert,
+        strategy=strategy,
+        microbatches=2,
+        routing=fs.Routing(rows=8, width=DIM),  # rows a step (a rank routes 8, top-1)
+    )
+    return {
+        "err": err,
+        "loss": max(abs(v) for v in losses),
+        "a2a": stats.bytes_by_axis["expert"],
+        "calls": stats.calls["all_to_all"],
+        "planned": (2 * planned.comm_by_axis["expert"], 2 * planned.calls["all_to_all"]),
+    }
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_expert_parallel_trains_through_fs_init_as_one_process(pool4, strategy) -> None:
+    """...and its all-to-alls, the rows and the counts' exchange, as ``fs.plan`` predicts
+    them: each rank's calls, and its bytes summed over the ranks as the plan's balanced
+    routing sums them (every rank routes 8 rows a step)."""
     for mesh in ((4, 1, 2), (2, 2, 2)):
-        for result in pool4.run(ep_train_worker, strategy, *mesh):
+        results = pool4.run(ep_train_worker, strategy, *mesh)
+        for result in results:
             assert result["err"] < 1e-5 and result["loss"] < 1e-5, (mesh, result)
-            assert result["a2a"] > 0, result
+            assert result["calls"] == result["planned"][1], (mesh, result)
+        measured = sum(r["a2a"] for r in results)
+        assert measured == 4 * results[0]["planned"][0] > 0, (mesh, results)

@@ -134,6 +134,20 @@ def test_meta_model_and_errors():
     )
 
 
+def test_a_plain_model_with_experts_is_refused_not_planned_dense():
+    """``expert=E`` needs the experts' placement: a plain model or a table of shapes would
+    plan every expert as a dense weight (gathered and reduced whole), so both are refused."""
+    import helpers_experts as moe
+
+    with torch.device("meta"):
+        model = moe.make_model()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for params in (model, shapes):
+        with pytest.raises(ValueError, match=r"expert=2.*planned as a dense weight"):
+            fs.plan(params, world_size=4, expert=2)
+    assert fs.plan(model, world_size=4).numel == sum(p.numel() for p in model.parameters())
+
+
 def _state_bytes(state) -> int:
     tensors = [t for t in fs.tree.leaves(state) if isinstance(t, torch.Tensor)]
     seen = {}

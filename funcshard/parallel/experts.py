@@ -14,6 +14,8 @@ module over all ranks' tokens.
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from funcshard.distributed import ops
+from funcshard.distributed.dims import EXPERT
 
 __all__ = ["ExpertParallel", "route"]
 
@@ -60,8 +63,11 @@ class ExpertParallel(ParallelStyle):
     (see the module's docstring).
 
     Raises (at ``parallelize_module``):
-      ValueError: a mesh of more than one dim, or a parameter whose dim 0 (its experts) the
-        mesh's size does not divide, naming it.
+      ValueError: a mesh other than a 1-D one named "expert" (``mesh["expert"]``); a module
+        with transformers' experts signature (``forward(hidden_states, top_k_index,
+        top_k_weights)``); a parameter of a submodule (a ``ModuleList`` of experts), one whose
+        dim 0 is not the number of experts the others stack (a weight shared by every
+        expert), or whose dim 0 the mesh's size does not divide, naming it.
 
     Raises (in the forward, on every rank of the expert group):
       ValueError: a rank's ``num_tokens_per_expert`` not of one entry per expert (a router
@@ -71,18 +77,16 @@ class ExpertParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if device_mesh.ndim != 1:
+        if device_mesh.ndim != 1 or device_mesh.mesh_dim_names != (EXPERT,):
             raise ValueError(
-                f"ExpertParallel: expected the 1-D expert mesh (mesh['expert']), got a mesh of "
-                f"dims {device_mesh.mesh_dim_names}"
+                f"ExpertParallel on {type(module).__name__}: expected the 1-D expert mesh "
+                f"(mesh['expert'] of fs.make_mesh(..., expert=E)), got a mesh of dims "
+                f"{device_mesh.mesh_dim_names}"
             )
-        size = device_mesh.size()
-        for name, p in module.named_parameters():
-            if p.dim() == 0 or p.shape[0] % size:
-                raise ValueError(
-                    f"ExpertParallel: parameter {name!r} of shape {tuple(p.shape)}: expected "
-                    f"experts stacked on dim 0, a multiple of the expert mesh's {size} ranks"
-                )
+        _check_signature(module)
+        _check_stacked(module, device_mesh.size())
+        # what fs.plan reads: the experts whose counts each forward exchanges
+        module._fs_routed_experts = next((p.shape[0] for p in module.parameters()), 0)
 
         def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for n, p in list(mod.named_parameters(recurse=False)):
@@ -108,14 +112,69 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f"ExpertParallel: bad num_tokens_per_expert ({where})")
         routed = _a2a(x, recvs, sends, group)
         order = _by_expert(grid).to(x.device)
-        module._fs_route = (order, sends, recvs, group)
+        module._fs_route = (order, sends, recvs, group, routed)
         return (routed.index_select(0, order), grid.sum(0).to(inputs[1].device), *inputs[2:])
 
     @staticmethod
     def _combine(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        order, sends, recvs, group = module._fs_route
+        order, sends, recvs, group, routed = module._fs_route
+        del module._fs_route  # the dispatched rows: not held past the layer's forward
+        if routed.requires_grad:
+            # every rank runs both backward all-to-alls its peers wait for, also when the
+            # module's output does not depend on its input (an empty-input path returning
+            # torch.zeros_like(x), cut off from autograd)
+            out = _Tied.apply(out, routed)
         back = torch.empty_like(out).index_copy(0, order, out)  # back to source-rank major
         return _a2a(back, sends, recvs, group)
+
+
+def _check_signature(module: nn.Module) -> None:
+    """Refuses transformers' experts, ``forward(hidden_states, top_k_index, top_k_weights)``
+    (e.g. ``Qwen3MoeExperts``), which this style's ``experts(x, num_tokens_per_expert)`` is
+    not."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return
+    if "top_k_index" in names:
+        raise ValueError(
+            f"ExpertParallel on {type(module).__name__}: its forward{tuple(names)} is "
+            "transformers' experts signature; fs.ExpertParallel takes experts(x, "
+            "num_tokens_per_expert) with x's rows sorted by expert (torchtitan's "
+            "GroupedExperts). Parallelize a transformers model with its own expert "
+            "parallelism (transformers.distributed.expert_parallel.apply_expert_parallelism "
+            "with the model's ep plan on mesh['expert']), then fs.init it: see "
+            "docs/expert-parallel.md"
+        )
+
+
+def _check_stacked(module: nn.Module, size: int) -> None:
+    """Every parameter of ``module`` its own (not a submodule's: a ``ModuleList`` of experts is
+    not stacked) with one number of experts on dim 0, a multiple of ``size``."""
+    params = dict(module.named_parameters())
+    where = f"ExpertParallel on {type(module).__name__}"
+    for name in params:
+        if "." in name:
+            raise ValueError(
+                f"{where}: parameter {name!r} belongs to a submodule; expected the experts "
+                "stacked on dim 0 of the module's own parameters, (num_experts, ...) (a "
+                "ModuleList of experts: stack each weight into one parameter)"
+            )
+    for name, p in params.items():
+        if p.dim() == 0 or p.shape[0] % size:
+            raise ValueError(
+                f"{where}: parameter {name!r} of shape {tuple(p.shape)}: expected experts "
+                f"stacked on dim 0, a multiple of the expert mesh's {size} ranks"
+            )
+    dims = [p.shape[0] for p in params.values()]
+    experts = max(set(dims), key=dims.count) if dims else None
+    for (name, p), dim in zip(params.items(), dims, strict=True):
+        if dim != experts:
+            raise ValueError(
+                f"{where}: parameter {name!r} of shape {tuple(p.shape)}: expected experts "
+                f"stacked on dim 0 as the module's other parameters stack {experts}; a weight "
+                "shared by every expert belongs outside the experts module"
+            )
 
 
 def _bad_counts(counts: torch.Tensor, experts: int, rows: int) -> str:
@@ -135,10 +194,26 @@ def _bad_counts(counts: torch.Tensor, experts: int, rows: int) -> str:
     return ""
 
 
+class _Tied(torch.autograd.Function):
+    """``out`` as it is, in the graph of ``anchor`` (the dispatched rows): backward gives
+    ``anchor`` a zero gradient, so that the dispatch's backward all-to-all runs whatever the
+    experts did with their rows."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.anchor
+        return grad, torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
     """torch's differentiable all-to-all, its bytes counted both ways: those this rank sends
     forward, and in backward the gradient it sends back (the rows it received)."""
-    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    row = math.prod(x.shape[1:]) * x.element_size()  # also with no rows to send forward
     for stats in ops.active():
         stats.record(KIND, sum(in_splits) * row, ops.Axis.EXPERT)
     y = all_to_all_single_autograd(x, out_splits, in_splits, group)

@@ -18,7 +18,14 @@ from funcshard.parallel.axis import ModelAxis
 from funcshard.parallel.expert_axis import ExpertAxis, ExpertLeaf
 from funcshard.planner.inputs import ShapeMesh, param_table, tensor_table
 
-__all__ = ["Routing", "add_all_to_all", "add_expert_row_sums", "expert_table", "model_table"]
+__all__ = [
+    "Routing",
+    "add_all_to_all",
+    "routed_experts",
+    "add_expert_row_sums",
+    "expert_table",
+    "model_table",
+]
 
 
 class _ExpertShape:
@@ -57,10 +64,18 @@ def expert_table(
     ``table`` and ``axis`` as they are (and no expert mesh) without one.
 
     Raises:
-      ValueError: ``expert`` does not divide a parameter's number of experts (named).
+      ValueError: ``expert`` does not divide a parameter's number of experts (named);
+        ``expert > 1`` with a table of shapes or a model without expert DTensors (its
+        experts would be planned as dense weights).
     """
     expert = dims.expert
     if not isinstance(params, nn.Module):
+        if expert > 1:
+            raise ValueError(
+                f"plan: expert={expert} with a table of shapes, which cannot say which "
+                "parameters are experts (each would be planned as a dense weight); pass the "
+                "model after parallelize_module(experts, mesh['expert'], fs.ExpertParallel())"
+            )
         return table, axis, None
     experts = {}
     for name, p in params.named_parameters():
@@ -77,6 +92,14 @@ def expert_table(
         shape, dtype = table[name]
         table[name] = ((shape[0] // expert, *shape[1:]), dtype)
     if not experts:
+        if expert > 1:
+            raise ValueError(
+                f"plan: expert={expert}, but no parameter of the model is an expert DTensor "
+                "(Shard(0) on a mesh with an 'expert' dim): every expert would be planned as a "
+                "dense weight, gathered and reduced whole. Plan the model as fs.init takes it, "
+                "after parallelize_module(experts, mesh['expert'], fs.ExpertParallel()), or "
+                "plan expert=1"
+            )
         return table, axis, None
     sharded = Strategy.parse(strategy).shards_optim
     axis = ExpertAxis(_ExpertShape(expert), experts, axis, sharded)  # type: ignore[arg-type]
@@ -94,6 +117,10 @@ class Routing:
       dtype: the rows' dtype on the wire.
       layers: the MoE layers (each runs 4 all-to-alls a microbatch: dispatch and combine,
         forward and backward).
+      experts: the experts of each layer whose token counts (int64) ``fs.ExpertParallel``
+        exchanges before each dispatch (one more all-to-all a layer and microbatch); None:
+        read from the planned model's ``fs.ExpertParallel`` modules (none for a model that
+        routes its tokens itself, as :attr:`bytes` counts the rows only).
 
     >>> Routing(rows=8, width=4).bytes
     512
@@ -103,16 +130,31 @@ class Routing:
     width: int
     dtype: torch.dtype = torch.float32
     layers: int = 1
+    experts: int | None = None
 
     def __post_init__(self) -> None:
-        if self.rows < 0 or self.width < 0 or self.layers < 1:
-            raise ValueError(f"plan: routing {self}: rows, width >= 0 and layers >= 1 expected")
+        if self.rows < 0 or self.width < 0 or self.layers < 1 or (self.experts or 0) < 0:
+            raise ValueError(
+                f"plan: routing {self}: rows, width, experts >= 0 and layers >= 1 expected"
+            )
 
     @property
     def bytes(self) -> int:
         """Bytes this rank sends by all-to-all per step when routing is balanced (each rank
         then receives as many rows as it sends): every row out and back, forward and backward."""
         return 4 * self.rows * self.width * self.dtype.itemsize
+
+
+def routed_experts(model: object, routing: Routing | None) -> list[int]:
+    """The experts of each exchange of counts a microbatch makes: ``routing.experts`` for each
+    of its layers, or those of ``model``'s ``fs.ExpertParallel`` modules."""
+    if routing is None:
+        return []
+    if routing.experts is not None:
+        return [routing.experts] * routing.layers if routing.experts else []
+    if not isinstance(model, nn.Module):
+        return []
+    return [m._fs_routed_experts for m in model.modules() if hasattr(m, "_fs_routed_experts")]
 
 
 def add_all_to_all(
@@ -122,14 +164,18 @@ def add_all_to_all(
     comm: dict[str, int],
     calls: dict[str, int],
     by_axis: dict[str, int],
+    counts: list[int] = (),  # type: ignore[assignment]
 ) -> None:
     """Adds the all-to-alls of ``routing`` over an expert axis of ``expert`` ranks (none on
-    one rank, as ``funcshard.distributed.ops`` skips a group of one)."""
+    one rank, as ``funcshard.distributed.ops`` skips a group of one), and the exchanges of
+    ``counts`` (:func:`routed_experts`: int64 counts, one all-to-all each a microbatch)."""
     if expert == 1 or routing is None:
         return
-    comm["all_to_all"] = comm.get("all_to_all", 0) + routing.bytes
-    calls["all_to_all"] = calls.get("all_to_all", 0) + 4 * routing.layers * microbatches
-    by_axis["expert"] = by_axis.get("expert", 0) + routing.bytes
+    nbytes = routing.bytes + microbatches * 8 * sum(counts)
+    comm["all_to_all"] = comm.get("all_to_all", 0) + nbytes
+    n = 4 * routing.layers * microbatches + microbatches * len(counts)
+    calls["all_to_all"] = calls.get("all_to_all", 0) + n
+    by_axis["expert"] = by_axis.get("expert", 0) + nbytes
 
 
 def add_expert_row_sums(layout: Layout, expert, add, metric_bytes: int) -> None:

@@ -86,7 +86,13 @@ from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
 from funcshard.parallel.tensor import gather_numel
-from funcshard.planner.experts import Routing, add_all_to_all, add_expert_row_sums, model_table
+from funcshard.planner.experts import (
+    Routing,
+    add_all_to_all,
+    add_expert_row_sums,
+    model_table,
+    routed_experts,
+)
 from funcshard.planner.inputs import (
     ShapeMesh,
     ShapesArg,
@@ -225,6 +231,8 @@ def _memory(
             kept = same and S == 1 and params_lib.param_wire(layout, b) is None  # the master itself
             compute += 0 if kept else S * c_bytes
         grads += g_bytes if sharded_grads else partials * S * g_bytes
+        if sharded_grads and b.expert:  # its unreduced sections, held to the end of backward
+            grads += S * g_bytes
     gathered = 0
     if zero3 and layout.inner.shard_size > 1:
         others = [v for u, v in unit_full.items() if u != ROOT_UNIT]
@@ -335,6 +343,7 @@ def _step_comm(
     dims: MeshDims,
     replica_groups: int,
     routing: Routing | None,
+    model: nn.Module | None = None,
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int], int]:
     """A step's bytes and calls per kind and bytes per axis: the data-parallel collectives,
     Muon's exchange, the replica groups' all-reduce, the all-to-alls; Muon's owner bytes."""
@@ -343,7 +352,8 @@ def _step_comm(
     for axis, nbytes in muon_by_axis.items():
         by_axis[axis] += nbytes
     _replica_groups(layout, replica_groups, dims.world, comm, calls, by_axis)
-    add_all_to_all(dims.expert, routing, microbatches, comm, calls, by_axis)
+    counts = routed_experts(model, routing)
+    add_all_to_all(dims.expert, routing, microbatches, comm, calls, by_axis, counts)
     return comm, calls, by_axis, muon_owner
 
 
@@ -406,7 +416,8 @@ def plan(
         main grads for an 8-bit wire; the loss under "metrics") and the group's heal
         agreement (8 bytes of metrics over "world").
       expert, routing: ``make_mesh(expert=E)``'s degree (experts planned global, as ``fs.init``
-        holds them); a :class:`~funcshard.planner.experts.Routing`: its all-to-alls, "expert".
+        holds them); a :class:`~funcshard.planner.experts.Routing`: its all-to-alls, "expert"
+        (the rows, and the counts ``fs.ExpertParallel`` exchanges before each dispatch).
 
     Returns:
       A :class:`Plan`.
@@ -415,7 +426,9 @@ def plan(
       ValueError: ``tensor=T > 1`` with a model that holds no DTensor parameter and no
         ``tensor_plan`` (it would plan every parameter as replicated), with a table of shapes,
         or with DTensors on a mesh of another size; ``tensor_plan`` with a parallelized model
-        or ``tensor=1``; a mesh whose sizes do not multiply to ``world_size``.
+        or ``tensor=1``; a mesh whose sizes do not multiply to ``world_size``; ``expert=E >
+        1`` with a table of shapes or a model none of whose parameters is an expert DTensor
+        (its experts would be planned as dense weights).
 
     >>> p = plan({"w": (10, 4)}, world_size=4, strategy="optim", optimizer="sgd")
     >>> p.padded_numel, p.memory.master, p.comm["reduce_scatter"]
@@ -439,7 +452,7 @@ def plan(
         tensor=tp,
         expert_mesh=expert_mesh,
     )
-    step = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing)
+    step = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model)
     comm, calls, by_axis, muon_owner = step
     return Plan(
         strategy=layout.strategy,

@@ -24,7 +24,10 @@ class MemoryPlan:
         (0 where no cast is needed).
       grads: the gradient accumulator during a step: the full unreduced gradient under
         ``no_shard`` / ``optim``, the reduced shard under ``optim_grads`` / ``_params``;
-        deterministic with M > 1 microbatches: log2(M) full unreduced partial sums.
+        deterministic with M > 1 microbatches: log2(M) full unreduced partial sums. Under
+        ``optim_grads`` / ``_params`` an expert bucket (``expert=E``) also holds its unreduced
+        rank sections (``S / E`` times its reduced shard: this expert rank's experts whole)
+        from its first gradient to the end of backward, every expert bucket at once.
       opt_state: optimizer state on the device.
       gathered_peak: ZeRO-3, most full (gathered) params alive at once: the root unit plus the
         largest other unit.
