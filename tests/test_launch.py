@@ -27,7 +27,10 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
+from funcshard.distributed import results
 from funcshard.testing import RankPool
+
+_wait = results.wait
 
 _MB = 2**20 // 4  # float32 elements in one MiB
 
@@ -94,6 +97,12 @@ def die_after_barrier(pid_dir: str, dying_rank: int, how: str) -> None:
     time.sleep(600)  # the survivor: the launcher must stop it
 
 
+def die_while_the_other_waits_in_a_collective() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(4))  # rank 0: gloo fails, "Connection closed by peer"
+
+
 def raise_on_rank_1() -> int:
     if dist.get_rank() == 1:
         raise ValueError("rank 1 refuses")
@@ -136,6 +145,25 @@ def test_launch_reports_a_dead_rank_and_stops_the_others(tmp_path, dying_rank, h
     assert sorted(os.listdir(tmp_path)) == ["pid0", "pid1"]
     assert _pids_alive(tmp_path) == []
     assert set(multiprocessing.active_children()) <= before
+
+
+def _late_wait(objs, timeout=None):
+    """A loaded parent's wait: it looks only once every rank has failed (reported or died)."""
+    while len(_wait(objs, timeout=0.05)) < len(objs):
+        pass
+    return _wait(objs, timeout=0)
+
+
+def test_launch_names_the_dead_rank_not_the_collective_it_broke(monkeypatch):
+    """Rank 1 dies while rank 0 waits in an all-reduce, whose gloo error rank 0 then reports.
+    A parent that sees both at once (under load) named rank 0's gloo failure, by rank order;
+    the first cause is rank 1's death, and rank 0's error follows it."""
+    monkeypatch.setattr(results, "wait", _late_wait)
+    with _within(60), pytest.raises(RuntimeError) as e:
+        fs.launch(die_while_the_other_waits_in_a_collective, nproc=2)
+    first, then = str(e.value).split("\n", 1)
+    assert first == "fs.launch: rank 1 died without a result (exit code 3)"
+    assert "then (by time): rank 0 raised" in then
 
 
 def test_launch_reraises_a_rank_exception_with_its_traceback():

@@ -160,10 +160,10 @@ def _raise_spoiled(
     try:
         agreement.raise_if_failed(f"{by}: {what}", error)
     except BaseException as e:
-        first_line = (str(e).splitlines() or [""])[0]
-        like.spoil(
+        cause = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        like.spoil(  # the whole cause: on the other ranks it is the failed ranks' errors
             f"{by}, which failed while {what} after every rank had checked the checkpoint "
-            f"({type(e).__name__}: {first_line}); its buffers hold part of the checkpoint: "
+            f"({type(e).__name__}: {cause}); its buffers hold part of the checkpoint: "
             "build a fresh state with fs.init and restore into it"
         )
         raise

@@ -213,15 +213,30 @@ def verify(
       ChecksumError: naming the leaf, the file and the byte range of the first bad block.
     """
     for i, (lo, got) in enumerate(_crcs(data, block_bytes)):
-        b = first_block + i
-        want = recorded[b] if b < len(recorded) else None
-        if got != want:
-            hi = lo + min(block_bytes, len(data) - lo)
-            found = "no checksum recorded" if want is None else f"recorded {want:#010x}"
-            raise ChecksumError(
-                f"checksum mismatch in {leaf}: file {file}, bytes {at + lo}:{at + hi}: "
-                f"crc32c {got:#010x}, {found}; the checkpoint is damaged"
-            )
+        hi = lo + min(block_bytes, len(data) - lo)
+        verify_crc(got, first_block + i, recorded, leaf=leaf, file=file, span=(at + lo, at + hi))
+
+
+def verify_crc(
+    got: int, block: int, recorded: list[int], *, leaf: str, file: str, span: tuple[int, int]
+) -> None:
+    """Checks one block's crc32c ``got`` (computed as it streamed by) against the recorded.
+
+    Raises:
+      ChecksumError: naming the leaf, the file and the block's byte range ``span``.
+    """
+    want = recorded[block] if block < len(recorded) else None
+    if got != want:
+        found = "no checksum recorded" if want is None else f"recorded {want:#010x}"
+        raise ChecksumError(
+            f"checksum mismatch in {leaf}: file {file}, bytes {span[0]}:{span[1]}: "
+            f"crc32c {got:#010x}, {found}; the checkpoint is damaged"
+        )
+
+
+def crc_update(data: memoryview, crc: int = 0) -> int:
+    """``crc`` (a crc32c of the bytes before ``data``) continued over ``data``."""
+    return crc32c.crc32c(data, value=crc)
 
 
 def _crcs(data: memoryview, block_bytes: int) -> Iterator[tuple[int, int]]:

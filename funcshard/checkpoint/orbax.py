@@ -333,17 +333,17 @@ class OrbaxSource:
     def _verify_blocks(
         self, fd: storage.Reader, lo: int, hi: int, size: int, crcs: list[int], leaf: str, path: str
     ) -> None:
-        """Reads the checksum blocks around bytes ``[lo, hi)`` of a chunk file one at a time
-        into one block of scratch and verifies each (what ``_pread_verified`` checks)."""
+        """Streams the checksum blocks around bytes ``[lo, hi)`` of a chunk file through a
+        piece of scratch (``files.PIECE_BYTES`` at most) and verifies each (what
+        ``_pread_verified`` checks)."""
         first, a, b = checksums_lib.blocks_of(lo, hi, size, self.block_bytes)
         step = self.block_bytes
-        scratch = memoryview(bytearray(min(step, b - a)))
+        scratch = memoryview(bytearray(min(files.PIECE_BYTES, b - a)))
         for at in range(a, b, step):
-            block = scratch[: min(step, b - at)]
-            files.pread(fd, block, at, leaf, path)
-            checksums_lib.verify(
-                block, first + (at - a) // step, crcs, step, leaf=leaf, file=path, at=at
-            )
+            end = min(at + step, b)
+            crc = files.pread_crc(fd, (at, end), scratch, 0, leaf, path)
+            block = first + (at - a) // step
+            checksums_lib.verify_crc(crc, block, crcs, leaf=leaf, file=path, span=(at, end))
         stats.count_checked(b - a)
 
     def _pread_verified(
@@ -358,26 +358,29 @@ class OrbaxSource:
         path: str,
     ) -> None:
         """Bytes ``[lo, hi)`` of a chunk file into ``out``, reading the whole checksum blocks
-        around them and verifying each: the blocks inside ``[lo, hi)`` straight into ``out``,
-        the (at most two) it cuts through into one block of scratch."""
+        around them and verifying each: every byte of ``[lo, hi)`` straight into ``out``; the
+        bytes of the (at most two) blocks it cuts through that lie outside it stream through
+        a piece of scratch (``files.PIECE_BYTES`` at most, no more than they are), their
+        crc32c continued around the part in ``out``."""
         assert self.checksums is not None
         first, a, b = checksums_lib.blocks_of(lo, hi, size, self.block_bytes)
         step = self.block_bytes
-        scratch: memoryview | None = None
+        outside = max(lo - a, b - hi)  # the most bytes of one cut block outside [lo, hi)
+        scratch = memoryview(bytearray(min(files.PIECE_BYTES, outside))) if outside else None
         for at in range(a, b, step):  # each block checked while it is in cache
             end = min(at + step, b)
-            if lo <= at and end <= hi:
-                block = out[at - lo : end - lo]
+            c0, c1 = max(lo, at), min(hi, end)
+            inside = out[c0 - lo : c1 - lo]
+            files.pread(fd, inside, c0, leaf, path)
+            if (c0, c1) == (at, end):
+                crc = checksums_lib.crc_update(inside)
             else:
-                scratch = scratch or memoryview(bytearray(step))
-                block = scratch[: end - at]
-            files.pread(fd, block, at, leaf, path)
-            checksums_lib.verify(
-                block, first + (at - a) // step, crcs, step, leaf=leaf, file=path, at=at
-            )
-            if not (lo <= at and end <= hi):
-                c0, c1 = max(lo, at), min(hi, end)
-                out[c0 - lo : c1 - lo] = block[c0 - at : c1 - at]
+                assert scratch is not None
+                crc = files.pread_crc(fd, (at, c0), scratch, 0, leaf, path)
+                crc = checksums_lib.crc_update(inside, crc)
+                crc = files.pread_crc(fd, (c1, end), scratch, crc, leaf, path)
+            block = first + (at - a) // step
+            checksums_lib.verify_crc(crc, block, crcs, leaf=leaf, file=path, span=(at, end))
         if (a, b) != (lo, hi):
             stats.count_verified(b - a - (hi - lo))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from funcshard.checkpoint import storage
+from funcshard.checkpoint.checksums import crc_update
 from funcshard.checkpoint.format import (
     COMMIT_FILE,
     METADATA_FILE,
@@ -15,13 +16,35 @@ from funcshard.checkpoint.format import (
     read_commit_mark,
 )
 
-__all__ = ["dtype_name", "marks", "pread", "resolve_orbax_item", "version"]
+__all__ = ["dtype_name", "marks", "pread", "pread_crc", "resolve_orbax_item", "version"]
+
+# Bytes a verified read streams through scratch at a time (checksum blocks are 1 MiB): a
+# block's bytes that no target holds pass a piece at a time, their crc32c continued, so a
+# rank's restore holds this much a read thread, not a block, whatever the state's size.
+PIECE_BYTES = 64 << 10
 
 
 def pread(fd: storage.Reader, out: memoryview, offset: int, leaf: str, chunk: int | str) -> None:
     got = fd.preadv([out], offset) if len(out) else 0
     if got != len(out):
         raise OSError(f"{leaf}: chunk {chunk} is short ({got} of {len(out)} bytes)")
+
+
+def pread_crc(
+    fd: storage.Reader,
+    span: tuple[int, int],
+    scratch: memoryview,
+    crc: int,
+    leaf: str,
+    chunk: int | str,
+) -> int:
+    """``crc`` continued over bytes ``span`` (``[lo, hi)``) of ``fd``, read through
+    ``scratch`` a piece at a time (the bytes are kept nowhere)."""
+    for at in range(span[0], span[1], len(scratch)):
+        piece = scratch[: min(len(scratch), span[1] - at)]
+        pread(fd, piece, at, leaf, chunk)
+        crc = crc_update(piece, crc)
+    return crc
 
 
 def resolve_orbax_item(path: str) -> tuple[str, str, bool]:

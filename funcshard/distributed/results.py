@@ -10,24 +10,29 @@ Two failure modes of a ``multiprocessing`` queue are impossible here:
   dtype; a view travels with its whole storage (as with ``torch.save``). The cost is one
   copy of the result in each process while it travels.
 * The parent waits on each rank's pipe *and* its process sentinel, so a rank that dies
-  without answering (``os._exit``, a signal, the OOM killer) is reported at once, with its
-  exit code or signal, instead of being waited for forever.
+  without answering (``os._exit``, a signal, the OOM killer) is reported within
+  ``SETTLE_S`` seconds, with its exit code or signal, instead of being waited for forever.
+  The error names the first cause (the dead rank, not the rank whose collective failed
+  because it died) and lists the other failures after it.
 """
 
 from __future__ import annotations
 
 import io
 import signal
+import struct
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 _OK, _ERR = b"R", b"E"
+_TIME = struct.Struct("<d")  # an error report's time.time() of the raise, after _ERR
+SETTLE_S = 2.0  # seconds the other ranks get, once one failed, to show the first cause
 
 
 def call_and_send(conn: Connection, fn: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
@@ -44,7 +49,8 @@ def call_and_send(conn: Connection, fn: Callable[..., Any], args: tuple, kwargs:
         torch.save(fn(*args, **kwargs), buf)
         payload, ok = buf.getbuffer(), True
     except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
-        payload, ok = _ERR + traceback.format_exc().encode(), False
+        when = _TIME.pack(time.time())
+        payload, ok = _ERR + when + traceback.format_exc().encode(), False
     conn.send_bytes(payload)
     return ok
 
@@ -64,19 +70,67 @@ def describe_exit(proc: BaseProcess) -> str:
     return f"exit code {code}"
 
 
+class _Failure(NamedTuple):
+    """One rank's failure: it died without a result (``silent``) or raised (its report)."""
+
+    silent: bool
+    when: float  # time.time(): when the rank raised, or when its death was seen
+    rank: int
+    text: str  # "rank 1 died without a result (exit code 3)" or "rank 0 raised:\n<traceback>"
+
+    def summary(self) -> str:
+        """The first line, or the raised exception's line (a traceback's last line)."""
+        lines = self.text.rstrip().splitlines()
+        return lines[0] if self.silent else f"rank {self.rank} raised {lines[-1].strip()}"
+
+
+def _first_cause(failures: list[_Failure], who: str) -> RuntimeError:
+    """The error of the failure that came first, listing the others after it.
+
+    A rank that died without a result (``os._exit``, a signal, the OOM killer) comes first: it
+    could not have been a consequence of a report, whereas a rank waiting in a collective with
+    it raises *because* it died, and under load the parent sees both at once. Among the silent
+    deaths the one seen first; otherwise the report raised first (its rank's clock, carried in
+    the report). Never rank order, nor the order in which the reports arrived.
+    """
+    first, *rest = sorted(failures, key=lambda f: (not f.silent, f.when, f.rank))
+    text = f"{who}: {first.text}"
+    if rest:
+        then = "; ".join(f.summary() for f in rest)
+        text += f"\n{who}: first cause above; then (by time): {then}"
+    return RuntimeError(text)
+
+
+def _read(conn: Connection, proc: BaseProcess, conn_ready: bool) -> bytes | None:
+    """The rank's answer; None with the rank still running (its sentinel raced ahead); raises
+    EOFError when it died without one."""
+    try:
+        data = conn.recv_bytes() if conn.poll() else None
+    except (EOFError, OSError):
+        data = None
+    if data is None and (conn_ready or not proc.is_alive()):
+        raise EOFError
+    return data
+
+
 def gather(
     conns: Sequence[Connection],
     procs: Sequence[BaseProcess],
     who: str,
     timeout: float | None = None,
+    settle: float = SETTLE_S,
 ) -> list[Any]:
     """Receives one answer per rank (``conns[r]`` is rank ``r``'s pipe, ``procs[r]`` its process).
+
+    After the first failure the other ranks get ``settle`` more seconds to answer or die, so
+    that the error names the first cause (see :func:`_first_cause`) and lists the others.
 
     Args:
       conns: the parent's read ends, one per rank.
       procs: the ranks' processes, in the same order.
       who: the caller's name, for the error messages.
       timeout: seconds to wait for all answers; ``None`` waits as long as every rank lives.
+      settle: seconds to wait for the other ranks once one has failed.
 
     Returns:
       The results in rank order.
@@ -88,33 +142,45 @@ def gather(
     """
     pending = dict(enumerate(conns))
     results: dict[int, Any] = {}
+    failures: list[_Failure] = []
     deadline = None if timeout is None else time.monotonic() + timeout
+    settling = False
     while pending:
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         sentinels = {procs[r].sentinel: r for r in pending}
         ready = wait([*pending.values(), *sentinels], timeout=left)
         if not ready:
-            raise RuntimeError(f"{who}: no answer from rank(s) {sorted(pending)} within {timeout}s")
+            break
         # Pipes first: a rank that answered and then exited has its whole answer in the pipe.
         for r, conn in list(pending.items()):
             if conn not in ready and procs[r].sentinel not in ready:
                 continue
             try:
-                data = conn.recv_bytes() if conn.poll() else None
-            except (EOFError, OSError):
-                data = None
+                data = _read(conn, procs[r], conn in ready)
+            except EOFError:
+                seen = time.time()
+                died = f"rank {r} died without a result ({describe_exit(procs[r])})"
+                failures.append(_Failure(True, seen, r, died))
+                del pending[r]
+                continue
             if data is None:
-                if procs[r].is_alive() and conn not in ready:
-                    continue  # only its sentinel raced ahead; look again
-                raise RuntimeError(
-                    f"{who}: rank {r} died without a result ({describe_exit(procs[r])})"
-                )
+                continue  # only its sentinel raced ahead; look again
+            del pending[r]
             if data[:1] == _ERR:
-                raise RuntimeError(f"{who}: rank {r} raised:\n{data[1:].decode()}")
+                (when,) = _TIME.unpack_from(data, 1)
+                body = data[1 + _TIME.size :].decode()
+                failures.append(_Failure(False, when, r, f"rank {r} raised:\n{body}"))
+                continue
             buf = io.BytesIO(data)
             buf.seek(1)
             results[r] = torch.load(buf, weights_only=False)  # our own rank's bytes
-            del pending[r]
+        if failures and not settling:  # once: the others get ``settle`` seconds from now
+            settling, until = True, time.monotonic() + settle
+            deadline = until if deadline is None else min(deadline, until)
+    if failures:
+        raise _first_cause(failures, who)
+    if pending:
+        raise RuntimeError(f"{who}: no answer from rank(s) {sorted(pending)} within {timeout}s")
     return [results[r] for r in range(len(conns))]
 
 

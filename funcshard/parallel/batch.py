@@ -99,40 +99,70 @@ class TensorBatchCheck:
         )
 
 
-# the integer word of each element size: a leaf's bytes read as integers, exactly
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 17  # int64 words a fingerprint reads at a time: its scratch is one MiB at most
 
 
 def batch_fingerprint(batch: Any, device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
     """``(paths, fingerprint)``: per batch leaf (by its path), three int64 that change with
-    any change of its bytes, shape or dtype: a CRC of shape and dtype, the sum of its
-    elements read as integers and their sum weighted by odd position factors (modulo 2^64,
-    so the same bits give the same sums in any order; rows swapped change the weighted one).
-    Computed on the leaf's device, no copy of the batch; ``fingerprint`` is ``(leaves, 3)``
-    on ``device``.
+    any change of its bytes, shape or dtype: a CRC of shape and dtype, the sum of its bytes
+    read as int64 words (the last one zero-padded) and their sum weighted by odd position
+    factors (modulo 2^64, so the same bits give the same sums in any order; a single word
+    apart changes both, rows swapped the weighted one). Computed on the leaf's device
+    over a view of its bytes, never widened: the scratch is one chunk of weights (1 MiB at
+    most) whatever the batch; ``fingerprint`` is ``(leaves, 3)`` on ``device``.
 
     >>> paths, fp = batch_fingerprint({"x": torch.arange(4)}, torch.device("cpu"))
     >>> paths, fp[0, 1:].tolist()
     (('x',), [6, 34])
+
+    Raises:
+      TypeError: a batch leaf that is not a tensor (named by its path), as ``train_step``'s
+        split would.
     """
     leaves = optree.tree_leaves(batch)
     paths = tuple("/".join(map(str, p)) or "<batch>" for p in optree.tree_paths(batch))
     rows = []
-    for leaf in leaves:
-        words = _words(leaf.detach())
-        odd = torch.arange(1, 2 * words.numel(), 2, dtype=torch.int64, device=words.device)
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"batch leaf {path!r}: expected a tensor with a batch dim, got {leaf!r}"
+            )
         head = zlib.crc32(f"{tuple(leaf.shape)} {leaf.dtype}".encode())
-        sums = torch.stack([words.sum(), (words * odd).sum()]).to(device)
+        sums = _word_sums(_bytes(leaf.detach())).to(device)
         rows.append(torch.cat([sums.new_tensor([head]), sums]))
     if not rows:
         return paths, torch.zeros(0, 3, dtype=torch.int64, device=device)
     return paths, torch.stack(rows)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as int64 of the same bits (an integer word per element; bytes for
-    element sizes without one), flattened."""
-    word = _WORDS.get(t.element_size())
-    if word is None:
-        t, word = t.contiguous().reshape(-1).view(torch.uint8), torch.uint8
-    return t.view(word).reshape(-1).to(torch.int64)
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat uint8: a view where ``t`` is contiguous and starts on a word (a copy
+    otherwise), so int64 words of it are views too."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    elif (t.storage_offset() * t.element_size()) % 8:
+        t = t.clone()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _word_sums(flat: torch.Tensor) -> torch.Tensor:
+    """``[sum(w), sum((2i + 1) * w_i)]`` (int64, modulo 2^64) of ``flat``'s bytes read as
+    int64 words ``w``, a chunk at a time; the weights and their products share one buffer."""
+    whole = flat.numel() // 8
+    scratch = torch.empty(min(max(whole, 1), _CHUNK), dtype=torch.int64, device=flat.device)
+    plain = torch.zeros((), dtype=torch.int64, device=flat.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    words = flat[: whole * 8].view(torch.int64)
+    for start in range(0, whole, _CHUNK):
+        part = words[start : start + _CHUNK]
+        odd = scratch[: part.numel()]
+        torch.arange(2 * start + 1, 2 * (start + part.numel()), 2, out=odd)
+        plain += part.sum()
+        weighted += odd.mul_(part).sum()
+    if flat.numel() > whole * 8:  # the tail: under 8 bytes, zero-padded to one word
+        last = torch.zeros(8, dtype=torch.uint8, device=flat.device)
+        last[: flat.numel() - whole * 8] = flat[whole * 8 :]
+        word = last.view(torch.int64)[0]
+        plain += word
+        weighted += word * (2 * whole + 1)
+    return torch.stack([plain, weighted])

@@ -237,10 +237,13 @@ def _on_expert_axis(p: torch.Tensor, expert_mesh: DeviceMesh | None) -> bool:
     return EXPERT in (p.device_mesh.mesh_dim_names or ())
 
 
-def read_axes(model: nn.Module, mesh: DeviceMesh, *, over_shard: bool = True) -> ModelAxis:
+def read_axes(
+    model: nn.Module, mesh: DeviceMesh, *, over_shard: bool = True, check_batch: bool = True
+) -> ModelAxis:
     """The model-parallel axis of ``model`` on ``mesh``: its experts (DTensors ``Shard(0)`` on
     ``mesh["expert"]``) over its tensor axis (:func:`funcshard.parallel.tensor.read_model`).
-    ``over_shard``: the strategy shards over "shard" (:attr:`ExpertAxis.over_shard`).
+    ``over_shard``: the strategy shards over "shard" (:attr:`ExpertAxis.over_shard`);
+    ``check_batch``: the tensor axis checks the batch (``fs.init(check_tensor_batch=...)``).
 
     Raises:
       ValueError: an expert DTensor on a mesh other than ``mesh["expert"]`` (or on a mesh
@@ -259,7 +262,9 @@ def read_axes(model: nn.Module, mesh: DeviceMesh, *, over_shard: bool = True) ->
                 "the experts on that mesh"
             )
         experts[name] = _expert_leaf(name, p, expert_mesh)
-    inner = read_tensor_axis(model, mesh_lib.tensor_axis(mesh), skip=experts)
+    inner = read_tensor_axis(
+        model, mesh_lib.tensor_axis(mesh), skip=experts, check_batch=check_batch
+    )
     return ExpertAxis(expert_mesh, experts, inner, over_shard) if experts else inner
 
 

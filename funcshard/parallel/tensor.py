@@ -91,10 +91,12 @@ class TensorParallel:
     """The tensor axis of a state: its 1-D mesh and every DTensor parameter's placement.
 
     Plain parameters of the model are replicated over "tensor" (each tensor rank holds and
-    trains the same values)."""
+    trains the same values). ``check_batch``: ``train_step`` checks that every rank of a
+    tensor group passes the same batch (``fs.init(check_tensor_batch=...)``)."""
 
     mesh: DeviceMesh
     leaves: Mapping[str, TensorLeaf]
+    check_batch: bool = True
 
     @property
     def size(self) -> int:
@@ -237,7 +239,7 @@ class TensorParallel:
     def batch_check(self, batch: Any, device: torch.device) -> BatchCheck:
         """Torch TP's rule, checked: every rank of a tensor group steps on the same batch
         (:class:`funcshard.parallel.batch.TensorBatchCheck`)."""
-        if self.size == 1:
+        if self.size == 1 or not self.check_batch:
             return NO_CHECK
         return TensorBatchCheck(self, batch, device)
 
@@ -250,10 +252,15 @@ class TensorParallel:
 
 
 def read_model(
-    model: nn.Module, tensor_mesh: DeviceMesh | None, *, skip: Collection[str] = ()
+    model: nn.Module,
+    tensor_mesh: DeviceMesh | None,
+    *,
+    skip: Collection[str] = (),
+    check_batch: bool = True,
 ) -> ModelAxis:
     """The tensor axis of ``model``'s DTensor parameters (None for a plain model on a mesh
-    without one); ``skip``: parameters another axis has taken (experts).
+    without one); ``skip``: parameters another axis has taken (experts); ``check_batch``:
+    :attr:`TensorParallel.check_batch`.
 
     Raises:
       ValueError: a DTensor on a mesh other than ``tensor_mesh`` (or on a mesh without a tensor
@@ -277,7 +284,7 @@ def read_model(
         leaves[name] = leaf_of(name, p)
     if tensor_mesh is None:
         return NO_AXIS
-    return TensorParallel(tensor_mesh, leaves)
+    return TensorParallel(tensor_mesh, leaves, check_batch)
 
 
 def _where(name: str, p: DTensor) -> str:

@@ -48,6 +48,7 @@ def init(
     fault_tolerance: FaultTolerance | None = None,
     check_replicas_every: int = 0,
     cuda_graphs: bool = False,
+    check_tensor_batch: bool = True,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -90,6 +91,10 @@ def init(
       check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
         an input state whose step is a positive multiple of N, before donating it; 0: never.
       cuda_graphs: inductor's ``mode="reduce-overhead"`` (CUDA graph trees); off CUDA, ValueError.
+      check_tensor_batch: with a tensor axis, ``train_step`` checks that every rank of a
+        tensor group passes the same batch (a fingerprint of it, all-gathered over "tensor"
+        with the loss: docs/tensor-parallel.md); False skips it, for a data loader known to
+        follow torch TP's rule.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
@@ -109,7 +114,12 @@ def init(
     backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
     policy = policy or MixedPrecisionPolicy()
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
-    tensor = expert_lib.read_axes(model, mesh, over_shard=Strategy.parse(strategy).shards_optim)
+    tensor = expert_lib.read_axes(
+        model,
+        mesh,
+        over_shard=Strategy.parse(strategy).shards_optim,
+        check_batch=check_tensor_batch,
+    )
     named = expert_lib.layout_params(model, tensor)
     guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
     layout = build_layout(
