@@ -34,7 +34,14 @@ class ModelBuffers:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelBuffers:
-        """The persistent plain-tensor buffers of ``model`` (see the module docstring)."""
+        """The persistent plain-tensor buffers of ``model`` (see the module docstring).
+
+        Raises:
+          TypeError: a buffer of a dtype no checkpoint can hold (named, with its dtype).
+        """
+        # imported here: the checkpoint package imports the state's modules
+        from funcshard.checkpoint.format import ZARR_DTYPE
+
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         names = [
             n
@@ -44,6 +51,15 @@ class ModelBuffers:
             and not isinstance(t, DTensor)
             and t.device.type != "meta"
         ]
+        for n in names:
+            dtype = model.get_buffer(n).dtype
+            if dtype not in ZARR_DTYPE:
+                raise TypeError(
+                    f"init: the model's persistent buffer {n!r} has dtype {dtype}, which no "
+                    "checkpoint can hold (saved: "
+                    + ", ".join(str(d).removeprefix("torch.") for d in ZARR_DTYPE)
+                    + "); register it with persistent=False, or keep it in one of those"
+                )
         return cls(model, tuple(names))
 
     def get(self, name: str) -> torch.Tensor:

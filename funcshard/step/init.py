@@ -111,6 +111,7 @@ def init(
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
     tensor = expert_lib.read_axes(model, mesh, over_shard=Strategy.parse(strategy).shards_optim)
     named = expert_lib.layout_params(model, tensor)
+    buffers = ModelBuffers.of(model)  # refused before a fault-tolerant group joins
     guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
     layout = build_layout(
         {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
@@ -137,7 +138,7 @@ def init(
         opt_state=opt.init(layout.per_bucket(master)),
         step=0,
         loss_scale=_initial_loss_scale(layout),
-        static=Static(layout, opt, backend, guard, every, ModelBuffers.of(model)),
+        static=Static(layout, opt, backend, guard, every, buffers),
     )
     return guard.join(state)
 
