@@ -249,3 +249,57 @@ def test_other_buffer_names_and_dtypes_are_named(pool2, tmp_path, case, message)
 def test_a_checkpoint_without_buffers_keeps_the_models(pool2, tmp_path) -> None:
     for kept in pool2.run(other_buffers_worker, str(tmp_path / "ckpt"), "none"):
         assert kept == [5.0, 5.0]
+
+
+def agree_worker(mode: str) -> dict:
+    """Two ZeRO-3 steps on each rank's own batch (BatchNorm's statistics move apart), a
+    nonfinite step, and a buffer corrupted on one rank, under ``fs.init(buffers=mode)``."""
+    mesh = fs.make_mesh(shard=2, device_type="cpu")
+    torch.manual_seed(0)
+    model = Routed()
+    state = fs.init(model, fs.optim.adamw(1e-2), mesh=mesh, buffers=mode)
+
+    def loss_fn(params, batch):
+        out = fs.functional_call(model, params, (batch[0],))
+        return nn.functional.cross_entropy(out, batch[1]) * batch[2][0]
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for scale in (1.0, 1.0):
+        batch = (torch.randn(8, 4, generator=g) * 3, torch.randint(0, 3, (8,), generator=g))
+        state, _ = fs.train_step(state, (*batch, torch.full((8,), scale)), loss_fn)
+    after_two = _persistent(model)
+    fs.check_replicas(state)  # agreeing (broadcast) or not compared (local): no error
+    batch = (torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
+    state, metrics = fs.train_step(state, (*batch, torch.full((8,), float("nan"))), loss_fn)
+    unmoved = _persistent(model)
+    if dist.get_rank() == 1:
+        model.norm.running_var[0] += 1.0
+    try:
+        fs.check_replicas(state)
+        raised = ""
+    except fs.ReplicaMismatchError as e:
+        raised = str(e)
+    return {
+        "after_two": after_two,
+        "skipped": metrics["nonfinite"],
+        "unmoved": unmoved,
+        "raised": raised,
+    }
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "local"])
+def test_buffers_agree_across_ranks_and_a_skipped_step_leaves_them(pool2, mode: str) -> None:
+    first, second = pool2.run(agree_worker, mode)
+    mean = "norm.running_mean"
+    apart = (first["after_two"][mean] - second["after_two"][mean]).abs().max()
+    if mode == "broadcast":  # DDP's rule: every rank holds the first rank's, as saved
+        assert apart == 0
+        assert "'buffers/norm.running_var' over 'world': rank" in first["raised"]
+        assert first["raised"] == second["raised"]
+    else:  # each rank's own statistics, not compared
+        assert apart > 0.01
+        assert first["raised"] == second["raised"] == ""
+    for out in (first, second):
+        assert out["skipped"] == 1
+        for name, value in out["after_two"].items():  # the nonfinite step's forward undone
+            assert torch.equal(out["unmoved"][name], value), name

@@ -24,6 +24,7 @@ from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
 from funcshard.parallel import expert_axis as expert_lib
+from funcshard.state import buffers as buffer_lib
 from funcshard.state import replica_check
 from funcshard.state.buffers import ModelBuffers
 from funcshard.state.derive import derive_compute, pack_masters
@@ -48,6 +49,7 @@ def init(
     fault_tolerance: FaultTolerance | None = None,
     check_replicas_every: int = 0,
     cuda_graphs: bool = False,
+    buffers: str = "broadcast",
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -90,14 +92,22 @@ def init(
       check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
         an input state whose step is a positive multiple of N, before donating it; 0: never.
       cuda_graphs: inductor's ``mode="reduce-overhead"`` (CUDA graph trees); off CUDA, ValueError.
+      buffers: what keeps the model's persistent buffers (which checkpoints carry from one
+        rank) agreeing across the data-parallel ranks: "broadcast" (DDP's rule) sets them to
+        the first rank's values after every applied step, and ``check_replicas`` compares
+        them; "local" leaves each rank's own. A step that changes nothing (nonfinite,
+        not committed) puts back their values from before it either way
+        (:mod:`funcshard.state.buffers`).
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
         or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
         "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``; under
         ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
-        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model.
-      TypeError: ``compile`` neither a bool, a backend name nor a callable.
+        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model;
+        ``buffers`` neither "broadcast" nor "local".
+      TypeError: ``compile`` neither a bool, a backend name nor a callable; a persistent
+        buffer of a dtype no checkpoint holds (named, with its dtype).
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
     """
     if not isinstance(opt, Optimizer):
@@ -111,7 +121,7 @@ def init(
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
     tensor = expert_lib.read_axes(model, mesh, over_shard=Strategy.parse(strategy).shards_optim)
     named = expert_lib.layout_params(model, tensor)
-    buffers = ModelBuffers.of(model)  # refused before a fault-tolerant group joins
+    carried = ModelBuffers.of(model, buffer_lib.mode(buffers))  # refused before a group joins
     guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
     layout = build_layout(
         {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
@@ -138,7 +148,7 @@ def init(
         opt_state=opt.init(layout.per_bucket(master)),
         step=0,
         loss_scale=_initial_loss_scale(layout),
-        static=Static(layout, opt, backend, guard, every, buffers),
+        static=Static(layout, opt, backend, guard, every, carried),
     )
     return guard.join(state)
 

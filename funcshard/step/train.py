@@ -85,7 +85,9 @@ def train_step(
 
     The update uses the mean over data-parallel ranks and microbatches of the gradients of
     ``loss_fn(params, microbatch)``. A step whose gradient is not finite changes nothing but
-    the fp16 loss scale.
+    the fp16 loss scale: the model's persistent buffers that its forward updated in place
+    (BatchNorm's statistics) are put back too. After an applied step they are set to the
+    first data-parallel rank's values (``fs.init``'s ``buffers="broadcast"``, the default).
 
     Returns:
       ``(new_state, metrics)`` with "loss" (global mean), "grad_norm" (global L2 norm of the
@@ -112,6 +114,25 @@ def train_step(
     state, skipped = guard.begin(state)  # replica groups: the step starts together, or not
     if skipped is not None:  # the batch was built for a step this group left
         return state, skipped
+    buffers = state.buffers
+    kept = buffers.snapshot()  # the forward may update them in place: undone if not applied
+    try:
+        new, metrics, applied = _step(state, batch, loss_fn, microbatches)
+    except BaseException:
+        buffers.put_back(kept)
+        raise
+    if applied:  # the same on every rank: the global norm, torchft's commit
+        buffers.broadcast(mesh_lib.world_group(layout.mesh), layout.device)
+    else:
+        buffers.put_back(kept)
+    return new, metrics
+
+
+def _step(
+    state: TrainState, batch: Any, loss_fn: LossFn, microbatches: int
+) -> tuple[TrainState, dict[str, Any], bool]:
+    """The step after its quorum: ``(new state, metrics, whether the update was applied)``."""
+    layout, guard = state.layout, state.guard
     reduction = reduction_of(layout)
     reduction.check_microbatches(layout.dp_size, microbatches)
     ls = state.loss_scale
@@ -153,11 +174,12 @@ def train_step(
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
     if not committed:  # the input's values, loss scale included
-        return donated.state(), metrics
+        return donated.state(), metrics, False
     donated = donated.replace(loss_scale=new_ls)
     if not finite:  # nothing but the loss scale changes
-        return donated.state(), metrics
-    return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
+        return donated.state(), metrics, False
+    new = offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm)
+    return new, metrics, True
 
 
 def _check_steppable(state: TrainState) -> None:
