@@ -356,3 +356,40 @@ def test_missing_torchft_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft.manager", None)
     with pytest.raises(ImportError, match=r'pip install "funcshard\[ft\]"'):
         fault.Replicas(fs.FaultTolerance(lighthouse="http://127.0.0.1:1"), torch.device("cpu"))
+
+
+def _init_alone(address: str) -> str | None:
+    """One group's fs.init at a lighthouse that waits for two: the error it raises."""
+    from helpers_errors import error_text
+
+    model = models.make_model(seed=0)
+    ft = fs.FaultTolerance(replica_id="0", lighthouse=address, timeout=1.0)
+    mesh = fs.make_mesh(device_type="cpu")
+    return error_text(lambda: fs.init(model, fs.optim.sgd(0.1), mesh=mesh, fault_tolerance=ft))
+
+
+def _heartbeats_end(log: str, after: int) -> None:
+    """Waits until the lighthouse's log, past its first ``after`` bytes, reports that no
+    manager heartbeats any more (a leaked manager heartbeats forever)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        with open(log) as f:
+            if "[0 heartbeating]" in f.read()[after:]:
+                return
+        time.sleep(0.2)
+    pytest.fail(f"the failed fs.init's manager still heartbeats at the lighthouse:\n{log}")
+
+
+@needs_torchft
+def test_an_init_without_quorum_raises_a_timeout_and_a_retry_does_not_meet_itself(
+    pool2, tmp_path, lighthouse
+):
+    lh = lighthouse(min_replicas=2)
+    log = str(tmp_path / "lighthouse.log")
+    for attempt in range(2):
+        for error in pool2.run(_init_alone, lh.address):
+            assert error is not None, f"attempt {attempt}: fs.init formed a quorum alone"
+            assert error.startswith("TimeoutError: fs.init: replica group '0' formed no quorum")
+            assert f"at the lighthouse {lh.address}" in error, error
+        if attempt == 0:  # the failed call's manager stops; its request lapses at the lighthouse
+            _heartbeats_end(log, after=os.path.getsize(log))

@@ -9,7 +9,9 @@ torchft's commit). Nothing else of funcshard knows of quorums, heals or commits.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +38,13 @@ class Solo:
     def end(self, state: TrainState, metrics: dict[str, Any]) -> bool:
         return True
 
+    def shutdown(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def shut_down_on_error(self) -> Iterator[None]:
+        yield
+
     def __repr__(self) -> str:
         return "SOLO"
 
@@ -55,8 +64,16 @@ class Group:
         return self.replicas
 
     def join(self, state: TrainState) -> TrainState:
-        """``fs.init``'s quorum: a group behind its peers takes their state, step included."""
-        state, _ = heal(state, self.replicas.join(lambda: values(state), step=0))
+        """``fs.init``'s quorum: a group behind its peers takes their state, step included.
+
+        Raises:
+          TimeoutError: no quorum formed in time (naming the lighthouse and the group).
+        """
+        try:
+            received = self.replicas.join(lambda: values(state), step=0)
+        except TimeoutError as e:
+            raise TimeoutError(self.replicas.no_quorum(e)) from e
+        state, _ = heal(state, received)
         self.replicas.joined(state.identity)
         return state
 
@@ -85,6 +102,17 @@ class Group:
 
     def shutdown(self) -> None:
         self.replicas.shutdown()
+
+    @contextlib.contextmanager
+    def shut_down_on_error(self) -> Iterator[None]:
+        """The block (the rest of ``fs.init``), with this rank's manager shut down when it
+        raises: a retry in the same process must not meet the manager of the failed call at
+        the lighthouse as a second group."""
+        try:
+            yield
+        except BaseException:
+            self.shutdown()
+            raise
 
 
 def guard_for(

@@ -109,6 +109,9 @@ def init(
       TypeError: ``compile`` neither a bool, a backend name nor a callable; a persistent
         buffer of a dtype no checkpoint holds (named, with its dtype).
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
+      TimeoutError: ``fault_tolerance``'s first quorum did not form in time (naming the
+        replica group and the lighthouse); the group's torchft manager is shut down, as on
+        any error after it was made.
     """
     if not isinstance(opt, Optimizer):
         raise TypeError(
@@ -123,34 +126,35 @@ def init(
     named = expert_lib.layout_params(model, tensor)
     carried = ModelBuffers.of(model, buffer_lib.mode(buffers))  # refused before a group joins
     guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
-    layout = build_layout(
-        {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
-        model=model,
-        mesh=mesh,
-        policy=policy,
-        strategy=strategy,
-        offload_fraction=offload_fraction,
-        units=units,
-        partition=opt.partition,
-        deterministic=deterministic,
-        outer_strategy=outer_strategy,
-        tensor=tensor,
-    )
-    check_units(given, layout, backend)
-    if layout.hierarchical:
-        mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
-    if layout.expert_mesh is not None:
-        _ = layout.experts_view.placement  # its groups too (HFSDP's, no_shard's flattened one)
-    master = pack_masters(layout, named)
-    state = TrainState(
-        master=master,
-        compute=derive_compute(layout, master),
-        opt_state=opt.init(layout.per_bucket(master)),
-        step=0,
-        loss_scale=_initial_loss_scale(layout),
-        static=Static(layout, opt, backend, guard, every, carried),
-    )
-    return guard.join(state)
+    with guard.shut_down_on_error():  # a failed fs.init leaves no manager asking for quorums
+        layout = build_layout(
+            {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
+            model=model,
+            mesh=mesh,
+            policy=policy,
+            strategy=strategy,
+            offload_fraction=offload_fraction,
+            units=units,
+            partition=opt.partition,
+            deterministic=deterministic,
+            outer_strategy=outer_strategy,
+            tensor=tensor,
+        )
+        check_units(given, layout, backend)
+        if layout.hierarchical:
+            mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
+        if layout.expert_mesh is not None:
+            _ = layout.experts_view.placement  # its groups too (HFSDP's, no_shard's flattened one)
+        master = pack_masters(layout, named)
+        state = TrainState(
+            master=master,
+            compute=derive_compute(layout, master),
+            opt_state=opt.init(layout.per_bucket(master)),
+            step=0,
+            loss_scale=_initial_loss_scale(layout),
+            static=Static(layout, opt, backend, guard, every, carried),
+        )
+        return guard.join(state)
 
 
 def _initial_loss_scale(layout: Layout) -> LossScale | None:
