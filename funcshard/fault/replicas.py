@@ -236,10 +236,16 @@ class Replicas:
         returns). A failure is torchft's to record: the step is then not committed."""
         return self._all_reduce(tensor, "all_reduce")
 
-    def _all_reduce(self, tensor: torch.Tensor, kind: str) -> Pending:
+    def _all_reduce(self, tensor: torch.Tensor, kind: str, op: Any = None) -> Pending:
         x = tensor.clone()
         ops.record(kind, x, ops.Axis.REPLICAS)
-        return Pending(self.manager.allreduce(x), x)
+        work = self.manager.allreduce(x) if op is None else self.manager.allreduce(x, reduce_op=op)
+        return Pending(work, x)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the quorum's groups (``fs.summed``'s totals; a failure is
+        torchft's to record, and the step is then not committed)."""
+        return self._all_reduce(tensor, "metrics", torch.distributed.ReduceOp.SUM).wait()
 
     def mean(self, value: float) -> float:
         """A scalar's mean over the quorum's groups (the step's loss)."""

@@ -38,6 +38,9 @@ class Solo:
     def end(self, state: TrainState, metrics: dict[str, Any]) -> bool:
         return True
 
+    def total(self, sums: torch.Tensor | None) -> torch.Tensor | None:
+        return sums
+
     def shutdown(self) -> None:
         pass
 
@@ -90,6 +93,12 @@ class Group:
             metrics["loss_scale"] = state.loss_scale.scale
         metrics.update(replicas=self.replicas.size, committed=0, healed=1)
         return state, metrics
+
+    def total(self, sums: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's ``fs.summed`` totals of this group (float64, summed over its ranks),
+        summed over the quorum's groups too: every group's tokens counted once (a group that
+        heals counts none)."""
+        return None if sums is None else self.replicas.sum(sums)
 
     def end(self, state: TrainState, metrics: dict[str, Any]) -> bool:
         """Whether the step may change the state: the quorum's groups all finished (torchft's

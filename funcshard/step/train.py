@@ -154,7 +154,7 @@ def _step(
         )
         summed.add(grads)
         losses.append(loss)
-        aux_sums = summed_lib.add_summed(aux_sums, aux)
+        aux_sums = summed_lib.add_summed(aux_sums, aux, first=k == 0)
 
     # reduce (the rest of it) -> norm/metrics -> update
     grads = grads_lib.reduce_step_grads(
@@ -164,9 +164,14 @@ def _step(
         torch._foreach_mul_(grads, 1.0 / ls.scale)
     norm = float(reduction.global_norm(layout, grads))
     finite = math.isfinite(norm)
-    flat = summed_lib.flat_sums(aux_sums, layout.device)  # rides with the loss
-    loss, apart, totals = reduction.mean_loss(layout, losses, batch_check.flag(losses), flat)
+    # the fs.summed leaves' shapes ride with the loss; their totals follow once all agree
+    head = summed_lib.header(aux_sums, layout.device)
+    loss, apart, head = reduction.mean_loss(layout, losses, batch_check.flag(losses), head)
     batch_check.raise_if(apart)  # on every rank, before anything is donated
+    summed_lib.check_agreed(aux_sums, head, mesh_lib.world_group(layout.mesh))
+    flat = summed_lib.flat_sums(aux_sums, layout.device)
+    totals = None if flat is None else reduction.sum_over_world(layout, flat)
+    totals = guard.total(totals)  # and over the replica groups of a fault-tolerant step
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
     metrics = _metrics(loss, norm, new_ls, summed_lib.with_totals(aux, aux_sums, totals))
     committed = guard.end(state, metrics)
