@@ -84,6 +84,7 @@ def job(root: str, group: int, steps: int, lighthouse: str, kill_at: int | None)
 
     strategy = os.environ.get("FT_JOB_STRATEGY", "optim_grads_params")
     raise_at = int(os.environ.get("FT_JOB_RAISE_AT", "-1"))
+    summed = bool(os.environ.get("FT_JOB_SUMMED"))
     model = models.make_model(seed=0)
     timeout = float(os.environ.get("FT_JOB_TIMEOUT", "60"))
     ft = fs.FaultTolerance(replica_id=str(group), lighthouse=lighthouse, timeout=timeout)
@@ -116,6 +117,8 @@ def job(root: str, group: int, steps: int, lighthouse: str, kill_at: int | None)
         def loss_fn(params, batch, step=step):
             if step == kill_at and rank == 0:
                 os.killpg(os.getpgrp(), signal.SIGKILL)
+            if summed:  # the rows this rank saw, summed over the ranks and the groups
+                return loss(params, batch), {"rows": fs.summed(torch.tensor([len(batch["y"])]))}
             return loss(params, batch)
 
         def raising(params, batch, step=step):
@@ -147,6 +150,7 @@ def job(root: str, group: int, steps: int, lighthouse: str, kill_at: int | None)
             after=state_hash(state),
             s=time.perf_counter() - t0,
             by_axis={k: v for k, v in stats.bytes_by_axis.items() if v},
+            rows=metrics["aux"]["rows"].tolist() if "aux" in metrics else None,
         )
     write(kind="final", step=state.step, hash=state_hash(state))
     if rank == 0:
@@ -167,6 +171,7 @@ def start_group(
     timeout: float = 60.0,
     raise_at: int | None = None,
     stale: bool = False,
+    summed: bool = False,
 ) -> list[subprocess.Popen]:
     """Starts group ``group``'s 2 ranks, in a new process group (rank 0 leads it); the
     options are the module docstring's."""
@@ -177,6 +182,7 @@ def start_group(
     env.update(FT_JOB_STRATEGY=strategy, FT_JOB_TIMEOUT=str(timeout))
     env.update(FT_JOB_RAISE_AT=str(-1 if raise_at is None else raise_at))
     env.update({"FT_JOB_STALE": "1"} if stale else {})
+    env.update({"FT_JOB_SUMMED": "1"} if summed else {})
     os.makedirs(os.path.join(root, f"g{group}"), exist_ok=True)
     for rank in range(2):
         cmd = [sys.executable, os.path.abspath(__file__), root, str(group), str(steps)]

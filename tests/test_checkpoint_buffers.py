@@ -103,7 +103,8 @@ def test_buffers_saved_and_restored_into_a_fresh_model(pool2, tmp_path, manager:
 
 
 def test_a_buffer_of_another_shape_is_named(pool2, tmp_path) -> None:
-    with pytest.raises(Exception, match="buffers.router_bias: shape \\(4,\\) in the checkpoint"):
+    match = r"buffers.router_bias: shape \(4,\) dtype float32 in the checkpoint, expected shape \(5"
+    with pytest.raises(Exception, match="CheckpointMismatchError(.|\n)*" + match):
         pool2.run(mismatch_worker, str(tmp_path / "ckpt"))
 
 
@@ -134,3 +135,171 @@ def values_worker() -> list:
 def test_values_carry_the_buffers(pool2) -> None:
     for bias in pool2.run(values_worker):
         assert bias == [0.5] * EXPERTS
+
+
+class Odd(nn.Module):
+    """Buffers of the dtypes and shapes a model may hold beside float ones: torchtitan's
+    complex64 ``freqs_cis``, uint16, float8, an empty one and one with a zero dim."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lin = nn.Linear(4, 2)
+        angles = torch.rand(3, 2, generator=g)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+        self.register_buffer("counts", torch.randint(0, 60000, (5,), generator=g).to(torch.uint16))
+        self.register_buffer("scales", torch.randn(4, generator=g).to(torch.float8_e4m3fn))
+        self.register_buffer("empty", torch.zeros(0))
+        self.register_buffer("flat", torch.zeros(2, 0, dtype=torch.int32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _bits(model: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]:
+    return {
+        n: (t.dtype, tuple(t.shape), bytes(t.reshape(-1).view(torch.uint8).numpy()))
+        for n, t in model.state_dict().items()
+        if not n.startswith("lin.")
+    }
+
+
+def odd_worker(directory: str) -> dict:
+    mesh = fs.make_mesh(shard=2, device_type="cpu")
+    saved = Odd(seed=0)
+    fs.save(directory, fs.init(saved, fs.optim.sgd(0.1), mesh=mesh))
+    fresh = Odd(seed=1)
+    before = _bits(fresh)
+    fs.restore(directory, like=fs.init(fresh, fs.optim.sgd(0.1), mesh=mesh))
+    return {"saved": _bits(saved), "before": before, "restored": _bits(fresh)}
+
+
+def test_complex_uint16_float8_and_empty_buffers_round_trip(pool2, tmp_path) -> None:
+    import tensorstore as ts
+
+    directory = str(tmp_path / "ckpt")
+    for out in pool2.run(odd_worker, directory):
+        assert out["restored"] == out["saved"]
+        assert out["before"]["freqs_cis"] != out["saved"]["freqs_cis"]  # it was restored
+        assert out["saved"]["freqs_cis"][0] == torch.complex64
+    # stored in the dtypes Orbax and numpy read (zarr v2's names; ml_dtypes' for float8)
+    for name, dtype in [("freqs_cis", "complex64"), ("counts", "uint16"), ("empty", "float32")]:
+        spec = {"driver": "zarr", "kvstore": f"file://{directory}/buffers.{name}"}
+        assert ts.open(spec).result().dtype.name == dtype, name
+    spec = {"driver": "zarr", "kvstore": f"file://{directory}/buffers.scales"}
+    assert ts.open(spec).result().dtype.name == "float8_e4m3fn"
+
+
+def test_a_buffer_no_checkpoint_can_hold_is_refused_at_init(pool2) -> None:
+    with pytest.raises(Exception, match="buffer 'chalf' has dtype torch.complex32"):
+        pool2.run(unsavable_worker)
+
+
+def unsavable_worker() -> None:
+    model = Routed()
+    model.register_buffer("chalf", torch.zeros(2, dtype=torch.complex32))
+    fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(shard=2, device_type="cpu"))
+
+
+def other_buffers_worker(directory: str, case: str) -> list[float]:
+    """Saves a Routed (with or without its buffers), then restores into one that differs."""
+    mesh = fs.make_mesh(shard=2, device_type="cpu")
+    torch.manual_seed(0)
+    saved = Routed()
+    if case == "none":  # a checkpoint that carries no buffer at all
+        saved = nn.Sequential(nn.Linear(4, 6))
+    fs.save(directory, fs.init(saved, fs.optim.sgd(0.1), mesh=mesh))
+    torch.manual_seed(0)
+    other = Routed() if case != "none" else nn.Sequential(nn.Linear(4, 6))
+    if case == "name":  # the checkpoint's router_bias, the model's expert_bias
+        other.register_buffer("expert_bias", other.router_bias)
+        del other.router_bias
+    elif case == "dtype":
+        other.router_bias = other.router_bias.double()
+    elif case == "extra":
+        other.register_buffer("extra", torch.ones(3))
+    else:
+        other.register_buffer("kept", torch.full((2,), 5.0))
+    fs.restore(directory, like=fs.init(other, fs.optim.sgd(0.1), mesh=mesh))
+    return other.kept.tolist()
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            "name",
+            r"buffers.expert_bias: missing from the checkpoint \(the model's buffer: shape "
+            r"\(4,\) dtype float32\)(.|\n)*buffers.router_bias: in the checkpoint \(shape \(4,\) "
+            r"dtype float32\) but not a persistent buffer of the model",
+        ),
+        (
+            "dtype",
+            r"buffers.router_bias: shape \(4,\) dtype float32 in the checkpoint, expected "
+            r"shape \(4,\) dtype float64",
+        ),
+        ("extra", r"buffers.extra: missing from the checkpoint"),
+    ],
+)
+def test_other_buffer_names_and_dtypes_are_named(pool2, tmp_path, case, message) -> None:
+    with pytest.raises(Exception, match="CheckpointMismatchError(.|\n)*" + message):
+        pool2.run(other_buffers_worker, str(tmp_path / "ckpt"), case)
+
+
+def test_a_checkpoint_without_buffers_keeps_the_models(pool2, tmp_path) -> None:
+    for kept in pool2.run(other_buffers_worker, str(tmp_path / "ckpt"), "none"):
+        assert kept == [5.0, 5.0]
+
+
+def agree_worker(mode: str) -> dict:
+    """Two ZeRO-3 steps on each rank's own batch (BatchNorm's statistics move apart), a
+    nonfinite step, and a buffer corrupted on one rank, under ``fs.init(buffers=mode)``."""
+    mesh = fs.make_mesh(shard=2, device_type="cpu")
+    torch.manual_seed(0)
+    model = Routed()
+    state = fs.init(model, fs.optim.adamw(1e-2), mesh=mesh, buffers=mode)
+
+    def loss_fn(params, batch):
+        out = fs.functional_call(model, params, (batch[0],))
+        return nn.functional.cross_entropy(out, batch[1]) * batch[2][0]
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for scale in (1.0, 1.0):
+        batch = (torch.randn(8, 4, generator=g) * 3, torch.randint(0, 3, (8,), generator=g))
+        state, _ = fs.train_step(state, (*batch, torch.full((8,), scale)), loss_fn)
+    after_two = _persistent(model)
+    fs.check_replicas(state)  # agreeing (broadcast) or not compared (local): no error
+    batch = (torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
+    state, metrics = fs.train_step(state, (*batch, torch.full((8,), float("nan"))), loss_fn)
+    unmoved = _persistent(model)
+    if dist.get_rank() == 1:
+        model.norm.running_var[0] += 1.0
+    try:
+        fs.check_replicas(state)
+        raised = ""
+    except fs.ReplicaMismatchError as e:
+        raised = str(e)
+    return {
+        "after_two": after_two,
+        "skipped": metrics["nonfinite"],
+        "unmoved": unmoved,
+        "raised": raised,
+    }
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "local"])
+def test_buffers_agree_across_ranks_and_a_skipped_step_leaves_them(pool2, mode: str) -> None:
+    first, second = pool2.run(agree_worker, mode)
+    mean = "norm.running_mean"
+    apart = (first["after_two"][mean] - second["after_two"][mean]).abs().max()
+    if mode == "broadcast":  # DDP's rule: every rank holds the first rank's, as saved
+        assert apart == 0
+        assert "'buffers/norm.running_var' over 'world': rank" in first["raised"]
+        assert first["raised"] == second["raised"]
+    else:  # each rank's own statistics, not compared
+        assert apart > 0.01
+        assert first["raised"] == second["raised"] == ""
+    for out in (first, second):
+        assert out["skipped"] == 1
+        for name, value in out["after_two"].items():  # the nonfinite step's forward undone
+            assert torch.equal(out["unmoved"][name], value), name

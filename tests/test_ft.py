@@ -248,13 +248,18 @@ def test_a_killed_group_heals_even_after_a_stale_restore_while_the_survivor_wait
     # returns the peers' state, computing nothing on the batch built for the old step (#43).
     root, steps, kill_at = str(tmp_path), 6, 3
     lh = lighthouse(min_replicas=2)
-    survivor = _ft_job.start_group(root, 0, steps, lh.address, timeout=SHORT)
-    victim = _ft_job.start_group(root, 1, steps, lh.address, kill_at=kill_at, timeout=SHORT)
+    # every group counts its rows with fs.summed: a committed step's total is every group's
+    survivor = _ft_job.start_group(root, 0, steps, lh.address, timeout=SHORT, summed=True)
+    victim = _ft_job.start_group(
+        root, 1, steps, lh.address, kill_at=kill_at, timeout=SHORT, summed=True
+    )
     for p in victim:
         p.wait(timeout=TIMEOUT)
     assert all(p.returncode == -signal.SIGKILL for p in victim), logs(root)
     wait_for(root, 0, "timeout")
-    restarted = _ft_job.start_group(root, 1, steps, lh.address, timeout=SHORT, stale=True)
+    restarted = _ft_job.start_group(
+        root, 1, steps, lh.address, timeout=SHORT, stale=True, summed=True
+    )
     wait_all(survivor + restarted, root)
     assert all(p.returncode == 0 for p in survivor + restarted), logs(root)
 
@@ -283,6 +288,11 @@ def test_a_killed_group_heals_even_after_a_stale_restore_while_the_survivor_wait
         assert first["step"] == 1 and first["healed"] == 1 and not first["committed"], first
         assert first["after"] == init["hash"], "the heal gave the survivor's state again"
     by_step = committed_groups(root, 2)
+    for g in (0, 1):  # fs.summed counted every group's rows, each once (#52)
+        for rank in (0, 1):
+            for r in records(root, g, rank):
+                if r["kind"] == "step" and r["committed"]:
+                    assert r["rows"] == [_ft_job.ROWS * r["replicas"]], (g, rank, r)
     check_ends_equal(root, [0, 1])
     check_replay(root, [0, 1], by_step, steps)
 
@@ -356,3 +366,41 @@ def test_missing_torchft_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft.manager", None)
     with pytest.raises(ImportError, match=r'pip install "funcshard\[ft\]"'):
         fault.Replicas(fs.FaultTolerance(lighthouse="http://127.0.0.1:1"), torch.device("cpu"))
+
+
+def _init_alone(address: str) -> str | None:
+    """One group's fs.init at a lighthouse that waits for two: the error it raises."""
+    from helpers_errors import error_text
+
+    model = models.make_model(seed=0)
+    ft = fs.FaultTolerance(replica_id="0", lighthouse=address, timeout=1.0)
+    mesh = fs.make_mesh(device_type="cpu")
+    return error_text(lambda: fs.init(model, fs.optim.sgd(0.1), mesh=mesh, fault_tolerance=ft))
+
+
+def _heartbeats_end(log: str, after: int) -> None:
+    """Waits until the lighthouse's log, past its first ``after`` bytes, reports that no
+    manager heartbeats any more (a leaked manager heartbeats forever)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        with open(log) as f:
+            if "[0 heartbeating]" in f.read()[after:]:
+                return
+        time.sleep(0.2)
+    pytest.fail(f"the failed fs.init's manager still heartbeats at the lighthouse:\n{log}")
+
+
+@needs_torchft
+def test_an_init_without_quorum_raises_a_timeout_and_a_retry_does_not_meet_itself(
+    pool1, tmp_path, lighthouse
+):
+    # a group of one rank: what is under test is the group's manager at the lighthouse
+    lh = lighthouse(min_replicas=2)
+    log = str(tmp_path / "lighthouse.log")
+    for attempt in range(2):
+        for error in pool1.run(_init_alone, lh.address):
+            assert error is not None, f"attempt {attempt}: fs.init formed a quorum alone"
+            assert error.startswith("TimeoutError: fs.init: replica group '0' formed no quorum")
+            assert f"at the lighthouse {lh.address}" in error, error
+        if attempt == 0:  # the failed call's manager stops; its request lapses at the lighthouse
+            _heartbeats_end(log, after=os.path.getsize(log))

@@ -70,14 +70,14 @@ def test_formula_by_strategy():
         "all_reduce": (30 + 7) * w,
         "all_gather": 0,
         "reduce_scatter": 0,
-        "metrics": 8,
+        "metrics": 8 + 16,  # the loss and fs.summed's shape header (2 float64)
         "muon": 0,
     }
     assert c["optim"] == {
         "reduce_scatter": Pp * w,
         "all_reduce": Pp // 4 * w,
         "all_gather": Pp * w,
-        "metrics": 16,
+        "metrics": 16 + 16,
         "muon": 0,
     }
     assert c["optim_grads"]["reduce_scatter"] == 3 * Pp * w

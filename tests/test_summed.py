@@ -122,7 +122,7 @@ def test_the_moe_gpt_balances_its_routers_from_the_load() -> None:
     assert torch.equal(biases[1], torch.tensor([0.01, 0.01, 0.01, -0.01]))
 
 
-def mismatch_worker() -> str:
+def mismatch_worker(case: str = "shape") -> str:
     mesh = fs.make_mesh(shard=2, device_type="cpu")
     model = Routed()
     state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh)
@@ -130,7 +130,12 @@ def mismatch_worker() -> str:
     def loss_fn(params, batch):  # a leaf whose shape follows the microbatch's rows
         logits, _ = fs.functional_call(model, params, (batch["x"],))
         loss = nn.functional.cross_entropy(logits, batch["y"])
-        return loss, {"rows": fs.summed(torch.ones(batch["x"].shape[0]))}
+        rows = batch["x"].shape[0]
+        if case == "late":  # absent from the first microbatch (3 rows), then there
+            return loss, ({"rows": fs.summed(torch.ones(1))} if rows == 2 else {})
+        if case == "ranks":  # a count whose size follows the rank's data
+            return loss, {"rows": fs.summed(torch.ones(dist.get_rank() + 1))}
+        return loss, {"rows": fs.summed(torch.ones(rows))}
 
     try:
         fs.train_step(state, _batch(0, 5), loss_fn, microbatches=2)  # 3 rows, then 2
@@ -142,3 +147,16 @@ def mismatch_worker() -> str:
 def test_summed_leaves_must_agree_across_microbatches(pool2) -> None:
     for message in pool2.run(mismatch_worker):
         assert "same fs.summed leaves" in message and "rows" in message, message
+
+
+def test_a_summed_leaf_absent_from_the_first_microbatch_is_named(pool2) -> None:
+    for message in pool2.run(mismatch_worker, "late"):
+        said = "fs.summed leaf 'rows' is of shape (1,) in this microbatch's aux and absent in"
+        assert f"{said} the first's" in message, message
+
+
+def test_a_summed_leaf_of_another_shape_on_another_rank_is_named_on_every_rank(pool2) -> None:
+    # before: gloo aborted a rank ("collective mismatch") in the all-reduce of the totals
+    for message in pool2.run(mismatch_worker, "ranks"):
+        said = "fs.summed leaf 'rows' differs across the data-parallel ranks"
+        assert f"{said} (rank 0: of shape (1,); rank 1: of shape (2,))" in message, message

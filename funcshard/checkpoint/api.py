@@ -77,8 +77,9 @@ def restore(
 
     The model's persistent buffers that the checkpoint holds (``fs.save`` writes those of the
     saved state's model: :mod:`funcshard.state.buffers`) are copied into the buffers of
-    ``like``'s model, in place, with or without ``model_only``; a buffer it lacks keeps the
-    model's value.
+    ``like``'s model, in place, with or without ``model_only``. A checkpoint that holds
+    buffers must hold exactly the model's, of the same shapes and dtypes; one that holds none
+    leaves the model's (:mod:`funcshard.checkpoint.buffers`).
 
     Returns:
       The restored state; every buffer derives from the checkpoint's values (cast to the

@@ -61,56 +61,70 @@ ZARR_DTYPE = {
     torch.bfloat16: "bfloat16",
     torch.int8: "|i1",  # 8-bit optimizer moments (their fp32 scales are arrays beside them)
     torch.uint8: "|u1",
-    # the model's buffers (funcshard.state.buffers): counters and masks beside float ones
+    # the model's buffers (funcshard.state.buffers): counters, masks, rotary tables beside
+    # float ones; float8 under the names of ml_dtypes (and of tensorstore's zarr driver)
     torch.int64: "<i8",
     torch.int32: "<i4",
     torch.int16: "<i2",
+    torch.uint16: "<u2",
+    torch.uint32: "<u4",
+    torch.uint64: "<u8",
     torch.bool: "|b1",
+    torch.complex64: "<c8",
+    torch.complex128: "<c16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.float8_e4m3fnuz: "float8_e4m3fnuz",
+    torch.float8_e5m2fnuz: "float8_e5m2fnuz",
+    torch.float8_e8m0fnu: "float8_e8m0fnu",
 }
-NUMPY_DTYPE = {  # zarr dtype string -> numpy dtype (what chunk files hold, little-endian)
-    "<f4": np.dtype("<f4"),
-    "<f8": np.dtype("<f8"),
-    "<f2": np.dtype("<f2"),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "|i1": np.dtype("i1"),
-    "|u1": np.dtype("u1"),
-    "<i8": np.dtype("<i8"),
-    "<i4": np.dtype("<i4"),
-    "|b1": np.dtype(bool),
-    "<u4": np.dtype("<u4"),
-    "<i2": np.dtype("<i2"),
+# dtypes numpy lacks: ml_dtypes' (a tensor's bytes are viewed as the int of their width)
+_ML_DTYPES = {
+    torch.bfloat16: ml_dtypes.bfloat16,
+    torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+    torch.float8_e5m2: ml_dtypes.float8_e5m2,
+    torch.float8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz: ml_dtypes.float8_e5m2fnuz,
+    torch.float8_e8m0fnu: ml_dtypes.float8_e8m0fnu,
 }
-TORCH_FROM_NUMPY = {
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.float64): torch.float64,
-    np.dtype(np.float16): torch.float16,
-    np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
-    np.dtype(np.int8): torch.int8,
-    np.dtype(np.uint8): torch.uint8,
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.int16): torch.int16,
-    np.dtype(bool): torch.bool,
-}
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16}
+
+
+def _numpy_of(dtype: torch.dtype) -> np.dtype:
+    ml = _ML_DTYPES.get(dtype)
+    if ml is not None:
+        return np.dtype(ml)
+    return torch.empty(0, dtype=dtype).numpy().dtype.newbyteorder("<")
+
+
+NUMPY_DTYPE = {z: _numpy_of(t) for t, z in ZARR_DTYPE.items()}
+"""zarr dtype string -> numpy dtype (what chunk files hold, little-endian)."""
+TORCH_FROM_NUMPY = {np.dtype(NUMPY_DTYPE[z]).newbyteorder("="): t for t, z in ZARR_DTYPE.items()}
 FLOAT_NAMES = ("float32", "float64", "float16", "bfloat16")
 EIGHT_BIT_NAMES = ("int8", "uint8")  # 8-bit optimizer moments
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a numpy array (bf16 as ml_dtypes.bfloat16, no copy if able)."""
+    """A CPU tensor's values as a numpy array (bf16 and float8 as ml_dtypes', no copy if
+    able)."""
     t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    ml = _ML_DTYPES.get(t.dtype)
+    if ml is not None:
+        return t.view(_INT_OF_WIDTH[t.element_size()]).numpy().view(ml)
     return t.numpy()
 
 
 def to_torch(a: np.ndarray, where: str) -> torch.Tensor:
     dtype = TORCH_FROM_NUMPY.get(a.dtype)
     if dtype is None:
-        raise TypeError(f"{where}: expected a floating array, found dtype {a.dtype}")
+        raise TypeError(
+            f"{where}: dtype {a.dtype} is none that funcshard reads "
+            f"({', '.join(sorted(n.name for n in TORCH_FROM_NUMPY))})"
+        )
     a = np.ascontiguousarray(a)
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if dtype in _ML_DTYPES:
+        width = _INT_OF_WIDTH[a.dtype.itemsize]
+        return torch.from_numpy(a.view(_numpy_of(width))).view(dtype)
     return torch.from_numpy(a)
 
 

@@ -395,7 +395,7 @@ class OrbaxSource:
                 and out.dtype == TORCH_FROM_NUMPY.get(np_dtype)
             )
             if direct:
-                buf = memoryview(out.view(torch.uint8).numpy()).cast("B")
+                buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
                 if self._pread_rows(keys, start, stop, buf, box):
                     return len(buf)
             else:

@@ -125,6 +125,8 @@ def _chunks_of(a: tree_lib.ArrayWrite, src: np.ndarray) -> list[tuple[str, str, 
     chunks: a chunk never has two writers)."""
     data = byte_view(src.reshape(-1).view(np.uint8))
     leaf = param_dir(a.keys)
+    if not len(data):  # no bytes (a shape with a 0): tensorstore writes no chunk file
+        return []
     if not a.shape:
         return [(leaf, chunk_file(0, 0), data)]
     row_bytes = len(data) // (a.stop - a.start)

@@ -47,7 +47,9 @@ class FaultTolerance:
       timeout: seconds a cross-group all-reduce, a commit or a heal may take; a quorum
         waits twice as long (a peer may first have to time out of a step this group broke,
         and then come to the quorum). A quorum that times out raises ``TimeoutError`` out of
-        ``train_step`` with the state unchanged; the next call asks the lighthouse again.
+        ``train_step`` with the state unchanged; the next call asks the lighthouse again. In
+        ``fs.init`` it raises ``TimeoutError`` naming this group and the lighthouse, with the
+        group's manager shut down (docs/fault-tolerance.md: when a retry may follow).
     """
 
     replica_id: str = "0"
@@ -137,9 +139,13 @@ class Replicas:
         # it (a store that outlives a job, as torchrun's agent's, may hold an older one)
         if torch.distributed.get_rank() == 0:
             self.manager = self._manager(manager_cls, pg_cls, transport_cls, address)
-        torch.distributed.barrier()
-        if torch.distributed.get_rank() != 0:
-            self.manager = self._manager(manager_cls, pg_cls, transport_cls, address)
+        try:
+            torch.distributed.barrier()
+            if torch.distributed.get_rank() != 0:
+                self.manager = self._manager(manager_cls, pg_cls, transport_cls, address)
+        except BaseException:
+            self.shutdown()  # nothing of this rank's left asking the lighthouse
+            raise
 
     def _manager(self, manager_cls: Any, pg_cls: Any, transport_cls: Any, address: str) -> Any:
         ft = self.ft
@@ -230,10 +236,16 @@ class Replicas:
         returns). A failure is torchft's to record: the step is then not committed."""
         return self._all_reduce(tensor, "all_reduce")
 
-    def _all_reduce(self, tensor: torch.Tensor, kind: str) -> Pending:
+    def _all_reduce(self, tensor: torch.Tensor, kind: str, op: Any = None) -> Pending:
         x = tensor.clone()
         ops.record(kind, x, ops.Axis.REPLICAS)
-        return Pending(self.manager.allreduce(x), x)
+        work = self.manager.allreduce(x) if op is None else self.manager.allreduce(x, reduce_op=op)
+        return Pending(work, x)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the quorum's groups (``fs.summed``'s totals; a failure is
+        torchft's to record, and the step is then not committed)."""
+        return self._all_reduce(tensor, "metrics", torch.distributed.ReduceOp.SUM).wait()
 
     def mean(self, value: float) -> float:
         """A scalar's mean over the quorum's groups (the step's loss)."""
@@ -245,8 +257,24 @@ class Replicas:
         ``should_commit``: no error anywhere in the group, enough replicas)."""
         return bool(self.manager.should_commit())
 
+    def no_quorum(self, error: BaseException) -> str:
+        """What ``fs.init`` says when its first quorum timed out (torchft's ``error``)."""
+        ft = self.ft
+        return (
+            f"fs.init: replica group {ft.replica_id!r} formed no quorum at the lighthouse "
+            f"{ft.lighthouse_address()} within {2 * float(ft.timeout):g} s (twice "
+            f"FaultTolerance.timeout; min_replicas={ft.min_replicas} here, the lighthouse's "
+            "--min_replicas may ask for more groups): too few groups alive, or the lighthouse "
+            f"is unreachable. This group's manager is shut down; fs.init may be called again. "
+            f"(torchft: {error})"
+        )
+
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        """Stops this rank's manager (its server, its checkpoint transport): it no longer
+        asks the lighthouse for quorums nor answers peers."""
+        manager = getattr(self, "manager", None)
+        if manager is not None:
+            manager.shutdown(wait=False)
 
 
 def check_init(

@@ -9,7 +9,9 @@ torchft's commit). Nothing else of funcshard knows of quorums, heals or commits.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +38,16 @@ class Solo:
     def end(self, state: TrainState, metrics: dict[str, Any]) -> bool:
         return True
 
+    def total(self, sums: torch.Tensor | None) -> torch.Tensor | None:
+        return sums
+
+    def shutdown(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def shut_down_on_error(self) -> Iterator[None]:
+        yield
+
     def __repr__(self) -> str:
         return "SOLO"
 
@@ -55,8 +67,16 @@ class Group:
         return self.replicas
 
     def join(self, state: TrainState) -> TrainState:
-        """``fs.init``'s quorum: a group behind its peers takes their state, step included."""
-        state, _ = heal(state, self.replicas.join(lambda: values(state), step=0))
+        """``fs.init``'s quorum: a group behind its peers takes their state, step included.
+
+        Raises:
+          TimeoutError: no quorum formed in time (naming the lighthouse and the group).
+        """
+        try:
+            received = self.replicas.join(lambda: values(state), step=0)
+        except TimeoutError as e:
+            raise TimeoutError(self.replicas.no_quorum(e)) from e
+        state, _ = heal(state, received)
         self.replicas.joined(state.identity)
         return state
 
@@ -74,6 +94,12 @@ class Group:
         metrics.update(replicas=self.replicas.size, committed=0, healed=1)
         return state, metrics
 
+    def total(self, sums: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's ``fs.summed`` totals of this group (float64, summed over its ranks),
+        summed over the quorum's groups too: every group's tokens counted once (a group that
+        heals counts none)."""
+        return None if sums is None else self.replicas.sum(sums)
+
     def end(self, state: TrainState, metrics: dict[str, Any]) -> bool:
         """Whether the step may change the state: the quorum's groups all finished (torchft's
         ``should_commit``); the metrics get the groups' mean loss and the commit."""
@@ -85,6 +111,17 @@ class Group:
 
     def shutdown(self) -> None:
         self.replicas.shutdown()
+
+    @contextlib.contextmanager
+    def shut_down_on_error(self) -> Iterator[None]:
+        """The block (the rest of ``fs.init``), with this rank's manager shut down when it
+        raises: a retry in the same process must not meet the manager of the failed call at
+        the lighthouse as a second group."""
+        try:
+            yield
+        except BaseException:
+            self.shutdown()
+            raise
 
 
 def guard_for(

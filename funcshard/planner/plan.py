@@ -61,6 +61,10 @@ With ``replica_groups=G > 1`` (``fs.FaultTolerance``: G groups, each of ``world_
 every rank also all-reduces each bucket's reduced gradient (its master's numel on the
 gradient wire) and the loss across the groups through torchft, counted under the axis
 "replicas", and the group's ranks agree on a heal (8 bytes of metrics over "world").
+
+The loss's reduction over "world" also carries ``fs.summed``'s shape header (2 float64 per
+rank, every step); the totals of a step whose aux holds ``fs.summed`` leaves take one more
+collective of their size (and, fault-tolerant, one across the groups), not counted here.
 """
 
 from __future__ import annotations
@@ -107,6 +111,9 @@ __all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
 
 _OPTIMIZER_STATES = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}
 _METRIC_BYTES = 8  # one float64 scalar per reduction (loss sum, squared grad norm)
+# fs.summed's shape header (funcshard.step.summed.header), carried with the loss every step;
+# a step whose aux holds fs.summed leaves then sums them in one more collective (not planned)
+SUMMED_HEADER = 2
 
 
 def _optimizer_state_bytes(optimizer: str | Optimizer, layout: Layout) -> list[int]:
@@ -291,7 +298,7 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
         add("metrics", 1, T * 4 * _METRIC_BYTES, "tensor")
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
         if world > 1:
-            add("metrics", 1, world * (M + flag) * _METRIC_BYTES, "world")
+            add("metrics", 1, world * (M + flag + SUMMED_HEADER) * _METRIC_BYTES, "world")
         expert = lambda s: layout.buckets[s.bucket].expert  # noqa: E731
         if masters > 1:
             rows = sum(s.rows_per_shard for s in layout.leaves if not expert(s))
@@ -302,7 +309,7 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
             add("metrics", 1, T * _METRIC_BYTES, "tensor")
         return nbytes, calls, by_axis
     if world > 1:
-        add("metrics", 1, (1 + flag) * _METRIC_BYTES, "world")  # the loss
+        add("metrics", 1, (1 + flag + SUMMED_HEADER) * _METRIC_BYTES, "world")  # the loss
     if masters > 1:
         add("metrics", 1, _METRIC_BYTES, axis)  # the squared gradient norm
     if not strategy.shards_optim and any(b.expert for b in layout.buckets):

@@ -5,9 +5,19 @@ user's loop or the forward updates it in place in the model, and the forward rea
 The model stays its one source of truth: a state holds the model and its persistent buffers'
 NAMES (``fs.init`` records them), never a copy, and ``fs.save`` / ``CheckpointManager`` read
 each buffer's current value from the model when they write; ``fs.restore`` copies the saved
-values into the buffers of ``like``'s model, in place. Every rank holds the same values (a
-loop that updates a buffer from a global quantity, such as ``fs.summed``'s load, does so on
-every rank alike), so one rank writes them.
+values into the buffers of ``like``'s model, in place. One rank writes them (the first of the
+data-parallel world of tensor rank 0), so they must agree across the data-parallel ranks.
+
+What keeps them agreeing is ``fs.init``'s ``buffers``: ``"broadcast"`` (the default, DDP's
+rule) sends the first rank's values to every data-parallel rank after each applied step (one
+broadcast of their bytes; nothing when the model has none), so a forward that updates them
+from this rank's batch (BatchNorm's running statistics) leaves every rank with the values the
+checkpoint holds, and :func:`funcshard.check_replicas` compares them across those ranks;
+``"local"`` leaves each rank's own values (a loop that keeps them equal itself, or buffers
+that differ by design: the checkpoint then holds the first rank's) and the check skips them.
+Either way a step that changes nothing (a nonfinite gradient, a step a fault-tolerant quorum
+did not commit, an error) puts back the values they held before it: the forward's updates
+are undone (:meth:`ModelBuffers.snapshot`, a copy of the buffers per step).
 
 Carried: persistent plain-tensor buffers (what ``model.state_dict()`` holds beside the
 params). Not carried: non-persistent buffers (``persistent=False``: derived, such as rotary
@@ -17,12 +27,27 @@ frequencies), DTensor buffers, and buffers on the meta device (an unfilled state
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ModelBuffers"]
+from funcshard.distributed import ops
+
+__all__ = ["ModelBuffers", "BUFFER_MODES", "mode"]
+
+BUFFER_MODES = ("broadcast", "local")
+
+
+def mode(buffers: Any) -> str:
+    """``fs.init``'s ``buffers``, checked: ``"broadcast"`` or ``"local"``."""
+    if buffers not in BUFFER_MODES:
+        raise ValueError(
+            f"init: buffers must be one of {', '.join(map(repr, BUFFER_MODES))}, got {buffers!r}"
+        )
+    return buffers
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -31,10 +56,18 @@ class ModelBuffers:
 
     model: nn.Module | None = None
     names: tuple[str, ...] = ()
+    mode: str = "broadcast"  # fs.init's buffers: what keeps the ranks' values agreeing
 
     @classmethod
-    def of(cls, model: nn.Module) -> ModelBuffers:
-        """The persistent plain-tensor buffers of ``model`` (see the module docstring)."""
+    def of(cls, model: nn.Module, mode: str = "broadcast") -> ModelBuffers:
+        """The persistent plain-tensor buffers of ``model`` (see the module docstring).
+
+        Raises:
+          TypeError: a buffer of a dtype no checkpoint can hold (named, with its dtype).
+        """
+        # imported here: the checkpoint package imports the state's modules
+        from funcshard.checkpoint.format import ZARR_DTYPE
+
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         names = [
             n
@@ -44,7 +77,16 @@ class ModelBuffers:
             and not isinstance(t, DTensor)
             and t.device.type != "meta"
         ]
-        return cls(model, tuple(names))
+        for n in names:
+            dtype = model.get_buffer(n).dtype
+            if dtype not in ZARR_DTYPE:
+                raise TypeError(
+                    f"init: the model's persistent buffer {n!r} has dtype {dtype}, which no "
+                    "checkpoint can hold (saved: "
+                    + ", ".join(str(d).removeprefix("torch.") for d in ZARR_DTYPE)
+                    + "); register it with persistent=False, or keep it in one of those"
+                )
+        return cls(model, tuple(names), mode)
 
     def get(self, name: str) -> torch.Tensor:
         """Buffer ``name``'s tensor as the model holds it now (it may have been reassigned)."""
@@ -54,6 +96,41 @@ class ModelBuffers:
     def values(self) -> dict[str, torch.Tensor]:
         """Every carried buffer's current tensor (the model's own, not a copy)."""
         return {n: self.get(n) for n in self.names}
+
+    @property
+    def agree(self) -> bool:
+        """Whether every data-parallel rank must hold the same values (``"broadcast"``)."""
+        return self.mode == "broadcast" and bool(self.names)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of every carried buffer's values (before a step that may be undone)."""
+        return {n: t.detach().clone() for n, t in self.values().items()}
+
+    @torch.no_grad()
+    def put_back(self, kept: dict[str, torch.Tensor]) -> None:
+        """The values of :meth:`snapshot` copied back into the model's buffers, in place."""
+        assert self.model is not None
+        for n, t in kept.items():
+            buf = self.get(n)
+            if buf.shape == t.shape and buf.dtype == t.dtype:
+                buf.copy_(t)
+            else:  # the step reassigned it: the tensor it was before, as it was
+                owner, _, leaf = n.rpartition(".")
+                setattr(self.model.get_submodule(owner), leaf, t)
+
+    @torch.no_grad()
+    def broadcast(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """Every carried buffer set to the first rank of ``group``'s values (under
+        ``"broadcast"``; one collective of their bytes, counted as "buffers" on "world")."""
+        if not self.agree or dist.get_world_size(group) == 1:
+            return
+        tensors = list(self.values().values())
+        parts = [t.detach().reshape(-1).view(torch.uint8).to(device) for t in tensors]
+        flat = torch.cat(parts)
+        ops.record("buffers", flat, ops.Axis.WORLD)
+        dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+        for t, part in zip(tensors, flat.split([p.numel() for p in parts]), strict=True):
+            t.copy_(part.view(t.dtype).reshape(t.shape))
 
 
 NO_BUFFERS = ModelBuffers()

@@ -9,9 +9,14 @@ the bytes on the wire are one 8-byte hash per leaf per rank of the group, whatev
 size; only when some group disagrees does each rank send its findings to the others, so that
 every rank raises the same :class:`ReplicaMismatchError`.
 
+It covers the model's persistent buffers too (``buffers/<name>``, across every
+data-parallel rank) when ``fs.init``'s ``buffers="broadcast"`` says they must agree (a
+checkpoint holds one rank's: :mod:`funcshard.state.buffers`).
+
 What it does not cover: the ranks of a fault-tolerant run's other replica groups (torchft's;
-each group is its own job), and the derived compute copies (derived from the masters after
-every step by a function, so a wrong master is what shows).
+each group is its own job), the derived compute copies (derived from the masters after
+every step by a function, so a wrong master is what shows) and buffers under
+``buffers="local"``.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import crc32c
 import torch
 import torch.distributed as dist
 
+from funcshard.distributed import mesh as mesh_lib
 from funcshard.distributed import ops
 
 __all__ = ["ReplicaMismatchError", "check_replicas", "leaf_hashes", "period"]
+
+BUFFERS = "buffers/"  # the labels of the model's persistent buffers
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -91,11 +99,13 @@ def _crc(t: torch.Tensor) -> int:
 def leaf_hashes(state: Any) -> dict[str, int]:
     """One crc32c per leaf of this rank's rows: ``params/<name>`` for the masters and
     ``opt_state/<path>/<name>`` for every per-parameter optimizer-state part (padding
-    excluded; scalars such as a step count under their path), in the same order on every
-    rank."""
+    excluded; scalars such as a step count under their path) and ``buffers/<name>`` for the
+    model's persistent buffers that must agree, in the same order on every rank."""
     out = {f"params/{name}": _crc(t) for name, t in state.params.items()}
     for path, x in _tensors(state.opt_state_by_name(), ()):
         out["opt_state/" + "/".join(path)] = _crc(x)
+    if state.buffers.agree:  # whole on every data-parallel rank
+        out.update({f"{BUFFERS}{n}": _crc(t) for n, t in state.buffers.values().items()})
     return out
 
 
@@ -146,9 +156,12 @@ def check_replicas(state: Any) -> None:
     """
     state.check()
     hashes = leaf_hashes(state)
-    labels = list(hashes)
+    labels = [label for label in hashes if not label.startswith(BUFFERS)]
     found: list[Mismatch] = []
     groups = _groups(state, labels)
+    buffers = [label for label in hashes if label.startswith(BUFFERS)]
+    if buffers and state.layout.dp_size > 1:  # one rank's are saved for all
+        groups.append(("world", mesh_lib.world_group(state.layout.mesh), buffers))
     for axis, group, names in groups:
         local = torch.tensor([hashes[n] for n in names], dtype=torch.int64)
         size = dist.get_world_size(group)

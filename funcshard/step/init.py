@@ -24,6 +24,7 @@ from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
 from funcshard.parallel import expert_axis as expert_lib
+from funcshard.state import buffers as buffer_lib
 from funcshard.state import replica_check
 from funcshard.state.buffers import ModelBuffers
 from funcshard.state.derive import derive_compute, pack_masters
@@ -49,6 +50,7 @@ def init(
     check_replicas_every: int = 0,
     cuda_graphs: bool = False,
     check_tensor_batch: bool = True,
+    buffers: str = "broadcast",
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -95,15 +97,26 @@ def init(
         tensor group passes the same batch (a fingerprint of it, all-gathered over "tensor"
         with the loss: docs/tensor-parallel.md); False skips it, for a data loader known to
         follow torch TP's rule.
+      buffers: what keeps the model's persistent buffers (which checkpoints carry from one
+        rank) agreeing across the data-parallel ranks: "broadcast" (DDP's rule) sets them to
+        the first rank's values after every applied step, and ``check_replicas`` compares
+        them; "local" leaves each rank's own. A step that changes nothing (nonfinite,
+        not committed) puts back their values from before it either way
+        (:mod:`funcshard.state.buffers`).
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
         or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
         "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``; under
         ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
-        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model.
-      TypeError: ``compile`` neither a bool, a backend name nor a callable.
+        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model;
+        ``buffers`` neither "broadcast" nor "local".
+      TypeError: ``compile`` neither a bool, a backend name nor a callable; a persistent
+        buffer of a dtype no checkpoint holds (named, with its dtype).
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
+      TimeoutError: ``fault_tolerance``'s first quorum did not form in time (naming the
+        replica group and the lighthouse); the group's torchft manager is shut down, as on
+        any error after it was made.
     """
     if not isinstance(opt, Optimizer):
         raise TypeError(
@@ -121,35 +134,37 @@ def init(
         check_batch=check_tensor_batch,
     )
     named = expert_lib.layout_params(model, tensor)
+    carried = ModelBuffers.of(model, buffer_lib.mode(buffers))  # refused before a group joins
     guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
-    layout = build_layout(
-        {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
-        model=model,
-        mesh=mesh,
-        policy=policy,
-        strategy=strategy,
-        offload_fraction=offload_fraction,
-        units=units,
-        partition=opt.partition,
-        deterministic=deterministic,
-        outer_strategy=outer_strategy,
-        tensor=tensor,
-    )
-    check_units(given, layout, backend)
-    if layout.hierarchical:
-        mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
-    if layout.expert_mesh is not None:
-        _ = layout.experts_view.placement  # its groups too (HFSDP's, no_shard's flattened one)
-    master = pack_masters(layout, named)
-    state = TrainState(
-        master=master,
-        compute=derive_compute(layout, master),
-        opt_state=opt.init(layout.per_bucket(master)),
-        step=0,
-        loss_scale=_initial_loss_scale(layout),
-        static=Static(layout, opt, backend, guard, every, ModelBuffers.of(model)),
-    )
-    return guard.join(state)
+    with guard.shut_down_on_error():  # a failed fs.init leaves no manager asking for quorums
+        layout = build_layout(
+            {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
+            model=model,
+            mesh=mesh,
+            policy=policy,
+            strategy=strategy,
+            offload_fraction=offload_fraction,
+            units=units,
+            partition=opt.partition,
+            deterministic=deterministic,
+            outer_strategy=outer_strategy,
+            tensor=tensor,
+        )
+        check_units(given, layout, backend)
+        if layout.hierarchical:
+            mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
+        if layout.expert_mesh is not None:
+            _ = layout.experts_view.placement  # its groups too (HFSDP's, no_shard's flattened one)
+        master = pack_masters(layout, named)
+        state = TrainState(
+            master=master,
+            compute=derive_compute(layout, master),
+            opt_state=opt.init(layout.per_bucket(master)),
+            step=0,
+            loss_scale=_initial_loss_scale(layout),
+            static=Static(layout, opt, backend, guard, every, carried),
+        )
+        return guard.join(state)
 
 
 def _initial_loss_scale(layout: Layout) -> LossScale | None:

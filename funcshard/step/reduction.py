@@ -169,8 +169,14 @@ class Reduction(Protocol):
         sums: torch.Tensor | None = None,
     ) -> tuple[float, float, torch.Tensor | None]:
         """The mean of every rank's microbatch losses, the sum of every rank's ``flag`` and of
-        every rank's ``sums`` (a float64 vector: the step's ``fs.summed`` aux), all carried with
-        the losses over the data-parallel world (None: none, 0.0 / None back)."""
+        every rank's ``sums`` (a float64 vector of a size every rank shares: the step's
+        ``fs.summed`` shape header), all carried with the losses over the data-parallel world
+        (None: none, 0.0 / None back)."""
+        ...
+
+    def sum_over_world(self, layout: Layout, sums: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``sums`` (float64, the same size on every rank) summed over the
+        data-parallel world: the step's ``fs.summed`` totals."""
         ...
 
 
@@ -238,6 +244,10 @@ class RingReduction:
         summed = total[1 + len(extra) :] if sums is not None else None
         return float(total[0]) / (len(losses) * layout.dp_size), flags, summed
 
+    def sum_over_world(self, layout: Layout, sums: torch.Tensor) -> torch.Tensor:
+        world = mesh_lib.world_group(layout.mesh)
+        return ops.all_reduce(sums.to(layout.device), world, axis=Axis.WORLD, kind="metrics")
+
 
 class TreeReduction:
     """``deterministic=True``: the pairwise tree over gradient chunks (see
@@ -296,6 +306,14 @@ class TreeReduction:
         summed = per_rank[:, n + f :].sum(0) if sums is not None else None
         chunks = per_rank[:, :n].reshape(-1)
         return float(determinism.halving_sum(chunks)) / chunks.numel(), flags, summed
+
+    def sum_over_world(self, layout: Layout, sums: torch.Tensor) -> torch.Tensor:
+        """All-gathered, summed in rank order (the same bits on every layout)."""
+        local = sums.to(layout.device)
+        world = mesh_lib.world_group(layout.mesh)
+        if dist.get_world_size(world) > 1:
+            local = ops.all_gather(local, world, axis=Axis.WORLD, kind="metrics")
+        return local.view(-1, sums.numel()).sum(0)
 
 
 def _listed(sums: torch.Tensor | None) -> list[torch.Tensor]:

@@ -85,7 +85,9 @@ def train_step(
 
     The update uses the mean over data-parallel ranks and microbatches of the gradients of
     ``loss_fn(params, microbatch)``. A step whose gradient is not finite changes nothing but
-    the fp16 loss scale.
+    the fp16 loss scale: the model's persistent buffers that its forward updated in place
+    (BatchNorm's statistics) are put back too. After an applied step they are set to the
+    first data-parallel rank's values (``fs.init``'s ``buffers="broadcast"``, the default).
 
     Returns:
       ``(new_state, metrics)`` with "loss" (global mean), "grad_norm" (global L2 norm of the
@@ -112,6 +114,25 @@ def train_step(
     state, skipped = guard.begin(state)  # replica groups: the step starts together, or not
     if skipped is not None:  # the batch was built for a step this group left
         return state, skipped
+    buffers = state.buffers
+    kept = buffers.snapshot()  # the forward may update them in place: undone if not applied
+    try:
+        new, metrics, applied = _step(state, batch, loss_fn, microbatches)
+    except BaseException:
+        buffers.put_back(kept)
+        raise
+    if applied:  # the same on every rank: the global norm, torchft's commit
+        buffers.broadcast(mesh_lib.world_group(layout.mesh), layout.device)
+    else:
+        buffers.put_back(kept)
+    return new, metrics
+
+
+def _step(
+    state: TrainState, batch: Any, loss_fn: LossFn, microbatches: int
+) -> tuple[TrainState, dict[str, Any], bool]:
+    """The step after its quorum: ``(new state, metrics, whether the update was applied)``."""
+    layout, guard = state.layout, state.guard
     reduction = reduction_of(layout)
     reduction.check_microbatches(layout.dp_size, microbatches)
     ls = state.loss_scale
@@ -133,7 +154,7 @@ def train_step(
         )
         summed.add(grads)
         losses.append(loss)
-        aux_sums = summed_lib.add_summed(aux_sums, aux)
+        aux_sums = summed_lib.add_summed(aux_sums, aux, first=k == 0)
 
     # reduce (the rest of it) -> norm/metrics -> update
     grads = grads_lib.reduce_step_grads(
@@ -143,9 +164,14 @@ def train_step(
         torch._foreach_mul_(grads, 1.0 / ls.scale)
     norm = float(reduction.global_norm(layout, grads))
     finite = math.isfinite(norm)
-    flat = summed_lib.flat_sums(aux_sums, layout.device)  # rides with the loss
-    loss, apart, totals = reduction.mean_loss(layout, losses, batch_check.flag(losses), flat)
+    # the fs.summed leaves' shapes ride with the loss; their totals follow once all agree
+    head = summed_lib.header(aux_sums, layout.device)
+    loss, apart, head = reduction.mean_loss(layout, losses, batch_check.flag(losses), head)
     batch_check.raise_if(apart)  # on every rank, before anything is donated
+    summed_lib.check_agreed(aux_sums, head, mesh_lib.world_group(layout.mesh))
+    flat = summed_lib.flat_sums(aux_sums, layout.device)
+    totals = None if flat is None else reduction.sum_over_world(layout, flat)
+    totals = guard.total(totals)  # and over the replica groups of a fault-tolerant step
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
     metrics = _metrics(loss, norm, new_ls, summed_lib.with_totals(aux, aux_sums, totals))
     committed = guard.end(state, metrics)
@@ -153,11 +179,12 @@ def train_step(
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
     if not committed:  # the input's values, loss scale included
-        return donated.state(), metrics
+        return donated.state(), metrics, False
     donated = donated.replace(loss_scale=new_ls)
     if not finite:  # nothing but the loss scale changes
-        return donated.state(), metrics
-    return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), metrics
+        return donated.state(), metrics, False
+    new = offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm)
+    return new, metrics, True
 
 
 def _check_steppable(state: TrainState) -> None:
