@@ -305,3 +305,15 @@ def test_kill_during_an_s3_save_leaves_the_previous_step_restorable(s3, pool2, t
         )
     finally:
         del os.environ["FUNCSHARD_KILL_CKPT"]
+
+
+def test_a_budget_of_days_is_a_bounded_count_of_retries(monkeypatch) -> None:
+    """A budget past ~5 hours made the doubling backoff overflow a float (OverflowError on
+    every request); infinity and NaN are refused like 0, a negative number or a word."""
+    monkeypatch.setenv(storage.TIMEOUT_ENV, "86400")  # a day: waits of 16 s + 1 s of jitter
+    retries = storage.kvstore(f"s3://{BUCKET}/x")["context"]["s3_request_retries"]
+    assert 86400 / 17 < retries["max_retries"] < 86400 / 17 + 8, retries
+    for bad in ("inf", "nan", "0", "-5", "abc"):
+        monkeypatch.setenv(storage.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=storage.TIMEOUT_ENV):
+            storage.kvstore(f"s3://{BUCKET}/x")
