@@ -142,9 +142,9 @@ def test_the_manager_keeps_and_lists_committed_steps_only(s3, pool2) -> None:
     keys = _keys(s3, "managed/")
     # the steps are listed from the index (a key a step), not from every object of the root:
     # latest_step() lists as many keys as there are steps, a save on rank 0 a few times that
-    assert results[0]["listed_by_latest"] == len(results[0]["steps"]), results[0]
+    assert results[0]["listed_by_latest"] == len(results[0]["steps"]) + 1, results[0]  # + whole
     per_step = sum(k.startswith("managed/3/") for k in keys)
-    bound = 3 * (2 + 1)  # three listings of an index of max_to_keep + 1 steps
+    bound = 3 * (2 + 2)  # three listings of an index of max_to_keep + 1 steps, + whole
     assert per_step > bound and max(results[0]["listed_by_save"]) <= bound, (per_step, results)
     assert not any(k.startswith("managed/1/") for k in keys), "retention"
     assert not any(k.startswith("managed/9/") for k in keys), "the killed save's objects"
@@ -152,7 +152,8 @@ def test_the_manager_keeps_and_lists_committed_steps_only(s3, pool2) -> None:
 
 def retention_failure_worker(env: dict, root: str) -> dict:
     """max_to_keep=1; retention's removal of step 1 fails (the store removed its commit file,
-    then the request failed): step 2, committed, stands; the next save sweeps step 1."""
+    then the request failed): step 2, committed, stands; the next save's sweep of step 1 fails
+    too: its index entry stays (else its objects were never swept); the one after sweeps it."""
     os.environ.update(env)
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model(seed=7)
@@ -176,16 +177,72 @@ def retention_failure_worker(env: dict, root: str) -> dict:
     like = fs.init(models.make_model(seed=8), _opt(), mesh=mesh, strategy="optim")
     restored = fs.full_params(mgr.restore(like=like))
     same = all(torch.equal(restored[n], t) for n, t in fs.full_params(state).items())
-    mgr.save(3, state)
-    return {"error": error, "after_failure": after_failure, "same": same, "end": mgr.all_steps()}
+    real_tree = storage.remove_tree
+
+    def sweep_fails(path: str) -> None:  # the next save's sweep of step 1 fails: kept indexed
+        if path.endswith("/1"):
+            raise OSError(f"{path}: the request timed out (injected)")
+        real_tree(path)
+
+    storage.remove_tree = sweep_fails
+    try:
+        mgr.save(3, state)
+    finally:
+        storage.remove_tree = real_tree
+    indexed = storage.listdir(f"{root}/_funcshard_steps")
+    mgr.save(4, state)  # sweeps step 1 now
+    return {
+        "error": error,
+        "after_failure": after_failure,
+        "same": same,
+        "indexed": indexed,
+        "end": mgr.all_steps(),
+    }
 
 
 def test_a_retention_failure_never_touches_the_committed_step(s3, pool2) -> None:
     root = f"s3://{BUCKET}/retention"
     for r in pool2.run(retention_failure_worker, s3["env"], root):
         assert r["error"] is None, r  # the save committed: retention's failure is logged
-        assert r["after_failure"] == [2] and r["same"] and r["end"] == [3], r
+        assert r["after_failure"] == [2] and r["same"] and r["end"] == [4], r
+        assert r["indexed"] == ["1", "3", "whole"], r
     assert not any(k.startswith("retention/1/") for k in _keys(s3, "retention/")), "swept"
+
+
+def cut_indexing_worker(env: dict, root: str) -> dict:
+    """A root of an older funcshard (steps 1 and 2, no index); the save that indexes it fails
+    after entering step 1 only. The index is not trusted until whole: step 2 stays listed."""
+    os.environ.update(env)
+    mesh = fs.make_mesh(device_type="cpu")
+    state = fs.init(models.make_model(seed=7), _opt(), mesh=mesh, strategy="optim")
+    for step in (1, 2):
+        fs.save(f"{root}/{step}", state)  # no manager: no index, as an older funcshard
+    mgr = fs.CheckpointManager(root, max_to_keep=2, async_save=False)
+    real, entered = storage.write_bytes, []
+
+    def second_fails(path: str, data: bytes) -> None:
+        if "/_funcshard_steps/" in path:
+            entered.append(path)
+            if len(entered) == 2:
+                raise OSError(f"{path}: the request timed out (injected)")
+        real(path, data)
+
+    storage.write_bytes = second_fails
+    try:
+        error = error_text(lambda: mgr.save(3, state))
+    finally:
+        storage.write_bytes = real
+    after_failure = fs.CheckpointManager(root, max_to_keep=2).all_steps()
+    mgr.save(3, state)
+    return {"error": error, "after_failure": after_failure, "end": mgr.all_steps()}
+
+
+def test_an_indexing_cut_short_loses_no_step_of_an_older_root(s3, pool1) -> None:
+    root = f"s3://{BUCKET}/older"
+    r = pool1.run(cut_indexing_worker, s3["env"], root)[0]
+    assert r["error"] is not None and "injected" in r["error"], r
+    assert r["after_failure"] == [1, 2] and r["end"] == [2, 3], r
+    assert not any(k.startswith("older/1/") for k in _keys(s3, "older/")), "retention"
 
 
 def missing_bucket_worker(env: dict) -> list[str | None]:
@@ -305,3 +362,15 @@ def test_kill_during_an_s3_save_leaves_the_previous_step_restorable(s3, pool2, t
         )
     finally:
         del os.environ["FUNCSHARD_KILL_CKPT"]
+
+
+def test_a_budget_of_days_is_a_bounded_count_of_retries(monkeypatch) -> None:
+    """A budget past ~5 hours made the doubling backoff overflow a float (OverflowError on
+    every request); infinity and NaN are refused like 0, a negative number or a word."""
+    monkeypatch.setenv(storage.TIMEOUT_ENV, "86400")  # a day: waits of 16 s + 1 s of jitter
+    retries = storage.kvstore(f"s3://{BUCKET}/x")["context"]["s3_request_retries"]
+    assert 86400 / 17 < retries["max_retries"] < 86400 / 17 + 8, retries
+    for bad in ("inf", "nan", "0", "-5", "abc"):
+        monkeypatch.setenv(storage.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=storage.TIMEOUT_ENV):
+            storage.kvstore(f"s3://{BUCKET}/x")

@@ -10,12 +10,14 @@ killed save leaves its objects under the step's own name. There the manager keep
 ``n`` (:func:`mark`) and removes last when the step goes (:func:`remove`). Listing the index
 lists one key a step; a step is committed when its commit file is there (one read each); a
 marked step without it is what a killed or failed save left, which :func:`sweep` removes. A
-root written without an index (an older funcshard) is listed whole while its index is empty,
-and indexed whole by its first :func:`mark`.
+root written without an index (an older funcshard) is listed whole until its index holds
+``root/_funcshard_steps/whole``, which its first :func:`mark` writes once every step of the
+root is entered (an indexing cut short leaves an index that is not trusted, never a step lost).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -27,6 +29,7 @@ from funcshard.checkpoint.format import COMMIT_FILE, DELETE_MARK
 __all__ = ["INDEX", "committed", "mark", "remove", "sweep"]
 
 INDEX = "_funcshard_steps"
+WHOLE = "whole"  # in the index once every step of the root is: until then the root is listed
 _STEP = re.compile(r"^\d+$")
 
 
@@ -44,11 +47,11 @@ def _is_committed(root: str, step: int) -> bool:
 
 def _candidates(root: str) -> list[int]:
     """The steps ``root`` may hold, committed or not: its index's on an object store (the
-    whole root's names while the index is empty), else the directory's step names."""
+    whole root's names until the index is whole), else the directory's step names."""
     if storage.is_object(root):
-        marked = _numbers(storage.listdir(os.path.join(root, INDEX)))
-        if marked:
-            return marked
+        names = storage.listdir(os.path.join(root, INDEX))
+        if WHOLE in names:
+            return _numbers(names)
     return _numbers(storage.listdir(root))
 
 
@@ -59,13 +62,15 @@ def committed(root: str) -> list[int]:
 
 def mark(root: str, step: int) -> None:
     """Enters ``step`` in ``root``'s index before any rank writes it (rank 0; an object store's
-    only). An empty index first gets every step the root holds (a root of an older funcshard),
-    so that none of them is left unlisted or unswept."""
+    only). An index that is not whole first gets every step the root holds (a root of an older
+    funcshard), then :data:`WHOLE`, so that none of them is left unlisted or unswept, even when
+    this is cut short."""
     if not storage.is_object(root):
         return
-    if not storage.listdir(os.path.join(root, INDEX)):
+    if WHOLE not in storage.listdir(os.path.join(root, INDEX)):
         for old in _numbers(storage.listdir(root)):
             storage.write_bytes(_marker(root, old), b"")
+        storage.write_bytes(os.path.join(root, INDEX, WHOLE), b"")
     storage.write_bytes(_marker(root, step), b"")
 
 
@@ -80,7 +85,11 @@ def sweep(root: str) -> None:
         return
     for step in _numbers(storage.listdir(os.path.join(root, INDEX))):
         if not _is_committed(root, step):
-            remove_tree(os.path.join(root, str(step)))
+            try:  # the entry goes only once its objects have: else the next sweep retries
+                storage.remove_tree(os.path.join(root, str(step)))
+            except OSError as e:
+                logging.warning("funcshard.checkpoint: could not sweep %s/%d: %s", root, step, e)
+                continue
             storage.remove_file(_marker(root, step))
 
 

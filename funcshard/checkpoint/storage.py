@@ -21,6 +21,7 @@ store raises :class:`StoreError`, an OSError naming the URL, the endpoint and th
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import threading
@@ -113,8 +114,8 @@ def retry_budget() -> float:
         budget = float(text)
     except ValueError:
         budget = -1.0
-    if not budget > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
+    if not (budget > 0 and math.isfinite(budget)):
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a finite number of seconds > 0")
     return budget
 
 
@@ -124,12 +125,17 @@ def _retries(budget: float) -> dict[str, Any]:
     most ``budget`` seconds."""
     initial = min(1.0, budget / 8)
     cap = max(initial, min(16.0, budget / 4))
+    jitter = min(initial, 1.0)
     retries, spent = 0, 0.0
     while True:
-        wait = min(initial * 2**retries, cap) + min(initial, 1.0)
-        if spent + wait > budget:
+        delay = min(initial * 2.0 ** min(retries, 64), cap)  # never past a float's range
+        if spent + delay + jitter > budget:
             break
-        spent, retries = spent + wait, retries + 1
+        if delay == cap:  # every later wait is the cap's: counted at once (a budget of days)
+            retries += int((budget - spent) // (delay + jitter))
+            break
+        spent, retries = spent + delay + jitter, retries + 1
+    retries = min(retries, 2**31 - 1)
     return {"max_retries": retries, "initial_delay": f"{initial:.6f}s", "max_delay": f"{cap:.6f}s"}
 
 
