@@ -23,7 +23,9 @@ from funcshard.layout.layout import Layout, UnitsArg
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
+from funcshard.parallel import context as context_lib
 from funcshard.parallel import expert_axis as expert_lib
+from funcshard.parallel.context import ContextParallel
 from funcshard.state import replica_check
 from funcshard.state.buffers import ModelBuffers
 from funcshard.state.derive import derive_compute, pack_masters
@@ -48,6 +50,7 @@ def init(
     fault_tolerance: FaultTolerance | None = None,
     check_replicas_every: int = 0,
     cuda_graphs: bool = False,
+    context: ContextParallel | None = None,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -90,13 +93,17 @@ def init(
       check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
         an input state whose step is a positive multiple of N, before donating it; 0: never.
       cuda_graphs: inductor's ``mode="reduce-overhead"`` (CUDA graph trees); off CUDA, ValueError.
+      context: ``fs.ContextParallel``: sequences split over the mesh's "context" axis
+        (``fs.make_mesh(context=C)``); every rank of a context group passes the same batch
+        and ``train_step`` keeps its part of each sequence (:mod:`funcshard.parallel.context`).
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
         or with a ``grad_comm_dtype`` other than ``main_grads_dtype``; ``outer_strategy=
         "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``; under
         ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
-        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model.
+        ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model;
+        ``context`` with ``compile``, or naming a buffer the model lacks.
       TypeError: ``compile`` neither a bool, a backend name nor a callable.
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
     """
@@ -108,6 +115,8 @@ def init(
     every = replica_check.period(check_replicas_every)
     backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
     policy = policy or MixedPrecisionPolicy()
+    if context is not None and backend is not None:
+        raise ValueError("init: context parallel does not run under compile= yet")
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
     tensor = expert_lib.read_axes(model, mesh, over_shard=Strategy.parse(strategy).shards_optim)
     named = expert_lib.layout_params(model, tensor)
@@ -137,7 +146,15 @@ def init(
         opt_state=opt.init(layout.per_bucket(master)),
         step=0,
         loss_scale=_initial_loss_scale(layout),
-        static=Static(layout, opt, backend, guard, every, ModelBuffers.of(model)),
+        static=Static(
+            layout,
+            opt,
+            backend,
+            guard,
+            every,
+            ModelBuffers.of(model),
+            context_lib.bind(context, mesh, model),
+        ),
     )
     return guard.join(state)
 
