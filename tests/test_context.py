@@ -4,12 +4,14 @@ over the context group as one process trains it on the full sequences.
 
 fp32, SGD with momentum 0.9, 3 steps of 2 microbatches: both algorithms, load balance on and
 off, ZeRO-0/2/3 at C=2; C=4 and HSDP (R2 x C2) on 4 ranks; within 1e-5 (params, losses, grad
-norms). Attention kept within each rank's own chunks fails the same parity (the test's
-teeth). The bad inputs raise ValueError naming what is wrong on every rank.
+norms), and the bytes per mesh axis ("context": attention's exchange) equal ``fs.plan``'s.
+Attention kept within each rank's own chunks fails the same parity (the test's teeth). The
+bad inputs raise ValueError naming what is wrong on every rank.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -48,7 +50,26 @@ def _run(
     with fs.comm_stats() as stats:
         state, history = hc.train(state, model, STEPS, ROWS, LENGTH, groups)
     errors = models.parity_errors(state, history, ref)
-    return {**errors, "context_bytes": stats.bytes_by_axis["context"]}
+    planned = fs.plan(
+        model,
+        world_size=dist.get_world_size(),
+        replicate=replicate,
+        strategy=strategy,
+        optimizer="sgd_momentum",
+        microbatches=2,
+        device_type="cpu",
+        context=context,
+        seq_len=LENGTH,
+        batch_size=ROWS // groups,
+        attention=(hc.LAYERS, hc.HEADS, hc.DIM // hc.HEADS),
+        context_algorithm=algorithm,
+    )
+    return {
+        **errors,
+        "context_bytes": stats.bytes_by_axis["context"],
+        "measured": {k: v for k, v in stats.bytes_by_axis.items() if v},
+        "planned": {k: STEPS * v for k, v in planned.comm_by_axis.items() if v},
+    }
 
 
 def _local_attention(
@@ -66,43 +87,57 @@ def _local_attention(
     return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale)
 
 
-PAIRS = [  # (strategy, algorithm, load_balance, rope)
-    ("no_shard", "all_to_all", True, False),
-    ("no_shard", "all_to_all", False, False),
-    ("optim_grads_params", "all_to_all", True, False),
-    ("optim_grads_params", "all_to_all", False, True),
-    ("no_shard", "ring", True, True),
-    ("optim_grads", "ring", False, False),
-    ("optim_grads_params", "ring", True, False),
-    ("optim_grads_params", "ring", False, False),
-]
+CASES = {  # (strategy, algorithm, load_balance, rope), a few to a pool call
+    "zero0": [
+        ("no_shard", "all_to_all", True, False),
+        ("no_shard", "all_to_all", False, False),
+        ("no_shard", "ring", True, True),
+    ],
+    "zero3": [
+        ("optim_grads_params", "all_to_all", True, False),
+        ("optim_grads_params", "all_to_all", False, True),
+        ("optim_grads_params", "ring", False, False),
+    ],
+    "zero2_zero3": [
+        ("optim_grads", "ring", False, False),
+        ("optim_grads_params", "ring", True, False),
+    ],
+}
 
 
-def parity_worker_2() -> dict:
+def parity_worker_2(cases: list) -> dict:
     out = {}
-    for strategy, algorithm, balance, rope in PAIRS:
+    for strategy, algorithm, balance, rope in cases:
         key = f"{strategy}/{algorithm}/balance={balance}/rope={rope}"
         out[key] = _run(strategy, algorithm, balance, context=2, rope=rope)
-    original = context_lib.ContextGroup.attention
-    context_lib.ContextGroup.attention = _local_attention
-    try:
-        for strategy in ("no_shard", "optim_grads_params"):
-            out[f"local-only/{strategy}"] = _run(strategy, "all_to_all", True, context=2)
-    finally:
-        context_lib.ContextGroup.attention = original
     return out
 
 
-def test_context_parallel_equals_one_process_on_full_sequences(pool2) -> None:
-    for results in pool2.run(parity_worker_2):
+def local_only_worker() -> dict:
+    original = context_lib.ContextGroup.attention
+    context_lib.ContextGroup.attention = _local_attention
+    try:
+        return {s: _run(s, "all_to_all", True, context=2) for s in ("no_shard", "optim_grads")}
+    finally:
+        context_lib.ContextGroup.attention = original
+
+
+@pytest.mark.parametrize("cases", list(CASES))
+def test_context_parallel_equals_one_process_on_full_sequences(pool2, cases: str) -> None:
+    for results in pool2.run(parity_worker_2, CASES[cases]):
         for key, errors in results.items():
-            worst = max(errors[k] for k in ("params", "loss", "norm"))
-            if key.startswith("local-only"):  # attention within each rank's chunks only
-                assert worst > 1e-3, (key, errors)
-                assert errors["context_bytes"] == 0, (key, errors)
-            else:
-                assert worst < TOL, (key, errors)
-                assert errors["context_bytes"] > 0, (key, errors)
+            assert max(errors[k] for k in ("params", "loss", "norm")) < TOL, (key, errors)
+            assert errors["context_bytes"] > 0, (key, errors)
+            assert errors["measured"] == errors["planned"], key  # every axis, "context" too
+
+
+def test_attention_within_own_chunks_fails_the_parity(pool2) -> None:
+    """The parity above has teeth: the same runs with each rank's attention kept within its
+    own chunks (no exchange) are far from the one process."""
+    for results in pool2.run(local_only_worker):
+        for key, errors in results.items():
+            assert max(errors[k] for k in ("params", "loss", "norm")) > 1e-3, (key, errors)
+            assert errors["context_bytes"] == 0, (key, errors)
 
 
 def parity_worker_4() -> dict:
@@ -136,6 +171,7 @@ def test_four_ranks_and_hsdp_equal_one_process(pool4) -> None:
         assert layout["replicate"] == [me % 2, me % 2 + 2]
         for key, errors in results.items():
             assert max(errors[k] for k in ("params", "loss", "norm")) < TOL, (key, errors)
+            assert errors["measured"] == errors["planned"], key
 
 
 def _error(fn) -> str:
