@@ -178,12 +178,15 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, time, vocab) for int64 ``tokens`` (batch, time)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, time, vocab) for int64 ``tokens`` (batch, time); ``positions``: each
+        token's place in its sequence (context parallel: this rank's part), else 0..time-1."""
         T = tokens.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"GPT: sequence of {T} tokens exceeds seq_len={self.cfg.seq_len}")
-        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device))
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)

@@ -3,6 +3,7 @@
     python experiments/train.py --nproc=2                       # 2 local ranks (gloo / NCCL)
     torchrun --nproc_per_node=2 experiments/train.py            # the same under torchrun
     python experiments/train.py --nproc=2 --data=input.txt      # char-level text, no floor
+    python experiments/train.py --nproc=2 --context=2 --seq_len=64  # sequences split 2 ways
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --max-restarts=3 \
         --rdzv-backend=c10d ... experiments/train.py --grad_chunks=4 --deterministic \
         --checkpoint_dir=ckpt --save_every=50 --resume     # elastic: docs/multi-node.md
@@ -67,6 +68,19 @@ flags.DEFINE_integer(
     "Tensor-parallel ranks per group (innermost mesh axis): each block's attention heads and "
     "MLP split colwise / rowwise with torch's parallelize_module; its ranks share a batch.",
     lower_bound=1,
+)
+flags.DEFINE_integer(
+    "context",
+    1,
+    "Context-parallel ranks per group (fs.ContextParallel): each sequence split C ways "
+    "(head-tail load balanced), attention over the whole sequence; its ranks share a batch.",
+    lower_bound=1,
+)
+flags.DEFINE_enum(
+    "context_algorithm",
+    "all_to_all",
+    ["all_to_all", "ring"],
+    "Context parallel's attention: all_to_all (Ulysses, heads divisible by C) or ring.",
 )
 flags.DEFINE_enum("strategy", "optim_grads_params", list(fs.STRATEGIES), "What is sharded.")
 flags.DEFINE_enum(
@@ -301,20 +315,28 @@ def _fail(message: str) -> None:
 
 def _check_world(world: int) -> None:
     """Flag checks that need the world size; exit before any rank starts."""
-    tensor = FLAGS.tensor
-    if FLAGS.shard != -1 and FLAGS.shard * FLAGS.replicate * tensor != world:
+    tensor, context = FLAGS.tensor, FLAGS.context
+    if FLAGS.shard != -1 and FLAGS.shard * FLAGS.replicate * tensor * context != world:
         _fail(
-            f"--shard={FLAGS.shard} x --replicate={FLAGS.replicate} x --tensor={tensor} must "
-            f"equal the world size {world} (--nproc or torchrun's WORLD_SIZE)"
+            f"--shard={FLAGS.shard} x --replicate={FLAGS.replicate} x --tensor={tensor} x "
+            f"--context={context} must equal the world size {world} (--nproc or torchrun's "
+            "WORLD_SIZE)"
         )
-    if FLAGS.shard == -1 and world % (FLAGS.replicate * tensor):
+    if FLAGS.shard == -1 and world % (FLAGS.replicate * tensor * context):
         _fail(
-            f"--replicate={FLAGS.replicate} x --tensor={tensor} does not divide the world "
-            f"size {world}"
+            f"--replicate={FLAGS.replicate} x --tensor={tensor} x --context={context} does not "
+            f"divide the world size {world}"
         )
+    if context > 1:
+        if FLAGS.seq_len % (2 * context):
+            _fail(f"--seq_len={FLAGS.seq_len} must be divisible by 2 x --context={context}")
+        if FLAGS.context_algorithm == "all_to_all" and FLAGS.n_head % context:
+            _fail(f"--n_head={FLAGS.n_head} must be divisible by --context={context} (all_to_all)")
+        if tensor > 1 or FLAGS.experts or FLAGS.compile or FLAGS.deterministic:
+            _fail("--context with --tensor, --experts, --compile or --deterministic: not yet")
     if FLAGS.n_head % tensor:
         _fail(f"--n_head={FLAGS.n_head} must be divisible by --tensor={tensor} (heads split)")
-    dp_world = world // tensor  # a tensor group shares its batch
+    dp_world = world // (tensor * context)  # a tensor or context group shares its batch
     try:
         given = Config(
             grad_chunks=FLAGS.grad_chunks,
@@ -335,7 +357,7 @@ def _check_world(world: int) -> None:
         _fail(f"--expert={FLAGS.expert} splits experts: pass --experts=N (an MoE GPT)")
     if FLAGS.experts % FLAGS.expert:
         _fail(f"--expert={FLAGS.expert} must divide --experts={FLAGS.experts}")
-    shard = FLAGS.shard if FLAGS.shard != -1 else world // (FLAGS.replicate * tensor)
+    shard = FLAGS.shard if FLAGS.shard != -1 else world // (FLAGS.replicate * tensor * context)
     if shard % FLAGS.expert:
         _fail(f"--expert={FLAGS.expert} must divide the shard size {shard} (carved out of it)")
     if FLAGS.experts and tensor > 1:

@@ -46,6 +46,8 @@ class Config:
     replicate: int = 1
     tensor: int = 1  # tensor-parallel ranks per group (each block split by gpt.tensor_plan)
     expert: int = 1  # expert-parallel ranks per group, out of "shard" (fs.ExpertParallel)
+    context: int = 1  # context-parallel ranks per group: each sequence split C ways
+    context_algorithm: str = "all_to_all"  # or "ring" (fs.ContextParallel)
     strategy: str = "optim_grads_params"
     outer_strategy: str = "no_shard"  # "optim": HFSDP (the optimizer sharded over replicas too)
     policy: fs.MixedPrecisionPolicy = dataclasses.field(
@@ -192,6 +194,36 @@ def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, 1:].float().flatten(0, 1), tokens[:, 2:].flatten())
 
 
+SEQ_DIMS = {"tokens": 1, "labels": 1, "positions": 1}  # context parallel's sequence leaves
+
+
+def _context_parallel(cfg: Config) -> fs.ContextParallel | None:
+    if cfg.context == 1:
+        return None
+    return fs.ContextParallel(seq_dims=SEQ_DIMS, algorithm=cfg.context_algorithm)
+
+
+def _context_batch(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The sequence leaves context parallel splits: the model's input tokens, their labels
+    (the first ignored, as :func:`_loss` skips it) and the positions."""
+    labels = x[:, 1:].clone()
+    labels[:, 0] = -100
+    positions = torch.arange(x.shape[1] - 1, device=x.device).expand(x.shape[0], -1)
+    return {"tokens": x[:, :-1], "labels": labels, "positions": positions.contiguous()}
+
+
+def _context_loss(model: GPT, params, batch: dict, cfg: Config) -> torch.Tensor:
+    """:func:`_loss` on this rank's part of the sequences: its summed cross-entropy over the
+    global token count / C, so that the mean over the context group is the global mean."""
+    logits = fs.functional_call(model, params, (batch["tokens"], batch["positions"]))
+    labels = batch["labels"]
+    total = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+    counted = labels.shape[0] * (cfg.model.seq_len - 1)  # the rows' tokens, the first skipped
+    return total * cfg.context / counted
+
+
 class Progress:
     """Rank 0's view of the run: a ``\\r`` bar on a terminal, absl log lines otherwise."""
 
@@ -335,8 +367,10 @@ def run(
     """
     joined = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
-    # the data-parallel index and size: the ranks of a tensor group (consecutive) share a batch
-    dp_rank, dp_world = rank // cfg.tensor, world // cfg.tensor
+    # the data-parallel index and size: the ranks of a tensor group (consecutive) share a batch,
+    # as do those of a context group (each keeps its part of every sequence)
+    group = cfg.tensor * cfg.context
+    dp_rank, dp_world = rank // group, world // group
     microbatches = microbatches_for(cfg, dp_world)
     _init_logging(rank)
     device_type = None if cfg.device == "auto" else cfg.device
@@ -345,6 +379,7 @@ def run(
         replicate=cfg.replicate,
         tensor=cfg.tensor,
         expert=cfg.expert,
+        context=cfg.context,
         device_type=device_type,
     )
     device = local_device(mesh)
@@ -375,6 +410,7 @@ def run(
         deterministic=cfg.deterministic,
         fault_tolerance=fault_tolerance(cfg),
         compile=cfg.compile if by_fs else False,
+        context=_context_parallel(cfg),
     )
 
     mgr = fs.CheckpointManager(cfg.checkpoint_dir, max_to_keep=3) if cfg.checkpoint_dir else None
@@ -417,6 +453,8 @@ def run(
         )
 
     def loss_fn(params, batch):
+        if cfg.context > 1:
+            return _context_loss(model, params, batch, cfg)
         x = batch["x"]
         loss = _loss(fs.functional_call(model, params, (x[:, :-1],)), x)
         if not cfg.model.experts:
@@ -445,7 +483,8 @@ def run(
         t_step = time.perf_counter()
         try:
             with fs.comm_stats() as stats:  # this rank's bytes per collective kind and mesh axis
-                state, metrics = fs.train_step(state, {"x": x}, loss_fn, microbatches=microbatches)
+                batch = _context_batch(x) if cfg.context > 1 else {"x": x}
+                state, metrics = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
         except TimeoutError:  # too few replica groups for a quorum yet: the state is unchanged
             if committed is None:
                 raise

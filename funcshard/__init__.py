@@ -11,6 +11,7 @@ from funcshard.layout.layout import STRATEGIES
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.sharding import shard
 from funcshard.layout.strategy import OuterStrategy, Strategy
+from funcshard.parallel.context import ContextParallel
 from funcshard.parallel.experts import ExpertParallel
 from funcshard.planner.experts import Routing
 from funcshard.planner.plan import plan
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointManager",
     "CommStats",
     "ConsumedStateError",
+    "ContextParallel",
     "ExpertParallel",
     "FaultTolerance",
     "GatheredParams",

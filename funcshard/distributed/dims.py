@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["MeshDims", "DATA_AXES", "TENSOR", "EXPERT", "SHARD_OUTER"]
+__all__ = ["MeshDims", "DATA_AXES", "TENSOR", "EXPERT", "CONTEXT", "SHARD_OUTER"]
 
 DATA_AXES = ("replicate", "shard")
 TENSOR = "tensor"
 EXPERT = "expert"
-SHARD_OUTER = "shard_outer"  # the shard ranks of one expert index: "shard" = shard_outer x expert
+CONTEXT = "context"
+# the shard ranks of one expert index ("shard" = shard_outer x expert), or of one context rank
+# ("shard" = shard_outer x context)
+SHARD_OUTER = "shard_outer"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,21 +39,36 @@ class MeshDims:
     >>> dims = MeshDims.resolve(8, shard=4, replicate=2, expert=2)
     >>> dims.names, dims.shape, dims.expert_dp_size
     (('replicate', 'shard_outer', 'expert'), (2, 2, 2), 4)
+
+    ``context = C > 1`` adds the context axis between "shard" and "tensor" (rank ``((r * S +
+    s) * C + c) * T + t``): the DeviceMesh is ``(R, S, C[, T])`` named ``("replicate",
+    "shard_outer", "context"[, "tensor"])``, "shard" their flattened "shard_outer" x "context"
+    (parameters sharded and gradients reduced over both: every rank its own data-parallel rank).
+
+    >>> dims = MeshDims.resolve(8, shard=-1, replicate=2, context=2)
+    >>> dims.shard, dims.names, dims.shape, dims.dp_size
+    (2, ('replicate', 'shard_outer', 'context'), (2, 2, 2), 8)
     """
 
     replicate: int
     shard: int
     tensor: int = 1
     expert: int = 1
+    context: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("replicate", "shard", "tensor", "expert"):
+        for axis in ("replicate", "shard", "tensor", "expert", "context"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis} must be >= 1, got {getattr(self, axis)}")
         if self.shard % self.expert:
             raise ValueError(
                 f"expert={self.expert} must divide shard={self.shard}: the expert axis is "
                 "carved out of the shard axis"
+            )
+        if self.expert > 1 and self.context > 1:
+            raise ValueError(
+                f"expert={self.expert} and context={self.context}: a mesh with both the "
+                "expert and the context axis is not supported yet"
             )
 
     @classmethod
@@ -62,6 +80,7 @@ class MeshDims:
         replicate: int = 1,
         tensor: int = 1,
         expert: int = 1,
+        context: int = 1,
         who: str = "mesh",
     ) -> MeshDims:
         """The dims of a world of ``world`` ranks; ``shard=-1``: what the other axes leave.
@@ -74,33 +93,44 @@ class MeshDims:
             raise ValueError(f"{who}: replicate must be >= 1, got {replicate}")
         if tensor < 1:
             raise ValueError(f"{who}: tensor must be >= 1, got {tensor}")
+        if context < 1:
+            raise ValueError(f"{who}: context must be >= 1, got {context}")
+        # the context factor is named only where it is asked for: the words stay v5's without
+        ctx_words = f" x context={context}" if context > 1 else ""
+        ctx_term = f" x context ({context})" if context > 1 else ""
         if shard == -1:
-            if world % (replicate * tensor):
+            if world % (replicate * tensor * context):
                 raise ValueError(
                     f"{who}: world size {world} is not divisible by replicate={replicate} x "
-                    f"tensor={tensor}"
+                    f"tensor={tensor}{ctx_words}"
                 )
-            shard = world // (replicate * tensor)
-        if shard < 1 or shard * replicate * tensor != world:
+            shard = world // (replicate * tensor * context)
+        if shard < 1 or shard * replicate * tensor * context != world:
             raise ValueError(
-                f"{who}: shard ({shard}) x replicate ({replicate}) x tensor ({tensor}) must "
-                f"equal the world size {world}"
+                f"{who}: shard ({shard}) x replicate ({replicate}) x tensor ({tensor}){ctx_term} "
+                f"must equal the world size {world}"
             )
         if expert < 1 or shard % expert:
             raise ValueError(
                 f"{who}: expert={expert} must be >= 1 and divide shard={shard} (the expert axis "
                 "is carved out of the shard axis: shard rank s = s_outer * expert + e)"
             )
-        return cls(replicate, shard, tensor, expert)
+        if context > 1 and expert > 1:
+            raise ValueError(
+                f"{who}: expert={expert} and context={context}: a mesh with both the expert "
+                "and the context axis is not supported yet"
+            )
+        return cls(replicate, shard, tensor, expert, context)
 
     @property
     def world(self) -> int:
-        return self.replicate * self.shard * self.tensor
+        return self.replicate * self.shard * self.context * self.tensor
 
     @property
     def dp_size(self) -> int:
-        """The data-parallel ranks: each steps its own batch (a tensor group shares one)."""
-        return self.replicate * self.shard
+        """The data-parallel ranks: each steps its own batch (a tensor group shares one; a
+        context group one batch, each rank its part of every sequence)."""
+        return self.replicate * self.shard * self.context
 
     @property
     def has_replicas(self) -> bool:
@@ -116,6 +146,10 @@ class MeshDims:
         return self.expert > 1
 
     @property
+    def has_context(self) -> bool:
+        return self.context > 1
+
+    @property
     def expert_dp_size(self) -> int:
         """The ranks holding one expert index: the data-parallel ranks of an expert weight."""
         return self.replicate * self.shard // self.expert
@@ -123,13 +157,20 @@ class MeshDims:
     @property
     def names(self) -> tuple[str, ...]:
         """The DeviceMesh's axis names, outermost first."""
-        data = ("replicate", SHARD_OUTER, EXPERT) if self.has_experts else DATA_AXES
+        if self.has_experts:
+            data = ("replicate", SHARD_OUTER, EXPERT)
+        elif self.has_context:
+            data = ("replicate", SHARD_OUTER, CONTEXT)
+        else:
+            data = DATA_AXES
         return (*data, TENSOR) if self.has_tensor else data
 
     @property
     def shape(self) -> tuple[int, ...]:
         if self.has_experts:
             data = (self.replicate, self.shard // self.expert, self.expert)
+        elif self.has_context:
+            data = (self.replicate, self.shard, self.context)
         else:
             data = (self.replicate, self.shard)
         return (*data, self.tensor) if self.has_tensor else data

@@ -1,6 +1,7 @@
 """Device meshes: a torch DeviceMesh with axes ("replicate", "shard"), and "tensor" innermost
 when the model is tensor-parallel; with experts, "shard" is the flattened pair ("shard_outer",
-"expert") (:class:`~funcshard.distributed.dims.MeshDims`)."""
+"expert"), with a context axis the flattened pair ("shard_outer", "context")
+(:class:`~funcshard.distributed.dims.MeshDims`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from funcshard.distributed.dims import DATA_AXES, EXPERT, SHARD_OUTER, TENSOR, MeshDims
+from funcshard.distributed.dims import (
+    CONTEXT,
+    DATA_AXES,
+    EXPERT,
+    SHARD_OUTER,
+    TENSOR,
+    MeshDims,
+)
 
 __all__ = [
     "make_mesh",
@@ -35,6 +43,7 @@ __all__ = [
     "tensor_axis",
     "expert_axis",
     "expert_data_parallel",
+    "context_axis",
 ]
 
 
@@ -44,6 +53,7 @@ def make_mesh(
     tensor: int | str | None = 1,
     device_type: str | None = None,
     expert: int = 1,
+    context: int = 1,
 ) -> DeviceMesh:
     """Builds the ("replicate", "shard") mesh over all ranks, or ("replicate", "shard",
     "tensor") with ``tensor > 1``.
@@ -61,13 +71,19 @@ def make_mesh(
         experts on (``Shard(0)``), before ``fs.init``. The mesh's dims are then
         ``("replicate", "shard_outer", "expert"[, "tensor"])``, ``mesh["shard"]`` their
         flattened "shard_outer" x "expert". 1: the mesh without it, unchanged.
+      context: ranks per context-parallel group (``fs.ContextParallel``), between "shard" and
+        "tensor": rank ``((r * S + s) * C + c) * T + t``. The mesh's dims are then
+        ``("replicate", "shard_outer", "context"[, "tensor"])``, ``mesh["shard"]`` their
+        flattened "shard_outer" x "context": parameters are sharded and gradients reduced
+        over both. 1: the mesh without it, unchanged.
 
     The same shape on the same world gives the same mesh: its groups are made once.
 
     Raises:
       RuntimeError: torch.distributed is not initialized.
-      ValueError: shard x replicate x tensor does not equal the world size, ``expert`` does
-        not divide ``shard``, or a cuda mesh has more ranks on this node than visible GPUs.
+      ValueError: shard x replicate x context x tensor does not equal the world size,
+        ``expert`` does not divide ``shard``, ``expert`` and ``context`` both above 1, or a
+        cuda mesh has more ranks on this node than visible GPUs.
     """
     if not isinstance(tensor, int):  # None, or v1's third argument: make_mesh(S, R, "cpu")
         tensor, device_type = 1, tensor if device_type is None else device_type
@@ -81,6 +97,7 @@ def make_mesh(
         replicate=replicate,
         tensor=tensor,
         expert=expert,
+        context=context,
         who="make_mesh",
     )
     if device_type is None:
@@ -94,11 +111,13 @@ def make_mesh(
         mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=dims.names)
         if dims.has_experts:
             mesh[SHARD_OUTER, EXPERT]._flatten(DATA_AXES[1])
+        if dims.has_context:
+            mesh[SHARD_OUTER, CONTEXT]._flatten(DATA_AXES[1])
         _MESHES[key] = (world_pg, hold(mesh, drop_mesh_groups))
     mesh = _MESHES[key][1]
     for axis in mesh.mesh_dim_names:
         inherit_timeout(mesh.get_group(axis))
-    if dims.has_experts:
+    if dims.has_experts or dims.has_context:
         inherit_timeout(sliced(mesh, DATA_AXES[1]).get_group())
     return mesh
 
@@ -125,6 +144,12 @@ def expert_data_parallel(mesh: DeviceMesh) -> DeviceMesh | None:
     if EXPERT not in names:
         return None
     return sliced(mesh, (DATA_AXES[0], SHARD_OUTER))
+
+
+def context_axis(mesh: DeviceMesh) -> DeviceMesh | None:
+    """``mesh["context"]``, or None for a mesh without a context axis."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh[CONTEXT] if CONTEXT in names else None
 
 
 def tensor_axis(mesh: DeviceMesh) -> DeviceMesh | None:

@@ -47,6 +47,7 @@ class Axis(str, enum.Enum):
     TENSOR = "tensor"  # a tensor-parallel group (what funcshard issues there: norms, Muon)
     REPLICAS = "replicas"  # torchft's all-reduce across the replica groups (fs.FaultTolerance)
     EXPERT = "expert"  # an expert-parallel group: the tokens' all-to-all (fs.ExpertParallel)
+    CONTEXT = "context"  # a context-parallel group: attention's exchange (fs.ContextParallel)
 
 
 # Their names, as ``CommStats.bytes_by_axis`` keys them.
@@ -66,9 +67,11 @@ class CommStats:
         gradients of ``no_shard``), "tensor" (funcshard's own collectives over a
         tensor-parallel group), "replicas" (a fault-tolerant step's all-reduce across the
         replica groups, through torchft: the gradient shards, and the loss under
-        "metrics") or "expert" (tokens sent to their experts and back by
-        :func:`all_to_all_rows`, forward and backward, under "all_to_all"); its values sum
-        to those of ``bytes``.
+        "metrics"), "expert" (tokens sent to their experts and back by
+        :func:`all_to_all_rows`, forward and backward, under "all_to_all") or "context"
+        (attention's exchange of ``fs.ContextParallel``: q, k, v and the output under
+        "all_to_all", k and v blocks around the ring under "send", forward and backward);
+        its values sum to those of ``bytes``.
       gathered_live: bytes of gathered (unsharded) ZeRO-3 params alive right now.
       gathered_peak: the most bytes of gathered ZeRO-3 params alive at one moment.
     """

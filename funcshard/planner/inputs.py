@@ -78,7 +78,13 @@ def units_from_names(names: Sequence[str]) -> list[str]:
 
 
 def mesh_dims(
-    world_size: int, shard: int, replicate: int, microbatches: int, tensor: int = 1, expert: int = 1
+    world_size: int,
+    shard: int,
+    replicate: int,
+    microbatches: int,
+    tensor: int = 1,
+    expert: int = 1,
+    context: int = 1,
 ) -> MeshDims:
     """The mesh of a ``plan`` call (``shard=-1``: the world over replicas x tensor)."""
     if world_size < 1 or microbatches < 1:  # the mesh's degrees: MeshDims checks them
@@ -86,7 +92,13 @@ def mesh_dims(
             f"plan: world_size ({world_size}) and microbatches ({microbatches}) must be >= 1"
         )
     return MeshDims.resolve(
-        world_size, shard=shard, replicate=replicate, tensor=tensor, expert=expert, who="plan"
+        world_size,
+        shard=shard,
+        replicate=replicate,
+        tensor=tensor,
+        expert=expert,
+        context=context,
+        who="plan",
     )
 
 

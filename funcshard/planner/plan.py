@@ -90,6 +90,7 @@ from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import MuonState, Optimizer
 from funcshard.optim.matrices import exchange_plan
 from funcshard.parallel.tensor import gather_numel
+from funcshard.planner.context import add_context_exchange, check_context
 from funcshard.planner.experts import (
     Routing,
     add_all_to_all,
@@ -386,6 +387,11 @@ def plan(
     replica_groups: int = 1,
     expert: int = 1,
     routing: Routing | None = None,
+    context: int = 1,
+    seq_len: int | None = None,
+    batch_size: int | None = None,
+    attention: tuple[int, int, int] | None = None,
+    context_algorithm: str = "all_to_all",
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -425,6 +431,12 @@ def plan(
       expert, routing: ``make_mesh(expert=E)``'s degree (experts planned global, as ``fs.init``
         holds them); a :class:`~funcshard.planner.experts.Routing`: its all-to-alls, "expert"
         (the rows, and the counts ``fs.ExpertParallel`` exchanges before each dispatch).
+      context, seq_len, batch_size, attention, context_algorithm: ``make_mesh(context=C)``'s
+        degree (parameters then sharded over shard x context: ``Plan.shard`` is that group's
+        size), the sequence length, the rows each rank passes to ``train_step``, the
+        attention ``(calls, heads, head_dim)`` of one forward and ``fs.ContextParallel``'s
+        algorithm: the attention exchange under "context" (:mod:`funcshard.planner.context`;
+        in the compute dtype).
 
     Returns:
       A :class:`Plan`.
@@ -442,13 +454,14 @@ def plan(
     (48, 48, 192)
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
-    dims = mesh_dims(world_size, shard, replicate, microbatches, tensor, expert)
+    dims = mesh_dims(world_size, shard, replicate, microbatches, tensor, expert, context)
+    check_context(context, context_algorithm, seq_len, attention)
     table, tp, expert_mesh = model_table(params, dtype, tensor, tensor_plan, dims, strategy)
     model = params if isinstance(params, nn.Module) else None
     layout = build_layout(
         table,
         model=model,
-        mesh=ShapeMesh(replicate, dims.shard),  # type: ignore[arg-type]
+        mesh=ShapeMesh(replicate, dims.shard * dims.context),  # type: ignore[arg-type]
         policy=policy or MixedPrecisionPolicy(),
         strategy=strategy,
         offload_fraction=offload_fraction,
@@ -461,10 +474,13 @@ def plan(
     )
     step = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model)
     comm, calls, by_axis, muon_owner = step
+    itemsize = ((policy and policy.param_dtype) or dtype).itemsize
+    exchange = (context_algorithm, seq_len, batch_size, attention, itemsize, microbatches)
+    add_context_exchange(dims.context, *exchange, comm, calls, by_axis)
     return Plan(
         strategy=layout.strategy,
         world_size=world_size,
-        shard=dims.shard,
+        shard=dims.shard * dims.context,
         replicate=replicate,
         microbatches=microbatches,
         numel=sum(math.prod(s.shape) for s in layout.leaves),

@@ -22,6 +22,7 @@ from funcshard.layout.layout import Layout
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
+from funcshard.parallel.context import NO_CONTEXT
 from funcshard.state import donation
 from funcshard.state.buffers import NO_BUFFERS, ModelBuffers
 from funcshard.state.derive import derive_compute
@@ -54,6 +55,7 @@ class Static:
     guard: Any = None  # fault tolerance's seam (funcshard.fault.seam): SOLO or a Group
     check_replicas_every: int = 0  # train_step compares replicas' bits every N steps (0: never)
     buffers: ModelBuffers = NO_BUFFERS  # the model's persistent buffers, which checkpoints carry
+    context: Any = NO_CONTEXT  # fs.init's context: funcshard.parallel.context's seam
 
 
 class Leaves(NamedTuple):
@@ -210,6 +212,12 @@ class TrainState:
         """The model's persistent buffers (read from the model itself) that ``fs.save`` writes
         and ``fs.restore`` copies back (:mod:`funcshard.state.buffers`)."""
         return self._static.buffers
+
+    @property
+    def context(self) -> Any:
+        """How ``train_step`` splits sequences over the context axis (``fs.init``'s
+        ``context``: :mod:`funcshard.parallel.context`; ``NO_CONTEXT`` without one)."""
+        return self._static.context
 
     @property
     def mesh(self) -> DeviceMesh:

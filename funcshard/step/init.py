@@ -23,8 +23,10 @@ from funcshard.layout.layout import Layout, UnitsArg
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
+from funcshard.parallel import context as context_lib
 from funcshard.parallel import expert_axis as expert_lib
 from funcshard.state import buffers as buffer_lib
+from funcshard.parallel.context import ContextParallel
 from funcshard.state import replica_check
 from funcshard.state.buffers import ModelBuffers
 from funcshard.state.derive import derive_compute, pack_masters
@@ -51,6 +53,7 @@ def init(
     cuda_graphs: bool = False,
     check_tensor_batch: bool = True,
     buffers: str = "broadcast",
+    context: ContextParallel | None = None,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -103,6 +106,9 @@ def init(
         them; "local" leaves each rank's own. A step that changes nothing (nonfinite,
         not committed) puts back their values from before it either way
         (:mod:`funcshard.state.buffers`).
+      context: ``fs.ContextParallel``: sequences split over the mesh's "context" axis
+        (``fs.make_mesh(context=C)``); every rank of a context group passes the same batch
+        and ``train_step`` keeps its part of each sequence (:mod:`funcshard.parallel.context`).
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
@@ -110,7 +116,8 @@ def init(
         "optim"`` with ``strategy="no_shard"``; ``compile`` with ``deterministic=True``; under
         ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
         ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model;
-        ``buffers`` neither "broadcast" nor "local".
+        ``buffers`` neither "broadcast" nor "local"; ``context`` with ``compile``, or naming
+        a buffer the model lacks.
       TypeError: ``compile`` neither a bool, a backend name nor a callable; a persistent
         buffer of a dtype no checkpoint holds (named, with its dtype).
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
@@ -126,6 +133,8 @@ def init(
     every = replica_check.period(check_replicas_every)
     backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
     policy = policy or MixedPrecisionPolicy()
+    if context is not None and backend is not None:
+        raise ValueError("init: context parallel does not run under compile= yet")
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
     tensor = expert_lib.read_axes(
         model,
@@ -162,7 +171,15 @@ def init(
             opt_state=opt.init(layout.per_bucket(master)),
             step=0,
             loss_scale=_initial_loss_scale(layout),
-            static=Static(layout, opt, backend, guard, every, carried),
+            static=Static(
+                layout,
+                opt,
+                backend,
+                guard,
+                every,
+                carried,
+                context_lib.bind(context, mesh, model),
+            ),
         )
         return guard.join(state)
 

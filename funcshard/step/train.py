@@ -143,6 +143,8 @@ def _step(
     producer = producer_for(layout.inner, state.master, state.compute, state.compile)
     summed = reduction.microbatch_sum(microbatches)
     replicate = grads_lib.ReplicateAxis(layout, across=guard.across)
+    # this rank's part of each sequence, loss_fn attending over the whole (before any collective)
+    batch, loss_fn = state.context.apply(batch, loss_fn)
     batch_check = layout.tensor.batch_check(batch, layout.device)  # before loss_fn sees it
     losses, aux, aux_sums = [], None, None
     parts = split_microbatches(batch, microbatches)

@@ -1,0 +1,73 @@
+"""The attention exchange of context parallel in a plan (``fs.plan(..., context=C)``).
+
+What :mod:`funcshard.parallel.attention` sends per rank and step, for ``calls`` attention
+calls of ``heads`` heads of ``head_dim`` over sequences of ``seq_len`` tokens, ``batch_size``
+rows (the batch each rank passes to ``train_step``), each rank holding ``seq_len / C`` tokens
+of each (every exchange counts its input buffer, as :func:`funcshard.distributed.ops.record`):
+
+* "all_to_all": q, k, v and the output, forward and backward: 8 buffers of
+  ``rows x heads x seq_len / C x head_dim`` per call, under "all_to_all";
+* "ring": k and v passed ``C - 1`` times forward and their gradients ``C - 1`` times
+  backward: ``4 (C - 1)`` buffers of that size per call, under "send".
+
+>>> comm, calls, axes = {}, {}, {}
+>>> add_context_exchange(2, "all_to_all", 16, 8, (2, 4, 4), 4, 1, comm, calls, axes)
+>>> comm["all_to_all"], calls["all_to_all"], axes["context"]
+(65536, 16, 65536)
+"""
+
+from __future__ import annotations
+
+from funcshard.parallel.context import ALGORITHMS
+
+__all__ = ["add_context_exchange", "check_context"]
+
+
+def check_context(
+    context: int, algorithm: str, seq_len: int | None, attention: tuple[int, int, int] | None
+) -> None:
+    """Raises ValueError on a plan's context arguments that ``train_step`` would refuse."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"plan: context_algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if context == 1 or seq_len is None:
+        return
+    if seq_len % (2 * context):
+        raise ValueError(
+            f"plan: seq_len {seq_len} is not divisible by 2 x context = {2 * context} "
+            "(load_balance; C without it)"
+        )
+    if attention is not None and algorithm == "all_to_all" and attention[1] % context:
+        raise ValueError(
+            f"plan: {attention[1]} heads are not divisible by context={context} "
+            "(algorithm='all_to_all')"
+        )
+
+
+def add_context_exchange(
+    context: int,
+    algorithm: str,
+    seq_len: int | None,
+    batch_size: int | None,
+    attention: tuple[int, int, int] | None,
+    itemsize: int,
+    microbatches: int,
+    comm: dict[str, int],
+    calls: dict[str, int],
+    by_axis: dict[str, int],
+) -> None:
+    """Adds a step's attention exchange over the "context" axis (none on one rank, or where
+    ``seq_len``, ``batch_size`` or ``attention`` is not given)."""
+    if context == 1 or seq_len is None or batch_size is None or attention is None:
+        return
+    n_calls, heads, head_dim = attention
+    part = batch_size * heads * (seq_len // context) * head_dim * itemsize
+    if algorithm == "all_to_all":
+        kind, buffers = "all_to_all", 8
+    else:
+        kind, buffers = "send", 4 * (context - 1)
+    nbytes = n_calls * buffers * part
+    comm[kind] = comm.get(kind, 0) + nbytes
+    calls[kind] = calls.get(kind, 0) + n_calls * buffers // (2 if kind == "send" else 1) * (
+        microbatches
+    )
+    by_axis["context"] = by_axis.get("context", 0) + nbytes

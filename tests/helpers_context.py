@@ -1,0 +1,146 @@
+"""A tiny causal transformer whose positions come from the batch (or from a RoPE buffer), and
+its reference run in one process on full sequences, for the context-parallel tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import funcshard as fs
+
+VOCAB, DIM, HEADS, LAYERS, MAX_LEN = 32, 16, 4, 2, 64
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, rope: bool) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        B, L, D = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        if self.rope:
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, L, D))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class Layer(nn.Module):
+    def __init__(self, dim: int, heads: int, rope: bool) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, rope)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class Rope(nn.Module):
+    """Rotary tables for ``MAX_LEN`` positions in one non-persistent buffer (L, 2, half)."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        half = head_dim // 2
+        freqs = 1.0 / (100.0 ** (torch.arange(half) / half))
+        angles = torch.arange(MAX_LEN)[:, None] * freqs[None]
+        table = torch.stack([angles.cos(), angles.sin()], 1)
+        self.register_buffer("table", table, persistent=False)
+
+
+class TinyGPT(nn.Module):
+    """Causal; positions from ``positions`` (a learned table) or, ``rope=True``, from the rotary
+    buffer ``rope.table`` (its rows taken in order: what context parallel splits)."""
+
+    def __init__(self, heads: int = HEADS, rope: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.pos = None if rope else nn.Embedding(MAX_LEN, DIM)
+        self.layers = nn.ModuleList(Layer(DIM, heads, rope) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.rope = Rope(DIM // heads) if rope else None
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens)
+        cos = sin = None
+        if self.rope is not None:
+            # (L, 2, half): the rows of this rank's positions under context parallel
+            table = self.rope.table[: tokens.shape[1]]
+            cos, sin = table[:, 0], table[:, 1]
+        else:
+            x = x + self.pos(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+def make_model(seed: int = 0, **kw) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(**kw)
+
+
+def global_batch(step: int, rows: int, length: int) -> dict:
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(0, VOCAB, (rows, length + 1), generator=g)
+    positions = torch.arange(length).expand(rows, length).contiguous()
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "positions": positions}
+
+
+SEQ_DIMS = {"tokens": 1, "labels": 1, "positions": 1}
+
+
+def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def make_loss_fn(model: nn.Module):
+    def loss_fn(params, batch):
+        logits = fs.functional_call(model, params, (batch["tokens"], batch["positions"]))
+        return loss_of(logits, batch["labels"])
+
+    return loss_fn
+
+
+def train(state, model, steps: int, rows: int, length: int, groups: int, microbatches: int = 2):
+    """``fs.train_step`` on this data-parallel group's rows of each step's global batch (the
+    ranks of a context group pass the same rows: ``groups`` = R x S data-parallel groups of
+    ``dist.get_world_size() / groups`` consecutive ranks)."""
+    group = dist.get_rank() // (dist.get_world_size() // groups)
+    loss_fn = make_loss_fn(model)
+    history = []
+    for step in range(steps):
+        batch = {k: v.chunk(groups)[group] for k, v in global_batch(step, rows, length).items()}
+        state, metrics = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
+        history.append(metrics)
+    return state, history
+
+
+def reference_run(model: nn.Module, steps: int, rows: int, length: int) -> dict:
+    """One process, plain torch SGD (momentum 0.9) on the global batch of full sequences."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, norms = [], []
+    for step in range(steps):
+        batch = global_batch(step, rows, length)
+        loss = loss_of(model(batch["tokens"], batch["positions"]), batch["labels"])
+        opt.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        opt.step()
+        losses.append(loss.item())
+    return {"params": dict(model.named_parameters()), "losses": losses, "norms": norms}
