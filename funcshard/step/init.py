@@ -25,8 +25,8 @@ from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
 from funcshard.parallel import context as context_lib
 from funcshard.parallel import expert_axis as expert_lib
-from funcshard.state import buffers as buffer_lib
 from funcshard.parallel.context import ContextParallel
+from funcshard.state import buffers as buffer_lib
 from funcshard.state import replica_check
 from funcshard.state.buffers import ModelBuffers
 from funcshard.state.derive import derive_compute, pack_masters
