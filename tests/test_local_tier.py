@@ -309,12 +309,13 @@ def token_worker(root: str) -> list:
         open(os.path.join(root, "G", "funcshard_run.json"), "wb").close()
     dist.barrier()
     restored = _manager(root, "G").restore(like=fresh())
-    try:
-        _manager(root, "G", local_dir=os.path.join(root, "G"))
-        refused = ""
-    except ValueError as e:
-        refused = str(e)
-    return [restored.step, "is (or holds) the root" in refused, os.listdir(root + "/G/1")]
+    refused = []
+    for local_dir in ("G", "G/{node}"):  # root itself; steps' names in root
+        try:
+            _manager(root, "G", local_dir=os.path.join(root, local_dir))
+        except ValueError as e:
+            refused.append("a directory of its own" in str(e))
+    return [restored.step, refused == [True, True], os.listdir(root + "/G/1")]
 
 
 def test_a_token_cut_short_and_local_dir_over_root(pool4, tmp_path) -> None:

@@ -129,19 +129,19 @@ def _remove_step(path: str) -> None:
 
 
 def _refuse_root_inside(template: str, nodes: int, root: str) -> None:
-    """Refuses a node's directory that is ``root`` or holds it under a name the tier sweeps
-    (its sweep and retention would remove the persistent checkpoints)."""
+    """Refuses a node's directory that is ``root``, or holds it (or is held in it) under a
+    step's name: the tier's sweep would remove root's checkpoints, or root's saves collide."""
     if not storage.atomic_rename(root):
         return
     for node in range(nodes):
         here = storage.normalize(template.format(node=node))
-        rel = os.path.relpath(root, here)
-        first = rel.split(os.sep, 1)[0]
-        if rel == os.curdir or first.isdigit() or is_leftover(first):
-            raise ValueError(
-                f"CheckpointManager: local_dir {template!r} is (or holds) the root {root!r}: "
-                "the tier would remove its checkpoints; give it a directory of its own"
-            )
+        for rel in (os.path.relpath(root, here), os.path.relpath(here, root)):
+            first = rel.split(os.sep, 1)[0]
+            if rel == os.curdir or first.isdigit() or is_leftover(first):
+                raise ValueError(
+                    f"CheckpointManager: local_dir {template!r} is (or holds, or is under a "
+                    f"step's name in) the root {root!r}; give the tier a directory of its own"
+                )
 
 
 class LocalTier:
