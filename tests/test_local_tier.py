@@ -220,12 +220,17 @@ def test_a_tier_save_failing_on_one_rank_raises_on_every_rank(pool4, tmp_path) -
         assert result["left"] == [] and result["swept"] == ["2"], result
 
 
-def shared_worker(root: str) -> str:
+def shared_worker(root: str, name: str = "shared") -> str:
     try:
-        fs.CheckpointManager(root, local_dir=os.path.join(root, "shared"), ranks_per_node=2)
+        fs.CheckpointManager(root, local_dir=os.path.join(root, name), ranks_per_node=2)
     except ValueError as e:
         return str(e)
     return "accepted"
+
+
+def test_local_dir_with_another_field_is_refused(pool4, tmp_path) -> None:
+    for result in pool4.run(shared_worker, str(tmp_path), "run-{user}"):
+        assert "may hold '{node}' and no other field (KeyError: 'user')" in result, result
 
 
 def test_local_dir_that_nodes_share_is_refused(pool4, tmp_path) -> None:

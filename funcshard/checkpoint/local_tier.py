@@ -176,7 +176,13 @@ class LocalTier:
                 f"CheckpointManager: local_replicas={replicas} needs more than {self.nodes} "
                 f"node(s) ({self.world} ranks, {self.per_node} a node)"
             )
-        self.dir = storage.normalize(self.template.format(node=self.node))
+        try:
+            self.dir = storage.normalize(self.template.format(node=self.node))
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"CheckpointManager: local_dir {self.template!r} may hold '{{node}}' and no other "
+                f"field ({type(e).__name__}: {e}); write a literal brace as '{{{{'"
+            ) from None
         if not storage.atomic_rename(self.dir):
             raise ValueError(
                 f"CheckpointManager: local_dir must be a node's filesystem (RAM disk, local "
