@@ -220,12 +220,17 @@ def test_a_tier_save_failing_on_one_rank_raises_on_every_rank(pool4, tmp_path) -
         assert result["left"] == [] and result["swept"] == ["2"], result
 
 
-def shared_worker(root: str) -> str:
+def shared_worker(root: str, name: str = "shared") -> str:
     try:
-        fs.CheckpointManager(root, local_dir=os.path.join(root, "shared"), ranks_per_node=2)
+        fs.CheckpointManager(root, local_dir=os.path.join(root, name), ranks_per_node=2)
     except ValueError as e:
         return str(e)
     return "accepted"
+
+
+def test_local_dir_with_another_field_is_refused(pool4, tmp_path) -> None:
+    for result in pool4.run(shared_worker, str(tmp_path), "run-{user}"):
+        assert "may hold '{node}' and no other field (KeyError: 'user')" in result, result
 
 
 def test_local_dir_that_nodes_share_is_refused(pool4, tmp_path) -> None:
@@ -249,3 +254,75 @@ def test_the_newest_timeline_is_chosen_unless_root_went_on_without_it() -> None:
     assert choose(views, 2, 4) == (5, new, True)
     assert choose(views, 2, 6) is None  # root went on past step 5 without this tier
     assert choose([{("old", 4): (old, [0])}, {}], 2, None) is None  # rank 1's copy lost
+
+
+# --- review (#52): one rank failing alone, a token cut short, local_dir over root --------
+
+
+def alone_worker(root: str, where: str) -> list:
+    """One rank's reads fail alone: while the tier sweeps (rank 2), rank 0 lists root at a
+    restore or after one, rank 1 lists its tier at a restore. Never a hang: the sweep is
+    skipped, a node whose tier cannot be read counts as lost, root's error raises everywhere."""
+    from funcshard.checkpoint import local_tier
+
+    model, fresh = _setup()
+    _, saved = _run(_manager(root, "F"), fresh(), model, [0])
+    real = local_tier.storage.listdir
+    failing = {"sweep": 2, "restore": 0, "begin": 0, "view": 1}[where]
+
+    def eio(path: str) -> list[str]:
+        if "local-" not in path or not path.endswith(("-1", "/1")):
+            return real(path)  # what breaks: node 1's directory (the sweep), a step's (view)
+        local_tier.storage.listdir = real  # once
+        raise OSError(errno.EIO, "Input/output error", path)
+
+    out = []
+    try:
+        if dist.get_rank() == failing and where == "sweep":
+            local_tier.storage.listdir = eio
+        mgr = _manager(root, "F")
+        if dist.get_rank() == failing and where in ("restore", "begin"):
+            mgr.local.root_latest = lambda: real(os.path.join(root, "gone"))
+        if dist.get_rank() == failing and where == "view":
+            local_tier.storage.listdir = eio
+        restored = mgr.restore(1 if where == "begin" else None, like=fresh())
+        out += [restored.step, _equal(_values(restored), saved[1])]
+    except OSError as e:
+        out.append(str(e))
+    finally:
+        local_tier.storage.listdir = real
+    return out
+
+
+def test_a_rank_failing_alone_never_leaves_the_others_waiting(pool4, tmp_path) -> None:
+    for where in ("sweep", "view"):
+        for result in pool4.run(alone_worker, str(tmp_path / where), where):
+            assert result == [1, True], (where, result)
+    for where in ("restore", "begin"):
+        for result in pool4.run(alone_worker, str(tmp_path / where), where):
+            assert len(result) == 1 and "could not read" in result[0], (where, result)
+            assert "No such file or directory" in result[0], (where, result)
+
+
+def token_worker(root: str) -> list:
+    """A token cut short by a kill (empty) begins a new run (restores root's step) instead of
+    refusing every manager; local_dir that is root is refused before its sweep touches root."""
+    model, fresh = _setup()
+    _run(_manager(root, "G"), fresh(), model, [0])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        open(os.path.join(root, "G", "funcshard_run.json"), "wb").close()
+    dist.barrier()
+    restored = _manager(root, "G").restore(like=fresh())
+    refused = []
+    for local_dir in ("G", "G/{node}"):  # root itself; steps' names in root
+        try:
+            _manager(root, "G", local_dir=os.path.join(root, local_dir))
+        except ValueError as e:
+            refused.append("a directory of its own" in str(e))
+    return [restored.step, refused == [True, True], os.listdir(root + "/G/1")]
+
+
+def test_a_token_cut_short_and_local_dir_over_root(pool4, tmp_path) -> None:
+    for result in pool4.run(token_worker, str(tmp_path)):
+        assert result[:2] == [1, True] and "commit_success.txt" in result[2], result

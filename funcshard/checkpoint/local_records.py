@@ -11,6 +11,7 @@ the timeline did not know of when it began (the run went on elsewhere).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -55,12 +56,23 @@ class Choice(NamedTuple):
 
 
 def run_id(root: str) -> str:
-    """The run's token in ``root`` (made if missing; rank 0 only)."""
+    """The run's token in ``root`` (rank 0 only): made if missing, and made anew if unreadable
+    (a write cut short; the tier's steps are then another run's, never restored)."""
     path = os.path.join(root, RUN_FILE)
     if storage.exists(path):
-        return str(json.loads(storage.read_bytes(path))["run"])
+        data = storage.read_bytes(path)  # an OSError is raised: the root may come back
+        try:
+            return str(json.loads(data)["run"])
+        except (ValueError, TypeError, KeyError) as e:
+            logging.warning("funcshard.checkpoint: %s unreadable (%s): a new run", path, e)
     run = uuid.uuid4().hex
-    storage.write_bytes(path, json.dumps({"run": run}).encode())
+    data = json.dumps({"run": run}).encode()
+    if storage.atomic_rename(path):  # never a token cut short: written aside, then renamed
+        tmp = f"{path}.tmp-{run}"
+        storage.write_bytes(tmp, data)
+        storage.rename(tmp, path)
+    else:
+        storage.write_bytes(path, data)  # an object is written whole or not at all
     return run
 
 

@@ -128,6 +128,22 @@ def _remove_step(path: str) -> None:
     remove_tree(doomed)
 
 
+def _refuse_root_inside(template: str, nodes: int, root: str) -> None:
+    """Refuses a node's directory that is ``root``, or holds it (or is held in it) under a
+    step's name: the tier's sweep would remove root's checkpoints, or root's saves collide."""
+    if not storage.atomic_rename(root):
+        return
+    for node in range(nodes):
+        here = storage.normalize(template.format(node=node))
+        for rel in (os.path.relpath(root, here), os.path.relpath(here, root)):
+            first = rel.split(os.sep, 1)[0]
+            if rel == os.curdir or first.isdigit() or is_leftover(first):
+                raise ValueError(
+                    f"CheckpointManager: local_dir {template!r} is (or holds, or is under a "
+                    f"step's name in) the root {root!r}; give the tier a directory of its own"
+                )
+
+
 class LocalTier:
     """One rank's view of the local tier (see the module's docstring).
 
@@ -160,28 +176,31 @@ class LocalTier:
                 f"CheckpointManager: local_replicas={replicas} needs more than {self.nodes} "
                 f"node(s) ({self.world} ranks, {self.per_node} a node)"
             )
-        self.dir = storage.normalize(self.template.format(node=self.node))
+        try:
+            self.dir = storage.normalize(self.template.format(node=self.node))
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"CheckpointManager: local_dir {self.template!r} may hold '{{node}}' and no other "
+                f"field ({type(e).__name__}: {e}); write a literal brace as '{{{{'"
+            ) from None
         if not storage.atomic_rename(self.dir):
             raise ValueError(
                 f"CheckpointManager: local_dir must be a node's filesystem (RAM disk, local "
                 f"disk), not an object store: {self.template!r}"
             )
+        _refuse_root_inside(self.template, self.nodes, storage.normalize(root))
         self.root_latest = root_latest
         self.agreement = Agreement(dist.group.WORLD, torch.device("cpu"))
         self.leader = self.rank % self.per_node == 0
         self._saves = 0
         if self.leader:
-            self._sweep()
-        msg: Any = None
-        if self.rank == 0:
             try:
-                msg = ("ok", run_id(root), Timeline.new(root_latest()))
-            except Exception as e:  # noqa: BLE001 - every rank raises it
-                msg = ("error", f"{type(e).__name__}: {e}")
-        kind, *got = self.agreement.broadcast(msg)
-        if kind != "ok":
-            raise OSError(f"CheckpointManager: the local tier could not read {root}: {got[0]}")
-        self.run, self.timeline = got[0], Timeline(*got[1])
+                self._sweep()
+            except OSError as e:  # a sweep never fails: writing the probes below tells
+                logging.warning("funcshard.checkpoint: could not sweep %s: %s", self.dir, e)
+        self.root = root
+        self.run, timeline = self._from_rank0(lambda: (run_id(root), Timeline.new(root_latest())))
+        self.timeline = Timeline(*timeline)
         self._check_not_shared()
 
     # --- making -------------------------------------------------------------------------
@@ -207,7 +226,12 @@ class LocalTier:
             error = e
         self.agreement.raise_if_failed(f"local tier: writing in {self.dir}", error)
         prefix = f"{PROBE}{self.timeline.id}-"
-        names = storage.listdir(self.dir)
+        names: list[str] = []
+        try:
+            names = storage.listdir(self.dir)
+        except OSError as e:
+            error = e
+        self.agreement.raise_if_failed(f"local tier: listing {self.dir}", error)
         seen = sorted(int(n[len(prefix) :]) for n in names if n.startswith(prefix))
         dist.barrier()  # every rank looked before any removes its probe
         _remove(probe)
@@ -328,8 +352,20 @@ class LocalTier:
     def begin(self) -> None:
         """Begins a new timeline (collective): the state was restored from elsewhere, so what
         the tier holds of later steps is abandoned (removed by the next save)."""
-        tl = Timeline.new(self.root_latest()) if self.rank == 0 else None
-        self.timeline = Timeline(*self.agreement.broadcast(tl))
+        self.timeline = Timeline(*self._from_rank0(lambda: Timeline.new(self.root_latest())))
+
+    def _from_rank0(self, make: Callable[[], Any]) -> Any:
+        """``make()`` on rank 0, on every rank (collective); its error raised on every rank."""
+        msg: Any = None
+        if self.rank == 0:
+            try:
+                msg = ("ok", make())
+            except Exception as e:  # noqa: BLE001 - every rank raises it
+                msg = ("error", f"{type(e).__name__}: {e}")
+        kind, got = self.agreement.broadcast(msg)
+        if kind != "ok":
+            raise OSError(f"CheckpointManager: the local tier could not read {self.root}: {got}")
+        return got
 
     def _view(self, like: TrainState) -> dict[tuple[str, int], tuple[Timeline, list[int]]]:
         """{(timeline id, step): (timeline, the ranks this node holds; none if another
@@ -349,9 +385,14 @@ class LocalTier:
         """``like`` (donated) with the newest step of this run's newest timeline that the
         live nodes hold for every rank (collective); None, ``like`` untouched, where the tier
         has none or a rank's values do not fit ``like``: read the root then."""
-        latest = self.root_latest() if self.rank == 0 else None
+        latest = self._from_rank0(self.root_latest)
+        try:
+            view = self._view(like)
+        except Exception as e:  # noqa: BLE001 - as if this node's tier were lost
+            logging.warning("funcshard.checkpoint: could not read %s: %s", self.dir, e)
+            view = {}
         every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, (self._view(like), latest))
+        dist.all_gather_object(every, (view, latest))
         views: Views = [view for view, _ in every]
         choice = choose(views, self.world, every[0][1])
         if choice is None:
