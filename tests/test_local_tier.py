@@ -202,6 +202,25 @@ def enospc_worker(root: str) -> dict:
         dist.barrier()
         left = sorted(os.listdir(node_dir))
         mgr.save(2, state)  # the tier still works
+        # node 1's leader fails to rename step 3 into place after node 0's has: the step is
+        # whole on no node, so node 0 removes it again (and step 2, the resume point, stays)
+        real_rename = storage.rename
+
+        def refused(src: str, dst: str) -> None:
+            if dist.get_rank() == 2 and os.path.basename(dst) == "3":
+                raise OSError(errno.EIO, "Input/output error", dst)
+            real_rename(src, dst)
+
+        storage.rename = refused
+        try:
+            mgr.save(3, state)
+            commit_error = None
+        except Exception as e:  # noqa: BLE001
+            commit_error = f"{type(e).__name__}: {e}"
+        finally:
+            storage.rename = real_rename
+        dist.barrier()
+        after_commit = sorted(os.listdir(node_dir))
     dist.barrier()
     if dist.get_rank() % 2 == 0:  # a killed save's: uncommitted, temporary, being removed
         for name in ("3", "4.orbax-checkpoint-tmp-1", "2.orbax-checkpoint-deleting-1"):
@@ -209,7 +228,13 @@ def enospc_worker(root: str) -> dict:
     dist.barrier()
     with _manager(root, "E"):
         swept = sorted(os.listdir(node_dir))
-    return {"error": error, "left": left, "swept": swept}
+    return {
+        "error": error,
+        "left": left,
+        "swept": swept,
+        "commit_error": commit_error,
+        "after_commit": after_commit,
+    }
 
 
 def test_a_tier_save_failing_on_one_rank_raises_on_every_rank(pool4, tmp_path) -> None:
@@ -218,6 +243,8 @@ def test_a_tier_save_failing_on_one_rank_raises_on_every_rank(pool4, tmp_path) -
         if rank != 1:
             assert "failed on rank(s) [1]" in result["error"], result
         assert result["left"] == [] and result["swept"] == ["2"], result
+        assert "Input/output error" in result["commit_error"], result
+        assert result["after_commit"] == ["2"], result
 
 
 def shared_worker(root: str, name: str = "shared") -> str:

@@ -270,7 +270,8 @@ class LocalTier:
 
     def save(self, step: int, state: TrainState) -> int:
         """Writes this rank's values and its replicas' (collective over the world); returns
-        the bytes this rank wrote. Raises on every rank if a rank failed (nothing kept)."""
+        the bytes this rank wrote. Raises on every rank if a rank failed: the step is then kept
+        by no node (a node whose leader had committed it removes it again)."""
         step = int(step)
         tmp = os.path.join(self.dir, f"{step}{TMP_MARK}{self.timeline.id}-{self._saves}")
         self._saves += 1
@@ -295,17 +296,29 @@ class LocalTier:
                 error = e
         where = f"local tier: saving step {step} in {self.template!r}"
         self._agree(where, error, tmp)  # every rank of every node wrote its own and replicas'
+        committed = False
         if self.leader:
             try:
                 self._commit(step, tmp, _signature(state))
+                committed = True
             except BaseException as e:  # noqa: BLE001
                 error = e
-        self._agree(f"{where}: committing", error, tmp)
+        try:
+            self._agree(f"{where}: committing", error, tmp)
+        except BaseException:
+            if committed:  # another node's commit failed: the step is whole on no tier
+                _remove_step(self._step_dir(step))
+            raise
+        if self.leader:  # only once every node holds the step: a failed save removes nothing
+            try:
+                self._retain(step)
+            except OSError as e:  # the step stands; the next save's retention tries again
+                logging.warning("funcshard.checkpoint: local tier retention failed: %s", e)
         return written
 
     def _commit(self, step: int, tmp: str, layout: str) -> None:
         """Node leader: the step's ``COMMIT`` written, the directory renamed into place (one
-        of the same number renamed aside first), then retention."""
+        of the same number renamed aside first); retention follows once every node has."""
         record = {"run": self.run, "timeline": list(self.timeline), "world": self.world}
         record |= {"step": step, "layout": layout}
         storage.write_bytes(os.path.join(tmp, COMMIT), json.dumps(record).encode())
@@ -314,7 +327,6 @@ class LocalTier:
             _remove_step(final)
         storage.rename(tmp, final)
         storage.fsync_dir(self.dir)
-        self._retain(step)
 
     def _retain(self, just_saved: int) -> None:
         """Keeps this timeline's newest ``KEEP`` steps and ``just_saved``; removes the rest
