@@ -365,3 +365,45 @@ def test_expert_parallel_trains_through_fs_init_as_one_process(pool4, strategy) 
             assert result["calls"] == result["planned"][1], (mesh, result)
         measured = sum(r["a2a"] for r in results)
         assert measured == 4 * results[0]["planned"][0] > 0, (mesh, results)
+
+
+class CheckpointedMoE(RoutedMoE):
+    """The experts (in the root unit) recomputed in backward: activation checkpointing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        choice = self.router(h).argmax(-1)
+        order = torch.argsort(choice, stable=True)
+        counts = torch.bincount(choice, minlength=NUM_EXPERTS)
+        y = checkpoint(self.experts, h[order], counts, use_reentrant=False)
+        return self.head(torch.empty_like(y).index_copy(0, order, y) + h)
+
+
+def recompute_worker() -> str:
+    mesh = fs.make_mesh(shard=2, expert=2, device_type="cpu")
+    model = CheckpointedMoE()
+    parallelize_module(model.experts, mesh["expert"], fs.ExpertParallel())
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy="optim_grads_params")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batch = {"x": torch.randn(8, 4, generator=g), "y": torch.randint(0, 3, (8,), generator=g)}
+
+    def loss_fn(params, b):
+        logits = fs.functional_call(model, params, (b["x"],))
+        return nn.functional.cross_entropy(logits, b["y"])
+
+    try:
+        fs.train_step(state, batch, loss_fn)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+def test_experts_recomputed_outside_the_units_name_the_parameter(pool2) -> None:
+    """Under ZeRO-3 the root's experts recomputed in backward hold placeholders: the dispatch
+    reads the number of experts fixed at parallelize_module (not the placeholders' shape, which
+    made it a wrong-pointing "bad num_tokens_per_expert"), and the experts' own read of their
+    weights names the parameter."""
+    for message in pool2.run(recompute_worker):
+        assert "UnitParamsError" in message and "'experts.w1'" in message, message

@@ -166,6 +166,20 @@ def test_launch_names_the_dead_rank_not_the_collective_it_broke(monkeypatch):
     assert "then (by time): rank 0 raised" in then
 
 
+def raise_on_rank_1_while_rank_0_hangs() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 refuses")
+    time.sleep(3600)  # no collective: nothing breaks it when rank 1 leaves
+
+
+def test_launch_names_a_rank_still_running_after_the_first_failure():
+    """The settle after rank 1's error does not hide rank 0's hang: the error names it."""
+    with _within(60), pytest.raises(RuntimeError) as e:
+        fs.launch(raise_on_rank_1_while_rank_0_hangs, nproc=2)
+    assert str(e.value).startswith("fs.launch: rank 1 raised"), e.value
+    assert "rank(s) [0] still running" in str(e.value), e.value
+
+
 def test_launch_reraises_a_rank_exception_with_its_traceback():
     before = set(multiprocessing.active_children())
     with _within(60), pytest.raises(RuntimeError, match="rank 1 raised") as e:

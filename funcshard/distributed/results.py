@@ -178,7 +178,13 @@ def gather(
             settling, until = True, time.monotonic() + settle
             deadline = until if deadline is None else min(deadline, until)
     if failures:
-        raise _first_cause(failures, who)
+        error = _first_cause(failures, who)
+        if pending:  # a rank that neither answered nor failed: hung, not hidden by the settle
+            error.args = (
+                f"{error.args[0]}\n{who}: rank(s) {sorted(pending)} still running, without an "
+                f"answer {settle:g} s after the first failure (hung?)",
+            )
+        raise error
     if pending:
         raise RuntimeError(f"{who}: no answer from rank(s) {sorted(pending)} within {timeout}s")
     return [results[r] for r in range(len(conns))]

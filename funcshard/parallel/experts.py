@@ -100,7 +100,9 @@ class ExpertParallel(ParallelStyle):
     def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, counts = inputs[0], inputs[1]
         size, group = mesh.size(), mesh.get_group()
-        experts = next(p.shape[0] for p in module.parameters())
+        # the count fixed at parallelize_module: the module's parameters may be placeholders
+        # of another shape here (a recomputation in backward outside fs's gather)
+        experts = module._fs_routed_experts
         counts = counts.to("cpu", torch.int64)
         problem = _bad_counts(counts, experts, x.shape[0])
         # a bad rank sends -1 counts: every rank of the group learns of it at the exchange,
