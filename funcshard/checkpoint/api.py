@@ -10,7 +10,8 @@ from funcshard.checkpoint import buffers as buffers_lib
 from funcshard.checkpoint import checksums, hf, matching, reading, storage
 from funcshard.checkpoint import dcp as dcp_lib
 from funcshard.checkpoint import safetensors as st
-from funcshard.checkpoint.commit import Agreement, Saver
+from funcshard.checkpoint.agreement import Agreement
+from funcshard.checkpoint.commit import Saver
 from funcshard.checkpoint.format import CHUNK_BYTES, COMMIT_FILE
 from funcshard.checkpoint.orbax import OrbaxSource
 from funcshard.checkpoint.sources import DictSource, Source

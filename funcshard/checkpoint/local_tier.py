@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from funcshard.checkpoint import storage
-from funcshard.checkpoint.commit import Agreement, is_leftover, remove_tree
+from funcshard.checkpoint.agreement import Agreement
+from funcshard.checkpoint.commit import is_leftover, remove_tree
 from funcshard.checkpoint.format import DELETE_MARK, TMP_MARK
 from funcshard.checkpoint.local_records import (
     Choice,

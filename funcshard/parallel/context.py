@@ -211,18 +211,18 @@ class ContextGroup:
             for name, dim in self.cp.buffers.items():
                 owner_name, _, attr = name.rpartition(".")
                 owner = self.model.get_submodule(owner_name)
-                full = owner._buffers[attr]
+                full = getattr(owner, attr)  # a buffer: setattr writes it back
                 if full.shape[dim] < length:
                     raise ValueError(
                         f"ContextParallel: buffer {name!r} has {full.shape[dim]} positions "
                         f"along dim {dim}, fewer than the sequence length {length}"
                     )
                 kept.append((owner, attr, full))
-                owner._buffers[attr] = self._part(full.narrow(dim, 0, length), dim)
+                setattr(owner, attr, self._part(full.narrow(dim, 0, length), dim))
             yield
         finally:
             for owner, attr, full in kept:
-                owner._buffers[attr] = full
+                setattr(owner, attr, full)
 
     def attention(
         self,

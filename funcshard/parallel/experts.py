@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from funcshard.distributed import ops
 from funcshard.distributed.dims import EXPERT
 
-__all__ = ["ExpertParallel", "route"]
+__all__ = ["ExpertParallel", "route", "routed_experts"]
 
 KIND = "all_to_all"  # what fs.comm_stats counts the routing under (axis "expert")
 
@@ -227,3 +227,9 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: An
 def _count_back(grad: torch.Tensor, out_splits: list[int], row: int) -> None:
     for stats in ops.active():
         stats.record(KIND, sum(out_splits) * row, ops.Axis.EXPERT)
+
+
+def routed_experts(model: nn.Module) -> list[int]:
+    """The number of experts each ``fs.ExpertParallel`` module of ``model`` routes to (set
+    when it was parallelized), in module order."""
+    return [m._fs_routed_experts for m in model.modules() if hasattr(m, "_fs_routed_experts")]

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from funcshard.distributed.dims import EXPERT, MeshDims
 from funcshard.layout.layout import Layout
 from funcshard.layout.strategy import Strategy
+from funcshard.parallel import experts as experts_lib
 from funcshard.parallel.axis import ModelAxis
 from funcshard.parallel.expert_axis import ExpertAxis, ExpertLeaf
 from funcshard.planner.inputs import ShapeMesh, param_table, tensor_table
@@ -154,7 +155,7 @@ def routed_experts(model: object, routing: Routing | None) -> list[int]:
         return [routing.experts] * routing.layers if routing.experts else []
     if not isinstance(model, nn.Module):
         return []
-    return [m._fs_routed_experts for m in model.modules() if hasattr(m, "_fs_routed_experts")]
+    return experts_lib.routed_experts(model)
 
 
 def add_all_to_all(

@@ -72,7 +72,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-import optree
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -82,14 +81,11 @@ from funcshard.comm.codec import EIGHT_BIT
 from funcshard.comm.wires import wire_for
 from funcshard.distributed.dims import MeshDims
 from funcshard.distributed.ops import AXES
-from funcshard.layout.buckets import NAMESPACE, per_bucket_parts
 from funcshard.layout.build import build_layout
 from funcshard.layout.layout import ROOT_UNIT, Layout, UnitsArg
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
-from funcshard.optim import MuonState, Optimizer
-from funcshard.optim.matrices import exchange_plan
-from funcshard.parallel.tensor import gather_numel
+from funcshard.optim import Optimizer
 from funcshard.planner.context import add_context_exchange, check_context
 from funcshard.planner.experts import (
     Routing,
@@ -104,106 +100,23 @@ from funcshard.planner.inputs import (
     mesh_dims,
     units_from_names,
 )
+from funcshard.planner.optimizer import muon_exchange, optimizer_state_bytes
 from funcshard.planner.report import KINDS, MemoryPlan, Plan, format_bytes
 from funcshard.step.compiling import unwrapped
 from funcshard.step.reduction import reduction_of
 
 __all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
 
-_OPTIMIZER_STATES = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}
 _METRIC_BYTES = 8  # one float64 scalar per reduction (loss sum, squared grad norm)
 # fs.summed's shape header (funcshard.step.summed.header), carried with the loss every step;
 # a step whose aux holds fs.summed leaves then sums them in one more collective (not planned)
 SUMMED_HEADER = 2
 
 
-def _optimizer_state_bytes(optimizer: str | Optimizer, layout: Layout) -> list[int]:
-    """Optimizer-state bytes per bucket: every tensor of every per-bucket part (moments in
-    their stored dtype, 8-bit scales), from a meta-device init (an optimizer of
-    ``multi_transform`` keeps its own parts)."""
-    if isinstance(optimizer, str):
-        if optimizer not in _OPTIMIZER_STATES:
-            raise ValueError(
-                f"plan: unknown optimizer {optimizer!r}; expected one of "
-                f"{sorted(_OPTIMIZER_STATES)} or an fs.optim optimizer"
-            )
-        n = _OPTIMIZER_STATES[optimizer]
-        return [n * b.numel * b.dtypes.master.itemsize for b in layout.buckets]
-    nbytes = [0] * len(layout.buckets)
-    for part in per_bucket_parts(_meta_init(optimizer, layout)):
-        for i, x in enumerate(part):
-            if isinstance(x, torch.Tensor):
-                nbytes[i] += x.numel() * x.element_size()
-    return nbytes
-
-
-def _meta_init(optimizer: Optimizer, layout: Layout):
-    """The optimizer's initial state over meta buffers of the layout (nothing allocated)."""
-    return optimizer.init(
-        layout.per_bucket(
-            [torch.empty(b.numel, dtype=b.dtypes.master, device="meta") for b in layout.buckets]
-        )
-    )
-
-
-def _muon_exchange(
-    optimizer: str | Optimizer, layout: Layout
-) -> tuple[int, int, int, dict[str, int]]:
-    """``(bytes, calls, owner bytes, bytes by axis)`` of Muon's exchange on the busiest rank
-    (per axis: the busiest rank on that axis)."""
-    S = layout.shard_size
-    R = layout.dp_size // S  # replicas, each working on its share of the matrices
-    T = layout.tensor.size
-    if isinstance(optimizer, str) or S * R * T == 1:
-        return 0, 0, 0, {}
-    owned: set[int] = set()
-    muon_states = [
-        x
-        for x in optree.tree_leaves(
-            _meta_init(optimizer, layout),
-            is_leaf=lambda x: isinstance(x, MuonState),
-            none_is_leaf=False,
-            namespace=NAMESPACE,
-        )
-        if isinstance(x, MuonState)
-    ]
-    for st in muon_states:
-        for part in per_bucket_parts(st.momentum):
-            owned |= {i for i, x in enumerate(part) if x is not None}
-    groups = [[b.index for b in layout.buckets if not b.offload and b.index in owned]]
-    groups += [[b.index] for b in layout.buckets if b.offload and b.index in owned]
-    sent, calls, held, gathered, within, tensor = ([0] * S for _ in range(6))
-    calls = 0
-    add = lambda acc, part: [a + b for a, b in zip(acc, part or [0] * S, strict=True)]
-    for group in groups:
-        specs = [s for i in group for s in layout.bucket_leaves(layout.buckets[i])]
-        if not specs:
-            continue
-        ex = exchange_plan([_planned(layout, s, S, T) for s in specs], S, replicas=R)
-        sent, gathered = add(sent, ex.sent_bytes), add(gathered, ex.gather_bytes)
-        within, tensor = add(within, ex.shard_bytes), add(tensor, ex.tensor_bytes)
-        held = [max(a, b) for a, b in zip(held, ex.owner_bytes, strict=True)]
-        calls += ex.calls
-    by_axis = {layout.shard_axis: max(within), "tensor": max(tensor)}
-    if R > 1:
-        by_axis[layout.replicate_axis] = max(gathered)
-    return max(sent), calls, max(held), by_axis
-
-
-def _planned(layout: Layout, spec, S: int, T: int) -> tuple:
-    """One matrix as :func:`exchange_plan` reads it: local shape, rows per shard rank, the
-    model's shape, the elements of its all-gather over "tensor" (0 when not split)."""
-    rows = [spec.row_range(r) for r in range(S)]
-    if not layout.tensor.splits(spec.name):
-        return spec.shape, rows, spec.shape, 0
-    leaf = layout.tensor.leaves[spec.name]
-    return spec.shape, rows, leaf.shape, gather_numel(leaf.shape, leaf.dim, T)
-
-
 def _memory(
     layout: Layout, opt: str | Optimizer, device_type: str, microbatches: int, muon_owner: int = 0
 ) -> MemoryPlan:
-    state_bytes = _optimizer_state_bytes(opt, layout)
+    state_bytes = optimizer_state_bytes(opt, layout)
     inner = layout.inner  # compute params and gradients live in it (itself but under HFSDP)
     gathered_compute = layout.hierarchical and layout.replicas > 1
     zero3 = layout.strategy.shards_params
@@ -356,13 +269,46 @@ def _step_comm(
     """A step's bytes and calls per kind and bytes per axis: the data-parallel collectives,
     Muon's exchange, the replica groups' all-reduce, the all-to-alls; Muon's owner bytes."""
     comm, calls, by_axis = _comm(layout, microbatches, dims.replicate, dims.dp_size)
-    comm["muon"], calls["muon"], muon_owner, muon_by_axis = _muon_exchange(optimizer, layout)
+    comm["muon"], calls["muon"], muon_owner, muon_by_axis = muon_exchange(optimizer, layout)
     for axis, nbytes in muon_by_axis.items():
         by_axis[axis] += nbytes
     _replica_groups(layout, replica_groups, dims.world, comm, calls, by_axis)
     counts = routed_experts(model, routing)
     add_all_to_all(dims.expert, routing, microbatches, comm, calls, by_axis, counts)
     return comm, calls, by_axis, muon_owner
+
+
+def _plan_layout(
+    table,
+    model,
+    dims,
+    replicate,
+    policy,
+    strategy,
+    offload_fraction,
+    units,
+    optimizer,
+    deterministic,
+    outer_strategy,
+    tp,
+    expert_mesh,
+) -> Layout:
+    """The layout ``fs.init`` would build for these arguments, on a mesh of shapes alone
+    (parameters sharded over shard x context)."""
+    return build_layout(
+        table,
+        model=model,
+        mesh=ShapeMesh(replicate, dims.shard * dims.context),  # type: ignore[arg-type]
+        policy=policy or MixedPrecisionPolicy(),
+        strategy=strategy,
+        offload_fraction=offload_fraction,
+        units=units_from_names(list(table)) if model is None and units is None else units,
+        partition=None if isinstance(optimizer, str) else optimizer.partition,
+        deterministic=deterministic,
+        outer_strategy=outer_strategy,
+        tensor=tp,
+        expert_mesh=expert_mesh,
+    )
 
 
 def plan(
@@ -458,19 +404,20 @@ def plan(
     check_context(context, context_algorithm, seq_len, attention)
     table, tp, expert_mesh = model_table(params, dtype, tensor, tensor_plan, dims, strategy)
     model = params if isinstance(params, nn.Module) else None
-    layout = build_layout(
+    layout = _plan_layout(
         table,
-        model=model,
-        mesh=ShapeMesh(replicate, dims.shard * dims.context),  # type: ignore[arg-type]
-        policy=policy or MixedPrecisionPolicy(),
-        strategy=strategy,
-        offload_fraction=offload_fraction,
-        units=units_from_names(list(table)) if model is None and units is None else units,
-        partition=None if isinstance(optimizer, str) else optimizer.partition,
-        deterministic=deterministic,
-        outer_strategy=outer_strategy,
-        tensor=tp,
-        expert_mesh=expert_mesh,
+        model,
+        dims,
+        replicate,
+        policy,
+        strategy,
+        offload_fraction,
+        units,
+        optimizer,
+        deterministic,
+        outer_strategy,
+        tp,
+        expert_mesh,
     )
     step = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model)
     comm, calls, by_axis, muon_owner = step
@@ -478,22 +425,31 @@ def plan(
     exchange = (context_algorithm, seq_len, batch_size, attention, itemsize, microbatches)
     add_context_exchange(dims.context, *exchange, comm, calls, by_axis)
     return Plan(
-        strategy=layout.strategy,
-        world_size=world_size,
-        shard=dims.shard * dims.context,
-        replicate=replicate,
-        microbatches=microbatches,
-        numel=sum(math.prod(s.shape) for s in layout.leaves),
-        padded_numel=sum(layout.over(b).shard_size * b.numel for b in layout.buckets),
-        buckets=len(layout.buckets),
-        units=len(layout.units),
+        **_geometry(layout, world_size, dims, replicate, microbatches, tensor),
         memory=_memory(layout, optimizer, device_type, microbatches, muon_owner),
         comm=comm,
         calls=calls,
         comm_by_axis=by_axis,
-        outer_strategy=str(layout.outer),
-        tensor=tensor,
     )
+
+
+def _geometry(
+    layout: Layout, world_size: int, dims: MeshDims, replicate: int, microbatches: int, tensor: int
+) -> dict[str, object]:
+    """The fields of a :class:`Plan` that the layout's shape alone gives."""
+    return {
+        "strategy": layout.strategy,
+        "world_size": world_size,
+        "shard": dims.shard * dims.context,
+        "replicate": replicate,
+        "microbatches": microbatches,
+        "numel": sum(math.prod(s.shape) for s in layout.leaves),
+        "padded_numel": sum(layout.over(b).shard_size * b.numel for b in layout.buckets),
+        "buckets": len(layout.buckets),
+        "units": len(layout.units),
+        "outer_strategy": str(layout.outer),
+        "tensor": tensor,
+    }
 
 
 def transformer_shapes(

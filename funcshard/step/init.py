@@ -160,28 +160,30 @@ def init(
             tensor=tensor,
         )
         check_units(given, layout, backend)
-        if layout.hierarchical:
-            mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
-        if layout.expert_mesh is not None:
-            _ = layout.experts_view.placement  # its groups too (HFSDP's, no_shard's flattened one)
-        master = pack_masters(layout, named)
-        state = TrainState(
-            master=master,
-            compute=derive_compute(layout, master),
-            opt_state=opt.init(layout.per_bucket(master)),
-            step=0,
-            loss_scale=_initial_loss_scale(layout),
-            static=Static(
-                layout,
-                opt,
-                backend,
-                guard,
-                every,
-                carried,
-                context_lib.bind(context, mesh, model),
-            ),
+        static = Static(
+            layout, opt, backend, guard, every, carried, context_lib.bind(context, mesh, model)
         )
+        state = _first_state(static, named)
         return guard.join(state)
+
+
+def _first_state(static: Static, named: dict[str, torch.Tensor]) -> TrainState:
+    """The state at step 0: masters packed from the model's parameters, every other copy
+    derived from them, the optimizer's state made from the masters."""
+    layout = static.layout
+    if layout.hierarchical:
+        mesh_lib.master_group(layout.mesh)  # made here, where every rank is: a collective
+    if layout.expert_mesh is not None:
+        _ = layout.experts_view.placement  # its groups too (HFSDP's, no_shard's flattened one)
+    master = pack_masters(layout, named)
+    return TrainState(
+        master=master,
+        compute=derive_compute(layout, master),
+        opt_state=static.optimizer.init(layout.per_bucket(master)),
+        step=0,
+        loss_scale=_initial_loss_scale(layout),
+        static=static,
+    )
 
 
 def _initial_loss_scale(layout: Layout) -> LossScale | None:
