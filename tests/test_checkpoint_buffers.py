@@ -266,8 +266,13 @@ def agree_worker(mode: str) -> dict:
     g = torch.Generator().manual_seed(dist.get_rank())
     for scale in (1.0, 1.0):
         batch = (torch.randn(8, 4, generator=g) * 3, torch.randint(0, 3, (8,), generator=g))
-        state, _ = fs.train_step(state, (*batch, torch.full((8,), scale)), loss_fn)
+        with fs.comm_stats() as stats:
+            state, _ = fs.train_step(state, (*batch, torch.full((8,), scale)), loss_fn)
     after_two = _persistent(model)
+    with torch.device("meta"):
+        planned = fs.plan(
+            Routed(), world_size=2, optimizer="adamw", device_type="cpu", buffers=mode
+        )
     fs.check_replicas(state)  # agreeing (broadcast) or not compared (local): no error
     batch = (torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
     state, metrics = fs.train_step(state, (*batch, torch.full((8,), float("nan"))), loss_fn)
@@ -284,6 +289,8 @@ def agree_worker(mode: str) -> dict:
         "skipped": metrics["nonfinite"],
         "unmoved": unmoved,
         "raised": raised,
+        "comm": ({k: v for k, v in stats.bytes.items() if v}, dict(stats.bytes_by_axis)),
+        "planned": ({k: v for k, v in planned.comm.items() if v}, planned.comm_by_axis),
     }
 
 
@@ -300,6 +307,11 @@ def test_buffers_agree_across_ranks_and_a_skipped_step_leaves_them(pool2, mode: 
         assert apart > 0.01
         assert first["raised"] == second["raised"] == ""
     for out in (first, second):
+        # fs.plan counts the broadcast (persistent buffers' bytes, "world") as measured
+        assert out["comm"][0] == out["planned"][0]
+        assert out["comm"][1]["world"] == out["planned"][1]["world"]
+        buffer_bytes = 4 * (EXPERTS + 6 + 6) + 8  # router bias, BatchNorm's stats, its counter
+        assert out["planned"][0].get("buffers", 0) == (buffer_bytes if mode == "broadcast" else 0)
         assert out["skipped"] == 1
         for name, value in out["after_two"].items():  # the nonfinite step's forward undone
             assert torch.equal(out["unmoved"][name], value), name

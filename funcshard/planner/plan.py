@@ -65,6 +65,10 @@ gradient wire) and the loss across the groups through torchft, counted under the
 The loss's reduction over "world" also carries ``fs.summed``'s shape header (2 float64 per
 rank, every step); the totals of a step whose aux holds ``fs.summed`` leaves take one more
 collective of their size (and, fault-tolerant, one across the groups), not counted here.
+
+A model's persistent buffers (BatchNorm's statistics, a router's bias) add, under ``fs.init``'s
+``buffers="broadcast"`` and more than one data-parallel rank, one broadcast of their bytes
+over "world" after each applied step (kind "buffers").
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ from collections.abc import Mapping
 import optree
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from funcshard.comm import params as params_lib
@@ -104,6 +109,7 @@ from funcshard.planner.inputs import (
     units_from_names,
 )
 from funcshard.planner.report import KINDS, MemoryPlan, Plan, format_bytes
+from funcshard.state import buffers as buffer_lib
 from funcshard.step.compiling import unwrapped
 from funcshard.step.reduction import reduction_of
 
@@ -364,6 +370,28 @@ def _step_comm(
     return comm, calls, by_axis, muon_owner
 
 
+def _buffer_broadcast(
+    model: nn.Module | None, buffers: str, dp_size: int, comm, calls, by_axis
+) -> None:
+    """``fs.init(buffers="broadcast")``'s one broadcast of the model's persistent buffers'
+    bytes over the data-parallel world after each applied step (none: no such buffer, one
+    data-parallel rank, or ``buffers="local"``). The buffers :meth:`ModelBuffers.of` carries,
+    a meta-device model's counted by their shapes and dtypes."""
+    buffer_lib.mode(buffers)
+    if model is None or buffers != "broadcast" or dp_size == 1:
+        return
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    nbytes = sum(
+        t.numel() * t.element_size()
+        for n, t in model.state_dict(keep_vars=True).items()
+        if n not in params and isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+    )
+    if nbytes:
+        comm["buffers"] += nbytes
+        calls["buffers"] += 1
+        by_axis["world"] += nbytes
+
+
 def plan(
     params: ShapesArg,
     /,
@@ -386,6 +414,7 @@ def plan(
     replica_groups: int = 1,
     expert: int = 1,
     routing: Routing | None = None,
+    buffers: str = "broadcast",
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -425,6 +454,9 @@ def plan(
       expert, routing: ``make_mesh(expert=E)``'s degree (experts planned global, as ``fs.init``
         holds them); a :class:`~funcshard.planner.experts.Routing`: its all-to-alls, "expert"
         (the rows, and the counts ``fs.ExpertParallel`` exchanges before each dispatch).
+      buffers: as in ``fs.init``: under "broadcast" a model's persistent buffers add one
+        broadcast of their bytes over "world" a step (kind "buffers"), with more than one
+        data-parallel rank.
 
     Returns:
       A :class:`Plan`.
@@ -461,6 +493,7 @@ def plan(
     )
     step = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model)
     comm, calls, by_axis, muon_owner = step
+    _buffer_broadcast(model, buffers, dims.dp_size, comm, calls, by_axis)
     return Plan(
         strategy=layout.strategy,
         world_size=world_size,
