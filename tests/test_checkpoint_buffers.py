@@ -315,3 +315,45 @@ def test_buffers_agree_across_ranks_and_a_skipped_step_leaves_them(pool2, mode: 
         assert out["skipped"] == 1
         for name, value in out["after_two"].items():  # the nonfinite step's forward undone
             assert torch.equal(out["unmoved"][name], value), name
+
+
+class Unaligned(nn.Module):
+    """Buffers whose bytes put BatchNorm's int64 counter at an offset of 60 (12 bytes of the
+    model's own float32 buffer first), one shared by two modules, and one a view of another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("odd", torch.zeros(3))
+        self.inp = nn.Linear(4, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 3)
+        self.tied = nn.Module()
+        self.tied.register_buffer("mean", self.norm.running_mean)  # the same tensor
+        self.tied.register_buffer("half_var", self.norm.running_var[:3])  # a view of it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.inp(x))) + self.odd
+
+
+def unaligned_worker() -> dict:
+    torch.manual_seed(0)
+    model = Unaligned()
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(shard=2, device_type="cpu"))
+
+    def loss_fn(params, batch):
+        return nn.functional.cross_entropy(fs.functional_call(model, params, (batch[0],)), batch[1])
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batch = (torch.randn(8, 4, generator=g) * 3, torch.randint(0, 3, (8,), generator=g))
+    state, _ = fs.train_step(state, batch, loss_fn)
+    fs.check_replicas(state)
+    return _persistent(model)
+
+
+def test_buffers_of_mixed_dtypes_tied_and_views_are_broadcast(pool2) -> None:
+    first, second = pool2.run(unaligned_worker)
+    assert int(first["norm.num_batches_tracked"]) == 1
+    for name, value in first.items():  # the first rank's, bit for bit
+        assert torch.equal(second[name], value), name
+    assert torch.equal(first["tied.mean"], first["norm.running_mean"])
+    assert torch.equal(first["tied.half_var"], first["norm.running_var"][:3])

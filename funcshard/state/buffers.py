@@ -130,7 +130,9 @@ class ModelBuffers:
         ops.record("buffers", flat, ops.Axis.WORLD)
         dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
         for t, part in zip(tensors, flat.split([p.numel() for p in parts]), strict=True):
-            t.copy_(part.view(t.dtype).reshape(t.shape))
+            # a part's offset in the bytes need not suit its dtype (an int64 counter after 12
+            # bytes of floats): a copy of it starts aligned
+            t.copy_(part.clone().view(t.dtype).reshape(t.shape))
 
 
 NO_BUFFERS = ModelBuffers()
