@@ -357,3 +357,28 @@ def test_buffers_of_mixed_dtypes_tied_and_views_are_broadcast(pool2) -> None:
         assert torch.equal(second[name], value), name
     assert torch.equal(first["tied.mean"], first["norm.running_mean"])
     assert torch.equal(first["tied.half_var"], first["norm.running_var"][:3])
+
+
+def unfilled_worker(directory: str) -> tuple[dict, dict]:
+    mesh = fs.make_mesh(shard=2, device_type="cpu")
+    torch.manual_seed(0)
+    model = Routed()
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh)
+    with torch.no_grad():
+        model.router_bias.add_(1.5)
+        model.norm.num_batches_tracked.add_(3)
+    fs.save(directory, state)
+    with torch.device("meta"):
+        fresh = Routed()
+    fs.restore(directory, like=fs.init(fresh, fs.optim.sgd(0.1), mesh=mesh))
+    return _persistent(model), _persistent(fresh)
+
+
+def test_an_unfilled_state_restores_the_buffers(pool2, tmp_path) -> None:
+    """A meta-device model's buffers (an unfilled ``like``) get the checkpoint's values, not a
+    refusal naming every saved buffer as 'not a persistent buffer of the model'."""
+    for saved, restored in pool2.run(unfilled_worker, str(tmp_path / "ckpt")):
+        assert saved.keys() == restored.keys()
+        for name, value in saved.items():
+            assert restored[name].device.type == "cpu", name
+            assert torch.equal(restored[name], value), name

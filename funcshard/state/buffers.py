@@ -21,7 +21,8 @@ are undone (:meth:`ModelBuffers.snapshot`, a copy of the buffers per step).
 
 Carried: persistent plain-tensor buffers (what ``model.state_dict()`` holds beside the
 params). Not carried: non-persistent buffers (``persistent=False``: derived, such as rotary
-frequencies), DTensor buffers, and buffers on the meta device (an unfilled state's model).
+frequencies) and DTensor buffers. An unfilled state's (meta-device) model's buffers are
+carried too: ``fs.restore`` gives them the checkpoint's values on the state's device.
 """
 
 from __future__ import annotations
@@ -72,10 +73,7 @@ class ModelBuffers:
         names = [
             n
             for n, t in model.state_dict(keep_vars=True).items()
-            if n not in params
-            and isinstance(t, torch.Tensor)
-            and not isinstance(t, DTensor)
-            and t.device.type != "meta"
+            if n not in params and isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
         ]
         for n in names:
             dtype = model.get_buffer(n).dtype
