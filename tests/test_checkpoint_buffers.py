@@ -266,8 +266,13 @@ def agree_worker(mode: str) -> dict:
     g = torch.Generator().manual_seed(dist.get_rank())
     for scale in (1.0, 1.0):
         batch = (torch.randn(8, 4, generator=g) * 3, torch.randint(0, 3, (8,), generator=g))
-        state, _ = fs.train_step(state, (*batch, torch.full((8,), scale)), loss_fn)
+        with fs.comm_stats() as stats:
+            state, _ = fs.train_step(state, (*batch, torch.full((8,), scale)), loss_fn)
     after_two = _persistent(model)
+    with torch.device("meta"):
+        planned = fs.plan(
+            Routed(), world_size=2, optimizer="adamw", device_type="cpu", buffers=mode
+        )
     fs.check_replicas(state)  # agreeing (broadcast) or not compared (local): no error
     batch = (torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
     state, metrics = fs.train_step(state, (*batch, torch.full((8,), float("nan"))), loss_fn)
@@ -284,6 +289,8 @@ def agree_worker(mode: str) -> dict:
         "skipped": metrics["nonfinite"],
         "unmoved": unmoved,
         "raised": raised,
+        "comm": ({k: v for k, v in stats.bytes.items() if v}, dict(stats.bytes_by_axis)),
+        "planned": ({k: v for k, v in planned.comm.items() if v}, planned.comm_by_axis),
     }
 
 
@@ -300,6 +307,78 @@ def test_buffers_agree_across_ranks_and_a_skipped_step_leaves_them(pool2, mode: 
         assert apart > 0.01
         assert first["raised"] == second["raised"] == ""
     for out in (first, second):
+        # fs.plan counts the broadcast (persistent buffers' bytes, "world") as measured
+        assert out["comm"][0] == out["planned"][0]
+        assert out["comm"][1]["world"] == out["planned"][1]["world"]
+        buffer_bytes = 4 * (EXPERTS + 6 + 6) + 8  # router bias, BatchNorm's stats, its counter
+        assert out["planned"][0].get("buffers", 0) == (buffer_bytes if mode == "broadcast" else 0)
         assert out["skipped"] == 1
         for name, value in out["after_two"].items():  # the nonfinite step's forward undone
             assert torch.equal(out["unmoved"][name], value), name
+
+
+class Unaligned(nn.Module):
+    """Buffers whose bytes put BatchNorm's int64 counter at an offset of 60 (12 bytes of the
+    model's own float32 buffer first), one shared by two modules, and one a view of another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("odd", torch.zeros(3))
+        self.inp = nn.Linear(4, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 3)
+        self.tied = nn.Module()
+        self.tied.register_buffer("mean", self.norm.running_mean)  # the same tensor
+        self.tied.register_buffer("half_var", self.norm.running_var[:3])  # a view of it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.inp(x))) + self.odd
+
+
+def unaligned_worker() -> dict:
+    torch.manual_seed(0)
+    model = Unaligned()
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(shard=2, device_type="cpu"))
+
+    def loss_fn(params, batch):
+        return nn.functional.cross_entropy(fs.functional_call(model, params, (batch[0],)), batch[1])
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batch = (torch.randn(8, 4, generator=g) * 3, torch.randint(0, 3, (8,), generator=g))
+    state, _ = fs.train_step(state, batch, loss_fn)
+    fs.check_replicas(state)
+    return _persistent(model)
+
+
+def test_buffers_of_mixed_dtypes_tied_and_views_are_broadcast(pool2) -> None:
+    first, second = pool2.run(unaligned_worker)
+    assert int(first["norm.num_batches_tracked"]) == 1
+    for name, value in first.items():  # the first rank's, bit for bit
+        assert torch.equal(second[name], value), name
+    assert torch.equal(first["tied.mean"], first["norm.running_mean"])
+    assert torch.equal(first["tied.half_var"], first["norm.running_var"][:3])
+
+
+def unfilled_worker(directory: str) -> tuple[dict, dict]:
+    mesh = fs.make_mesh(shard=2, device_type="cpu")
+    torch.manual_seed(0)
+    model = Routed()
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh)
+    with torch.no_grad():
+        model.router_bias.add_(1.5)
+        model.norm.num_batches_tracked.add_(3)
+    fs.save(directory, state)
+    with torch.device("meta"):
+        fresh = Routed()
+    fs.restore(directory, like=fs.init(fresh, fs.optim.sgd(0.1), mesh=mesh))
+    return _persistent(model), _persistent(fresh)
+
+
+def test_an_unfilled_state_restores_the_buffers(pool2, tmp_path) -> None:
+    """A meta-device model's buffers (an unfilled ``like``) get the checkpoint's values, not a
+    refusal naming every saved buffer as 'not a persistent buffer of the model'."""
+    for saved, restored in pool2.run(unfilled_worker, str(tmp_path / "ckpt")):
+        assert saved.keys() == restored.keys()
+        for name, value in saved.items():
+            assert restored[name].device.type == "cpu", name
+            assert torch.equal(restored[name], value), name

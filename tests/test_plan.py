@@ -72,6 +72,7 @@ def test_formula_by_strategy():
         "reduce_scatter": 0,
         "metrics": 8 + 16,  # the loss and fs.summed's shape header (2 float64)
         "muon": 0,
+        "buffers": 0,  # a table of shapes: no model, no buffers
     }
     assert c["optim"] == {
         "reduce_scatter": Pp * w,
@@ -79,6 +80,7 @@ def test_formula_by_strategy():
         "all_gather": Pp * w,
         "metrics": 16 + 16,
         "muon": 0,
+        "buffers": 0,
     }
     assert c["optim_grads"]["reduce_scatter"] == 3 * Pp * w
     assert c["optim_grads_params"]["all_gather"] == 2 * 3 * Pp * w

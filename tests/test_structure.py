@@ -323,7 +323,7 @@ def test_no_test_module_imports_another() -> None:
 def test_checkpoints_touch_storage_through_one_module() -> None:
     """``funcshard/checkpoint/storage.py`` alone opens, lists, removes or syncs files (a path
     or an object store): the others only compose paths."""
-    path_ok = {"join", "basename", "dirname", "split"}
+    path_ok = {"join", "basename", "dirname", "split", "relpath"}  # composing, never touching
     hits = []
     for path in sorted((PKG / "checkpoint").glob("*.py")):
         if path.name == "storage.py":
@@ -335,7 +335,7 @@ def test_checkpoints_touch_storage_through_one_module() -> None:
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 if node.value.id == "shutil" or (
                     node.value.id == "os"
-                    and node.attr not in ("path", "fspath", "PathLike", "environ")
+                    and node.attr not in ("path", "fspath", "PathLike", "environ", "sep", "curdir")
                 ):
                     bad = f"{node.value.id}.{node.attr}"
             elif (

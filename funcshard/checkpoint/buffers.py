@@ -65,5 +65,11 @@ def buffer_reads(like: TrainState, source: Source) -> tuple[list[ReadRequest], l
 def copy_into_model(like: TrainState, reads: list[ReadRequest]) -> None:
     """The values ``reads`` read, copied into the model's buffers."""
     for r in reads:
-        buf = like.buffers.get(r.keys[1])
-        buf.copy_(r.out.reshape(buf.shape))
+        name = r.keys[1]
+        buf = like.buffers.get(name)
+        if buf.device.type == "meta":  # an unfilled state's model: the buffer made here
+            owner, _, leaf = name.rpartition(".")
+            module = like.buffers.model.get_submodule(owner)  # type: ignore[union-attr]
+            setattr(module, leaf, r.out.reshape(buf.shape).to(like.layout.device))
+        else:
+            buf.copy_(r.out.reshape(buf.shape))

@@ -74,7 +74,7 @@ def manager_steps(path: str) -> list[str]:
     if storage.is_object(path):
         if storage.isfile(os.path.join(path, COMMIT_FILE)):
             return []  # one checkpoint
-    elif not os.path.isdir(path) or os.path.exists(os.path.join(path, COMMIT_FILE)):
+    elif not storage.isdir(path) or storage.exists(os.path.join(path, COMMIT_FILE)):
         return []
     return [os.path.join(path, str(s)) for s in steps_lib.committed(path)]  # an s3 root's index
 

@@ -23,6 +23,7 @@ from funcshard.parallel.tensor import (
 )
 
 __all__ = [
+    "transformer_shapes",
     "ShapeMesh",
     "ShapesArg",
     "param_table",
@@ -160,3 +161,39 @@ def tensor_table(
     for name, leaf in leaves.items():
         table[name] = (local_shape(leaf.shape, leaf.dim, tensor, 0), table[name][1])
     return table, TensorParallel(ShapeMesh(1, tensor), leaves)  # type: ignore[arg-type]
+
+
+def transformer_shapes(
+    *,
+    n_layers: int = 80,
+    dim: int = 8192,
+    ffn_dim: int = 28672,
+    n_heads: int = 64,
+    n_kv_heads: int = 8,
+    vocab: int = 32000,
+) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a Llama-style decoder (defaults: Llama-2-70B, 69.0B params).
+
+    >>> round(sum(math.prod(s) for s in transformer_shapes().values()) / 1e9, 2)
+    68.98
+    """
+    kv = dim // n_heads * n_kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, dim)}
+    for i in range(n_layers):
+        p = f"layers.{i}"
+        shapes.update(
+            {
+                f"{p}.attention.wq.weight": (dim, dim),
+                f"{p}.attention.wk.weight": (kv, dim),
+                f"{p}.attention.wv.weight": (kv, dim),
+                f"{p}.attention.wo.weight": (dim, dim),
+                f"{p}.feed_forward.w1.weight": (ffn_dim, dim),
+                f"{p}.feed_forward.w2.weight": (dim, ffn_dim),
+                f"{p}.feed_forward.w3.weight": (ffn_dim, dim),
+                f"{p}.attention_norm.weight": (dim,),
+                f"{p}.ffn_norm.weight": (dim,),
+            }
+        )
+    shapes["norm.weight"] = (dim,)
+    shapes["output.weight"] = (vocab, dim)
+    return shapes

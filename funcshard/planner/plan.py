@@ -65,6 +65,10 @@ gradient wire) and the loss across the groups through torchft, counted under the
 The loss's reduction over "world" also carries ``fs.summed``'s shape header (2 float64 per
 rank, every step); the totals of a step whose aux holds ``fs.summed`` leaves take one more
 collective of their size (and, fault-tolerant, one across the groups), not counted here.
+
+A model's persistent buffers (BatchNorm's statistics, a router's bias) add, under ``fs.init``'s
+``buffers="broadcast"`` and more than one data-parallel rank, one broadcast of their bytes
+over "world" after each applied step (kind "buffers").
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ from funcshard.layout.layout import ROOT_UNIT, Layout, UnitsArg
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
+from funcshard.planner.buffers import buffer_broadcast
 from funcshard.planner.context import add_context_exchange, check_context
 from funcshard.planner.experts import (
     Routing,
@@ -98,6 +103,7 @@ from funcshard.planner.inputs import (
     ShapeMesh,
     ShapesArg,
     mesh_dims,
+    transformer_shapes,
     units_from_names,
 )
 from funcshard.planner.optimizer import muon_exchange, optimizer_state_bytes
@@ -279,7 +285,7 @@ def _step_comm(
 
 
 def _plan_layout(
-    table,
+    tables,
     model,
     dims,
     replicate,
@@ -290,11 +296,10 @@ def _plan_layout(
     optimizer,
     deterministic,
     outer_strategy,
-    tp,
-    expert_mesh,
 ) -> Layout:
     """The layout ``fs.init`` would build for these arguments, on a mesh of shapes alone
-    (parameters sharded over shard x context)."""
+    (parameters sharded over shard x context); ``tables`` is what ``model_table`` gives."""
+    table, tp, expert_mesh = tables
     return build_layout(
         table,
         model=model,
@@ -338,6 +343,7 @@ def plan(
     batch_size: int | None = None,
     attention: tuple[int, int, int] | None = None,
     context_algorithm: str = "all_to_all",
+    buffers: str = "broadcast",
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -383,6 +389,9 @@ def plan(
         attention ``(calls, heads, head_dim)`` of one forward and ``fs.ContextParallel``'s
         algorithm: the attention exchange under "context" (:mod:`funcshard.planner.context`;
         in the compute dtype).
+      buffers: as in ``fs.init``: under "broadcast" a model's persistent buffers add one
+        broadcast of their bytes over "world" a step (kind "buffers"), with more than one
+        data-parallel rank.
 
     Returns:
       A :class:`Plan`.
@@ -402,10 +411,9 @@ def plan(
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     dims = mesh_dims(world_size, shard, replicate, microbatches, tensor, expert, context)
     check_context(context, context_algorithm, seq_len, attention)
-    table, tp, expert_mesh = model_table(params, dtype, tensor, tensor_plan, dims, strategy)
     model = params if isinstance(params, nn.Module) else None
     layout = _plan_layout(
-        table,
+        model_table(params, dtype, tensor, tensor_plan, dims, strategy),
         model,
         dims,
         replicate,
@@ -416,14 +424,12 @@ def plan(
         optimizer,
         deterministic,
         outer_strategy,
-        tp,
-        expert_mesh,
     )
     step = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model)
     comm, calls, by_axis, muon_owner = step
-    itemsize = ((policy and policy.param_dtype) or dtype).itemsize
-    exchange = (context_algorithm, seq_len, batch_size, attention, itemsize, microbatches)
-    add_context_exchange(dims.context, *exchange, comm, calls, by_axis)
+    ex = (context_algorithm, seq_len, batch_size, attention, _itemsize(policy, dtype), microbatches)
+    add_context_exchange(dims.context, *ex, comm, calls, by_axis)
+    buffer_broadcast(model, buffers, dims.dp_size, comm, calls, by_axis)
     return Plan(
         **_geometry(layout, world_size, dims, replicate, microbatches, tensor),
         memory=_memory(layout, optimizer, device_type, microbatches, muon_owner),
@@ -431,6 +437,11 @@ def plan(
         calls=calls,
         comm_by_axis=by_axis,
     )
+
+
+def _itemsize(policy: MixedPrecisionPolicy | None, dtype: torch.dtype) -> int:
+    """Bytes of one element in the compute dtype."""
+    return ((policy and policy.param_dtype) or dtype).itemsize
 
 
 def _geometry(
@@ -450,39 +461,3 @@ def _geometry(
         "outer_strategy": str(layout.outer),
         "tensor": tensor,
     }
-
-
-def transformer_shapes(
-    *,
-    n_layers: int = 80,
-    dim: int = 8192,
-    ffn_dim: int = 28672,
-    n_heads: int = 64,
-    n_kv_heads: int = 8,
-    vocab: int = 32000,
-) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of a Llama-style decoder (defaults: Llama-2-70B, 69.0B params).
-
-    >>> round(sum(math.prod(s) for s in transformer_shapes().values()) / 1e9, 2)
-    68.98
-    """
-    kv = dim // n_heads * n_kv_heads
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, dim)}
-    for i in range(n_layers):
-        p = f"layers.{i}"
-        shapes.update(
-            {
-                f"{p}.attention.wq.weight": (dim, dim),
-                f"{p}.attention.wk.weight": (kv, dim),
-                f"{p}.attention.wv.weight": (kv, dim),
-                f"{p}.attention.wo.weight": (dim, dim),
-                f"{p}.feed_forward.w1.weight": (ffn_dim, dim),
-                f"{p}.feed_forward.w2.weight": (dim, ffn_dim),
-                f"{p}.feed_forward.w3.weight": (ffn_dim, dim),
-                f"{p}.attention_norm.weight": (dim,),
-                f"{p}.ffn_norm.weight": (dim,),
-            }
-        )
-    shapes["norm.weight"] = (dim,)
-    shapes["output.weight"] = (vocab, dim)
-    return shapes

@@ -7,7 +7,7 @@ import dataclasses
 
 __all__ = ["KINDS", "MemoryPlan", "Plan", "format_bytes"]
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "metrics", "muon")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "metrics", "muon", "buffers")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

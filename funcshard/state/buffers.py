@@ -21,7 +21,8 @@ are undone (:meth:`ModelBuffers.snapshot`, a copy of the buffers per step).
 
 Carried: persistent plain-tensor buffers (what ``model.state_dict()`` holds beside the
 params). Not carried: non-persistent buffers (``persistent=False``: derived, such as rotary
-frequencies), DTensor buffers, and buffers on the meta device (an unfilled state's model).
+frequencies) and DTensor buffers. An unfilled state's (meta-device) model's buffers are
+carried too: ``fs.restore`` gives them the checkpoint's values on the state's device.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from funcshard.distributed import ops
+from funcshard.state.dtypes import ZARR_DTYPE
 
 __all__ = ["ModelBuffers", "BUFFER_MODES", "mode"]
 
@@ -65,17 +67,11 @@ class ModelBuffers:
         Raises:
           TypeError: a buffer of a dtype no checkpoint can hold (named, with its dtype).
         """
-        # imported here: the checkpoint package imports the state's modules
-        from funcshard.checkpoint.format import ZARR_DTYPE
-
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         names = [
             n
             for n, t in model.state_dict(keep_vars=True).items()
-            if n not in params
-            and isinstance(t, torch.Tensor)
-            and not isinstance(t, DTensor)
-            and t.device.type != "meta"
+            if n not in params and isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
         ]
         for n in names:
             dtype = model.get_buffer(n).dtype
@@ -130,7 +126,9 @@ class ModelBuffers:
         ops.record("buffers", flat, ops.Axis.WORLD)
         dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
         for t, part in zip(tensors, flat.split([p.numel() for p in parts]), strict=True):
-            t.copy_(part.view(t.dtype).reshape(t.shape))
+            # a part's offset in the bytes need not suit its dtype (an int64 counter after 12
+            # bytes of floats): a copy of it starts aligned
+            t.copy_(part.clone().view(t.dtype).reshape(t.shape))
 
 
 NO_BUFFERS = ModelBuffers()
