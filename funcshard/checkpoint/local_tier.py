@@ -315,6 +315,7 @@ class LocalTier:
                 self._retain(step)
             except OSError as e:  # the step stands; the next save's retention tries again
                 logging.warning("funcshard.checkpoint: local tier retention failed: %s", e)
+        self.agreement.failed_ranks(True)  # every rank returns once retention is done
         return written
 
     def _commit(self, step: int, tmp: str, layout: str) -> None:
