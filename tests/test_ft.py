@@ -70,6 +70,22 @@ class Lighthouse:
         cmd += ["--join_timeout_ms", "1000"]
         self.log = open(os.path.join(root, "lighthouse.log"), "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_listening(port)
+
+    def _wait_listening(self, port: int, limit_s: float = 60.0) -> None:
+        """Returns once the lighthouse accepts connections: a client that comes first is
+        refused at once (torchft's manager connects within 1 s), which a loaded machine hit."""
+        import socket
+        import time
+
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the lighthouse exited ({self.proc.returncode})"
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise AssertionError(f"the lighthouse did not listen on port {port} within {limit_s} s")
 
     def close(self) -> None:
         self.proc.kill()

@@ -56,16 +56,23 @@ def garbage_worker(case: str) -> list[str]:
     state, _ = models.train(state, model, [0], rows=ROWS, microbatches=2)
     gc.collect()
     gc.disable()
+    # what existed before the step (held, so that no id is reused): an object that an earlier
+    # case in this worker left for the collector and that the step only let go of is not
+    # the step's own
+    before = gc.get_objects()
+    existed = {id(o) for o in before}
     try:
         state, _ = models.train(state, model, [1], rows=ROWS, microbatches=2)
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
-        left = [f"{tuple(o.shape)} {o.dtype}" for o in gc.garbage if isinstance(o, torch.Tensor)]
-        ours = {type(o).__qualname__ for o in gc.garbage if "funcshard" in type(o).__module__}
+        new = [o for o in gc.garbage if id(o) not in existed]
+        left = [f"{tuple(o.shape)} {o.dtype}" for o in new if isinstance(o, torch.Tensor)]
+        ours = {type(o).__qualname__ for o in new if "funcshard" in type(o).__module__}
         left += sorted(ours)
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+        del before
         gc.enable()
     return left
 
