@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -160,8 +161,9 @@ class RankPool:
         if not self._broken and not force:
             for q in self._inboxes:
                 q.put(None)
+            deadline = time.monotonic() + 10.0  # then stopped: a rank is a test's, not a job's
             for p in self._procs:
-                p.join(timeout=30)
+                p.join(timeout=max(0.1, deadline - time.monotonic()))
         self._broken = True
         stop(self._procs)
         for c in self._outboxes:

@@ -89,12 +89,12 @@ def _kill_trial(root: str, rng: random.Random, nproc: int) -> None:
         log.close()
 
 
-def kill_trials(pool2, root: str, env: dict | None = None) -> None:
-    """``KILL_TRIALS`` kills at random moments; after each, every listed step restores to the
+def kill_trials(pool2, root: str, env: dict | None = None, trials: int = KILL_TRIALS) -> None:
+    """``trials`` kills at random moments; after each, every listed step restores to the
     params recorded before it was saved, and the last committed step is listed. ``env``
     reaches the pool's ranks (an object store's endpoint; the job inherits this process's)."""
     rng = random.Random(1234)
-    for trial in range(KILL_TRIALS):
+    for trial in range(trials):
         _kill_trial(root, rng, int(KILL_NPROC) if KILL_NPROC else 1 + trial % 2)
         r = pool2.run(check_kill_root, root, env)[0]
         done = _done(root)

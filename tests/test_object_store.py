@@ -349,6 +349,10 @@ def test_object_urls_are_split_into_bucket_and_key() -> None:
         storage.kvstore("s3:///run")
 
 
+# one by default: test_kill_restart.py runs the trials on paths; more to measure
+S3_KILL_TRIALS = int(os.environ.get("FUNCSHARD_S3_KILL_TRIALS", "1"))
+
+
 @pytest.mark.slow
 def test_kill_during_an_s3_save_leaves_the_previous_step_restorable(s3, pool2, tmp_path) -> None:
     """The kill-during-save trials of test_kill_restart.py, the checkpoints on the store (the
@@ -359,6 +363,7 @@ def test_kill_during_an_s3_save_leaves_the_previous_step_restorable(s3, pool2, t
             pool2,
             str(tmp_path),
             {**s3["env"], "FUNCSHARD_KILL_CKPT": os.environ["FUNCSHARD_KILL_CKPT"]},
+            trials=S3_KILL_TRIALS,
         )
     finally:
         del os.environ["FUNCSHARD_KILL_CKPT"]
