@@ -113,6 +113,8 @@ def run_case(
         "full": {n: t.cpu() for n, t in fs.full_params(state).items()},
         "metrics": metrics,
         "pipeline_bytes": stats.bytes_by_axis["pipeline"],
+        "gathers": stats.calls["all_gather"],  # ZeRO-3: one per bucket a step
+        "buckets": len(state.layout.buckets),
         "stages": state.pipeline.mine,
         "nstages": len(stages),
     }

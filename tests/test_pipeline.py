@@ -6,7 +6,7 @@ fp32, SGD with momentum 0.9, 3 steps of 4 microbatches: every schedule at P=4 (S
 P=2 x S=2, the four strategies spread over the latter; within 1e-5 (the whole model's params
 from ``fs.full_params``, losses, grad norms), loss and grad norm bitwise the same on every
 rank, the bytes each rank sends under "pipeline" equal to its stages' outputs and input
-gradients crossing to another rank. Bad input is refused on every rank by name; a stage
+gradients crossing to another rank, ZeRO-3 gathering each bucket once a step. Bad input is refused on every rank by name; a stage
 raising in its forward fails every rank, naming it, and the next step runs.
 """
 
@@ -88,6 +88,8 @@ def test_schedules_and_strategies_as_one_process(pool4):
             assert r["metrics"] == per_rank[0]["metrics"], (case, rank)  # bitwise on every rank
             want = hp.expected_bytes(r["stages"], r["nstages"], pipeline, schedule, rows)
             assert r["pipeline_bytes"] == want > 0, (case, rank, r["pipeline_bytes"], want)
+            if case[2] == "optim_grads_params" and pipeline == 2:  # S=2: gathered once a step
+                assert r["gathers"] == hp.STEPS * r["buckets"] > 0, (case, rank, r)
 
 
 def test_bad_input_and_a_failing_stage(pool4):
