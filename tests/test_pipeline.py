@@ -6,8 +6,9 @@ fp32, SGD with momentum 0.9, 3 steps of 4 microbatches: every schedule at P=4 (S
 P=2 x S=2, the four strategies spread over the latter; within 1e-5 (the whole model's params
 from ``fs.full_params``, losses, grad norms), loss and grad norm bitwise the same on every
 rank, the bytes each rank sends under "pipeline" equal to its stages' outputs and input
-gradients crossing to another rank, ZeRO-3 gathering each bucket once a step. Bad input is refused on every rank by name; a stage
-raising in its forward fails every rank, naming it, and the next step runs.
+gradients crossing to another rank, ZeRO-3 gathering each bucket once a step. Bad input is
+refused on every rank by name; a stage raising in its forward fails every rank, naming it,
+and the next step runs.
 """
 
 from __future__ import annotations

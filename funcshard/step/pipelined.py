@@ -64,11 +64,11 @@ class StageModule(nn.Module):
         self.out_meta: Any = None  # one microbatch's output as meta tensors (None: unknown)
 
     def parameters(self, recurse: bool = True):  # noqa: ARG002
-        return iter([self.leaves[n] for n in self.names])
+        return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
         del recurse, remove_duplicate
-        return iter([(prefix + n, self.leaves[n]) for n in self.names])
+        return iter([(prefix + n, self.leaves[n]) for n in self.names if n in self.leaves])
 
     def forward(self, *args: Any) -> Any:
         if self.error is None:
