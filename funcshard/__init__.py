@@ -11,8 +11,10 @@ from funcshard.layout.layout import STRATEGIES
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.sharding import shard
 from funcshard.layout.strategy import OuterStrategy, Strategy
+from funcshard.parallel import pipeline
 from funcshard.parallel.context import ContextParallel
 from funcshard.parallel.experts import ExpertParallel
+from funcshard.parallel.pipeline import Pipeline
 from funcshard.planner.experts import Routing
 from funcshard.planner.plan import plan
 from funcshard.planner.summary import describe
@@ -37,6 +39,7 @@ __all__ = [
     "LossScale",
     "MixedPrecisionPolicy",
     "OuterStrategy",
+    "Pipeline",
     "ReplicaMismatchError",
     "Routing",
     "Strategy",
@@ -54,6 +57,7 @@ __all__ = [
     "make_mesh",
     "offload_step",
     "optim",
+    "pipeline",
     "plan",
     "reduce_scatter_grads",
     "restore",

@@ -101,6 +101,7 @@ def restore(
       RuntimeError: reading failed on some rank.
     """
     like.check()
+    like.check_whole("restore")
     agreement = Agreement.of(like.layout)
     path = storage.normalize(directory)
     error: BaseException | None = None

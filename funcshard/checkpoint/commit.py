@@ -373,6 +373,7 @@ class Saver:
             failure fails the save on every rank.
         """
         state.check()
+        state.check_whole("save")
         if not state.filled:
             raise RuntimeError(
                 "save: the state holds no values (built from a meta-device "

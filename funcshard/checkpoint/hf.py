@@ -200,6 +200,7 @@ def export_safetensors(
       RuntimeError: the state holds no values, or writing failed on some rank (on every rank).
     """
     state.check()
+    state.check_whole("export_safetensors")
     if not state.filled:
         raise RuntimeError(
             "export_safetensors: the state holds no values (built from a "

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["MeshDims", "DATA_AXES", "TENSOR", "EXPERT", "CONTEXT", "SHARD_OUTER"]
+__all__ = ["MeshDims", "DATA_AXES", "TENSOR", "EXPERT", "CONTEXT", "PIPELINE", "SHARD_OUTER"]
 
 DATA_AXES = ("replicate", "shard")
 TENSOR = "tensor"
 EXPERT = "expert"
 CONTEXT = "context"
+PIPELINE = "pipeline"
 # the shard ranks of one expert index ("shard" = shard_outer x expert), or of one context rank
 # ("shard" = shard_outer x context)
 SHARD_OUTER = "shard_outer"
@@ -48,6 +49,14 @@ class MeshDims:
     >>> dims = MeshDims.resolve(8, shard=-1, replicate=2, context=2)
     >>> dims.shard, dims.names, dims.shape, dims.dp_size
     (2, ('replicate', 'shard_outer', 'context'), (2, 2, 2), 8)
+
+    ``pipeline = P > 1`` adds the outermost axis "pipeline" (torchtitan's order): global rank
+    ``p * (world // P)`` + the rank the mesh without it gives; every other degree (and
+    ``dp_size``) is that of one pipeline rank's sub-world.
+
+    >>> dims = MeshDims.resolve(8, shard=-1, pipeline=2)
+    >>> dims.shard, dims.names, dims.shape, dims.dp_size, dims.world
+    (4, ('pipeline', 'replicate', 'shard'), (2, 1, 4), 4, 8)
     """
 
     replicate: int
@@ -55,9 +64,10 @@ class MeshDims:
     tensor: int = 1
     expert: int = 1
     context: int = 1
+    pipeline: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("replicate", "shard", "tensor", "expert", "context"):
+        for axis in ("replicate", "shard", "tensor", "expert", "context", "pipeline"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis} must be >= 1, got {getattr(self, axis)}")
         if self.shard % self.expert:
@@ -82,6 +92,7 @@ class MeshDims:
         expert: int = 1,
         context: int = 1,
         who: str = "mesh",
+        pipeline: int = 1,
     ) -> MeshDims:
         """The dims of a world of ``world`` ranks; ``shard=-1``: what the other axes leave.
 
@@ -95,6 +106,11 @@ class MeshDims:
             raise ValueError(f"{who}: tensor must be >= 1, got {tensor}")
         if context < 1:
             raise ValueError(f"{who}: context must be >= 1, got {context}")
+        if pipeline < 1 or world % pipeline:
+            raise ValueError(
+                f"{who}: pipeline={pipeline} must be >= 1 and divide the world size {world}"
+            )
+        world //= pipeline  # every other axis lives inside one pipeline rank
         # the context factor is named only where it is asked for: the words stay v5's without
         ctx_words = f" x context={context}" if context > 1 else ""
         ctx_term = f" x context ({context})" if context > 1 else ""
@@ -109,6 +125,7 @@ class MeshDims:
             raise ValueError(
                 f"{who}: shard ({shard}) x replicate ({replicate}) x tensor ({tensor}){ctx_term} "
                 f"must equal the world size {world}"
+                + (f" / pipeline ({pipeline})" if pipeline > 1 else "")
             )
         if expert < 1 or shard % expert:
             raise ValueError(
@@ -120,11 +137,11 @@ class MeshDims:
                 f"{who}: expert={expert} and context={context}: a mesh with both the expert "
                 "and the context axis is not supported yet"
             )
-        return cls(replicate, shard, tensor, expert, context)
+        return cls(replicate, shard, tensor, expert, context, pipeline)
 
     @property
     def world(self) -> int:
-        return self.replicate * self.shard * self.context * self.tensor
+        return self.replicate * self.shard * self.context * self.tensor * self.pipeline
 
     @property
     def dp_size(self) -> int:
@@ -150,6 +167,15 @@ class MeshDims:
         return self.context > 1
 
     @property
+    def has_pipeline(self) -> bool:
+        return self.pipeline > 1
+
+    @property
+    def inner(self) -> MeshDims:
+        """The dims of one pipeline rank's sub-world (itself without a pipeline axis)."""
+        return dataclasses.replace(self, pipeline=1)
+
+    @property
     def expert_dp_size(self) -> int:
         """The ranks holding one expert index: the data-parallel ranks of an expert weight."""
         return self.replicate * self.shard // self.expert
@@ -163,7 +189,8 @@ class MeshDims:
             data = ("replicate", SHARD_OUTER, CONTEXT)
         else:
             data = DATA_AXES
-        return (*data, TENSOR) if self.has_tensor else data
+        names = (*data, TENSOR) if self.has_tensor else data
+        return (PIPELINE, *names) if self.has_pipeline else names
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -173,4 +200,5 @@ class MeshDims:
             data = (self.replicate, self.shard, self.context)
         else:
             data = (self.replicate, self.shard)
-        return (*data, self.tensor) if self.has_tensor else data
+        shape = (*data, self.tensor) if self.has_tensor else data
+        return (self.pipeline, *shape) if self.has_pipeline else shape

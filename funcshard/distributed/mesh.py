@@ -23,6 +23,7 @@ from funcshard.distributed.dims import (
     CONTEXT,
     DATA_AXES,
     EXPERT,
+    PIPELINE,
     SHARD_OUTER,
     TENSOR,
     MeshDims,
@@ -44,6 +45,8 @@ __all__ = [
     "expert_axis",
     "expert_data_parallel",
     "context_axis",
+    "pipeline_axis",
+    "without_pipeline",
 ]
 
 
@@ -54,6 +57,7 @@ def make_mesh(
     device_type: str | None = None,
     expert: int = 1,
     context: int = 1,
+    pipeline: int = 1,
 ) -> DeviceMesh:
     """Builds the ("replicate", "shard") mesh over all ranks, or ("replicate", "shard",
     "tensor") with ``tensor > 1``.
@@ -76,6 +80,11 @@ def make_mesh(
         ``("replicate", "shard_outer", "context"[, "tensor"])``, ``mesh["shard"]`` their
         flattened "shard_outer" x "context": parameters are sharded and gradients reduced
         over both. 1: the mesh without it, unchanged.
+      pipeline: pipeline ranks (``fs.Pipeline``), the outermost axis: global rank ``p *
+        (world // pipeline)`` + the rank the mesh without it gives; every other axis lives
+        inside one pipeline rank (``shard=-1``: what the others leave of ``world //
+        pipeline``). ``mesh["pipeline"]`` is the 1-D mesh of the pipeline ranks sharing every
+        other coordinate. 1: the mesh without it, unchanged.
 
     The same shape on the same world gives the same mesh: its groups are made once.
 
@@ -99,6 +108,7 @@ def make_mesh(
         expert=expert,
         context=context,
         who="make_mesh",
+        pipeline=pipeline,
     )
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,6 +160,22 @@ def context_axis(mesh: DeviceMesh) -> DeviceMesh | None:
     """``mesh["context"]``, or None for a mesh without a context axis."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh[CONTEXT] if CONTEXT in names else None
+
+
+def pipeline_axis(mesh: DeviceMesh) -> DeviceMesh | None:
+    """``mesh["pipeline"]``, or None for a mesh without a pipeline axis."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh[PIPELINE] if PIPELINE in names else None
+
+
+def without_pipeline(mesh: DeviceMesh) -> DeviceMesh:
+    """This pipeline rank's sub-world: ``mesh`` sliced to every axis but "pipeline" (the
+    mesh itself where it has none). Every data-parallel, tensor and expert collective of a
+    pipelined state runs on it, so pipeline ranks holding different stages never meet in one."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if PIPELINE not in names:
+        return mesh
+    return sliced(mesh, tuple(n for n in names if n != PIPELINE))
 
 
 def tensor_axis(mesh: DeviceMesh) -> DeviceMesh | None:

@@ -48,6 +48,7 @@ class Axis(str, enum.Enum):
     REPLICAS = "replicas"  # torchft's all-reduce across the replica groups (fs.FaultTolerance)
     EXPERT = "expert"  # an expert-parallel group: the tokens' all-to-all (fs.ExpertParallel)
     CONTEXT = "context"  # a context-parallel group: attention's exchange (fs.ContextParallel)
+    PIPELINE = "pipeline"  # what a pipeline rank sends: stage outputs, input gradients
 
 
 # Their names, as ``CommStats.bytes_by_axis`` keys them.
@@ -70,8 +71,9 @@ class CommStats:
         "metrics"), "expert" (tokens sent to their experts and back by
         :func:`all_to_all_rows`, forward and backward, under "all_to_all") or "context"
         (attention's exchange of ``fs.ContextParallel``: q, k, v and the output under
-        "all_to_all", k and v blocks around the ring under "send", forward and backward);
-        its values sum to those of ``bytes``.
+        "all_to_all", k and v blocks around the ring under "send", forward and backward) or
+        "pipeline" (what a pipeline rank sends to another under "send": its stages' outputs
+        and the gradients of their inputs); its values sum to those of ``bytes``.
       gathered_live: bytes of gathered (unsharded) ZeRO-3 params alive right now.
       gathered_peak: the most bytes of gathered ZeRO-3 params alive at one moment.
     """

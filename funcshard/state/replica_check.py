@@ -169,7 +169,7 @@ def check_replicas(state: Any) -> None:
         ranks = tuple(dist.get_process_group_ranks(group))
         differ = (every != every[0]).any(dim=0).nonzero().flatten().tolist()
         found += [Mismatch(names[i], axis, ranks, tuple(every[:, i].tolist())) for i in differ]
-    if not groups:
+    if not groups and state.pipeline is None:  # a pipeline rank may hold no group others do
         return
     # every rank raises, or none: the flag over every rank the state spans, then the findings
     world = dist.group.WORLD

@@ -56,6 +56,7 @@ class Static:
     check_replicas_every: int = 0  # train_step compares replicas' bits every N steps (0: never)
     buffers: ModelBuffers = NO_BUFFERS  # the model's persistent buffers, which checkpoints carry
     context: Any = NO_CONTEXT  # fs.init's context: funcshard.parallel.context's seam
+    pipeline: Any = None  # fs.init's pipeline: funcshard.step.pipelined.PipelineRun, or None
 
 
 class Leaves(NamedTuple):
@@ -218,6 +219,25 @@ class TrainState:
         """How ``train_step`` splits sequences over the context axis (``fs.init``'s
         ``context``: :mod:`funcshard.parallel.context`; ``NO_CONTEXT`` without one)."""
         return self._static.context
+
+    @property
+    def pipeline(self) -> Any:
+        """This pipeline rank's stages under torch's schedule (``fs.init``'s ``pipeline``:
+        :class:`funcshard.step.pipelined.PipelineRun`), or None without a pipeline. The
+        layout (``state.mesh`` included) is then this pipeline rank's: its stages'
+        parameters over its data-parallel sub-world."""
+        return self._static.pipeline
+
+    def check_whole(self, who: str) -> None:
+        """Raises NotImplementedError for a pipelined state, which holds only this pipeline
+        rank's stages: ``who`` (a checkpoint, ``full_params``) of the whole model is not
+        supported under a pipeline yet."""
+        if self._static.pipeline is not None:
+            raise NotImplementedError(
+                f"{who}: a pipelined state (fs.init(..., pipeline=)) holds only this pipeline "
+                "rank's stages; whole-model checkpoints and full_params under a pipeline are "
+                "not supported yet"
+            )
 
     @property
     def mesh(self) -> DeviceMesh:

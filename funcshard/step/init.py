@@ -26,11 +26,13 @@ from funcshard.optim import Optimizer
 from funcshard.parallel import context as context_lib
 from funcshard.parallel import expert_axis as expert_lib
 from funcshard.parallel.context import ContextParallel
+from funcshard.parallel.pipeline import Pipeline
 from funcshard.state import buffers as buffer_lib
 from funcshard.state import replica_check
 from funcshard.state.buffers import ModelBuffers
 from funcshard.state.derive import derive_compute, pack_masters
 from funcshard.state.state import LossScale, Static, TrainState
+from funcshard.step import pipeline_init
 from funcshard.step.compiling import backend_of, check_units, unwrapped
 
 __all__ = ["init"]
@@ -54,6 +56,7 @@ def init(
     check_tensor_batch: bool = True,
     buffers: str = "broadcast",
     context: ContextParallel | None = None,
+    pipeline: Pipeline | None = None,
 ) -> TrainState:
     """Shards ``model``'s parameters into a fresh TrainState (collective: call on every rank).
 
@@ -109,6 +112,12 @@ def init(
       context: ``fs.ContextParallel``: sequences split over the mesh's "context" axis
         (``fs.make_mesh(context=C)``); every rank of a context group passes the same batch
         and ``train_step`` keeps its part of each sequence (:mod:`funcshard.parallel.context`).
+      pipeline: ``fs.Pipeline``: ``model`` is then the list of stages (``fs.pipeline.split``)
+        and ``mesh`` has a "pipeline" axis (``fs.make_mesh(pipeline=P)``); this rank keeps
+        its stages (the schedule's placement) and shards their parameters over its
+        data-parallel sub-world; ``train_step`` runs torch's schedule
+        (:mod:`funcshard.step.pipelined`). Not yet with the tensor, expert or context axes,
+        HFSDP, ``deterministic``, ``compile``, ``fault_tolerance`` or ``context``.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
@@ -125,12 +134,12 @@ def init(
         replica group and the lighthouse); the group's torchft manager is shut down, as on
         any error after it was made.
     """
-    if not isinstance(opt, Optimizer):
-        raise TypeError(
-            f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
-            "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
-        )
+    _check_optimizer(opt)
     every = replica_check.period(check_replicas_every)
+    hfsdp = OuterStrategy.parse(outer_strategy).shards_optim and outer_strategy
+    refused = dict(deterministic=deterministic, compile=compile, context=context)
+    refused.update(fault_tolerance=fault_tolerance, outer_strategy=hfsdp)
+    model, mesh, run = pipeline_init.prepare(model, mesh, pipeline, refused)
     backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
     policy = policy or MixedPrecisionPolicy()
     if context is not None and backend is not None:
@@ -160,11 +169,18 @@ def init(
             tensor=tensor,
         )
         check_units(given, layout, backend)
-        static = Static(
-            layout, opt, backend, guard, every, carried, context_lib.bind(context, mesh, model)
-        )
+        bound = context_lib.bind(context, mesh, model)
+        static = Static(layout, opt, backend, guard, every, carried, bound, pipeline=run)
         state = _first_state(static, named)
         return guard.join(state)
+
+
+def _check_optimizer(opt: Any) -> None:
+    if not isinstance(opt, Optimizer):
+        raise TypeError(
+            f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
+            "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
+        )
 
 
 def _first_state(static: Static, named: dict[str, torch.Tensor]) -> TrainState:

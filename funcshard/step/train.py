@@ -132,6 +132,8 @@ def _step(
     state: TrainState, batch: Any, loss_fn: LossFn, microbatches: int
 ) -> tuple[TrainState, dict[str, Any], bool]:
     """The step after its quorum: ``(new state, metrics, whether the update was applied)``."""
+    if state.pipeline is not None:
+        return _pipeline_step(state, batch, loss_fn, microbatches)
     layout, guard = state.layout, state.guard
     reduction = reduction_of(layout)
     reduction.check_microbatches(layout.dp_size, microbatches)
@@ -189,6 +191,36 @@ def _step(
     return new, metrics, True
 
 
+def _pipeline_step(
+    state: TrainState, batch: Any, loss_fn: LossFn, microbatches: int
+) -> tuple[TrainState, dict[str, Any], bool]:
+    """:func:`_step` under a pipeline: torch's schedule gives this rank's stages' summed
+    microbatch gradients (:mod:`funcshard.step.pipelined`), reduced over its sub-world as
+    ZeRO-0/1's; the loss, the whole model's norm and any stage's failure agreed over every
+    rank; then the update (:func:`funcshard.step.update.apply_update`) as without one."""
+    layout, run = state.layout, state.pipeline
+    run.check_microbatches(microbatches)
+    ls = state.loss_scale
+    factor = (ls.scale if ls is not None else 1.0) / run.pipe.microbatches
+    sections, loss_sum, error = run.grads(
+        layout.inner, state.master, state.compute, batch, loss_fn, factor
+    )
+    grads = grads_lib.reduce_step_grads(layout, sections, shard_reduced=False)
+    if ls is not None:
+        torch._foreach_mul_(grads, 1.0 / ls.scale)
+    square = reduction_of(layout).global_norm(layout, grads).double().square()
+    loss, norm = run.agree(loss_sum, square, error, layout.dp_size)
+    finite = math.isfinite(norm)
+    new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
+    metrics = _metrics(loss, norm, new_ls, None)
+    donated = state.donate("train_step").replace(loss_scale=new_ls)
+    if not finite:  # on every rank: the norm is the whole model's
+        metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
+        return donated.state(), metrics, False
+    new = offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm)
+    return new, metrics, True
+
+
 def _check_steppable(state: TrainState) -> None:
     state.check()
     if not state.filled:
@@ -219,7 +251,8 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
 
     Tied weights appear under each of their names (as in ``model.state_dict()``), as the
     same tensor. A tensor-parallel parameter comes as its global tensor (plain
-    ``torch.Tensor``), gathered over "tensor" too.
+    ``torch.Tensor``), gathered over "tensor" too. A pipelined state gives the whole model,
+    every stage's parameters gathered over "pipeline" too, in stage order.
     """
     layout = state.layout
     if not state.filled:
@@ -235,4 +268,6 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     out = {n: layout.tensor.full(n, t) for n, t in out.items()}  # global tensors of local parts
     named = {n: out[n] for n in layout.names}
     named.update({alias: out[name] for alias, name in layout.aliases})
+    if state.pipeline is not None:  # every stage's, from its pipeline rank
+        named = state.pipeline.whole(named)
     return named

@@ -1,0 +1,87 @@
+"""``fs.init(stages, ..., pipeline=)``: the stages checked and placed before any collective,
+this pipeline rank's stages merged into the model ``fs.init`` shards over the rank's
+data-parallel sub-world, and their :class:`~funcshard.step.pipelined.PipelineRun`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from funcshard.distributed import mesh as mesh_lib
+from funcshard.distributed.dims import CONTEXT, EXPERT, TENSOR
+from funcshard.parallel.pipeline import Pipeline, check_stages
+from funcshard.parallel.pipeline_split import merge
+from funcshard.step.pipelined import PipelineRun
+
+__all__ = ["prepare"]
+
+
+def prepare(
+    model: Any, mesh: DeviceMesh, pipeline: Pipeline | None, refused: dict[str, Any]
+) -> tuple[Any, DeviceMesh, PipelineRun | None]:
+    """``(model to shard, mesh to shard it over, the run)``: ``(model, mesh, None)`` without
+    a pipeline; with one, this rank's stages merged, its sub-world and its schedule.
+
+    ``refused``: fs.init's arguments that do not combine with a pipeline yet, by name
+    (a true value refused).
+
+    Raises:
+      ValueError: a pipeline without a "pipeline" mesh axis or the other way round, a split
+        the schedule cannot place or with a name in two stages, microbatches torch's
+        schedule refuses, or an argument or mesh axis not supported under a pipeline yet;
+        all before any collective, on every rank.
+      TypeError: ``pipeline`` not an ``fs.Pipeline``; stages not a list of modules.
+    """
+    axis = mesh_lib.pipeline_axis(mesh)
+    if pipeline is None:
+        if axis is not None:
+            raise ValueError(
+                "init: the mesh has a 'pipeline' axis; pass the model's stages and "
+                "pipeline=fs.Pipeline(...)"
+            )
+        return model, mesh, None
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"init: pipeline must be an fs.Pipeline, got {type(pipeline).__name__}")
+    if axis is None:
+        raise ValueError(
+            "init: pipeline= needs a mesh with a 'pipeline' axis: fs.make_mesh(pipeline=P) "
+            "with P > 1"
+        )
+    if isinstance(model, nn.Module) or not isinstance(model, (list, tuple)):
+        raise TypeError(
+            "init: under a pipeline the model is the list of stages (fs.pipeline.split), "
+            f"got {type(model).__name__}"
+        )
+    _refuse(mesh, pipeline, refused)
+    stages, P = list(model), axis.size()
+    check_stages(stages, pipeline, P)
+    mine = pipeline.stages_of(axis.get_local_rank(), P, len(stages))
+    sub = mesh_lib.without_pipeline(mesh)
+    run = PipelineRun(
+        pipeline,
+        stages,
+        mine,
+        mesh_lib.inherit_timeout(axis.get_group()),
+        mesh_lib.local_device(mesh),
+        world=mesh_lib.world_group(mesh),
+        counts_norm=all(c == 0 for c in sub.get_coordinate()),
+    )
+    return merge([stages[i] for i in mine]), sub, run
+
+
+def _refuse(mesh: DeviceMesh, pipe: Pipeline, refused: dict[str, Any]) -> None:
+    names = set(mesh.mesh_dim_names or ())
+    for axis in (TENSOR, EXPERT, CONTEXT):
+        if axis in names:
+            raise ValueError(
+                f"init: Pipeline(schedule={pipe.schedule!r}) on a mesh with a {axis!r} axis "
+                "is not supported yet"
+            )
+    for name, value in refused.items():
+        if value:
+            raise ValueError(
+                f"init: Pipeline(schedule={pipe.schedule!r}) with {name}={value!r} is not "
+                "supported yet"
+            )

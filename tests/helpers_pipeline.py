@@ -1,0 +1,230 @@
+"""The pipeline tests' model, its one-process reference and the rank workers.
+
+A tiny MLP: ``embed`` (5 -> 16), ``blocks`` (a ModuleList of residual blocks, 16 wide) and
+``head`` (16 -> 3), split with ``fs.pipeline.split`` into 2, 4 or 8 stages. The reference
+trains the plain model in one process on the concatenated global batch with the loss every
+pipeline step averages: the mean over data-parallel ranks and microbatches of each
+microbatch's mean loss (funcshard's weighting of uneven microbatches).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import funcshard as fs
+
+import models
+
+WIDTH, D_IN, D_OUT, BLOCKS = 16, 5, 3, 8
+STEPS, MICROBATCHES = 3, 4
+LR, MOMENTUM = 0.1, 0.9
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D_IN, WIDTH)
+        self.blocks = nn.ModuleList(models.Block(WIDTH) for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def split_points(stages: int) -> list[str]:
+    """Split points giving ``stages`` stages of equal block counts."""
+    per = BLOCKS // stages
+    return [f"blocks.{k * per}" for k in range(1, stages)]
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(rows, D_IN, generator=g), torch.randn(rows, D_OUT, generator=g)
+
+
+def dp_parts(step: int, rows: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each data-parallel rank's local batch: ``rows`` rows each, in rank order."""
+    x, y = global_batch(step, rows * dp)
+    return [(x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows]) for r in range(dp)]
+
+
+def reference(rows: int, dp: int, microbatches: int = MICROBATCHES) -> dict:
+    """One process: params after STEPS steps, the loss and grad norm of each step."""
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, norms = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for x, y in dp_parts(step, rows, dp):
+            xs, ys = x.tensor_split(microbatches), y.tensor_split(microbatches)
+            for xm, ym in zip(xs, ys, strict=True):
+                loss = loss_fn(model(xm), ym) / (dp * microbatches)
+                loss.backward()
+                total += float(loss.detach())
+        norms.append(float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm()))
+        losses.append(total)
+        opt.step()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "loss": losses,
+        "grad_norm": norms,
+    }
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def run_case(
+    schedule: str, pipeline: int, strategy: str, rows: int, per_rank: int, microbatches: int
+) -> dict:
+    """One pipelined run on this world; what every rank saw, for the test to compare."""
+    mesh = fs.make_mesh(pipeline=pipeline, device_type="cpu")
+    dp = dist.get_world_size() // pipeline
+    dp_rank = dist.get_rank() % dp
+    stages = fs.pipeline.split(make_net(), split_points(pipeline * per_rank))
+    pipe = fs.Pipeline(schedule, microbatches=microbatches)
+    opt = fs.optim.sgd(LR, momentum=MOMENTUM)
+    state = fs.init(stages, opt, mesh=mesh, strategy=strategy, pipeline=pipe)
+    metrics = []
+    with fs.comm_stats() as stats:
+        for step in range(STEPS):
+            state, m = fs.train_step(state, dp_parts(step, rows, dp)[dp_rank], loss_fn)
+            metrics.append((m["loss"], m["grad_norm"]))
+    return {
+        "full": {n: t.cpu() for n, t in fs.full_params(state).items()},
+        "metrics": metrics,
+        "pipeline_bytes": stats.bytes_by_axis["pipeline"],
+        "gathers": stats.calls["all_gather"],  # ZeRO-3: one per bucket a step
+        "buckets": len(state.layout.buckets),
+        "stages": state.pipeline.mine,
+        "nstages": len(stages),
+    }
+
+
+def errors(out: dict, ref: dict) -> dict:
+    """Relative errors of a run (``run_case``'s result) against ``reference``."""
+    losses, norms = zip(*out["metrics"], strict=True)
+    return {
+        "names": list(out["full"]) == list(ref["params"]),
+        "param": max(_rel(out["full"][n], ref["params"][n]) for n in ref["params"]),
+        "loss": _rel(torch.tensor(losses), torch.tensor(ref["loss"])),
+        "norm": _rel(torch.tensor(norms), torch.tensor(ref["grad_norm"])),
+    }
+
+
+def run_cases(cases: list[tuple]) -> list[dict]:
+    out = []
+    for case in cases:
+        t = time.perf_counter()
+        try:
+            out.append(run_case(*case))
+        except Exception as e:  # noqa: BLE001 (reported per case)
+            out.append({"error": f"{type(e).__name__}: {e}"})
+        out[-1]["seconds"] = time.perf_counter() - t
+    return out
+
+
+def expected_bytes(
+    stages: tuple[int, ...], nstages: int, pipeline: int, schedule: str, rows: int
+) -> int:
+    """What this rank sends over STEPS steps: per stage, its output to the next stage and the
+    gradient of its input to the previous one, where that stage is on another rank (rows x
+    WIDTH float32 a step each)."""
+    pipe = fs.Pipeline(schedule, microbatches=MICROBATCHES)
+    rank = {i: r for r in range(pipeline) for i in pipe.stages_of(r, pipeline, nstages)}
+    per = rows * WIDTH * 4 * STEPS
+    total = 0
+    for i in stages:
+        total += per * (i + 1 < nstages and rank[i + 1] != rank[i])
+        total += per * (i > 0 and rank[i - 1] != rank[i])
+    return total
+
+
+class Boom(models.Block):
+    """A block that raises in its forward while ``armed``."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise RuntimeError("boom: a stage's forward failed")
+        return super().forward(x)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (the text is what the test reads)
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def run_refusals() -> dict:
+    """Bad input on every rank of a P=2 x S=2 mesh (each raised before any collective), then
+    a stage raising in its forward on one pipeline rank: every rank raises naming it, the
+    state is not consumed, and the next step runs."""
+    mesh = fs.make_mesh(pipeline=2, device_type="cpu")
+    opt = fs.optim.sgd(LR, momentum=MOMENTUM)
+    pipe = fs.Pipeline("1F1B", microbatches=MICROBATCHES)
+    out = {
+        "names": mesh.mesh_dim_names,
+        "pipeline_ranks": dist.get_process_group_ranks(mesh["pipeline"].get_group()),
+        "count": _error(
+            lambda: fs.init(
+                fs.pipeline.split(make_net(), split_points(4)[:2]), opt, mesh=mesh, pipeline=pipe
+            )
+        ),
+        "twice": _error(lambda: fs.init([make_net(), make_net()], opt, mesh=mesh, pipeline=pipe)),
+        "microbatches": _error(
+            lambda: fs.init(
+                fs.pipeline.split(make_net(), split_points(2)),
+                opt,
+                mesh=mesh,
+                pipeline=fs.Pipeline("1F1B", microbatches=1),
+            )
+        ),
+        "no_pipeline": _error(lambda: fs.init(make_net(), opt, mesh=mesh)),
+        "deterministic": _error(
+            lambda: fs.init(
+                fs.pipeline.split(make_net(), split_points(2)),
+                opt,
+                mesh=mesh,
+                pipeline=pipe,
+                deterministic=True,
+            )
+        ),
+    }
+    net = make_net()
+    net.blocks[5] = Boom(WIDTH)
+    net.blocks[5].register_buffer("seen", torch.zeros(2))  # a buffer in stage 1 only
+    state = fs.init(fs.pipeline.split(net, split_points(2)), opt, mesh=mesh, pipeline=pipe)
+    dp_rank = dist.get_rank() % 2
+    out["uneven"] = _error(lambda: fs.train_step(state, dp_parts(0, 7, 2)[dp_rank], loss_fn))
+    state, _ = fs.train_step(state, dp_parts(0, 8, 2)[dp_rank], loss_fn)
+    net.blocks[5].armed = True
+    out["boom"] = _error(lambda: fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn))
+    net.blocks[5].armed = False
+    out["step_after"] = state.step
+    state, m = fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn)
+    out["step_then"], out["loss_then"] = state.step, m["loss"]
+    fs.check_replicas(state)  # stage 0's ranks compare nothing, and still take the agreement
+    return out

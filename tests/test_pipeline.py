@@ -1,0 +1,109 @@
+"""Pipeline parallel (``fs.Pipeline`` on ``fs.make_mesh(pipeline=P)``): stages from
+``fs.pipeline.split`` run by torch.distributed.pipelining's own schedules train as one
+process trains the unsplit model on the concatenated global batch.
+
+fp32, SGD with momentum 0.9, 3 steps of 4 microbatches: every schedule at P=4 (S=1) and at
+P=2 x S=2, the four strategies spread over the latter; within 1e-5 (the whole model's params
+from ``fs.full_params``, losses, grad norms), loss and grad norm bitwise the same on every
+rank, the bytes each rank sends under "pipeline" equal to its stages' outputs and input
+gradients crossing to another rank, ZeRO-3 gathering each bucket once a step. Bad input is
+refused on every rank by name; a stage raising in its forward fails every rank, naming it,
+and the next step runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard.parallel.pipeline import SCHEDULES
+
+import helpers_pipeline as hp
+
+TOL = 1e-5
+ROWS = 8  # per data-parallel rank: 2 rows a microbatch
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _case(schedule: str, pipeline: int, k: int) -> tuple:
+    """(schedule, P, strategy, rows, stages per rank, microbatches): DualPipeV takes at least
+    as many microbatches as stages (torch's rule)."""
+    per_rank = 1 if SCHEDULES[schedule][1] == "single" else 2
+    micro = max(hp.MICROBATCHES, pipeline * per_rank) if schedule == "DualPipeV" else 4
+    return (schedule, pipeline, STRATEGIES[k % 4], ROWS, per_rank, micro)
+
+
+CASES = [_case(s, 4, k) for k, s in enumerate(SCHEDULES)] + [
+    _case(s, 2, k) for k, s in enumerate(reversed(SCHEDULES))
+]
+
+
+def test_split_and_pipeline_arguments():
+    with torch.device("meta"):  # a meta model splits: nothing is materialized or copied
+        net = hp.Net()
+    stages = fs.pipeline.split(net, hp.split_points(4))
+    names = [sorted({".".join(n.split(".")[:2]) for n, _ in s.named_parameters()}) for s in stages]
+    assert names[0] == ["blocks.0", "blocks.1", "embed.bias", "embed.weight"]
+    assert names[3] == ["blocks.6", "blocks.7", "head.bias", "head.weight"]
+    assert all(p.is_meta for s in stages for p in s.parameters())
+    assert list(stages[1].blocks) == [net.blocks[2], net.blocks[3]]  # shared, not copied
+    assert isinstance(stages[1].embed, torch.nn.Identity) and len(list(net.blocks)) == 8
+    plain = hp.make_net()  # the stages chained are the model
+    x = torch.randn(3, hp.D_IN)
+    y = x
+    for s in fs.pipeline.split(plain, hp.split_points(4)):
+        y = s(y)
+    torch.testing.assert_close(y, plain(x), rtol=0, atol=0)
+    for bad, words in [
+        (["blocks.9"], "not a submodule"),
+        (["blocks.4", "blocks.2"], "not in model order"),
+        (["blocks", "blocks.2"], "inside 'blocks'"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            fs.pipeline.split(hp.make_net(), bad)
+    with pytest.raises(ValueError, match="unknown schedule 'Zigzag'"):
+        fs.Pipeline("Zigzag", microbatches=4)
+    with pytest.raises(ValueError, match="microbatches must be an int >= 1"):
+        fs.Pipeline("GPipe", microbatches=0)
+    with pytest.raises(ValueError, match="regather=True"):
+        fs.Pipeline("GPipe", microbatches=2, regather=True)
+    with pytest.raises(ValueError, match="this schedule takes 2 x P stages"):
+        fs.Pipeline("DualPipeV", microbatches=4).stages_of(0, 2, 3)
+
+
+def test_schedules_and_strategies_as_one_process(pool4):
+    results = pool4.run(hp.run_cases, CASES)
+    refs = {}
+    for k, case in enumerate(CASES):
+        schedule, pipeline, _, rows, _, micro = case
+        per_rank = [r[k] for r in results]
+        assert all("error" not in r for r in per_rank), (case, per_rank)
+        dp = 4 // pipeline
+        if (dp, micro) not in refs:
+            refs[dp, micro] = hp.reference(rows, dp, micro)
+        for rank, r in enumerate(per_rank):
+            err = hp.errors(r, refs[dp, micro])
+            assert err["names"], (case, rank)
+            assert max(err["param"], err["loss"], err["norm"]) < TOL, (case, rank, err)
+            assert r["metrics"] == per_rank[0]["metrics"], (case, rank)  # bitwise on every rank
+            want = hp.expected_bytes(r["stages"], r["nstages"], pipeline, schedule, rows)
+            assert r["pipeline_bytes"] == want > 0, (case, rank, r["pipeline_bytes"], want)
+            if case[2] == "optim_grads_params" and pipeline == 2:  # S=2: gathered once a step
+                assert r["gathers"] == hp.STEPS * r["buckets"] > 0, (case, rank, r)
+
+
+def test_bad_input_and_a_failing_stage(pool4):
+    for rank, out in enumerate(pool4.run(hp.run_refusals)):
+        assert out["names"] == ("pipeline", "replicate", "shard"), out
+        assert out["pipeline_ranks"] == [rank % 2, rank % 2 + 2], out  # p * (world // P) + s
+        assert "takes P stages" in out["count"] and "ValueError" in out["count"], out
+        assert "is in stage 0 and stage 1" in out["twice"], out
+        assert "torch's Schedule1F1B refuses" in out["microbatches"], out
+        assert "mesh has a 'pipeline' axis" in out["no_pipeline"], out
+        assert "deterministic=True is not supported yet" in out["deterministic"], out
+        assert "7 rows, not a multiple of microbatches=4" in out["uneven"], out
+        assert "RuntimeError" in out["boom"] and "boom: a stage's forward failed" in out["boom"]
+        assert "stage 1" in out["boom"] and "rank 2" in out["boom"], out["boom"]
+        assert out["step_after"] == 1 and out["step_then"] == 2, out
+        assert out["loss_then"] > 0, out
