@@ -144,3 +144,71 @@ def reference_run(model: nn.Module, steps: int, rows: int, length: int) -> dict:
         opt.step()
         losses.append(loss.item())
     return {"params": dict(model.named_parameters()), "losses": losses, "norms": norms}
+
+
+def _part(t: torch.Tensor, chunks, rank: int) -> torch.Tensor:
+    size = t.shape[2] // chunks.count
+    return torch.cat([t.narrow(2, c * size, size) for c in chunks.of(rank)], 2)
+
+
+class _Counting:
+    """A ring block kernel that counts the attention FLOPs of its forward calls."""
+
+    def __init__(self, kernel) -> None:
+        from funcshard.parallel import ring as ring_lib
+
+        self.total = 0
+        self.kernel = ring_lib.Kernel("counting", self.forward, kernel.backward)
+        self.inner = kernel
+
+    def forward(self, q, k, v, causal, scale):
+        n, m = q.shape[-2], k.shape[-2]
+        pairs = n * (n + 1) // 2 if causal else n * m
+        self.total += 4 * q.shape[0] * q.shape[1] * q.shape[-1] * pairs
+        return self.inner.forward(q, k, v, causal, scale)
+
+
+def _ring_case(q, k, v, grad, chunks, causal: bool, kernel) -> dict:
+    from funcshard.parallel import ring as ring_lib
+
+    me = dist.get_rank()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+    ref.backward(grad)
+    mine = [_part(t, chunks, me).float().requires_grad_() for t in (q, k, v)]
+    saved, counting = [], _Counting(kernel)
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kw = {"chunks": chunks, "group": dist.group.WORLD, "kernel": counting.kernel}
+        y = ring_lib.ring(*mine, is_causal=causal, **kw)
+    y.backward(_part(grad, chunks, me).float())
+    pairs = [(y, ref)] + [(a.grad, b.grad) for a, b in zip(mine, full, strict=True)]
+    return {
+        "error": max((a.double() - _part(b, chunks, me)).abs().max().item() for a, b in pairs),
+        "saved": (sum(saved), 4 * y.numel() * 4 + y[..., 0].numel() * 4),
+        "flops": (counting.total, ring_lib.flops(chunks, me, causal, tuple(mine[0].shape))),
+    }
+
+
+def ring_worker() -> dict:
+    """The flash ring on its own at C=2 (one rank's (1, 2, 8, 8) of a 16-token sequence):
+    its output and gradients against SDPA on the whole sequence in fp64, for both kernels,
+    causal or not, load balanced or not; the bytes its node keeps for the backward; and the
+    attention FLOPs each rank's kernel calls did (counted in the kernel), against
+    ``ring.flops``."""
+    from funcshard.parallel import ring as ring_lib
+    from funcshard.parallel.attention import Chunks
+
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+    out = {}
+    for balanced in (True, False):
+        for causal in (True, False):
+            for kernel in (ring_lib.CPU_KERNEL, ring_lib.MATH_KERNEL):
+                key = f"{kernel.name}/causal={causal}/balanced={balanced}"
+                out[key] = _ring_case(*tensors, Chunks(2, balanced), causal, kernel)
+    return out

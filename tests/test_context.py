@@ -228,3 +228,25 @@ def test_bad_input_raises_on_every_rank(pool2) -> None:
         assert "has 1 heads, not divisible by context=2" in out["heads"]
         assert "attn_mask" in out["mask"]
         assert out["after"] > 0
+
+
+def test_flash_ring_exact_keeps_only_its_inputs_and_balances_flops(pool2) -> None:
+    """The ring on its own: output and q, k, v gradients of both block kernels (torch's CPU
+    flash kernel and the fp32 math one) against SDPA on the whole sequence; its node keeps for
+    the backward only this rank's q, k, v, the output and the log-sum-exp (no block, nothing
+    received); and the causal head-tail split gives both ranks the same attention FLOPs
+    (counted in the kernel calls, as ``ring.flops`` predicts), where the plain split does not."""
+    results = pool2.run(hc.ring_worker)
+    for out in results:
+        for key, case in out.items():
+            assert case["error"] < 1e-5, (key, case)
+            saved, expected = case["saved"]
+            assert saved == expected, (key, case)
+            counted, predicted = case["flops"]
+            assert counted == predicted, (key, case)
+    for key in results[0]:
+        a, b = (out[key]["flops"][0] for out in results)
+        if "causal=True/balanced=False" in key:
+            assert max(a, b) > 1.5 * min(a, b), (key, a, b)  # the teeth: unbalanced differs
+        else:
+            assert abs(a - b) <= 0.05 * max(a, b), (key, a, b)
