@@ -212,3 +212,59 @@ def ring_worker() -> dict:
                 key = f"{kernel.name}/causal={causal}/balanced={balanced}"
                 out[key] = _ring_case(*tensors, Chunks(2, balanced), causal, kernel)
     return out
+
+
+def run(context: int, algorithm: str, *, replicate: int = 1, shard: int = 1, **init_kw):
+    """3 steps of 2 microbatches of the tiny GPT at ``context``: ``(state, history, ref)``,
+    the reference one process in fp32 on the full sequences."""
+    mesh = fs.make_mesh(context=context, replicate=replicate, shard=shard, device_type="cpu")
+    model, plain = make_model(0), make_model(0)
+    cp = fs.ContextParallel(seq_dims=SEQ_DIMS, algorithm=algorithm)
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+    init_kw.setdefault("strategy", "optim_grads_params")
+    state = fs.init(model, opt, mesh=mesh, context=cp, **init_kw)
+    groups = dist.get_world_size() // context
+    state, history = train(state, model, 3, 8, 16, groups)
+    return state, history, reference_run(plain, 3, 8, 16)
+
+
+def compose_worker_2(directory: str) -> dict:
+    """C=2 on 2 ranks: a bf16 compute policy (both algorithms), offload, and a checkpoint of
+    the ring's state saved under context (its full params returned for the C=1 restore)."""
+    import models
+
+    out = {}
+    bf16 = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for algorithm in ("ring", "all_to_all"):
+        out[f"bf16/{algorithm}"] = models.parity_errors(*run(2, algorithm, policy=bf16))
+    state, history, ref = run(2, "ring", offload_fraction=0.5)
+    out["offload/ring"] = models.parity_errors(state, history, ref)
+    fs.save(directory, state)
+    out["full"] = {k: v.clone() for k, v in fs.full_params(state).items()}
+    return out
+
+
+def restore_worker_1(directory: str) -> dict:
+    """The context run's checkpoint restored on one rank without context parallel."""
+    mesh = fs.make_mesh(device_type="cpu")
+    like = fs.init(make_model(1), fs.optim.sgd(0.1, momentum=0.9), mesh=mesh)
+    state = fs.restore(directory, like=like)
+    return {k: v.clone() for k, v in fs.full_params(state).items()}
+
+
+def compose_worker_4() -> dict:
+    """4 ranks: HFSDP (R2 x C2, outer_strategy="optim") for both algorithms, and
+    deterministic=True's params bitwise alike on R2 x C2 and S2 x C2 (the same C)."""
+    import models
+
+    out = {}
+    for algorithm in ("ring", "all_to_all"):
+        result = run(2, algorithm, replicate=2, outer_strategy="optim")
+        out[f"hfsdp/{algorithm}"] = models.parity_errors(*result)
+    full = {}
+    for layout, kw in (("R2C2", {"replicate": 2}), ("S2C2", {"shard": 2})):
+        state, history, ref = run(2, "ring", deterministic=True, **kw)
+        out[f"deterministic/{layout}"] = models.parity_errors(state, history, ref)
+        full[layout] = fs.full_params(state)
+    out["bitwise"] = all(torch.equal(full["R2C2"][k], full["S2C2"][k]) for k in full["R2C2"])
+    return out

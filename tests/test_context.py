@@ -250,3 +250,28 @@ def test_flash_ring_exact_keeps_only_its_inputs_and_balances_flops(pool2) -> Non
             assert max(a, b) > 1.5 * min(a, b), (key, a, b)  # the teeth: unbalanced differs
         else:
             assert abs(a - b) <= 0.05 * max(a, b), (key, a, b)
+
+
+# bf16 compute (fp32 masters and merge): each bf16 rounding is within 2^-8 relative; a few
+# chained through two layers' forward and backward bound the loss and gradient-norm errors,
+# and the parameters move by lr-sized updates from fp32 masters.
+BF16_TOL = 8 * 2.0**-8
+
+
+def test_context_composes_with_bf16_offload_and_checkpoints(pool1, pool2, tmp_path) -> None:
+    directory = str(tmp_path / "ckpt")
+    results = pool2.run(hc.compose_worker_2, directory)
+    restored = pool1.run(hc.restore_worker_1, directory)[0]
+    for out in results:
+        for key in ("bf16/ring", "bf16/all_to_all"):
+            assert max(out[key].values()) < BF16_TOL, (key, out[key])
+        assert max(out["offload/ring"].values()) < TOL, out["offload/ring"]
+        for name, tensor in out["full"].items():
+            assert torch.equal(restored[name], tensor), name  # bitwise at C=1
+
+
+def test_context_composes_with_hfsdp_and_deterministic_layouts(pool4) -> None:
+    for out in pool4.run(hc.compose_worker_4):
+        assert out.pop("bitwise"), "deterministic=True: R2 x C2 and S2 x C2 params differ"
+        for key, errors in out.items():
+            assert max(errors.values()) < TOL, (key, errors)
