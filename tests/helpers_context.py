@@ -115,28 +115,30 @@ def make_loss_fn(model: nn.Module):
     return loss_fn
 
 
-def train(state, model, steps: int, rows: int, length: int, groups: int, microbatches: int = 2):
+def train(state, model, steps: int, rows: int, length: int, groups: int, mb: int = 2, loss_fn=None):
     """``fs.train_step`` on this data-parallel group's rows of each step's global batch (the
     ranks of a context group pass the same rows: ``groups`` = R x S data-parallel groups of
     ``dist.get_world_size() / groups`` consecutive ranks)."""
     group = dist.get_rank() // (dist.get_world_size() // groups)
-    loss_fn = make_loss_fn(model)
+    loss_fn = loss_fn or make_loss_fn(model)
     history = []
     for step in range(steps):
         batch = {k: v.chunk(groups)[group] for k, v in global_batch(step, rows, length).items()}
-        state, metrics = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
+        state, metrics = fs.train_step(state, batch, loss_fn, microbatches=mb)
         history.append(metrics)
     return state, history
 
 
-def reference_run(model: nn.Module, steps: int, rows: int, length: int) -> dict:
-    """One process, plain torch SGD (momentum 0.9) on the global batch of full sequences."""
+def reference_run(model: nn.Module, steps: int, rows: int, length: int, call=None) -> dict:
+    """One process, plain torch SGD (momentum 0.9) on the global batch of full sequences
+    (``call(model, batch)``: the logits; default ``model(tokens, positions)``)."""
     model = copy.deepcopy(model)
+    call = call or (lambda m, b: m(b["tokens"], b["positions"]))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, norms = [], []
     for step in range(steps):
         batch = global_batch(step, rows, length)
-        loss = loss_of(model(batch["tokens"], batch["positions"]), batch["labels"])
+        loss = loss_of(call(model, batch), batch["labels"])
         opt.zero_grad()
         loss.backward()
         grads = [p.grad for p in model.parameters()]
@@ -267,4 +269,27 @@ def compose_worker_4() -> dict:
         out[f"deterministic/{layout}"] = models.parity_errors(state, history, ref)
         full[layout] = fs.full_params(state)
     out["bitwise"] = all(torch.equal(full["R2C2"][k], full["S2C2"][k]) for k in full["R2C2"])
+    return out
+
+
+def tensor_worker() -> dict:
+    """context=2 x tensor=2 on 4 ranks: the tests' tensor-parallel Llama (heads colwise, 2 of
+    4 a tensor rank; causal, no positions) against one process, both algorithms."""
+    import helpers_tp as tp
+    import models
+
+    out = {}
+    for algorithm in ("ring", "all_to_all"):
+        mesh = fs.make_mesh(context=2, tensor=2, device_type="cpu")
+        model = tp.parallelize(tp.make_model(0), mesh)
+        cp = fs.ContextParallel(seq_dims={"tokens": 1, "labels": 1}, algorithm=algorithm)
+        state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, context=cp)
+
+        def loss_fn(params, batch, model=model):
+            logits = fs.functional_call(model, params, (batch["tokens"],))
+            return loss_of(logits, batch["labels"])
+
+        state, history = train(state, model, 3, 4, 16, 1, loss_fn=loss_fn)
+        ref = reference_run(tp.make_model(0), 3, 4, 16, call=lambda m, b: m(b["tokens"]))
+        out[algorithm] = models.parity_errors(state, history, ref)
     return out

@@ -275,3 +275,10 @@ def test_context_composes_with_hfsdp_and_deterministic_layouts(pool4) -> None:
         assert out.pop("bitwise"), "deterministic=True: R2 x C2 and S2 x C2 params differ"
         for key, errors in out.items():
             assert max(errors.values()) < TOL, (key, errors)
+
+
+def test_context_composes_with_the_tensor_axis(pool4) -> None:
+    """context=2 x tensor=2: each tensor rank's heads attend over the whole sequence."""
+    for out in pool4.run(hc.tensor_worker):
+        for key, errors in out.items():
+            assert max(errors.values()) < TOL, (key, errors)
