@@ -159,9 +159,8 @@ def _blocks(setup: _Setup, me: int, source: int):
 
 def _unpack(held: torch.Tensor, shape: torch.Size, per: int) -> tuple[list, list]:
     n = held.numel() // 2
-    keys = [t.contiguous() for t in held[:n].view(shape).chunk(per, dim=2)]
-    values = [t.contiguous() for t in held[n:].view(shape).chunk(per, dim=2)]
-    return keys, values
+    # views, not copies: the kernels take strided (B, H, L, D) blocks
+    return held[:n].view(shape).chunk(per, dim=2), held[n:].view(shape).chunk(per, dim=2)
 
 
 def _merge(out, lse, o: torch.Tensor, o_lse: torch.Tensor):
@@ -176,7 +175,7 @@ def _merge(out, lse, o: torch.Tensor, o_lse: torch.Tensor):
 
 def _forward(q, k, v, setup: _Setup) -> tuple[torch.Tensor, torch.Tensor]:
     size, me, per = setup.chunks.size, dist.get_rank(setup.group), setup.chunks.per_rank
-    queries = [t.contiguous() for t in q.chunk(per, dim=2)]
+    queries = q.chunk(per, dim=2)
     outs, lses = [None] * per, [None] * per
     held = torch.cat([k.reshape(-1), v.reshape(-1)])
     for step in range(size):
@@ -192,10 +191,7 @@ def _forward(q, k, v, setup: _Setup) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _backward(dout, q, k, v, out, lse, setup: _Setup):
     size, me, per = setup.chunks.size, dist.get_rank(setup.group), setup.chunks.per_rank
-    rows = [
-        [t.contiguous() for t in x.chunk(per, dim=2)] for x in (dout, q, out, lse.unsqueeze(-1))
-    ]
-    douts, queries, outs, lses = rows[:3] + [[t.squeeze(-1) for t in rows[3]]]
+    douts, queries, outs, lses = (x.chunk(per, dim=2) for x in (dout, q, out, lse))
     dq = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in queries]
     held = torch.cat([k.reshape(-1), v.reshape(-1)])
     grads = torch.zeros(held.shape, dtype=torch.float32, device=held.device)
