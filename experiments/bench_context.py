@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import funcshard as fs  # noqa: E402
+from funcshard.parallel import ring  # noqa: E402
+from funcshard.parallel.attention import Chunks  # noqa: E402
 from funcshard.testing import PeakMemory  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -97,6 +99,21 @@ def main(argv: list[str]) -> None:
                 f"{r['peak'] / 1e6:>8.1f} {r['context'] / 1e6:>11.2f} "
                 f"{r['time'] / base['time']:>9.2f} {r['peak'] / max(base['peak'], 1):>8.2f}"
             )
+        _print_flops(length, cfg)
+
+
+def _print_flops(length: int, cfg: dict) -> None:
+    """The ring's attention FLOPs per rank (forward, every layer; what its kernel calls run:
+    ``ring.flops``), load balanced and not, and their spread."""
+    C = FLAGS.context
+    shape = (FLAGS.batch, cfg["n_head"], length // C, cfg["d_model"] // cfg["n_head"])
+    for balanced in (True, False):
+        per = [cfg["n_layer"] * ring.flops(Chunks(C, balanced), r, True, shape) for r in range(C)]
+        spread = (max(per) - min(per)) / max(per)
+        print(
+            f"{length:>6} ring FLOPs/rank (load_balance={balanced}): "
+            f"{', '.join(f'{f / 1e9:.3f}G' for f in per)}; spread {100 * spread:.1f}%"
+        )
 
 
 if __name__ == "__main__":

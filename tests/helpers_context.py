@@ -115,28 +115,30 @@ def make_loss_fn(model: nn.Module):
     return loss_fn
 
 
-def train(state, model, steps: int, rows: int, length: int, groups: int, microbatches: int = 2):
+def train(state, model, steps: int, rows: int, length: int, groups: int, mb: int = 2, loss_fn=None):
     """``fs.train_step`` on this data-parallel group's rows of each step's global batch (the
     ranks of a context group pass the same rows: ``groups`` = R x S data-parallel groups of
     ``dist.get_world_size() / groups`` consecutive ranks)."""
     group = dist.get_rank() // (dist.get_world_size() // groups)
-    loss_fn = make_loss_fn(model)
+    loss_fn = loss_fn or make_loss_fn(model)
     history = []
     for step in range(steps):
         batch = {k: v.chunk(groups)[group] for k, v in global_batch(step, rows, length).items()}
-        state, metrics = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
+        state, metrics = fs.train_step(state, batch, loss_fn, microbatches=mb)
         history.append(metrics)
     return state, history
 
 
-def reference_run(model: nn.Module, steps: int, rows: int, length: int) -> dict:
-    """One process, plain torch SGD (momentum 0.9) on the global batch of full sequences."""
+def reference_run(model: nn.Module, steps: int, rows: int, length: int, call=None) -> dict:
+    """One process, plain torch SGD (momentum 0.9) on the global batch of full sequences
+    (``call(model, batch)``: the logits; default ``model(tokens, positions)``)."""
     model = copy.deepcopy(model)
+    call = call or (lambda m, b: m(b["tokens"], b["positions"]))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, norms = [], []
     for step in range(steps):
         batch = global_batch(step, rows, length)
-        loss = loss_of(model(batch["tokens"], batch["positions"]), batch["labels"])
+        loss = loss_of(call(model, batch), batch["labels"])
         opt.zero_grad()
         loss.backward()
         grads = [p.grad for p in model.parameters()]
@@ -144,3 +146,150 @@ def reference_run(model: nn.Module, steps: int, rows: int, length: int) -> dict:
         opt.step()
         losses.append(loss.item())
     return {"params": dict(model.named_parameters()), "losses": losses, "norms": norms}
+
+
+def _part(t: torch.Tensor, chunks, rank: int) -> torch.Tensor:
+    size = t.shape[2] // chunks.count
+    return torch.cat([t.narrow(2, c * size, size) for c in chunks.of(rank)], 2)
+
+
+class _Counting:
+    """A ring block kernel that counts the attention FLOPs of its forward calls."""
+
+    def __init__(self, kernel) -> None:
+        from funcshard.parallel import ring as ring_lib
+
+        self.total = 0
+        self.kernel = ring_lib.Kernel("counting", self.forward, kernel.backward)
+        self.inner = kernel
+
+    def forward(self, q, k, v, causal, scale):
+        n, m = q.shape[-2], k.shape[-2]
+        pairs = n * (n + 1) // 2 if causal else n * m
+        self.total += 4 * q.shape[0] * q.shape[1] * q.shape[-1] * pairs
+        return self.inner.forward(q, k, v, causal, scale)
+
+
+def _ring_case(q, k, v, grad, chunks, causal: bool, kernel) -> dict:
+    from funcshard.parallel import ring as ring_lib
+
+    me = dist.get_rank()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+    ref.backward(grad)
+    mine = [_part(t, chunks, me).float().requires_grad_() for t in (q, k, v)]
+    saved, counting = [], _Counting(kernel)
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kw = {"chunks": chunks, "group": dist.group.WORLD, "kernel": counting.kernel}
+        y = ring_lib.ring(*mine, is_causal=causal, **kw)
+    y.backward(_part(grad, chunks, me).float())
+    pairs = [(y, ref)] + [(a.grad, b.grad) for a, b in zip(mine, full, strict=True)]
+    return {
+        "error": max((a.double() - _part(b, chunks, me)).abs().max().item() for a, b in pairs),
+        "saved": (sum(saved), 4 * y.numel() * 4 + y[..., 0].numel() * 4),
+        "flops": (counting.total, ring_lib.flops(chunks, me, causal, tuple(mine[0].shape))),
+    }
+
+
+def ring_worker() -> dict:
+    """The flash ring on its own at C=2 (one rank's (1, 2, 8, 8) of a 16-token sequence):
+    its output and gradients against SDPA on the whole sequence in fp64, for both kernels,
+    causal or not, load balanced or not; the bytes its node keeps for the backward; and the
+    attention FLOPs each rank's kernel calls did (counted in the kernel), against
+    ``ring.flops``."""
+    from funcshard.parallel import ring as ring_lib
+    from funcshard.parallel.attention import Chunks
+
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+    out = {}
+    for balanced in (True, False):
+        for causal in (True, False):
+            for kernel in (ring_lib.CPU_KERNEL, ring_lib.MATH_KERNEL):
+                key = f"{kernel.name}/causal={causal}/balanced={balanced}"
+                out[key] = _ring_case(*tensors, Chunks(2, balanced), causal, kernel)
+    return out
+
+
+def run(context: int, algorithm: str, *, replicate: int = 1, shard: int = 1, **init_kw):
+    """3 steps of 2 microbatches of the tiny GPT at ``context``: ``(state, history, ref)``,
+    the reference one process in fp32 on the full sequences."""
+    mesh = fs.make_mesh(context=context, replicate=replicate, shard=shard, device_type="cpu")
+    model, plain = make_model(0), make_model(0)
+    cp = fs.ContextParallel(seq_dims=SEQ_DIMS, algorithm=algorithm)
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+    init_kw.setdefault("strategy", "optim_grads_params")
+    state = fs.init(model, opt, mesh=mesh, context=cp, **init_kw)
+    groups = dist.get_world_size() // context
+    state, history = train(state, model, 3, 8, 16, groups)
+    return state, history, reference_run(plain, 3, 8, 16)
+
+
+def compose_worker_2(directory: str) -> dict:
+    """C=2 on 2 ranks: a bf16 compute policy (both algorithms), offload, and a checkpoint of
+    the ring's state saved under context (its full params returned for the C=1 restore)."""
+    import models
+
+    out = {}
+    bf16 = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for algorithm in ("ring", "all_to_all"):
+        out[f"bf16/{algorithm}"] = models.parity_errors(*run(2, algorithm, policy=bf16))
+    state, history, ref = run(2, "ring", offload_fraction=0.5)
+    out["offload/ring"] = models.parity_errors(state, history, ref)
+    fs.save(directory, state)
+    out["full"] = {k: v.clone() for k, v in fs.full_params(state).items()}
+    return out
+
+
+def restore_worker_1(directory: str) -> dict:
+    """The context run's checkpoint restored on one rank without context parallel."""
+    mesh = fs.make_mesh(device_type="cpu")
+    like = fs.init(make_model(1), fs.optim.sgd(0.1, momentum=0.9), mesh=mesh)
+    state = fs.restore(directory, like=like)
+    return {k: v.clone() for k, v in fs.full_params(state).items()}
+
+
+def compose_worker_4() -> dict:
+    """4 ranks: HFSDP (R2 x C2, outer_strategy="optim") for both algorithms, and
+    deterministic=True's params bitwise alike on R2 x C2 and S2 x C2 (the same C)."""
+    import models
+
+    out = {}
+    for algorithm in ("ring", "all_to_all"):
+        result = run(2, algorithm, replicate=2, outer_strategy="optim")
+        out[f"hfsdp/{algorithm}"] = models.parity_errors(*result)
+    full = {}
+    for layout, kw in (("R2C2", {"replicate": 2}), ("S2C2", {"shard": 2})):
+        state, history, ref = run(2, "ring", deterministic=True, **kw)
+        out[f"deterministic/{layout}"] = models.parity_errors(state, history, ref)
+        full[layout] = fs.full_params(state)
+    out["bitwise"] = all(torch.equal(full["R2C2"][k], full["S2C2"][k]) for k in full["R2C2"])
+    return out
+
+
+def tensor_worker() -> dict:
+    """context=2 x tensor=2 on 4 ranks: the tests' tensor-parallel Llama (heads colwise, 2 of
+    4 a tensor rank; causal, no positions) against one process, both algorithms."""
+    import helpers_tp as tp
+    import models
+
+    out = {}
+    for algorithm in ("ring", "all_to_all"):
+        mesh = fs.make_mesh(context=2, tensor=2, device_type="cpu")
+        model = tp.parallelize(tp.make_model(0), mesh)
+        cp = fs.ContextParallel(seq_dims={"tokens": 1, "labels": 1}, algorithm=algorithm)
+        state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, context=cp)
+
+        def loss_fn(params, batch, model=model):
+            logits = fs.functional_call(model, params, (batch["tokens"],))
+            return loss_of(logits, batch["labels"])
+
+        state, history = train(state, model, 3, 4, 16, 1, loss_fn=loss_fn)
+        ref = reference_run(tp.make_model(0), 3, 4, 16, call=lambda m, b: m(b["tokens"]))
+        out[algorithm] = models.parity_errors(state, history, ref)
+    return out

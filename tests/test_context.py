@@ -228,3 +228,57 @@ def test_bad_input_raises_on_every_rank(pool2) -> None:
         assert "has 1 heads, not divisible by context=2" in out["heads"]
         assert "attn_mask" in out["mask"]
         assert out["after"] > 0
+
+
+def test_flash_ring_exact_keeps_only_its_inputs_and_balances_flops(pool2) -> None:
+    """The ring on its own: output and q, k, v gradients of both block kernels (torch's CPU
+    flash kernel and the fp32 math one) against SDPA on the whole sequence; its node keeps for
+    the backward only this rank's q, k, v, the output and the log-sum-exp (no block, nothing
+    received); and the causal head-tail split gives both ranks the same attention FLOPs
+    (counted in the kernel calls, as ``ring.flops`` predicts), where the plain split does not."""
+    results = pool2.run(hc.ring_worker)
+    for out in results:
+        for key, case in out.items():
+            assert case["error"] < 1e-5, (key, case)
+            saved, expected = case["saved"]
+            assert saved == expected, (key, case)
+            counted, predicted = case["flops"]
+            assert counted == predicted, (key, case)
+    for key in results[0]:
+        a, b = (out[key]["flops"][0] for out in results)
+        if "causal=True/balanced=False" in key:
+            assert max(a, b) > 1.5 * min(a, b), (key, a, b)  # the teeth: unbalanced differs
+        else:
+            assert abs(a - b) <= 0.05 * max(a, b), (key, a, b)
+
+
+# bf16 compute (fp32 masters and merge): each bf16 rounding is within 2^-8 relative; a few
+# chained through two layers' forward and backward bound the loss and gradient-norm errors,
+# and the parameters move by lr-sized updates from fp32 masters.
+BF16_TOL = 8 * 2.0**-8
+
+
+def test_context_composes_with_bf16_offload_and_checkpoints(pool1, pool2, tmp_path) -> None:
+    directory = str(tmp_path / "ckpt")
+    results = pool2.run(hc.compose_worker_2, directory)
+    restored = pool1.run(hc.restore_worker_1, directory)[0]
+    for out in results:
+        for key in ("bf16/ring", "bf16/all_to_all"):
+            assert max(out[key].values()) < BF16_TOL, (key, out[key])
+        assert max(out["offload/ring"].values()) < TOL, out["offload/ring"]
+        for name, tensor in out["full"].items():
+            assert torch.equal(restored[name], tensor), name  # bitwise at C=1
+
+
+def test_context_composes_with_hfsdp_and_deterministic_layouts(pool4) -> None:
+    for out in pool4.run(hc.compose_worker_4):
+        assert out.pop("bitwise"), "deterministic=True: R2 x C2 and S2 x C2 params differ"
+        for key, errors in out.items():
+            assert max(errors.values()) < TOL, (key, errors)
+
+
+def test_context_composes_with_the_tensor_axis(pool4) -> None:
+    """context=2 x tensor=2: each tensor rank's heads attend over the whole sequence."""
+    for out in pool4.run(hc.tensor_worker):
+        for key, errors in out.items():
+            assert max(errors.values()) < TOL, (key, errors)

@@ -9,13 +9,14 @@ every query attends over the whole sequence by one of two exchanges:
   attention kernel on the full sequence, and the output back to sequence-split.
 * :func:`ring`: the k, v blocks passed around the group, ``C - 1`` shifts; each pair of a
   query chunk and a key chunk attends on its own (the pairs a causal mask hides wholly
-  skipped, the diagonal ones masked), the partial outputs merged by their log-sum-exp in fp32.
+  skipped, the diagonal ones masked), the partial outputs merged by their log-sum-exp in fp32
+  (flash style, one autograd node: :mod:`funcshard.parallel.ring`).
 
-Both are differentiable: the backward of an exchange is the exchange back (the gradient of
-an all-to-all is the all-to-all of the gradient; of a shift to the next rank, the shift to
-the previous one), so each rank's backward carries the gradients of the other ranks' queries
-to the keys and values it holds. Every exchange counts its input buffer under the "context"
-axis (:func:`funcshard.distributed.ops.comm_stats`).
+Both are differentiable: the backward of an all-to-all is the all-to-all of the gradient;
+the ring's backward passes the k, v blocks around again with their gradients, so each rank's
+backward carries the gradients of the other ranks' queries to the keys and values it holds.
+Every exchange counts its input buffer under the "context" axis
+(:func:`funcshard.distributed.ops.comm_stats`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from funcshard.distributed import ops
+from funcshard.parallel import ring as ring_lib
 
 __all__ = ["Chunks", "all_to_all", "ring"]
 
@@ -133,59 +135,6 @@ def all_to_all(
 # --- ring ---------------------------------------------------------------------------------------
 
 
-class _Shift(torch.autograd.Function):
-    """``x`` to the next rank of the group, the previous rank's in return; the backward sends
-    the gradient the other way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, group, 1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _shift(grad, ctx.group, -1), None
-
-
-def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    ops.record("send", x, ops.Axis.CONTEXT)
-    to = dist.get_global_rank(group, (me + step) % size)
-    source = dist.get_global_rank(group, (me - step) % size)
-    works = dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, source, group)]
-    )
-    for work in works:
-        work.wait()
-    return out
-
-
-def _block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query chunk against one key chunk in fp32: ``(out, lse)``, ``diagonal``: the same
-    positions, causally masked (each row keeps at least its own position)."""
-    s = (q @ k.transpose(-2, -1)) * scale
-    if diagonal:
-        n = s.shape[-1]
-        hidden = torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
-
-
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Partial outputs over disjoint key sets, merged by their log-sum-exp."""
-    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
-    out = None
-    for o, part_lse in parts:
-        term = o * torch.exp(part_lse - lse).unsqueeze(-1)
-        out = term if out is None else out + term
-    return out
-
-
 def ring(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -197,65 +146,5 @@ def ring(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Ring attention of this rank's ``(B, H, L / C, D)`` query chunks over every rank's keys
-    and values, merged in fp32, returned in ``q``'s dtype."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _Ring.apply(q, k, v, chunks, group, is_causal, scale)
-
-
-class _Ring(torch.autograd.Function):
-    """The ring as one node of the caller's graph: its forward builds the ring's own graph
-    (blocks, merges, shifts) and its backward runs that graph's backward, whose shifts go in
-    the ring's order on every rank. Left as nodes of the caller's graph, the shifts' backwards
-    would run in the order the autograd engine finds for each rank's graph, which differs where
-    the causal mask skips different blocks on different ranks: a rank could wait on a
-    gradient's reduce-scatter while its peer waits on a shift (or never run the backward of a
-    shift whose block it did not use)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, chunks, group, is_causal, scale):
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-        with torch.enable_grad():
-            out = _ring_graph(*inputs, chunks, group, is_causal, scale)
-        ctx.graph = (inputs, out)
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        inputs, out = ctx.graph
-        del ctx.graph
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return *(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None
-
-
-def _ring_graph(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    chunks: Chunks,
-    group: dist.ProcessGroup,
-    is_causal: bool,
-    scale: float,
-) -> torch.Tensor:
-    size, me = chunks.size, dist.get_rank(group)
-    per = chunks.per_rank
-    queries, mine = q.float().chunk(per, dim=2), chunks.of(me)
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in mine]
-    k_numel = k.numel()
-    held = torch.cat([k.reshape(-1), v.reshape(-1)])
-    for step in range(size):
-        if step:
-            held = _Shift.apply(held, group)
-        source = (me - step) % size
-        keys = held[:k_numel].view(k.shape).float().chunk(per, dim=2)
-        values = held[k_numel:].view(v.shape).float().chunk(per, dim=2)
-        for i, a in enumerate(mine):
-            for j, b in enumerate(chunks.of(source)):
-                if is_causal and b > a:  # wholly in the future: masked out
-                    continue
-                diagonal = is_causal and a == b
-                parts[i].append(_block(queries[i], keys[j], values[j], scale, diagonal))
-    out = torch.cat([_merge(p) for p in parts], dim=2).to(q.dtype)
-    # the last block received joins the graph even where the mask skipped it, so that every
-    # rank runs every shift's backward
-    return out + held[:1].sum().to(out.dtype) * 0
+    and values, merged in fp32, returned in ``q``'s dtype (:mod:`funcshard.parallel.ring`)."""
+    return ring_lib.ring(q, k, v, chunks=chunks, group=group, is_causal=is_causal, scale=scale)

@@ -7,8 +7,9 @@ of each (every exchange counts its input buffer, as :func:`funcshard.distributed
 
 * "all_to_all": q, k, v and the output, forward and backward: 8 buffers of
   ``rows x heads x seq_len / C x head_dim`` per call, under "all_to_all";
-* "ring": k and v passed ``C - 1`` times forward and their gradients ``C - 1`` times
-  backward: ``4 (C - 1)`` buffers of that size per call, under "send".
+* "ring": k and v passed ``C - 1`` times forward and ``C - 1`` times again in the backward
+  (nothing received is kept for it), and their gradients, accumulated in fp32, ``C`` times:
+  ``4 (C - 1)`` buffers of that size and ``2 C`` of it in fp32 per call, under "send".
 
 >>> comm, calls, axes = {}, {}, {}
 >>> add_context_exchange(2, "all_to_all", 16, 8, (2, 4, 4), 4, 1, comm, calls, axes)
@@ -60,14 +61,13 @@ def add_context_exchange(
     if context == 1 or seq_len is None or batch_size is None or attention is None:
         return
     n_calls, heads, head_dim = attention
-    part = batch_size * heads * (seq_len // context) * head_dim * itemsize
+    part = batch_size * heads * (seq_len // context) * head_dim
     if algorithm == "all_to_all":
-        kind, buffers = "all_to_all", 8
+        kind, nbytes, sends = "all_to_all", 8 * part * itemsize, 8
     else:
-        kind, buffers = "send", 4 * (context - 1)
-    nbytes = n_calls * buffers * part
-    comm[kind] = comm.get(kind, 0) + nbytes
-    calls[kind] = calls.get(kind, 0) + n_calls * buffers // (2 if kind == "send" else 1) * (
-        microbatches
-    )
-    by_axis["context"] = by_axis.get("context", 0) + nbytes
+        # k, v: C - 1 shifts forward and C - 1 backward; their fp32 gradients: C shifts
+        kind, sends = "send", 3 * context - 2
+        nbytes = 4 * (context - 1) * part * itemsize + 2 * context * part * 4
+    comm[kind] = comm.get(kind, 0) + n_calls * nbytes
+    calls[kind] = calls.get(kind, 0) + n_calls * sends * microbatches
+    by_axis["context"] = by_axis.get("context", 0) + n_calls * nbytes

@@ -388,7 +388,7 @@ def plan(
         size), the sequence length, the rows each rank passes to ``train_step``, the
         attention ``(calls, heads, head_dim)`` of one forward and ``fs.ContextParallel``'s
         algorithm: the attention exchange under "context" (:mod:`funcshard.planner.context`;
-        in the compute dtype).
+        in the compute dtype; the ring's k, v gradients in fp32).
       buffers: as in ``fs.init``: under "broadcast" a model's persistent buffers add one
         broadcast of their bytes over "world" a step (kind "buffers"), with more than one
         data-parallel rank.
