@@ -213,6 +213,34 @@ def ring_worker() -> dict:
             for kernel in (ring_lib.CPU_KERNEL, ring_lib.MATH_KERNEL):
                 key = f"{kernel.name}/causal={causal}/balanced={balanced}"
                 out[key] = _ring_case(*tensors, Chunks(2, balanced), causal, kernel)
+    out["saved"] = _saved_against_the_plan([t.float() for t in tensors[:3]], Chunks(2, True))
+    return out
+
+
+def _saved_against_the_plan(qkv: list[torch.Tensor], chunks) -> dict:
+    """What each algorithm's attention keeps for the backward (fp32, this rank's part of a
+    (1, 2, 16, 8) q, k, v), against ``fs.plan``'s ``memory.attention``."""
+    from funcshard.parallel import attention
+
+    me, out = dist.get_rank(), {}
+    for name in ("ring", "all_to_all"):
+        mine = [_part(t, chunks, me).requires_grad_() for t in qkv]
+        saved: list[int] = []
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = getattr(attention, name)(
+                *mine, chunks=chunks, group=dist.group.WORLD, is_causal=True
+            )
+        y.sum().backward()
+        plan = fs.plan(
+            {"w": (4, 4)}, world_size=2, context=2, seq_len=16, batch_size=1,
+            attention=(1, 2, 8), context_algorithm=name,
+        )  # fmt: skip
+        out[name] = (sum(saved), plan.memory.attention)
     return out
 
 

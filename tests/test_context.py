@@ -234,10 +234,14 @@ def test_flash_ring_exact_keeps_only_its_inputs_and_balances_flops(pool2) -> Non
     """The ring on its own: output and q, k, v gradients of both block kernels (torch's CPU
     flash kernel and the fp32 math one) against SDPA on the whole sequence; its node keeps for
     the backward only this rank's q, k, v, the output and the log-sum-exp (no block, nothing
-    received); and the causal head-tail split gives both ranks the same attention FLOPs
-    (counted in the kernel calls, as ``ring.flops`` predicts), where the plain split does not."""
+    received), as does all_to_all's kernel on the head-split sequence: both what fs.plan's
+    ``memory.attention`` predicts; and the causal head-tail split gives both ranks the same
+    attention FLOPs (counted in the kernel calls, as ``ring.flops`` predicts), where the plain
+    split does not."""
     results = pool2.run(hc.ring_worker)
     for out in results:
+        for algorithm, (saved, planned) in out.pop("saved").items():
+            assert saved == planned, (algorithm, saved, planned)  # fs.plan's memory.attention
         for key, case in out.items():
             assert case["error"] < 1e-5, (key, case)
             saved, expected = case["saved"]

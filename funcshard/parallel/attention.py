@@ -86,6 +86,12 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
+def _slots(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """``x``'s slots along dim 2 in ``order``: a concatenation, which keeps nothing for the
+    backward (an index_select would keep its index)."""
+    return torch.cat([x.narrow(2, i, 1) for i in order], dim=2)
+
+
 def _seq_to_heads(x: torch.Tensor, chunks: Chunks, group: dist.ProcessGroup) -> torch.Tensor:
     """``(B, H, L / C, D)``, this rank's chunks, to ``(B, H / C, L, D)``: its heads of the whole
     sequence in global order."""
@@ -95,8 +101,8 @@ def _seq_to_heads(x: torch.Tensor, chunks: Chunks, group: dist.ProcessGroup) -> 
     recv = _AllToAll.apply(send, group)  # [i]: rank i's chunks of this rank's heads
     slots = recv.reshape(C, B, H // C, k, Lc // k, D).permute(1, 2, 0, 3, 4, 5)
     slots = slots.reshape(B, H // C, C * k, Lc // k, D)
-    inverse = torch.argsort(torch.tensor(chunks.order())).to(x.device)
-    return slots.index_select(2, inverse).reshape(B, H // C, C * Lc, D)
+    inverse = sorted(range(C * k), key=chunks.order().__getitem__)
+    return _slots(slots, inverse).reshape(B, H // C, C * Lc, D)
 
 
 def _heads_to_seq(y: torch.Tensor, chunks: Chunks, group: dist.ProcessGroup) -> torch.Tensor:
@@ -104,8 +110,7 @@ def _heads_to_seq(y: torch.Tensor, chunks: Chunks, group: dist.ProcessGroup) -> 
     B, h, L, D = y.shape
     C, k = chunks.size, chunks.per_rank
     n = C * k
-    order = torch.tensor(chunks.order(), device=y.device)
-    slots = y.reshape(B, h, n, L // n, D).index_select(2, order)
+    slots = _slots(y.reshape(B, h, n, L // n, D), chunks.order())
     send = slots.reshape(B, h, C, L // C, D).permute(2, 0, 1, 3, 4)  # [r]: rank r's chunks
     recv = _AllToAll.apply(send, group)  # [j]: head group j of this rank's chunks
     return recv.permute(1, 0, 2, 3, 4).reshape(B, C * h, L // C, D)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from funcshard.parallel.context import ALGORITHMS
 
-__all__ = ["add_context_exchange", "check_context"]
+__all__ = ["add_context_exchange", "attention_saved", "check_context"]
 
 
 def check_context(
@@ -71,3 +71,27 @@ def add_context_exchange(
     comm[kind] = comm.get(kind, 0) + n_calls * nbytes
     calls[kind] = calls.get(kind, 0) + n_calls * sends * microbatches
     by_axis["context"] = by_axis.get("context", 0) + n_calls * nbytes
+
+
+def attention_saved(
+    context: int,
+    seq_len: int | None,
+    batch_size: int | None,
+    attention: tuple[int, int, int] | None,
+    itemsize: int,
+    microbatches: int,
+) -> int:
+    """Bytes the attention calls of one microbatch keep for the backward on a rank of a
+    context group: q, k, v and the output of its ``seq_len / C`` tokens of the microbatch's
+    rows (the first, largest one) in the compute dtype, and the fp32 log-sum-exp; 0 where
+    ``seq_len``, ``batch_size`` or ``attention`` is not given.
+
+    >>> attention_saved(2, 16, 8, (2, 4, 4), 4, 2)  # 2 x (4 x 128 tokens x 4 x 4 B + 128 x 4 B)
+    17408
+    """
+    if context == 1 or seq_len is None or batch_size is None or attention is None:
+        return 0
+    n_calls, heads, head_dim = attention
+    rows = -(-batch_size // microbatches)
+    tokens = rows * heads * (seq_len // context)
+    return n_calls * (4 * tokens * head_dim * itemsize + tokens * 4)

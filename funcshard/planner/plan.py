@@ -73,6 +73,7 @@ over "world" after each applied step (kind "buffers").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -91,7 +92,7 @@ from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
 from funcshard.planner.buffers import buffer_broadcast
-from funcshard.planner.context import add_context_exchange, check_context
+from funcshard.planner.context import add_context_exchange, attention_saved, check_context
 from funcshard.planner.experts import (
     Routing,
     add_all_to_all,
@@ -388,7 +389,8 @@ def plan(
         size), the sequence length, the rows each rank passes to ``train_step``, the
         attention ``(calls, heads, head_dim)`` of one forward and ``fs.ContextParallel``'s
         algorithm: the attention exchange under "context" (:mod:`funcshard.planner.context`;
-        in the compute dtype; the ring's k, v gradients in fp32).
+        in the compute dtype; the ring's k, v gradients in fp32), and what attention keeps for
+        the backward per rank (``MemoryPlan.attention``).
       buffers: as in ``fs.init``: under "broadcast" a model's persistent buffers add one
         broadcast of their bytes over "world" a step (kind "buffers"), with more than one
         data-parallel rank.
@@ -430,9 +432,10 @@ def plan(
     ex = (context_algorithm, seq_len, batch_size, attention, _itemsize(policy, dtype), microbatches)
     add_context_exchange(dims.context, *ex, comm, calls, by_axis)
     buffer_broadcast(model, buffers, dims.dp_size, comm, calls, by_axis)
+    memory = _memory(layout, optimizer, device_type, microbatches, muon_owner)
     return Plan(
         **_geometry(layout, world_size, dims, replicate, microbatches, tensor),
-        memory=_memory(layout, optimizer, device_type, microbatches, muon_owner),
+        memory=dataclasses.replace(memory, attention=attention_saved(dims.context, *ex[1:])),
         comm=comm,
         calls=calls,
         comm_by_axis=by_axis,

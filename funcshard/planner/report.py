@@ -34,6 +34,12 @@ class MemoryPlan:
       host: offloaded master shards and their optimizer state, in host memory.
       muon_owner: ``fs.optim.muon`` under a sharded strategy, the most whole-matrix bytes
         (bfloat16) one owner holds at once during the step (the busiest rank).
+      attention: context parallel (``context=C`` with ``seq_len``, ``batch_size`` and
+        ``attention`` given), what every attention call of a microbatch keeps for the backward
+        on this rank: q, k, v and the output of its ``L / C`` tokens in the compute dtype and
+        the log-sum-exp in fp32 (the ring's node; all_to_all's fused kernel keeps the same on
+        the head-split whole sequence). The model's other activations shrink by ``C`` too but
+        are the model's own: a plan from shapes does not know them.
     """
 
     master: int
@@ -44,6 +50,7 @@ class MemoryPlan:
     gathered_peak: int
     host: int
     muon_owner: int = 0
+    attention: int = 0
 
     @property
     def state(self) -> int:
@@ -103,6 +110,7 @@ class Plan:
             "gathered_peak",
             "host",
             "muon_owner",
+            "attention",
         ):
             rows.append(f"  {name:<14}{format_bytes(getattr(m, name)):>12}")
         rows.append(f"  {'model states':<14}{format_bytes(m.model_states):>12}")
