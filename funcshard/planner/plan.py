@@ -75,14 +75,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from funcshard.comm import params as params_lib
-from funcshard.comm.codec import EIGHT_BIT
 from funcshard.comm.wires import wire_for
 from funcshard.distributed.dims import MeshDims
 from funcshard.distributed.ops import AXES
@@ -91,6 +90,7 @@ from funcshard.layout.layout import ROOT_UNIT, Layout, UnitsArg
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
+from funcshard.planner import pipeline as pipeline_lib
 from funcshard.planner.buffers import buffer_broadcast
 from funcshard.planner.context import add_context_exchange, attention_saved, check_context
 from funcshard.planner.experts import (
@@ -108,6 +108,7 @@ from funcshard.planner.inputs import (
     units_from_names,
 )
 from funcshard.planner.optimizer import muon_exchange, optimizer_state_bytes
+from funcshard.planner.replicas import add_replica_groups
 from funcshard.planner.report import KINDS, MemoryPlan, Plan, format_bytes
 from funcshard.step.compiling import unwrapped
 from funcshard.step.reduction import reduction_of
@@ -175,7 +176,9 @@ def _accumulates_unreduced(layout: Layout, microbatches: int) -> bool:
     )
 
 
-def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
+def _comm(layout: Layout, microbatches: int, replicate: int, world: int, gathers: int = 0):
+    """``gathers``: ZeRO-3's all-gathers of a bucket a step (0: a forward and a backward one
+    per microbatch)."""
     inner = layout.inner  # gathers and gradients within a replica (itself but under HFSDP)
     M = microbatches
     strategy = layout.strategy
@@ -200,7 +203,7 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
             rs = wire_for(inner, part).reduce_scatter_nbytes(S)
             ag = params_lib.all_gather_nbytes(inner, part)
             add("reduce_scatter", M if per_mb else 1, rs, "shard")
-            add("all_gather", 2 * M if strategy.shards_params else 1, ag, "shard")
+            add("all_gather", (gathers or 2 * M) if strategy.shards_params else 1, ag, "shard")
         if replicate > 1 and layout.hierarchical:  # into the masters and back, once a step
             add(
                 "reduce_scatter",
@@ -240,30 +243,6 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int):
     return nbytes, calls, by_axis
 
 
-def _replica_groups(
-    layout: Layout, groups: int, world: int, nbytes: dict, calls: dict, by_axis: dict
-) -> None:
-    """Adds a fault-tolerant step's collectives across ``groups`` replica groups (none for
-    one): :class:`funcshard.fault.replicas.Replicas`' all-reduces and its heal agreement."""
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-        raise ValueError(f"plan: replica_groups must be an int >= 1, got {groups!r}")
-    if groups == 1:
-        return
-
-    def add(kind: str, size: int, axis: str) -> None:
-        nbytes[kind] += size
-        calls[kind] += 1
-        by_axis[axis] += size
-
-    for b in layout.buckets:
-        grad, comm = b.dtypes.grad, b.dtypes.comm
-        wire = grad if comm in EIGHT_BIT else comm
-        add("all_reduce", b.numel * wire.itemsize, "replicas")
-    add("metrics", _METRIC_BYTES, "replicas")  # the loss
-    if world > 1:  # the group's ranks agree whether one of them healed (2 fp32 flags)
-        add("metrics", 2 * torch.float32.itemsize, "world")
-
-
 def _step_comm(
     layout: Layout,
     optimizer: str | Optimizer,
@@ -272,14 +251,17 @@ def _step_comm(
     replica_groups: int,
     routing: Routing | None,
     model: nn.Module | None = None,
+    pipelined: bool = False,
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int], int]:
     """A step's bytes and calls per kind and bytes per axis: the data-parallel collectives,
-    Muon's exchange, the replica groups' all-reduce, the all-to-alls; Muon's owner bytes."""
-    comm, calls, by_axis = _comm(layout, microbatches, dims.replicate, dims.dp_size)
+    Muon's exchange, the replica groups' all-reduce, the all-to-alls; Muon's owner bytes.
+    ``pipelined``: a pipeline rank's step (reduced as one microbatch, gathered once)."""
+    M, gathers = (1, 1) if pipelined else (microbatches, 0)
+    comm, calls, by_axis = _comm(layout, M, dims.replicate, dims.dp_size, gathers)
     comm["muon"], calls["muon"], muon_owner, muon_by_axis = muon_exchange(optimizer, layout)
     for axis, nbytes in muon_by_axis.items():
         by_axis[axis] += nbytes
-    _replica_groups(layout, replica_groups, dims.world, comm, calls, by_axis)
+    add_replica_groups(layout, replica_groups, dims.world, comm, calls, by_axis)
     counts = routed_experts(model, routing)
     add_all_to_all(dims.expert, routing, microbatches, comm, calls, by_axis, counts)
     return comm, calls, by_axis, muon_owner
@@ -345,6 +327,11 @@ def plan(
     attention: tuple[int, int, int] | None = None,
     context_algorithm: str = "all_to_all",
     buffers: str = "broadcast",
+    pipeline: int = 1,
+    schedule: str = "1F1B",
+    split: Sequence[str] | None = None,
+    pipeline_rank: int = 0,
+    boundary: Sequence[int] | None = None,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -394,6 +381,13 @@ def plan(
       buffers: as in ``fs.init``: under "broadcast" a model's persistent buffers add one
         broadcast of their bytes over "world" a step (kind "buffers"), with more than one
         data-parallel rank.
+      pipeline, schedule, split, pipeline_rank, boundary: ``make_mesh(pipeline=P)``'s degree,
+        ``fs.Pipeline``'s schedule (its microbatches are ``microbatches``), the split points
+        of ``fs.pipeline.split`` (or ``params`` the list of stages), the pipeline rank to plan
+        (its stages over its ``world_size / P`` data-parallel ranks) and the shape of the
+        tensor a stage hands the next for one step of this rank's local batch (rows first,
+        in the compute dtype): bytes under "pipeline", ``memory.activations`` and
+        ``Plan.pipeline`` (:mod:`funcshard.planner.pipeline`).
 
     Returns:
       A :class:`Plan`.
@@ -411,35 +405,30 @@ def plan(
     (48, 48, 192)
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
-    dims = mesh_dims(world_size, shard, replicate, microbatches, tensor, expert, context)
+    refused = (tensor, expert, context, deterministic, outer_strategy, replica_groups)
+    pp = pipeline_lib.setup(
+        params, split, pipeline, schedule, microbatches, pipeline_rank, world_size, refused
+    )
+    params = pp.model if pp else params  # this pipeline rank's stages, over its sub-world
+    dp_world = world_size // pipeline
+    dims = mesh_dims(dp_world, shard, replicate, microbatches, tensor, expert, context)
     check_context(context, context_algorithm, seq_len, attention)
     model = params if isinstance(params, nn.Module) else None
-    layout = _plan_layout(
-        model_table(params, dtype, tensor, tensor_plan, dims, strategy),
-        model,
-        dims,
-        replicate,
-        policy,
-        strategy,
-        offload_fraction,
-        units,
-        optimizer,
-        deterministic,
-        outer_strategy,
-    )
-    step = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model)
-    comm, calls, by_axis, muon_owner = step
-    ex = (context_algorithm, seq_len, batch_size, attention, _itemsize(policy, dtype), microbatches)
+    table = model_table(params, dtype, tensor, tensor_plan, dims, strategy)
+    choices = (policy, strategy, offload_fraction, units, optimizer, deterministic, outer_strategy)
+    layout = _plan_layout(table, model, dims, replicate, *choices)
+    st = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model, bool(pp))
+    comm, calls, by_axis, muon_owner = st
+    itemsize = _itemsize(policy, dtype)
+    ex = (context_algorithm, seq_len, batch_size, attention, itemsize, microbatches)
     add_context_exchange(dims.context, *ex, comm, calls, by_axis)
     buffer_broadcast(model, buffers, dims.dp_size, comm, calls, by_axis)
     memory = _memory(layout, optimizer, device_type, microbatches, muon_owner)
-    return Plan(
-        **_geometry(layout, world_size, dims, replicate, microbatches, tensor),
-        memory=dataclasses.replace(memory, attention=attention_saved(dims.context, *ex[1:])),
-        comm=comm,
-        calls=calls,
-        comm_by_axis=by_axis,
-    )
+    traffic = dict(comm=comm, calls=calls, comm_by_axis=by_axis)
+    memory = dataclasses.replace(memory, attention=attention_saved(dims.context, *ex[1:]))
+    memory, piped = pipeline_lib.finish(pp, layout, memory, (boundary, itemsize), traffic)
+    geometry = _geometry(layout, world_size, dims, replicate, microbatches, tensor)
+    return Plan(**geometry, **traffic, memory=memory, pipeline=piped)
 
 
 def _itemsize(policy: MixedPrecisionPolicy | None, dtype: torch.dtype) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["KINDS", "MemoryPlan", "Plan", "format_bytes"]
+__all__ = ["KINDS", "MemoryPlan", "Plan", "PipelinePlan", "format_bytes"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "metrics", "muon", "buffers")
 
@@ -40,6 +40,9 @@ class MemoryPlan:
         the log-sum-exp in fp32 (the ring's node; all_to_all's fused kernel keeps the same on
         the head-split whole sequence). The model's other activations shrink by ``C`` too but
         are the model's own: a plan from shapes does not know them.
+      activations: under a pipeline, the stage boundary tensors of the microbatches in flight
+        at the schedule's peak on this rank (``PipelinePlan.in_flight`` x one microbatch's
+        ``boundary=`` tensor; a stage's own activations are that many microbatches' too).
     """
 
     master: int
@@ -51,6 +54,7 @@ class MemoryPlan:
     host: int
     muon_owner: int = 0
     attention: int = 0
+    activations: int = 0
 
     @property
     def state(self) -> int:
@@ -61,6 +65,34 @@ class MemoryPlan:
     def model_states(self) -> int:
         """The ZeRO paper's "model states": params, gradients and optimizer state (with masters)."""
         return self.state + self.compute_shard + self.grads
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """The pipeline part of a :class:`~funcshard.planner.report.Plan`.
+
+    Attributes:
+      schedule: torch's schedule by name.
+      size: pipeline ranks ``P``.
+      rank: the pipeline rank the plan's memory and bytes are for.
+      stages: the stage indices that rank holds.
+      microbatches: microbatches a step.
+      bubble: the schedule's bubble fraction over every rank
+        (:mod:`funcshard.planner.pipeline`).
+      bubble_by_rank: each rank's idle fraction of the step.
+      in_flight: per rank, the most microbatches whose activations are alive at once.
+      boundary_bytes: one microbatch's boundary tensor (0 without ``boundary=``).
+    """
+
+    schedule: str
+    size: int
+    rank: int
+    stages: tuple[int, ...]
+    microbatches: int
+    bubble: float
+    bubble_by_rank: tuple[float, ...]
+    in_flight: tuple[int, ...]
+    boundary_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,6 +116,9 @@ class Plan:
     comm_by_axis: dict[str, int] = dataclasses.field(default_factory=dict)
     outer_strategy: str = "no_shard"
     tensor: int = 1  # ranks per tensor-parallel group; memory and bytes are tensor rank 0's
+    # fs.plan(..., pipeline=P): the schedule's bubble and in-flight microbatches; memory and
+    # bytes are then its pipeline rank's (``pipeline.rank``)
+    pipeline: PipelinePlan | None = None
 
     def table(self) -> str:
         """A readable summary."""
@@ -111,17 +146,25 @@ class Plan:
             "host",
             "muon_owner",
             "attention",
+            "activations",
         ):
             rows.append(f"  {name:<14}{format_bytes(getattr(m, name)):>12}")
         rows.append(f"  {'model states':<14}{format_bytes(m.model_states):>12}")
         rows.append("communicated per rank per step:")
-        for kind in KINDS:
+        for kind in self.comm:
             rows.append(
                 f"  {kind:<14}{format_bytes(self.comm[kind]):>12}  ({self.calls[kind]} calls)"
             )
         rows.append("by mesh axis:")
         for axis, nbytes in self.comm_by_axis.items():
             rows.append(f"  {axis:<14}{format_bytes(nbytes):>12}")
+        if self.pipeline is not None:
+            pp = self.pipeline
+            rows.append(
+                f"pipeline: {pp.schedule} P={pp.size} rank={pp.rank} stages={pp.stages} "
+                f"microbatches={pp.microbatches} bubble={pp.bubble:.3f} "
+                f"in_flight={pp.in_flight}"
+            )
         return "\n".join(rows)
 
 

@@ -1,0 +1,425 @@
+"""The pipeline axis in a plan (``fs.plan(..., pipeline=P, schedule=, microbatches=, split=)``).
+
+A plan under a pipeline is one pipeline rank's (``pipeline_rank``, 0 by default): its stages
+(the schedule's placement, as ``fs.init`` keeps them) merged and planned over its
+data-parallel sub-world of ``world_size / P`` ranks, plus what the schedule adds:
+
+* bytes under "pipeline" (kind "send"), as ``fs.comm_stats`` counts them: per stage of this
+  rank, one step's boundary tensor (``boundary=``, the local batch's rows) to the next stage
+  and its gradient back to the previous one, where that stage is on another rank; a
+  boundary inside one rank counts nothing. Calls: one per microbatch and crossing.
+* the order torch's schedule runs (:func:`schedule_order`): the single-stage schedules
+  ("GPipe", "1F1B") recorded from their own ``_step_microbatches`` over a stage that only
+  notes each forward and backward; the others from the ``pipeline_order`` torch builds (its
+  ``OVERLAP_F_B`` actions as their forward and backward in turn). From it:
+
+  - in flight (:func:`simulate`): per rank, the most microbatches whose forward has run and
+    whose backward (the weight gradient's, ``W``, under the zero-bubble schedules: the graph
+    is kept until then) has not, over all its stages at once;
+  - the bubble: the order run with every stage's forward taking 1, a full backward 2, an
+    input or weight gradient 1 (the zero-bubble paper's ``T_F = T_B = T_W``), each action
+    starting when its rank is free and its inputs are there (the forward of the previous
+    stage, the input gradient of the next), sends taking no time; a rank's bubble is its idle
+    time over the step's, ``1 - busy / makespan``. GPipe and 1F1B give ``(P - 1) / (M + P -
+    1)``.
+
+The step's own collectives are those of a ZeRO-0/1 step of one microbatch over the
+sub-world (the gradients reduced once a step, ZeRO-3's parameters gathered once a step),
+and the step's agreement: one all-reduce of 3 float64 over every rank ("world", kind
+"metrics": the loss, the squared norm, a failure flag).
+
+>>> order = schedule_order("GPipe", 2, 8)
+>>> s = simulate(order, 2)
+>>> round(s.bubble, 4), s.in_flight
+(0.1111, (8, 8))
+>>> simulate(schedule_order("1F1B", 2, 8), 2).in_flight
+(2, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from torch import nn
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from funcshard.layout.strategy import OuterStrategy
+from funcshard.parallel.pipeline import Pipeline, check_stages
+from funcshard.parallel.pipeline_split import merge, split
+from funcshard.planner.report import PipelinePlan
+
+__all__ = [
+    "Action",
+    "Timeline",
+    "schedule_order",
+    "simulate",
+    "rank_model",
+    "add_pipeline_step",
+    "AGREEMENT_BYTES",
+    "Setup",
+    "setup",
+    "finish",
+    "edge_bytes",
+]
+
+AGREEMENT_BYTES = 3 * 8  # the step's agreement: loss, squared norm, failure flag (float64)
+COST = {"F": 1, "B": 2, "I": 1, "W": 1}  # the zero-bubble paper's T_F = T_B = T_W
+
+
+class Action(NamedTuple):
+    """One computation of a schedule: ``kind`` "F", "B" (full backward), "I" (input
+    gradient) or "W" (weight gradient) of ``stage`` on ``microbatch``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+
+class Timeline(NamedTuple):
+    """What :func:`simulate` finds: the makespan, each rank's busy time, the bubble (idle
+    over all ranks' time), each rank's bubble and peak microbatches in flight."""
+
+    makespan: int
+    busy: tuple[int, ...]
+    bubble: float
+    bubble_by_rank: tuple[float, ...]
+    in_flight: tuple[int, ...]
+
+
+class _Recorder:
+    """A stage for torch's single-stage schedules that notes each forward and backward (and
+    sends nothing): what ``_step_microbatches`` runs, in its order."""
+
+    def __init__(self, index: int, stages: int) -> None:
+        self.stage_index, self.num_stages = index, stages
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        self.submod, self.has_backward, self.device = None, True, "cpu"
+        self.actions: list[Action] = []
+
+    def clear_runtime_states(self) -> None:
+        pass
+
+    def _no_ops(self, chunk: int) -> list:  # noqa: ARG002
+        return []
+
+    get_fwd_recv_ops = get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = _no_ops
+
+    def forward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> None:
+        self.actions.append(Action("F", self.stage_index, chunk))
+
+    def backward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> None:
+        self.actions.append(Action("B", self.stage_index, chunk))
+
+    def perform_reduce_grad(self, *args: Any) -> None:
+        pass
+
+
+def _fake(index: int, stages: int, pipeline: int, rank: int) -> types.SimpleNamespace:
+    """What torch's multi-stage schedules read of a stage to build their order."""
+    return types.SimpleNamespace(
+        num_stages=stages,
+        group_size=pipeline,
+        group_rank=rank,
+        stage_index=index,
+        is_first=index == 0,
+        is_last=index == stages - 1,
+        submod=None,
+    )
+
+
+def schedule_order(
+    schedule: str, pipeline: int, microbatches: int, per_rank: int | None = None
+) -> dict[int, list[Action]]:
+    """Each pipeline rank's computations in the order torch's schedule runs them (module
+    docstring); ``per_rank``: stages per rank (1 for single-stage schedules, else 2).
+
+    Raises:
+      ValueError: microbatches torch's schedule refuses (its own words).
+    """
+    pipe = Pipeline(schedule, microbatches=microbatches)
+    cls = getattr(torch_schedules, pipe.torch_class)
+    per_rank = per_rank or (1 if pipe.placement == "single" else 2)
+    n = pipeline * per_rank
+    try:
+        if pipe.placement == "single":
+            return {rank: _recorded(cls, rank, n, microbatches) for rank in range(pipeline)}
+        fakes = [_fake(i, n, pipeline, 0) for i in pipe.stages_of(0, pipeline, n)]
+        order = cls(fakes, microbatches).pipeline_order
+    except ValueError as e:
+        raise ValueError(
+            f"plan: Pipeline(schedule={schedule!r}, microbatches={microbatches}) on {n} "
+            f"stages: torch's {cls.__name__} refuses it: {e}"
+        ) from e
+    return {rank: _computations(order[rank]) for rank in range(pipeline)}
+
+
+def _recorded(cls: type, rank: int, stages: int, microbatches: int) -> list[Action]:
+    """What torch's single-stage schedule ``cls`` runs on ``rank``, in its order."""
+    rec = _Recorder(rank, stages)
+    sched = cls(rec, microbatches)
+    sched._has_backward = True  # as with a loss_fn; its stage counts as set up
+    sched._stage_forward_initialized = sched._stage_backward_initialized = True
+    sched._step_microbatches()
+    return rec.actions
+
+
+def _computations(actions: Sequence[Any]) -> list[Action]:
+    out = []
+    for a in actions:
+        if a is None:
+            continue
+        for sub in a.sub_actions or (a,):
+            kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I"}.get(
+                sub.computation_type.name,
+                "W" if sub.computation_type.name == "BACKWARD_WEIGHT" else None,
+            )
+            if kind is not None:
+                out.append(Action(kind, sub.stage_index, sub.microbatch_index))
+    return out
+
+
+def _deps(a: Action, stages: int) -> list[tuple]:
+    if a.kind == "F":
+        return [("F", a.stage - 1, a.microbatch)] if a.stage > 0 else []
+    if a.kind == "W":
+        return [("G", a.stage, a.microbatch)]
+    grad = [("G", a.stage + 1, a.microbatch)] if a.stage < stages - 1 else []
+    return [("F", a.stage, a.microbatch), *grad]
+
+
+def simulate(order: dict[int, list[Action]], stages: int) -> Timeline:
+    """Runs ``order`` (module docstring): the makespan, bubble and microbatches in flight.
+
+    Raises:
+      ValueError: an order that cannot finish (an action waiting on one never run).
+    """
+    done: dict[tuple, int] = {}
+    clock = dict.fromkeys(order, 0)
+    nxt = dict.fromkeys(order, 0)
+    pending = sum(len(v) for v in order.values())
+    while pending:
+        progress = False
+        for rank, actions in order.items():
+            while nxt[rank] < len(actions):
+                a = actions[nxt[rank]]
+                deps = _deps(a, stages)
+                if any(d not in done for d in deps):
+                    break
+                end = max([clock[rank], *(done[d] for d in deps)]) + COST[a.kind]
+                clock[rank] = end
+                done["G" if a.kind in "BI" else a.kind, a.stage, a.microbatch] = end
+                nxt[rank], pending, progress = nxt[rank] + 1, pending - 1, True
+        if not progress:
+            stuck = {r: order[r][nxt[r]] for r in order if nxt[r] < len(order[r])}
+            raise ValueError(f"pipeline plan: the schedule's order cannot finish: {stuck}")
+    makespan = max(clock.values())
+    busy = tuple(sum(COST[a.kind] for a in order[r]) for r in sorted(order))
+    return Timeline(
+        makespan,
+        busy,
+        1 - sum(busy) / (len(busy) * makespan),
+        tuple(1 - b / makespan for b in busy),
+        tuple(_peak(order[r]) for r in sorted(order)),
+    )
+
+
+def _peak(actions: list[Action]) -> int:
+    """The most microbatches whose forward ran and whose activations are not freed yet."""
+    live = peak = 0
+    zero_bubble = any(a.kind == "W" for a in actions)
+    for a in actions:
+        if a.kind == "F":
+            live += 1
+        elif a.kind == "B" or (a.kind == "W" and zero_bubble):
+            live -= 1
+        peak = max(peak, live)
+    return peak
+
+
+def rank_model(
+    params: Any, split_points: Sequence[str] | None, pipe: Pipeline, pipeline: int, rank: int
+) -> tuple[nn.Module, list[nn.Module], tuple[int, ...]]:
+    """``(this rank's stages merged, every stage, its stage indices)`` for a model and split
+    points, or a list of stages.
+
+    Raises:
+      ValueError: no split for a model, a split with a list of stages, a rank outside ``[0,
+        P)``, a stage count the schedule cannot place, a name in two stages.
+    """
+    if not 0 <= rank < pipeline:
+        raise ValueError(f"plan: pipeline_rank={rank} is not in [0, pipeline={pipeline})")
+    if isinstance(params, (list, tuple)):
+        if split_points is not None:
+            raise ValueError("plan: split= with a list of stages; pass the model or the stages")
+        stages = list(params)
+    elif isinstance(params, nn.Module):
+        if split_points is None:
+            raise ValueError(
+                f"plan: pipeline={pipeline} needs split= (fs.pipeline.split's split points) "
+                "or the list of stages"
+            )
+        stages = split(params, list(split_points))
+    else:
+        raise ValueError("plan: pipeline= needs a model (with split=) or its list of stages")
+    check_stages(stages, pipe, pipeline)
+    mine = pipe.stages_of(rank, pipeline, len(stages))
+    return merge([stages[i] for i in mine]), stages, mine
+
+
+def add_pipeline_step(
+    pipe: Pipeline,
+    mine: tuple[int, ...],
+    stages: int,
+    pipeline: int,
+    boundary_bytes: int,
+    dp_size: int,
+    comm: dict[str, int],
+    calls: dict[str, int],
+    by_axis: dict[str, int],
+) -> None:
+    """Adds this rank's sends under "pipeline" (``boundary_bytes``: one microbatch's
+    boundary tensor) and the step's agreement over "world" (which a data-parallel step of
+    one rank does not already count)."""
+    rank_of = {i: r for r in range(pipeline) for i in pipe.stages_of(r, pipeline, stages)}
+    crossings = sum(
+        (i + 1 < stages and rank_of[i + 1] != rank_of[i]) + (i > 0 and rank_of[i - 1] != rank_of[i])
+        for i in mine
+    )
+    M = pipe.microbatches
+    comm["send"] = comm.get("send", 0) + crossings * M * boundary_bytes
+    calls["send"] = calls.get("send", 0) + crossings * M * bool(boundary_bytes)
+    by_axis["pipeline"] = by_axis.get("pipeline", 0) + crossings * M * boundary_bytes
+    if dp_size == 1:  # a data-parallel world of several ranks counts its loss's 24 bytes
+        comm["metrics"] += AGREEMENT_BYTES
+        calls["metrics"] += 1
+        by_axis["world"] += AGREEMENT_BYTES
+
+
+class Setup(NamedTuple):
+    """A plan's pipeline, read before its layout: this rank's stages merged (the model to
+    plan), the schedule, every stage and this rank's indices."""
+
+    model: nn.Module
+    pipe: Pipeline
+    stages: list[nn.Module]
+    mine: tuple[int, ...]
+    rank: int
+    size: int
+
+
+def setup(
+    params: Any,
+    split_points: Sequence[str] | None,
+    pipeline: int,
+    schedule: str,
+    microbatches: int,
+    rank: int,
+    world_size: int,
+    refused: tuple,
+) -> Setup | None:
+    """The plan's :class:`Setup` (None for ``pipeline=1``).
+
+    Raises:
+      ValueError: ``world_size`` not a multiple of ``pipeline``; an argument ``fs.init``
+        refuses under a pipeline (``refused``: :func:`_refused`'s arguments); what
+        :func:`rank_model` refuses; microbatches torch's schedule refuses.
+    """
+    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
+        raise ValueError(f"plan: pipeline must be an int >= 1, got {pipeline!r}")
+    if pipeline == 1:
+        if split_points is not None:
+            raise ValueError("plan: split= without pipeline=P > 1")
+        return None
+    if world_size % pipeline:
+        raise ValueError(f"plan: world_size={world_size} is not a multiple of pipeline={pipeline}")
+    for name, value in _refused(*refused).items():
+        if value:
+            raise ValueError(
+                f"plan: pipeline={pipeline} with {name}={value!r} is not supported (fs.init "
+                "refuses it under a pipeline)"
+            )
+    pipe = Pipeline(schedule, microbatches=microbatches)
+    model, stages, mine = rank_model(params, split_points, pipe, pipeline, rank)
+    schedule_order(schedule, pipeline, microbatches, len(stages) // pipeline)  # torch's checks
+    return Setup(model, pipe, stages, mine, rank, pipeline)
+
+
+def finish(
+    s: Setup | None, layout: Any, memory: Any, boundary: tuple, traffic: dict
+) -> tuple[Any, PipelinePlan | None]:
+    """``(memory, pipeline plan)`` (``(memory, None)`` without a pipeline); ``boundary``:
+    ``(plan's boundary=, the compute dtype's itemsize)``. The step's sends and agreement
+    added to the bytes; the
+    memory's gradients (every bucket's full unreduced sections: the stages' leaves hold the
+    step's sum), ZeRO-3's gathered peak (every bucket at once: gathered once a step) and the
+    in-flight activations (this rank's peak microbatches in flight x ``boundary_bytes``)."""
+    if s is None:
+        return memory, None
+    boundary_bytes = edge_bytes(boundary[0], s.pipe.microbatches, boundary[1])
+    n = len(s.stages)
+    comm, calls, by_axis = traffic["comm"], traffic["calls"], traffic["comm_by_axis"]
+    dp_size = layout.dp_size
+    add_pipeline_step(s.pipe, s.mine, n, s.size, boundary_bytes, dp_size, comm, calls, by_axis)
+    timeline = simulate(
+        schedule_order(s.pipe.schedule, s.size, s.pipe.microbatches, n // s.size), n
+    )
+    inner = layout.inner
+    full = [inner.over(p).shard_size * p.numel for p in inner.buckets]
+    grads = sum(f * b.dtypes.grad.itemsize for f, b in zip(full, layout.buckets, strict=True))
+    gathered = memory.gathered_peak
+    if layout.strategy.shards_params and inner.shard_size > 1:
+        gathered = sum(
+            f * b.dtypes.compute.itemsize for f, b in zip(full, layout.buckets, strict=True)
+        )
+    memory = dataclasses.replace(
+        memory,
+        grads=grads,
+        gathered_peak=gathered,
+        activations=timeline.in_flight[s.rank] * boundary_bytes,
+    )
+    return memory, PipelinePlan(
+        s.pipe.schedule,
+        s.size,
+        s.rank,
+        s.mine,
+        s.pipe.microbatches,
+        timeline.bubble,
+        timeline.bubble_by_rank,
+        timeline.in_flight,
+        boundary_bytes,
+    )
+
+
+def edge_bytes(boundary: Sequence[int] | None, microbatches: int, itemsize: int) -> int:
+    """One microbatch's boundary tensor in bytes (0 without ``boundary``).
+
+    Raises:
+      ValueError: a shape that is not ints >= 0, or rows not a multiple of ``microbatches``
+        (torch's schedules take even microbatches only).
+    """
+    if boundary is None:
+        return 0
+    shape = tuple(boundary)
+    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"plan: boundary must be a shape of ints >= 0, got {boundary!r}")
+    if shape[0] % microbatches:
+        raise ValueError(
+            f"plan: boundary has {shape[0]} rows, not a multiple of microbatches={microbatches}"
+        )
+    return math.prod(shape) // microbatches * itemsize
+
+
+def _refused(tensor, expert, context, deterministic, outer_strategy, replica_groups) -> dict:
+    """``plan``'s arguments that ``fs.init`` refuses under a pipeline, by name."""
+    return {
+        "tensor": tensor if tensor != 1 else 0,
+        "expert": expert if expert != 1 else 0,
+        "context": context if context != 1 else 0,
+        "deterministic": deterministic,
+        "outer_strategy": OuterStrategy.parse(outer_strategy).shards_optim and outer_strategy,
+        "replica_groups": replica_groups if replica_groups != 1 else 0,
+    }

@@ -1,0 +1,111 @@
+"""``fs.plan(..., pipeline=P, schedule=, microbatches=, split=)``: each pipeline rank's bytes
+per axis, kind and calls equal what a pipelined run of the pipeline tests' model measures
+(GPipe, 1F1B and Interleaved1F1B over every strategy at P=2 x S=2, 1F1B at P=2 x R=2; 2
+steps of 4 microbatches, one pool call), its state's bytes equal the state's; every
+schedule's "pipeline" bytes at P=2 and P=4 those the pipeline tests expect; the bubble and
+in-flight microbatches, from torch's own order, against the closed forms; bad arguments
+named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from funcshard.planner.pipeline import schedule_order, simulate
+
+import helpers_pipeline as hp
+import helpers_pipeline_plan as hpp
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+CASES = [(s, st, 1) for s in SCHEDULES for st in STRATEGIES] + [("1F1B", "optim_grads", 2)]
+
+
+def _plan(
+    schedule: str, strategy: str, replicate: int, rank: int, pipeline: int = 2, micro: int = 4
+) -> fs.Plan:
+    with torch.device("meta"):
+        net = hp.Net()
+    return fs.plan(
+        net,
+        world_size=4,
+        replicate=replicate,
+        strategy=strategy,
+        optimizer="sgd_momentum",
+        microbatches=micro,
+        device_type="cpu",
+        pipeline=pipeline,
+        schedule=schedule,
+        split=hp.split_points(pipeline * hpp.per_rank(schedule)),
+        pipeline_rank=rank,
+        boundary=(hpp.ROWS, hp.WIDTH),
+    )
+
+
+def _nonzero(d: dict, times: int = 1) -> dict:
+    return {k: v * times for k, v in d.items() if v}
+
+
+def test_bytes_and_state_equal_the_measured_run(pool4):
+    results = pool4.run(hpp.measure_cases, CASES)
+    for k, case in enumerate(CASES):
+        for rank, got in enumerate(r[k] for r in results):
+            p = _plan(*case, got["pipeline_rank"])
+            what = (case, rank)
+            assert got["by_axis"] == _nonzero(p.comm_by_axis, hpp.STEPS), (what, got, p)
+            assert got["bytes"] == _nonzero(p.comm, hpp.STEPS), (what, got, p.comm)
+            assert got["calls"] == _nonzero(p.calls, hpp.STEPS), (what, got, p.calls)
+            assert got["state"] == p.memory.state, (what, got["state"], p.memory)
+            assert got["by_axis"]["pipeline"] > 0, what
+
+
+def test_pipeline_bytes_of_every_schedule():
+    for schedule in PIPELINE_SCHEDULES:
+        for P in (2, 4):
+            for rank in range(P):
+                micro = 8 if schedule == "DualPipeV" else 4  # >= stages (torch's rule)
+                p = _plan(schedule, "no_shard", 1, rank, P, micro)
+                n = P * hpp.per_rank(schedule)
+                want = hp.expected_bytes(p.pipeline.stages, n, P, schedule, hpp.ROWS)
+                got = p.comm_by_axis["pipeline"] * hp.STEPS
+                assert got == want > 0, (schedule, P, rank, got, want)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_bubble_and_in_flight_from_torchs_order(P):
+    M = 8
+    for schedule in ("GPipe", "1F1B"):
+        t = simulate(schedule_order(schedule, P, M), P)
+        assert t.bubble == pytest.approx((P - 1) / (M + P - 1)), schedule
+        want = (M,) * P if schedule == "GPipe" else tuple(range(P, 0, -1))
+        assert t.in_flight == want, (schedule, t.in_flight)
+    t = simulate(schedule_order("Interleaved1F1B", P, M), 2 * P)  # v = 2 virtual stages
+    assert t.bubble == pytest.approx((P - 1) / (2 * M + P - 1))
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        zb = simulate(schedule_order(schedule, P, M), 2 * P)
+        assert 0 < zb.bubble < t.bubble, (schedule, zb)
+    p = _plan("1F1B", "optim_grads_params", 1, 0)
+    assert p.pipeline.stages == (0,) and p.pipeline.in_flight == (2, 1)
+    assert p.pipeline.bubble == pytest.approx(1 / (hp.MICROBATCHES + 1))
+    assert p.memory.activations == 2 * (hpp.ROWS // hp.MICROBATCHES) * hp.WIDTH * 4
+    assert "bubble=0.200" in p.table()
+
+
+def test_bad_pipeline_arguments():
+    net = hp.make_net()
+    kw = dict(world_size=4, pipeline=2, microbatches=4)
+    for extra, words in [
+        (dict(), "needs split="),
+        (dict(split=["blocks.2", "blocks.4"]), "this schedule takes P stages"),
+        (dict(split=["blocks.4"], schedule="Zigzag"), "unknown schedule 'Zigzag'"),
+        (dict(split=["blocks.4"], pipeline_rank=2), r"pipeline_rank=2 is not in \[0, "),
+        (dict(split=["blocks.4"], tensor=2), "tensor=2 is not supported"),
+        (dict(split=["blocks.4"], boundary=(6, 16)), "6 rows, not a multiple"),
+        (dict(split=["blocks.4"], microbatches=1), "Schedule1F1B"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            fs.plan(net, **{**kw, **extra})
+    with pytest.raises(ValueError, match="world_size=3 is not a multiple of pipeline=2"):
+        fs.plan(net, world_size=3, pipeline=2, split=["blocks.4"])
