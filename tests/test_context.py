@@ -207,8 +207,8 @@ def bad_input_worker() -> dict:
     out["heads"] = _error(lambda: fs.train_step(state, batch, hc.make_loss_fn(one_head)))
 
     def masked(params, mb):
-        q = torch.ones(1, 2, 4, 8)
-        mask = torch.ones(4, 4, dtype=torch.bool)
+        q = torch.ones(1, 2, LENGTH // 2, 8)
+        mask = torch.ones(LENGTH // 2, LENGTH // 2, dtype=torch.bool)
         return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum() * 0 + loss_fn(
             params, mb
         )

@@ -164,7 +164,7 @@ class ContextGroup:
         local = optree.tree_unflatten(treedef, parts)
 
         def attending(params: Any, mb: Any) -> Any:
-            with self._buffers_split(length), _SplitAttention(self):
+            with self._buffers_split(length), _SplitAttention(self, length // self.size):
                 return loss_fn(params, mb)
 
         return local, attending
@@ -293,15 +293,49 @@ class _SplitAttention(TorchFunctionMode):
     """Routes ``scaled_dot_product_attention`` to the context group's algorithm while
     ``loss_fn`` runs; every other function runs as called."""
 
-    def __init__(self, context: ContextGroup) -> None:
+    def __init__(self, context: ContextGroup, local: int) -> None:
         super().__init__()
-        self.context = context
+        self.context, self.local = context, local
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value")[len(args[:3]) :]
+            qkv = (*args[:3], *(kwargs[n] for n in names if n in kwargs))
+            _check_parts(qkv, self.local, self.context.cp.algorithm)
             return self.context.attention(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _check_parts(qkv: tuple[torch.Tensor, ...], local: int, algorithm: str) -> None:
+    """q, k and v are this rank's ``local`` positions of the sequence, of one batch and one
+    head count (ValueError otherwise, before any exchange: a shape error inside the exchange
+    would leave its sends posted and the group's next exchange waiting)."""
+    names = ("query", "key", "value")
+    for name, t in zip(names, qkv, strict=False):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return  # attention() names it
+        if t.shape[2] != local:
+            raise ValueError(
+                f"ContextParallel: attention's {name} has {t.shape[2]} positions (shape "
+                f"{tuple(t.shape)}), not this rank's {local} of the split sequence: q, k and v "
+                "must be split as the batch is (attention to an unsplit memory, or to tokens "
+                "added inside the model, is not supported)"
+            )
+    if len(qkv) < 3:
+        return
+    q, k, v = qkv
+    if not (q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[3] == k.shape[3]):
+        raise ValueError(
+            f"ContextParallel: attention's query {tuple(q.shape)}, key {tuple(k.shape)} and "
+            f"value {tuple(v.shape)} must share batch and heads (fewer k, v heads are not "
+            "supported) and q, k their head dim"
+        )
+    if algorithm == "ring" and v.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"ContextParallel: attention's value head dim {v.shape[3]} differs from the "
+            f"query's {q.shape[3]}: not supported by algorithm='ring' (all_to_all takes it)"
+        )
 
 
 def _paths(tree: Any) -> list[str]:

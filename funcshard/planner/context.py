@@ -25,18 +25,20 @@ __all__ = ["add_context_exchange", "attention_saved", "check_context"]
 
 
 def check_context(
-    context: int, algorithm: str, seq_len: int | None, attention: tuple[int, int, int] | None
+    context: int,
+    algorithm: str,
+    seq_len: int | None,
+    attention: tuple[int, int, int] | None,
+    load_balance: bool = True,
 ) -> None:
     """Raises ValueError on a plan's context arguments that ``train_step`` would refuse."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"plan: context_algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if context == 1 or seq_len is None:
         return
-    if seq_len % (2 * context):
-        raise ValueError(
-            f"plan: seq_len {seq_len} is not divisible by 2 x context = {2 * context} "
-            "(load_balance; C without it)"
-        )
+    if seq_len % (2 * context if load_balance else context):
+        how = f"2 x context = {2 * context} (load_balance)" if load_balance else context
+        raise ValueError(f"plan: seq_len {seq_len} is not divisible by {how}")
     if attention is not None and algorithm == "all_to_all" and attention[1] % context:
         raise ValueError(
             f"plan: {attention[1]} heads are not divisible by context={context} "

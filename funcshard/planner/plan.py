@@ -326,6 +326,7 @@ def plan(
     batch_size: int | None = None,
     attention: tuple[int, int, int] | None = None,
     context_algorithm: str = "all_to_all",
+    context_load_balance: bool = True,
     buffers: str = "broadcast",
     pipeline: int = 1,
     schedule: str = "1F1B",
@@ -371,13 +372,15 @@ def plan(
       expert, routing: ``make_mesh(expert=E)``'s degree (experts planned global, as ``fs.init``
         holds them); a :class:`~funcshard.planner.experts.Routing`: its all-to-alls, "expert"
         (the rows, and the counts ``fs.ExpertParallel`` exchanges before each dispatch).
-      context, seq_len, batch_size, attention, context_algorithm: ``make_mesh(context=C)``'s
-        degree (parameters then sharded over shard x context: ``Plan.shard`` is that group's
-        size), the sequence length, the rows each rank passes to ``train_step``, the
-        attention ``(calls, heads, head_dim)`` of one forward and ``fs.ContextParallel``'s
-        algorithm: the attention exchange under "context" (:mod:`funcshard.planner.context`;
-        in the compute dtype; the ring's k, v gradients in fp32), and what attention keeps for
-        the backward per rank (``MemoryPlan.attention``).
+      context, seq_len, batch_size, attention, context_algorithm, context_load_balance:
+        ``make_mesh(context=C)``'s degree (parameters then sharded over shard x context:
+        ``Plan.shard`` is that group's size), the sequence length, the rows each rank
+        passes to ``train_step``, the attention ``(calls, heads, head_dim)`` of one forward
+        and ``fs.ContextParallel``'s algorithm: the attention exchange under "context"
+        (:mod:`funcshard.planner.context`; in the compute dtype; the ring's k, v gradients
+        in fp32), and what attention keeps for the backward per rank
+        (``MemoryPlan.attention``); ``context_load_balance`` as
+        ``fs.ContextParallel(load_balance=)`` (seq_len divisible by 2C, else by C).
       buffers: as in ``fs.init``: under "broadcast" a model's persistent buffers add one
         broadcast of their bytes over "world" a step (kind "buffers"), with more than one
         data-parallel rank.
@@ -412,7 +415,7 @@ def plan(
     params = pp.model if pp else params  # this pipeline rank's stages, over its sub-world
     dp_world = world_size // pipeline
     dims = mesh_dims(dp_world, shard, replicate, microbatches, tensor, expert, context)
-    check_context(context, context_algorithm, seq_len, attention)
+    check_context(context, context_algorithm, seq_len, attention, context_load_balance)
     model = params if isinstance(params, nn.Module) else None
     table = model_table(params, dtype, tensor, tensor_plan, dims, strategy)
     choices = (policy, strategy, offload_fraction, units, optimizer, deterministic, outer_strategy)
