@@ -246,9 +246,12 @@ def _ckpt_net(seed: int) -> Net:
     return net
 
 
-def _pipelined(pipeline: int, schedule: str, per_rank: int, strategy: str, seed: int):
+def _pipelined(
+    pipeline: int, schedule: str, per_rank: int, strategy: str, seed: int, meta: bool = False
+):
     mesh = fs.make_mesh(pipeline=pipeline, device_type="cpu")
-    net = _ckpt_net(seed)
+    with torch.device("meta" if meta else "cpu"):
+        net = _ckpt_net(seed)
     stages = fs.pipeline.split(net, split_points(pipeline * per_rank))
     pipe = fs.Pipeline(schedule, microbatches=MICROBATCHES)
     opt = fs.optim.sgd(LR, momentum=MOMENTUM)
@@ -317,17 +320,21 @@ def run_checkpoints(root: str) -> dict:
 
 
 def _manager(root: str) -> dict:
-    """A CheckpointManager on a pipelined state (asynchronous save), restored at another P."""
+    """A CheckpointManager on a pipelined state (asynchronous save), restored at another P
+    into a state of a meta-device model (no stage ever materialized before the restore)."""
     state, _ = _pipelined(2, "1F1B", 1, "optim_grads_params", 0)
     state = _steps(state, 2, range(1))
     with fs.CheckpointManager(root) as mgr:
         mgr.save(1, state)
         mgr.wait()
         latest = mgr.latest_step()
-        like, _ = _pipelined(4, "1F1B", 1, "optim", 1)
+        like, _ = _pipelined(4, "1F1B", 1, "optim", 1, meta=True)
+        filled = like.filled
         restored = mgr.restore(like=like)
     return {
         "latest": latest,
+        "filled": filled,
+        "buffers": _stage_buffers(restored),
         "saved": _cpu(fs.full_params(state)),
         "restored": _cpu(fs.full_params(restored)),
     }
