@@ -65,12 +65,12 @@ def dp_parts(step: int, rows: int, dp: int) -> list[tuple[torch.Tensor, torch.Te
     return [(x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows]) for r in range(dp)]
 
 
-def reference(rows: int, dp: int, microbatches: int = MICROBATCHES) -> dict:
-    """One process: params after STEPS steps, the loss and grad norm of each step."""
+def reference(rows: int, dp: int, microbatches: int = MICROBATCHES, steps: int = STEPS) -> dict:
+    """One process: params after ``steps`` steps, the loss and grad norm of each step."""
     model = make_net()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
         total = 0.0
         for x, y in dp_parts(step, rows, dp):
@@ -228,3 +228,114 @@ def run_refusals() -> dict:
     out["step_then"], out["loss_then"] = state.step, m["loss"]
     fs.check_replicas(state)  # stage 0's ranks compare nothing, and still take the agreement
     return out
+
+
+# --- checkpoints of the whole model -----------------------------------------------------------
+
+CKPT_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# where each strategy's checkpoint is restored: (P, schedule, stages per rank), or P=1 plain
+CKPT_TARGETS = ((2, "1F1B", 1), (4, "Interleaved1F1B", 2), (2, "ZBVZeroBubble", 2), (4, "GPipe", 1))
+
+
+def _ckpt_net(seed: int) -> Net:
+    """The pipeline tests' net with two persistent buffers: one on the root (every stage
+    keeps it) and one in block 5 (one stage's)."""
+    net = make_net(seed)
+    net.register_buffer("root_stat", torch.arange(3.0) + seed)
+    net.blocks[5].register_buffer("stat", torch.full((2,), 7.0 + seed))
+    return net
+
+
+def _pipelined(
+    pipeline: int, schedule: str, per_rank: int, strategy: str, seed: int, meta: bool = False
+):
+    mesh = fs.make_mesh(pipeline=pipeline, device_type="cpu")
+    with torch.device("meta" if meta else "cpu"):
+        net = _ckpt_net(seed)
+    stages = fs.pipeline.split(net, split_points(pipeline * per_rank))
+    pipe = fs.Pipeline(schedule, microbatches=MICROBATCHES)
+    opt = fs.optim.sgd(LR, momentum=MOMENTUM)
+    return fs.init(stages, opt, mesh=mesh, strategy=strategy, pipeline=pipe), net
+
+
+def _steps(state, pipeline: int, steps: range):
+    dp = dist.get_world_size() // pipeline
+    for step in steps:  # the global batch of 16 rows, whatever P
+        state, _ = fs.train_step(state, dp_parts(step, 16 // dp, dp)[dist.get_rank() % dp], loss_fn)
+    return state
+
+
+def _cpu(named: dict) -> dict:
+    return {n: t.detach().cpu().clone() for n, t in named.items()}
+
+
+def _stage_buffers(state) -> dict:
+    """The buffers of this rank's stages."""
+    run = state.pipeline
+    return {n: b.clone() for i in run.mine for n, b in run.stages[i].named_buffers()}
+
+
+def _buffers(net: nn.Module) -> dict:
+    return {n: b.clone() for n, b in net.named_buffers()}
+
+
+def run_checkpoints(root: str) -> dict:
+    """Per strategy at P=2 x S=2 (1F1B, 2 stages): a step, ``fs.save``, then restores of it
+    onto a plain state (P=1, S=4, another strategy) and onto a pipelined state of another P,
+    split or schedule (``CKPT_TARGETS``), the first two of which train the second step (and
+    the uninterrupted state too, where the layouts are the same). What every rank saw, for
+    the test to compare."""
+    out: dict = {"cases": []}
+    opt = fs.optim.sgd(LR, momentum=MOMENTUM)
+    for k, strategy in enumerate(CKPT_STRATEGIES):
+        path = f"{root}/{strategy}"
+        state, _ = _pipelined(2, "1F1B", 1, strategy, 0)
+        state = _steps(state, 2, range(1))
+        fs.save(path, state)
+        if k == 0:
+            fs.export_safetensors(f"{root}/hf", state)
+        saved = _cpu(fs.full_params(state))
+        other = CKPT_STRATEGIES[(k + 1) % 4]
+        plain_net = _ckpt_net(1)
+        plain = fs.init(plain_net, opt, mesh=fs.make_mesh(device_type="cpu"), strategy=other)
+        plain = fs.restore(path, like=plain)
+        P, schedule, per_rank = CKPT_TARGETS[k]
+        like, net = _pipelined(P, schedule, per_rank, other if k % 2 else strategy, 1)
+        restored = fs.restore(path, like=like)
+        case = {
+            "saved": saved,
+            "plain": _cpu(fs.full_params(plain)),
+            "plain_buffers": _buffers(plain_net),
+            "restored": _cpu(fs.full_params(restored)),
+            "restored_buffers": _stage_buffers(restored),
+            "restored_step": restored.step,
+            "same_layout": (P, per_rank) == (2, 1) and k % 2 == 0,
+        }
+        if k < 2:  # the same layout, and another P, split and schedule
+            case["resumed"] = _cpu(fs.full_params(_steps(restored, P, range(1, 2))))
+        if case["same_layout"]:
+            case["uninterrupted"] = _cpu(fs.full_params(_steps(state, 2, range(1, 2))))
+        out["cases"].append(case)
+    out["manager"] = _manager(f"{root}/manager")
+    return out
+
+
+def _manager(root: str) -> dict:
+    """A CheckpointManager on a pipelined state (asynchronous save), restored at another P
+    into a state of a meta-device model (no stage ever materialized before the restore)."""
+    state, _ = _pipelined(2, "1F1B", 1, "optim_grads_params", 0)
+    state = _steps(state, 2, range(1))
+    with fs.CheckpointManager(root) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        latest = mgr.latest_step()
+        like, _ = _pipelined(4, "1F1B", 1, "optim", 1, meta=True)
+        filled = like.filled
+        restored = mgr.restore(like=like)
+    return {
+        "latest": latest,
+        "filled": filled,
+        "buffers": _stage_buffers(restored),
+        "saved": _cpu(fs.full_params(state)),
+        "restored": _cpu(fs.full_params(restored)),
+    }

@@ -13,7 +13,13 @@ and the next step runs.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 import funcshard as fs
@@ -107,3 +113,59 @@ def test_bad_input_and_a_failing_stage(pool4):
         assert "stage 1" in out["boom"] and "rank 2" in out["boom"], out["boom"]
         assert out["step_after"] == 1 and out["step_then"] == 2, out
         assert out["loss_then"] > 0, out
+
+
+ORBAX_READ = """
+import sys, numpy as np, orbax.checkpoint as ocp
+tree = ocp.PyTreeCheckpointer().restore(sys.argv[1])
+np.savez(sys.argv[2], **{n: np.asarray(a) for n, a in tree["params"].items()})
+"""
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_checkpoints_of_the_whole_model(pool4, tmp_path):
+    """fs.save of a pipelined state (P=2 x S=2, every strategy) is one checkpoint of the whole
+    model: restored bitwise onto a plain state (S=4) and onto pipelined states of another P,
+    split and schedule, which train on as one process does; the optimizer state restored
+    exactly (the same layout resumes bitwise as if uninterrupted); JAX's Orbax reads it; a
+    CheckpointManager saves and restores it across P into a meta-device model's state;
+    export_safetensors writes the whole model."""
+    out = pool4.run(hp.run_checkpoints, str(tmp_path))
+    ref = hp.reference(ROWS, 2, steps=2)
+    for rank, r in enumerate(out):
+        for k, case in enumerate(r["cases"]):
+            saved = case["saved"]
+            assert list(saved) == list(ref["params"]), (rank, k)  # the whole model's names
+            assert _equal(case["plain"], saved), (rank, k)  # bitwise
+            assert _equal(case["restored"], saved) and case["restored_step"] == 1, (rank, k)
+            for buffers in (case["plain_buffers"], case["restored_buffers"]):
+                assert torch.equal(buffers["root_stat"], torch.arange(3.0)), (rank, k)
+                if "blocks.5.stat" in buffers or buffers is case["plain_buffers"]:
+                    assert torch.equal(buffers["blocks.5.stat"], torch.full((2,), 7.0)), rank
+            if k < 2:  # momentum restored: one process's second step
+                err = max(hp._rel(case["resumed"][n], ref["params"][n]) for n in ref["params"])
+                assert err < TOL, (rank, k, err)
+            if case["same_layout"]:
+                assert _equal(case["resumed"], case["uninterrupted"]), (rank, k)
+        mgr = r["manager"]
+        assert mgr["latest"] == 1 and not mgr["filled"], mgr  # restored into a meta model
+        assert _equal(mgr["restored"], mgr["saved"]), rank
+        assert torch.equal(mgr["buffers"]["root_stat"], torch.arange(3.0)), mgr["buffers"]
+    path, npz = str(tmp_path / "optim_grads"), str(tmp_path / "orbax.npz")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", ORBAX_READ, path, npz], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = np.load(npz)
+    saved = out[0]["cases"][2]["saved"]
+    assert sorted(got.files) == sorted(saved)
+    for name, t in saved.items():
+        np.testing.assert_array_equal(got[name], t.numpy(), err_msg=name)
+    exported = safetensors.torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    saved = out[0]["cases"][0]["saved"]
+    assert sorted(exported) == sorted(saved)  # the whole model
+    assert all(torch.equal(exported[n], t) for n, t in saved.items())

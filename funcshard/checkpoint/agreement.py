@@ -39,6 +39,14 @@ class Agreement:
             return cls(dist.group.WORLD, layout.device)
         return cls(mesh_lib.world_group(layout.mesh), layout.device)
 
+    @classmethod
+    def of_state(cls, state: Any) -> Agreement:
+        """``of(state.layout)``; for a pipelined state (whose layout is its pipeline rank's
+        sub-world) every rank of the mesh, so that all pipeline ranks agree as one."""
+        if state.pipeline is None:
+            return cls.of(state.layout)
+        return cls(state.pipeline.world, state.layout.device)
+
     @property
     def rank(self) -> int:
         return dist.get_rank(self.group)

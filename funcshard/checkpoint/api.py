@@ -7,7 +7,7 @@ import os
 import torch
 
 from funcshard.checkpoint import buffers as buffers_lib
-from funcshard.checkpoint import checksums, hf, matching, reading, storage
+from funcshard.checkpoint import checksums, hf, matching, pipelined, reading, storage
 from funcshard.checkpoint import dcp as dcp_lib
 from funcshard.checkpoint import safetensors as st
 from funcshard.checkpoint.agreement import Agreement
@@ -101,8 +101,8 @@ def restore(
       RuntimeError: reading failed on some rank.
     """
     like.check()
-    like.check_whole("restore")
-    agreement = Agreement.of(like.layout)
+    agreement = Agreement.of_state(like)
+    other_params, other_buffers = pipelined.others(like)  # other pipeline ranks' stages
     path = storage.normalize(directory)
     error: BaseException | None = None
     try:
@@ -116,8 +116,8 @@ def restore(
             checksums.warn_unverified(path)
         if isinstance(source, dcp_lib.DCPSource):
             source.align(like.layout.names)
-        problems, keymap = matching.match(like, source, model_only)
-        buffer_reads, bad_buffers = buffers_lib.buffer_reads(like, source)
+        problems, keymap = matching.match(like, source, model_only, others=other_params)
+        buffer_reads, bad_buffers = buffers_lib.buffer_reads(like, source, others=other_buffers)
         if problems or bad_buffers:
             raise matching.mismatch_error(f"checkpoint {path}", problems + bad_buffers, source)
         plan = reading.plan(like, source, model_only=model_only, keymap=keymap)

@@ -24,9 +24,12 @@ def _described(shape: tuple[int, ...], dtype: str) -> str:
     return f"shape {shape} dtype {dtype}"
 
 
-def buffer_reads(like: TrainState, source: Source) -> tuple[list[ReadRequest], list[str]]:
+def buffer_reads(
+    like: TrainState, source: Source, others: frozenset[str] = frozenset()
+) -> tuple[list[ReadRequest], list[str]]:
     """Reads of every carried buffer of ``like``'s model (into fresh CPU tensors of the
-    buffer's dtype), and the mismatches named (see the module docstring)."""
+    buffer's dtype), and the mismatches named (see the module docstring). ``others``: the
+    buffers of a pipelined state's other stages (in the checkpoint, not read here)."""
     stored = {k[1]: v for k, v in source.arrays().items() if len(k) == 2 and k[0] == "buffers"}
     if not stored:
         return [], []
@@ -52,7 +55,7 @@ def buffer_reads(like: TrainState, source: Source) -> tuple[list[ReadRequest], l
         rows = tensor.shape[0] if tensor.dim() else 1
         out = torch.empty(rows, *tensor.shape[1:], dtype=tensor.dtype)
         reads.append(ReadRequest(keys, 0, rows, out))
-    for name in sorted(set(stored) - set(ours)):
+    for name in sorted(set(stored) - set(ours) - others):
         problems.append(
             f"{param_dir(('buffers', name))}: in the checkpoint ({_described(*stored[name])}) "
             "but not a persistent buffer of the model; the model's: "

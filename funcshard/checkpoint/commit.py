@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard.checkpoint import storage
+from funcshard.checkpoint import pipelined, storage
 from funcshard.checkpoint import tree as tree_lib
 from funcshard.checkpoint.agreement import Agreement
 from funcshard.checkpoint.checksums import (
@@ -52,7 +52,6 @@ from funcshard.checkpoint.format import (
 from funcshard.checkpoint.staging import Staging
 from funcshard.checkpoint.writing import write_arrays, write_records
 from funcshard.distributed import mesh as mesh_lib
-from funcshard.layout.layout import Layout
 from funcshard.state.state import TrainState
 
 __all__ = [
@@ -247,6 +246,7 @@ class _Job:
     started_ns: int
     after_commit: Callable[[], None] | None
     prepare: Callable[[], None] | None = None
+    creates: bool = False  # whether this rank creates its arrays' metadata
 
     @property
     def item_dir(self) -> str:
@@ -305,9 +305,9 @@ class Saver:
         )
 
     # the protocol --------------------------------------------------------------------------
-    def _agreement(self, layout: Layout, background: bool) -> Agreement:
+    def _agreement(self, state: TrainState, background: bool) -> Agreement:
         if not background:
-            return Agreement.of(layout)
+            return Agreement.of_state(state)
         if self._group is None:  # collective: every rank saves
             self._group = mesh_lib.inherit_timeout(dist.new_group(backend="gloo"))
             mesh_lib.hold(self, Saver._drop_group)  # dropped with its world
@@ -317,20 +317,22 @@ class Saver:
         self._group = None
 
     def _run(self, job: _Job, agreement: Agreement) -> None:
-        first = agreement.rank == 0
+        scalars = job.scalars if pipelined.writes_scalars(agreement.rank) else {}
         if not job.tmp:  # a background save makes its place here, off the caller's stall
             job.tmp = start(job.final, agreement)
 
-        def finish(per_rank: list[Checksums]) -> None:
+        def finish(per_rank: list[tuple[Checksums, list[Keys]]]) -> None:
             checksums: Checksums = {}
-            for c in per_rank:
+            listed = {}  # every rank's arrays (a pipeline rank plans only its stages')
+            for c, keys in per_rank:
+                listed.update(dict.fromkeys(keys))
                 for leaf, chunks in c.items():
                     checksums.setdefault(leaf, {}).update(chunks)
             self.write_metadata(
                 job.tmp,
                 job.item_dir,
                 job.final,
-                job.arrays,
+                [tree_lib.ArrayWrite(k, (), torch.float32, 1, 0, 0, None) for k in listed],
                 job.scalars,
                 job.info,
                 job.started_ns,
@@ -343,7 +345,10 @@ class Saver:
             job.tmp,
             job.final,
             f"save to {job.final}",
-            write=lambda: self.write_arrays(job.item_dir, job.arrays, job.scalars, first),
+            write=lambda: (
+                self.write_arrays(job.item_dir, job.arrays, scalars, job.creates),
+                [a.keys for a in job.arrays],
+            ),
             finish=finish,
             prepare=job.prepare,
             after_commit=job.after_commit,
@@ -373,7 +378,6 @@ class Saver:
             failure fails the save on every rank.
         """
         state.check()
-        state.check_whole("save")
         if not state.filled:
             raise RuntimeError(
                 "save: the state holds no values (built from a meta-device "
@@ -381,7 +385,7 @@ class Saver:
             )
         self.wait()
         called = time.perf_counter()
-        agreement = self._agreement(state.layout, background)
+        agreement = self._agreement(state, background)
         final = storage.normalize(directory)
         started = time.time_ns()
         arrays, scalars = self._plan(state, agreement, background)
@@ -389,6 +393,7 @@ class Saver:
         tmp = "" if background else start(final, agreement)
         info = tree_lib.info(state)
         job = _Job(final, tmp, item, arrays, scalars, info, started, after_commit, prepare)
+        job.creates = pipelined.creates_arrays(state, agreement.rank)
         stats = self._stats = {"staged_s": None, "written_s": None, "bytes": _bytes(arrays)}
         if not background:
             self._run(job, agreement)
@@ -419,6 +424,8 @@ class Saver:
         """This rank's writes; a background save's rows staged in the saver's host buffers."""
         stage = self._staging.copy if background else None
         arrays, scalars = tree_lib.plan_writes(state, stage=stage, chunk_bytes=self.chunk_bytes)
+        skipped = pipelined.skipped_buffers(state, [a.keys for a in arrays])
+        arrays = [a for a in arrays if a.keys not in skipped]  # another stage's rank's
         if background:
             self._staging.ready()
             self._staging.retain({a.keys for a in arrays if a.data is not None})

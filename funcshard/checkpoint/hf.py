@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from funcshard.checkpoint import commit as commit_lib
 from funcshard.checkpoint import hf_experts, stats, storage
@@ -200,7 +201,6 @@ def export_safetensors(
       RuntimeError: the state holds no values, or writing failed on some rank (on every rank).
     """
     state.check()
-    state.check_whole("export_safetensors")
     if not state.filled:
         raise RuntimeError(
             "export_safetensors: the state holds no values (built from a "
@@ -215,11 +215,12 @@ def export_safetensors(
     entries += [
         st.Entry(a, p, dtype or specs[p].dtypes.model, shapes[p]) for a, p in layout.aliases
     ]
+    entries = _whole_model(state, entries)
     files = st.plan_files(entries, max_shard_bytes)
     names = st.file_names(len(files))
     headers = [st.header_bytes(f) for f in files]
 
-    agreement = commit_lib.Agreement.of(layout)
+    agreement = commit_lib.Agreement.of_state(state)
     final = storage.normalize(directory)
     tmp = commit_lib.start(final, agreement)
 
@@ -260,6 +261,21 @@ def _entries(leaves, shapes: dict, dtype: torch.dtype | None, split_experts: boo
     return entries, split
 
 
+def _whole_model(state: TrainState, entries: list[st.Entry]) -> list[st.Entry]:
+    """A pipelined state's entries with every other pipeline rank's (a collective over
+    "pipeline"), in the stages' order: the same files on every rank, of the whole model.
+    Without a pipeline, ``entries``."""
+    run = state.pipeline
+    if run is None:
+        return entries
+    told: list[Any] = [None] * dist.get_world_size(run.group)
+    dist.all_gather_object(told, entries, group=run.group)
+    names = [n for stage in run.stages for n, _ in stage.named_parameters(remove_duplicate=False)]
+    order = {n: i for i, n in reversed(list(enumerate(names)))}  # a name's first place
+    merged = {e.name: e for mine in told for e in mine}
+    return sorted(merged.values(), key=lambda e: order.get(e.param, len(order)))
+
+
 def _write_rows(
     state: TrainState,
     tmp: str,
@@ -278,6 +294,8 @@ def _write_rows(
         writer = storage.Writer(os.path.join(tmp, name))
         try:
             for e, offset in zip(entries, offsets, strict=True):
+                if e.param not in specs:  # another pipeline rank's stage: written there
+                    continue
                 if e.name in split:
                     at = len(head) + offset
                     _write_expert(state, specs[e.param], split[e.name], writer, at, e)

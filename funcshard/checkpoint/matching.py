@@ -186,10 +186,13 @@ def _unpaired_problems(
     return problems
 
 
-def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str], dict[Keys, Keys]]:
+def match(
+    like: TrainState, source: Source, model_only: bool, others: frozenset[str] = frozenset()
+) -> tuple[list[str], dict[Keys, Keys]]:
     """Every way ``source`` does not fit ``like`` (empty when it fits), and for each expected
     key the source key that feeds it (itself, or a tied alias under which the source holds
-    the weight)."""
+    the weight). ``others``: the parameters of a pipelined state's other stages (the
+    checkpoint of the whole model holds their arrays; this rank reads none of them)."""
     layout = like.layout
     found = source.arrays()
     expected = expected_arrays(like, model_only)
@@ -223,6 +226,7 @@ def match(like: TrainState, source: Source, model_only: bool) -> tuple[list[str]
     prefixes = {("params",)} | {("opt_state", *p) for p in paths}
     used = set(keymap.values()) | {("params", a) for a, _ in layout.aliases}
     used |= {k for k in convert.values() if k is not None and k in found}
+    used |= {k for k in found if k[:1] in (("params",), ("opt_state",)) and k[-1] in others}
     extra = [k for k in found if k not in used and k[:-1] in prefixes]
     problems += _unpaired_problems(expected, found, missing, extra)
     if not model_only:

@@ -140,7 +140,17 @@ def info(state: TrainState) -> dict:
         "tensor": layout.tensor.size,
         "split_dims": split_dims(layout),
         "step": int(state.step),
-    }
+    } | _pipeline_info(state)
+
+
+def _pipeline_info(state: TrainState) -> dict:
+    """A pipelined state's record: its pipeline's size, schedule and stage count (its
+    ``mesh`` and ``strategy`` are then those of the first pipeline rank's sub-world)."""
+    run = state.pipeline
+    if run is None:
+        return {}
+    size = dist.get_world_size(run.group)
+    return {"pipeline": {"size": size, "schedule": run.pipe.schedule, "stages": len(run.stages)}}
 
 
 def split_dims(layout: Layout) -> dict[str, int]:

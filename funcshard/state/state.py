@@ -228,17 +228,6 @@ class TrainState:
         parameters over its data-parallel sub-world."""
         return self._static.pipeline
 
-    def check_whole(self, who: str) -> None:
-        """Raises NotImplementedError for a pipelined state, which holds only this pipeline
-        rank's stages: ``who`` (a checkpoint, ``full_params``) of the whole model is not
-        supported under a pipeline yet."""
-        if self._static.pipeline is not None:
-            raise NotImplementedError(
-                f"{who}: a pipelined state (fs.init(..., pipeline=)) holds only this pipeline "
-                "rank's stages; whole-model checkpoints and full_params under a pipeline are "
-                "not supported yet"
-            )
-
     @property
     def mesh(self) -> DeviceMesh:
         return self.layout.mesh
