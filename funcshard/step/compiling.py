@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "compile_fn",
     "compiled_call",
     "compile_units",
+    "model_of",
     "unwrapped",
 ]
 
@@ -64,14 +66,20 @@ _ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 def compile_fn(
-    fn: Callable[..., Any], backend: Backend, *, constants: str | None = None
+    fn: Callable[..., Any],
+    backend: Backend,
+    *,
+    constants: str | None = None,
+    check: Callable[[Any, list], None] | None = None,
 ) -> Callable[..., Any]:
     """``torch.compile(fn)`` with ``backend`` (``CudaGraphs``: inductor's reduce-overhead).
 
     ``constants``: the name of a variable ``fn`` closes over that holds an immutable tree of
     Python constants (a layout's plan): dynamo's guards on its values are dropped, since
     nothing can change them (thousands of int comparisons per call otherwise), and the
-    compile's entries are its own (``isolate_recompiles``, where torch has it)."""
+    compile's entries are its own (``isolate_recompiles``, where torch has it). ``check``:
+    called with each graph dynamo captures and its example inputs before the backend gets it
+    (what it raises reaches the caller)."""
     kw: dict[str, Any] = {}
     if constants is not None and _ISOLATES:
         # one code object serves every plan: each compile keeps its own entries, so that
@@ -88,8 +96,27 @@ def compile_fn(
     if isinstance(backend, CudaGraphs):
         # mode="reduce-overhead" is these options (torch refuses a mode beside options)
         kw["options"] = {**kw.get("options", {}), "triton.cudagraphs": True}
-        return torch.compile(fn, backend=backend.backend, **kw)
+        backend = backend.backend
+    if check is not None:
+        backend = _checked(backend, check)
     return torch.compile(fn, backend=backend, **kw)
+
+
+def _checked(backend: str | Callable[..., Any], check: Callable[[Any, list], None]) -> Callable:
+    """``backend`` (a name or a callable) called after ``check(gm, example_inputs)``; inductor's
+    options (``triton.cudagraphs``) reach it as torch.compile hands them to a callable."""
+
+    def compile_graph(gm: Any, example_inputs: list, **kwargs: Any) -> Any:
+        check(gm, example_inputs)
+        options = kwargs.pop("options", None)
+        if backend == "inductor" and options:
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches=options)
+        inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        return inner(gm, example_inputs, **kwargs)
+
+    return compile_graph
 
 
 def capture_refusal(layout: Any) -> str | None:
@@ -120,6 +147,19 @@ def check_units(model: nn.Module, layout: Any, backend: Backend) -> None:
     if layout.strategy.runs_units:
         check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
         warn_not_captured(layout, backend)
+        if backend is not None:
+            _MODELS[layout] = weakref.ref(unwrapped(model))
+
+
+# layout -> the plain model fs.init read it from (weak both ways): the captured step refuses
+# a graph that reads the model's own params (funcshard.step.units.captured)
+_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_of(layout: Any) -> nn.Module | None:
+    """The model ``fs.init(compile=...)`` read ``layout`` from, while it lives (ZeRO-2/3)."""
+    ref = _MODELS.get(layout)
+    return ref() if ref is not None else None
 
 
 def warn_not_captured(layout: Any, backend: Backend) -> None:
@@ -148,7 +188,8 @@ def backend_of(
 
     Raises:
       TypeError: any other value.
-      ValueError: a backend with ``deterministic=True``; ``cuda_graphs`` on a mesh that is not
+      ValueError: a backend name torch.compile does not know; a backend with
+        ``deterministic=True``; ``cuda_graphs`` on a mesh that is not
         CUDA's, or with a backend other than inductor.
     """
     if cuda_graphs:
@@ -169,7 +210,7 @@ def backend_of(
     if compile is True:
         backend: Backend = "inductor"
     elif isinstance(compile, str) and compile:
-        backend = compile
+        backend = _known_backend(compile)
     elif callable(compile):
         backend = compile
     else:
@@ -184,6 +225,19 @@ def backend_of(
             "compiled unit's fused kernels are the compiler's choice; pass one or the other"
         )
     return CudaGraphs() if cuda_graphs else backend
+
+
+def _known_backend(name: str) -> str:
+    """``name`` if torch.compile has a backend of that name (``torch._dynamo.list_backends``),
+    else ValueError naming it and the known ones (torch.compile would fail only at the first
+    step, inside the trace)."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ValueError(
+            f"init: compile={name!r} is not a torch.compile backend; known backends: "
+            f"{', '.join(known)} (or pass a backend callable)"
+        )
+    return name
 
 
 @functools.cache
