@@ -88,7 +88,18 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
             state = train(state, step)
             per_step.append(dict(counts))
     counters = torch._dynamo.utils.counters
+    planned = fs.plan(
+        model,
+        world_size=shard * replicate,
+        replicate=replicate,
+        strategy=strategy,
+        optimizer="sgd_momentum",
+        microbatches=MICRO,
+        device_type="cpu",
+        compile=compile_when in BY_FS,
+    )
     return {
+        "planned": (planned.memory.gathered_peak, planned.comm.get("all_gather", 0)),
         "params": fs.full_params(state),
         "per_step": per_step,
         "graph_breaks": dict(counters["graph_break"]),
@@ -171,7 +182,8 @@ def _check_captured(strategy: str, eager: dict, compiled: dict) -> None:
     bucket's reduce-scatter in the backward graph, one of them before the backward's last
     matmul (issued as its unit's backward ends, not all at the tail), as functional
     collectives; comm_stats counts what they move: the eager run's bytes and calls of every
-    kind, and under ZeRO-3 a gathered peak below the whole model's gathered bytes."""
+    kind, and under ZeRO-3 a gathered peak below the whole model's gathered bytes, which
+    ``fs.plan(..., compile=True)`` predicts (with the all-gather bytes)."""
     n = compiled["buckets"]
     gathers = n if strategy == "optim_grads_params" else 0
     collectives = compiled["collectives"]
@@ -183,9 +195,12 @@ def _check_captured(strategy: str, eager: dict, compiled: dict) -> None:
     assert ("forward", "reduce_scatter_tensor") not in collectives, collectives
     assert compiled["bytes"] == eager["bytes"], (compiled["bytes"], eager["bytes"])
     assert compiled["calls"] == eager["calls"], (compiled["calls"], eager["calls"])
-    if gathers:
+    if gathers:  # fs.plan(..., compile=True) predicts the graphs' peak and gathers
         whole = eager["bytes"]["all_gather"] / (2 * MICRO * STEPS)  # one forward's gathers
         assert 0 < compiled["gathered_peak"] < whole, (compiled["gathered_peak"], whole)
+        peak, all_gather = compiled["planned"]
+        assert compiled["gathered_peak"] == peak, (compiled["gathered_peak"], peak)
+        assert compiled["bytes"]["all_gather"] == all_gather * STEPS, compiled["bytes"]
 
 
 def refusals_worker() -> list[str]:

@@ -108,7 +108,7 @@ from funcshard.planner.inputs import (
 )
 from funcshard.planner.optimizer import muon_exchange, optimizer_state_bytes
 from funcshard.planner.report import KINDS, MemoryPlan, Plan, format_bytes
-from funcshard.step.compiling import unwrapped
+from funcshard.step.compiling import backend_of, unwrapped
 from funcshard.step.reduction import reduction_of
 
 __all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
@@ -344,6 +344,7 @@ def plan(
     attention: tuple[int, int, int] | None = None,
     context_algorithm: str = "all_to_all",
     buffers: str = "broadcast",
+    compile: bool | str = False,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -392,6 +393,13 @@ def plan(
       buffers: as in ``fs.init``: under "broadcast" a model's persistent buffers add one
         broadcast of their bytes over "world" a step (kind "buffers"), with more than one
         data-parallel rank.
+      compile: as in ``fs.init`` (checked as it checks it): under ZeRO-2/3 the captured step,
+        planned as its graphs move and hold, which is eager's: each bucket's all-gather in
+        forward and again in backward (recomputed, not saved), a reduce-scatter per bucket,
+        and ``memory.gathered_peak`` the root unit plus the largest other unit (the graphs
+        gather each unit at its first use and drop it after its last). A bucket whose params
+        the backward never reads (biases alone) is planned re-gathered, as eager re-gathers
+        it; the captured backward does not.
 
     Returns:
       A :class:`Plan`.
@@ -409,6 +417,7 @@ def plan(
     (48, 48, 192)
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
+    backend_of(compile, deterministic=deterministic)  # its errors, as fs.init's
     dims = mesh_dims(world_size, shard, replicate, microbatches, tensor, expert, context)
     check_context(context, context_algorithm, seq_len, attention)
     model = params if isinstance(params, nn.Module) else None
