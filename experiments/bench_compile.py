@@ -1,7 +1,7 @@
 """The captured step's memory and graphs beside eager, per strategy (issue #55).
 
     python experiments/bench_compile.py                        # 2 CPU ranks, 8 and 16 layers
-    python experiments/bench_compile.py --layers=16 --backend=inductor --overlap
+    python experiments/bench_compile.py --layers=2 --backend=inductor --nooverlap
 
 For each layer count and strategy (ZeRO-2, ZeRO-3), a GPT of width 128 in fp32 trains
 ``--steps`` steps of SGD with momentum eagerly and under ``fs.init(compile=BACKEND)`` (the
@@ -11,7 +11,9 @@ steps after the first: forward, backward and the update, whose SGD is in place),
 median wall time, the bytes per collective (``fs.comm_stats``) and, for the captured run,
 what its graphs hold: the all-gathers and reduce-scatters of the forward and the backward
 graph, in order, and how many tensors the forward saves for backward. Also the largest
-relative difference of the params after the steps (captured against eager).
+relative difference of the params after the steps (captured against eager). With
+``--backend=inductor`` the captured run gets the name (its graphs are not recorded), so that
+``fs.init(overlap=...)`` applies inductor's collective reordering passes, or not.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("layers", ["8", "16"], "layer counts")
 flags.DEFINE_list("strategies", ["optim_grads_params", "optim_grads"], "ZeRO-3 / ZeRO-2")
 flags.DEFINE_string("backend", "aot_eager", "torch.compile backend of the captured run")
-flags.DEFINE_bool("overlap", False, "fs.init(overlap=True): inductor's comm passes")
+flags.DEFINE_bool("overlap", True, "fs.init(overlap=): inductor's passes that reorder comms")
 flags.DEFINE_integer("steps", 4, "steps per run (the first compiles)")
 flags.DEFINE_integer("nproc", 2, "ranks")
 flags.DEFINE_integer("d_model", 128, "width")

@@ -133,3 +133,32 @@ def edges_worker() -> dict:
     out["penalty"] = models.max_rel_err(runs["optim_grads_params"], runs["no_shard"])
     out["forward_graphs"] = per_step
     return out if rank == 0 else {}
+
+
+def overlap_worker() -> list[tuple[bool, list]]:
+    """What inductor's config holds inside a captured call's overlap context, per
+    ``fs.init(compile=..., overlap=...)``: (reorder_for_compute_comm_overlap, its passes) for
+    inductor with overlap on and off, and for aot_eager with it on. Nothing is compiled."""
+    import torch._inductor.config as inductor
+
+    import funcshard as fs
+    from funcshard.step.compiling import overlap_config
+
+    import models
+
+    out = []
+    for backend, overlap in (("inductor", True), ("inductor", False), ("aot_eager", True)):
+        state = fs.init(
+            models.make_model(n_blocks=2),
+            fs.optim.sgd(0.1),
+            mesh=fs.make_mesh(device_type="cpu"),
+            compile=backend,
+            overlap=overlap,
+        )
+        with overlap_config(state.layout, state.compile):
+            passes = [
+                p if isinstance(p, str) else p.__name__
+                for p in inductor.reorder_for_compute_comm_overlap_passes
+            ]
+            out.append((inductor.reorder_for_compute_comm_overlap, passes))
+    return out

@@ -529,3 +529,14 @@ def test_captured_aux_copied_out():
     assert out["pair"][1] == 2 and out["none"] is None
     for new, old in ((out["x"], x), (out["pair"][0], y), (out["total"].value, x)):
         assert torch.equal(new, old) and new.data_ptr() != old.data_ptr()
+
+
+def test_overlap_switch(pool1):
+    """fs.init(compile="inductor") turns on inductor's passes that reorder the captured step's
+    collectives to overlap compute (overlap=True, the default) around the captured call;
+    overlap=False, or a backend other than inductor, leaves inductor's defaults (off)."""
+    from helpers_compile import overlap_worker
+
+    on, off, other = pool1.run(overlap_worker)[0]
+    assert on[0] is True and "sink_waits_iterative" in on[1], on
+    assert off == (False, []) and other == (False, []), (off, other)

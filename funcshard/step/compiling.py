@@ -45,6 +45,7 @@ __all__ = [
     "compiled_call",
     "compile_units",
     "model_of",
+    "overlap_config",
     "unwrapped",
 ]
 
@@ -140,26 +141,50 @@ def capture_refusal(layout: Any) -> str | None:
     return None
 
 
-def check_units(model: nn.Module, layout: Any, backend: Backend) -> None:
+def check_units(model: nn.Module, layout: Any, backend: Backend, *, overlap: bool = True) -> None:
     """``fs.init``'s checks of a ZeRO-2/3 layout's units against what is compiled: no
     compiled region around them (:func:`check_not_compiled_around_units`), and a warning
-    where ``compile=`` cannot capture the step (:func:`warn_not_captured`)."""
+    where ``compile=`` cannot capture the step (:func:`warn_not_captured`); with a backend,
+    the captured step's model and ``overlap`` recorded for the layout."""
     if layout.strategy.runs_units:
         check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
         warn_not_captured(layout, backend)
         if backend is not None:
-            _MODELS[layout] = weakref.ref(unwrapped(model))
+            _CAPTURES[layout] = (weakref.ref(unwrapped(model)), overlap)
 
 
-# layout -> the plain model fs.init read it from (weak both ways): the captured step refuses
-# a graph that reads the model's own params (funcshard.step.units.captured)
-_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# layout -> (the plain model fs.init read it from, overlap), weak both ways: the captured step
+# refuses a graph that reads the model's own params (funcshard.step.units.captured)
+_CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# inductor's passes that move collectives to overlap compute (fs.init's overlap=True): its
+# recommended order (torch/_inductor/config.py, reorder_for_compute_comm_overlap_passes)
+OVERLAP = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": [
+        "reorder_communication_preserving_peak_memory",
+        "sink_waits_iterative",
+        "reorder_communication_preserving_peak_memory",
+    ],
+}
 
 
 def model_of(layout: Any) -> nn.Module | None:
     """The model ``fs.init(compile=...)`` read ``layout`` from, while it lives (ZeRO-2/3)."""
-    ref = _MODELS.get(layout)
-    return ref() if ref is not None else None
+    entry = _CAPTURES.get(layout)
+    return entry[0]() if entry is not None else None
+
+
+def overlap_config(layout: Any, backend: Backend) -> contextlib.AbstractContextManager:
+    """Around a captured call: inductor's overlap passes (:data:`OVERLAP`) where ``fs.init``
+    asked for them (``overlap=True``, the default) and inductor compiles."""
+    entry = _CAPTURES.get(layout)
+    inductor = backend == "inductor" or isinstance(backend, CudaGraphs)
+    if entry is None or not entry[1] or not inductor:
+        return contextlib.nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(OVERLAP)
 
 
 def warn_not_captured(layout: Any, backend: Backend) -> None:

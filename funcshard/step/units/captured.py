@@ -52,7 +52,13 @@ import torch.distributed._functional_collectives as funcol
 from funcshard.comm.grads import ReplicateAxis
 from funcshard.distributed import ops
 from funcshard.layout.layout import Layout
-from funcshard.step.compiling import Backend, CudaGraphs, compile_fn, model_of
+from funcshard.step.compiling import (
+    Backend,
+    CudaGraphs,
+    compile_fn,
+    model_of,
+    overlap_config,
+)
 from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.summed import Summed
 from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
@@ -245,8 +251,11 @@ class CapturedGrads:
         if replayed:  # a new microbatch: the last replay's outputs may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()
         try:
-            with torch._functorch.config.patch(
-                joint_custom_pass=joint_pass(placed), enable_autograd_cache=False
+            with (
+                torch._functorch.config.patch(
+                    joint_custom_pass=joint_pass(placed), enable_autograd_cache=False
+                ),
+                overlap_config(layout, self.backend),
             ):
                 loss, aux = step(loss_fn, self.buffers, carriers, batch)
         except torch._dynamo.exc.BackendCompilerFailed as e:
