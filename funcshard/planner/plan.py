@@ -399,7 +399,10 @@ def plan(
         and ``memory.gathered_peak`` the root unit plus the largest other unit (the graphs
         gather each unit at its first use and drop it after its last). A bucket whose params
         the backward never reads (biases alone) is planned re-gathered, as eager re-gathers
-        it; the captured backward does not.
+        it; the captured backward does not. Under inductor by name the captured step does not
+        re-gather yet (docs/strategies.md, "Inductor keeps the gathered params"): there it
+        gathers once per bucket and microbatch and holds every unit, which this plan does not
+        say.
 
     Returns:
       A :class:`Plan`.

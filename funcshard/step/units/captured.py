@@ -212,6 +212,14 @@ def _model_reads(layout: Layout) -> Callable[[Any, list], None]:
     return check
 
 
+def _recomputes(backend: Backend) -> bool:
+    """Whether the backend's graphs re-gather ZeRO-3's params in backward. Not inductor's
+    (by name, CUDA graphs included): its graphs with the all-gather recomputed train wrong
+    params on torch 2.13 (gloo, CPU; found, not yet understood), so inductor saves the
+    gathered params for backward as before."""
+    return not (backend == "inductor" or isinstance(backend, CudaGraphs))
+
+
 def _unwrapped_error(e: Exception) -> Exception:
     """A backend's failure as dynamo reports it, or the UnitParamsError inside it."""
     inner = getattr(e, "inner_exception", None)
@@ -253,7 +261,8 @@ class CapturedGrads:
         try:
             with (
                 torch._functorch.config.patch(
-                    joint_custom_pass=joint_pass(placed), enable_autograd_cache=False
+                    joint_custom_pass=joint_pass(placed, recompute=_recomputes(self.backend)),
+                    enable_autograd_cache=False,
                 ),
                 overlap_config(layout, self.backend),
             ):

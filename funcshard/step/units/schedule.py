@@ -163,8 +163,11 @@ def _peak(intervals: list[tuple[int, int, int]]) -> int:
     return peak
 
 
-def _account(chains: list[list[fx.Node]], backward: set[fx.Node], placed: Placed) -> None:
-    """Fills ``placed`` from the placed graph: what backward gathers again, the gathered peak."""
+def _account(
+    chains: list[list[fx.Node]], backward: set[fx.Node], placed: Placed, recompute: bool
+) -> None:
+    """Fills ``placed`` from the placed graph: what backward gathers again, the gathered peak
+    (without ``recompute``, a gather the backward reads is held from forward to backward)."""
     pos = {n: i for i, n in enumerate(chains[0][0].graph.nodes)} if chains else {}
     intervals = []
     for chain in chains:
@@ -174,7 +177,9 @@ def _account(chains: list[list[fx.Node]], backward: set[fx.Node], placed: Placed
         if forward:
             intervals.append((pos[chain[0]], max(forward), nbytes))
         later = [pos[u] for u in users if u in backward]
-        if later:
+        if later and not recompute:
+            intervals.append((pos[chain[0]], max(later), nbytes))
+        elif later:
             intervals.append((min(later), max(later), nbytes))
             val = chain[0].meta["val"]
             placed.regathered.append((val.numel(), val.dtype))
@@ -182,18 +187,23 @@ def _account(chains: list[list[fx.Node]], backward: set[fx.Node], placed: Placed
 
 
 def place_collectives(
-    gm: fx.GraphModule, joint_inputs: object = None, placed: Placed | None = None
+    gm: fx.GraphModule,
+    joint_inputs: object = None,
+    placed: Placed | None = None,
+    *,
+    recompute: bool = True,
 ) -> fx.GraphModule:
-    """The joint graph pass (module docstring): gathers recomputed in backward and placed at
-    their first use, reduce-scatters as soon as their gradients are ready; what it placed
-    goes into ``placed``."""
+    """The joint graph pass (module docstring): gathers recomputed in backward (unless
+    ``recompute`` is False: then the partitioner saves them) and placed at their first use,
+    reduce-scatters as soon as their gradients are ready; what it placed goes into
+    ``placed``."""
     del joint_inputs
     graph = gm.graph
     backward = _backward_nodes(graph)
     chains = []
     for gather in [n for n in graph.nodes if n.target is GATHER and n not in backward]:
         chain = _gather_chain(gather, backward)
-        for node in chain:
+        for node in chain if recompute else ():
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         _sink_before_first_use(chain)
         chains.append(chain)
@@ -206,17 +216,19 @@ def place_collectives(
     gm.recompile()
     if placed is not None:
         placed.regathered.clear()
-        _account(chains, backward, placed)
+        _account(chains, backward, placed, recompute)
     return gm
 
 
-def joint_pass(placed: Placed) -> Callable[[fx.GraphModule, object], fx.GraphModule]:
+def joint_pass(
+    placed: Placed, *, recompute: bool = True
+) -> Callable[[fx.GraphModule, object], fx.GraphModule]:
     """What ``joint_custom_pass`` is set to around a captured call: :func:`place_collectives`
     (recording into ``placed``), then a pass the user set there, if any."""
     user = torch._functorch.config.joint_custom_pass
 
     def run(gm: fx.GraphModule, inputs: object) -> fx.GraphModule:
-        gm = place_collectives(gm, inputs, placed)
+        gm = place_collectives(gm, inputs, placed, recompute=recompute)
         return gm if user is None or getattr(user, "placed", None) else user(gm, inputs)
 
     run.placed = placed  # type: ignore[attr-defined]
