@@ -6,25 +6,159 @@ import collections
 
 import torch
 
+_PASSING = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default)
+
+
+def _from_gather(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an all-gather's output or a view (or contiguous copy) of one."""
+    while node.op == "call_function":
+        target = node.target
+        if getattr(target, "_opname", None) == "all_gather_into_tensor":
+            return True
+        view = getattr(target, "is_view", False) or target in _PASSING
+        if not (
+            view or getattr(target, "_opname", None) == "wait_tensor" or "getitem" in str(target)
+        ):
+            return False
+        node = node.args[0]
+    return False
+
 
 def counting_backend(counts: collections.Counter, collectives: collections.Counter | None = None):
     """``aot_eager`` (AOTAutograd, graphs run as traced) counting forward/backward compiles in
     ``counts`` ("forward", "backward"); with ``collectives``, the functional collectives in
     each graph kind, keyed ("forward" or "backward", the op's name: "all_gather_into_tensor",
-    "reduce_scatter_tensor", ...)."""
+    "reduce_scatter_tensor", ...), the forward's saved tensors that are gathered params
+    ("forward", "saved_gathered") and, in backward, the reduce-scatters issued before the
+    graph's last matmul ("backward", "reduce_scatter_before_last_mm")."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+
+    def record(kind: str, gm: torch.fx.GraphModule) -> None:
+        nodes = list(gm.graph.nodes)
+        for node in nodes:
+            target = node.target
+            if getattr(target, "namespace", None) == "_c10d_functional":
+                collectives[(kind, target._opname)] += 1
+        if kind == "forward":
+            outputs = [a for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]
+            collectives[(kind, "saved_gathered")] += sum(map(_from_gather, outputs))
+            return
+        mms = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+        scatters = [
+            i
+            for i, n in enumerate(nodes)
+            if getattr(n.target, "_opname", "") == "reduce_scatter_tensor"
+        ]
+        collectives[(kind, "reduce_scatter_before_last_mm")] += sum(
+            i < max(mms, default=-1) for i in scatters
+        )
 
     def compiler(kind: str):
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):  # noqa: ARG001
             counts[kind] += 1
             if collectives is not None:
-                for node in gm.graph.nodes:
-                    target = node.target
-                    if getattr(target, "namespace", None) == "_c10d_functional":
-                        collectives[(kind, target._opname)] += 1
+                record(kind, gm)
             return make_boxed_func(gm.forward)
 
         return compile_graph
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+def edges_worker() -> dict:
+    """The captured step's edges, one run each (2 ranks, the 2-block MLP, SGD momentum):
+
+    * "reads_model": a loss_fn that reads the model's own ``head.weight`` (a penalty beside
+      the model call): eager ZeRO-3, captured ZeRO-3 and captured ZeRO-2, the error each
+      raises at the first step (type, message);
+    * "penalty": the same penalty read as ``params["head.weight"]``, scaled by a Python float
+      that changes every step: captured ZeRO-3 against eager no_shard (the params' largest
+      relative difference) and the forward graphs compiled after each step."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import funcshard as fs
+
+    import models
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = fs.make_mesh(device_type="cpu")
+    out: dict = {"reads_model": {}}
+
+    def batch(step: int) -> dict:
+        return models.local_batch(models.global_batch(step, 8), rank, world)
+
+    for strategy, compile in (
+        ("optim_grads_params", False),
+        ("optim_grads_params", True),
+        ("optim_grads", True),
+    ):
+        torch._dynamo.reset()
+        model = models.make_model(n_blocks=2)
+        backend = counting_backend(collections.Counter()) if compile else False
+        state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy=strategy, compile=backend)
+
+        def reads_model(params, b, model=model):
+            logits = fs.functional_call(model, params, (b["x"],))
+            return F.cross_entropy(logits, b["y"]) + 1e-2 * model.head.weight.square().sum()
+
+        try:
+            fs.train_step(state, batch(0), reads_model)
+            out["reads_model"][(strategy, compile)] = None
+        except Exception as e:  # noqa: BLE001
+            out["reads_model"][(strategy, compile)] = (type(e).__name__, str(e))
+
+    runs, per_step = {}, []
+    for strategy, compile in (("no_shard", False), ("optim_grads_params", True)):
+        torch._dynamo.reset()
+        counts: collections.Counter = collections.Counter()
+        model = models.make_model(n_blocks=2)
+        backend = counting_backend(counts) if compile else False
+        state = fs.init(
+            model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy, compile=backend
+        )
+        for step in range(4):
+            weight = 0.01 * (step + 1)  # a Python float, new every step
+
+            def penalized(params, b, model=model, weight=weight):
+                logits = fs.functional_call(model, params, (b["x"],))
+                penalty = params["head.weight"].square().sum()
+                return F.cross_entropy(logits, b["y"]) + weight * penalty
+
+            state, _ = fs.train_step(state, batch(step), penalized, microbatches=2)
+            if compile:
+                per_step.append(counts["forward"])
+        runs[strategy] = fs.full_params(state)
+    out["penalty"] = models.max_rel_err(runs["optim_grads_params"], runs["no_shard"])
+    out["forward_graphs"] = per_step
+    return out if rank == 0 else {}
+
+
+def overlap_worker() -> list[tuple[bool, list]]:
+    """What inductor's config holds inside a captured call's overlap context, per
+    ``fs.init(compile=..., overlap=...)``: (reorder_for_compute_comm_overlap, its passes) for
+    inductor with overlap on and off, and for aot_eager with it on. Nothing is compiled."""
+    import torch._inductor.config as inductor
+
+    import funcshard as fs
+    from funcshard.step.compiling import overlap_config
+
+    import models
+
+    out = []
+    for backend, overlap in (("inductor", True), ("inductor", False), ("aot_eager", True)):
+        state = fs.init(
+            models.make_model(n_blocks=2),
+            fs.optim.sgd(0.1),
+            mesh=fs.make_mesh(device_type="cpu"),
+            compile=backend,
+            overlap=overlap,
+        )
+        with overlap_config(state.layout, state.compile):
+            passes = [
+                p if isinstance(p, str) else p.__name__
+                for p in inductor.reorder_for_compute_comm_overlap_passes
+            ]
+            out.append((inductor.reorder_for_compute_comm_overlap, passes))
+    return out

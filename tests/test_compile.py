@@ -88,7 +88,18 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
             state = train(state, step)
             per_step.append(dict(counts))
     counters = torch._dynamo.utils.counters
+    planned = fs.plan(
+        model,
+        world_size=shard * replicate,
+        replicate=replicate,
+        strategy=strategy,
+        optimizer="sgd_momentum",
+        microbatches=MICRO,
+        device_type="cpu",
+        compile=compile_when in BY_FS,
+    )
     return {
+        "planned": (planned.memory.gathered_peak, planned.comm.get("all_gather", 0)),
         "params": fs.full_params(state),
         "per_step": per_step,
         "graph_breaks": dict(counters["graph_break"]),
@@ -166,26 +177,30 @@ def test_compiled_blocks_match_eager(pool_of, kind, strategy, shard, replicate, 
 
 
 def _check_captured(strategy: str, eager: dict, compiled: dict) -> None:
-    """The captured step: every bucket's all-gather (ZeRO-3) in the forward graph and its
-    reduce-scatter in the backward graph, as functional collectives; comm_stats counts what
-    they move: the eager run's reduce-scatters, metrics (and ZeRO-2's all-gathers after the
-    update), and under ZeRO-3 one all-gather per bucket and microbatch (eager ZeRO-3 gathers
-    again in backward; the captured graph keeps the gathered params instead)."""
+    """The captured step: every bucket's all-gather (ZeRO-3) in the forward graph and again in
+    the backward graph (re-gathered, not saved: the forward saves no gathered param), each
+    bucket's reduce-scatter in the backward graph, one of them before the backward's last
+    matmul (issued as its unit's backward ends, not all at the tail), as functional
+    collectives; comm_stats counts what they move: the eager run's bytes and calls of every
+    kind, and under ZeRO-3 a gathered peak below the whole model's gathered bytes, which
+    ``fs.plan(..., compile=True)`` predicts (with the all-gather bytes)."""
     n = compiled["buckets"]
     gathers = n if strategy == "optim_grads_params" else 0
     collectives = compiled["collectives"]
     assert collectives.get(("forward", "all_gather_into_tensor"), 0) == gathers, collectives
+    assert collectives.get(("backward", "all_gather_into_tensor"), 0) == gathers, collectives
+    assert collectives[("forward", "saved_gathered")] == 0, collectives
     assert collectives[("backward", "reduce_scatter_tensor")] == n, collectives
-    assert ("backward", "all_gather_into_tensor") not in collectives, collectives
+    assert collectives[("backward", "reduce_scatter_before_last_mm")] >= 1, collectives
     assert ("forward", "reduce_scatter_tensor") not in collectives, collectives
-    for kind in eager["bytes"]:  # ZeRO-2's all-gathers: the compute copies after the update
-        if kind != "all_gather" or not gathers:
-            assert compiled["bytes"][kind] == eager["bytes"][kind], kind
-            assert compiled["calls"][kind] == eager["calls"][kind], kind
-    if gathers:
-        assert compiled["calls"]["all_gather"] == gathers * MICRO * STEPS
-        per_call = eager["bytes"]["all_gather"] / eager["calls"]["all_gather"]
-        assert compiled["bytes"]["all_gather"] == per_call * gathers * MICRO * STEPS
+    assert compiled["bytes"] == eager["bytes"], (compiled["bytes"], eager["bytes"])
+    assert compiled["calls"] == eager["calls"], (compiled["calls"], eager["calls"])
+    if gathers:  # fs.plan(..., compile=True) predicts the graphs' peak and gathers
+        whole = eager["bytes"]["all_gather"] / (2 * MICRO * STEPS)  # one forward's gathers
+        assert 0 < compiled["gathered_peak"] < whole, (compiled["gathered_peak"], whole)
+        peak, all_gather = compiled["planned"]
+        assert compiled["gathered_peak"] == peak, (compiled["gathered_peak"], peak)
+        assert compiled["bytes"]["all_gather"] == all_gather * STEPS, compiled["bytes"]
 
 
 def refusals_worker() -> list[str]:
@@ -197,6 +212,7 @@ def refusals_worker() -> list[str]:
         {"compile": 3},
         {"cuda_graphs": True},  # a CPU mesh
         {"compile": "aot_eager", "cuda_graphs": True},
+        {"compile": "indcutor"},  # misspelt
     ):
         try:
             fs.init(models.make_model(n_blocks=BLOCKS), fs.optim.sgd(0.1), mesh=mesh, **kwargs)
@@ -224,8 +240,10 @@ def test_compile_refusals(pool2):
     backend other than inductor, a ValueError; under ZeRO-2/3 a model compiled as a whole
     (its units' hooks inside the compiled region; in place or a torch.compile(model) wrapper) a
     ValueError at fs.init, or at the step when compiled after it, saying to compile the blocks
-    instead."""
-    deterministic, bad, cpu_graphs, other_backend, *whole = pool2.run(refusals_worker)[0]
+    instead; a backend name torch.compile does not know (misspelt) a ValueError naming it."""
+    deterministic, bad, cpu_graphs, other_backend, misspelt, *whole = pool2.run(refusals_worker)[0]
+    assert misspelt.startswith("ValueError") and "'indcutor'" in misspelt, misspelt
+    assert "not a torch.compile backend" in misspelt and "inductor" in misspelt, misspelt
     assert deterministic.startswith("ValueError") and "deterministic=True" in deterministic
     assert "bitwise" in deterministic
     assert bad.startswith("TypeError") and "compile must be" in bad and "3" in bad
@@ -476,3 +494,49 @@ def test_cuda_inductor_blocks_match_eager(strategy: str) -> None:
         assert r["graph_breaks"] == {}, (when, r)
         assert r["error"] < 1e-4, (when, r)
         assert r["recompiled"] == 0, (when, r)
+
+
+def test_captured_edges(pool2):
+    """The captured step's edges (``helpers_compile.edges_worker``): a loss_fn reading the
+    model's own parameter raises at the first step, naming it, under captured ZeRO-2 and
+    ZeRO-3 as under eager ZeRO-3 (UnitParamsError), instead of training on the model's
+    initial weights; the same penalty read as params[name] trains as no_shard does, and a
+    Python float in loss_fn that changes every step compiles the graphs once more (dynamo
+    makes the float symbolic at its first change), not once a step."""
+    from helpers_compile import edges_worker
+
+    out = pool2.run(edges_worker)[0]
+    for (strategy, compiled), error in out["reads_model"].items():
+        assert error is not None, (strategy, compiled)
+        kind, message = error
+        assert kind == "UnitParamsError" and "'head.weight'" in message, (strategy, error)
+        if compiled:
+            assert "params['head.weight']" in message, message
+    assert out["penalty"] < 1e-5, out["penalty"]
+    graphs = out["forward_graphs"]
+    assert graphs[1] == graphs[-1] <= 2, graphs
+
+
+def test_captured_aux_copied_out():
+    """Under cuda_graphs=True the captured step copies aux out of the graphs' static outputs:
+    every tensor leaf (an fs.summed's value too) is a new tensor of the same values."""
+    from funcshard.step.summed import Summed
+    from funcshard.step.units.captured import copied_out
+
+    x, y = torch.arange(3.0), torch.ones(2)
+    aux = {"x": x, "pair": (y, 2), "total": Summed(x), "none": None}
+    out = copied_out(aux)
+    assert out["pair"][1] == 2 and out["none"] is None
+    for new, old in ((out["x"], x), (out["pair"][0], y), (out["total"].value, x)):
+        assert torch.equal(new, old) and new.data_ptr() != old.data_ptr()
+
+
+def test_overlap_switch(pool1):
+    """fs.init(compile="inductor") turns on inductor's passes that reorder the captured step's
+    collectives to overlap compute (overlap=True, the default) around the captured call;
+    overlap=False, or a backend other than inductor, leaves inductor's defaults (off)."""
+    from helpers_compile import overlap_worker
+
+    on, off, other = pool1.run(overlap_worker)[0]
+    assert on[0] is True and "sink_waits_iterative" in on[1], on
+    assert off == (False, []) and other == (False, []), (off, other)

@@ -155,6 +155,13 @@ def track_gathered(buffer: torch.Tensor) -> None:
     weakref.finalize(buffer, _release)
 
 
+def note_gathered_peak(nbytes: int) -> None:
+    """Accounts ``nbytes`` of gathered params held at once by code that holds them where no
+    buffer of this module can be watched (the captured step's compiled graphs)."""
+    for stats in _ACTIVE:
+        stats.gathered_peak = max(stats.gathered_peak, stats.gathered_live + nbytes)
+
+
 class Pending:
     """An in-flight collective; ``wait()`` returns its result."""
 

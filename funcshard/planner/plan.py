@@ -110,7 +110,7 @@ from funcshard.planner.inputs import (
 from funcshard.planner.optimizer import muon_exchange, optimizer_state_bytes
 from funcshard.planner.replicas import add_replica_groups
 from funcshard.planner.report import KINDS, MemoryPlan, Plan, format_bytes
-from funcshard.step.compiling import unwrapped
+from funcshard.step.compiling import backend_of, unwrapped
 from funcshard.step.reduction import reduction_of
 
 __all__ = ["Plan", "MemoryPlan", "plan", "transformer_shapes", "format_bytes"]
@@ -333,6 +333,7 @@ def plan(
     split: Sequence[str] | None = None,
     pipeline_rank: int = 0,
     boundary: Sequence[int] | None = None,
+    compile: bool | str = False,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -391,6 +392,16 @@ def plan(
         tensor a stage hands the next for one step of this rank's local batch (rows first,
         in the compute dtype): bytes under "pipeline", ``memory.activations`` and
         ``Plan.pipeline`` (:mod:`funcshard.planner.pipeline`).
+      compile: as in ``fs.init`` (checked as it checks it): under ZeRO-2/3 the captured step,
+        planned as its graphs move and hold, which is eager's: each bucket's all-gather in
+        forward and again in backward (recomputed, not saved), a reduce-scatter per bucket,
+        and ``memory.gathered_peak`` the root unit plus the largest other unit (the graphs
+        gather each unit at its first use and drop it after its last). A bucket whose params
+        the backward never reads (biases alone) is planned re-gathered, as eager re-gathers
+        it; the captured backward does not. Under inductor by name the captured step does not
+        re-gather yet (docs/strategies.md, "Inductor keeps the gathered params"): there it
+        gathers once per bucket and microbatch and holds every unit, which this plan does not
+        say.
 
     Returns:
       A :class:`Plan`.
@@ -408,13 +419,13 @@ def plan(
     (48, 48, 192)
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
+    backend_of(compile, deterministic=deterministic)  # its errors, as fs.init's
     refused = (tensor, expert, context, deterministic, outer_strategy, replica_groups)
     pp = pipeline_lib.setup(
         params, split, pipeline, schedule, microbatches, pipeline_rank, world_size, refused
     )
-    params = pp.model if pp else params  # this pipeline rank's stages, over its sub-world
-    dp_world = world_size // pipeline
-    dims = mesh_dims(dp_world, shard, replicate, microbatches, tensor, expert, context)
+    params, dp = (pp.model if pp else params), world_size // pipeline  # this rank's stages
+    dims = mesh_dims(dp, shard, replicate, microbatches, tensor, expert, context)
     check_context(context, context_algorithm, seq_len, attention, context_load_balance)
     model = params if isinstance(params, nn.Module) else None
     table = model_table(params, dtype, tensor, tensor_plan, dims, strategy)
@@ -422,14 +433,13 @@ def plan(
     layout = _plan_layout(table, model, dims, replicate, *choices)
     st = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model, bool(pp))
     comm, calls, by_axis, muon_owner = st
-    itemsize = _itemsize(policy, dtype)
-    ex = (context_algorithm, seq_len, batch_size, attention, itemsize, microbatches)
+    ex = (context_algorithm, seq_len, batch_size, attention, _itemsize(policy, dtype), microbatches)
     add_context_exchange(dims.context, *ex, comm, calls, by_axis)
     buffer_broadcast(model, buffers, dims.dp_size, comm, calls, by_axis)
     memory = _memory(layout, optimizer, device_type, microbatches, muon_owner)
-    traffic = dict(comm=comm, calls=calls, comm_by_axis=by_axis)
     memory = dataclasses.replace(memory, attention=attention_saved(dims.context, *ex[1:]))
-    memory, piped = pipeline_lib.finish(pp, layout, memory, (boundary, itemsize), traffic)
+    traffic = dict(comm=comm, calls=calls, comm_by_axis=by_axis)
+    memory, piped = pipeline_lib.finish(pp, layout, memory, (boundary, ex[4]), traffic)
     geometry = _geometry(layout, world_size, dims, replicate, microbatches, tensor)
     return Plan(**geometry, **traffic, memory=memory, pipeline=piped)
 

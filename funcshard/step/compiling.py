@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -43,6 +44,8 @@ __all__ = [
     "compile_fn",
     "compiled_call",
     "compile_units",
+    "model_of",
+    "overlap_config",
     "unwrapped",
 ]
 
@@ -64,14 +67,20 @@ _ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 def compile_fn(
-    fn: Callable[..., Any], backend: Backend, *, constants: str | None = None
+    fn: Callable[..., Any],
+    backend: Backend,
+    *,
+    constants: str | None = None,
+    check: Callable[[Any, list], None] | None = None,
 ) -> Callable[..., Any]:
     """``torch.compile(fn)`` with ``backend`` (``CudaGraphs``: inductor's reduce-overhead).
 
     ``constants``: the name of a variable ``fn`` closes over that holds an immutable tree of
     Python constants (a layout's plan): dynamo's guards on its values are dropped, since
     nothing can change them (thousands of int comparisons per call otherwise), and the
-    compile's entries are its own (``isolate_recompiles``, where torch has it)."""
+    compile's entries are its own (``isolate_recompiles``, where torch has it). ``check``:
+    called with each graph dynamo captures and its example inputs before the backend gets it
+    (what it raises reaches the caller)."""
     kw: dict[str, Any] = {}
     if constants is not None and _ISOLATES:
         # one code object serves every plan: each compile keeps its own entries, so that
@@ -88,8 +97,27 @@ def compile_fn(
     if isinstance(backend, CudaGraphs):
         # mode="reduce-overhead" is these options (torch refuses a mode beside options)
         kw["options"] = {**kw.get("options", {}), "triton.cudagraphs": True}
-        return torch.compile(fn, backend=backend.backend, **kw)
+        backend = backend.backend
+    if check is not None:
+        backend = _checked(backend, check)
     return torch.compile(fn, backend=backend, **kw)
+
+
+def _checked(backend: str | Callable[..., Any], check: Callable[[Any, list], None]) -> Callable:
+    """``backend`` (a name or a callable) called after ``check(gm, example_inputs)``; inductor's
+    options (``triton.cudagraphs``) reach it as torch.compile hands them to a callable."""
+
+    def compile_graph(gm: Any, example_inputs: list, **kwargs: Any) -> Any:
+        check(gm, example_inputs)
+        options = kwargs.pop("options", None)
+        if backend == "inductor" and options:
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches=options)
+        inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        return inner(gm, example_inputs, **kwargs)
+
+    return compile_graph
 
 
 def capture_refusal(layout: Any) -> str | None:
@@ -113,13 +141,50 @@ def capture_refusal(layout: Any) -> str | None:
     return None
 
 
-def check_units(model: nn.Module, layout: Any, backend: Backend) -> None:
+def check_units(model: nn.Module, layout: Any, backend: Backend, *, overlap: bool = True) -> None:
     """``fs.init``'s checks of a ZeRO-2/3 layout's units against what is compiled: no
     compiled region around them (:func:`check_not_compiled_around_units`), and a warning
-    where ``compile=`` cannot capture the step (:func:`warn_not_captured`)."""
+    where ``compile=`` cannot capture the step (:func:`warn_not_captured`); with a backend,
+    the captured step's model and ``overlap`` recorded for the layout."""
     if layout.strategy.runs_units:
         check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
         warn_not_captured(layout, backend)
+        if backend is not None:
+            _CAPTURES[layout] = (weakref.ref(unwrapped(model)), overlap)
+
+
+# layout -> (the plain model fs.init read it from, overlap), weak both ways: the captured step
+# refuses a graph that reads the model's own params (funcshard.step.units.captured)
+_CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# inductor's passes that move collectives to overlap compute (fs.init's overlap=True): its
+# recommended order (torch/_inductor/config.py, reorder_for_compute_comm_overlap_passes)
+OVERLAP = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": [
+        "reorder_communication_preserving_peak_memory",
+        "sink_waits_iterative",
+        "reorder_communication_preserving_peak_memory",
+    ],
+}
+
+
+def model_of(layout: Any) -> nn.Module | None:
+    """The model ``fs.init(compile=...)`` read ``layout`` from, while it lives (ZeRO-2/3)."""
+    entry = _CAPTURES.get(layout)
+    return entry[0]() if entry is not None else None
+
+
+def overlap_config(layout: Any, backend: Backend) -> contextlib.AbstractContextManager:
+    """Around a captured call: inductor's overlap passes (:data:`OVERLAP`) where ``fs.init``
+    asked for them (``overlap=True``, the default) and inductor compiles."""
+    entry = _CAPTURES.get(layout)
+    inductor = backend == "inductor" or isinstance(backend, CudaGraphs)
+    if entry is None or not entry[1] or not inductor:
+        return contextlib.nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(OVERLAP)
 
 
 def warn_not_captured(layout: Any, backend: Backend) -> None:
@@ -148,7 +213,8 @@ def backend_of(
 
     Raises:
       TypeError: any other value.
-      ValueError: a backend with ``deterministic=True``; ``cuda_graphs`` on a mesh that is not
+      ValueError: a backend name torch.compile does not know; a backend with
+        ``deterministic=True``; ``cuda_graphs`` on a mesh that is not
         CUDA's, or with a backend other than inductor.
     """
     if cuda_graphs:
@@ -169,7 +235,7 @@ def backend_of(
     if compile is True:
         backend: Backend = "inductor"
     elif isinstance(compile, str) and compile:
-        backend = compile
+        backend = _known_backend(compile)
     elif callable(compile):
         backend = compile
     else:
@@ -184,6 +250,19 @@ def backend_of(
             "compiled unit's fused kernels are the compiler's choice; pass one or the other"
         )
     return CudaGraphs() if cuda_graphs else backend
+
+
+def _known_backend(name: str) -> str:
+    """``name`` if torch.compile has a backend of that name (``torch._dynamo.list_backends``),
+    else ValueError naming it and the known ones (torch.compile would fail only at the first
+    step, inside the trace)."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ValueError(
+            f"init: compile={name!r} is not a torch.compile backend; known backends: "
+            f"{', '.join(known)} (or pass a backend callable)"
+        )
+    return name
 
 
 @functools.cache

@@ -53,6 +53,7 @@ def init(
     fault_tolerance: FaultTolerance | None = None,
     check_replicas_every: int = 0,
     cuda_graphs: bool = False,
+    overlap: bool = True,
     check_tensor_batch: bool = True,
     buffers: str = "broadcast",
     context: ContextParallel | None = None,
@@ -99,6 +100,9 @@ def init(
       check_replicas_every: N > 0: ``train_step`` runs :func:`funcshard.check_replicas` on
         an input state whose step is a positive multiple of N, before donating it; 0: never.
       cuda_graphs: inductor's ``mode="reduce-overhead"`` (CUDA graph trees); off CUDA, ValueError.
+      overlap: under ``compile=`` with inductor, the captured step's graphs compiled with
+        inductor's passes that reorder collectives to overlap compute
+        (``reorder_for_compute_comm_overlap`` and its passes); False: inductor's defaults.
       check_tensor_batch: with a tensor axis, ``train_step`` checks that every rank of a
         tensor group passes the same batch (a fingerprint of it, all-gathered over "tensor"
         with the loss: docs/tensor-parallel.md); False skips it, for a data loader known to
@@ -141,7 +145,6 @@ def init(
     refused.update(fault_tolerance=fault_tolerance, outer_strategy=hfsdp)
     model, mesh, run = pipeline_init.prepare(model, mesh, pipeline, refused)
     backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
-    policy = policy or MixedPrecisionPolicy()
     if context is not None and backend is not None:
         raise ValueError("init: context parallel does not run under compile= yet")
     given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
@@ -159,7 +162,7 @@ def init(
             {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
             model=model,
             mesh=mesh,
-            policy=policy,
+            policy=policy or MixedPrecisionPolicy(),
             strategy=strategy,
             offload_fraction=offload_fraction,
             units=units,
@@ -168,7 +171,7 @@ def init(
             outer_strategy=outer_strategy,
             tensor=tensor,
         )
-        check_units(given, layout, backend)
+        check_units(given, layout, backend, overlap=overlap)
         bound = context_lib.bind(context, mesh, model)
         static = Static(layout, opt, backend, guard, every, carried, bound, pipeline=run)
         state = _first_state(static, named)

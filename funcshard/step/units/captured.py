@@ -16,19 +16,27 @@ graph, collectives inside each, for the compiler to fuse, bucket and reorder.
 
 With ``cuda_graphs=True`` the two graphs are inductor's CUDA graph trees
 (``mode="reduce-overhead"``): each microbatch marks a new step, and the loss and the reduced
-shards a replay returns are copied out of the graphs' static buffers before the next replay.
+shards a replay returns, and the tensors of ``aux``, are copied out of the graphs' static
+buffers before the next replay.
 NCCL collectives are captured inside the graphs as torchtitan captures them. Unverified on
 hardware: written where no GPU was lent; ``tests/test_compile.py``'s CUDA test checks it.
 
+Where the collectives sit is funcshard's choice, made on AOTAutograd's joint graph before any
+partitioner sees it (:mod:`funcshard.step.units.schedule`): under ZeRO-3 each all-gather is
+recomputed in backward, not saved (SimpleFSDP's policy), and placed at its first use; each
+reduce-scatter runs as soon as its bucket's gradients are complete. ``fs.comm_stats`` counts
+what the graphs move, per call: each bucket's all-gather in forward (ZeRO-3), the all-gathers
+the pass found the backward runs again, and a reduce-scatter of each bucket that got a
+gradient; ``gathered_peak`` is the graphs' most gathered bytes at once as placed.
+
+A ``loss_fn`` that reads a parameter from the model itself, not from its params, would read
+the model's initial weights: each graph is checked before its backend gets it, and a model
+parameter among its inputs raises :class:`UnitParamsError` naming it (as eager ZeRO-3 raises
+for a param used outside its unit).
+
 What stays outside the graphs: the replicate-axis reduction of HSDP (issued per bucket once
 backward is over, as the step's :class:`~funcshard.comm.grads.ReplicateAxis` orders it), the
-optimizer update and the metrics. The gathered params a backward needs are saved by the
-forward graph (AOTAutograd's partitioner keeps them; it does not re-gather): the backward
-re-gather of eager ZeRO-3 does not happen, so a captured ZeRO-3 step moves one all-gather per
-bucket and microbatch, not two, and holds the microbatch's gathered params from its forward
-to its backward. ``fs.comm_stats`` counts what the graphs move, per call, from the layout
-(the collectives in the graphs are fixed by it): an all-gather of each bucket in forward
-(ZeRO-3), a reduce-scatter of each bucket that got a gradient in backward.
+optimizer update and the metrics.
 """
 
 from __future__ import annotations
@@ -37,17 +45,27 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 import torch.distributed._functional_collectives as funcol
 
 from funcshard.comm.grads import ReplicateAxis
 from funcshard.distributed import ops
 from funcshard.layout.layout import Layout
-from funcshard.step.compiling import Backend, CudaGraphs, compile_fn
+from funcshard.step.compiling import (
+    Backend,
+    CudaGraphs,
+    compile_fn,
+    model_of,
+    overlap_config,
+)
 from funcshard.step.reduction import AddInto, Grads, Sink
+from funcshard.step.summed import Summed
 from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
+from funcshard.step.units.placeholders import UnitParamsError, read_in_capture
+from funcshard.step.units.schedule import Placed, joint_pass
 
-__all__ = ["CapturedGrads"]
+__all__ = ["CapturedGrads", "copied_out"]
 
 
 class _Gather(torch.autograd.Function):
@@ -95,6 +113,18 @@ class _Gather(torch.autograd.Function):
         return None, x.to(ctx.dtype), None, None, None, None, None, None
 
 
+def copied_out(aux: Any) -> Any:
+    """``aux`` with each tensor leaf (an ``fs.summed``'s value too) a copy: a CUDA graph's
+    replay overwrites the static buffers its outputs live in."""
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, Summed):
+            return Summed(x.value.clone())
+        return x.clone() if isinstance(x, torch.Tensor) else x
+
+    return optree.tree_map(copy, aux, is_leaf=lambda x: isinstance(x, Summed), none_is_leaf=True)
+
+
 def carrier_zeros(numel: int, grads: tuple) -> torch.Tensor:
     """Zeros standing for a leaf's absent gradient, like the others'."""
     ref = next(g for g in grads if g is not None)
@@ -130,24 +160,70 @@ def _captured(layout: Layout) -> Callable[..., Any]:
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _compiled(layout: Layout, backend: Backend) -> Callable:
+def _compiled(layout: Layout, backend: Backend) -> tuple[Callable, Placed]:
+    """The compiled step of ``layout`` and what the joint pass placed in its graphs."""
     by_backend = _CACHE.setdefault(layout, {})
     key = id(backend) if callable(backend) else backend
     if key not in by_backend:
-        by_backend[key] = compile_fn(_captured(layout), backend, constants="plan")
+        compiled = compile_fn(
+            _captured(layout), backend, constants="plan", check=_model_reads(layout)
+        )
+        by_backend[key] = (compiled, Placed())
     return by_backend[key]
 
 
 def _count(layout: Layout, kind: str, buckets: list[int], dtype_of: Callable) -> None:
     """Counts in ``fs.comm_stats`` what the graphs moved over the shard axis: each bucket's
     full buffer (an all-gather's output, a reduce-scatter's input)."""
-    S = layout.shard_size
-    if S == 1:
-        return
-    for i in buckets:
-        b = layout.buckets[i]
-        full = torch.empty((), dtype=dtype_of(b)).expand(S * b.numel)
-        ops.record(kind, full, layout.shard_axis)
+    if layout.shard_size > 1:
+        for i in buckets:
+            b = layout.buckets[i]
+            _record(kind, layout.shard_size * b.numel, dtype_of(b), layout)
+
+
+def _record(kind: str, numel: int, dtype: torch.dtype, layout: Layout) -> None:
+    ops.record(kind, torch.empty((), dtype=dtype).expand(numel), layout.shard_axis)
+
+
+def _count_regathers(layout: Layout, placed: Placed) -> None:
+    """Counts the all-gathers the backward graph runs again (ZeRO-3's params re-gathered, not
+    saved: :mod:`funcshard.step.units.schedule`) and the graphs' gathered peak."""
+    for numel, dtype in placed.regathered:
+        _record("all_gather", numel, dtype, layout)
+    ops.note_gathered_peak(placed.gathered_peak)
+
+
+def _model_reads(layout: Layout) -> Callable[[Any, list], None]:
+    """The check each graph of ``layout``'s captured step gets before its backend: an input
+    that is a parameter of the model (``loss_fn`` read it from the model, not from its
+    params) raises :func:`read_in_capture`'s error naming it. Weak on the layout."""
+    layout_ref = weakref.ref(layout)
+
+    def check(gm: Any, example_inputs: list) -> None:  # noqa: ARG001
+        layout = layout_ref()
+        model = model_of(layout) if layout is not None else None
+        if model is None:
+            return
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        for x in example_inputs:
+            if id(x) in names:
+                raise read_in_capture(layout, names[id(x)])
+
+    return check
+
+
+def _recomputes(backend: Backend) -> bool:
+    """Whether the backend's graphs re-gather ZeRO-3's params in backward. Not inductor's
+    (by name, CUDA graphs included): its graphs with the all-gather recomputed train wrong
+    params on torch 2.13 (gloo, CPU; found, not yet understood), so inductor saves the
+    gathered params for backward as before."""
+    return not (backend == "inductor" or isinstance(backend, CudaGraphs))
+
+
+def _unwrapped_error(e: Exception) -> Exception:
+    """A backend's failure as dynamo reports it, or the UnitParamsError inside it."""
+    inner = getattr(e, "inner_exception", None)
+    return inner if isinstance(inner, UnitParamsError) else e
 
 
 class CapturedGrads:
@@ -178,15 +254,26 @@ class CapturedGrads:
             .requires_grad_()
             for b in layout.buckets
         ]
-        step = _compiled(layout, self.backend)
-        if layout.strategy.shards_params:
-            _count(layout, "all_gather", buckets, lambda b: b.dtypes.compute)
+        step, placed = _compiled(layout, self.backend)
         replayed = isinstance(self.backend, CudaGraphs)
         if replayed:  # a new microbatch: the last replay's outputs may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()
-        loss, aux = step(loss_fn, self.buffers, carriers, batch)
+        try:
+            with (
+                torch._functorch.config.patch(
+                    joint_custom_pass=joint_pass(placed, recompute=_recomputes(self.backend)),
+                    enable_autograd_cache=False,
+                ),
+                overlap_config(layout, self.backend),
+            ):
+                loss, aux = step(loss_fn, self.buffers, carriers, batch)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            raise _unwrapped_error(e) from None
+        if layout.strategy.shards_params:
+            _count(layout, "all_gather", buckets, lambda b: b.dtypes.compute)
+            _count_regathers(layout, placed)
         if replayed:  # a replay's outputs live in the graph's static buffers: keep copies
-            loss = loss.clone()
+            loss, aux = loss.clone(), copied_out(aux)
         with dtensor_backward(loss):
             grads = torch.autograd.grad(loss * scale, carriers, allow_unused=True)
         reached = [i for i, g in enumerate(grads) if g is not None]

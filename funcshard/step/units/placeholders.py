@@ -12,7 +12,7 @@ import torch
 
 from funcshard.layout.layout import ROOT_UNIT, Layout
 
-__all__ = ["UnitParamsError", "Absent", "absent"]
+__all__ = ["UnitParamsError", "Absent", "absent", "read_in_capture"]
 
 
 class UnitParamsError(RuntimeError):
@@ -88,3 +88,15 @@ def _make(layout: Layout, names: list[str]) -> dict[str, Absent]:
             )
         out[name] = Absent(spec.shape, spec.dtypes.compute, why)
     return out
+
+
+def read_in_capture(layout: Layout, name: str) -> UnitParamsError:
+    """The error of a ``loss_fn`` that reads param ``name`` from the model itself under the
+    captured step (``compile=`` under ZeRO-2/3): there the model's own tensor is not the
+    state's (it holds the initial weights), so the read is refused, not trained on."""
+    return UnitParamsError(
+        f"parameter {name!r} was read from the model itself in loss_fn, outside "
+        f"fs.functional_call: under {layout.strategy} with compile= the captured step hands "
+        "loss_fn the state's params, and the model's own tensor is not one of them (it holds "
+        f"the initial weights); read params[{name!r}] instead"
+    )

@@ -1,0 +1,235 @@
+"""Where the captured step's collectives sit: a pass over AOTAutograd's joint graph.
+
+AOTAutograd traces the captured microbatch (:mod:`funcshard.step.units.captured`) into one
+joint forward + backward graph, then a partitioner splits it, saving for backward what the
+backward reads of the forward. Left alone it saves the all-gathered params (ZeRO-3's point
+lost) and, since every bucket's gather is applied before ``loss_fn`` runs, the autograd engine
+orders every reduce-scatter after the whole backward. :func:`place_collectives`, run on the
+joint graph before any partitioner (``torch._functorch.config.joint_custom_pass``, so it
+serves every AOTAutograd backend: inductor, aot_eager, a callable built on ``aot_autograd``),
+does what FSDP does eagerly:
+
+* each all-gather, its wait and the views of its output are tagged ``MUST_RECOMPUTE``
+  (SimpleFSDP's policy): the partitioner saves the shard, a graph input, and the backward
+  gathers again where it needs the params;
+* each all-gather chain moves to just before the first op that reads its params (forward
+  gathers unit by unit, not all at the start);
+* each reduce-scatter, with what feeds only it (the bucket's gradients' concatenation, the
+  cast to the wire, the mean) and its wait, runs as soon as its inputs are ready: as the
+  unit's backward ends, its gradients reduced and dropped before the next unit's backward.
+
+Every rank traces the same program, so every rank's graph holds the collectives in the same
+order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+__all__ = ["Placed", "joint_pass", "place_collectives", "GATHER", "REDUCE_SCATTER", "WAIT"]
+
+_C10D = torch.ops._c10d_functional
+GATHER = _C10D.all_gather_into_tensor.default
+REDUCE_SCATTER = _C10D.reduce_scatter_tensor.default
+WAIT = _C10D.wait_tensor.default
+
+
+# what turns a gathered buffer into its leaves' params: views, and the copy that makes a leaf
+# contiguous (its rank pieces are strided in the gathered rank sections)
+_COPIES = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default, WAIT)
+
+
+@dataclasses.dataclass
+class Placed:
+    """What :func:`place_collectives` found in the last joint graph it placed.
+
+    Attributes:
+      regathered: (numel, dtype) of each all-gather backward runs again (its params read by
+        the backward), in graph order.
+      gathered_peak: the most bytes of all-gathered buffers alive at once, the graph run in
+        the order the pass left it (each from its all-gather to the last op that reads its
+        params; in backward, from the first op that needs them again to the last).
+    """
+
+    regathered: list[tuple[int, torch.dtype]] = dataclasses.field(default_factory=list)
+    gathered_peak: int = 0
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    return target is operator.getitem or target in _COPIES or bool(getattr(target, "is_view", 0))
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes that depend on a tangent (the joint graph's backward half)."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                out.add(node)
+        elif any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _gather_chain(gather: fx.Node, backward: set[fx.Node]) -> list[fx.Node]:
+    """The all-gather, its wait and every view (or contiguous copy) of the result: the params
+    it hands out, in graph order; what backward recomputes from the shard."""
+    chain, todo = [gather], [gather]
+    while todo:
+        for user in todo.pop().users:
+            if user in backward or user in chain:
+                continue
+            if _is_view(user):
+                chain.append(user)
+                todo.append(user)
+    order = {n: i for i, n in enumerate(gather.graph.nodes)}
+    return sorted(chain, key=order.__getitem__)
+
+
+def _sink_before_first_use(chain: list[fx.Node]) -> None:
+    """Moves the chain (graph order) to just before its first consumer outside it."""
+    members = set(chain)
+    order = {n: i for i, n in enumerate(chain[0].graph.nodes)}
+    consumers = [u for n in chain for u in n.users if u not in members]
+    if not consumers:
+        return
+    first = min(consumers, key=order.__getitem__)
+    for node in chain:
+        first.prepend(node)
+
+
+def _reduce_chain(scatter: fx.Node, backward: set[fx.Node]) -> set[fx.Node]:
+    """The reduce-scatter, the backward ops that feed only it (each node all of whose users
+    are in the chain) and its wait with that wait's casts."""
+    chain, todo = {scatter}, list(scatter.all_input_nodes)
+    while todo:
+        node = todo.pop()
+        if node in chain or node not in backward or node.op != "call_function":
+            continue
+        if all(u in chain for u in node.users):  # looked at again as each user joins
+            chain.add(node)
+            todo.extend(node.all_input_nodes)
+    for user in scatter.users:
+        if user.target is WAIT:
+            chain.add(user)
+            chain.update(u for u in user.users if u.op == "call_function" and len(u.users) <= 1)
+    return chain
+
+
+def _hoist(graph: fx.Graph, eager: set[fx.Node]) -> None:
+    """Reorders ``graph``: every node of ``eager`` runs as soon as its inputs have run, the
+    others keep their order."""
+    done: set[fx.Node] = set()
+    order: list[fx.Node] = []
+
+    def ready(node: fx.Node) -> bool:
+        return node not in done and all(a in done for a in node.all_input_nodes)
+
+    for node in graph.nodes:
+        if node in done or node.op == "output" or (node in eager and not ready(node)):
+            continue  # an eager node is emitted once its inputs are
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            if not ready(n):
+                continue
+            order.append(n)
+            done.add(n)
+            todo.extend(u for u in reversed(n.users) if u in eager)
+    assert len(order) == len(graph.nodes) - 1, "every node but the output placed"
+    for prev, node in zip(order, order[1:], strict=False):
+        prev.append(node)
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta["val"]
+    return val.numel() * val.element_size()
+
+
+def _peak(intervals: list[tuple[int, int, int]]) -> int:
+    """The most bytes alive at once over (first, last, bytes) intervals of positions."""
+    events = sorted([(a, n) for a, _, n in intervals] + [(b + 1, -n) for _, b, n in intervals])
+    live = peak = 0
+    for _, n in sorted(events, key=lambda e: (e[0], e[1])):
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+def _account(
+    chains: list[list[fx.Node]], backward: set[fx.Node], placed: Placed, recompute: bool
+) -> None:
+    """Fills ``placed`` from the placed graph: what backward gathers again, the gathered peak
+    (without ``recompute``, a gather the backward reads is held from forward to backward)."""
+    pos = {n: i for i, n in enumerate(chains[0][0].graph.nodes)} if chains else {}
+    intervals = []
+    for chain in chains:
+        members, nbytes = set(chain), _nbytes(chain[0])
+        users = [u for n in chain for u in n.users if u not in members]
+        forward = [pos[u] for u in users if u not in backward]
+        if forward:
+            intervals.append((pos[chain[0]], max(forward), nbytes))
+        later = [pos[u] for u in users if u in backward]
+        if later and not recompute:
+            intervals.append((pos[chain[0]], max(later), nbytes))
+        elif later:
+            intervals.append((min(later), max(later), nbytes))
+            val = chain[0].meta["val"]
+            placed.regathered.append((val.numel(), val.dtype))
+    placed.gathered_peak = _peak(intervals)
+
+
+def place_collectives(
+    gm: fx.GraphModule,
+    joint_inputs: object = None,
+    placed: Placed | None = None,
+    *,
+    recompute: bool = True,
+) -> fx.GraphModule:
+    """The joint graph pass (module docstring): gathers recomputed in backward (unless
+    ``recompute`` is False: then the partitioner saves them) and placed at their first use,
+    reduce-scatters as soon as their gradients are ready; what it placed goes into
+    ``placed``."""
+    del joint_inputs
+    graph = gm.graph
+    backward = _backward_nodes(graph)
+    chains = []
+    for gather in [n for n in graph.nodes if n.target is GATHER and n not in backward]:
+        chain = _gather_chain(gather, backward)
+        for node in chain if recompute else ():
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        _sink_before_first_use(chain)
+        chains.append(chain)
+    eager: set[fx.Node] = set()
+    for scatter in [n for n in graph.nodes if n.target is REDUCE_SCATTER and n in backward]:
+        eager |= _reduce_chain(scatter, backward)
+    if eager:
+        _hoist(graph, eager)
+    graph.lint()
+    gm.recompile()
+    if placed is not None:
+        placed.regathered.clear()
+        _account(chains, backward, placed, recompute)
+    return gm
+
+
+def joint_pass(
+    placed: Placed, *, recompute: bool = True
+) -> Callable[[fx.GraphModule, object], fx.GraphModule]:
+    """What ``joint_custom_pass`` is set to around a captured call: :func:`place_collectives`
+    (recording into ``placed``), then a pass the user set there, if any."""
+    user = torch._functorch.config.joint_custom_pass
+
+    def run(gm: fx.GraphModule, inputs: object) -> fx.GraphModule:
+        gm = place_collectives(gm, inputs, placed, recompute=recompute)
+        return gm if user is None or getattr(user, "placed", None) else user(gm, inputs)
+
+    run.placed = placed  # type: ignore[attr-defined]
+    return run
