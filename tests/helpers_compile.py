@@ -135,10 +135,13 @@ def edges_worker() -> dict:
     return out if rank == 0 else {}
 
 
-def overlap_worker() -> list[tuple[bool, list]]:
+def overlap_worker() -> list:
     """What inductor's config holds inside a captured call's overlap context, per
     ``fs.init(compile=..., overlap=...)``: (reorder_for_compute_comm_overlap, its passes) for
-    inductor with overlap on and off, and for aot_eager with it on. Nothing is compiled."""
+    inductor with overlap on, off and by default, and for aot_eager with it on; then the
+    warnings of a captured ZeRO-3 ``fs.init`` per backend. Nothing is compiled."""
+    import warnings
+
     import torch._inductor.config as inductor
 
     import funcshard as fs
@@ -147,13 +150,14 @@ def overlap_worker() -> list[tuple[bool, list]]:
     import models
 
     out = []
-    for backend, overlap in (("inductor", True), ("inductor", False), ("aot_eager", True)):
+    cases = (("inductor", True), ("inductor", False), ("inductor", None), ("aot_eager", True))
+    for backend, overlap in cases:
         state = fs.init(
             models.make_model(n_blocks=2),
             fs.optim.sgd(0.1),
             mesh=fs.make_mesh(device_type="cpu"),
             compile=backend,
-            overlap=overlap,
+            **({} if overlap is None else {"overlap": overlap}),
         )
         with overlap_config(state.layout, state.compile):
             passes = [
@@ -161,4 +165,17 @@ def overlap_worker() -> list[tuple[bool, list]]:
                 for p in inductor.reorder_for_compute_comm_overlap_passes
             ]
             out.append((inductor.reorder_for_compute_comm_overlap, passes))
-    return out
+    warned = {}
+    for backend in ("eager", lambda gm, example: gm.forward, "aot_eager", "inductor"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fs.init(
+                models.make_model(n_blocks=2),
+                fs.optim.sgd(0.1),
+                mesh=fs.make_mesh(device_type="cpu"),
+                strategy="optim_grads_params",
+                compile=backend,
+            )
+        name = backend if isinstance(backend, str) else "callable"
+        warned[name] = [str(w.message) for w in caught if "AOTAutograd" in str(w.message)]
+    return [*out, warned]

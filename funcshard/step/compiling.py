@@ -141,7 +141,7 @@ def capture_refusal(layout: Any) -> str | None:
     return None
 
 
-def check_units(model: nn.Module, layout: Any, backend: Backend, *, overlap: bool = True) -> None:
+def check_units(model: nn.Module, layout: Any, backend: Backend, *, overlap: bool = False) -> None:
     """``fs.init``'s checks of a ZeRO-2/3 layout's units against what is compiled: no
     compiled region around them (:func:`check_not_compiled_around_units`), and a warning
     where ``compile=`` cannot capture the step (:func:`warn_not_captured`); with a backend,
@@ -149,6 +149,7 @@ def check_units(model: nn.Module, layout: Any, backend: Backend, *, overlap: boo
     if layout.strategy.runs_units:
         check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
         warn_not_captured(layout, backend)
+        warn_not_joint(layout, backend)
         if backend is not None:
             _CAPTURES[layout] = (weakref.ref(unwrapped(model)), overlap)
 
@@ -185,6 +186,35 @@ def overlap_config(layout: Any, backend: Backend) -> contextlib.AbstractContextM
     import torch._inductor.config
 
     return torch._inductor.config.patch(OVERLAP)
+
+
+def through_aot_autograd(backend: Backend) -> bool:
+    """Whether ``backend`` compiles AOTAutograd's forward and backward graphs (inductor, the
+    ``aot_*`` and ``cudagraphs`` names, a callable made by ``aot_autograd``): only those run
+    the captured step's joint-graph pass (:mod:`funcshard.step.units.schedule`)."""
+    from torch._dynamo.backends.common import AotAutograd
+
+    if isinstance(backend, CudaGraphs | AotAutograd):
+        return True
+    return isinstance(backend, str) and (
+        backend in ("inductor", "cudagraphs") or backend.startswith("aot_")
+    )
+
+
+def warn_not_joint(layout: Any, backend: Backend) -> None:
+    """Warns (at ``fs.init``) where a captured ZeRO-2/3 step's backend never sees the joint
+    graph (``compile="eager"``, a plain callable): ZeRO-3's forward then keeps every gathered
+    param for the backward, and the reduce-scatters wait for the backward's end."""
+    if backend is None or capture_refusal(layout) is not None or through_aot_autograd(backend):
+        return
+    warnings.warn(
+        f"init: compile={backend!r} does not compile through AOTAutograd, so the captured "
+        "step's pass that re-gathers ZeRO-3's params in backward and reduce-scatters each "
+        "bucket as its gradients complete does not run: the forward keeps the gathered params "
+        "for the backward. Use inductor, an aot_* backend, or a callable made with "
+        "torch._dynamo.backends.common.aot_autograd",
+        stacklevel=4,
+    )
 
 
 def warn_not_captured(layout: Any, backend: Backend) -> None:
