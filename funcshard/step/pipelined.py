@@ -50,6 +50,24 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta")
 
 
+def _sendable(out: Any, meta: Any, index: int) -> Any:
+    """``out`` as torch's stage sends it: contiguous (gloo sends and receives contiguous
+    buffers only; the gradients received for it are made like it), and of the shapes and
+    dtypes the stage has on the meta device (ValueError otherwise: the receiving stage sized
+    its buffers by them)."""
+    out = optree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, out)
+    if meta is not None:
+        got = [(tuple(t.shape), t.dtype) for t in optree.tree_leaves(out)]
+        want = [(tuple(m.shape), m.dtype) for m in optree.tree_leaves(meta)]
+        if got != want:
+            raise ValueError(
+                f"pipeline stage {index}: its output (shapes, dtypes) {got} differs from "
+                f"what it gives on the meta device, {want}, by which the next stage sized "
+                "its buffers"
+            )
+    return out
+
+
 class StageModule(nn.Module):
     """A stage as torch's ``PipelineStage`` runs it: the user's stage module called with the
     step's leaves (``torch.func.functional_call``); ``parameters()`` are those leaves."""
@@ -74,7 +92,8 @@ class StageModule(nn.Module):
         if self.error is None:
             try:
                 params = {n: self.leaves[n] for n in self.names}
-                return torch.func.functional_call(self.stage, params, args)
+                out = torch.func.functional_call(self.stage, params, args)
+                return _sendable(out, self.out_meta, self.index)
             except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
                 self.error = traceback.format_exc(limit=-3)
                 if self.out_meta is None:
