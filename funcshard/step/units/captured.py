@@ -215,8 +215,9 @@ def _model_reads(layout: Layout) -> Callable[[Any, list], None]:
 def _recomputes(backend: Backend) -> bool:
     """Whether the backend's graphs re-gather ZeRO-3's params in backward. Not inductor's
     (by name, CUDA graphs included): its graphs with the all-gather recomputed train wrong
-    params on torch 2.13 (gloo, CPU; found, not yet understood), so inductor saves the
-    gathered params for backward as before."""
+    params on torch 2.13 (gloo, CPU): a fused kernel of its backward read a view of a
+    re-gathered buffer before the all-gather's wait (docs/strategies.md), so inductor saves
+    the gathered params for backward as before."""
     return not (backend == "inductor" or isinstance(backend, CudaGraphs))
 
 
