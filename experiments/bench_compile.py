@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpt import GPT, GPTConfig  # noqa: E402
 from parity import ROUNDING, params_difference  # noqa: E402
+from timing import peaks_above_start  # noqa: E402
 
 import funcshard as fs  # noqa: E402
 
@@ -109,22 +110,7 @@ def step_peaks(step, batches) -> tuple[int, float]:
                 t = time.perf_counter()
                 step(batch)
                 walls.append(time.perf_counter() - t)
-    events = prof.profiler.kineto_results.events()
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    peaks = []
-    for i in range(len(batches) - 1):
-        mark = next(e for e in events if e.name() == f"measured_step_{i}")
-        start, stop = mark.start_ns(), mark.start_ns() + mark.duration_ns()
-        live = base = peak = 0
-        for t, nbytes in memory:
-            if t > stop:
-                break
-            live += nbytes
-            if t < start:
-                base = peak = live
-            peak = max(peak, live)
-        peaks.append(peak - base)
-    return min(peaks), statistics.median(walls)
+    return min(peaks_above_start(prof, len(batches) - 1)), statistics.median(walls)
 
 
 def run(cfg_: dict[str, Any], layers: int, strategy: str, captured: bool) -> dict[str, Any]:

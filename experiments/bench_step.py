@@ -55,6 +55,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpt import GPT, GPTConfig  # noqa: E402
+from timing import peaks_above_start  # noqa: E402
 
 import funcshard as fs  # noqa: E402
 from funcshard.layout.policy import native_bf16_reason  # noqa: E402
@@ -237,22 +238,7 @@ def _peak_bytes(runner, batches, reps: int = 5) -> int:
         for i in range(reps):
             with record_function(f"measured_step_{i}"):
                 runner.step(batches[1 + i % (len(batches) - 1)])
-    events = prof.profiler.kineto_results.events()
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    peaks = []
-    for i in range(reps):
-        mark = next(e for e in events if e.name() == f"measured_step_{i}")
-        start, stop = mark.start_ns(), mark.start_ns() + mark.duration_ns()
-        live = base = peak = 0
-        for t, nbytes in memory:
-            if t > stop:
-                break
-            live += nbytes
-            if t < start:
-                base = peak = live
-            peak = max(peak, live)
-        peaks.append(persistent + peak - base)
-    return min(peaks)
+    return persistent + min(peaks_above_start(prof, reps))
 
 
 class _Funcshard:

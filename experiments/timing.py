@@ -6,7 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-__all__ = ["median_time", "compile_times"]
+__all__ = ["median_time", "compile_times", "peaks_above_start"]
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -37,3 +37,25 @@ def compile_times() -> str:
         f"{len(frames)} forward graph(s) {each(frames)} s; "
         f"{len(backward)} backward graph(s) {each(backward)} s"
     )
+
+
+def peaks_above_start(prof, count: int) -> list[int]:
+    """Per measured step ``i < count`` (a ``record_function(f"measured_step_{i}")`` region of
+    a ``torch.profiler.profile(profile_memory=True)`` run): the most bytes allocated above what
+    was live when the step began, from the profiler's memory events."""
+    events = prof.profiler.kineto_results.events()
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    peaks = []
+    for i in range(count):
+        mark = next(e for e in events if e.name() == f"measured_step_{i}")
+        start, stop = mark.start_ns(), mark.start_ns() + mark.duration_ns()
+        live = base = peak = 0
+        for t, nbytes in memory:
+            if t > stop:
+                break
+            live += nbytes
+            if t < start:
+                base = peak = live
+            peak = max(peak, live)
+        peaks.append(peak - base)
+    return peaks

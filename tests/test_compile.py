@@ -293,7 +293,8 @@ def test_not_captured_warns_and_compiles_the_units(pool2):
     assert eager["warnings"] == [] and len(compiled["warnings"]) == 1, compiled["warnings"]
     assert "param_comm_dtype=torch.bfloat16" in compiled["warnings"][0]
     assert compiled["counts"] == {"forward": 1, "backward": 1}, compiled["counts"]
-    assert compiled["collectives"] == {}, compiled["collectives"]
+    inside = {k: n for k, n in compiled["collectives"].items() if n}  # the counts' zeros too
+    assert inside == {}, compiled["collectives"]
     assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-6
 
 
