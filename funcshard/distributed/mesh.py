@@ -184,8 +184,36 @@ def tensor_axis(mesh: DeviceMesh) -> DeviceMesh | None:
     return mesh[TENSOR] if TENSOR in names else None
 
 
+class _ByIdentity:
+    """A cache of values per mesh OBJECT, each kept while its mesh lives. Not a
+    WeakKeyDictionary: DeviceMesh compares and hashes by value, so an equal mesh another test
+    or job left alive on some ranks (and collected on others) would answer for this one there,
+    and the ranks that missed would make a group alone: a collective the others never join."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, mesh: DeviceMesh) -> Any:
+        entry = self._entries.get(id(mesh))
+        return entry[1] if entry is not None and entry[0]() is mesh else None
+
+    def put(self, mesh: DeviceMesh, value: Any) -> Any:
+        key, entries = id(mesh), self._entries
+
+        def collected(ref: weakref.ref) -> None:
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(mesh, collected), value)
+        return value
+
+    def pop(self, mesh: DeviceMesh) -> None:
+        if self.get(mesh) is not None:
+            del self._entries[id(mesh)]
+
+
 # The data-parallel submesh of each 3-D mesh, kept while the mesh lives.
-_DATA_PARALLEL: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
+_DATA_PARALLEL = _ByIdentity()
 
 
 def data_parallel(mesh: DeviceMesh) -> DeviceMesh:
@@ -196,7 +224,7 @@ def data_parallel(mesh: DeviceMesh) -> DeviceMesh:
         return mesh
     dp = _DATA_PARALLEL.get(mesh)
     if dp is None:
-        dp = _DATA_PARALLEL[mesh] = sliced(mesh, DATA_AXES)
+        dp = _DATA_PARALLEL.put(mesh, sliced(mesh, DATA_AXES))
     return dp
 
 
@@ -270,9 +298,9 @@ def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
     return mesh.get_group(DATA_AXES.index(axis))
 
 
-# The flattened group of each mesh, kept while the mesh lives (keyed by the mesh itself:
-# an id would be reused by a later mesh once this one is collected).
-_FLAT_GROUPS: weakref.WeakKeyDictionary[DeviceMesh, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+# The flattened group of each mesh, kept while the mesh lives (keyed by the mesh object: an
+# equal mesh's group, or a collected mesh's reused id, never answers for it).
+_FLAT_GROUPS = _ByIdentity()
 
 
 def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -282,8 +310,8 @@ def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     group = _FLAT_GROUPS.get(mesh)
     if group is None:
         name = "dp" if tuple(mesh.mesh_dim_names or ()) == DATA_AXES else "expert_dp"
-        group = _FLAT_GROUPS[mesh] = inherit_timeout(mesh._flatten(name).get_group())
-        hold(mesh, lambda m: _FLAT_GROUPS.pop(m, None))
+        group = _FLAT_GROUPS.put(mesh, inherit_timeout(mesh._flatten(name).get_group()))
+        hold(mesh, _FLAT_GROUPS.pop)
     return group
 
 
