@@ -24,15 +24,15 @@ Orbax's ``CheckpointManager(root).restore(step)`` expects.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -55,28 +55,63 @@ Keys = tuple[str, ...]
 
 # --- dtypes --------------------------------------------------------------------------------
 
-# dtypes numpy lacks: ml_dtypes' (a tensor's bytes are viewed as the int of their width)
-_ML_DTYPES = {
-    torch.bfloat16: ml_dtypes.bfloat16,
-    torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
-    torch.float8_e5m2: ml_dtypes.float8_e5m2,
-    torch.float8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz,
-    torch.float8_e5m2fnuz: ml_dtypes.float8_e5m2fnuz,
-    torch.float8_e8m0fnu: ml_dtypes.float8_e8m0fnu,
+# dtypes numpy lacks: ml_dtypes' (a tensor's bytes are viewed as the int of their width).
+# ml_dtypes costs about a second of import: it loads when a checkpoint first needs a dtype.
+_ML_NAMES = {
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.float8_e4m3fnuz: "float8_e4m3fnuz",
+    torch.float8_e5m2fnuz: "float8_e5m2fnuz",
+    torch.float8_e8m0fnu: "float8_e8m0fnu",
 }
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16}
 
 
+def _ml_dtype(dtype: torch.dtype) -> Any:
+    """ml_dtypes' numpy type for a torch dtype numpy lacks, None for the others."""
+    name = _ML_NAMES.get(dtype)
+    if name is None:
+        return None
+    import ml_dtypes
+
+    return getattr(ml_dtypes, name)
+
+
 def _numpy_of(dtype: torch.dtype) -> np.dtype:
-    ml = _ML_DTYPES.get(dtype)
+    ml = _ml_dtype(dtype)
     if ml is not None:
         return np.dtype(ml)
     return torch.empty(0, dtype=dtype).numpy().dtype.newbyteorder("<")
 
 
-NUMPY_DTYPE = {z: _numpy_of(t) for t, z in ZARR_DTYPE.items()}
+class _Built(Mapping):
+    """A mapping built by ``build`` at its first read (the dtype tables need ml_dtypes)."""
+
+    def __init__(self, build: Any) -> None:
+        self._build = build
+
+    @functools.cached_property
+    def _table(self) -> dict:
+        return self._build()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._table[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+NUMPY_DTYPE: Mapping[str, np.dtype] = _Built(
+    lambda: {z: _numpy_of(t) for t, z in ZARR_DTYPE.items()}
+)
 """zarr dtype string -> numpy dtype (what chunk files hold, little-endian)."""
-TORCH_FROM_NUMPY = {np.dtype(NUMPY_DTYPE[z]).newbyteorder("="): t for t, z in ZARR_DTYPE.items()}
+TORCH_FROM_NUMPY: Mapping[np.dtype, torch.dtype] = _Built(
+    lambda: {np.dtype(NUMPY_DTYPE[z]).newbyteorder("="): t for t, z in ZARR_DTYPE.items()}
+)
 FLOAT_NAMES = ("float32", "float64", "float16", "bfloat16")
 EIGHT_BIT_NAMES = ("int8", "uint8")  # 8-bit optimizer moments
 
@@ -85,7 +120,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's values as a numpy array (bf16 and float8 as ml_dtypes', no copy if
     able)."""
     t = t.detach().cpu().contiguous()
-    ml = _ML_DTYPES.get(t.dtype)
+    ml = _ml_dtype(t.dtype)
     if ml is not None:
         return t.view(_INT_OF_WIDTH[t.element_size()]).numpy().view(ml)
     return t.numpy()
@@ -99,7 +134,7 @@ def to_torch(a: np.ndarray, where: str) -> torch.Tensor:
             f"({', '.join(sorted(n.name for n in TORCH_FROM_NUMPY))})"
         )
     a = np.ascontiguousarray(a)
-    if dtype in _ML_DTYPES:
+    if dtype in _ML_NAMES:
         width = _INT_OF_WIDTH[a.dtype.itemsize]
         return torch.from_numpy(a.view(_numpy_of(width))).view(dtype)
     return torch.from_numpy(a)

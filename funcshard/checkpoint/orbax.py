@@ -13,7 +13,6 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 import torch
 
 from funcshard.checkpoint import checksums as checksums_lib
@@ -34,6 +33,7 @@ from funcshard.checkpoint.format import (
 )
 from funcshard.checkpoint.orbax_files import resolve_orbax_item
 from funcshard.checkpoint.sources import ReadRequest, copy_rows
+from funcshard.checkpoint.storage import ts
 
 __all__ = ["OrbaxSource", "resolve_orbax_item"]
 

@@ -27,7 +27,19 @@ import shutil
 import threading
 from typing import Any
 
-import tensorstore as ts
+
+class _Tensorstore:
+    """tensorstore, imported at the first attribute read: it costs most of a second at import
+    (it brings ml_dtypes), which every process that never touches a checkpoint saves."""
+
+    def __getattr__(self, name: str) -> Any:
+        import tensorstore
+
+        return getattr(tensorstore, name)
+
+
+ts = _Tensorstore()
+
 
 __all__ = [
     "CURL_DEFAULTS",

@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from funcshard.checkpoint import stats, storage
 from funcshard.checkpoint import tree as tree_lib
@@ -37,6 +36,7 @@ from funcshard.checkpoint.format import (
     write_item_metadata,
     zarr_metadata,
 )
+from funcshard.checkpoint.storage import ts
 
 __all__ = ["write_arrays", "write_records"]
 

@@ -45,7 +45,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from torch import nn
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from funcshard.layout.strategy import OuterStrategy
 from funcshard.parallel.pipeline import Pipeline, check_stages
@@ -141,6 +140,8 @@ def schedule_order(
       ValueError: microbatches torch's schedule refuses (its own words).
     """
     pipe = Pipeline(schedule, microbatches=microbatches)
+    from torch.distributed.pipelining import schedules as torch_schedules  # loads dynamo
+
     cls = getattr(torch_schedules, pipe.torch_class)
     per_rank = per_rank or (1 if pipe.placement == "single" else 2)
     n = pipeline * per_rank

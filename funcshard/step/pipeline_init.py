@@ -13,14 +13,13 @@ from funcshard.distributed import mesh as mesh_lib
 from funcshard.distributed.dims import CONTEXT, EXPERT, TENSOR
 from funcshard.parallel.pipeline import Pipeline, check_stages
 from funcshard.parallel.pipeline_split import merge
-from funcshard.step.pipelined import PipelineRun
 
 __all__ = ["prepare"]
 
 
 def prepare(
     model: Any, mesh: DeviceMesh, pipeline: Pipeline | None, refused: dict[str, Any]
-) -> tuple[Any, DeviceMesh, PipelineRun | None]:
+) -> tuple[Any, DeviceMesh, Any]:
     """``(model to shard, mesh to shard it over, the run)``: ``(model, mesh, None)`` without
     a pipeline; with one, this rank's stages merged, its sub-world and its schedule.
 
@@ -59,6 +58,8 @@ def prepare(
     check_stages(stages, pipeline, P)
     mine = pipeline.stages_of(axis.get_local_rank(), P, len(stages))
     sub = mesh_lib.without_pipeline(mesh)
+    from funcshard.step.pipelined import PipelineRun  # torch's pipelining loads dynamo
+
     run = PipelineRun(
         pipeline,
         stages,
