@@ -29,8 +29,7 @@ from typing import Any
 
 
 class _Tensorstore:
-    """tensorstore, imported at the first attribute read: it costs most of a second at import
-    (it brings ml_dtypes), which every process that never touches a checkpoint saves."""
+    """tensorstore, imported at its first use (with ml_dtypes, most of a second)."""
 
     def __getattr__(self, name: str) -> Any:
         import tensorstore
@@ -39,8 +38,6 @@ class _Tensorstore:
 
 
 ts = _Tensorstore()
-
-
 __all__ = [
     "CURL_DEFAULTS",
     "PROBE_TIMEOUT_S",
