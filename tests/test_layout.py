@@ -261,6 +261,10 @@ def test_default_units_are_the_module_list_children_with_params() -> None:
     # A nested ModuleList does not split its unit; a child without params is no unit.
     assert layout_lib.default_units(_Nested()) == ["layers.0", "extra.heads.0", "extra.heads.1"]
     assert layout_lib.default_units(nn.Linear(2, 2)) == []
+    # torchtitan's blocks: a ModuleDict keyed "0", "1", ... (a pipeline split keeps the keys)
+    blocks = nn.ModuleDict({"0": nn.Linear(2, 2), "3": nn.Linear(2, 2), "7": nn.ReLU()})
+    titan = nn.ModuleDict({"emb": nn.Embedding(5, 2), "layers": blocks, "head": nn.Linear(2, 5)})
+    assert layout_lib.default_units(titan) == ["layers.0", "layers.3"]
 
 
 def test_tied_aliases_name_the_names_named_parameters_drops() -> None:

@@ -26,6 +26,7 @@ import funcshard as fs
 from funcshard.parallel.pipeline import SCHEDULES
 
 import helpers_pipeline as hp
+import helpers_pipeline_tiers as hpt
 
 TOL = 1e-5
 ROWS = 8  # per data-parallel rank: 2 rows a microbatch
@@ -169,3 +170,24 @@ def test_checkpoints_of_the_whole_model(pool4, tmp_path):
     saved = out[0]["cases"][0]["saved"]
     assert sorted(exported) == sorted(saved)  # the whole model
     assert all(torch.equal(exported[n], t) for n, t in saved.items())
+
+
+def test_a_module_dict_of_blocks_and_the_local_and_dcp_tiers(pool4, tmp_path):
+    """torchtitan's ModuleDict of blocks (keys "0".."7") splits into the same gather units as
+    the ModuleList and trains as one process under ZeRO-3 at P=2 x S=2 (one gather a bucket a
+    step); its state saved by a CheckpointManager's local tier only, then restored by a new
+    manager into a meta model's state, bitwise, while a tier step of another split whose
+    masters have the same shapes is not taken; converted to DCP, restored model_only at P=4,
+    bitwise."""
+    out = pool4.run(hpt.run_titan_and_tiers, str(tmp_path), ROWS)
+    ref = hp.reference(ROWS, 2)
+    for rank, r in enumerate(out):
+        stage = rank // 2  # 2 stages of 4 blocks: stage 0 holds blocks 0-3
+        assert r["units"] == ["", *(f"blocks.{k}" for k in range(4 * stage, 4 * stage + 4))], r
+        assert r["gathers"] == hp.STEPS * r["buckets"], r
+        err = max(hp._rel(r["full"][n], ref["params"][n]) for n in ref["params"])
+        assert list(r["full"]) == list(ref["params"]) and err < TOL, (rank, err)
+        assert str(hp.STEPS) not in r["root_steps"], r["root_steps"]  # in the tier only
+        assert _equal(r["tier"], r["full"]), rank  # from the local tier alone
+        assert r["another_split"].startswith("FileNotFoundError"), r["another_split"]
+        assert _equal(r["dcp"], r["full"]), rank

@@ -24,6 +24,7 @@ without ``{node}`` that several nodes share is refused when the tier is made.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -49,6 +50,7 @@ from funcshard.checkpoint.local_records import (
     mismatch,
     run_id,
 )
+from funcshard.checkpoint.reading import materialized
 from funcshard.state.state import TrainState
 from funcshard.state.values import load_values, values
 
@@ -97,11 +99,21 @@ def _exchange(sends: dict[int, bytes], recvs: list[int]) -> dict[int, bytes]:
 
 
 def _signature(state: TrainState) -> str:
-    """What a restore from the tier needs to match: the world, strategy, mesh and masters (each
-    rank's values are checked leaf by leaf once read: :func:`.local_records.mismatch`)."""
-    layout = state.layout
-    shapes = [tuple(m.shape) for m in state.master]
-    return f"{dist.get_world_size()} {layout.strategy} {layout.outer} {layout.mesh.shape} {shapes}"
+    """What a restore from the tier needs to match, the same on every rank of a node: the
+    world, strategy, mesh, and the masters with the names each bucket packs; under a pipeline
+    the schedule and every stage's parameter names instead of this rank's masters (another
+    split or schedule may give a rank masters of the same shapes over other parameters). Each
+    rank's values are checked leaf by leaf once read (:func:`.local_records.mismatch`)."""
+    layout, run = state.layout, state.pipeline
+    if run is None:
+        shapes = [tuple(m.shape) for m in state.master]
+        names = repr([shapes, [m.names for m in layout.members]])
+    else:
+        stages = [[n for n, _ in stage.named_parameters()] for stage in run.stages]
+        names = repr([run.pipe.torch_class, dist.get_world_size(run.group), stages])
+    names = hashlib.sha256(names.encode()).hexdigest()[:16]
+    world = dist.get_world_size()
+    return f"{world} {layout.strategy} {layout.outer} {layout.mesh.shape} {names}"
 
 
 def _remove(path: str) -> None:
@@ -468,4 +480,5 @@ class LocalTier:
                 )
             return None
         assert record is not None
-        return load_values(like, record["values"], by=f"local restore of step {choice.step}")
+        by = f"local restore of step {choice.step}"
+        return load_values(materialized(like), record["values"], by=by)

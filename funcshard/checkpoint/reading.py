@@ -320,3 +320,28 @@ def _dequantized(
 
 
 _TORCH_8BIT = {"int8": torch.int8, "uint8": torch.uint8}
+
+
+def materialized(like: TrainState) -> TrainState:
+    """``like`` (from a meta-device model, unfilled) with fresh buffers where ``fs.init`` puts
+    them for its masters and optimizer state, and its model's persistent buffers made on the
+    layout's device, for values copied in whole (the local tier's); ``like`` itself when
+    filled. Nothing is read, no collective."""
+    if like.filled:
+        return like
+    layout = like.layout
+    for name in like.buffers.names:
+        buf = like.buffers.get(name)
+        if buf.device.type == "meta":
+            owner, _, leaf = name.rpartition(".")
+            module = like.buffers.model.get_submodule(owner)  # type: ignore[union-attr]
+            setattr(module, leaf, torch.empty(buf.shape, dtype=buf.dtype, device=layout.device))
+    pairs = zip(like.master, layout.buckets, strict=True)
+    master = tuple(_target(m, b, layout, pin=True) for m, b in pairs)
+
+    def buckets(path: Keys, olds: PerBucket) -> PerBucket:
+        targets = zip(olds, layout.buckets, strict=True)
+        return olds.with_entries(None if o is None else _target(o, b, layout) for o, b in targets)
+
+    opt_state = map_opt(like.opt_state, len(layout.buckets), buckets, lambda p, x: x)
+    return like.replace(master=master, opt_state=opt_state)

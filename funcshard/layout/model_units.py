@@ -25,13 +25,15 @@ UnitsArg = Sequence[str] | Callable[[str, nn.Module], bool] | None
 
 
 def default_units(model: nn.Module) -> list[str]:
-    """The repeated blocks: each child of an ``nn.ModuleList`` that holds parameters.
+    """The repeated blocks: each child that holds parameters of an ``nn.ModuleList`` or of a
+    torchtitan-style ``nn.ModuleDict`` of blocks (keys "0", "1", ...: a pipeline split drops
+    entries and keeps the others' names, so torchtitan numbers its blocks by key).
 
-    A ModuleList nested inside a unit does not split that unit further.
+    A list of blocks nested inside a unit does not split that unit further.
     """
     units: list[str] = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList):
+        if not _blocks(module):
             continue
         if any(name == u or name.startswith(u + ".") for u in units):
             continue
@@ -39,6 +41,14 @@ def default_units(model: nn.Module) -> list[str]:
             if any(True for _ in child.parameters()):
                 units.append(f"{name}.{child_name}" if name else child_name)
     return units
+
+
+def _blocks(module: nn.Module) -> bool:
+    """Whether ``module`` is a list of blocks: an ``nn.ModuleList``, or an ``nn.ModuleDict``
+    whose every key is a number."""
+    if isinstance(module, nn.ModuleList):
+        return True
+    return isinstance(module, nn.ModuleDict) and len(module) > 0 and all(map(str.isdigit, module))
 
 
 def resolve_units(model: nn.Module, units: UnitsArg) -> list[str]:

@@ -1,0 +1,127 @@
+"""Workers of the pipeline tests beyond the tests' plain net: torchtitan's ModuleDict of
+blocks (its gather units, its parity), the local tier of ``CheckpointManager`` and a DCP copy
+of a pipelined checkpoint, restored across P."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import funcshard as fs
+from funcshard.checkpoint.cli import convert
+
+import helpers_pipeline as hp
+import models
+
+
+class TitanNet(nn.Module):
+    """The tests' net with its blocks in a ModuleDict keyed "0", "1", ... (torchtitan's): the
+    same parameters, names and initial values as ``hp.make_net``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(hp.D_IN, hp.WIDTH)
+        self.blocks = nn.ModuleDict({str(k): models.Block(hp.WIDTH) for k in range(hp.BLOCKS)})
+        self.head = nn.Linear(hp.WIDTH, hp.D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks.values():
+            h = block(h)
+        return self.head(h)
+
+
+def _titan(seed: int = 0, meta: bool = False) -> TitanNet:
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        return TitanNet()
+
+
+def _state(pipeline: int, strategy: str, meta: bool = False):
+    mesh = fs.make_mesh(pipeline=pipeline, device_type="cpu")
+    stages = fs.pipeline.split(_titan(meta=meta), hp.split_points(pipeline))
+    pipe = fs.Pipeline("1F1B", microbatches=hp.MICROBATCHES)
+    opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
+    return fs.init(stages, opt, mesh=mesh, strategy=strategy, pipeline=pipe)
+
+
+class Blocks(nn.Module):
+    """Identical blocks only: any split giving each rank as many blocks gives it masters of the
+    same shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(models.Block(hp.WIDTH) for _ in range(hp.BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _blocks_state(schedule: str, stages: int):
+    torch.manual_seed(0)
+    split = fs.pipeline.split(Blocks(), hp.split_points(stages))
+    pipe = fs.Pipeline(schedule, microbatches=hp.MICROBATCHES)
+    opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
+    mesh = fs.make_mesh(pipeline=2, device_type="cpu")
+    return fs.init(split, opt, mesh=mesh, strategy="optim_grads_params", pipeline=pipe)
+
+
+def _another_split(root: str, kw: dict) -> str:
+    """A tier step of blocks 0-3 | 4-7 (1F1B) offered to a state of blocks 0,1,4,5 | 2,3,6,7
+    (Interleaved1F1B): the same masters' shapes on every rank, other parameters. What the
+    restore said (no persistent step: nothing to fall back to)."""
+    state = _blocks_state("1F1B", 2)
+    with fs.CheckpointManager(f"{root}/blocks", local_dir=f"{root}/blocks{{node}}", **kw) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    with fs.CheckpointManager(f"{root}/blocks", local_dir=f"{root}/blocks{{node}}", **kw) as mgr:
+        like = _blocks_state("Interleaved1F1B", 4)
+        try:
+            mgr.restore(like=like)
+        except FileNotFoundError as e:
+            return f"FileNotFoundError: {e}"
+    return "restored"
+
+
+def _cpu(named: dict) -> dict:
+    return {n: t.detach().cpu().clone() for n, t in named.items()}
+
+
+def run_titan_and_tiers(root: str, rows: int) -> dict:
+    """At P=2 x S=2: a ModuleDict model trained under ZeRO-3 (``rows`` rows per data-parallel
+    rank, 3 steps); its state saved by a CheckpointManager with a local tier only (step 3 is
+    no multiple of ``persistent_every``) and restored by a new manager (the tier serves the
+    same layout; another split falls back to the persistent root); ``fs.save``d,
+    converted to DCP by rank 0 and restored ``model_only`` at P=4."""
+    state = _state(2, "optim_grads_params")
+    out = {"units": list(state.layout.units)}
+    dp_rank = dist.get_rank() % 2
+    with fs.comm_stats() as stats:
+        for step in range(hp.STEPS):
+            state, _ = fs.train_step(state, hp.dp_parts(step, rows, 2)[dp_rank], hp.loss_fn)
+    out["full"], out["gathers"] = _cpu(fs.full_params(state)), stats.calls["all_gather"]
+    out["buckets"] = len(state.layout.buckets)
+    local, kw = os.path.join(root, "local{node}"), dict(persistent_every=10, ranks_per_node=2)
+    with fs.CheckpointManager(f"{root}/mgr", local_dir=local, **kw) as mgr:
+        mgr.save(hp.STEPS, state)
+        mgr.wait()
+    with fs.CheckpointManager(f"{root}/mgr", local_dir=local, **kw) as mgr:
+        out["root_steps"] = (
+            sorted(os.listdir(f"{root}/mgr")) if os.path.isdir(f"{root}/mgr") else []
+        )
+        restored = mgr.restore(like=_state(2, "optim_grads_params", meta=True))
+    out["tier"] = _cpu(fs.full_params(restored))
+    out["another_split"] = _another_split(root, kw)
+    fs.save(f"{root}/saved", state)
+    if dist.get_rank() == 0:
+        convert(f"{root}/saved", f"{root}/dcp", "dcp")
+    dist.barrier()
+    out["dcp"] = _cpu(
+        fs.full_params(fs.restore(f"{root}/dcp", like=_state(4, "no_shard"), model_only=True))
+    )
+    return out
