@@ -55,21 +55,9 @@ flags.DEFINE_integer("threads", 1, "torch threads per rank.")
 P, WORLD, LR, MOMENTUM = 2, 4, 1e-3, 0.9
 
 
-class StagedGPT(GPT):
-    """The GPT with torchtitan's stage-friendly forward: each piece runs where the stage
-    holds it (a removed embedding, final norm or head is an ``nn.Identity``)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if isinstance(self.tok_emb, nn.Embedding):
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
-def _model(cfg: dict) -> StagedGPT:
+def _model(cfg: dict) -> GPT:
     torch.manual_seed(0)
-    return StagedGPT(GPTConfig(tied=False, **cfg))
+    return GPT(GPTConfig(tied=False, **cfg))  # its forward runs what a stage holds
 
 
 def _batch(step: int, rows: int, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +151,7 @@ def funcshard_worker(cfg: dict, run: dict) -> dict:
     return _timed(one, run["steps"], waits)
 
 
-def _torch_stage(model: StagedGPT, stage: int, half: int) -> StagedGPT:
+def _torch_stage(model: GPT, stage: int, half: int) -> GPT:
     """torchtitan's manual split: the model with the other stage's modules removed."""
     m = copy.deepcopy(model)
     if stage == 0:
@@ -221,7 +209,7 @@ def main(argv: list[str]) -> None:
         "threads": FLAGS.threads,
     }
     with torch.device("meta"):
-        meta = StagedGPT(GPTConfig(tied=False, **{k: v for k, v in cfg.items() if k != "batch"}))
+        meta = GPT(GPTConfig(tied=False, **{k: v for k, v in cfg.items() if k != "batch"}))
     plan = fs.plan(
         meta,
         world_size=WORLD,

@@ -180,16 +180,44 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, time, vocab) for int64 ``tokens`` (batch, time); ``positions``: each
-        token's place in its sequence (context parallel: this rank's part), else 0..time-1."""
+        token's place in its sequence (context parallel: this rank's part), else 0..time-1.
+
+        A pipeline stage (``fs.pipeline.split``: the modules outside the stage are
+        ``nn.Identity``, or None in stages built by hand) runs only what it holds, torchtitan's
+        way: without the token embedding it takes the previous stage's hidden states (batch,
+        time, d_model) as ``tokens``; without the final norm and head it returns its hidden
+        states.
+
+        Raises:
+          ValueError: a sequence longer than ``seq_len``; a tied model's stage that holds the
+            head (the final norm) but not the token embedding its weight is tied to (a tied
+            head split from its embedding would train two copies: build ``tied=False``).
+        """
         T = tokens.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"GPT: sequence of {T} tokens exceeds seq_len={self.cfg.seq_len}")
         if positions is None:
             positions = torch.arange(T, device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        x = self.tok_emb(tokens) if _held(self.tok_emb) else tokens
+        if _held(self.pos_emb):
+            x = x + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
-        x = self.ln_f(x)
-        if self.head is None:
-            return F.linear(x, self.tok_emb.weight)
-        return self.head(x)
+        if self.cfg.tied and _held(self.ln_f) and not _held(self.tok_emb):
+            raise ValueError(
+                "GPT: this pipeline stage holds the final norm and the output head, but not "
+                "tok_emb, whose weight the head is tied to (GPTConfig(tied=True)); a tied head "
+                "cannot be split from its embedding: build the model with tied=False "
+                "(experiments/train.py --notied)"
+            )
+        if _held(self.ln_f):
+            x = self.ln_f(x)
+        if not self.cfg.tied:
+            return self.head(x) if _held(self.head) else x
+        return F.linear(x, self.tok_emb.weight) if _held(self.ln_f) else x  # tied: with ln_f
+
+
+def _held(module: nn.Module | None) -> bool:
+    """Whether a pipeline stage holds ``module``: ``fs.pipeline.split`` replaces a removed
+    module by ``nn.Identity``, a stage built by hand may set it to None."""
+    return module is not None and not isinstance(module, nn.Identity)

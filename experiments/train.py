@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 experiments/train.py            # the same under torchrun
     python experiments/train.py --nproc=2 --data=input.txt      # char-level text, no floor
     python experiments/train.py --nproc=2 --context=2 --seq_len=64  # sequences split 2 ways
+    python experiments/train.py --nproc=4 --pipeline=2 --notied      # 2 stages x ZeRO-3 over 2
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --max-restarts=3 \
         --rdzv-backend=c10d ... experiments/train.py --grad_chunks=4 --deterministic \
         --checkpoint_dir=ckpt --save_every=50 --resume     # elastic: docs/multi-node.md
@@ -32,7 +33,13 @@ from absl import app, flags  # noqa: E402
 
 import funcshard as fs  # noqa: E402
 from experiments.gpt import GPTConfig  # noqa: E402
-from experiments.trainer import Config, microbatches_for, run  # noqa: E402
+from experiments.trainer import (  # noqa: E402
+    Config,
+    microbatches_for,
+    pipeline_stages,
+    run,
+    split_points,
+)
 from funcshard.layout.policy import native_bf16_reason  # noqa: E402
 
 DTYPES = {
@@ -82,6 +89,21 @@ flags.DEFINE_enum(
     ["all_to_all", "ring"],
     "Context parallel's attention: all_to_all (Ulysses, heads divisible by C) or ring.",
 )
+flags.DEFINE_integer(
+    "pipeline",
+    1,
+    "Pipeline ranks P (the outermost mesh axis, fs.Pipeline): the GPT split into stages by "
+    "fs.pipeline.split at its blocks (P stages, 2P under the looped and V-shaped schedules), "
+    "every other axis inside each pipeline rank. Needs --notied (a tied head would be split "
+    "from its embedding).",
+    lower_bound=1,
+)
+flags.DEFINE_enum(
+    "schedule",
+    "1F1B",
+    list(fs.pipeline.SCHEDULES),
+    "torch's pipeline schedule under --pipeline (torch.distributed.pipelining's, by name).",
+)
 flags.DEFINE_enum("strategy", "optim_grads_params", list(fs.STRATEGIES), "What is sharded.")
 flags.DEFINE_enum(
     "outer_strategy",
@@ -124,7 +146,11 @@ flags.DEFINE_bool(
     "microbatches, a power of two).",
 )
 flags.DEFINE_integer(
-    "microbatches", 1, "Microbatches per step (gradient accumulation).", lower_bound=1
+    "microbatches",
+    1,
+    "Microbatches per step (gradient accumulation); under --pipeline the schedule's, by default "
+    "as many as stages.",
+    lower_bound=1,
 )
 flags.DEFINE_integer(
     "grad_chunks",
@@ -315,18 +341,21 @@ def _fail(message: str) -> None:
 
 def _check_world(world: int) -> None:
     """Flag checks that need the world size; exit before any rank starts."""
-    tensor, context = FLAGS.tensor, FLAGS.context
-    if FLAGS.shard != -1 and FLAGS.shard * FLAGS.replicate * tensor * context != world:
+    tensor, context, pipeline = FLAGS.tensor, FLAGS.context, FLAGS.pipeline
+    others = FLAGS.replicate * tensor * context * pipeline  # every axis but "shard"
+    if FLAGS.shard != -1 and FLAGS.shard * others != world:
         _fail(
             f"--shard={FLAGS.shard} x --replicate={FLAGS.replicate} x --tensor={tensor} x "
-            f"--context={context} must equal the world size {world} (--nproc or torchrun's "
-            "WORLD_SIZE)"
+            f"--context={context} x --pipeline={pipeline} must equal the world size {world} "
+            "(--nproc or torchrun's WORLD_SIZE)"
         )
-    if FLAGS.shard == -1 and world % (FLAGS.replicate * tensor * context):
+    if FLAGS.shard == -1 and world % others:
         _fail(
-            f"--replicate={FLAGS.replicate} x --tensor={tensor} x --context={context} does not "
-            f"divide the world size {world}"
+            f"--replicate={FLAGS.replicate} x --tensor={tensor} x --context={context} x "
+            f"--pipeline={pipeline} does not divide the world size {world}"
         )
+    if pipeline > 1:
+        _check_pipeline()
     if context > 1:
         if FLAGS.seq_len % (2 * context):
             _fail(f"--seq_len={FLAGS.seq_len} must be divisible by 2 x --context={context}")
@@ -336,11 +365,11 @@ def _check_world(world: int) -> None:
             _fail("--context with --tensor, --experts, --compile or --deterministic: not yet")
     if FLAGS.n_head % tensor:
         _fail(f"--n_head={FLAGS.n_head} must be divisible by --tensor={tensor} (heads split)")
-    dp_world = world // (tensor * context)  # a tensor or context group shares its batch
-    try:
+    dp_world = world // (tensor * context * pipeline)  # a tensor or context group, and the
+    try:  # pipeline ranks, share a batch
         given = Config(
             grad_chunks=FLAGS.grad_chunks,
-            microbatches=FLAGS.microbatches,
+            microbatches=_microbatches(),
             batch_size=FLAGS.batch_size,
         )
         microbatches = microbatches_for(given, dp_world)
@@ -357,7 +386,7 @@ def _check_world(world: int) -> None:
         _fail(f"--expert={FLAGS.expert} splits experts: pass --experts=N (an MoE GPT)")
     if FLAGS.experts % FLAGS.expert:
         _fail(f"--expert={FLAGS.expert} must divide --experts={FLAGS.experts}")
-    shard = FLAGS.shard if FLAGS.shard != -1 else world // (FLAGS.replicate * tensor * context)
+    shard = FLAGS.shard if FLAGS.shard != -1 else world // others
     if shard % FLAGS.expert:
         _fail(f"--expert={FLAGS.expert} must divide the shard size {shard} (carved out of it)")
     if FLAGS.experts and tensor > 1:
@@ -369,6 +398,40 @@ def _check_world(world: int) -> None:
             f"--nproc={world}: NCCL runs one process per GPU and there are "
             f"{torch.cuda.device_count()}"
         )
+
+
+def _check_pipeline() -> None:
+    """--pipeline's own checks: what it does not combine with yet, the blocks per stage."""
+    if FLAGS.tied:
+        _fail(
+            f"--pipeline={FLAGS.pipeline} with --tied: the output head tied to the token "
+            "embedding would be split from it (the first stage holds the embedding, the last "
+            "the head); pass --notied (an untied head, its own weights)"
+        )
+    given = {
+        "--tensor": FLAGS.tensor > 1,
+        "--context": FLAGS.context > 1,
+        "--experts": FLAGS.experts > 0,
+        "--deterministic": FLAGS.deterministic,
+        "--compile": bool(FLAGS.compile),
+        "--replica_groups": FLAGS.replica_groups > 0,
+        "--outer_strategy=optim": FLAGS.outer_strategy == "optim",
+    }
+    for flag, on in given.items():
+        if on:
+            _fail(f"--pipeline={FLAGS.pipeline} with {flag}: not yet (docs/pipeline-parallel.md)")
+    try:
+        model = GPTConfig(n_layer=FLAGS.n_layer)
+        split_points(Config(pipeline=FLAGS.pipeline, schedule=FLAGS.schedule, model=model))
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _microbatches() -> int:
+    """--microbatches, or under --pipeline when it is not given, as many as stages."""
+    if FLAGS.pipeline > 1 and not FLAGS["microbatches"].present and not FLAGS.grad_chunks:
+        return pipeline_stages(Config(pipeline=FLAGS.pipeline, schedule=FLAGS.schedule))
+    return FLAGS.microbatches
 
 
 def _from_flags(cls, **given):
@@ -402,6 +465,7 @@ def _config() -> Config:
     dtypes["param_dtype"] = _param_dtype()
     return _from_flags(
         Config,
+        microbatches=_microbatches(),
         model=_from_flags(GPTConfig),
         policy=fs.MixedPrecisionPolicy(**dtypes),
         mu_dtype=MOMENT_DTYPES[FLAGS.mu_dtype.lower()],

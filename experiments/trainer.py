@@ -35,7 +35,15 @@ from experiments.gpt import (
 from experiments.timing import compile_times
 from funcshard.distributed.mesh import local_device
 
-__all__ = ["Config", "run", "lr_schedule", "final_line", "microbatches_for"]
+__all__ = [
+    "Config",
+    "run",
+    "lr_schedule",
+    "final_line",
+    "microbatches_for",
+    "pipeline_stages",
+    "split_points",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +56,8 @@ class Config:
     expert: int = 1  # expert-parallel ranks per group, out of "shard" (fs.ExpertParallel)
     context: int = 1  # context-parallel ranks per group: each sequence split C ways
     context_algorithm: str = "all_to_all"  # or "ring" (fs.ContextParallel)
+    pipeline: int = 1  # pipeline ranks P (the outermost axis): the GPT split into stages
+    schedule: str = "1F1B"  # torch's pipeline schedule by name (fs.Pipeline), with pipeline > 1
     strategy: str = "optim_grads_params"
     outer_strategy: str = "no_shard"  # "optim": HFSDP (the optimizer sharded over replicas too)
     policy: fs.MixedPrecisionPolicy = dataclasses.field(
@@ -117,6 +127,30 @@ def microbatches_for(cfg: Config, world: int) -> int:
             f"--batch_size={cfg.batch_size} does not split into --grad_chunks={g} equal chunks"
         )
     return g // world
+
+
+def pipeline_stages(cfg: Config) -> int:
+    """The stages of ``cfg``'s pipeline: P for the single-stage schedules (GPipe, 1F1B), two
+    per rank for the looped and V-shaped ones (fs.Pipeline's placement)."""
+    if cfg.pipeline == 1:
+        return 1
+    return cfg.pipeline * (1 if fs.Pipeline(cfg.schedule).placement == "single" else 2)
+
+
+def split_points(cfg: Config) -> list[str]:
+    """Where each stage after the first begins: the blocks split as evenly as they go (the
+    first stage also holds the embeddings, the last the final norm and head).
+
+    Raises:
+      ValueError: fewer blocks than stages (naming both).
+    """
+    stages, n = pipeline_stages(cfg), cfg.model.n_layer
+    if n < stages:
+        raise ValueError(
+            f"--n_layer={n}: a pipeline of {stages} stages ({cfg.schedule} on --pipeline="
+            f"{cfg.pipeline}) needs at least one block per stage"
+        )
+    return [f"blocks.{i * n // stages}" for i in range(1, stages)]
 
 
 def lr_schedule(cfg: Config):
@@ -369,12 +403,14 @@ def run(
     rank, world = dist.get_rank(), dist.get_world_size()
     # the data-parallel index and size: the ranks of a tensor group (consecutive) share a batch,
     # as do those of a context group (each keeps its part of every sequence)
-    group = cfg.tensor * cfg.context
-    dp_rank, dp_world = rank // group, world // group
+    # and every pipeline rank (the outermost axis) passes its data-parallel rank's batch
+    group, per_stage = cfg.tensor * cfg.context, world // cfg.pipeline
+    dp_rank, dp_world = rank % per_stage // group, per_stage // group
     microbatches = microbatches_for(cfg, dp_world)
     _init_logging(rank)
     device_type = None if cfg.device == "auto" else cfg.device
     mesh = fs.make_mesh(
+        pipeline=cfg.pipeline,
         shard=cfg.shard,
         replicate=cfg.replicate,
         tensor=cfg.tensor,
@@ -399,8 +435,9 @@ def run(
     for block in model.blocks if cfg.compile and not by_fs else ():  # torchtitan's way
         block.compile(backend=cfg.compile)
     opt = make_optimizer(cfg)
+    pipe = None if cfg.pipeline == 1 else fs.Pipeline(cfg.schedule, microbatches=microbatches)
     state = fs.init(
-        model,
+        model if pipe is None else fs.pipeline.split(model, split_points(cfg)),
         opt,
         mesh=mesh,
         policy=cfg.policy,
@@ -411,6 +448,7 @@ def run(
         fault_tolerance=fault_tolerance(cfg),
         compile=cfg.compile if by_fs else False,
         context=_context_parallel(cfg),
+        pipeline=pipe,
     )
 
     mgr = fs.CheckpointManager(cfg.checkpoint_dir, max_to_keep=3) if cfg.checkpoint_dir else None
@@ -461,6 +499,9 @@ def run(
             return loss
         return loss, {"load": fs.summed(expert_load(model))}  # the step's, over every rank
 
+    if pipe is not None:  # on the last stage: (its logits, the microbatch's tokens)
+        loss_fn = _loss  # noqa: F811
+
     schedule = lr_schedule(cfg)
     end = min(cfg.stop_at or cfg.steps, cfg.steps)
     progress = Progress(start, end, cfg.batch_size * (cfg.model.seq_len - 1), cfg.log_every, world)
@@ -484,6 +525,7 @@ def run(
         try:
             with fs.comm_stats() as stats:  # this rank's bytes per collective kind and mesh axis
                 batch = _context_batch(x) if cfg.context > 1 else {"x": x}
+                batch = (x[:, :-1], x) if pipe is not None else batch  # (inputs, target)
                 state, metrics = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
         except TimeoutError:  # too few replica groups for a quorum yet: the state is unchanged
             if committed is None:
