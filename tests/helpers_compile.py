@@ -6,22 +6,39 @@ import collections
 
 import torch
 
-_PASSING = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default)
+
+def _from_gather(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes that are a bucket's all-gather's output (one of a function of one graph input:
+    not a tensor-parallel activation's) or made of one alone: views, contiguous copies, a
+    param wire's decode (casts and arithmetic on the gathered bytes, with constants: tensors
+    made of no input)."""
+    gathered: set[torch.fx.Node] = set()
+    constant: set[torch.fx.Node] = set()
+    for node in graph.nodes:  # in topological order
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if getattr(node.target, "_opname", None) == "all_gather_into_tensor":
+            if len(_placeholders_above(node)) == 1:  # a bucket's, not an activation's
+                gathered.add(node)
+        elif all(a in constant for a in inputs):
+            constant.add(node)
+        elif all(a in gathered or a in constant for a in inputs):
+            gathered.add(node)
+    return gathered
 
 
-def _from_gather(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an all-gather's output or a view (or contiguous copy) of one."""
-    while node.op == "call_function":
-        target = node.target
-        if getattr(target, "_opname", None) == "all_gather_into_tensor":
-            return True
-        view = getattr(target, "is_view", False) or target in _PASSING
-        if not (
-            view or getattr(target, "_opname", None) == "wait_tensor" or "getitem" in str(target)
-        ):
-            return False
-        node = node.args[0]
-    return False
+def _placeholders_above(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The graph inputs ``node`` is computed from."""
+    out, seen, todo = set(), {node}, [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a.op == "placeholder":
+                out.add(a)
+            elif a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return out
 
 
 def counting_backend(counts: collections.Counter, collectives: collections.Counter | None = None):
@@ -29,8 +46,9 @@ def counting_backend(counts: collections.Counter, collectives: collections.Count
     ``counts`` ("forward", "backward"); with ``collectives``, the functional collectives in
     each graph kind, keyed ("forward" or "backward", the op's name: "all_gather_into_tensor",
     "reduce_scatter_tensor", ...), the forward's saved tensors that are gathered params
-    ("forward", "saved_gathered") and, in backward, the reduce-scatters issued before the
-    graph's last matmul ("backward", "reduce_scatter_before_last_mm")."""
+    ("forward", "saved_gathered") and, in backward, the reduce-scatters (a narrow wire's
+    all-to-alls too) issued before the graph's last matmul ("backward",
+    "reduce_scatter_before_last_mm")."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -42,13 +60,14 @@ def counting_backend(counts: collections.Counter, collectives: collections.Count
                 collectives[(kind, target._opname)] += 1
         if kind == "forward":
             outputs = [a for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]
-            collectives[(kind, "saved_gathered")] += sum(map(_from_gather, outputs))
+            gathered = _from_gather(gm.graph)
+            collectives[(kind, "saved_gathered")] += sum(o in gathered for o in outputs)
             return
         mms = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
         scatters = [
             i
             for i, n in enumerate(nodes)
-            if getattr(n.target, "_opname", "") == "reduce_scatter_tensor"
+            if getattr(n.target, "_opname", "") in ("reduce_scatter_tensor", "all_to_all_single")
         ]
         collectives[(kind, "reduce_scatter_before_last_mm")] += sum(
             i < max(mms, default=-1) for i in scatters
@@ -179,3 +198,91 @@ def overlap_worker() -> list:
         name = backend if isinstance(backend, str) else "callable"
         warned[name] = [str(w.message) for w in caught if "AOTAutograd" in str(w.message)]
     return [*out, warned]
+
+
+# issue #55's axes captured (test_compile.test_captured_axes): name -> fs.init's keywords
+AXES = {
+    # ZeRO-3: the int8 param wire packed, gathered and decoded in the graphs (again in
+    # backward), the gradients rounded to bf16 once and summed in fp32 by an all-to-all
+    "param_int8_grad_bf16": {
+        "policy": {"param_comm_dtype": torch.int8, "grad_comm_dtype": torch.bfloat16}
+    },
+    # ZeRO-2: the fp8 gradient wire's blockwise encode, all-to-all and decode in the graph
+    "zero2_grad_fp8": {
+        "policy": {"grad_comm_dtype": torch.float8_e4m3fn},
+        "strategy": "optim_grads",
+    },
+    # HFSDP (1 shard x 2 replicas): the inner shard kept packed on the bf16 param wire,
+    # decoded in the graph; the reduce-scatter over "replicate" into the masters after it
+    "hfsdp_param_bf16": {
+        "policy": {"param_comm_dtype": torch.bfloat16, "grad_comm_dtype": torch.bfloat16},
+        "outer_strategy": "optim",
+        "mesh": (1, 2),
+    },
+}
+
+
+def axes_worker(names: list[str], steps: int = 2) -> dict:
+    """Each case of :data:`AXES` (2 ranks, the 2-block MLP, SGD momentum, 2 microbatches),
+    eager and captured with the counting backend: per run the full params, fs.comm_stats'
+    bytes and calls, the graphs compiled, the collectives in them and fs.init's warnings of
+    compile= (rank 0's; {} elsewhere)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import funcshard as fs
+
+    import models
+
+    out: dict = {}
+    for name in names:
+        kw = dict(AXES[name])
+        policy = fs.MixedPrecisionPolicy(**kw.pop("policy", {}))
+        shard, replicate = kw.pop("mesh", (2, 1))
+        kw.setdefault("strategy", "optim_grads_params")
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counts, collectives = collections.Counter(), collections.Counter()
+            model = models.make_model(n_blocks=2)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                state = fs.init(
+                    model,
+                    fs.optim.sgd(0.1, momentum=0.9),
+                    mesh=fs.make_mesh(shard, replicate, device_type="cpu"),
+                    policy=policy,
+                    compile=counting_backend(counts, collectives) if compiled else False,
+                    **kw,
+                )
+            with fs.comm_stats() as stats:
+                state = models.train(state, model, range(steps), rows=8, microbatches=2)[0]
+            out[(name, compiled)] = {
+                "params": fs.full_params(state),
+                "bytes": dict(stats.bytes),
+                "calls": dict(stats.calls),
+                "by_axis": dict(stats.bytes_by_axis),
+                "counts": dict(counts),
+                "collectives": {k: n for k, n in collectives.items() if n},
+                "warnings": [str(w.message) for w in caught if "compile=" in str(w.message)],
+            }
+    out["experts"] = _expert_warnings()
+    return out if dist.get_rank() == 0 else {}
+
+
+def _expert_warnings() -> list[str]:
+    """fs.init(compile=...)'s warnings of compile= on an expert-parallel model (helpers_experts'
+    MoE, its experts over "expert" = 2), no step run."""
+    import warnings
+
+    import funcshard as fs
+
+    import helpers_experts
+
+    mesh = fs.make_mesh(shard=2, expert=2, device_type="cpu")
+    model = helpers_experts.place_experts(helpers_experts.make_model(), mesh["expert"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend = counting_backend(collections.Counter())
+        fs.init(model, fs.optim.sgd(0.1), mesh=mesh, compile=backend)
+    return [str(w.message) for w in caught if "compile=" in str(w.message)]

@@ -255,47 +255,38 @@ def test_compile_refusals(pool2):
         assert "compiled as a whole" in message and "block.compile()" in message, message
 
 
-def not_captured_worker() -> dict:
-    """compile= on a ZeRO-3 layout the capture does not express (a bf16 param wire): the
-    warning fs.init gives, the graphs (per unit, no collective inside) and the eager params."""
-    import warnings
+def test_captured_axes(pool2):
+    """Issue #55's axes inside the graphs (``helpers_compile.AXES``: ZeRO-3 with an int8 param
+    wire and a bf16 gradient wire, ZeRO-2 with an fp8 gradient wire, HFSDP with a bf16 param
+    wire): no fallback warning, one forward and one backward graph, the eager run's params
+    bitwise (aot_eager runs eager's kernels, the codec's too), fs.comm_stats' bytes, calls and
+    bytes per axis equal eager's; ZeRO-3's gathers in the forward graph and again in the
+    backward (the forward saves no gathered or decoded param), a narrow wire's all-to-alls in
+    the backward, one before its last matmul. An expert-parallel model still falls back, and
+    fs.init's warning says why (tensor parallel is captured: test_tp's compile= case)."""
+    from helpers_compile import AXES, axes_worker
 
-    out = {}
-    for backend in (False, "fs"):
-        torch._dynamo.reset()
-        counts, collectives = collections.Counter(), collections.Counter()
-        model = models.make_model(n_blocks=BLOCKS)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            state = fs.init(
-                model,
-                fs.optim.sgd(0.1, momentum=0.9),
-                mesh=fs.make_mesh(device_type="cpu"),
-                policy=fs.MixedPrecisionPolicy(param_comm_dtype=torch.bfloat16),
-                compile=counting_backend(counts, collectives) if backend else False,
-            )
-        state = models.train(state, model, range(2), rows=ROWS, microbatches=MICRO)[0]
-        out[backend] = {
-            "warnings": [str(w.message) for w in caught if "compile=" in str(w.message)],
-            "counts": dict(counts),
-            "collectives": dict(collectives),
-            "params": fs.full_params(state),
-        }
-    return out if dist.get_rank() == 0 else {}
-
-
-def test_not_captured_warns_and_compiles_the_units(pool2):
-    """A layout the captured step cannot express warns at fs.init naming why (here the param
-    wire) and runs v4's regions: one forward and one backward graph for the units, no
-    collective inside them, the eager run's params."""
-    out = pool2.run(not_captured_worker)[0]
-    eager, compiled = out[False], out["fs"]
-    assert eager["warnings"] == [] and len(compiled["warnings"]) == 1, compiled["warnings"]
-    assert "param_comm_dtype=torch.bfloat16" in compiled["warnings"][0]
-    assert compiled["counts"] == {"forward": 1, "backward": 1}, compiled["counts"]
-    inside = {k: n for k, n in compiled["collectives"].items() if n}  # the counts' zeros too
-    assert inside == {}, compiled["collectives"]
-    assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-6
+    out = pool2.run(axes_worker, list(AXES))[0]
+    for name in AXES:
+        eager, compiled = out[(name, False)], out[(name, True)]
+        assert eager["warnings"] == compiled["warnings"] == [], (name, compiled["warnings"])
+        for leaf, p in eager["params"].items():
+            assert torch.equal(compiled["params"][leaf], p), (name, leaf)
+        for key in ("bytes", "calls", "by_axis"):
+            assert compiled[key] == eager[key], (name, key, compiled[key], eager[key])
+        assert compiled["counts"] == {"forward": 1, "backward": 1}, (name, compiled["counts"])
+        found = compiled["collectives"]
+        assert found.get(("forward", "saved_gathered"), 0) == 0, (name, found)
+        if AXES[name].get("mesh", (2, 1))[0] == 1:  # one shard: the wire decoded in the graph
+            assert found == {}, (name, found)  # no collective over "shard"
+            continue
+        zero3 = AXES[name].get("strategy", "optim_grads_params") == "optim_grads_params"
+        for kind in ("forward", "backward"):
+            assert found.get((kind, "all_gather_into_tensor"), 0) == 3 * zero3, (name, found)
+        assert found[("backward", "all_to_all_single")] == 3, (name, found)
+        assert found[("backward", "reduce_scatter_before_last_mm")] >= 1, (name, found)
+    [warning] = out["experts"]
+    assert "expert parallel" in warning and "all-to-all" in warning, warning
 
 
 def mixed_worker() -> dict:

@@ -389,7 +389,7 @@ def compiled_worker(strategy: str, by_funcshard: bool) -> dict:
     (aot_eager keeps eager's kernels), and what the counting backend compiled after each step
     with dynamo's frames and graph breaks."""
     mesh = tp.world_mesh(2, 1, 2)
-    runs, counts = {}, collections.Counter()
+    runs, counts, collectives = {}, collections.Counter(), collections.Counter()
     for compiled in (False, True):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -397,16 +397,17 @@ def compiled_worker(strategy: str, by_funcshard: bool) -> dict:
         if compiled and not by_funcshard:
             for layer in model.layers:
                 layer.compile(backend=counting_backend(counts))
-        backend = counting_backend(counts) if compiled and by_funcshard else False
+        backend = counting_backend(counts, collectives) if compiled and by_funcshard else False
         opt = fs.optim.sgd(0.1, momentum=0.9)
         state = fs.init(model, opt, mesh=mesh, strategy=strategy, compile=backend)
         per_step, losses = [], []
-        for step in range(STEPS):
-            state, [metrics] = tp.train(state, model, mesh, [step], rows=8, microbatches=2)
-            per_step.append(dict(counts))
-            losses.append(metrics["loss"])
-        runs[compiled] = (fs.full_params(state), losses)
-    (eager, eager_losses), (comp, comp_losses) = runs[False], runs[True]
+        with fs.comm_stats() as stats:
+            for step in range(STEPS):
+                state, [metrics] = tp.train(state, model, mesh, [step], rows=8, microbatches=2)
+                per_step.append(dict(counts))
+                losses.append(metrics["loss"])
+        runs[compiled] = (fs.full_params(state), losses, (dict(stats.bytes), dict(stats.calls)))
+    (eager, eager_losses, eager_comm), (comp, comp_losses, comp_comm) = runs[False], runs[True]
     rel = lambda a, b: float((a - b).norm() / (b.norm() + 1e-12))
     counters = torch._dynamo.utils.counters
     return {
@@ -415,6 +416,8 @@ def compiled_worker(strategy: str, by_funcshard: bool) -> dict:
         "per_step": per_step,
         "frames": dict(counters["frames"]),
         "graph_breaks": dict(counters["graph_break"]),
+        "collectives": {k: n for k, n in collectives.items() if n},
+        "comm": (eager_comm, comp_comm),
     }
 
 
@@ -432,6 +435,14 @@ def test_compiled_blocks_on_the_3d_mesh(pool4, by_funcshard: bool) -> None:
         assert all(counts == first for counts in later), out["per_step"]
         assert out["graph_breaks"] == {}, out["graph_breaks"]
         assert out["frames"]["total"] == out["frames"]["ok"] == graphs, out["frames"]
+        if by_funcshard:  # the captured step: the DTensor params gathered inside the graphs
+            found = out["collectives"]
+            assert found[("forward", "all_gather_into_tensor")] > 0, found
+            assert found[("backward", "all_gather_into_tensor")] > 0, found
+            assert found[("backward", "reduce_scatter_tensor")] > 0, found
+            assert found.get(("forward", "saved_gathered"), 0) == 0, found
+            eager_comm, comp_comm = out["comm"]
+            assert comp_comm == eager_comm, out["comm"]  # bytes and calls per kind
 
 
 def test_chunk_sizes_are_torchs_shard_placement() -> None:

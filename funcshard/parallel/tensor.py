@@ -112,9 +112,9 @@ class TensorParallel:
 
     @property
     def capture_refusal(self) -> str | None:
-        if not self.leaves:
-            return None
-        return "a tensor-parallel model (its DTensor params are not traced as gathers yet)"
+        # captured: the step wraps each gathered local param as its DTensor (wrap) in the
+        # graph, and torch's DTensor ops trace through dynamo
+        return None
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s elements are split over the tensor ranks."""

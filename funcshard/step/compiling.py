@@ -3,9 +3,9 @@
 Under ZeRO-2/3 the microbatch is captured whole (:mod:`funcshard.step.units.captured`): each
 bucket's all-gather (torch's functional collectives), the forward of ``loss_fn`` (blocks the
 user compiled in place are inlined into it), and in backward each bucket's reduce-scatter, in
-one forward and one backward graph. A layout the capture cannot express
-(:func:`capture_refusal`: a tensor-parallel model, a param wire, a narrow or 8-bit gradient
-wire, HFSDP) runs v4's regions instead, with a warning at ``fs.init`` naming why: each gather
+one forward and one backward graph (param wires, narrow and 8-bit gradient wires and HFSDP
+included). A layout the capture cannot express (:func:`capture_refusal`: a tensor-parallel
+model) runs v4's regions instead, with a warning at ``fs.init`` naming why: each gather
 unit's module call compiled (``torch.compile`` of ``nn.Module._call_impl``, as
 ``module.compile()`` would compile it), the unit's gather and release around the compiled
 call (:func:`funcshard.step.units.run._around`), one compiled call serving every unit. Under
@@ -122,23 +122,10 @@ def _checked(backend: str | Callable[..., Any], check: Callable[[Any, list], Non
 
 def capture_refusal(layout: Any) -> str | None:
     """Why the captured step (:mod:`funcshard.step.units.captured`) cannot run ``layout``'s
-    ZeRO-2/3 microbatch, None when it can."""
-    from funcshard.comm.params import param_wire
-    from funcshard.comm.wires import is_narrow
-
-    if layout.tensor.capture_refusal is not None:  # a model-parallel axis splits some params
-        return layout.tensor.capture_refusal
-    if layout.hierarchical:
-        return "HFSDP (outer_strategy='optim': its masters' packed inner shards)"
-    for b in layout.buckets:
-        if param_wire(layout, b) is not None:
-            return f"param_comm_dtype={layout.policy.param_comm_dtype} (a packed param wire)"
-        if is_narrow(b.dtypes.comm, b.dtypes.grad):
-            return (
-                f"grad_comm_dtype={b.dtypes.comm} (a narrow wire: rounded once, summed in fp32 "
-                "by an exchange of blocks)"
-            )
-    return None
+    ZeRO-2/3 microbatch, None when it can: a model-parallel axis that splits some params
+    (tensor parallel). Param wires, narrow and 8-bit gradient wires and HFSDP (whose inner
+    layout the step runs) are captured."""
+    return layout.tensor.capture_refusal
 
 
 def check_units(model: nn.Module, layout: Any, backend: Backend, *, overlap: bool = False) -> None:

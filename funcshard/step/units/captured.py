@@ -14,6 +14,14 @@ its backward concatenates their gradients into rank sections, casts them to the 
 is this rank's reduced shard. AOTAutograd splits the result into one forward and one backward
 graph, collectives inside each, for the compiler to fuse, bucket and reorder.
 
+Every wire runs in the graphs as it runs eagerly, the same ops on the same values (so
+aot_eager trains bitwise as eager): a param wire (``param_comm_dtype``, :class:`ParamWire`)
+packs the shard (a cast, or :mod:`funcshard.comm.codec`'s 8-bit blocks), all-gathers the
+packed bytes and decodes them once; HFSDP's inner shard (the layout the step runs is
+:attr:`Layout.inner`) arrives packed already. A narrow or 8-bit gradient wire
+(:class:`GradWire`) rounds each rank's sections once, exchanges them by
+``_c10d_functional.all_to_all_single`` and sums what arrives in fp32.
+
 With ``cuda_graphs=True`` the two graphs are inductor's CUDA graph trees
 (``mode="reduce-overhead"``): each microbatch marks a new step, and the loss and the reduced
 shards a replay returns, and the tensors of ``aux``, are copied out of the graphs' static
@@ -34,24 +42,31 @@ the model's initial weights: each graph is checked before its backend gets it, a
 parameter among its inputs raises :class:`UnitParamsError` naming it (as eager ZeRO-3 raises
 for a param used outside its unit).
 
-What stays outside the graphs: the replicate-axis reduction of HSDP (issued per bucket once
-backward is over, as the step's :class:`~funcshard.comm.grads.ReplicateAxis` orders it), the
-optimizer update and the metrics.
+A tensor-parallel model's gathered local params reach ``loss_fn`` as its DTensors
+(``layout.tensor.wrap``: ``DTensor.from_local`` traced in the graph), as eager hands them.
+
+What stays outside the graphs: the replicate-axis reduction of HSDP and HFSDP (an all-reduce,
+or HFSDP's reduce-scatter into the masters, issued per bucket once backward is over, as the
+step's :class:`~funcshard.comm.grads.ReplicateAxis` orders it), the optimizer update and the
+metrics.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from funcshard.comm import codec
+from funcshard.comm import params as params_lib
 from funcshard.comm.grads import ReplicateAxis
+from funcshard.comm.wires import NarrowWire, wire_for
 from funcshard.distributed import ops
-from funcshard.layout.layout import Layout
+from funcshard.layout.layout import Bucket, Layout
 from funcshard.step.compiling import (
     Backend,
     CudaGraphs,
@@ -68,6 +83,33 @@ from funcshard.step.units.schedule import Placed, joint_pass
 __all__ = ["CapturedGrads", "copied_out"]
 
 
+class ParamWire(NamedTuple):
+    """How ZeRO-3's gather of a bucket decodes a param wire (``param_comm_dtype``) in the
+    graph, as :func:`funcshard.comm.params.all_gather_params` does eagerly: the shard packed
+    (unless ``packed``: HFSDP's inner shard, kept packed), all-gathered as bytes, decoded once
+    into ``count`` sections of ``sizes`` (each leaf's numel in one master section)."""
+
+    wire: torch.dtype
+    blocks: codec.Blocks | None  # one section's blocks (an 8-bit wire)
+    count: int
+    sizes: tuple[int, ...]
+    packed: bool
+    compute: torch.dtype
+
+
+class GradWire(NamedTuple):
+    """How a bucket's gradient crosses the shard axis in the graph, as
+    :func:`funcshard.comm.wires.wire_for` says eagerly: ``narrow`` False, a reduce-scatter in
+    ``wire`` (the ring); True, each rank's sections rounded to ``wire`` once (8-bit: encoded
+    by ``blocks``), exchanged by an all-to-all and summed in ``acc`` (fp32 or wider)."""
+
+    wire: torch.dtype
+    narrow: bool
+    sections: torch.dtype
+    acc: torch.dtype
+    blocks: codec.Blocks | None
+
+
 class _Gather(torch.autograd.Function):
     """Forward: a bucket's full params, one tensor per leaf (``leaves``: each one's numel,
     shape and shard numel). Backward: this rank's shard of the mean of their gradients over
@@ -79,9 +121,11 @@ class _Gather(torch.autograd.Function):
     gradient for every element of the bucket)."""
 
     @staticmethod
-    def forward(ctx, buffer, carrier, group, S, leaves, gather, dp, wire):
+    def forward(ctx, buffer, carrier, group, S, leaves, gather, dp, wire, pwire):
         ctx.group, ctx.S, ctx.leaves, ctx.dp, ctx.wire = group, S, leaves, dp, wire
         ctx.dtype = carrier.dtype
+        if gather and pwire is not None:
+            return _decoded(buffer, group, S, leaves, pwire)
         if gather and S > 1:
             gathered = funcol.all_gather_tensor(buffer, 0, group).view(S, -1)
             pieces = gathered.split([n for _, _, n in leaves], dim=1)
@@ -105,12 +149,46 @@ class _Gather(torch.autograd.Function):
                 flat = torch.cat([flat, flat.new_zeros(S * n - numel)])
             flats.append(flat.view(S, n))
         # rank sections: section r holds every leaf's piece r
-        x = torch.cat(flats, dim=1).view(-1).to(ctx.wire)
-        if ctx.dp > 1:
-            x = x / ctx.dp
-        if S > 1:
-            x = funcol.reduce_scatter_tensor(x, "sum", 0, ctx.group)
-        return None, x.to(ctx.dtype), None, None, None, None, None, None
+        x = torch.cat(flats, dim=1).view(-1)
+        x = _reduced(x, ctx.group, S, ctx.dp, ctx.wire)
+        return None, x.to(ctx.dtype), None, None, None, None, None, None, None
+
+
+def _decoded(buffer, group, S: int, leaves: tuple, pwire: ParamWire) -> tuple:
+    """ZeRO-3's params through a param wire: packed, gathered, decoded once, per leaf."""
+    x = buffer if pwire.packed else codec.pack(buffer, pwire.wire, pwire.blocks)
+    if S > 1:
+        x = funcol.all_gather_tensor(x, 0, group)
+    full = codec.unpack(x, pwire.wire, pwire.blocks, pwire.count, pwire.compute)
+    pieces = full.view(pwire.count, -1).split(list(pwire.sizes), dim=1)
+    return tuple(
+        p.reshape(-1)[:numel].view(shape)
+        for p, (numel, shape, _) in zip(pieces, leaves, strict=True)
+    )
+
+
+def _reduced(x: torch.Tensor, group, S: int, dp: int, wire: GradWire) -> torch.Tensor:
+    """Rank sections ``x`` -> this rank's shard of their mean over the shard axis, as the
+    bucket's eager wire sums it (:mod:`funcshard.comm.wires`)."""
+    if not wire.narrow:
+        x = x.to(wire.wire)
+        if dp > 1:
+            x = x / dp
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group) if S > 1 else x
+    x = x.to(wire.sections).to(wire.acc)
+    if dp > 1:
+        x = x / dp
+    if S == 1:
+        return x
+    if wire.blocks is None:  # rounded once going out, summed in fp32 coming in
+        recv = funcol.all_to_all_single(x.to(wire.wire), None, None, group)
+        return recv.view(S, -1).sum(0, dtype=wire.acc)
+    section = x.numel() // S
+    send = torch.empty(S, wire.blocks.nbytes, dtype=torch.uint8, device=x.device)
+    codec.encode(x.view(S, section), wire.wire, wire.blocks, send)
+    recv = funcol.all_to_all_single(send.view(-1), None, None, group).view(S, -1)
+    out = torch.empty(S, section, dtype=wire.acc, device=x.device)
+    return codec.decode(recv, wire.wire, wire.blocks, out).sum(0)
 
 
 def copied_out(aux: Any) -> Any:
@@ -142,16 +220,40 @@ def _captured(layout: Layout) -> Callable[..., Any]:
         offsets = [sum(s.shard_numel for s in specs[:i]) for i in range(len(specs))]
         assert [s.offset for s in specs] == offsets, "a bucket's leaves packed in order"
         leaves = tuple((s.numel, tuple(s.shape), s.shard_numel) for s in specs)
-        meta = (group, S, leaves, gather, layout.dp_size, b.dtypes.comm)
+        meta = (group, S, leaves, gather, layout.dp_size, _grad_wire(layout, b))
+        meta += (_param_wire(layout, b) if gather else None,)
         plan.append((tuple(s.name for s in specs), meta))
+
+    wrap = layout.tensor.wrap  # a tensor-parallel leaf: its DTensor, made in the graph
 
     def step(loss_fn, buffers, carriers, batch):
         params = {}
         for (names, meta), buffer, carrier in zip(plan, buffers, carriers, strict=True):
-            params.update(zip(names, _Gather.apply(buffer, carrier, *meta), strict=True))
+            full = _Gather.apply(buffer, carrier, *meta)
+            params.update((n, wrap(n, p)) for n, p in zip(names, full, strict=True))
         return loss_and_aux(loss_fn(params, batch))
 
     return step
+
+
+def _param_wire(layout: Layout, b: Bucket) -> ParamWire | None:
+    """The param wire of ZeRO-3's gather of bucket ``b``, None without one."""
+    wire = params_lib.param_wire(layout, b)
+    if wire is None:
+        return None
+    blocks = params_lib.section_blocks(layout, b) if wire in codec.EIGHT_BIT else None
+    sizes = tuple(s.shard_numel for s in params_lib.section_leaves(layout, b))
+    count = layout.shard_size * max(1, layout.packed_sections)
+    packed = params_lib.packs_shard(layout, b)
+    return ParamWire(wire, blocks, count, sizes, packed, b.dtypes.compute)
+
+
+def _grad_wire(layout: Layout, b: Bucket) -> GradWire:
+    """The shard axis' wire of bucket ``b``'s gradient (:func:`wire_for`'s choice)."""
+    wire = wire_for(layout, b)
+    if isinstance(wire, NarrowWire):
+        return GradWire(wire.dtype, True, wire.sections_dtype, wire.scale_dtype, wire.blocks)
+    return GradWire(b.dtypes.comm, False, b.dtypes.comm, b.dtypes.comm, None)
 
 
 # layout -> backend -> the compiled step; weak on the layout, so that a state let go takes
@@ -172,24 +274,30 @@ def _compiled(layout: Layout, backend: Backend) -> tuple[Callable, Placed]:
     return by_backend[key]
 
 
-def _count(layout: Layout, kind: str, buckets: list[int], dtype_of: Callable) -> None:
-    """Counts in ``fs.comm_stats`` what the graphs moved over the shard axis: each bucket's
-    full buffer (an all-gather's output, a reduce-scatter's input)."""
-    if layout.shard_size > 1:
+def _count(layout: Layout, kind: str, buckets: list[int]) -> None:
+    """Counts in ``fs.comm_stats`` what the graphs moved over the shard axis, as eager counts
+    it: each bucket's all-gather (its wire bytes: :func:`~funcshard.comm.params.all_gather_nbytes`)
+    or its reduce-scatter (its gradient wire's full buffer)."""
+    S = layout.shard_size
+    if S > 1:
         for i in buckets:
             b = layout.buckets[i]
-            _record(kind, layout.shard_size * b.numel, dtype_of(b), layout)
+            if kind == "all_gather":
+                nbytes = params_lib.all_gather_nbytes(layout, b)
+            else:
+                nbytes = wire_for(layout, b).reduce_scatter_nbytes(S)
+            _record(kind, nbytes, layout)
 
 
-def _record(kind: str, numel: int, dtype: torch.dtype, layout: Layout) -> None:
-    ops.record(kind, torch.empty((), dtype=dtype).expand(numel), layout.shard_axis)
+def _record(kind: str, nbytes: int, layout: Layout) -> None:
+    ops.record(kind, torch.empty((), dtype=torch.uint8).expand(nbytes), layout.shard_axis)
 
 
 def _count_regathers(layout: Layout, placed: Placed) -> None:
     """Counts the all-gathers the backward graph runs again (ZeRO-3's params re-gathered, not
     saved: :mod:`funcshard.step.units.schedule`) and the graphs' gathered peak."""
     for numel, dtype in placed.regathered:
-        _record("all_gather", numel, dtype, layout)
+        _record("all_gather", numel * dtype.itemsize, layout)
     ops.note_gathered_peak(placed.gathered_peak)
 
 
@@ -271,14 +379,14 @@ class CapturedGrads:
         except torch._dynamo.exc.BackendCompilerFailed as e:
             raise _unwrapped_error(e) from None
         if layout.strategy.shards_params:
-            _count(layout, "all_gather", buckets, lambda b: b.dtypes.compute)
+            _count(layout, "all_gather", buckets)
             _count_regathers(layout, placed)
         if replayed:  # a replay's outputs live in the graph's static buffers: keep copies
             loss, aux = loss.clone(), copied_out(aux)
         with dtensor_backward(loss):
             grads = torch.autograd.grad(loss * scale, carriers, allow_unused=True)
         reached = [i for i, g in enumerate(grads) if g is not None]
-        _count(layout, "reduce_scatter", reached, lambda b: b.dtypes.comm)
+        _count(layout, "reduce_scatter", reached)
         acc = sink.acc if sink.acc is not None else [None] * len(buckets)
         for i in reached:
             if acc[i] is None:

@@ -32,11 +32,20 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["Placed", "joint_pass", "place_collectives", "GATHER", "REDUCE_SCATTER", "WAIT"]
+__all__ = [
+    "Placed",
+    "joint_pass",
+    "place_collectives",
+    "GATHER",
+    "REDUCE_SCATTER",
+    "ALL_TO_ALL",
+    "WAIT",
+]
 
 _C10D = torch.ops._c10d_functional
 GATHER = _C10D.all_gather_into_tensor.default
 REDUCE_SCATTER = _C10D.reduce_scatter_tensor.default
+ALL_TO_ALL = _C10D.all_to_all_single.default  # a narrow gradient wire's reduce-scatter
 WAIT = _C10D.wait_tensor.default
 
 
@@ -80,17 +89,110 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 def _gather_chain(gather: fx.Node, backward: set[fx.Node]) -> list[fx.Node]:
     """The all-gather, its wait and every view (or contiguous copy) of the result: the params
-    it hands out, in graph order; what backward recomputes from the shard."""
+    it hands out, in graph order; what backward recomputes from the shard. A param wire's
+    decode (:func:`_derived`) joins it: the forward then saves no decoded param either."""
     chain, todo = [gather], [gather]
     while todo:
         for user in todo.pop().users:
             if user in backward or user in chain:
                 continue
-            if _is_view(user):
+            if _is_view(user) or _derived(user, chain):
                 chain.append(user)
                 todo.append(user)
+                chain.extend(_constants_of(user, chain))
     order = {n: i for i, n in enumerate(gather.graph.nodes)}
     return sorted(chain, key=order.__getitem__)
+
+
+# what a param wire's decode (funcshard.comm.codec.unpack) is made of, beside views: casts and
+# the 8-bit formats' arithmetic on the gathered bytes alone
+_DECODE = {
+    "convert_element_type",
+    "_to_copy",
+    "mul",
+    "div",
+    "copy",
+    "slice_scatter",
+    "where",
+    "bitwise_and",
+    "bitwise_or",
+    "bitwise_left_shift",
+    "__lshift__",
+    "lt",
+    "gt",
+    "reciprocal",
+    "full",
+    "empty",
+    "clone",
+    "cat",
+    "abs",
+    "amax",
+    "sum",
+    "add",
+    "view_copy",
+}
+
+
+def _of_one_input(gather: fx.Node) -> bool:
+    """Whether ``gather`` gathers a function of one graph input (a bucket's shard, packed on
+    its wire or not), not an activation (a tensor-parallel model's DTensor ops gather those
+    over "tensor": they stay where torch put them)."""
+    inputs, seen, todo = set(), {gather}, [gather]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a.op == "placeholder":
+                inputs.add(a)
+                if len(inputs) > 1:
+                    return False
+            elif a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return len(inputs) == 1
+
+
+def _constant(node: fx.Node) -> bool:
+    """A tensor made from no tensor (``scalar_tensor``, ``empty``, ``full``, views of them):
+    no placeholder among its inputs' inputs."""
+    seen, todo = {node}, [node]
+    while todo:
+        n = todo.pop()
+        if n.op != "call_function" or n.is_impure():
+            return False
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return True
+
+
+def _constants_of(node: fx.Node, chain: list[fx.Node]) -> list[fx.Node]:
+    """The constants ``node`` reads (:func:`_constant`: a decode's output buffer, its views),
+    those they are made of too, not in ``chain`` yet: they move and recompute with it."""
+    out, todo = [], [a for a in node.all_input_nodes if _constant(a)]
+    while todo:
+        a = todo.pop()
+        if a not in chain and a not in out:
+            out.append(a)
+            todo.extend(a.all_input_nodes)
+    return out
+
+
+def _constants_before_use(graph: fx.Graph) -> None:
+    """Moves each tensor made from nothing to just before its first user: a chain sunk to its
+    first use may have moved a decode op above a constant another chain took along."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in [n for n in graph.nodes if n.op == "call_function" and not n.all_input_nodes]:
+        if node.users and not node.is_impure():
+            min(node.users, key=order.__getitem__).prepend(node)
+
+
+def _derived(node: fx.Node, chain: list[fx.Node]) -> bool:
+    """Whether ``node`` is a decode op (:data:`_DECODE`) whose tensor inputs are all of the
+    chain (or made from no tensor at all: a constant)."""
+    name = getattr(node.target, "__name__", "").split(".")[0]
+    if node.op != "call_function" or name not in _DECODE:
+        return False
+    return all(a in chain or _constant(a) for a in node.all_input_nodes)
 
 
 def _sink_before_first_use(chain: list[fx.Node]) -> None:
@@ -107,11 +209,14 @@ def _sink_before_first_use(chain: list[fx.Node]) -> None:
 
 def _reduce_chain(scatter: fx.Node, backward: set[fx.Node]) -> set[fx.Node]:
     """The reduce-scatter, the backward ops that feed only it (each node all of whose users
-    are in the chain) and its wait with that wait's casts."""
+    are in the chain; an 8-bit wire's buffers, made of no input, too) and its wait with that
+    wait's casts."""
     chain, todo = {scatter}, list(scatter.all_input_nodes)
     while todo:
         node = todo.pop()
-        if node in chain or node not in backward or node.op != "call_function":
+        if node in chain or node.op != "call_function":
+            continue
+        if node not in backward and not _constant(node):
             continue
         if all(u in chain for u in node.users):  # looked at again as each user joins
             chain.add(node)
@@ -119,13 +224,29 @@ def _reduce_chain(scatter: fx.Node, backward: set[fx.Node]) -> set[fx.Node]:
     for user in scatter.users:
         if user.target is WAIT:
             chain.add(user)
-            chain.update(u for u in user.users if u.op == "call_function" and len(u.users) <= 1)
+            _after_wait(user, chain)
     return chain
+
+
+def _after_wait(wait: fx.Node, chain: set[fx.Node]) -> None:
+    """Adds to ``chain`` what turns the wait's result into the bucket's shard (a cast; a
+    narrow wire's view, decode and sum over ranks): each op of one user that reads the chain
+    alone (and constants)."""
+    todo = [wait]
+    while todo:
+        for u in todo.pop().users:
+            inputs = [a for a in u.all_input_nodes if a not in chain]
+            if u.op != "call_function" or u in chain or any(a.all_input_nodes for a in inputs):
+                continue
+            if len(u.users) <= 1:
+                chain.add(u)
+                todo.append(u)
 
 
 def _hoist(graph: fx.Graph, eager: set[fx.Node]) -> None:
     """Reorders ``graph``: every node of ``eager`` runs as soon as its inputs have run, the
-    others keep their order."""
+    others keep their order (an eager node made of no input, as soon as an eager user of it
+    is otherwise ready)."""
     done: set[fx.Node] = set()
     order: list[fx.Node] = []
 
@@ -139,6 +260,8 @@ def _hoist(graph: fx.Graph, eager: set[fx.Node]) -> None:
         while todo:
             n = todo.pop()
             if not ready(n):
+                if n in eager and n not in done:  # its constants (an 8-bit wire's buffers)
+                    todo.extend(a for a in n.all_input_nodes if a in eager and a not in done)
                 continue
             order.append(n)
             done.add(n)
@@ -202,13 +325,18 @@ def place_collectives(
     backward = _backward_nodes(graph)
     chains = []
     for gather in [n for n in graph.nodes if n.target is GATHER and n not in backward]:
+        if not _of_one_input(gather):  # an activation's (a DTensor op's), not a bucket's
+            continue
         chain = _gather_chain(gather, backward)
         for node in chain if recompute else ():
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         _sink_before_first_use(chain)
         chains.append(chain)
+    if chains:
+        _constants_before_use(graph)
     eager: set[fx.Node] = set()
-    for scatter in [n for n in graph.nodes if n.target is REDUCE_SCATTER and n in backward]:
+    scatters = (REDUCE_SCATTER, ALL_TO_ALL)
+    for scatter in [n for n in graph.nodes if n.target in scatters and n in backward]:
         eager |= _reduce_chain(scatter, backward)
     if eager:
         _hoist(graph, eager)
