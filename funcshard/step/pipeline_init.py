@@ -59,6 +59,7 @@ def prepare(
     check_stages(stages, pipeline, P)
     mine = pipeline.stages_of(axis.get_local_rank(), P, len(stages))
     sub = mesh_lib.without_pipeline(mesh)
+    names = sub.mesh_dim_names or ()
     run = PipelineRun(
         pipeline,
         stages,
@@ -67,13 +68,14 @@ def prepare(
         mesh_lib.local_device(mesh),
         world=mesh_lib.world_group(mesh),
         counts_norm=all(c == 0 for c in sub.get_coordinate()),
+        counts_loss=TENSOR not in names or sub.get_local_rank(TENSOR) == 0,
     )
     return merge([stages[i] for i in mine]), sub, run
 
 
 def _refuse(mesh: DeviceMesh, pipe: Pipeline, refused: dict[str, Any]) -> None:
     names = set(mesh.mesh_dim_names or ())
-    for axis in (TENSOR, EXPERT, CONTEXT):
+    for axis in (EXPERT, CONTEXT):
         if axis in names:
             raise ValueError(
                 f"init: Pipeline(schedule={pipe.schedule!r}) on a mesh with a {axis!r} axis "

@@ -1,0 +1,62 @@
+"""Tensor parallel inside each pipeline stage (``fs.make_mesh(pipeline=2, tensor=2)``): the
+tensor-parallel tests' Llama under torch's TP plan, split into stages, trains as one plain
+process trains the unsplit model on the global batch.
+
+fp32 SGD with momentum, 3 steps of 4 microbatches, 1F1B (2 stages), Interleaved1F1B and
+ZBVZeroBubble (4 stages), ZeRO-3 and ZeRO-1: params, losses and grad norms within 1e-5,
+loss and norm bitwise the same on every rank; each rank's bytes by axis equal to its
+pipeline rank's ``fs.plan``; a P=2 x T=2 checkpoint restored bitwise onto the plain model,
+which trains on as one process; a tensor group whose ranks pass different batches fails
+every rank. One pool call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import funcshard as fs
+
+import helpers_pipeline_tp as hpt
+
+TOL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def test_tensor_parallel_stages_as_one_process(pool4, tmp_path):
+    out = pool4.run(hpt.run_all, str(tmp_path / "ckpt"))
+    ref = hpt.reference()
+    for k, case in enumerate(hpt.CASES):
+        per_rank = [r["cases"][k] for r in out]
+        for rank, r in enumerate(per_rank):
+            assert list(r["full"]) == list(ref["params"]), (case, rank)  # whole-model names
+            err = max(_rel(r["full"][n], ref["params"][n]) for n in ref["params"])
+            losses, norms = zip(*r["metrics"], strict=True)
+            err_loss = _rel(torch.tensor(losses), torch.tensor(ref["losses"]))
+            err_norm = _rel(torch.tensor(norms), torch.tensor(ref["norms"]))
+            assert max(err, err_loss, err_norm) < TOL, (case, rank, err, err_loss, err_norm)
+            assert r["metrics"] == per_rank[0]["metrics"], (case, rank)  # bitwise everywhere
+            edge = 4 * hpt.ROWS * hpt.tp.SEQ * hpt.tp.DIM * hpt.STEPS  # each tensor rank's copy
+            pipe = fs.Pipeline(case[0], microbatches=hpt.MICROBATCHES)
+            rank_of = {i: p for p in range(2) for i in pipe.stages_of(p, 2, case[1])}
+            crossings = sum(  # to the next stage and back to the previous, on another rank
+                (i + 1 < case[1] and rank_of[i + 1] != rank_of[i])
+                + (i > 0 and rank_of[i - 1] != rank_of[i])
+                for i in r["stages"]
+            )
+            assert r["bytes"]["pipeline"] == crossings * edge > 0, (case, rank, r["bytes"])
+            assert r["bytes"] == r["plan"], (case, rank, r["bytes"], r["plan"])
+    ref2 = hpt.reference(steps=2)
+    ref1 = hpt.reference(steps=1)
+    for rank, r in enumerate(out):
+        c = r["checkpoint"]
+        assert list(c["saved"]) == list(ref1["params"]), rank
+        assert all(torch.equal(c["restored"][n], t) for n, t in c["saved"].items()), rank
+        assert max(_rel(c["saved"][n], ref1["params"][n]) for n in ref1["params"]) < TOL
+        assert c["step"] == 2, c["step"]
+        err = max(_rel(c["resumed"][n], ref2["params"][n]) for n in ref2["params"])
+        assert err < TOL, (rank, err)  # the momentum restored: one process's second step
+        assert "RuntimeError" in c["apart"] and "passed different batches" in c["apart"], c["apart"]
+    print("seconds per case (rank 0):", [round(s, 1) for s in out[0]["seconds"]])
