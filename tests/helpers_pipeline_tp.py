@@ -141,19 +141,6 @@ def _plain_loss(model):
     return fn
 
 
-def run_all(root: str) -> dict:
-    """Every case, then the checkpoint's: one pool call."""
-    out: dict = {"cases": [], "seconds": []}
-    for case in CASES:
-        t = time.perf_counter()
-        out["cases"].append(run_case(*case))
-        out["seconds"].append(time.perf_counter() - t)
-    t = time.perf_counter()
-    out["checkpoint"] = run_checkpoint(root)
-    out["seconds"].append(time.perf_counter() - t)
-    return out
-
-
 # --- expert parallel inside a stage -----------------------------------------------------------
 
 
@@ -190,3 +177,96 @@ class MoEStack(nn.Module):
 def make_moe(seed: int = 0, blocks: int = 2) -> MoEStack:
     torch.manual_seed(seed)
     return MoEStack(blocks)
+
+
+EXPERT_SEED, EXPERT_ROWS = 5, 8  # rows per data-parallel rank (2 of them per pipeline rank)
+EXPERT_CASES = (("1F1B", 2, "optim"), ("ZBVZeroBubble", 4, "optim_grads_params"))
+
+
+def moe_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output, target)
+
+
+def moe_batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b = he.global_batch(step, 2 * EXPERT_ROWS)
+    rows = slice(dp_rank * EXPERT_ROWS, (dp_rank + 1) * EXPERT_ROWS)
+    return b["x"][rows], b["y"][rows]
+
+
+def moe_reference(blocks: int, steps: int = STEPS) -> dict:
+    """One plain process on both data-parallel ranks' batches, each microbatch's mean loss
+    averaged (the pipelined step's mean)."""
+    model = make_moe(EXPERT_SEED, blocks)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, norms = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for r in range(2):
+            x, y = moe_batch(step, r)
+            parts = zip(x.tensor_split(MICROBATCHES), y.tensor_split(MICROBATCHES), strict=True)
+            for xm, ym in parts:
+                loss = moe_loss(model(xm), ym) / (2 * MICROBATCHES)
+                loss.backward()
+                total += float(loss.detach())
+        norms.append(float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm()))
+        losses.append(total)
+        opt.step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "losses": losses, "norms": norms}
+
+
+def run_expert_case(schedule: str, nstages: int, strategy: str) -> dict:
+    """P=2 x (S=2 = E=2): each block's experts Shard(0) on mesh["expert"], tokens sent to
+    them by all-to-all inside the stage; every rank its own data-parallel rank."""
+    mesh = fs.make_mesh(pipeline=2, shard=2, expert=2, device_type="cpu")
+    model = make_moe(EXPERT_SEED, nstages)
+    for block in model.blocks:
+        he.place_experts(block, mesh["expert"])
+    stages = fs.pipeline.split(model, [f"blocks.{k}" for k in range(1, nstages)])
+    pipe = fs.Pipeline(schedule, microbatches=MICROBATCHES)
+    opt = fs.optim.sgd(LR, momentum=MOMENTUM)
+    state = fs.init(stages, opt, mesh=mesh, strategy=strategy, pipeline=pipe)
+    dp_rank, metrics = mesh.get_local_rank("expert"), []
+    with fs.comm_stats() as stats:
+        for step in range(STEPS):
+            state, m = fs.train_step(state, moe_batch(step, dp_rank), moe_loss)
+            metrics.append((m["loss"], m["grad_norm"]))
+    plan = fs.plan(
+        model,
+        world_size=4,
+        shard=2,
+        expert=2,
+        pipeline=2,
+        schedule=schedule,
+        microbatches=MICROBATCHES,
+        split=[f"blocks.{k}" for k in range(1, nstages)],
+        pipeline_rank=mesh.get_local_rank("pipeline"),
+        boundary=(EXPERT_ROWS, he.DIM),
+        strategy=strategy,
+        optimizer="sgd_momentum",
+        device_type="cpu",
+    )
+    return {
+        "full": {n: t.cpu() for n, t in fs.full_params(state).items()},
+        "metrics": metrics,
+        "bytes": {a: n for a, n in stats.bytes_by_axis.items() if n},
+        "plan": {a: n * STEPS for a, n in plan.comm_by_axis.items() if n},
+    }
+
+
+def run_all(root: str) -> dict:
+    """Every case, the expert cases, then the checkpoint's: one pool call."""
+    out: dict = {"cases": [], "expert": [], "seconds": []}
+    for case in CASES:
+        t = time.perf_counter()
+        out["cases"].append(run_case(*case))
+        out["seconds"].append(time.perf_counter() - t)
+    for case in EXPERT_CASES:
+        t = time.perf_counter()
+        out["expert"].append(run_expert_case(*case))
+        out["seconds"].append(time.perf_counter() - t)
+    t = time.perf_counter()
+    out["checkpoint"] = run_checkpoint(root)
+    out["seconds"].append(time.perf_counter() - t)
+    return out

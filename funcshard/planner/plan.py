@@ -420,7 +420,7 @@ def plan(
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     backend_of(compile, deterministic=deterministic)  # its errors, as fs.init's
-    refused = (expert, context, deterministic, outer_strategy, replica_groups)
+    refused = (context, deterministic, outer_strategy, replica_groups)
     pp = pipeline_lib.setup(
         params, split, pipeline, schedule, microbatches, pipeline_rank, world_size, refused
     )

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard.distributed import mesh as mesh_lib
-from funcshard.distributed.dims import CONTEXT, EXPERT, TENSOR
+from funcshard.distributed.dims import CONTEXT, TENSOR
 from funcshard.parallel.pipeline import Pipeline, check_stages
 from funcshard.parallel.pipeline_split import merge
 from funcshard.step.pipelined import PipelineRun
@@ -75,7 +75,7 @@ def prepare(
 
 def _refuse(mesh: DeviceMesh, pipe: Pipeline, refused: dict[str, Any]) -> None:
     names = set(mesh.mesh_dim_names or ())
-    for axis in (EXPERT, CONTEXT):
+    for axis in (CONTEXT,):
         if axis in names:
             raise ValueError(
                 f"init: Pipeline(schedule={pipe.schedule!r}) on a mesh with a {axis!r} axis "

@@ -17,6 +17,14 @@ torch's schedule over them. A step (:meth:`PipelineRun.grads`):
 3. the leaves' gradients as unreduced rank sections, for the step's reduction over this
    pipeline rank's data-parallel sub-world.
 
+The tensor and expert axes inside a stage: each leaf is handed to the stage as the model
+holds it (the layout's model axis wraps it: the TP plan's DTensor on ``mesh["tensor"]``,
+experts ``Shard(0)`` on ``mesh["expert"]``), so torch's TP collectives and the experts'
+all-to-all run inside the stage, on the pipeline rank's sub-world. What a stage returns goes
+to the next stage as it is: under torch's plans it is replicated over "tensor", and each
+tensor rank sends its own copy to the same tensor rank of the next stage (``mesh["pipeline"]``
+holds every other coordinate equal). The loss is counted on tensor rank 0 only.
+
 A stage that raises in its forward (or ``loss_fn`` raising on the last stage) does not stop
 the schedule halfway (its peers would wait on its sends until the collective timeout): it
 hands on zeros of the output's shape (known from running every stage on the meta device
