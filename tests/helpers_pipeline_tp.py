@@ -59,9 +59,12 @@ def _state(schedule: str, nstages: int, strategy: str, seed: int = SEED):
     return state, model, mesh
 
 
-def _plan(model, schedule: str, nstages: int, strategy: str, rank: int) -> dict:
+def _plan(model, schedule: str, nstages: int, strategy: str, rank: int, **kw) -> dict:
+    """Pipeline rank ``rank``'s bytes by axis over the run's steps, by ``fs.plan`` (``kw``:
+    ``tensor_plan=`` with a plain meta model)."""
     plan = fs.plan(
         model,
+        **kw,
         world_size=4,
         tensor=2,
         pipeline=2,
@@ -75,6 +78,13 @@ def _plan(model, schedule: str, nstages: int, strategy: str, rank: int) -> dict:
         device_type="cpu",
     )
     return {axis: n * STEPS for axis, n in plan.comm_by_axis.items() if n}
+
+
+def meta_plan(schedule: str, nstages: int, strategy: str, rank: int) -> dict:
+    """:func:`_plan` of the plain model on the meta device with the TP plan."""
+    with torch.device("meta"):
+        model = tp.make_model(SEED, LAYERS)
+    return _plan(model, schedule, nstages, strategy, rank, tensor_plan=tp.model_plan())
 
 
 def run_case(schedule: str, nstages: int, strategy: str) -> dict:
