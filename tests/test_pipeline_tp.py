@@ -81,3 +81,36 @@ def test_tensor_parallel_stages_as_one_process(pool4, tmp_path):
         assert err < TOL, (rank, err)  # the momentum restored: one process's second step
         assert "RuntimeError" in c["apart"] and "passed different batches" in c["apart"], c["apart"]
     print("largest relative error:", max(worst), "seconds per case:", out[0]["seconds"])
+
+
+# Measured once on 8 gloo ranks at P=2 x S=2 x T=2 (1F1B, ZeRO-3, the same model and 8 rows
+# per data-parallel rank), bytes by axis a step per pipeline rank (docs/pipeline-parallel.md)
+MEASURED_8 = (
+    {"shard": 40360, "pipeline": 5120, "tensor": 72, "world": 24},
+    {"shard": 37960, "pipeline": 5120, "tensor": 72, "world": 24},
+)
+
+
+def test_plan_of_tensor_parallel_stages_with_data_parallel_ranks():
+    """fs.plan at P=2 x S=2 x T=2 (no pool: the suite has no 8 ranks) equals the run measured
+    once: the tensor group's batch check rides in the pipelined step's 24-byte agreement, not
+    in a loss all-reduce of its own over the data-parallel world."""
+    with torch.device("meta"):
+        model = hpt.tp.make_model(hpt.SEED, hpt.LAYERS)
+    for rank, measured in enumerate(MEASURED_8):
+        plan = fs.plan(
+            model,
+            world_size=8,
+            tensor=2,
+            tensor_plan=hpt.tp.model_plan(),
+            pipeline=2,
+            schedule="1F1B",
+            microbatches=hpt.MICROBATCHES,
+            split=hpt.SPLITS[2],
+            pipeline_rank=rank,
+            boundary=hpt.BOUNDARY,
+            strategy="optim_grads_params",
+            optimizer="sgd_momentum",
+            device_type="cpu",
+        )
+        assert {a: n for a, n in plan.comm_by_axis.items() if n} == measured, (rank, plan)
