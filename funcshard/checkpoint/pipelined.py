@@ -14,10 +14,7 @@ pipeline rank of the first stage holding it; each stage reads it back.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from funcshard.checkpoint.format import Keys
-from funcshard.distributed import mesh as mesh_lib
 from funcshard.state.buffers import ModelBuffers
 from funcshard.state.state import TrainState
 
@@ -49,10 +46,12 @@ def others(state: TrainState) -> tuple[frozenset[str], frozenset[str]]:
 
 def creates_arrays(state: TrainState, world_rank: int) -> bool:
     """Whether this rank creates the metadata of the arrays it plans: the world's first
-    rank, or under a pipeline the first rank of each pipeline rank's sub-world."""
+    rank, or under a pipeline the first rank of each pipeline rank's sub-world (its
+    data-parallel, tensor and expert coordinates all 0: the tensor ranks of a stage write
+    their shards of the same global arrays)."""
     if state.pipeline is None:
         return world_rank == 0
-    return dist.get_rank(mesh_lib.world_group(state.layout.mesh)) == 0
+    return state.pipeline.leads  # not each tensor rank's data-parallel world's first
 
 
 def writes_scalars(world_rank: int) -> bool:

@@ -134,7 +134,12 @@ def make_mesh(
 
 def sliced(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
     """``mesh[names]``, where a name may be the flattened "shard" of a mesh with experts (torch
-    warns that such slicing will move; the mesh is kept, so the slice is made once by torch)."""
+    warns that such slicing will move; the mesh is kept, so the slice is made once by torch).
+    A pipeline rank's sub-world (:func:`without_pipeline`) takes such a name from its root
+    mesh, where torch registered the flattened axis: the slice holding this rank."""
+    wanted = (names,) if isinstance(names, str) else tuple(names)
+    if not set(wanted) <= set(mesh.mesh_dim_names or ()):
+        mesh = mesh._get_root_mesh()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return mesh[names]

@@ -323,6 +323,8 @@ def planned_leaves(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[
     of its styles (``ColwiseParallel``: a Linear's weight and bias Shard(0), an Embedding's
     weight Shard(1); ``RowwiseParallel``: a Linear's weight Shard(1) and bias Replicate, an
     Embedding's weight Shard(0); ``SequenceParallel``: Replicate; ``PrepareModule*``: none).
+    A key naming an ``nn.Identity`` (a module ``fs.pipeline.split`` removed from a stage)
+    places nothing.
 
     Raises:
       ValueError: a key that names no submodule, a style on a module it cannot split, or a
@@ -336,6 +338,8 @@ def planned_leaves(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[
         if not matched:
             raise ValueError(f"tensor plan: key {key!r} names no submodule of the model")
         for name in matched:
+            if isinstance(modules[name], nn.Identity):  # a module a pipeline stage cut out
+                continue
             for local, placement in _style_placements(key, style, modules[name]).items():
                 p = modules[name].get_parameter(local)
                 leaves[named[id(p)]] = TensorLeaf(placement, tuple(p.shape), tuple(p.stride()))

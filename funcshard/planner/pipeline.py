@@ -414,11 +414,9 @@ def edge_bytes(boundary: Sequence[int] | None, microbatches: int, itemsize: int)
     return math.prod(shape) // microbatches * itemsize
 
 
-def _refused(tensor, expert, context, deterministic, outer_strategy, replica_groups) -> dict:
+def _refused(context, deterministic, outer_strategy, replica_groups) -> dict:
     """``plan``'s arguments that ``fs.init`` refuses under a pipeline, by name."""
     return {
-        "tensor": tensor if tensor != 1 else 0,
-        "expert": expert if expert != 1 else 0,
         "context": context if context != 1 else 0,
         "deterministic": deterministic,
         "outer_strategy": OuterStrategy.parse(outer_strategy).shards_optim and outer_strategy,

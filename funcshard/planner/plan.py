@@ -217,7 +217,7 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int, gathers
             add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(replicate), "replicate")
     # the norm's sums run over the masters' group (every rank under HFSDP), then over "tensor"
     masters, axis, T = layout.shard_size, layout.shard_axis, layout.tensor.size
-    flag = int(T > 1)  # the tensor group's batch check rides with the loss
+    flag = int(T > 1 and not gathers)  # the batch check's verdict (pipelined: in its agreement)
     if T > 1:  # its batch digests (3 words) and losses, all-gathered over "tensor"
         add("metrics", 1, T * 4 * _METRIC_BYTES, "tensor")
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
@@ -420,7 +420,7 @@ def plan(
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     backend_of(compile, deterministic=deterministic)  # its errors, as fs.init's
-    refused = (tensor, expert, context, deterministic, outer_strategy, replica_groups)
+    refused = (context, deterministic, outer_strategy, replica_groups)
     pp = pipeline_lib.setup(
         params, split, pipeline, schedule, microbatches, pipeline_rank, world_size, refused
     )

@@ -123,8 +123,9 @@ def init(
         and ``mesh`` has a "pipeline" axis (``fs.make_mesh(pipeline=P)``); this rank keeps
         its stages (the schedule's placement) and shards their parameters over its
         data-parallel sub-world; ``train_step`` runs torch's schedule
-        (:mod:`funcshard.step.pipelined`). Not yet with the tensor, expert or context axes,
-        HFSDP, ``deterministic``, ``compile``, ``fault_tolerance`` or ``context``.
+        (:mod:`funcshard.step.pipelined`), the tensor and expert axes inside each stage. Not
+        yet with the context axis, HFSDP, ``deterministic``, ``compile``,
+        ``fault_tolerance`` or ``context``.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,

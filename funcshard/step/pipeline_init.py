@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard.distributed import mesh as mesh_lib
-from funcshard.distributed.dims import CONTEXT, EXPERT, TENSOR
+from funcshard.distributed.dims import CONTEXT, TENSOR
 from funcshard.parallel.pipeline import Pipeline, check_stages
 from funcshard.parallel.pipeline_split import merge
 
@@ -58,6 +58,7 @@ def prepare(
     check_stages(stages, pipeline, P)
     mine = pipeline.stages_of(axis.get_local_rank(), P, len(stages))
     sub = mesh_lib.without_pipeline(mesh)
+    names = sub.mesh_dim_names or ()
     from funcshard.step.pipelined import PipelineRun  # torch's pipelining loads dynamo
 
     run = PipelineRun(
@@ -68,13 +69,14 @@ def prepare(
         mesh_lib.local_device(mesh),
         world=mesh_lib.world_group(mesh),
         counts_norm=all(c == 0 for c in sub.get_coordinate()),
+        counts_loss=TENSOR not in names or sub.get_local_rank(TENSOR) == 0,
     )
     return merge([stages[i] for i in mine]), sub, run
 
 
 def _refuse(mesh: DeviceMesh, pipe: Pipeline, refused: dict[str, Any]) -> None:
     names = set(mesh.mesh_dim_names or ())
-    for axis in (TENSOR, EXPERT, CONTEXT):
+    for axis in (CONTEXT,):
         if axis in names:
             raise ValueError(
                 f"init: Pipeline(schedule={pipe.schedule!r}) on a mesh with a {axis!r} axis "

@@ -17,6 +17,14 @@ torch's schedule over them. A step (:meth:`PipelineRun.grads`):
 3. the leaves' gradients as unreduced rank sections, for the step's reduction over this
    pipeline rank's data-parallel sub-world.
 
+The tensor and expert axes inside a stage: each leaf is handed to the stage as the model
+holds it (the layout's model axis wraps it: the TP plan's DTensor on ``mesh["tensor"]``,
+experts ``Shard(0)`` on ``mesh["expert"]``), so torch's TP collectives and the experts'
+all-to-all run inside the stage, on the pipeline rank's sub-world. What a stage returns goes
+to the next stage as it is: under torch's plans it is replicated over "tensor", and each
+tensor rank sends its own copy to the same tensor rank of the next stage (``mesh["pipeline"]``
+holds every other coordinate equal). The loss is counted on tensor rank 0 only.
+
 A stage that raises in its forward (or ``loss_fn`` raising on the last stage) does not stop
 the schedule halfway (its peers would wait on its sends until the collective timeout): it
 hands on zeros of the output's shape (known from running every stage on the meta device
@@ -78,6 +86,7 @@ class StageModule(nn.Module):
         self.index = index
         self.names = [n for n, _ in stage.named_parameters()]
         self.leaves: dict[str, torch.Tensor] = {}
+        self.wrap: Callable[[str, torch.Tensor], torch.Tensor] = _plain  # the model axis's
         self.error: str | None = None
         self.out_meta: Any = None  # one microbatch's output as meta tensors (None: unknown)
 
@@ -91,7 +100,7 @@ class StageModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         if self.error is None:
             try:
-                params = {n: self.leaves[n] for n in self.names}
+                params = {n: self.wrap(n, self.leaves[n]) for n in self.names}
                 out = torch.func.functional_call(self.stage, params, args)
                 return _sendable(out, self.out_meta, self.index)
             except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
@@ -115,6 +124,11 @@ class StageModule(nn.Module):
             ),
             self.out_meta,
         )
+
+
+def _plain(name: str, local: torch.Tensor) -> torch.Tensor:
+    del name
+    return local
 
 
 def _differentiable(t: Any) -> bool:
@@ -184,6 +198,8 @@ class PipelineRun:
       world: a group over every rank of the mesh (the step's agreement).
       counts_norm: whether this rank is its sub-world's first (its stages' share of the
         squared norm, the same on every rank of the sub-world, is added once).
+      counts_loss: whether this rank's losses are added to the step's: not on tensor ranks
+        other than 0 (every rank of a tensor group computes the same loss).
 
     Raises:
       ValueError: microbatches torch's schedule refuses for this stage count (its words).
@@ -198,14 +214,21 @@ class PipelineRun:
         device: torch.device,
         world: dist.ProcessGroup,
         counts_norm: bool,
+        counts_loss: bool = True,
     ) -> None:
         self.pipe, self.stages, self.mine = pipe, list(stages), mine
         self.group, self.device = group, device
-        self.world, self.counts_norm = world, counts_norm
+        self.world, self.counts_norm, self.counts_loss = world, counts_norm, counts_loss
         self.modules = {i: StageModule(stages[i], i) for i in mine}
         self.loss = LossWrap()
         self._key: Any = None
         self.schedule = self._build()  # torch's checks, before any collective
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank is its pipeline rank's sub-world's first (every data-parallel,
+        tensor and expert coordinate 0)."""
+        return self.counts_norm
 
     @property
     def first(self) -> bool:
@@ -263,6 +286,7 @@ class PipelineRun:
         leaves = _step_leaves(layout, master, compute)
         for m in self.modules.values():
             m.leaves, m.error = {n: leaves[n] for n in m.names}, None
+            m.wrap = layout.tensor.wrap  # DTensors where the stage had them (tensor, experts)
         self.loss.reset(loss_fn, factor)
         try:
             args = inputs if self.first else ()
@@ -309,6 +333,7 @@ class PipelineRun:
         all-reduce over the world, counted under "metrics"), or RuntimeError on every rank
         when a stage or ``loss_fn`` raised on any, naming each rank's failure."""
         square = square.to(loss_sum) if self.counts_norm else torch.zeros_like(loss_sum)
+        loss_sum = loss_sum if self.counts_loss else torch.zeros_like(loss_sum)
         flag = loss_sum.new_tensor(float(error is not None))
         vec = torch.stack([loss_sum, square, flag])
         vec = ops.all_reduce(vec, self.world, axis=ops.Axis.WORLD, kind="metrics")

@@ -202,9 +202,12 @@ def _pipeline_step(
     run.check_microbatches(microbatches)
     ls = state.loss_scale
     factor = (ls.scale if ls is not None else 1.0) / run.pipe.microbatches
+    batch_check = layout.tensor.batch_check(batch, layout.device)  # a tensor group's batch
     sections, loss_sum, error = run.grads(
         layout.inner, state.master, state.compute, batch, loss_fn, factor
     )
+    if batch_check.flag([loss_sum]):  # the verdict travels with the step's agreement
+        error = "\n".join(e for e in (error, f"train_step: {batch_check.why}") if e)
     grads = grads_lib.reduce_step_grads(layout, sections, shard_reduced=False)
     if ls is not None:
         torch._foreach_mul_(grads, 1.0 / ls.scale)
