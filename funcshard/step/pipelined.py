@@ -40,6 +40,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from funcshard.distributed import ops
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
+from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.parallel.pipeline import Pipeline
 from funcshard.step.units.gather import Gatherer
 
@@ -68,9 +69,39 @@ def _sendable(out: Any, meta: Any, index: int) -> Any:
     return out
 
 
+class ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: torch's stage sends a
+    stage's input gradients as autograd gives them and the previous stage receives them into
+    buffers strided as the first step's were (gloo takes contiguous buffers only; an expanded
+    zero gradient, e.g. of an input a stage ignores, is not)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return grad.contiguous()
+
+
+def _stage_inputs(args: tuple, dtype: torch.dtype | None) -> tuple:
+    """A stage's inputs as its forward sees them: floating-point ones cast to ``dtype`` (the
+    policy's compute dtype, FSDP2's ``cast_forward_inputs``; None: as given), every input
+    that requires grad giving back a contiguous gradient (:class:`ContiguousGrad`)."""
+    out = []
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t = ContiguousGrad.apply(t)
+        if isinstance(t, torch.Tensor) and dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out.append(t)
+    return tuple(out)
+
+
 class StageModule(nn.Module):
     """A stage as torch's ``PipelineStage`` runs it: the user's stage module called with the
-    step's leaves (``torch.func.functional_call``); ``parameters()`` are those leaves."""
+    step's leaves (``torch.func.functional_call``); ``parameters()`` are those leaves; its
+    floating-point inputs cast to the policy's compute dtype (``cast``, set per step)."""
 
     def __init__(self, stage: nn.Module, index: int) -> None:
         super().__init__()
@@ -80,6 +111,7 @@ class StageModule(nn.Module):
         self.leaves: dict[str, torch.Tensor] = {}
         self.error: str | None = None
         self.out_meta: Any = None  # one microbatch's output as meta tensors (None: unknown)
+        self.cast: torch.dtype | None = None  # the policy's param_dtype
 
     def parameters(self, recurse: bool = True):  # noqa: ARG002
         return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
@@ -92,7 +124,7 @@ class StageModule(nn.Module):
         if self.error is None:
             try:
                 params = {n: self.leaves[n] for n in self.names}
-                out = torch.func.functional_call(self.stage, params, args)
+                out = torch.func.functional_call(self.stage, params, _stage_inputs(args, self.cast))
                 return _sendable(out, self.out_meta, self.index)
             except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
                 self.error = traceback.format_exc(limit=-3)
@@ -233,9 +265,10 @@ class PipelineRun:
                 f"it: {e}"
             ) from e
 
-    def _prepare(self, inputs: tuple[torch.Tensor, ...]) -> None:
+    def _prepare(self, inputs: tuple[torch.Tensor, ...], policy: MixedPrecisionPolicy) -> None:
         """A schedule for this batch's shapes (torch infers a stage's shapes once), and each
-        stage's output shape from a meta-device run of every stage."""
+        stage's output shape and dtype from a meta-device run of every stage in the policy's
+        compute dtypes (as the step runs them)."""
         key = tuple((tuple(t.shape), t.dtype) for t in inputs)
         if key == self._key:
             return
@@ -243,9 +276,9 @@ class PipelineRun:
             self.schedule = self._build()
         self._key = key
         mb = [torch.tensor_split(_meta(t), self.pipe.microbatches)[0] for t in inputs]
-        metas = _propagate(self.stages, tuple(mb))
+        metas = _propagate(self.stages, tuple(mb), policy)
         for i, m in self.modules.items():
-            m.out_meta = metas[i]
+            m.out_meta, m.cast = metas[i], policy.param_dtype
 
     def grads(
         self,
@@ -259,7 +292,7 @@ class PipelineRun:
         """One step's ``(rank sections per bucket, this rank's sum of microbatch losses
         (float64, 0 off the last stage), the failure on this rank or None)``."""
         inputs, target = _split_batch(batch, self.pipe.microbatches)
-        self._prepare(inputs)
+        self._prepare(inputs, layout.policy)
         leaves = _step_leaves(layout, master, compute)
         for m in self.modules.values():
             m.leaves, m.error = {n: leaves[n] for n in m.names}, None
@@ -293,6 +326,19 @@ class PipelineRun:
                 names = [n for n, _ in self.stages[i].named_parameters(remove_duplicate=False)]
                 by_stage[i] = {n: params[n].to(self.device) for n in names if n in params}
         return {n: t for i in sorted(by_stage) for n, t in by_stage[i].items()}
+
+    def nonfinite(self, local: dict[str, float]) -> list[str]:
+        """The whole model's parameters whose reduced gradient is not finite on any rank, in
+        stage order, the same on every rank: ``local`` (this rank's flag per parameter of its
+        stages, > 0 where its part is not finite) summed over the world in one all-reduce
+        (kind "metrics") of a flag per parameter of every stage."""
+        every = [n for stage in self.stages for n, _ in stage.named_parameters()]
+        index = {n: k for k, n in enumerate(every)}
+        flags = torch.zeros(len(every), dtype=torch.float32, device=self.device)
+        for name, flag in local.items():
+            flags[index[name]] = flag
+        flags = ops.all_reduce(flags, self.world, axis=ops.Axis.WORLD, kind="metrics")
+        return [n for n, f in zip(every, flags.tolist(), strict=True) if f > 0]
 
     def check_microbatches(self, microbatches: int) -> None:
         """``train_step``'s ``microbatches``: 1 (the default) or the pipeline's own."""
@@ -346,19 +392,22 @@ def _split_batch(batch: Any, microbatches: int) -> tuple[tuple[torch.Tensor, ...
     return inputs, target
 
 
-def _propagate(stages: list[nn.Module], x: tuple) -> list[Any]:
+def _propagate(stages: list[nn.Module], x: tuple, policy: MixedPrecisionPolicy) -> list[Any]:
     """Each stage's output for one microbatch, as meta tensors (None from the first stage
-    that cannot run on the meta device on)."""
+    that cannot run on the meta device on): its parameters in their compute dtypes and its
+    inputs cast, as :class:`StageModule` runs it."""
     out: list[Any] = []
     with torch.no_grad():
         for stage in stages:
             if x is None:
                 out.append(None)
                 continue
-            params = {n: _meta(p) for n, p in stage.named_parameters()}
+            params = {
+                n: _meta(p).to(policy.resolve(p.dtype).compute) for n, p in stage.named_parameters()
+            }
             params.update({n: _meta(b) for n, b in stage.named_buffers()})
             try:
-                y = torch.func.functional_call(stage, params, x)
+                y = torch.func.functional_call(stage, params, _stage_inputs(x, policy.param_dtype))
             except Exception:  # noqa: BLE001 (no stand-in for it: the collective timeout)
                 y = None
             out.append(y)
