@@ -107,7 +107,7 @@ def test_bad_input_and_a_failing_stage(pool4):
         assert "is in stage 0 and stage 1" in out["twice"], out
         assert "torch's Schedule1F1B refuses" in out["microbatches"], out
         assert "mesh has a 'pipeline' axis" in out["no_pipeline"], out
-        assert "deterministic=True is not supported yet" in out["deterministic"], out
+        assert "compile=True is not supported yet" in out["compile"], out
         assert "7 rows, not a multiple of microbatches=4" in out["uneven"], out
         assert "RuntimeError" in out["boom"] and "boom: a stage's forward failed" in out["boom"]
         assert "stage 1" in out["boom"] and "rank 2" in out["boom"], out["boom"]

@@ -99,3 +99,30 @@ def test_compute_policies_and_loss_scaling(pool4):
             _check_policy(case, per_rank, ref, p0)
         else:
             _check_one_stage_inf(case, per_rank)
+
+
+LAYOUT_CASES = [
+    ("run_layout", "S2", "optim_grads_params", {"deterministic": True}),
+    ("run_layout", "R2", "optim_grads_params", {"deterministic": True}),
+    ("run_layout", "R2", "optim_grads_params", {"outer_strategy": "optim"}),
+    ("run_layout", "R2", "optim", {"outer_strategy": "optim"}),
+]
+
+
+def test_deterministic_and_hfsdp_inside_a_stage(pool4):
+    """deterministic=True at P=2 x S=2 and P=2 x R=2 (ZeRO-3): bitwise alike (params, loss,
+    grad norm) and within 1e-5 of one process; HFSDP (outer_strategy="optim", P=2 x R=2)
+    over ZeRO-3 and ZeRO-1 within 1e-5. The whole model's gradient is clipped to norm 1, so
+    the update reads the norm's bits too."""
+    results = pool4.run(hm.run_cases, LAYOUT_CASES)
+    ref = hm.reference_clipped()
+    for k, case in enumerate(LAYOUT_CASES):
+        for rank, r in enumerate([r[k] for r in results]):
+            assert "error" not in r, (case, rank, r)
+            param = max(hp._rel(r["full"][n], ref["params"][n]) for n in ref["params"])
+            loss = _rel([m[0] for m in r["metrics"]], ref["loss"])
+            assert list(r["full"]) == list(ref["params"]) and max(param, loss) < 1e-5, (case, r)
+    for rank, r in enumerate(results):
+        s2, r2 = r[0], r[1]
+        assert s2["metrics"] == r2["metrics"], rank
+        assert all(torch.equal(s2["full"][n], r2["full"][n]) for n in s2["full"]), rank
