@@ -154,3 +154,31 @@ def run_layout(mesh: str, strategy: str, init_kw: dict) -> dict:
         state, m = fs.train_step(state, _batch(step), hp.loss_fn)
         metrics.append((m["loss"], m["grad_norm"]))
     return {"full": {n: t.cpu() for n, t in fs.full_params(state).items()}, "metrics": metrics}
+
+
+# --- ZeRO-3 gathering per microbatch ------------------------------------------------------------
+
+
+def run_regather(schedule: str, per_rank: int, regather: bool) -> dict:
+    """ZeRO-3 at P=2 x S=2 under ``fs.Pipeline(schedule, regather=regather)``: the whole
+    model, metrics, and the all-gathers of steps 1 and 2 (step 0 also runs torch's shape
+    inference through the stages)."""
+    mesh = fs.make_mesh(pipeline=2, device_type="cpu")
+    stages = fs.pipeline.split(hp.make_net(), hp.split_points(2 * per_rank))
+    pipe = fs.Pipeline(schedule, microbatches=hp.MICROBATCHES, regather=regather)
+    opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
+    state = fs.init(stages, opt, mesh=mesh, strategy="optim_grads_params", pipeline=pipe)
+    state, m = fs.train_step(state, _batch(0), hp.loss_fn)
+    metrics = [(m["loss"], m["grad_norm"])]
+    with fs.comm_stats() as stats:
+        for step in range(1, hp.STEPS):
+            state, m = fs.train_step(state, _batch(step), hp.loss_fn)
+            metrics.append((m["loss"], m["grad_norm"]))
+    return {
+        "full": {n: t.cpu() for n, t in fs.full_params(state).items()},
+        "metrics": metrics,
+        "gathers": stats.calls["all_gather"],
+        "gathered_bytes": stats.bytes["all_gather"],
+        "buckets": len(state.layout.buckets),
+        "stages": state.pipeline.mine,
+    }

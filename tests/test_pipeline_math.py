@@ -107,22 +107,48 @@ LAYOUT_CASES = [
     ("run_layout", "R2", "optim_grads_params", {"outer_strategy": "optim"}),
     ("run_layout", "R2", "optim", {"outer_strategy": "optim"}),
 ]
+REGATHER_CASES = [
+    ("run_regather", "1F1B", 1, True),
+    ("run_regather", "1F1B", 1, False),
+    ("run_regather", "ZBVZeroBubble", 2, True),
+]
 
 
-def test_deterministic_and_hfsdp_inside_a_stage(pool4):
+def _parity(case: tuple, r: dict, ref: dict) -> None:
+    assert "error" not in r, (case, r)
+    param = max(hp._rel(r["full"][n], ref["params"][n]) for n in ref["params"])
+    loss = _rel([m[0] for m in r["metrics"]], ref["loss"])
+    assert list(r["full"]) == list(ref["params"]) and max(param, loss) < 1e-5, (case, r)
+
+
+def _check_regather(rank: int, runs: list[dict]) -> None:
+    """ZeRO-3 with regather=True: bitwise the once-a-step run's (1F1B); over steps 1 and 2 a
+    stage gathers each of its buckets per microbatch in forward, and again in backward each
+    bucket holding a tensor its backward reads: all of them but stage 0's embed (its input
+    needs no gradient, so its weight is not saved), against once a step without regather."""
+    again, once, zbv = runs
+    assert again["metrics"] == once["metrics"], rank
+    assert all(torch.equal(again["full"][n], once["full"][n]) for n in once["full"]), rank
+    steps, buckets = hp.STEPS - 1, once["buckets"]
+    assert once["gathers"] == steps * buckets, (rank, once)
+    backward = buckets - (1 if again["stages"] == (0,) else 0)
+    assert again["gathers"] == steps * hp.MICROBATCHES * (buckets + backward), (rank, again)
+    assert zbv["gathers"] > steps * hp.MICROBATCHES * zbv["buckets"], (rank, zbv)
+
+
+def test_deterministic_hfsdp_and_regather(pool4):
     """deterministic=True at P=2 x S=2 and P=2 x R=2 (ZeRO-3): bitwise alike (params, loss,
     grad norm) and within 1e-5 of one process; HFSDP (outer_strategy="optim", P=2 x R=2)
-    over ZeRO-3 and ZeRO-1 within 1e-5. The whole model's gradient is clipped to norm 1, so
-    the update reads the norm's bits too."""
-    results = pool4.run(hm.run_cases, LAYOUT_CASES)
-    ref = hm.reference_clipped()
-    for k, case in enumerate(LAYOUT_CASES):
-        for rank, r in enumerate([r[k] for r in results]):
-            assert "error" not in r, (case, rank, r)
-            param = max(hp._rel(r["full"][n], ref["params"][n]) for n in ref["params"])
-            loss = _rel([m[0] for m in r["metrics"]], ref["loss"])
-            assert list(r["full"]) == list(ref["params"]) and max(param, loss) < 1e-5, (case, r)
+    over ZeRO-3 and ZeRO-1 within 1e-5 (the whole model's gradient clipped to norm 1, so the
+    update reads the norm's bits too); ZeRO-3 with fs.Pipeline(regather=True) under 1F1B and
+    ZBVZeroBubble within 1e-5, gathering per microbatch."""
+    results = pool4.run(hm.run_cases, LAYOUT_CASES + REGATHER_CASES)
+    clipped, plain = hm.reference_clipped(), hp.reference(hm.ROWS, 2)
+    for k, case in enumerate(LAYOUT_CASES + REGATHER_CASES):
+        for r in results:
+            _parity(case, r[k], clipped if k < len(LAYOUT_CASES) else plain)
     for rank, r in enumerate(results):
         s2, r2 = r[0], r[1]
         assert s2["metrics"] == r2["metrics"], rank
         assert all(torch.equal(s2["full"][n], r2["full"][n]) for n in s2["full"]), rank
+        _check_regather(rank, r[len(LAYOUT_CASES) :])

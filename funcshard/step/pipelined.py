@@ -42,6 +42,7 @@ from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.parallel.pipeline import Pipeline
+from funcshard.step.pipeline_regather import Regather
 from funcshard.step.units.gather import Gatherer
 
 __all__ = ["PipelineRun", "StageModule", "CountingStage"]
@@ -112,6 +113,7 @@ class StageModule(nn.Module):
         self.error: str | None = None
         self.out_meta: Any = None  # one microbatch's output as meta tensors (None: unknown)
         self.cast: torch.dtype | None = None  # the policy's param_dtype
+        self.regather: Regather | None = None  # ZeRO-3 per microbatch (the step's)
 
     def parameters(self, recurse: bool = True):  # noqa: ARG002
         return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
@@ -123,8 +125,12 @@ class StageModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         if self.error is None:
             try:
-                params = {n: self.leaves[n] for n in self.names}
-                out = torch.func.functional_call(self.stage, params, _stage_inputs(args, self.cast))
+                inputs = _stage_inputs(args, self.cast)
+                call = lambda p: torch.func.functional_call(self.stage, p, inputs)  # noqa: E731
+                if self.regather is not None:
+                    out = self.regather.call(self.names, call)
+                else:
+                    out = call({n: self.leaves[n] for n in self.names})
                 return _sendable(out, self.out_meta, self.index)
             except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
                 self.error = traceback.format_exc(limit=-3)
@@ -170,6 +176,20 @@ class CountingStage(PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return _counted(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:  # regather=True: the buffers gathered again for it are freed
+            if self.submod.regather is not None:
+                self.submod.regather.release()
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().backward_weight_one_chunk(*args, **kwargs)
+        finally:
+            if self.submod.regather is not None:
+                self.submod.regather.release()
 
 
 def _counted(p2p: list[dist.P2POp]) -> list[dist.P2POp]:
@@ -293,16 +313,23 @@ class PipelineRun:
         (float64, 0 off the last stage), the failure on this rank or None)``."""
         inputs, target = _split_batch(batch, self.pipe.microbatches)
         self._prepare(inputs, layout.policy)
-        leaves = _step_leaves(layout, master, compute)
+        regather = None
+        if self.pipe.regather and layout.strategy.shards_params:
+            regather = Regather(layout, master, compute)
+            leaves = regather.leaves
+        else:
+            leaves = _step_leaves(layout, master, compute)
         for m in self.modules.values():
-            m.leaves, m.error = {n: leaves[n] for n in m.names}, None
+            m.leaves, m.error, m.regather = {n: leaves[n] for n in m.names}, None, regather
         self.loss.reset(loss_fn, factor)
         try:
             args = inputs if self.first else ()
             self.schedule.step(*args, target=target if self.last else None)
         finally:
             for m in self.modules.values():
-                m.leaves = {}
+                m.leaves, m.regather = {}, None
+            if regather is not None:
+                regather.release()
         errors = [f"stage {i}: {m.error}" for i, m in self.modules.items() if m.error]
         if self.loss.error:
             errors.append(f"loss_fn on stage {len(self.stages) - 1}: {self.loss.error}")
