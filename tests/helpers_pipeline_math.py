@@ -182,3 +182,34 @@ def run_regather(schedule: str, per_rank: int, regather: bool) -> dict:
         "buckets": len(state.layout.buckets),
         "stages": state.pipeline.mine,
     }
+
+
+class RealBoom(models.Block):
+    """A block that raises in its forward on real tensors while ``armed`` (its meta-device
+    run, which sizes its stand-in, works)."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and x.device.type != "meta":
+            raise RuntimeError("boom: a stage's forward failed")
+        return super().forward(x)
+
+
+def run_first_step_failure() -> dict:
+    """fp32, ZeRO-3: stage 1 raises in its forward on the very first step (while torch's
+    schedule infers its shapes and strides through the stages' stand-ins): every rank raises
+    naming it; the next step trains."""
+    net = hp.make_net()
+    net.blocks[5] = RealBoom(hp.WIDTH)
+    net.blocks[5].load_state_dict(hp.make_net().blocks[5].state_dict())
+    state = _state("optim_grads_params", None, net)
+    net.blocks[5].armed = True
+    try:
+        fs.train_step(state, _batch(0), hp.loss_fn)
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    net.blocks[5].armed = False
+    state, m = fs.train_step(state, _batch(0), hp.loss_fn)
+    return {"error_text": error, "step": state.step, "loss": m["loss"]}

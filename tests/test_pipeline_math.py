@@ -37,7 +37,7 @@ UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 POLICY_CASES = [("run_policy", s, torch.bfloat16) for s in hm.STRATEGIES] + [
     ("run_policy", s, torch.float16) for s in ("optim", "optim_grads_params")
 ]
-INF_CASES = [("run_one_stage_inf", "optim_grads_params")]
+INF_CASES = [("run_one_stage_inf", "optim_grads_params"), ("run_first_step_failure",)]
 
 
 def _rel(got: list[float], want: list[float]) -> float:
@@ -89,7 +89,7 @@ def _check_one_stage_inf(case: tuple, per_rank: list[dict]) -> None:
 def test_compute_policies_and_loss_scaling(pool4):
     """bf16 compute at P=2 x S=2 for every strategy, fp16 (loss scale 2^10) for ZeRO-1 and
     ZeRO-3, within the rounding bound of one fp32 process; fp16 with an infinite gradient in
-    one stage (ZeRO-3)."""
+    one stage (ZeRO-3); a stage raising in its forward on the first step (fp32)."""
     results = pool4.run(hm.run_cases, POLICY_CASES + INF_CASES)
     ref = hp.reference(hm.ROWS, 2)
     p0 = {n: p.detach() for n, p in hp.make_net().named_parameters()}
@@ -97,8 +97,13 @@ def test_compute_policies_and_loss_scaling(pool4):
         per_rank = [r[k] for r in results]
         if case[0] == "run_policy":
             _check_policy(case, per_rank, ref, p0)
-        else:
+        elif case[0] == "run_one_stage_inf":
             _check_one_stage_inf(case, per_rank)
+        else:  # torch sized stage 0's gradient buffers by the stand-in's contiguous gradient
+            for rank, r in enumerate(per_rank):
+                assert "error" not in r, (rank, r)
+                assert "boom: a stage's forward failed" in r["error_text"], (rank, r)
+                assert "stage 1" in r["error_text"] and r["step"] == 1, (rank, r)
 
 
 LAYOUT_CASES = [

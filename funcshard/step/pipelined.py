@@ -140,7 +140,9 @@ class StageModule(nn.Module):
 
     def _stand_in(self, args: tuple) -> Any:
         """Zeros of the output's shape, in the graph of the inputs and leaves (so that the
-        schedule's backward runs and sends zeros back)."""
+        schedule's backward runs and sends zeros back, contiguous: not the expanded zeros
+        of a sum's gradient, by which torch would size the previous stage's buffers)."""
+        args = _stage_inputs(args, None)
         anchor = sum(
             (t.sum() * 0 for t in [*args, *self.leaves.values()] if _differentiable(t)),
             torch.zeros((), device=_device(args, self.leaves)),
