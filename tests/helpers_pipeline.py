@@ -203,13 +203,13 @@ def run_refusals() -> dict:
             )
         ),
         "no_pipeline": _error(lambda: fs.init(make_net(), opt, mesh=mesh)),
-        "deterministic": _error(
+        "compile": _error(
             lambda: fs.init(
                 fs.pipeline.split(make_net(), split_points(2)),
                 opt,
                 mesh=mesh,
                 pipeline=pipe,
-                deterministic=True,
+                compile=True,
             )
         ),
     }

@@ -51,12 +51,13 @@ class Pipeline:
       microbatches: the microbatches of every step (the batch is split on dim 0 into them);
         what the schedule cannot take (torch's own checks, e.g. 1F1B's ``microbatches >=
         stages``) is refused at ``fs.init``, where the stage count is known.
-      regather: ZeRO-3: gather a stage's parameters per microbatch (True) instead of once a
-        step (False, the default; torchtitan's ``reshard_after_forward=False``). True is not
-        supported yet.
+      regather: ZeRO-3: gather a stage's parameters per microbatch in forward and again in
+        its backward (True), instead of once a step (False, the default; torchtitan's
+        ``reshard_after_forward=False``). No effect under the other strategies (their
+        compute parameters are whole on every rank).
 
     Raises:
-      ValueError: an unknown schedule, microbatches below 1 or not an int, ``regather=True``.
+      ValueError: an unknown schedule, microbatches below 1 or not an int.
     """
 
     schedule: str
@@ -72,11 +73,6 @@ class Pipeline:
             raise ValueError(
                 f"Pipeline(schedule={self.schedule!r}): microbatches must be an int >= 1, "
                 f"got {self.microbatches!r}"
-            )
-        if self.regather:
-            raise ValueError(
-                f"Pipeline(schedule={self.schedule!r}): regather=True (ZeRO-3 gathers per "
-                "microbatch) is not supported yet; regather=False gathers once a step"
             )
 
     @property

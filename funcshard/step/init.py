@@ -124,8 +124,9 @@ def init(
         its stages (the schedule's placement) and shards their parameters over its
         data-parallel sub-world; ``train_step`` runs torch's schedule
         (:mod:`funcshard.step.pipelined`), the tensor and expert axes inside each stage. Not
-        yet with the context axis, HFSDP, ``deterministic``, ``compile``,
-        ``fault_tolerance`` or ``context``.
+        yet with the context axis, ``compile``, ``fault_tolerance``, ``regather=True`` beside
+        the tensor or expert axis, or HFSDP on a pipeline rank whose data-parallel ranks are
+        both replicated and sharded.
 
     Raises:
       ValueError: ``deterministic=True`` on a data-parallel size that is not a power of two,
@@ -145,8 +146,8 @@ def init(
     _check_optimizer(opt)
     every = replica_check.period(check_replicas_every)
     hfsdp = OuterStrategy.parse(outer_strategy).shards_optim and outer_strategy
-    refused = dict(deterministic=deterministic, compile=compile, context=context)
-    refused.update(fault_tolerance=fault_tolerance, outer_strategy=hfsdp)
+    refused = dict(compile=compile, context=context, fault_tolerance=fault_tolerance)
+    refused.update(outer_strategy=hfsdp)  # refused only on a 2-D data-parallel sub-world
     model, mesh, run = pipeline_init.prepare(model, mesh, pipeline, refused)
     backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
     if context is not None and backend is not None:

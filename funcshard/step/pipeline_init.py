@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard.distributed import mesh as mesh_lib
-from funcshard.distributed.dims import CONTEXT, TENSOR
+from funcshard.distributed.dims import CONTEXT, DATA_AXES, EXPERT, TENSOR
 from funcshard.parallel.pipeline import Pipeline, check_stages
 from funcshard.parallel.pipeline_split import merge
 
@@ -24,7 +24,8 @@ def prepare(
     a pipeline; with one, this rank's stages merged, its sub-world and its schedule.
 
     ``refused``: fs.init's arguments that do not combine with a pipeline yet, by name
-    (a true value refused).
+    (a true value refused; ``outer_strategy``, HFSDP, only where the pipeline rank's
+    data-parallel ranks are both replicated and sharded).
 
     Raises:
       ValueError: a pipeline without a "pipeline" mesh axis or the other way round, a split
@@ -82,6 +83,22 @@ def _refuse(mesh: DeviceMesh, pipe: Pipeline, refused: dict[str, Any]) -> None:
                 f"init: Pipeline(schedule={pipe.schedule!r}) on a mesh with a {axis!r} axis "
                 "is not supported yet"
             )
+    model_axes = [a for a in (TENSOR, EXPERT) if a in names]
+    if pipe.regather and model_axes:
+        raise ValueError(
+            f"init: Pipeline(regather=True) on a mesh with a {model_axes[0]!r} axis is not "
+            "supported yet (the per-microbatch gather is tested on plain stages only)"
+        )
+    refused = dict(refused)
+    hfsdp = refused.pop("outer_strategy", None)
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=True))
+    if hfsdp and sizes.get(DATA_AXES[0], 1) > 1 and sizes.get(DATA_AXES[1], 1) > 1:
+        raise ValueError(
+            f"init: Pipeline(schedule={pipe.schedule!r}) with outer_strategy={hfsdp!r} on "
+            f"replicate={sizes[DATA_AXES[0]]} x shard={sizes[DATA_AXES[1]]} ranks per "
+            "pipeline rank is not supported yet (HFSDP's master groups span one pipeline "
+            "rank only where replicate or shard is 1)"
+        )
     for name, value in refused.items():
         if value:
             raise ValueError(

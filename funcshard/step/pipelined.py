@@ -48,98 +48,13 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from funcshard.distributed import ops
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
+from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.parallel.pipeline import Pipeline
+from funcshard.step.pipeline_regather import Regather
+from funcshard.step.pipeline_stage import StageModule, as_meta, propagate
 from funcshard.step.units.gather import Gatherer
 
 __all__ = ["PipelineRun", "StageModule", "CountingStage"]
-
-
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t, device="meta")
-
-
-def _sendable(out: Any, meta: Any, index: int) -> Any:
-    """``out`` as torch's stage sends it: contiguous (gloo sends and receives contiguous
-    buffers only; the gradients received for it are made like it), and of the shapes and
-    dtypes the stage has on the meta device (ValueError otherwise: the receiving stage sized
-    its buffers by them)."""
-    out = optree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, out)
-    if meta is not None:
-        got = [(tuple(t.shape), t.dtype) for t in optree.tree_leaves(out)]
-        want = [(tuple(m.shape), m.dtype) for m in optree.tree_leaves(meta)]
-        if got != want:
-            raise ValueError(
-                f"pipeline stage {index}: its output (shapes, dtypes) {got} differs from "
-                f"what it gives on the meta device, {want}, by which the next stage sized "
-                "its buffers"
-            )
-    return out
-
-
-class StageModule(nn.Module):
-    """A stage as torch's ``PipelineStage`` runs it: the user's stage module called with the
-    step's leaves (``torch.func.functional_call``); ``parameters()`` are those leaves."""
-
-    def __init__(self, stage: nn.Module, index: int) -> None:
-        super().__init__()
-        object.__setattr__(self, "stage", stage)  # not a child: its parameters are not ours
-        self.index = index
-        self.names = [n for n, _ in stage.named_parameters()]
-        self.leaves: dict[str, torch.Tensor] = {}
-        self.wrap: Callable[[str, torch.Tensor], torch.Tensor] = _plain  # the model axis's
-        self.error: str | None = None
-        self.out_meta: Any = None  # one microbatch's output as meta tensors (None: unknown)
-
-    def parameters(self, recurse: bool = True):  # noqa: ARG002
-        return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
-        del recurse, remove_duplicate
-        return iter([(prefix + n, self.leaves[n]) for n in self.names if n in self.leaves])
-
-    def forward(self, *args: Any) -> Any:
-        if self.error is None:
-            try:
-                params = {n: self.wrap(n, self.leaves[n]) for n in self.names}
-                out = torch.func.functional_call(self.stage, params, args)
-                return _sendable(out, self.out_meta, self.index)
-            except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
-                self.error = traceback.format_exc(limit=-3)
-                if self.out_meta is None:
-                    raise
-        return self._stand_in(args)
-
-    def _stand_in(self, args: tuple) -> Any:
-        """Zeros of the output's shape, in the graph of the inputs and leaves (so that the
-        schedule's backward runs and sends zeros back)."""
-        anchor = sum(
-            (t.sum() * 0 for t in [*args, *self.leaves.values()] if _differentiable(t)),
-            torch.zeros((), device=_device(args, self.leaves)),
-        )
-        return optree.tree_map(
-            lambda m: (
-                torch.zeros(m.shape, dtype=m.dtype, device=anchor.device) + anchor.to(m.dtype)
-                if m.is_floating_point()
-                else torch.zeros(m.shape, dtype=m.dtype, device=anchor.device)
-            ),
-            self.out_meta,
-        )
-
-
-def _plain(name: str, local: torch.Tensor) -> torch.Tensor:
-    del name
-    return local
-
-
-def _differentiable(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.requires_grad
-
-
-def _device(args: tuple, leaves: dict[str, torch.Tensor]) -> torch.device:
-    for t in [*args, *leaves.values()]:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
 
 
 class CountingStage(PipelineStage):
@@ -152,6 +67,20 @@ class CountingStage(PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return _counted(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:  # regather=True: the buffers gathered again for it are freed
+            if self.submod.regather is not None:
+                self.submod.regather.release()
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().backward_weight_one_chunk(*args, **kwargs)
+        finally:
+            if self.submod.regather is not None:
+                self.submod.regather.release()
 
 
 def _counted(p2p: list[dist.P2POp]) -> list[dist.P2POp]:
@@ -256,19 +185,20 @@ class PipelineRun:
                 f"it: {e}"
             ) from e
 
-    def _prepare(self, inputs: tuple[torch.Tensor, ...]) -> None:
+    def _prepare(self, inputs: tuple[torch.Tensor, ...], policy: MixedPrecisionPolicy) -> None:
         """A schedule for this batch's shapes (torch infers a stage's shapes once), and each
-        stage's output shape from a meta-device run of every stage."""
+        stage's output shape and dtype from a meta-device run of every stage in the policy's
+        compute dtypes (as the step runs them)."""
         key = tuple((tuple(t.shape), t.dtype) for t in inputs)
         if key == self._key:
             return
         if self._key is not None:
             self.schedule = self._build()
         self._key = key
-        mb = [torch.tensor_split(_meta(t), self.pipe.microbatches)[0] for t in inputs]
-        metas = _propagate(self.stages, tuple(mb))
+        mb = [torch.tensor_split(as_meta(t), self.pipe.microbatches)[0] for t in inputs]
+        metas = propagate(self.stages, tuple(mb), policy)
         for i, m in self.modules.items():
-            m.out_meta = metas[i]
+            m.out_meta, m.cast = metas[i], policy.param_dtype
 
     def grads(
         self,
@@ -282,10 +212,15 @@ class PipelineRun:
         """One step's ``(rank sections per bucket, this rank's sum of microbatch losses
         (float64, 0 off the last stage), the failure on this rank or None)``."""
         inputs, target = _split_batch(batch, self.pipe.microbatches)
-        self._prepare(inputs)
-        leaves = _step_leaves(layout, master, compute)
+        self._prepare(inputs, layout.policy)
+        regather = None
+        if self.pipe.regather and layout.strategy.shards_params:
+            regather = Regather(layout, master, compute)
+            leaves = regather.leaves
+        else:
+            leaves = _step_leaves(layout, master, compute)
         for m in self.modules.values():
-            m.leaves, m.error = {n: leaves[n] for n in m.names}, None
+            m.leaves, m.error, m.regather = {n: leaves[n] for n in m.names}, None, regather
             m.wrap = layout.tensor.wrap  # DTensors where the stage had them (tensor, experts)
         self.loss.reset(loss_fn, factor)
         try:
@@ -293,7 +228,9 @@ class PipelineRun:
             self.schedule.step(*args, target=target if self.last else None)
         finally:
             for m in self.modules.values():
-                m.leaves = {}
+                m.leaves, m.regather = {}, None
+            if regather is not None:
+                regather.release()
         errors = [f"stage {i}: {m.error}" for i, m in self.modules.items() if m.error]
         if self.loss.error:
             errors.append(f"loss_fn on stage {len(self.stages) - 1}: {self.loss.error}")
@@ -317,6 +254,19 @@ class PipelineRun:
                 names = [n for n, _ in self.stages[i].named_parameters(remove_duplicate=False)]
                 by_stage[i] = {n: params[n].to(self.device) for n in names if n in params}
         return {n: t for i in sorted(by_stage) for n, t in by_stage[i].items()}
+
+    def nonfinite(self, local: dict[str, float]) -> list[str]:
+        """The whole model's parameters whose reduced gradient is not finite on any rank, in
+        stage order, the same on every rank: ``local`` (this rank's flag per parameter of its
+        stages, > 0 where its part is not finite) summed over the world in one all-reduce
+        (kind "metrics") of a flag per parameter of every stage."""
+        every = [n for stage in self.stages for n, _ in stage.named_parameters()]
+        index = {n: k for k, n in enumerate(every)}
+        flags = torch.zeros(len(every), dtype=torch.float32, device=self.device)
+        for name, flag in local.items():
+            flags[index[name]] = flag
+        flags = ops.all_reduce(flags, self.world, axis=ops.Axis.WORLD, kind="metrics")
+        return [n for n, f in zip(every, flags.tolist(), strict=True) if f > 0]
 
     def check_microbatches(self, microbatches: int) -> None:
         """``train_step``'s ``microbatches``: 1 (the default) or the pipeline's own."""
@@ -369,26 +319,6 @@ def _split_batch(batch: Any, microbatches: int) -> tuple[tuple[torch.Tensor, ...
                 "buffers by the first one's: uneven microbatches are not supported)"
             )
     return inputs, target
-
-
-def _propagate(stages: list[nn.Module], x: tuple) -> list[Any]:
-    """Each stage's output for one microbatch, as meta tensors (None from the first stage
-    that cannot run on the meta device on)."""
-    out: list[Any] = []
-    with torch.no_grad():
-        for stage in stages:
-            if x is None:
-                out.append(None)
-                continue
-            params = {n: _meta(p) for n, p in stage.named_parameters()}
-            params.update({n: _meta(b) for n, b in stage.named_buffers()})
-            try:
-                y = torch.func.functional_call(stage, params, x)
-            except Exception:  # noqa: BLE001 (no stand-in for it: the collective timeout)
-                y = None
-            out.append(y)
-            x = None if y is None else (y if isinstance(y, tuple) else (y,))
-    return out
 
 
 def _step_leaves(

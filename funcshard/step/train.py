@@ -50,14 +50,21 @@ def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
     return [optree.tree_unflatten(treedef, [p[i] for p in parts]) for i in range(microbatches)]
 
 
-def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
-    """Names of the params whose reduced gradient holds a NaN or Inf on any rank."""
+def _nonfinite_flags(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
+    """Per leaf of the layout, 1.0 where this rank's part of its reduced gradient holds a
+    NaN or Inf."""
     flags = torch.zeros(len(layout.leaves), dtype=torch.float32, device=layout.device)
     for bucket, g in zip(layout.buckets, grads, strict=True):
         for index in bucket.leaves:
             spec = layout.leaves[index]
             part = g[spec.offset : spec.offset + spec.shard_numel]
             flags[index] = float(not bool(torch.isfinite(part).all()))
+    return flags
+
+
+def _nonfinite_leaves(layout: Layout, grads: list[torch.Tensor]) -> list[str]:
+    """Names of the params whose reduced gradient holds a NaN or Inf on any rank."""
+    flags = _nonfinite_flags(layout, grads)
     if layout.dp_size > 1:  # over the world: an expert leaf's rows are not on every shard rank
         world = mesh_lib.world_group(layout.mesh)
         flags = ops.all_reduce(flags, world, axis=ops.Axis.WORLD, kind="metrics")
@@ -217,8 +224,10 @@ def _pipeline_step(
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
     metrics = _metrics(loss, norm, new_ls, None)
     donated = state.donate("train_step").replace(loss_scale=new_ls)
-    if not finite:  # on every rank: the norm is the whole model's
-        metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
+    if not finite:  # on every rank: the norm is the whole model's, and so are the names
+        flags = _nonfinite_flags(layout, grads).tolist()
+        local = {spec.name: f for spec, f in zip(layout.leaves, flags, strict=True)}
+        metrics["nonfinite_params"] = run.nonfinite(local)
         return donated.state(), metrics, False
     new = offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm)
     return new, metrics, True

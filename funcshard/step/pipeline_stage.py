@@ -1,0 +1,174 @@
+"""A pipeline stage as torch's ``PipelineStage`` runs it within a funcshard step
+(:class:`StageModule`: the user's stage module called with the step's leaves as its
+parameters, a stand-in output where it raised), and each stage's output shape from a
+meta-device run of every stage (:func:`propagate`), by which a stand-in is sized."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+from funcshard.layout.policy import MixedPrecisionPolicy
+from funcshard.step.pipeline_regather import Regather
+
+__all__ = ["StageModule", "as_meta", "propagate"]
+
+
+def as_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _sendable(out: Any, meta: Any, index: int) -> Any:
+    """``out`` as torch's stage sends it: contiguous (gloo sends and receives contiguous
+    buffers only; the gradients received for it are made like it), and of the shapes and
+    dtypes the stage has on the meta device (ValueError otherwise: the receiving stage sized
+    its buffers by them)."""
+    out = optree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, out)
+    if meta is not None:
+        got = [(tuple(t.shape), t.dtype) for t in optree.tree_leaves(out)]
+        want = [(tuple(m.shape), m.dtype) for m in optree.tree_leaves(meta)]
+        if got != want:
+            raise ValueError(
+                f"pipeline stage {index}: its output (shapes, dtypes) {got} differs from "
+                f"what it gives on the meta device, {want}, by which the next stage sized "
+                "its buffers"
+            )
+    return out
+
+
+class ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: torch's stage sends a
+    stage's input gradients as autograd gives them and the previous stage receives them into
+    buffers strided as the first step's were (gloo takes contiguous buffers only; an expanded
+    zero gradient, e.g. of an input a stage ignores, is not)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return grad.contiguous()
+
+
+def _stage_inputs(args: tuple, dtype: torch.dtype | None) -> tuple:
+    """A stage's inputs as its forward sees them: floating-point ones cast to ``dtype`` (the
+    policy's compute dtype, FSDP2's ``cast_forward_inputs``; None: as given), every input
+    that requires grad giving back a contiguous gradient (:class:`ContiguousGrad`)."""
+    out = []
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t = ContiguousGrad.apply(t)
+        if isinstance(t, torch.Tensor) and dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out.append(t)
+    return tuple(out)
+
+
+class StageModule(nn.Module):
+    """A stage as torch's ``PipelineStage`` runs it: the user's stage module called with the
+    step's leaves (``torch.func.functional_call``); ``parameters()`` are those leaves; its
+    floating-point inputs cast to the policy's compute dtype (``cast``, set per step)."""
+
+    def __init__(self, stage: nn.Module, index: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "stage", stage)  # not a child: its parameters are not ours
+        self.index = index
+        self.names = [n for n, _ in stage.named_parameters()]
+        self.leaves: dict[str, torch.Tensor] = {}
+        self.wrap: Callable[[str, torch.Tensor], torch.Tensor] = _plain  # the model axis's
+        self.error: str | None = None
+        self.out_meta: Any = None  # one microbatch's output as meta tensors (None: unknown)
+        self.cast: torch.dtype | None = None  # the policy's param_dtype
+        self.regather: Regather | None = None  # ZeRO-3 per microbatch (the step's)
+
+    def parameters(self, recurse: bool = True):  # noqa: ARG002
+        return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        del recurse, remove_duplicate
+        return iter([(prefix + n, self.leaves[n]) for n in self.names if n in self.leaves])
+
+    def forward(self, *args: Any) -> Any:
+        if self.error is None:
+            try:
+                inputs = _stage_inputs(args, self.cast)
+                call = lambda p: torch.func.functional_call(  # noqa: E731
+                    self.stage, {n: self.wrap(n, t) for n, t in p.items()}, inputs
+                )
+                if self.regather is not None:
+                    out = self.regather.call(self.names, call)
+                else:
+                    out = call({n: self.leaves[n] for n in self.names})
+                sent = _sendable(out, self.out_meta, self.index)
+                if self.out_meta is None:  # the meta-device run failed: sized by this one
+                    self.out_meta = optree.tree_map(as_meta, sent)
+                return sent
+            except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
+                self.error = traceback.format_exc(limit=-3)
+                if self.out_meta is None:
+                    raise
+        return self._stand_in(args)
+
+    def _stand_in(self, args: tuple) -> Any:
+        """Zeros of the output's shape, in the graph of the inputs and leaves (so that the
+        schedule's backward runs and sends zeros back, contiguous: not the expanded zeros
+        of a sum's gradient, by which torch would size the previous stage's buffers)."""
+        args = _stage_inputs(args, None)
+        anchor = sum(
+            (t.sum() * 0 for t in [*args, *self.leaves.values()] if _differentiable(t)),
+            torch.zeros((), device=_device(args, self.leaves)),
+        )
+        return optree.tree_map(
+            lambda m: (
+                torch.zeros(m.shape, dtype=m.dtype, device=anchor.device) + anchor.to(m.dtype)
+                if m.is_floating_point()
+                else torch.zeros(m.shape, dtype=m.dtype, device=anchor.device)
+            ),
+            self.out_meta,
+        )
+
+
+def _plain(name: str, local: torch.Tensor) -> torch.Tensor:
+    del name
+    return local
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+def _device(args: tuple, leaves: dict[str, torch.Tensor]) -> torch.device:
+    for t in [*args, *leaves.values()]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def propagate(stages: list[nn.Module], x: tuple, policy: MixedPrecisionPolicy) -> list[Any]:
+    """Each stage's output for one microbatch, as meta tensors (None from the first stage
+    that cannot run on the meta device on): its parameters in their compute dtypes and its
+    inputs cast, as :class:`StageModule` runs it."""
+    out: list[Any] = []
+    with torch.no_grad():
+        for stage in stages:
+            if x is None:
+                out.append(None)
+                continue
+            params = {
+                n: as_meta(p).to(policy.resolve(p.dtype).compute)
+                for n, p in stage.named_parameters()
+            }
+            params.update({n: as_meta(b) for n, b in stage.named_buffers()})
+            try:
+                y = torch.func.functional_call(stage, params, _stage_inputs(x, policy.param_dtype))
+            except Exception:  # noqa: BLE001 (no stand-in for it: the collective timeout)
+                y = None
+            out.append(y)
+            x = None if y is None else (y if isinstance(y, tuple) else (y,))
+    return out
