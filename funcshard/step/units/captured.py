@@ -41,6 +41,7 @@ optimizer update and the metrics.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,7 @@ from funcshard.step.compiling import (
 from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.summed import Summed
 from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
+from funcshard.step.units.mutation_order import mutation_renames_kept
 from funcshard.step.units.placeholders import UnitParamsError, read_in_capture
 from funcshard.step.units.schedule import Placed, joint_pass
 
@@ -212,13 +214,15 @@ def _model_reads(layout: Layout) -> Callable[[Any, list], None]:
     return check
 
 
-def _recomputes(backend: Backend) -> bool:
-    """Whether the backend's graphs re-gather ZeRO-3's params in backward. Not inductor's
-    (by name, CUDA graphs included): its graphs with the all-gather recomputed train wrong
-    params on torch 2.13 (gloo, CPU): a fused kernel of its backward read a view of a
-    re-gathered buffer before the all-gather's wait (docs/strategies.md), so inductor saves
-    the gathered params for backward as before."""
-    return not (backend == "inductor" or isinstance(backend, CudaGraphs))
+def _compiling(layout: Layout, backend: Backend) -> contextlib.ExitStack:
+    """What surrounds a captured call and its backward (where AOTAutograd compiles the
+    backward graph, lazily): inductor's overlap passes where asked for
+    (:func:`~funcshard.step.compiling.overlap_config`) and its scheduler's reads kept after
+    their collective's wait (:mod:`funcshard.step.units.mutation_order`)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(overlap_config(layout, backend))
+    stack.enter_context(mutation_renames_kept())
+    return stack
 
 
 def _unwrapped_error(e: Exception) -> Exception:
@@ -262,10 +266,9 @@ class CapturedGrads:
         try:
             with (
                 torch._functorch.config.patch(
-                    joint_custom_pass=joint_pass(placed, recompute=_recomputes(self.backend)),
-                    enable_autograd_cache=False,
+                    joint_custom_pass=joint_pass(placed), enable_autograd_cache=False
                 ),
-                overlap_config(layout, self.backend),
+                _compiling(layout, self.backend),
             ):
                 loss, aux = step(loss_fn, self.buffers, carriers, batch)
         except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -275,7 +278,7 @@ class CapturedGrads:
             _count_regathers(layout, placed)
         if replayed:  # a replay's outputs live in the graph's static buffers: keep copies
             loss, aux = loss.clone(), copied_out(aux)
-        with dtensor_backward(loss):
+        with dtensor_backward(loss), _compiling(layout, self.backend):
             grads = torch.autograd.grad(loss * scale, carriers, allow_unused=True)
         reached = [i for i, g in enumerate(grads) if g is not None]
         _count(layout, "reduce_scatter", reached, lambda b: b.dtypes.comm)
