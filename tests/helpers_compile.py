@@ -132,7 +132,45 @@ def edges_worker() -> dict:
         runs[strategy] = fs.full_params(state)
     out["penalty"] = models.max_rel_err(runs["optim_grads_params"], runs["no_shard"])
     out["forward_graphs"] = per_step
+    out["graph_break"] = _graph_break_runs(mesh)
     return out if rank == 0 else {}
+
+
+class _Printing(torch.nn.Module):
+    """A block that breaks dynamo's graph: a print in its forward."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print(end="")  # a graph break
+        return self.inner(x)
+
+
+def _graph_break_runs(mesh) -> dict:
+    """The 2-block MLP whose second block prints (a graph break in the model), 3 steps of
+    ZeRO-3 eager and captured: the warnings the captured run gave and the params' largest
+    relative difference."""
+    import warnings
+
+    import funcshard as fs
+
+    import models
+
+    params = {}
+    for compile in (False, True):
+        torch._dynamo.reset()
+        model = models.make_model(n_blocks=2)
+        model.blocks[1] = _Printing(model.blocks[1])
+        backend = counting_backend(collections.Counter()) if compile else False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, compile=backend)
+            state = models.train(state, model, range(3), rows=8)[0]
+        params[compile] = fs.full_params(state)
+    warned = [str(w.message) for w in caught if "graph" in str(w.message)]
+    return {"warned": warned, "error": models.max_rel_err(params[True], params[False])}
 
 
 def overlap_worker() -> list:

@@ -503,7 +503,10 @@ def test_captured_edges(pool2):
     ZeRO-3 as under eager ZeRO-3 (UnitParamsError), instead of training on the model's
     initial weights; the same penalty read as params[name] trains as no_shard does, and a
     Python float in loss_fn that changes every step compiles the graphs once more (dynamo
-    makes the float symbolic at its first change), not once a step."""
+    makes the float symbolic at its first change), not once a step. A graph break in the
+    model (a print in a block) is warned of once, naming it, and trains as eager does
+    (before: the graph resumed after the break took the state's params for the model's own
+    and raised UnitParamsError)."""
     from helpers_compile import edges_worker
 
     out = pool2.run(edges_worker)[0]
@@ -516,6 +519,10 @@ def test_captured_edges(pool2):
     assert out["penalty"] < 1e-5, out["penalty"]
     graphs = out["forward_graphs"]
     assert graphs[1] == graphs[-1] <= 2, graphs
+    broken = out["graph_break"]  # a print in a block: warned once in 3 steps, trained right
+    assert len(broken["warned"]) == 1, broken["warned"]
+    assert "broke the graph" in broken["warned"][0] and "print" in broken["warned"][0]
+    assert broken["error"] < 1e-5, broken["error"]
 
 
 def test_captured_aux_copied_out():
