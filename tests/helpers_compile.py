@@ -151,17 +151,57 @@ def edges_worker() -> dict:
         runs[strategy] = fs.full_params(state)
     out["penalty"] = models.max_rel_err(runs["optim_grads_params"], runs["no_shard"])
     out["forward_graphs"] = per_step
+    out["graph_break"] = _graph_break_runs(mesh)
     return out if rank == 0 else {}
+
+
+class _Printing(torch.nn.Module):
+    """A block that breaks dynamo's graph: a print in its forward."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print(end="")  # a graph break
+        return self.inner(x)
+
+
+def _graph_break_runs(mesh) -> dict:
+    """The 2-block MLP whose second block prints (a graph break in the model), 3 steps of
+    ZeRO-3 eager and captured: the warnings the captured run gave and the params' largest
+    relative difference."""
+    import warnings
+
+    import funcshard as fs
+
+    import models
+
+    params = {}
+    for compile in (False, True):
+        torch._dynamo.reset()
+        model = models.make_model(n_blocks=2)
+        model.blocks[1] = _Printing(model.blocks[1])
+        backend = counting_backend(collections.Counter()) if compile else False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, compile=backend)
+            state = models.train(state, model, range(3), rows=8)[0]
+        params[compile] = fs.full_params(state)
+    warned = [str(w.message) for w in caught if "graph" in str(w.message)]
+    return {"warned": warned, "error": models.max_rel_err(params[True], params[False])}
 
 
 def overlap_worker() -> list:
     """What inductor's config holds inside a captured call's overlap context, per
-    ``fs.init(compile=..., overlap=...)``: (reorder_for_compute_comm_overlap, its passes) for
+    ``fs.init(compile=..., overlap=...)``: (reorder_for_compute_comm_overlap, its passes,
+    the two unsafe collective swaps of config_comms) for
     inductor with overlap on, off and by default, and for aot_eager with it on; then the
     warnings of a captured ZeRO-3 ``fs.init`` per backend. Nothing is compiled."""
     import warnings
 
     import torch._inductor.config as inductor
+    import torch._inductor.config_comms as comms
 
     import funcshard as fs
     from funcshard.step.compiling import overlap_config
@@ -183,7 +223,11 @@ def overlap_worker() -> list:
                 p if isinstance(p, str) else p.__name__
                 for p in inductor.reorder_for_compute_comm_overlap_passes
             ]
-            out.append((inductor.reorder_for_compute_comm_overlap, passes))
+            unsafe = (
+                comms.reorder_iterative_unsafe_collectives_reorder,
+                comms.sink_waits_iterative_unsafe_collectives_reorder,
+            )
+            out.append((inductor.reorder_for_compute_comm_overlap, passes, unsafe))
     warned = {}
     for backend in ("eager", lambda gm, example: gm.forward, "aot_eager", "inductor"):
         with warnings.catch_warnings(record=True) as caught:
@@ -198,6 +242,115 @@ def overlap_worker() -> list:
         name = backend if isinstance(backend, str) else "callable"
         warned[name] = [str(w.message) for w in caught if "AOTAutograd" in str(w.message)]
     return [*out, warned]
+
+
+class _InductorGraphs:
+    """An inductor post-grad pass recording, per graph it compiles ("forward" or "backward":
+    a backward graph takes tangents), its all-gathers and reduce-scatters in order and
+    (forward) how many of its outputs, the tensors saved for backward, are gathered params."""
+
+    def __init__(self) -> None:
+        import uuid
+
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        self.graphs: list[dict] = []
+        self._uuid = uuid.uuid4().hex  # no cached graph skips the pass
+        recorder = self
+
+        class Pass(CustomGraphPass):
+            def __call__(self, graph: torch.fx.Graph) -> None:
+                recorder.record(graph)
+
+            def uuid(self) -> str:
+                return recorder._uuid
+
+        self.pass_ = Pass()
+
+    def record(self, graph: torch.fx.Graph) -> None:
+        nodes = list(graph.nodes)
+        backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in nodes)
+        ops = [
+            n.target._opname
+            for n in nodes
+            if getattr(n.target, "namespace", None) == "_c10d_functional"
+            and "wait" not in n.target._opname
+        ]
+        outputs = [a for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]
+        self.graphs.append(
+            {
+                "kind": "backward" if backward else "forward",
+                "collectives": ops,
+                "saved_gathered": 0 if backward else len(_from_gather(graph) & set(outputs)),
+            }
+        )
+
+
+def inductor_worker(rows: int, microbatches: int, steps: int) -> dict:
+    """Captured ZeRO-3 under inductor by name (overlap by default) beside eager ZeRO-3, from
+    one model, ``rows`` global rows a step split over the ranks (uneven when odd: each rank
+    compiles its own shapes), ``microbatches``: the params after ``steps`` steps of SGD
+    momentum, every step's loss, the collectives of each graph inductor compiled (an
+    inductor post-grad pass records them) and, per graph, the lowering indices of its
+    collectives in the order the overlap passes left them (a pass appended to theirs), the
+    comm_stats bytes and the buckets."""
+    from torch._inductor.utils import contains_collective
+
+    from funcshard.step import compiling
+
+    scheduled: list[list[int]] = []
+
+    def record(snodes: list) -> list:
+        ops = [s.get_name() for n in snodes for s in n.get_nodes() if contains_collective(s)]
+        scheduled.append([int(name.removeprefix("op")) for name in ops])
+        return snodes
+
+    overlap = compiling.OVERLAP
+    passes = [*overlap["reorder_for_compute_comm_overlap_passes"], record]
+    compiling.OVERLAP = {**overlap, "reorder_for_compute_comm_overlap_passes": passes}
+    try:
+        out = _inductor_runs(rows, microbatches, steps)
+    finally:
+        compiling.OVERLAP = overlap
+    out["scheduled"] = scheduled
+    return out
+
+
+def _inductor_runs(rows: int, microbatches: int, steps: int) -> dict:
+    """:func:`inductor_worker`'s two runs."""
+    import torch._inductor.config
+
+    import funcshard as fs
+
+    import models
+
+    out: dict = {}
+    for compile in (False, "inductor"):
+        torch._dynamo.reset()
+        model = models.make_model(n_blocks=2)
+        state = fs.init(
+            model,
+            fs.optim.sgd(0.1, momentum=0.9),
+            mesh=fs.make_mesh(device_type="cpu"),
+            strategy="optim_grads_params",
+            compile=compile,
+        )
+        graphs = _InductorGraphs()
+        with (
+            torch._inductor.config.patch(post_grad_custom_post_pass=graphs.pass_),
+            fs.comm_stats() as stats,
+        ):
+            state, history = models.train(
+                state, model, range(steps), rows=rows, microbatches=microbatches
+            )
+        out[compile or "eager"] = {
+            "params": fs.full_params(state),
+            "losses": [m["loss"] for m in history],
+            "graphs": graphs.graphs,
+            "bytes": dict(stats.bytes),
+            "buckets": len(state.layout.buckets),
+        }
+    return out
 
 
 # issue #55's axes captured (test_compile.test_captured_axes): name -> fs.init's keywords

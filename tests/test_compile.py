@@ -494,7 +494,10 @@ def test_captured_edges(pool2):
     ZeRO-3 as under eager ZeRO-3 (UnitParamsError), instead of training on the model's
     initial weights; the same penalty read as params[name] trains as no_shard does, and a
     Python float in loss_fn that changes every step compiles the graphs once more (dynamo
-    makes the float symbolic at its first change), not once a step."""
+    makes the float symbolic at its first change), not once a step. A graph break in the
+    model (a print in a block) is warned of once, naming it, and trains as eager does
+    (before: the graph resumed after the break took the state's params for the model's own
+    and raised UnitParamsError)."""
     from helpers_compile import edges_worker
 
     out = pool2.run(edges_worker)[0]
@@ -507,6 +510,10 @@ def test_captured_edges(pool2):
     assert out["penalty"] < 1e-5, out["penalty"]
     graphs = out["forward_graphs"]
     assert graphs[1] == graphs[-1] <= 2, graphs
+    broken = out["graph_break"]  # a print in a block: warned once in 3 steps, trained right
+    assert len(broken["warned"]) == 1, broken["warned"]
+    assert "broke the graph" in broken["warned"][0] and "print" in broken["warned"][0]
+    assert broken["error"] < 1e-5, broken["error"]
 
 
 def test_captured_aux_copied_out():
@@ -524,17 +531,19 @@ def test_captured_aux_copied_out():
 
 
 def test_overlap_switch(pool1):
-    """fs.init(compile="inductor", overlap=True) turns on inductor's passes that reorder the
-    captured step's collectives to overlap compute around the captured call; overlap=False,
-    the default (review: with ranks of uneven rows the reordered collectives mismatched and
-    gloo aborted the job), or a backend other than inductor leaves inductor's defaults (off).
-    A backend that never sees AOTAutograd's joint graph ("eager", a plain callable) is warned
-    of at fs.init: the re-gather and per-bucket reduce-scatter pass does not run for it."""
+    """fs.init(compile="inductor") turns on inductor's passes that reorder the captured
+    step's collectives to overlap compute (overlap=True, the default), keeping their relative
+    order (their unsafe swaps off: ranks of uneven rows reordered them differently and gloo
+    aborted; test_inductor_regathers_uneven_rows); overlap=False or a backend other than
+    inductor leaves inductor's defaults (off). A backend that never sees AOTAutograd's joint
+    graph ("eager", a plain callable) is warned of at fs.init: the re-gather and per-bucket
+    reduce-scatter pass does not run for it."""
     from helpers_compile import overlap_worker
 
     on, off, default, other, warned = pool1.run(overlap_worker)[0]
-    assert on[0] is True and "sink_waits_iterative" in on[1], on
-    assert off == default == other == (False, []), (off, default, other)
+    assert on[0] is True and "sink_waits_iterative" in on[1] and on[2] == (False, False), on
+    assert default == on, (default, on)
+    assert off == other == (False, [], (True, True)), (off, other)
     assert len(warned["eager"]) == len(warned["callable"]) == 1, warned
     assert warned["aot_eager"] == warned["inductor"] == [], warned
 
@@ -570,3 +579,32 @@ def test_key_bias_is_compared_by_rounding():
     out = params_difference(exact, rounded)
     assert out["rounding"][1] == "k.bias" and out["rounding"][0] < ROUNDING, out
     assert out["relative"][0] < 1e-5 and out["relative"][1] != "k.bias", out
+
+
+def test_inductor_regathers_uneven_rows(pool2):
+    """Captured ZeRO-3 under inductor by name (fs.init's defaults: overlap on) re-gathers
+    every bucket in backward and trains as eager ZeRO-3 does. 7 rows over 2 ranks: each rank
+    compiles its own shapes (4 rows, 3 rows), so the overlap passes order each rank's graphs
+    by its own costs and must keep the collectives' order (gloo aborts on a mismatch). Fails without
+    funcshard.step.units.mutation_order: inductor's CPU kernels read the re-gathered root
+    bucket before its wait (loss 1e33 at step 2)."""
+    from helpers_compile import inductor_worker
+
+    for out in pool2.run(inductor_worker, 7, 1, 3):
+        eager, compiled = out["eager"], out["inductor"]
+        assert eager["graphs"] == [], eager["graphs"]
+        assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-5
+        for a, b in zip(compiled["losses"], eager["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (compiled["losses"], eager["losses"])
+        n = compiled["buckets"]
+        kinds = [g["kind"] for g in compiled["graphs"]]
+        assert kinds.count("forward") == kinds.count("backward") >= 1, kinds
+        for g in compiled["graphs"]:  # each bucket gathered in forward, and again in backward
+            assert g["collectives"].count("all_gather_into_tensor") == n, g
+            assert g["saved_gathered"] == 0, g
+            if g["kind"] == "backward":
+                assert g["collectives"].count("reduce_scatter_tensor") == n, g
+        assert compiled["bytes"] == eager["bytes"], (compiled["bytes"], eager["bytes"])
+        # the overlap passes ran, each graph's collectives left in its own (lowering) order
+        assert len(out["scheduled"]) == len(compiled["graphs"]), out["scheduled"]
+        assert all(ops == sorted(ops) and ops for ops in out["scheduled"]), out["scheduled"]

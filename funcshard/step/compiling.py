@@ -155,6 +155,15 @@ OVERLAP = {
         "reorder_communication_preserving_peak_memory",
     ],
 }
+# ... keeping the collectives' relative order. torch 2.13's passes may swap two collectives
+# by the rank's own runtime estimates ("experimental unsafe", torch/_inductor/config_comms.py:
+# meant only with the estimates agreed across ranks), and ranks whose shapes differ (uneven
+# rows) would then issue them in different orders (gloo aborts on the mismatch). With these
+# off, each rank issues its collectives in its graph's order, the same on every rank.
+OVERLAP_COMMS = {
+    "reorder_iterative_unsafe_collectives_reorder": False,
+    "sink_waits_iterative_unsafe_collectives_reorder": False,
+}
 
 
 def model_of(layout: Any) -> nn.Module | None:
@@ -171,8 +180,13 @@ def overlap_config(layout: Any, backend: Backend) -> contextlib.AbstractContextM
     if entry is None or not entry[1] or not inductor:
         return contextlib.nullcontext()
     import torch._inductor.config
+    import torch._inductor.config_comms as comms
 
-    return torch._inductor.config.patch(OVERLAP)
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(OVERLAP))
+    known = {k: v for k, v in OVERLAP_COMMS.items() if hasattr(comms, k)}  # torch's version
+    stack.enter_context(comms.patch(known))
+    return stack
 
 
 def through_aot_autograd(backend: Backend) -> bool:

@@ -53,7 +53,7 @@ def init(
     fault_tolerance: FaultTolerance | None = None,
     check_replicas_every: int = 0,
     cuda_graphs: bool = False,
-    overlap: bool = False,
+    overlap: bool = True,
     check_tensor_batch: bool = True,
     buffers: str = "broadcast",
     context: ContextParallel | None = None,
@@ -102,10 +102,9 @@ def init(
       cuda_graphs: inductor's ``mode="reduce-overhead"`` (CUDA graph trees); off CUDA, ValueError.
       overlap: under ``compile=`` with inductor, the captured step's graphs compiled with
         inductor's passes that reorder collectives to overlap compute
-        (``reorder_for_compute_comm_overlap`` and its passes). Off by default: the passes
-        order each rank's collectives by its own graph's costs, so ranks whose shapes differ
-        (uneven rows, a ragged last batch) issue them in different orders and the job aborts
-        on a collective mismatch; turn it on only where every rank compiles the same shapes.
+        (``reorder_for_compute_comm_overlap`` and its passes), keeping the collectives'
+        relative order, so that ranks whose shapes differ (uneven rows) issue them in the
+        same order. On by default; False leaves inductor's defaults.
       check_tensor_batch: with a tensor axis, ``train_step`` checks that every rank of a
         tensor group passes the same batch (a fingerprint of it, all-gathered over "tensor"
         with the loss: docs/tensor-parallel.md); False skips it, for a data loader known to

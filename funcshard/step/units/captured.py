@@ -53,6 +53,8 @@ metrics.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -77,6 +79,7 @@ from funcshard.step.compiling import (
 from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.summed import Summed
 from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
+from funcshard.step.units.mutation_order import mutation_renames_kept
 from funcshard.step.units.placeholders import UnitParamsError, read_in_capture
 from funcshard.step.units.schedule import Placed, joint_pass
 
@@ -312,7 +315,13 @@ def _model_reads(layout: Layout) -> Callable[[Any, list], None]:
         model = model_of(layout) if layout is not None else None
         if model is None:
             return
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        # the model's own Parameters: inside fs.functional_call (a graph resumed after a break
+        # in the model) its attributes are the state's params, plain tensors, read rightly
+        names = {
+            id(p): n
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if isinstance(p, torch.nn.Parameter)
+        }
         for x in example_inputs:
             if id(x) in names:
                 raise read_in_capture(layout, names[id(x)])
@@ -320,13 +329,51 @@ def _model_reads(layout: Layout) -> Callable[[Any, list], None]:
     return check
 
 
-def _recomputes(backend: Backend) -> bool:
-    """Whether the backend's graphs re-gather ZeRO-3's params in backward. Not inductor's
-    (by name, CUDA graphs included): its graphs with the all-gather recomputed train wrong
-    params on torch 2.13 (gloo, CPU): a fused kernel of its backward read a view of a
-    re-gathered buffer before the all-gather's wait (docs/strategies.md), so inductor saves
-    the gathered params for backward as before."""
-    return not (backend == "inductor" or isinstance(backend, CudaGraphs))
+def _compiling(layout: Layout, backend: Backend) -> contextlib.ExitStack:
+    """What surrounds a captured call and its backward (where AOTAutograd compiles the
+    backward graph, lazily): inductor's overlap passes where asked for
+    (:func:`~funcshard.step.compiling.overlap_config`) and its scheduler's reads kept after
+    their collective's wait (:mod:`funcshard.step.units.mutation_order`)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(overlap_config(layout, backend))
+    stack.enter_context(mutation_renames_kept())
+    return stack
+
+
+# layouts whose captured step was warned of a graph break (once each), weak on the layout
+_BROKEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def _first_lines(reason: str) -> str:
+    """A graph break's reason as dynamo counts it, cut to its title and explanation."""
+    lines = [line.strip() for line in reason.strip().splitlines()]
+    why = next((line for line in lines if line.startswith("Explanation:")), "")
+    return f"{lines[0]}: {why.removeprefix('Explanation: ')}" if why else lines[0]
+
+
+def _warn_graph_breaks(layout: Layout, before: dict[str, int]) -> None:
+    """Warns, once per layout, where dynamo broke the captured step's graph during a call
+    (``before``: its graph-break counters then), naming each reason: the graphs on either
+    side of a break are compiled apart, so the forward's params cross between them, and the
+    joint pass places each graph's collectives within it alone."""
+    counts = torch._dynamo.utils.counters["graph_break"]
+    new = {r: n - before.get(r, 0) for r, n in counts.items() if n > before.get(r, 0)}
+    if not new or layout in _BROKEN:
+        return
+    _BROKEN.add(layout)
+    short: dict[str, int] = {}
+    for reason, n in new.items():
+        short[_first_lines(reason)] = short.get(_first_lines(reason), 0) + n
+    reasons = "; ".join(f"{r} (x{n})" for r, n in short.items())
+    warnings.warn(
+        f"train_step: compile= captured the {layout.strategy} step in pieces: dynamo broke the "
+        f"graph inside loss_fn or the model, {sum(new.values())} time(s): {reasons}. Each "
+        "piece compiles on its own: the collectives of one piece do not overlap another's, "
+        "and ZeRO-3's params gathered before a break are kept for the backward past it. "
+        "Remove the break (a print, a .item(), data-dependent Python) to capture the step "
+        "whole; torch._dynamo.explain(fn)(...) lists each break. Warned once per state",
+        stacklevel=4,
+    )
 
 
 def _unwrapped_error(e: Exception) -> Exception:
@@ -367,23 +414,24 @@ class CapturedGrads:
         replayed = isinstance(self.backend, CudaGraphs)
         if replayed:  # a new microbatch: the last replay's outputs may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()
+        breaks = dict(torch._dynamo.utils.counters["graph_break"])
         try:
             with (
                 torch._functorch.config.patch(
-                    joint_custom_pass=joint_pass(placed, recompute=_recomputes(self.backend)),
-                    enable_autograd_cache=False,
+                    joint_custom_pass=joint_pass(placed), enable_autograd_cache=False
                 ),
-                overlap_config(layout, self.backend),
+                _compiling(layout, self.backend),
             ):
                 loss, aux = step(loss_fn, self.buffers, carriers, batch)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             raise _unwrapped_error(e) from None
+        _warn_graph_breaks(layout, breaks)
         if layout.strategy.shards_params:
             _count(layout, "all_gather", buckets)
             _count_regathers(layout, placed)
         if replayed:  # a replay's outputs live in the graph's static buffers: keep copies
             loss, aux = loss.clone(), copied_out(aux)
-        with dtensor_backward(loss):
+        with dtensor_backward(loss), _compiling(layout, self.backend):
             grads = torch.autograd.grad(loss * scale, carriers, allow_unused=True)
         reached = [i for i, g in enumerate(grads) if g is not None]
         _count(layout, "reduce_scatter", reached)

@@ -196,10 +196,11 @@ def _derived(node: fx.Node, chain: list[fx.Node]) -> bool:
 
 
 def _sink_before_first_use(chain: list[fx.Node]) -> None:
-    """Moves the chain (graph order) to just before its first consumer outside it."""
+    """Moves the chain (graph order) to just before its first consumer outside it (the
+    graph's output aside: a param the graph returns stays where it was gathered)."""
     members = set(chain)
     order = {n: i for i, n in enumerate(chain[0].graph.nodes)}
-    consumers = [u for n in chain for u in n.users if u not in members]
+    consumers = [u for n in chain for u in n.users if u not in members and u.op != "output"]
     if not consumers:
         return
     first = min(consumers, key=order.__getitem__)
@@ -243,15 +244,20 @@ def _after_wait(wait: fx.Node, chain: set[fx.Node]) -> None:
                 todo.append(u)
 
 
-def _hoist(graph: fx.Graph, eager: set[fx.Node]) -> None:
-    """Reorders ``graph``: every node of ``eager`` runs as soon as its inputs have run, the
-    others keep their order (an eager node made of no input, as soon as an eager user of it
-    is otherwise ready)."""
+def _hoist(graph: fx.Graph, eager: set[fx.Node], backward: set[fx.Node]) -> None:
+    """Reorders ``graph``: every node of ``eager`` (backward nodes) runs as soon as its inputs
+    have run and the forward is over (a bucket whose gradients are all tangents, its params
+    returned by a graph a break ends, is ready at the start), the others keep their order."""
     done: set[fx.Node] = set()
     order: list[fx.Node] = []
+    skip = ("placeholder", "output")
+    forward = [n for n in graph.nodes if n not in backward and n.op not in skip]
+    barrier = forward[-1] if forward else None
 
     def ready(node: fx.Node) -> bool:
-        return node not in done and all(a in done for a in node.all_input_nodes)
+        if node in done or not all(a in done for a in node.all_input_nodes):
+            return False
+        return node not in eager or barrier is None or barrier in done
 
     for node in graph.nodes:
         if node in done or node.op == "output" or (node in eager and not ready(node)):
@@ -266,6 +272,8 @@ def _hoist(graph: fx.Graph, eager: set[fx.Node]) -> None:
             order.append(n)
             done.add(n)
             todo.extend(u for u in reversed(n.users) if u in eager)
+            if n is barrier:  # the eager nodes held back by the forward
+                todo.extend(reversed([e for e in graph.nodes if e in eager and ready(e)]))
     assert len(order) == len(graph.nodes) - 1, "every node but the output placed"
     for prev, node in zip(order, order[1:], strict=False):
         prev.append(node)
@@ -287,13 +295,14 @@ def _peak(intervals: list[tuple[int, int, int]]) -> int:
 
 
 def _account(
-    chains: list[list[fx.Node]], backward: set[fx.Node], placed: Placed, recompute: bool
+    chains: list[list[fx.Node]], backward: set[fx.Node], placed: Placed, recomputed: list[bool]
 ) -> None:
     """Fills ``placed`` from the placed graph: what backward gathers again, the gathered peak
-    (without ``recompute``, a gather the backward reads is held from forward to backward)."""
+    (a chain not ``recomputed``: a gather the backward reads is held from forward to
+    backward)."""
     pos = {n: i for i, n in enumerate(chains[0][0].graph.nodes)} if chains else {}
     intervals = []
-    for chain in chains:
+    for chain, recompute in zip(chains, recomputed, strict=True):
         members, nbytes = set(chain), _nbytes(chain[0])
         users = [u for n in chain for u in n.users if u not in members]
         forward = [pos[u] for u in users if u not in backward]
@@ -323,15 +332,19 @@ def place_collectives(
     del joint_inputs
     graph = gm.graph
     backward = _backward_nodes(graph)
-    chains = []
+    chains, recomputed = [], []
     for gather in [n for n in graph.nodes if n.target is GATHER and n not in backward]:
         if not _of_one_input(gather):  # an activation's (a DTensor op's), not a bucket's
             continue
         chain = _gather_chain(gather, backward)
-        for node in chain if recompute else ():
+        # a gathered param the graph returns (a graph break in loss_fn: the next graph reads
+        # it) cannot be recomputed: the partitioner keeps it as an output, saved
+        again = recompute and not any(u.op == "output" for n in chain for u in n.users)
+        for node in chain if again else ():
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         _sink_before_first_use(chain)
         chains.append(chain)
+        recomputed.append(again)
     if chains:
         _constants_before_use(graph)
     eager: set[fx.Node] = set()
@@ -339,12 +352,12 @@ def place_collectives(
     for scatter in [n for n in graph.nodes if n.target in scatters and n in backward]:
         eager |= _reduce_chain(scatter, backward)
     if eager:
-        _hoist(graph, eager)
+        _hoist(graph, eager, backward)
     graph.lint()
     gm.recompile()
     if placed is not None:
         placed.regathered.clear()
-        _account(chains, backward, placed, recompute)
+        _account(chains, backward, placed, recomputed)
     return gm
 
 
