@@ -247,11 +247,14 @@ def _after_wait(wait: fx.Node, chain: set[fx.Node]) -> None:
 def _hoist(graph: fx.Graph, eager: set[fx.Node], backward: set[fx.Node]) -> None:
     """Reorders ``graph``: every node of ``eager`` (backward nodes) runs as soon as its inputs
     have run and the forward is over (a bucket whose gradients are all tangents, its params
-    returned by a graph a break ends, is ready at the start), the others keep their order."""
+    returned by a graph a break ends, is ready at the start), the others keep their order (an
+    eager node made of no input, as soon as an eager user of it is otherwise ready)."""
     done: set[fx.Node] = set()
     order: list[fx.Node] = []
     skip = ("placeholder", "output")
-    forward = [n for n in graph.nodes if n not in backward and n.op not in skip]
+    # an eager constant (made of no input: an 8-bit wire's buffers) counts as no forward node
+    held = backward | eager
+    forward = [n for n in graph.nodes if n not in held and n.op not in skip]
     barrier = forward[-1] if forward else None
 
     def ready(node: fx.Node) -> bool:
