@@ -252,8 +252,13 @@ def _hoist(graph: fx.Graph, eager: set[fx.Node], backward: set[fx.Node]) -> None
     done: set[fx.Node] = set()
     order: list[fx.Node] = []
     skip = ("placeholder", "output")
-    # an eager constant (made of no input: an 8-bit wire's buffers) counts as no forward node
-    held = backward | eager
+    # the forward: what is neither backward nor eager nor made from an eager node (an eager
+    # constant, an 8-bit wire's buffers, is made of no input; a detach of a reduced gradient
+    # waits on its chain): its last node, the barrier, never waits on an eager one
+    held = set(backward)
+    for n in graph.nodes:  # topological order
+        if n in eager or any(a in held and a not in backward for a in n.all_input_nodes):
+            held.add(n)
     forward = [n for n in graph.nodes if n not in held and n.op not in skip]
     barrier = forward[-1] if forward else None
 
@@ -262,9 +267,14 @@ def _hoist(graph: fx.Graph, eager: set[fx.Node], backward: set[fx.Node]) -> None
             return False
         return node not in eager or barrier is None or barrier in done
 
+    deferred: set[fx.Node] = set()  # met before an input an eager node held: placed after it
     for node in graph.nodes:
-        if node in done or node.op == "output" or (node in eager and not ready(node)):
-            continue  # an eager node is emitted once its inputs are
+        if node in done or node.op == "output":
+            continue
+        if not ready(node):  # an eager node is emitted once its inputs are
+            if node not in eager:
+                deferred.add(node)
+            continue
         todo = [node]
         while todo:
             n = todo.pop()
@@ -274,10 +284,12 @@ def _hoist(graph: fx.Graph, eager: set[fx.Node], backward: set[fx.Node]) -> None
                 continue
             order.append(n)
             done.add(n)
-            todo.extend(u for u in reversed(n.users) if u in eager)
+            deferred.discard(n)
+            todo.extend(u for u in reversed(n.users) if u in eager or u in deferred)
             if n is barrier:  # the eager nodes held back by the forward
                 todo.extend(reversed([e for e in graph.nodes if e in eager and ready(e)]))
-    assert len(order) == len(graph.nodes) - 1, "every node but the output placed"
+    left = [n.name for n in graph.nodes if n not in done and n.op != "output"]
+    assert not left, f"every node but the output placed; not: {left[:8]}"
     for prev, node in zip(order, order[1:], strict=False):
         prev.append(node)
 
