@@ -23,14 +23,20 @@ x u``: 0.414 and 0.344 in bf16, 0.052 and 0.043 in fp16 (measured: loss 2.1e-3 a
 update 1.8e-2 in bf16, 3.6e-4 and 1.9e-3 in fp16).
 Each run is also checked to round at all (not bitwise the fp32 run's) and to send its
 boundary tensors in the compute dtype (bytes under "pipeline" = rows x width x 2 a step).
+
+The last test (helpers_pipeline_more) composes the optimizers (clipped AdamW, Muon, narrow
+and 8-bit moments), offload and the low-precision wires with the pipeline.
 """
 
 from __future__ import annotations
 
 import torch
 
+import funcshard as fs
+
 import helpers_pipeline as hp
 import helpers_pipeline_math as hm
+import helpers_pipeline_more as hpm
 
 FORWARD, BACKWARD = 53, 35
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -158,3 +164,110 @@ def test_deterministic_hfsdp_and_regather(pool4):
         assert s2["metrics"] == r2["metrics"], rank
         assert all(torch.equal(s2["full"][n], r2["full"][n]) for n in s2["full"]), rank
         _check_regather(rank, r[len(LAYOUT_CASES) :])
+
+
+# --- the remaining compositions: optimizers, offload and wires (helpers_pipeline_more) ---------
+
+OPT_CASES = [
+    ("run_optimizer", "adamw_clip", "optim_grads_params"),
+    ("run_optimizer", "muon", "no_shard"),
+    ("run_optimizer", "narrow", "optim_grads"),
+    ("run_optimizer", "eight_bit", "optim"),
+    ("run_optimizer", "offload", "optim"),
+]
+WIRE_CASES = [
+    ("run_wire", "optim_grads_params", torch.bfloat16, torch.bfloat16),
+    ("run_wire", "optim_grads_params", torch.int8, torch.int8),
+    ("run_wire", "optim", torch.float8_e4m3fn, torch.float8_e4m3fn),
+]
+# a wire's rounding, relative (test_optimizers_offload_and_wires's docstring derives each)
+WIRE_UNIT = {torch.bfloat16: 2.0**-8, torch.int8: 3**0.5 / 254, torch.float8_e4m3fn: 2.0**-4}
+WIRE_ROUNDINGS = 2 * 36 + 1  # the 36 weights in forward and backward, the gradient's wire
+
+
+def _movement(got: dict, want: dict, p0: dict, names) -> float:
+    """The largest ``|got - want| / |want - p0|`` over ``names`` (relative to the update)."""
+    return max(hp._rel(got[n] - p0[n], want[n] - p0[n]) for n in names)
+
+
+def _check_optimizer(case: tuple, r: dict, p0: dict, torch_ref: dict) -> None:
+    """Pipelined against plain (same fs optimizer, same global batch) within 1e-5 of the
+    update; Muon's matrices (bf16 results) within one bf16 rounding of an element per step
+    where the two runs' fp32 inputs round apart, every other leaf within 1e-5."""
+    _, kind, _ = case
+    assert "error" not in r, (case, r)
+    assert list(r["full"]) == list(r["plain"]) == list(p0), case
+    assert all(m[2] == 0 for m in r["metrics"]), (case, r["metrics"])
+    loss = _rel([m[0] for m in r["metrics"]], [m[0] for m in r["plain_metrics"]])
+    norm = _rel([m[1] for m in r["metrics"]], [m[1] for m in r["plain_metrics"]])
+    assert max(loss, norm) < 1e-5, (case, loss, norm)
+    muon = [n for n in p0 if kind == "muon" and hpm._is_muon(n, tuple(p0[n].shape))]
+    rest = [n for n in p0 if n not in muon]
+    assert _movement(r["full"], r["plain"], p0, rest) < 1e-5, case
+    for n in muon:  # |O| <= 1 per element: one bf16 rounding apart is <= lr * 2^-8 a step
+        diff = (r["full"][n] - r["plain"][n]).abs()
+        assert float(diff.max()) <= hp.STEPS * hpm.MUON_LR * 2.0**-8, (case, n)
+        assert int((diff > 0).sum()) <= diff.numel() // 50, (case, n)  # a few elements
+    if kind == "adamw_clip":  # and torch's AdamW after clip_grad_norm_, in one process
+        assert _movement(r["full"], torch_ref, p0, p0) < 1e-5, case
+    if kind == "offload":
+        assert 0.3 < r["offloaded"] <= 0.7, r["offloaded"]
+
+
+def _check_wire(case: tuple, r: dict, ref: dict, p0: dict) -> None:
+    """Within sqrt(WIRE_ROUNDINGS) x the wire's unit of the fp32 run's update, rounding at
+    all, and each rank's bytes by axis those ``fs.plan`` predicts for the policy."""
+    _, strategy, param_wire, grad_wire = case
+    assert "error" not in r, (case, r)
+    err = _movement(r["full"], ref["params"], p0, p0)
+    unit = max(WIRE_UNIT[param_wire], WIRE_UNIT[grad_wire])
+    assert 0 < err < WIRE_ROUNDINGS**0.5 * unit, (case, err)
+    loss = _rel([m[0] for m in r["metrics"]], ref["loss"])
+    assert loss < WIRE_ROUNDINGS**0.5 * unit, (case, loss)
+    policy = fs.MixedPrecisionPolicy(param_comm_dtype=param_wire, grad_comm_dtype=grad_wire)
+    with torch.device("meta"):
+        net = hp.Net()
+    plan = fs.plan(
+        net,
+        world_size=4,
+        strategy=strategy,
+        policy=policy,
+        optimizer="sgd_momentum",
+        microbatches=hp.MICROBATCHES,
+        device_type="cpu",
+        pipeline=2,
+        schedule="1F1B",
+        split=hp.split_points(2),
+        pipeline_rank=r["pipeline_rank"],
+        boundary=(hpm.ROWS, hp.WIDTH),
+    )
+    want = {k: v * hp.STEPS for k, v in plan.comm_by_axis.items() if v}
+    assert r["by_axis"] == want, (case, r["by_axis"], want)
+
+
+def test_optimizers_offload_and_wires(pool4):
+    """Under a pipeline (P=2 x S=2, 1F1B, 4 microbatches, 3 steps): AdamW with the whole
+    model's gradient clipped (ZeRO-3; also against torch's AdamW in one process), Muon with
+    AdamW beside it (no_shard: under a sharded strategy the update reaches its owner in bf16,
+    where a ~1e-7 difference of the two runs' sums crossing a rounding is amplified by
+    Newton-Schulz: 5.7e-3 of one matrix's update measured), bf16 moments (ZeRO-2), 8-bit
+    moments (ZeRO-1), half the optimizer offloaded (ZeRO-1): each against the same fs
+    optimizer on a plain S=4 state trained on the same global batch, within 1e-5 of the
+    update. Wires (SGD momentum against one fp32 process): bf16 and int8 on both wires under
+    ZeRO-3, fp8 on both under ZeRO-1. The bound: each of the 36 weights is rounded once a
+    step on the param wire and read in forward and backward, and each rank's gradient
+    contribution once on the grad wire: 73 roundings of relative size u (bf16 2^-8; int8
+    blockwise half a step of 127 levels of the block's absmax, sqrt(3) x an element's RMS for
+    these uniform inits: sqrt(3)/254; fp8 e4m3 half an ulp of 3 mantissa bits, 2^-4), unbiased
+    and independent, so adding as a random walk: sqrt(73) u (0.033, 0.058, 0.53; measured
+    0.0105, 0.0146, 0.129); bytes by axis equal fs.plan's."""
+    cases = OPT_CASES + WIRE_CASES
+    results = pool4.run(hpm.run_cases, cases)
+    p0 = {n: p.detach() for n, p in hp.make_net().named_parameters()}
+    ref, torch_ref = hp.reference(hpm.ROWS, 2), hpm.reference_adamw_clip()
+    for k, case in enumerate(cases):
+        for r in results:
+            if case[0] == "run_optimizer":
+                _check_optimizer(case, r[k], p0, torch_ref)
+            else:
+                _check_wire(case, r[k], ref, p0)
