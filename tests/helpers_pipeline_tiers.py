@@ -123,6 +123,39 @@ def _no_meta_stage() -> dict:
     return {"error": error, "step": state.step, "loss": m["loss"]}
 
 
+def _raise_under_zero_bubble() -> dict:
+    """ZBVZeroBubble at P=2 (4 stages), block 5 raising in its forward on step 1 on every rank
+    of its stage: every rank raises naming it (the stand-in's zero gradients dense: torch's
+    weight backward adds into them in place), the next step trains. And a stage returning a
+    dict: ValueError on every rank at the step, before any collective."""
+    net = hp.make_net()
+    net.blocks[5] = hp.Boom(hp.WIDTH)
+    pipe = fs.Pipeline("ZBVZeroBubble", microbatches=hp.MICROBATCHES)
+    mesh = fs.make_mesh(pipeline=2, device_type="cpu")
+    opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
+    state = fs.init(fs.pipeline.split(net, hp.split_points(4)), opt, mesh=mesh, pipeline=pipe)
+    batch = lambda step: hp.dp_parts(step, 8, 2)[dist.get_rank() % 2]  # noqa: E731
+    state, _ = fs.train_step(state, batch(0), hp.loss_fn)
+    net.blocks[5].armed = True
+    out = {"zbv": _error(lambda: fs.train_step(state, batch(1), hp.loss_fn))}
+    net.blocks[5].armed = False
+    state, m = fs.train_step(state, batch(1), hp.loss_fn)
+    out["zbv_step"], out["zbv_loss"] = state.step, m["loss"]
+    dicts = fs.pipeline.split(hp.make_net(), hp.split_points(2))
+    dicts[0].forward = lambda x: {"h": nn.Module.__call__(dicts[0].embed, x)}
+    state = fs.init(dicts, opt, mesh=mesh, pipeline=fs.Pipeline("1F1B", microbatches=4))
+    out["dict"] = _error(lambda: fs.train_step(state, batch(0), hp.loss_fn))
+    return out
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (the text is what the test reads)
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def _cpu(named: dict) -> dict:
     return {n: t.detach().cpu().clone() for n, t in named.items()}
 
@@ -153,6 +186,7 @@ def run_titan_and_tiers(root: str, rows: int) -> dict:
     out["tier"] = _cpu(fs.full_params(restored))
     out["another_split"] = _another_split(root, kw)
     out["no_meta"] = _no_meta_stage()
+    out["zero_bubble"] = _raise_under_zero_bubble()
     fs.save(f"{root}/saved", state)
     if dist.get_rank() == 0:
         convert(f"{root}/saved", f"{root}/dcp", "dcp")

@@ -179,7 +179,9 @@ def test_a_module_dict_of_blocks_and_the_local_and_dcp_tiers(pool4, tmp_path):
     manager into a meta model's state, bitwise, while a tier step of another split whose
     masters have the same shapes is not taken; converted to DCP, restored model_only at P=4,
     bitwise. And a stage that cannot run on the meta device, raising on its second step:
-    every rank raises naming it (its stand-in sized by its first output), never a hang."""
+    every rank raises naming it (its stand-in sized by its first output), never a hang; a
+    forward raising under ZBVZeroBubble fails every rank and the next step trains; a stage
+    returning a dict is refused on every rank."""
     out = pool4.run(hpt.run_titan_and_tiers, str(tmp_path), ROWS)
     ref = hp.reference(ROWS, 2)
     for rank, r in enumerate(out):
@@ -194,4 +196,8 @@ def test_a_module_dict_of_blocks_and_the_local_and_dcp_tiers(pool4, tmp_path):
         no_meta = r["no_meta"]  # no meta-device run: the stand-in sized by the first output
         assert "no_meta: a stage's forward failed" in no_meta["error"], no_meta
         assert no_meta["step"] == 2 and math.isfinite(no_meta["loss"]), no_meta
+        zb = r["zero_bubble"]
+        assert "boom: a stage's forward failed" in zb["zbv"], zb["zbv"]
+        assert zb["zbv_step"] == 2 and math.isfinite(zb["zbv_loss"]), zb
+        assert zb["dict"].startswith("ValueError") and "stage 0 returns dict" in zb["dict"], zb
         assert _equal(r["dcp"], r["full"]), rank

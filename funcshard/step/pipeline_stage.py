@@ -121,7 +121,9 @@ class StageModule(nn.Module):
         of a sum's gradient, by which torch would size the previous stage's buffers)."""
         args = _stage_inputs(args, None)
         anchor = sum(
-            (t.sum() * 0 for t in [*args, *self.leaves.values()] if _differentiable(t)),
+            # (t * 0).sum(), not t.sum() * 0: each input and leaf gets a dense zero gradient,
+            # not a sum's expanded one (zero-bubble schedules add into .grad in place)
+            ((t * 0).sum() for t in [*args, *self.leaves.values()] if _differentiable(t)),
             torch.zeros((), device=_device(args, self.leaves)),
         )
         return optree.tree_map(

@@ -194,9 +194,15 @@ class PipelineRun:
             return
         if self._key is not None:
             self.schedule = self._build()
-        self._key = key
         mb = [torch.tensor_split(as_meta(t), self.pipe.microbatches)[0] for t in inputs]
         metas = propagate(self.stages, tuple(mb), policy)
+        for i, out in enumerate(metas):  # every rank runs every stage: all raise alike
+            if out is not None and not _sendable_kind(out):
+                raise ValueError(
+                    f"train_step under a pipeline: stage {i} returns {type(out).__name__}; "
+                    "a stage hands the next a tensor or a tuple or list of tensors"
+                )
+        self._key = key
         for i, m in self.modules.items():
             m.out_meta, m.cast = metas[i], policy.param_dtype
 
@@ -319,6 +325,14 @@ def _split_batch(batch: Any, microbatches: int) -> tuple[tuple[torch.Tensor, ...
                 "buffers by the first one's: uneven microbatches are not supported)"
             )
     return inputs, target
+
+
+def _sendable_kind(out: Any) -> bool:
+    """Whether a stage's output is what torch's stages send: a tensor, a tuple or list of
+    them."""
+    if isinstance(out, torch.Tensor):
+        return True
+    return isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out)
 
 
 def _step_leaves(
