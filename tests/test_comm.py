@@ -484,3 +484,15 @@ def test_all_gather_pieces_equals_all_gather_then_permutation(
 ) -> None:
     for failures in pool_of(shard * replicate).run(pieces_worker, shard, replicate, by_sends):
         assert failures == []
+
+
+def test_nested_comm_stats_blocks_close_each_their_own():
+    """Two blocks that counted the same bytes compare equal (a dataclass): leaving the inner
+    one closes the inner one, not the outer, and the outer then closes cleanly."""
+    from funcshard.distributed.ops import active
+
+    with fs.comm_stats() as outer:
+        with fs.comm_stats() as inner:
+            assert inner == outer and active() == (outer, inner)
+        assert len(active()) == 1 and active()[0] is outer
+    assert active() == ()

@@ -398,10 +398,9 @@ def plan(
         and ``memory.gathered_peak`` the root unit plus the largest other unit (the graphs
         gather each unit at its first use and drop it after its last). A bucket whose params
         the backward never reads (biases alone) is planned re-gathered, as eager re-gathers
-        it; the captured backward does not. Under inductor by name the captured step does not
-        re-gather yet (docs/strategies.md, "Inductor keeps the gathered params"): there it
-        gathers once per bucket and microbatch and holds every unit, which this plan does not
-        say.
+        it; the captured backward does not. Inductor re-gathers too (docs/strategies.md);
+        with a param wire the captured step's ``gathered_peak`` counts the packed bytes the
+        graphs gather, this plan the decoded params.
 
     Returns:
       A :class:`Plan`.
