@@ -104,6 +104,9 @@ def die_while_the_other_waits_in_a_collective() -> None:
 
 
 def raise_on_rank_1() -> int:
+    # both ranks connected first: rank 0 returning (and its process leaving) while rank 1 still
+    # connects gloo's mesh made rank 1 fail in the connect, not in its own raise (seen at load)
+    dist.barrier()
     if dist.get_rank() == 1:
         raise ValueError("rank 1 refuses")
     return 0

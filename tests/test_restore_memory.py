@@ -47,6 +47,9 @@ def save_worker(directory: str, dim: int = DIM) -> None:
 
 
 def measure_worker(directory: str, cases: list[tuple[str, float, bool]]) -> list[dict]:
+    import tensorstore  # noqa: F401 (funcshard imports it at a checkpoint's first use: its
+    # modules, about 20 MB once a process, are not a restore's scratch)
+
     mesh = fs.make_mesh(device_type="cpu")
     out = []
     for strategy, offload, model_only in cases:
