@@ -143,6 +143,20 @@ def run_cases(cases: list[tuple]) -> list[dict]:
     return out
 
 
+def run_named(namespace: dict, cases: list[tuple]) -> list[dict]:
+    """Each ``(worker name, *args)`` looked up in ``namespace`` (a helper module's globals)
+    and run in turn; an error reported per case, each case's seconds beside it."""
+    out = []
+    for name, *args in cases:
+        t = time.perf_counter()
+        try:
+            out.append(namespace[name](*args))
+        except Exception as e:  # noqa: BLE001 (reported per case)
+            out.append({"error": f"{type(e).__name__}: {e}"})
+        out[-1]["seconds"] = time.perf_counter() - t
+    return out
+
+
 def expected_bytes(
     stages: tuple[int, ...], nstages: int, pipeline: int, schedule: str, rows: int
 ) -> int:

@@ -7,8 +7,6 @@ embed 5 -> 16, 8 residual blocks of width 16, head 16 -> 3; P=2: blocks 0-3 on s
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -102,16 +100,8 @@ def run_one_stage_inf(strategy: str) -> dict:
 
 
 def run_cases(cases: list[tuple]) -> list[dict]:
-    """Each ``(worker name, *args)`` run in turn; an error reported per case."""
-    out = []
-    for name, *args in cases:
-        t = time.perf_counter()
-        try:
-            out.append(globals()[name](*args))
-        except Exception as e:  # noqa: BLE001 (reported per case)
-            out.append({"error": f"{type(e).__name__}: {e}"})
-        out[-1]["seconds"] = time.perf_counter() - t
-    return out
+    """Each ``(worker name, *args)`` of this module run in turn (:func:`hp.run_named`)."""
+    return hp.run_named(globals(), cases)
 
 
 # --- deterministic=True and HFSDP inside a stage -----------------------------------------------

@@ -12,8 +12,6 @@ updates together. Each wire case runs the pipelined state alone (SGD momentum, a
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -144,16 +142,8 @@ def run_wire(strategy: str, param_wire: torch.dtype, grad_wire: torch.dtype) -> 
 
 
 def run_cases(cases: list[tuple]) -> list[dict]:
-    """Each ``(worker name, *args)`` run in turn; an error reported per case."""
-    out = []
-    for name, *args in cases:
-        t = time.perf_counter()
-        try:
-            out.append(globals()[name](*args))
-        except Exception as e:  # noqa: BLE001 (reported per case)
-            out.append({"error": f"{type(e).__name__}: {e}"})
-        out[-1]["seconds"] = time.perf_counter() - t
-    return out
+    """Each ``(worker name, *args)`` of this module run in turn (:func:`hp.run_named`)."""
+    return hp.run_named(globals(), cases)
 
 
 def reference_adamw_clip() -> dict[str, torch.Tensor]:

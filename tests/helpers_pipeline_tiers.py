@@ -137,23 +137,15 @@ def _raise_under_zero_bubble() -> dict:
     batch = lambda step: hp.dp_parts(step, 8, 2)[dist.get_rank() % 2]  # noqa: E731
     state, _ = fs.train_step(state, batch(0), hp.loss_fn)
     net.blocks[5].armed = True
-    out = {"zbv": _error(lambda: fs.train_step(state, batch(1), hp.loss_fn))}
+    out = {"zbv": hp._error(lambda: fs.train_step(state, batch(1), hp.loss_fn))}
     net.blocks[5].armed = False
     state, m = fs.train_step(state, batch(1), hp.loss_fn)
     out["zbv_step"], out["zbv_loss"] = state.step, m["loss"]
     dicts = fs.pipeline.split(hp.make_net(), hp.split_points(2))
     dicts[0].forward = lambda x: {"h": nn.Module.__call__(dicts[0].embed, x)}
     state = fs.init(dicts, opt, mesh=mesh, pipeline=fs.Pipeline("1F1B", microbatches=4))
-    out["dict"] = _error(lambda: fs.train_step(state, batch(0), hp.loss_fn))
+    out["dict"] = hp._error(lambda: fs.train_step(state, batch(0), hp.loss_fn))
     return out
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 (the text is what the test reads)
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _cpu(named: dict) -> dict:
