@@ -195,7 +195,8 @@ def _graph_break_runs(mesh) -> dict:
 def overlap_worker() -> list:
     """What inductor's config holds inside a captured call's overlap context, per
     ``fs.init(compile=..., overlap=...)``: (reorder_for_compute_comm_overlap, its passes,
-    the two unsafe collective swaps of config_comms) for
+    the two unsafe collective swaps of config_comms and the peak-memory budgets of its two
+    iterative passes) for
     inductor with overlap on, off and by default, and for aot_eager with it on; then the
     warnings of a captured ZeRO-3 ``fs.init`` per backend. Nothing is compiled."""
     import warnings
@@ -226,6 +227,8 @@ def overlap_worker() -> list:
             unsafe = (
                 comms.reorder_iterative_unsafe_collectives_reorder,
                 comms.sink_waits_iterative_unsafe_collectives_reorder,
+                comms.reorder_iterative_peak_memory_budget,
+                comms.sink_iterative_peak_memory_budget,
             )
             out.append((inductor.reorder_for_compute_comm_overlap, passes, unsafe))
     warned = {}
