@@ -233,6 +233,8 @@ def run_refusals() -> dict:
     state = fs.init(fs.pipeline.split(net, split_points(2)), opt, mesh=mesh, pipeline=pipe)
     dp_rank = dist.get_rank() % 2
     out["uneven"] = _error(lambda: fs.train_step(state, dp_parts(0, 7, 2)[dp_rank], loss_fn))
+    rows = 7 if dist.get_rank() == 3 else 8  # one rank alone (a last stage: its target)
+    out["one_rank"] = _error(lambda: fs.train_step(state, dp_parts(0, rows, 2)[dp_rank], loss_fn))
     state, _ = fs.train_step(state, dp_parts(0, 8, 2)[dp_rank], loss_fn)
     net.blocks[5].armed = True
     out["boom"] = _error(lambda: fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn))

@@ -110,6 +110,11 @@ def test_bad_input_and_a_failing_stage(pool4):
         assert "mesh has a 'pipeline' axis" in out["no_pipeline"], out
         assert "compile=True is not supported yet" in out["compile"], out
         assert "7 rows, not a multiple of microbatches=4" in out["uneven"], out
+        assert "rank 0: ValueError" in out["uneven"] and "rank 3: ValueError" in out["uneven"]
+        # rows refused on one rank alone: every rank raises, naming it (not a hang), and
+        # nothing was consumed (the steps below train)
+        assert "rank 3: ValueError" in out["one_rank"], out["one_rank"]
+        assert "rank 2:" not in out["one_rank"] and "7 rows" in out["one_rank"], out
         assert "RuntimeError" in out["boom"] and "boom: a stage's forward failed" in out["boom"]
         assert "stage 1" in out["boom"] and "rank 2" in out["boom"], out["boom"]
         assert out["step_after"] == 1 and out["step_then"] == 2, out

@@ -217,8 +217,13 @@ class PipelineRun:
     ) -> tuple[list[torch.Tensor], torch.Tensor, str | None]:
         """One step's ``(rank sections per bucket, this rank's sum of microbatch losses
         (float64, 0 off the last stage), the failure on this rank or None)``."""
-        inputs, target = _split_batch(batch, self.pipe.microbatches)
-        self._prepare(inputs, layout.policy)
+        try:
+            inputs, target = _split_batch(batch, self.pipe.microbatches)
+            self._prepare(inputs, layout.policy)
+            refused = None
+        except (TypeError, ValueError) as e:
+            refused = f"{type(e).__name__}: {e}"
+        self.agree_batch(refused)
         regather = None
         if self.pipe.regather and layout.strategy.shards_params:
             regather = Regather(layout, master, compute)
@@ -282,6 +287,23 @@ class PipelineRun:
                 f"every batch into fs.Pipeline(microbatches={self.pipe.microbatches})"
             )
 
+    def agree_batch(self, refused: str | None) -> None:
+        """Before the schedule: ValueError on every rank where any rank refused its batch
+        (its rows not a multiple of the microbatches, not a tensor, a stage's output not
+        sendable), naming each rank and why; one all-reduce of a float32 flag over the world
+        (kind "metrics"). Without it the refusing rank raised alone, its peers waiting in the
+        schedule for the collective timeout."""
+        flag = torch.tensor([float(refused is not None)], device=self.device)
+        flag = ops.all_reduce(flag, self.world, axis=ops.Axis.WORLD, kind="metrics")
+        if float(flag[0]) > 0:
+            told: list[Any] = [None] * dist.get_world_size(self.world)
+            dist.all_gather_object(told, (dist.get_rank(), refused), group=self.world)
+            lines = [f"rank {r}: {e}" for r, e in told if e]
+            raise ValueError(
+                "train_step under a pipeline: a batch was refused (nothing ran):\n"
+                + "\n".join(lines)
+            )
+
     def agree(
         self, loss_sum: torch.Tensor, square: torch.Tensor, error: str | None, dp_size: int
     ) -> tuple[float, float]:
@@ -306,7 +328,8 @@ class PipelineRun:
 
 def _split_batch(batch: Any, microbatches: int) -> tuple[tuple[torch.Tensor, ...], Any]:
     """``(inputs, target)``: inputs a tensor or a tuple of tensors, every one's rows a
-    multiple of ``microbatches`` (checked before any collective)."""
+    multiple of ``microbatches`` (checked before any collective; every rank is told, by
+    :meth:`PipelineRun.agree_batch`)."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(
             "train_step under a pipeline: batch must be (inputs, target), got "
