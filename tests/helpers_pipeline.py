@@ -173,15 +173,30 @@ def expected_bytes(
     return total
 
 
-class Boom(models.Block):
-    """A block that raises in its forward while ``armed``."""
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return x.view_as(x)
 
-    armed = False
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        raise RuntimeError("boom: a stage's backward failed")
+
+
+class Boom(models.Block):
+    """A block that raises in its forward while ``armed``, in its backward on the ranks in
+    ``backward_on``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.armed = False
+        self.backward_on: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.armed:
             raise RuntimeError("boom: a stage's forward failed")
-        return super().forward(x)
+        y = super().forward(x)
+        return _RaiseInBackward.apply(y) if dist.get_rank() in self.backward_on else y
 
 
 def _error(fn) -> str:
@@ -239,6 +254,9 @@ def run_refusals() -> dict:
     net.blocks[5].armed = True
     out["boom"] = _error(lambda: fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn))
     net.blocks[5].armed = False
+    net.blocks[5].backward_on = (2,)  # one rank of stage 1, in its backward
+    out["back"] = _error(lambda: fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn))
+    net.blocks[5].backward_on = ()
     out["step_after"] = state.step
     state, m = fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn)
     out["step_then"], out["loss_then"] = state.step, m["loss"]

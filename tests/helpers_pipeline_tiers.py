@@ -126,7 +126,9 @@ def _no_meta_stage() -> dict:
 def _raise_under_zero_bubble() -> dict:
     """ZBVZeroBubble at P=2 (4 stages), block 5 raising in its forward on step 1 on every rank
     of its stage: every rank raises naming it (the stand-in's zero gradients dense: torch's
-    weight backward adds into them in place), the next step trains. And a stage returning a
+    weight backward adds into them in place); then in its backward on one rank alone (the
+    stage hands back zero input gradients, its weight backward skipped): every rank raises
+    naming it; the next step trains. And a stage returning a
     dict: ValueError on every rank at the step, before any collective."""
     net = hp.make_net()
     net.blocks[5] = hp.Boom(hp.WIDTH)
@@ -139,6 +141,9 @@ def _raise_under_zero_bubble() -> dict:
     net.blocks[5].armed = True
     out = {"zbv": hp._error(lambda: fs.train_step(state, batch(1), hp.loss_fn))}
     net.blocks[5].armed = False
+    net.blocks[5].backward_on = (3,)  # one rank, in the input backward torch splits off
+    out["zbv_back"] = hp._error(lambda: fs.train_step(state, batch(1), hp.loss_fn))
+    net.blocks[5].backward_on = ()
     state, m = fs.train_step(state, batch(1), hp.loss_fn)
     out["zbv_step"], out["zbv_loss"] = state.step, m["loss"]
     dicts = fs.pipeline.split(hp.make_net(), hp.split_points(2))

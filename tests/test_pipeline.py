@@ -117,6 +117,9 @@ def test_bad_input_and_a_failing_stage(pool4):
         assert "rank 2:" not in out["one_rank"] and "7 rows" in out["one_rank"], out
         assert "RuntimeError" in out["boom"] and "boom: a stage's forward failed" in out["boom"]
         assert "stage 1" in out["boom"] and "rank 2" in out["boom"], out["boom"]
+        # in its backward on rank 2 alone (stage 1): every rank raises naming it, no hang
+        assert "boom: a stage's backward failed" in out["back"], out["back"]
+        assert "rank 2: stage 1" in out["back"] and "rank 3:" not in out["back"], out["back"]
         assert out["step_after"] == 1 and out["step_then"] == 2, out
         assert out["loss_then"] > 0, out
 
@@ -200,6 +203,8 @@ def test_a_module_dict_of_blocks_and_the_local_and_dcp_tiers(pool4, tmp_path):
         assert r["another_split"].startswith("FileNotFoundError"), r["another_split"]
         zb = r["zero_bubble"]
         assert "boom: a stage's forward failed" in zb["zbv"], zb["zbv"]
+        assert "boom: a stage's backward failed" in zb["zbv_back"], zb["zbv_back"]
+        assert "rank 3: stage 2" in zb["zbv_back"], zb["zbv_back"]
         assert zb["zbv_step"] == 2 and math.isfinite(zb["zbv_loss"]), zb
         assert zb["dict"].startswith("ValueError") and "stage 0 returns dict" in zb["dict"], zb
         assert _equal(r["dcp"], r["full"]), rank

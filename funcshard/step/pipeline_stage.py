@@ -115,6 +115,11 @@ class StageModule(nn.Module):
                     raise
         return self._stand_in(args)
 
+    def fail(self, error: str) -> None:
+        """Keeps the first failure of this step (a later forward then hands on the stand-in)."""
+        if self.error is None:
+            self.error = error
+
     def _stand_in(self, args: tuple) -> Any:
         """Zeros of the output's shape, in the graph of the inputs and leaves (so that the
         schedule's backward runs and sends zeros back, contiguous: not the expanded zeros

@@ -28,7 +28,9 @@ holds every other coordinate equal). The loss is counted on tensor rank 0 only.
 A stage that raises in its forward (or ``loss_fn`` raising on the last stage) does not stop
 the schedule halfway (its peers would wait on its sends until the collective timeout): it
 hands on zeros of the output's shape (known from running every stage on the meta device
-first) and the step's agreement raises on every rank, naming the rank, stage and error.
+first) and the step's agreement raises on every rank, naming the rank, stage and error. One
+raising in its backward (the input backward of the zero-bubble schedules included) hands
+back zero input gradients and skips its weight backward, with the same agreement.
 """
 
 from __future__ import annotations
@@ -68,19 +70,45 @@ class CountingStage(PipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return _counted(super().get_bwd_send_ops(bwd_chunk_id))
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        """torch's backward of one microbatch; where it raises, the error is kept for the
+        step's agreement and the stage hands back zero input gradients (the previous stage
+        waits for them), its weight backward then skipped: the schedule runs to its end on
+        every rank, and the step fails on all."""
+        inputs = self.fwd_cache.get(bwd_chunk_id, (None, ()))[1]
         try:
-            return super().backward_one_chunk(*args, **kwargs)
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
+            self.submod.fail(traceback.format_exc(limit=-3))
+            n = len(self._stage_meta.inputs or ())
+            self.bwd_cache[bwd_chunk_id] = tuple(_zero_grad(t) for t in inputs)[:n]
+            self.dw_runner[bwd_chunk_id] = lambda: None
+            self.backward_state.pop(bwd_chunk_id, None)
+            return None
         finally:  # regather=True: the buffers gathered again for it are freed
             if self.submod.regather is not None:
                 self.submod.regather.release()
 
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().backward_weight_one_chunk(*args, **kwargs)
+            if bwd_chunk_id not in self.backward_state and self.dw_builder is None:
+                self.dw_runner.pop(bwd_chunk_id, None)  # its input backward failed
+                return None
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        except Exception:  # noqa: BLE001 (no send follows a weight backward)
+            self.submod.fail(traceback.format_exc(limit=-3))
+            return None
         finally:
             if self.submod.regather is not None:
                 self.submod.regather.release()
+
+
+def _zero_grad(t: Any) -> torch.Tensor | None:
+    """What torch's backward gives an input: its gradient where it requires one (here zeros,
+    contiguous), None otherwise."""
+    if isinstance(t, torch.Tensor) and t.requires_grad:
+        return torch.zeros_like(t, memory_format=torch.contiguous_format)
+    return None
 
 
 def _counted(p2p: list[dist.P2POp]) -> list[dist.P2POp]:
