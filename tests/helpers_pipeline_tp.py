@@ -95,13 +95,38 @@ def run_case(schedule: str, nstages: int, strategy: str) -> dict:
             state, m = fs.train_step(state, batch(step), loss_fn)
             metrics.append((m["loss"], m["grad_norm"]))
     rank = mesh.get_local_rank("pipeline")
-    return {
+    out = {
         "full": {n: t.cpu() for n, t in fs.full_params(state).items()},
         "metrics": metrics,
         "bytes": {a: n for a, n in stats.bytes_by_axis.items() if n},
         "plan": _plan(model, schedule, nstages, strategy, rank),
         "stages": state.pipeline.mine,
     }
+    if (schedule, nstages) == ("1F1B", 2):
+        out["one_rank"] = fail_on_rank_3(state, model.layers[2], lambda s: batch(s), loss_fn)
+    return out
+
+
+def fail_on_rank_3(state, module: nn.Module, batch_of, loss) -> dict:
+    """``module`` (in stage 1) raising in its forward on global rank 3 alone (one tensor or
+    expert rank of its stage, before any of its collectives; by the values it is given, as a
+    check of the data would) for one step: its stand-in must join the collectives its peers
+    wait in. Then a step without the failure."""
+
+    def boom(mod, args):
+        if dist.get_rank() == 3 and bool(args[0].detach().abs().sum() > 0):
+            raise RuntimeError("boom on one model-parallel rank")
+
+    hook = module.register_forward_pre_hook(boom)
+    try:
+        fs.train_step(state, batch_of(STEPS), loss)
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        hook.remove()
+    state, m = fs.train_step(state, batch_of(STEPS), loss)
+    return {"error": error, "step": state.step, "loss": m["loss"]}
 
 
 def _cpu(named: dict) -> dict:
@@ -257,12 +282,17 @@ def run_expert_case(schedule: str, nstages: int, strategy: str) -> dict:
         optimizer="sgd_momentum",
         device_type="cpu",
     )
-    return {
+    out = {
         "full": {n: t.cpu() for n, t in fs.full_params(state).items()},
         "metrics": metrics,
         "bytes": {a: n for a, n in stats.bytes_by_axis.items() if n},
         "plan": {a: n * STEPS for a, n in plan.comm_by_axis.items() if n},
     }
+    if schedule == "1F1B":
+        out["one_rank"] = fail_on_rank_3(
+            state, model.blocks[1], lambda s: moe_batch(s, dp_rank), moe_loss
+        )
+    return out
 
 
 def run_all(root: str) -> dict:

@@ -15,6 +15,8 @@ pass different batches fails every rank. One pool call.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import funcshard as fs
@@ -26,6 +28,15 @@ TOL = 1e-5
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _check_one_rank_failure(r: dict, rank: int) -> None:
+    """A stage raising on one tensor (expert) rank alone: its stand-in ran the stage on zeros
+    through the collectives its peers waited in, so every rank raises naming rank 3 (no hang)
+    and the next step trains."""
+    assert "boom on one model-parallel rank" in r["error"], (rank, r["error"])
+    assert "rank 3: stage 1" in r["error"] and "rank 2:" not in r["error"], (rank, r["error"])
+    assert r["step"] == hpt.STEPS + 1 and math.isfinite(r["loss"]), (rank, r)
 
 
 def test_tensor_parallel_stages_as_one_process(pool4, tmp_path):
@@ -54,6 +65,7 @@ def test_tensor_parallel_stages_as_one_process(pool4, tmp_path):
             assert r["bytes"] == r["plan"], (case, rank, r["bytes"], r["plan"])
             if k == 0:  # a meta model and its TP plan, each stage's removed modules skipped
                 assert r["bytes"] == hpt.meta_plan(*case, rank // 2), (case, rank)
+                _check_one_rank_failure(r["one_rank"], rank)
     for k, case in enumerate(hpt.EXPERT_CASES):
         ref = hpt.moe_reference(case[1])
         per_rank = [r["expert"][k] for r in out]
@@ -69,6 +81,8 @@ def test_tensor_parallel_stages_as_one_process(pool4, tmp_path):
             measured = dict(r["bytes"])
             assert measured.pop("expert") > 0, (case, rank, r["bytes"])  # tokens to experts
             assert measured == r["plan"], (case, rank, r["bytes"], r["plan"])
+            if case[0] == "1F1B":
+                _check_one_rank_failure(r["one_rank"], rank)
     ref2 = hpt.reference(steps=2)
     ref1 = hpt.reference(steps=1)
     for rank, r in enumerate(out):

@@ -71,6 +71,7 @@ def prepare(
         world=mesh_lib.world_group(mesh),
         counts_norm=all(c == 0 for c in sub.get_coordinate()),
         counts_loss=TENSOR not in names or sub.get_local_rank(TENSOR) == 0,
+        peers=[mesh[a].get_group() for a in (TENSOR, EXPERT) if a in names and mesh[a].size() > 1],
     )
     return merge([stages[i] for i in mine]), sub, run
 

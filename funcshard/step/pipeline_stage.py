@@ -6,6 +6,7 @@ meta-device run of every stage (:func:`propagate`), by which a stand-in is sized
 from __future__ import annotations
 
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,10 @@ class StageModule(nn.Module):
         self.out_meta: Any = None  # one microbatch's output as meta tensors (None: unknown)
         self.cast: torch.dtype | None = None  # the policy's param_dtype
         self.regather: Regather | None = None  # ZeRO-3 per microbatch (the step's)
+        # the groups of the model axes inside the stage (tensor, expert): a failed forward's
+        # stand-in must join their collectives (:meth:`_rerun`)
+        self.peers: tuple[Any, ...] = ()
+        self.rejoin = True  # whether this step's failure came before any peer collective
 
     def parameters(self, recurse: bool = True):  # noqa: ARG002
         return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
@@ -96,16 +101,9 @@ class StageModule(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         if self.error is None:
+            before = self._issued()
             try:
-                inputs = _stage_inputs(args, self.cast)
-                call = lambda p: torch.func.functional_call(  # noqa: E731
-                    self.stage, {n: self.wrap(n, t) for n, t in p.items()}, inputs
-                )
-                if self.regather is not None:
-                    out = self.regather.call(self.names, call)
-                else:
-                    out = call({n: self.leaves[n] for n in self.names})
-                sent = _sendable(out, self.out_meta, self.index)
+                sent = _sendable(self._call(args), self.out_meta, self.index)
                 if self.out_meta is None:  # the meta-device run failed: sized by this one
                     self.out_meta = optree.tree_map(as_meta, sent)
                 return sent
@@ -113,7 +111,53 @@ class StageModule(nn.Module):
                 self.error = traceback.format_exc(limit=-3)
                 if self.out_meta is None:
                     raise
+                self.rejoin = self._issued() == before
+                if not self.rejoin:
+                    warnings.warn(
+                        f"pipeline stage {self.index} raised after its tensor / expert peers' "
+                        "collectives began: they wait for the collective timeout\n" + self.error,
+                        stacklevel=2,
+                    )
+        if self.peers and self.rejoin:
+            try:
+                return self._rerun(args)
+            except Exception:  # noqa: BLE001 (the first failure is the one reported)
+                self.rejoin = False
+                warnings.warn(
+                    f"pipeline stage {self.index} raised again on zero inputs, so its "
+                    "stand-in cannot join its tensor / expert peers' collectives: they wait "
+                    "for the collective timeout\n" + self.error,
+                    stacklevel=2,
+                )
         return self._stand_in(args)
+
+    def _call(self, args: tuple) -> Any:
+        inputs = _stage_inputs(args, self.cast)
+        call = lambda p: torch.func.functional_call(  # noqa: E731
+            self.stage, {n: self.wrap(n, t) for n, t in p.items()}, inputs
+        )
+        if self.regather is not None:
+            return self.regather.call(self.names, call)
+        return call({n: self.leaves[n] for n in self.names})
+
+    def _issued(self) -> list[int]:
+        """How many collectives this rank has issued on each peer group."""
+        return [g._get_sequence_number_for_group() for g in self.peers]
+
+    def _rerun(self, args: tuple) -> Any:
+        """The stand-in of a stage with tensor or expert peers: the stage itself on zero
+        inputs, its output times zero, so that its forward and backward issue the
+        collectives its peers wait in (the same, from the shapes alone: TP's and the
+        experts'), and it hands on and back zeros."""
+        zeroed = tuple(
+            (t * 0 if t.is_floating_point() else torch.zeros_like(t))
+            if isinstance(t, torch.Tensor)
+            else t
+            for t in args
+        )
+        out = self._call(zeroed)
+        out = optree.tree_map(lambda t: t * 0 if t.is_floating_point() else t, out)
+        return _sendable(out, self.out_meta, self.index)
 
     def fail(self, error: str) -> None:
         """Keeps the first failure of this step (a later forward then hands on the stand-in)."""

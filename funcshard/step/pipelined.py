@@ -157,6 +157,8 @@ class PipelineRun:
         squared norm, the same on every rank of the sub-world, is added once).
       counts_loss: whether this rank's losses are added to the step's: not on tensor ranks
         other than 0 (every rank of a tensor group computes the same loss).
+      peers: the groups of the tensor and expert axes inside a stage (of more than one rank),
+        whose collectives a failed stage's stand-in joins.
 
     Raises:
       ValueError: microbatches torch's schedule refuses for this stage count (its words).
@@ -172,11 +174,14 @@ class PipelineRun:
         world: dist.ProcessGroup,
         counts_norm: bool,
         counts_loss: bool = True,
+        peers: Sequence[dist.ProcessGroup] = (),
     ) -> None:
         self.pipe, self.stages, self.mine = pipe, list(stages), mine
         self.group, self.device = group, device
         self.world, self.counts_norm, self.counts_loss = world, counts_norm, counts_loss
         self.modules = {i: StageModule(stages[i], i) for i in mine}
+        for m in self.modules.values():
+            m.peers = tuple(peers)
         self.loss = LossWrap()
         self._key: Any = None
         self.schedule = self._build()  # torch's checks, before any collective
@@ -260,6 +265,7 @@ class PipelineRun:
             leaves = _step_leaves(layout, master, compute)
         for m in self.modules.values():
             m.leaves, m.error, m.regather = {n: leaves[n] for n in m.names}, None, regather
+            m.rejoin = True
             m.wrap = layout.tensor.wrap  # DTensors where the stage had them (tensor, experts)
         self.loss.reset(loss_fn, factor)
         try:
@@ -333,20 +339,27 @@ class PipelineRun:
             )
 
     def agree(
-        self, loss_sum: torch.Tensor, square: torch.Tensor, error: str | None, dp_size: int
+        self,
+        loss_sum: torch.Tensor,
+        square: torch.Tensor,
+        error: str | None,
+        dp_size: int,
+        apart: str | None = None,
     ) -> tuple[float, float]:
         """``(mean loss, whole model's gradient norm)``, the same bits on every rank (one
         all-reduce over the world, counted under "metrics"), or RuntimeError on every rank
-        when a stage or ``loss_fn`` raised on any, naming each rank's failure."""
+        when a stage or ``loss_fn`` raised on any, naming each rank's failure; ``apart``
+        (a tensor group's batch check failed) is named only where no stage failed."""
         square = square.to(loss_sum) if self.counts_norm else torch.zeros_like(loss_sum)
         loss_sum = loss_sum if self.counts_loss else torch.zeros_like(loss_sum)
-        flag = loss_sum.new_tensor(float(error is not None))
+        flag = loss_sum.new_tensor(float(error is not None or apart is not None))
         vec = torch.stack([loss_sum, square, flag])
         vec = ops.all_reduce(vec, self.world, axis=ops.Axis.WORLD, kind="metrics")
         if float(vec[2]) > 0:
             told: list[Any] = [None] * dist.get_world_size(self.world)
-            dist.all_gather_object(told, (dist.get_rank(), error), group=self.world)
-            lines = [f"rank {r}: {e}" for r, e in told if e]
+            dist.all_gather_object(told, (dist.get_rank(), error, apart), group=self.world)
+            lines = [f"rank {r}: {e}" for r, e, _ in told if e]
+            lines = lines or [f"rank {r}: {a}" for r, _, a in told if a]
             raise RuntimeError(
                 "train_step: the pipeline step failed (nothing was updated):\n" + "\n".join(lines)
             )

@@ -213,13 +213,14 @@ def _pipeline_step(
     sections, loss_sum, error = run.grads(
         layout.inner, state.master, state.compute, batch, loss_fn, factor
     )
-    if batch_check.flag([loss_sum]):  # the verdict travels with the step's agreement
-        error = "\n".join(e for e in (error, f"train_step: {batch_check.why}") if e)
+    # the verdict travels with the step's agreement (said only where no stage failed: a
+    # failed stage's stand-in gives its tensor group other losses)
+    apart = f"train_step: {batch_check.why}" if batch_check.flag([loss_sum]) else None
     grads = grads_lib.reduce_step_grads(layout, sections, shard_reduced=False)
     if ls is not None:
         torch._foreach_mul_(grads, 1.0 / ls.scale)
     square = reduction_of(layout).global_norm(layout, grads).double().square()
-    loss, norm = run.agree(loss_sum, square, error, layout.dp_size)
+    loss, norm = run.agree(loss_sum, square, error, layout.dp_size, apart)
     finite = math.isfinite(norm)
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
     metrics = _metrics(loss, norm, new_ls, None)
