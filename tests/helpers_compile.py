@@ -418,6 +418,7 @@ def axes_worker(names: list[str], steps: int = 2) -> dict:
                 "bytes": dict(stats.bytes),
                 "calls": dict(stats.calls),
                 "by_axis": dict(stats.bytes_by_axis),
+                "gathered_peak": stats.gathered_peak,
                 "counts": dict(counts),
                 "collectives": {k: n for k, n in collectives.items() if n},
                 "warnings": [str(w.message) for w in caught if "compile=" in str(w.message)],

@@ -250,6 +250,13 @@ def run_refusals() -> dict:
     out["uneven"] = _error(lambda: fs.train_step(state, dp_parts(0, 7, 2)[dp_rank], loss_fn))
     rows = 7 if dist.get_rank() == 3 else 8  # one rank alone (a last stage: its target)
     out["one_rank"] = _error(lambda: fs.train_step(state, dp_parts(0, rows, 2)[dp_rank], loss_fn))
+    x, y = dp_parts(0, 8, 2)[dp_rank]
+    out["target_rows"] = _error(lambda: fs.train_step(state, (x, y[:4]), loss_fn))
+    rows = 16 if dist.get_rank() == 0 else 8  # valid alone, not beside the others' 8
+    out["apart"] = _error(lambda: fs.train_step(state, dp_parts(0, rows, 2)[dp_rank], loss_fn))
+    net.blocks[5].backward_on = (2,)  # in the backward of torch's shape inference (1st step)
+    out["first_back"] = _error(lambda: fs.train_step(state, dp_parts(0, 8, 2)[dp_rank], loss_fn))
+    net.blocks[5].backward_on = ()
     state, _ = fs.train_step(state, dp_parts(0, 8, 2)[dp_rank], loss_fn)
     net.blocks[5].armed = True
     out["boom"] = _error(lambda: fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn))

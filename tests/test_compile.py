@@ -259,11 +259,12 @@ def test_captured_axes(pool2):
     """Issue #55's axes inside the graphs (``helpers_compile.AXES``: ZeRO-3 with an int8 param
     wire and a bf16 gradient wire, ZeRO-2 with an fp8 gradient wire, HFSDP with a bf16 param
     wire): no fallback warning, one forward and one backward graph, the eager run's params
-    bitwise (aot_eager runs eager's kernels, the codec's too), fs.comm_stats' bytes, calls and
-    bytes per axis equal eager's; ZeRO-3's gathers in the forward graph and again in the
-    backward (the forward saves no gathered or decoded param), a narrow wire's all-to-alls in
-    the backward, one before its last matmul. An expert-parallel model still falls back, and
-    fs.init's warning says why (tensor parallel is captured: test_tp's compile= case)."""
+    bitwise (aot_eager runs eager's kernels, the codec's too), fs.comm_stats' bytes, calls,
+    bytes per axis and gathered_peak (the decoded params, under a param wire) equal eager's;
+    ZeRO-3's gathers in the forward graph and again in the backward (the forward saves no
+    gathered or decoded param), a narrow wire's all-to-alls in the backward, one before its
+    last matmul. An expert-parallel model still falls back, and fs.init's warning says why
+    (tensor parallel is captured: test_tp's compile= case)."""
     from helpers_compile import AXES, axes_worker
 
     out = pool2.run(axes_worker, list(AXES))[0]
@@ -272,7 +273,7 @@ def test_captured_axes(pool2):
         assert eager["warnings"] == compiled["warnings"] == [], (name, compiled["warnings"])
         for leaf, p in eager["params"].items():
             assert torch.equal(compiled["params"][leaf], p), (name, leaf)
-        for key in ("bytes", "calls", "by_axis"):
+        for key in ("bytes", "calls", "by_axis", "gathered_peak"):
             assert compiled[key] == eager[key], (name, key, compiled[key], eager[key])
         assert compiled["counts"] == {"forward": 1, "backward": 1}, (name, compiled["counts"])
         found = compiled["collectives"]

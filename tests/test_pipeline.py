@@ -115,6 +115,13 @@ def test_bad_input_and_a_failing_stage(pool4):
         # nothing was consumed (the steps below train)
         assert "rank 3: ValueError" in out["one_rank"], out["one_rank"]
         assert "rank 2:" not in out["one_rank"] and "7 rows" in out["one_rank"], out
+        assert "has 4 rows, input 0 has 8" in out["target_rows"], out["target_rows"]
+        # shapes valid alone but unlike the other ranks': refused on every rank, and no rank
+        # rebuilt its schedule alone (the steps below train)
+        assert "the ranks' batches differ" in out["apart"], out["apart"]
+        assert "rank 0: (inputs, target) of shapes and dtypes (((16," in out["apart"], out
+        assert "boom: a stage's backward failed" in out["first_back"], out["first_back"]
+        assert "rank 2: stage 1" in out["first_back"], out["first_back"]
         assert "RuntimeError" in out["boom"] and "boom: a stage's forward failed" in out["boom"]
         assert "stage 1" in out["boom"] and "rank 2" in out["boom"], out["boom"]
         # in its backward on rank 2 alone (stage 1): every rank raises naming it, no hang

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import traceback
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +70,16 @@ class CountingStage(PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return _counted(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def _compute_input_grads(self, outputs: Any, all_fwd_inputs: Any, *args: Any) -> Any:
+        """torch's backward of its shape inference (the first step): where it raises, as
+        :meth:`backward_one_chunk` does, the error is kept and zeros of the inputs' shapes
+        stand for their gradients."""
+        try:
+            return super()._compute_input_grads(outputs, all_fwd_inputs, *args)
+        except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
+            self.submod.fail(traceback.format_exc(limit=-3))
+            return tuple(_zero_grad(t) for t in all_fwd_inputs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         """torch's backward of one microbatch; where it raises, the error is kept for the
@@ -252,11 +263,11 @@ class PipelineRun:
         (float64, 0 off the last stage), the failure on this rank or None)``."""
         try:
             inputs, target = _split_batch(batch, self.pipe.microbatches)
-            self._prepare(inputs, layout.policy)
-            refused = None
+            key, refused = _shapes_key(inputs, target), None
         except (TypeError, ValueError) as e:
-            refused = f"{type(e).__name__}: {e}"
-        self.agree_batch(refused)
+            key, refused = (), f"{type(e).__name__}: {e}"
+        self.agree_batch(refused, key)
+        self._prepare(inputs, layout.policy)  # every rank alike: the same shapes, agreed
         regather = None
         if self.pipe.regather and layout.strategy.shards_params:
             regather = Regather(layout, master, compute)
@@ -321,22 +332,33 @@ class PipelineRun:
                 f"every batch into fs.Pipeline(microbatches={self.pipe.microbatches})"
             )
 
-    def agree_batch(self, refused: str | None) -> None:
+    def agree_batch(self, refused: str | None, key: tuple) -> None:
         """Before the schedule: ValueError on every rank where any rank refused its batch
-        (its rows not a multiple of the microbatches, not a tensor, a stage's output not
-        sendable), naming each rank and why; one all-reduce of a float32 flag over the world
-        (kind "metrics"). Without it the refusing rank raised alone, its peers waiting in the
-        schedule for the collective timeout."""
-        flag = torch.tensor([float(refused is not None)], device=self.device)
-        flag = ops.all_reduce(flag, self.world, axis=ops.Axis.WORLD, kind="metrics")
-        if float(flag[0]) > 0:
-            told: list[Any] = [None] * dist.get_world_size(self.world)
-            dist.all_gather_object(told, (dist.get_rank(), refused), group=self.world)
-            lines = [f"rank {r}: {e}" for r, e in told if e]
-            raise ValueError(
-                "train_step under a pipeline: a batch was refused (nothing ran):\n"
-                + "\n".join(lines)
-            )
+        (its rows not a multiple of the microbatches, not a tensor, a target of other rows
+        than the inputs) or the ranks' batches differ in shape or dtype (torch's schedules
+        size every stage's buffers by one microbatch's shapes, and a rank whose shapes
+        change rebuilds its schedule: alone, its peers would not), naming each rank and why.
+        One all-reduce (max) over the world of 3 float64 (kind "metrics"): a refusal, and a
+        digest of the shapes and its negation (the same on every rank iff max == -max of
+        the negation)."""
+        digest = float(zlib.crc32(repr(key).encode()))
+        vec = torch.tensor(
+            [float(refused is not None), digest, -digest], dtype=torch.float64, device=self.device
+        )
+        ops.record("metrics", vec, ops.Axis.WORLD)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.world)
+        n = dist.get_world_size(self.world)
+        if float(vec[0]) == 0 and float(vec[1]) == -float(vec[2]):
+            return
+        told: list[Any] = [None] * n
+        dist.all_gather_object(told, (dist.get_rank(), refused, key), group=self.world)
+        lines = [f"rank {r}: {e}" for r, e, _ in told if e]
+        if not lines:
+            lines = [f"rank {r}: (inputs, target) of shapes and dtypes {k}" for r, _, k in told]
+            lines.insert(0, "the ranks' batches differ (every rank's must be alike):")
+        raise ValueError(
+            "train_step under a pipeline: a batch was refused (nothing ran):\n" + "\n".join(lines)
+        )
 
     def agree(
         self,
@@ -382,6 +404,11 @@ def _split_batch(batch: Any, microbatches: int) -> tuple[tuple[torch.Tensor, ...
         what = "target" if k == len(inputs) else f"input {k}"
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             raise TypeError(f"train_step under a pipeline: {what} is not a batch tensor: {t!r}")
+        if t.shape[0] != inputs[0].shape[0]:
+            raise ValueError(
+                f"train_step under a pipeline: {what} has {t.shape[0]} rows, input 0 has "
+                f"{inputs[0].shape[0]}: every tensor of the batch has the same rows"
+            )
         if t.shape[0] % microbatches:
             raise ValueError(
                 f"train_step under a pipeline: {what} has {t.shape[0]} rows, not a multiple "
@@ -389,6 +416,10 @@ def _split_batch(batch: Any, microbatches: int) -> tuple[tuple[torch.Tensor, ...
                 "buffers by the first one's: uneven microbatches are not supported)"
             )
     return inputs, target
+
+
+def _shapes_key(inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> tuple:
+    return tuple((tuple(t.shape), str(t.dtype)) for t in (*inputs, target))
 
 
 def _sendable_kind(out: Any) -> bool:

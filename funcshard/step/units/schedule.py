@@ -299,6 +299,21 @@ def _nbytes(node: fx.Node) -> int:
     return val.numel() * val.element_size()
 
 
+def _held_bytes(chain: list[fx.Node], members: set[fx.Node]) -> int:
+    """The bytes a gather chain hands out: the buffers (each read through views) its params
+    are, a param wire's decoded buffer rather than the packed bytes gathered (as eager's
+    ``gathered_peak`` counts them)."""
+    bases: dict[fx.Node, int] = {}
+    for node in chain:
+        if all(u in members for u in node.users):
+            continue
+        base = node
+        while _is_view(base) and base.all_input_nodes and base.all_input_nodes[0] in members:
+            base = base.all_input_nodes[0]
+        bases[base] = _nbytes(base)
+    return sum(bases.values()) or _nbytes(chain[0])
+
+
 def _peak(intervals: list[tuple[int, int, int]]) -> int:
     """The most bytes alive at once over (first, last, bytes) intervals of positions."""
     events = sorted([(a, n) for a, _, n in intervals] + [(b + 1, -n) for _, b, n in intervals])
@@ -318,7 +333,8 @@ def _account(
     pos = {n: i for i, n in enumerate(chains[0][0].graph.nodes)} if chains else {}
     intervals = []
     for chain, recompute in zip(chains, recomputed, strict=True):
-        members, nbytes = set(chain), _nbytes(chain[0])
+        members = set(chain)
+        nbytes = _held_bytes(chain, members)
         users = [u for n in chain for u in n.users if u not in members]
         forward = [pos[u] for u in users if u not in backward]
         if forward:
