@@ -184,16 +184,17 @@ class _RaiseInBackward(torch.autograd.Function):
 
 
 class Boom(models.Block):
-    """A block that raises in its forward while ``armed``, in its backward on the ranks in
-    ``backward_on``."""
+    """A block that raises in its forward while ``armed`` or on the ranks in ``forward_on``,
+    in its backward on the ranks in ``backward_on``."""
 
     def __init__(self, width: int) -> None:
         super().__init__(width)
         self.armed = False
+        self.forward_on: tuple[int, ...] = ()
         self.backward_on: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.armed:
+        if self.armed or dist.get_rank() in self.forward_on:
             raise RuntimeError("boom: a stage's forward failed")
         y = super().forward(x)
         return _RaiseInBackward.apply(y) if dist.get_rank() in self.backward_on else y
@@ -268,7 +269,27 @@ def run_refusals() -> dict:
     state, m = fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn)
     out["step_then"], out["loss_then"] = state.step, m["loss"]
     fs.check_replicas(state)  # stage 0's ranks compare nothing, and still take the agreement
+    out["regather"] = _one_data_parallel_rank_under_regather(opt, mesh, dp_rank)
     return out
+
+
+def _one_data_parallel_rank_under_regather(opt, mesh, dp_rank: int) -> dict:
+    """ZeRO-3 with regather=True: a stage raising on one data-parallel rank (rank 2) in its
+    forward, then in its backward: its stand-in (and the rest of its backward) still make
+    the per-microbatch gathers its peer (rank 3) makes, so every rank raises, no hang."""
+    net = make_net()
+    net.blocks[5] = Boom(WIDTH)
+    pipe = fs.Pipeline("1F1B", microbatches=4, regather=True)
+    stages = fs.pipeline.split(net, split_points(2))
+    state = fs.init(stages, opt, mesh=mesh, strategy="optim_grads_params", pipeline=pipe)
+    state, _ = fs.train_step(state, dp_parts(0, 8, 2)[dp_rank], loss_fn)
+    out = {}
+    for where in ("forward_on", "backward_on"):
+        setattr(net.blocks[5], where, (2,))
+        out[where] = _error(lambda: fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn))
+        setattr(net.blocks[5], where, ())
+    state, m = fs.train_step(state, dp_parts(1, 8, 2)[dp_rank], loss_fn)
+    return out | {"step": state.step, "loss": m["loss"]}
 
 
 # --- checkpoints of the whole model -----------------------------------------------------------

@@ -127,6 +127,11 @@ def test_bad_input_and_a_failing_stage(pool4):
         # in its backward on rank 2 alone (stage 1): every rank raises naming it, no hang
         assert "boom: a stage's backward failed" in out["back"], out["back"]
         assert "rank 2: stage 1" in out["back"] and "rank 3:" not in out["back"], out["back"]
+        rg = out["regather"]  # regather=True, one data-parallel rank failing: no hang
+        assert "boom: a stage's forward failed" in rg["forward_on"], rg["forward_on"]
+        assert "boom: a stage's backward failed" in rg["backward_on"], rg["backward_on"]
+        assert "rank 2: stage 1" in rg["backward_on"] and "rank 3:" not in rg["backward_on"]
+        assert rg["step"] == 2 and math.isfinite(rg["loss"]), rg
         assert out["step_after"] == 1 and out["step_then"] == 2, out
         assert out["loss_then"] > 0, out
 

@@ -126,6 +126,14 @@ class Regather:
             full = self._again[saved.bucket] = self.gather(saved.bucket)
         return full.as_strided(saved.shape, saved.stride, saved.offset)
 
+    def gather_rest(self, names: Sequence[str]) -> None:
+        """After a backward that raised midway: gathers again, last bucket first (the order
+        a stage using its buckets in order unpacks them), each bucket of ``names`` its
+        backward did not reach, as its data-parallel peers' backward does."""
+        for b in sorted({self.bucket_of[n] for n in names}, reverse=True):
+            if b not in self._again:
+                self._again[b] = self.gather(b)
+
     def release(self) -> None:
         """Frees the buffers gathered again for a backward (the stage's backward of one
         microbatch, or its weight backward, is over)."""

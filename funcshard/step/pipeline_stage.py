@@ -100,6 +100,8 @@ class StageModule(nn.Module):
         return iter([(prefix + n, self.leaves[n]) for n in self.names if n in self.leaves])
 
     def forward(self, *args: Any) -> Any:
+        if self.regather is not None:
+            return self.regather.call(self.names, lambda p: self._regathered(args, p))
         if self.error is None:
             before = self._issued()
             try:
@@ -130,6 +132,25 @@ class StageModule(nn.Module):
                     stacklevel=2,
                 )
         return self._stand_in(args)
+
+    def _regathered(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
+        """The stage on ``params`` gathered for this microbatch (``regather=True``); where it
+        raises, a stand-in that saves one element of each gathered bucket, so that its
+        backward gathers each bucket again as its data-parallel peers' backward does."""
+        if self.error is None:
+            try:
+                inputs = _stage_inputs(args, self.cast)
+                wrapped = {n: self.wrap(n, t) for n, t in params.items()}
+                out = torch.func.functional_call(self.stage, wrapped, inputs)
+                sent = _sendable(out, self.out_meta, self.index)
+                if self.out_meta is None:
+                    self.out_meta = optree.tree_map(as_meta, sent)
+                return sent
+            except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
+                self.error = traceback.format_exc(limit=-3)
+                if self.out_meta is None:
+                    raise
+        return self._stand_in(args, params)
 
     def _call(self, args: tuple) -> Any:
         inputs = _stage_inputs(args, self.cast)
@@ -164,17 +185,29 @@ class StageModule(nn.Module):
         if self.error is None:
             self.error = error
 
-    def _stand_in(self, args: tuple) -> Any:
+    def _stand_in(self, args: tuple, gathered: dict[str, torch.Tensor] | None = None) -> Any:
         """Zeros of the output's shape, in the graph of the inputs and leaves (so that the
         schedule's backward runs and sends zeros back, contiguous: not the expanded zeros
-        of a sum's gradient, by which torch would size the previous stage's buffers)."""
+        of a sum's gradient, by which torch would size the previous stage's buffers). Under
+        ``regather``, ``gathered`` (this microbatch's params): the leaves' zero gradients
+        come through them, and one element of each bucket, in bucket order, is saved for
+        backward (each squared into the chain of the output, so that backward unpacks them
+        last bucket first, as a stage using its buckets in order does): its re-gathers."""
         args = _stage_inputs(args, None)
+        leaves = [] if gathered is not None else list(self.leaves.values())
         anchor = sum(
             # (t * 0).sum(), not t.sum() * 0: each input and leaf gets a dense zero gradient,
             # not a sum's expanded one (zero-bubble schedules add into .grad in place)
-            ((t * 0).sum() for t in [*args, *self.leaves.values()] if _differentiable(t)),
+            ((t * 0).sum() for t in [*args, *leaves] if _differentiable(t)),
             torch.zeros((), device=_device(args, self.leaves)),
         )
+        if gathered is not None and self.regather is not None:
+            one: dict[int, torch.Tensor] = {}
+            for name, t in gathered.items():
+                if t.numel():
+                    one.setdefault(self.regather.bucket_of[name], t[(0,) * t.dim()])
+            for bucket in sorted(one):  # t * t saves t (a view of the gathered buffer)
+                anchor = anchor + (one[bucket] * one[bucket]).to(anchor.dtype) * 0
         return optree.tree_map(
             lambda m: (
                 torch.zeros(m.shape, dtype=m.dtype, device=anchor.device) + anchor.to(m.dtype)

@@ -91,6 +91,8 @@ class CountingStage(PipelineStage):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
             self.submod.fail(traceback.format_exc(limit=-3))
+            if self.submod.regather is not None:  # the gathers its peers' backward makes
+                self.submod.regather.gather_rest(self.submod.names)
             n = len(self._stage_meta.inputs or ())
             self.bwd_cache[bwd_chunk_id] = tuple(_zero_grad(t) for t in inputs)[:n]
             self.dw_runner[bwd_chunk_id] = lambda: None
