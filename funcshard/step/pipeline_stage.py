@@ -104,22 +104,16 @@ class StageModule(nn.Module):
             return self.regather.call(self.names, lambda p: self._regathered(args, p))
         if self.error is None:
             before = self._issued()
-            try:
-                sent = _sendable(self._call(args), self.out_meta, self.index)
-                if self.out_meta is None:  # the meta-device run failed: sized by this one
-                    self.out_meta = optree.tree_map(as_meta, sent)
+            sent = self._attempt(args, {n: self.leaves[n] for n in self.names})
+            if sent is not None:
                 return sent
-            except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
-                self.error = traceback.format_exc(limit=-3)
-                if self.out_meta is None:
-                    raise
-                self.rejoin = self._issued() == before
-                if not self.rejoin:
-                    warnings.warn(
-                        f"pipeline stage {self.index} raised after its tensor / expert peers' "
-                        "collectives began: they wait for the collective timeout\n" + self.error,
-                        stacklevel=2,
-                    )
+            self.rejoin = self._issued() == before
+            if not self.rejoin:
+                warnings.warn(
+                    f"pipeline stage {self.index} raised after its tensor / expert peers' "
+                    "collectives began: they wait for the collective timeout\n" + self.error,
+                    stacklevel=2,
+                )
         if self.peers and self.rejoin:
             try:
                 return self._rerun(args)
@@ -138,28 +132,29 @@ class StageModule(nn.Module):
         raises, a stand-in that saves one element of each gathered bucket, so that its
         backward gathers each bucket again as its data-parallel peers' backward does."""
         if self.error is None:
-            try:
-                inputs = _stage_inputs(args, self.cast)
-                wrapped = {n: self.wrap(n, t) for n, t in params.items()}
-                out = torch.func.functional_call(self.stage, wrapped, inputs)
-                sent = _sendable(out, self.out_meta, self.index)
-                if self.out_meta is None:
-                    self.out_meta = optree.tree_map(as_meta, sent)
+            sent = self._attempt(args, params)
+            if sent is not None:
                 return sent
-            except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
-                self.error = traceback.format_exc(limit=-3)
-                if self.out_meta is None:
-                    raise
         return self._stand_in(args, params)
 
-    def _call(self, args: tuple) -> Any:
+    def _attempt(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
+        """The stage's output as sent, None where it raised (the error kept for the step's
+        agreement; raised where no stand-in can be sized yet)."""
+        try:
+            sent = _sendable(self._run(args, params), self.out_meta, self.index)
+        except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
+            self.error = traceback.format_exc(limit=-3)
+            if self.out_meta is None:
+                raise
+            return None
+        if self.out_meta is None:  # the meta-device run failed: sized by this one
+            self.out_meta = optree.tree_map(as_meta, sent)
+        return sent
+
+    def _run(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
         inputs = _stage_inputs(args, self.cast)
-        call = lambda p: torch.func.functional_call(  # noqa: E731
-            self.stage, {n: self.wrap(n, t) for n, t in p.items()}, inputs
-        )
-        if self.regather is not None:
-            return self.regather.call(self.names, call)
-        return call({n: self.leaves[n] for n in self.names})
+        wrapped = {n: self.wrap(n, t) for n, t in params.items()}
+        return torch.func.functional_call(self.stage, wrapped, inputs)
 
     def _issued(self) -> list[int]:
         """How many collectives this rank has issued on each peer group."""
@@ -176,7 +171,7 @@ class StageModule(nn.Module):
             else t
             for t in args
         )
-        out = self._call(zeroed)
+        out = self._run(zeroed, {n: self.leaves[n] for n in self.names})
         out = optree.tree_map(lambda t: t * 0 if t.is_floating_point() else t, out)
         return _sendable(out, self.out_meta, self.index)
 
