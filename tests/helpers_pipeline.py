@@ -273,12 +273,25 @@ def run_refusals() -> dict:
     return out
 
 
+class BiasOnly(nn.Module):
+    """``x + b``: its backward saves nothing, so regather=True never gathers it again."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b
+
+
 def _one_data_parallel_rank_under_regather(opt, mesh, dp_rank: int) -> dict:
     """ZeRO-3 with regather=True: a stage raising on one data-parallel rank (rank 2) in its
     forward, then in its backward: its stand-in (and the rest of its backward) still make
-    the per-microbatch gathers its peer (rank 3) makes, so every rank raises, no hang."""
+    the per-microbatch gathers its peer (rank 3) makes, and no more (a bias-only block's
+    bucket is not gathered again in backward), so every rank raises, no hang."""
     net = make_net()
     net.blocks[5] = Boom(WIDTH)
+    net.blocks[6] = BiasOnly(WIDTH)  # a bucket the backward does not gather again
     pipe = fs.Pipeline("1F1B", microbatches=4, regather=True)
     stages = fs.pipeline.split(net, split_points(2))
     state = fs.init(stages, opt, mesh=mesh, strategy="optim_grads_params", pipeline=pipe)

@@ -26,7 +26,7 @@ data-parallel sub-world of ``world_size / P`` ranks, plus what the schedule adds
 The step's own collectives are those of a ZeRO-0/1 step of one microbatch over the
 sub-world (the gradients reduced once a step, ZeRO-3's parameters gathered once a step),
 and the step's agreements over every rank ("world", kind "metrics"): before the schedule one
-all-reduce of 3 float64 (a rank refused its batch; the batch's shapes alike on every rank),
+all-reduce of 5 float64 (a rank refused its batch; the batch's shapes alike on every rank),
 after it one of 3 float64 (the loss, the squared norm, a failure flag).
 
 >>> order = schedule_order("GPipe", 2, 8)
@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 AGREEMENT_BYTES = 3 * 8  # the step's agreement: loss, squared norm, failure flag (float64)
-BATCH_CHECK_BYTES = 3 * 8  # before the schedule (max): a refusal, the shapes' digest, its negation
+BATCH_CHECK_BYTES = 5 * 8  # before the schedule (max): a refusal, the shapes' digest, negated
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}  # the zero-bubble paper's T_F = T_B = T_W
 
 

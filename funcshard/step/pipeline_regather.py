@@ -77,6 +77,7 @@ class Regather:
                 self.leaves[spec.name] = zero.expand(spec.shape).requires_grad_()
         # a gathered buffer's storage -> its bucket, while the forward runs
         self._gathered_now: dict[int, int] = {}
+        self.saved: set[int] = set()  # the buckets the running forward saved for backward
         self._again: dict[int, torch.Tensor] = {}  # bucket -> its buffer gathered in backward
 
     def gather(self, bucket: int) -> torch.Tensor:
@@ -99,6 +100,7 @@ class Regather:
         """``run(params)`` with ``names``'s parameters gathered, saving for backward where a
         gathered tensor lives instead of the tensor."""
         buckets = sorted({self.bucket_of[n] for n in names})
+        self.saved = set()
         params: dict[str, torch.Tensor] = {}
         for b in buckets:
             specs = self.layout.bucket_leaves(self.layout.buckets[b])
@@ -116,6 +118,7 @@ class Regather:
         bucket = self._gathered_now.get(t.untyped_storage().data_ptr())
         if bucket is None:
             return t
+        self.saved.add(bucket)
         return _Saved(bucket, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     def _unpack(self, saved: Any) -> torch.Tensor:
@@ -126,11 +129,12 @@ class Regather:
             full = self._again[saved.bucket] = self.gather(saved.bucket)
         return full.as_strided(saved.shape, saved.stride, saved.offset)
 
-    def gather_rest(self, names: Sequence[str]) -> None:
+    def gather_rest(self, buckets: Sequence[int]) -> None:
         """After a backward that raised midway: gathers again, last bucket first (the order
-        a stage using its buckets in order unpacks them), each bucket of ``names`` its
-        backward did not reach, as its data-parallel peers' backward does."""
-        for b in sorted({self.bucket_of[n] for n in names}, reverse=True):
+        a stage using its buckets in order unpacks them), each of ``buckets`` (those its
+        forward saved from) its backward did not reach, as its data-parallel peers'
+        backward does."""
+        for b in sorted(buckets, reverse=True):
             if b not in self._again:
                 self._again[b] = self.gather(b)
 

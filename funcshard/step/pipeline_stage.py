@@ -91,6 +91,9 @@ class StageModule(nn.Module):
         # stand-in must join their collectives (:meth:`_rerun`)
         self.peers: tuple[Any, ...] = ()
         self.rejoin = True  # whether this step's failure came before any peer collective
+        # regather: the buckets the stage's last real forward saved from (its backward gathers
+        # them again; None: none ran yet, every bucket assumed)
+        self.saved_buckets: frozenset[int] | None = None
 
     def parameters(self, recurse: bool = True):  # noqa: ARG002
         return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
@@ -134,8 +137,16 @@ class StageModule(nn.Module):
         if self.error is None:
             sent = self._attempt(args, params)
             if sent is not None:
+                self.saved_buckets = frozenset(self.regather.saved)
                 return sent
         return self._stand_in(args, params)
+
+    def regathered_buckets(self) -> list[int]:
+        """The buckets this stage's backward gathers again (regather): those its last real
+        forward saved from, or every bucket it uses before one ran."""
+        if self.saved_buckets is not None:
+            return sorted(self.saved_buckets)
+        return sorted({self.regather.bucket_of[n] for n in self.names})
 
     def _attempt(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
         """The stage's output as sent, None where it raised (the error kept for the step's
@@ -198,9 +209,11 @@ class StageModule(nn.Module):
         )
         if gathered is not None and self.regather is not None:
             one: dict[int, torch.Tensor] = {}
+            saves = set(self.regathered_buckets())
             for name, t in gathered.items():
-                if t.numel():
-                    one.setdefault(self.regather.bucket_of[name], t[(0,) * t.dim()])
+                bucket = self.regather.bucket_of[name]
+                if t.numel() and bucket in saves:
+                    one.setdefault(bucket, t[(0,) * t.dim()])
             for bucket in sorted(one):  # t * t saves t (a view of the gathered buffer)
                 anchor = anchor + (one[bucket] * one[bucket]).to(anchor.dtype) * 0
         return optree.tree_map(

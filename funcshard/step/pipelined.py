@@ -35,9 +35,9 @@ back zero input gradients and skips its weight backward, with the same agreement
 
 from __future__ import annotations
 
+import hashlib
 import math
 import traceback
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,7 +92,7 @@ class CountingStage(PipelineStage):
         except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
             self.submod.fail(traceback.format_exc(limit=-3))
             if self.submod.regather is not None:  # the gathers its peers' backward makes
-                self.submod.regather.gather_rest(self.submod.names)
+                self.submod.regather.gather_rest(self.submod.regathered_buckets())
             n = len(self._stage_meta.inputs or ())
             self.bwd_cache[bwd_chunk_id] = tuple(_zero_grad(t) for t in inputs)[:n]
             self.dw_runner[bwd_chunk_id] = lambda: None
@@ -340,17 +340,21 @@ class PipelineRun:
         than the inputs) or the ranks' batches differ in shape or dtype (torch's schedules
         size every stage's buffers by one microbatch's shapes, and a rank whose shapes
         change rebuilds its schedule: alone, its peers would not), naming each rank and why.
-        One all-reduce (max) over the world of 3 float64 (kind "metrics"): a refusal, and a
-        digest of the shapes and its negation (the same on every rank iff max == -max of
-        the negation)."""
-        digest = float(zlib.crc32(repr(key).encode()))
+        One all-reduce (max) over the world of 5 float64 (kind "metrics"): a refusal, and
+        two 52-bit parts of the shapes' SHA-256 (exact in float64) with their negations (the
+        same on every rank iff each max equals minus the max of its negation; crc32 let two
+        batches of other shapes pass)."""
+        sha = hashlib.sha256(repr(key).encode()).digest()
+        digest = [float(int.from_bytes(sha[k : k + 8], "big") >> 12) for k in (0, 8)]
         vec = torch.tensor(
-            [float(refused is not None), digest, -digest], dtype=torch.float64, device=self.device
+            [float(refused is not None), *digest, *(-d for d in digest)],
+            dtype=torch.float64,
+            device=self.device,
         )
         ops.record("metrics", vec, ops.Axis.WORLD)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.world)
         n = dist.get_world_size(self.world)
-        if float(vec[0]) == 0 and float(vec[1]) == -float(vec[2]):
+        if float(vec[0]) == 0 and vec[1:3].tolist() == (-vec[3:5]).tolist():
             return
         told: list[Any] = [None] * n
         dist.all_gather_object(told, (dist.get_rank(), refused, key), group=self.world)
