@@ -295,6 +295,36 @@ def run_expert_case(schedule: str, nstages: int, strategy: str) -> dict:
     return out
 
 
+def expert_first_step_failure() -> dict:
+    """P=2 x (S=2 = E=2), 1F1B: a MoE block (which the meta device cannot run: data-dependent
+    routing, so no stage from it on has a meta output) raising on one expert rank in the
+    very first step: its stand-in, the stage run again on zeros, joins the experts'
+    all-to-all and is sized by its own output; every rank raises, then step 0 trains."""
+    mesh = fs.make_mesh(pipeline=2, shard=2, expert=2, device_type="cpu")
+    model = make_moe(EXPERT_SEED, 2)
+    for block in model.blocks:
+        he.place_experts(block, mesh["expert"])
+    stages = fs.pipeline.split(model, ["blocks.1"])
+    pipe = fs.Pipeline("1F1B", microbatches=MICROBATCHES)
+    state = fs.init(stages, fs.optim.sgd(LR, momentum=MOMENTUM), mesh=mesh, pipeline=pipe)
+    dp_rank = mesh.get_local_rank("expert")
+
+    def boom(mod, args):
+        if dist.get_rank() == 3 and bool(args[0].detach().abs().sum() > 0):
+            raise RuntimeError("boom on one model-parallel rank")
+
+    hook = model.blocks[1].register_forward_pre_hook(boom)
+    try:
+        fs.train_step(state, moe_batch(0, dp_rank), moe_loss)
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        hook.remove()
+    state, m = fs.train_step(state, moe_batch(0, dp_rank), moe_loss)
+    return {"error": error, "step": state.step, "loss": m["loss"]}
+
+
 def run_all(root: str) -> dict:
     """Every case, the expert cases, then the checkpoint's: one pool call."""
     out: dict = {"cases": [], "expert": [], "seconds": []}
@@ -306,6 +336,7 @@ def run_all(root: str) -> dict:
         t = time.perf_counter()
         out["expert"].append(run_expert_case(*case))
         out["seconds"].append(time.perf_counter() - t)
+    out["expert_first"] = expert_first_step_failure()
     t = time.perf_counter()
     out["checkpoint"] = run_checkpoint(root)
     out["seconds"].append(time.perf_counter() - t)

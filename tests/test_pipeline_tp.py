@@ -83,6 +83,11 @@ def test_tensor_parallel_stages_as_one_process(pool4, tmp_path):
             assert measured == r["plan"], (case, rank, r["bytes"], r["plan"])
             if case[0] == "1F1B":
                 _check_one_rank_failure(r["one_rank"], rank)
+    for rank, r in enumerate(out):  # the first step, a stage without a meta output
+        first = r["expert_first"]
+        assert "boom on one model-parallel rank" in first["error"], (rank, first["error"])
+        assert "rank 3: stage 1" in first["error"], (rank, first["error"])
+        assert first["step"] == 1 and math.isfinite(first["loss"]), (rank, first)
     ref2 = hpt.reference(steps=2)
     ref1 = hpt.reference(steps=1)
     for rank, r in enumerate(out):

@@ -119,7 +119,10 @@ class StageModule(nn.Module):
                 )
         if self.peers and self.rejoin:
             try:
-                return self._rerun(args)
+                sent = self._rerun(args)
+                if self.out_meta is None:  # a stage the meta device cannot run: sized here
+                    self.out_meta = optree.tree_map(as_meta, sent)
+                return sent
             except Exception:  # noqa: BLE001 (the first failure is the one reported)
                 self.rejoin = False
                 warnings.warn(
@@ -128,6 +131,8 @@ class StageModule(nn.Module):
                     "for the collective timeout\n" + self.error,
                     stacklevel=2,
                 )
+        if self.out_meta is None:  # no shape to stand in with: this rank fails alone
+            raise RuntimeError(f"pipeline stage {self.index} failed:\n{self.error}")
         return self._stand_in(args)
 
     def _regathered(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
@@ -155,7 +160,7 @@ class StageModule(nn.Module):
             sent = _sendable(self._run(args, params), self.out_meta, self.index)
         except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
             self.error = traceback.format_exc(limit=-3)
-            if self.out_meta is None:
+            if self.out_meta is None and not self.peers:  # (with peers: :meth:`_rerun`)
                 raise
             return None
         if self.out_meta is None:  # the meta-device run failed: sized by this one
