@@ -399,8 +399,8 @@ def plan(
         gather each unit at its first use and drop it after its last). A bucket whose params
         the backward never reads (biases alone) is planned re-gathered, as eager re-gathers
         it; the captured backward does not. Inductor re-gathers too (docs/strategies.md);
-        with a param wire the captured step's ``gathered_peak`` counts the packed bytes the
-        graphs gather, this plan the decoded params.
+        with a param wire the captured step's ``gathered_peak`` counts the decoded params, as
+        eager's and this plan's do.
 
     Returns:
       A :class:`Plan`.
