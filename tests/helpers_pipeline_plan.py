@@ -17,15 +17,16 @@ def per_rank(schedule: str) -> int:
     return 1 if schedule in ("GPipe", "1F1B") else 2
 
 
-def measure(schedule: str, strategy: str, replicate: int) -> dict:
-    """STEPS steps at P=2 over 4 ranks (S=2, or R=2 with ``replicate=2``): what this rank
-    moved per axis, kind and calls, and its state's bytes."""
+def measure(schedule: str, strategy: str, replicate: int, init: dict | None = None) -> dict:
+    """STEPS steps at P=2 over 4 ranks (S=2, or R=2 with ``replicate=2``; ``init``: more of
+    fs.init's arguments): what this rank moved per axis, kind and calls, and its state's
+    bytes."""
     mesh = fs.make_mesh(pipeline=2, replicate=replicate, device_type="cpu")
     dp = dist.get_world_size() // 2
     stages = fs.pipeline.split(hp.make_net(), hp.split_points(2 * per_rank(schedule)))
     pipe = fs.Pipeline(schedule, microbatches=hp.MICROBATCHES)
     opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
-    state = fs.init(stages, opt, mesh=mesh, strategy=strategy, pipeline=pipe)
+    state = fs.init(stages, opt, mesh=mesh, strategy=strategy, pipeline=pipe, **(init or {}))
     with fs.comm_stats() as stats:
         for step in range(STEPS):
             batch = hp.dp_parts(step, ROWS, dp)[dist.get_rank() % dp]

@@ -1,6 +1,7 @@
 """``fs.plan(..., pipeline=P, schedule=, microbatches=, split=)``: each pipeline rank's bytes
 per axis, kind and calls equal what a pipelined run of the pipeline tests' model measures
-(GPipe, 1F1B and Interleaved1F1B over every strategy at P=2 x S=2, 1F1B at P=2 x R=2; 2
+(GPipe, 1F1B and Interleaved1F1B over every strategy at P=2 x S=2, 1F1B at P=2 x R=2,
+deterministic at P=2 x S=2 and HFSDP at P=2 x R=2; 2
 steps of 4 microbatches, one pool call), its state's bytes equal the state's; every
 schedule's "pipeline" bytes at P=2 and P=4 those the pipeline tests expect; the bubble and
 in-flight microbatches, from torch's own order, against the closed forms; bad arguments
@@ -21,10 +22,21 @@ import helpers_pipeline_plan as hpp
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 CASES = [(s, st, 1) for s in SCHEDULES for st in STRATEGIES] + [("1F1B", "optim_grads", 2)]
+CASES += [  # deterministic (the norm's row sums all-gathered) and HFSDP (over "replicate")
+    ("1F1B", "optim_grads_params", 1, {"deterministic": True}),
+    ("Interleaved1F1B", "optim", 1, {"deterministic": True}),
+    ("1F1B", "optim_grads_params", 2, {"outer_strategy": "optim"}),
+]
 
 
 def _plan(
-    schedule: str, strategy: str, replicate: int, rank: int, pipeline: int = 2, micro: int = 4
+    schedule: str,
+    strategy: str,
+    replicate: int,
+    rank: int,
+    pipeline: int = 2,
+    micro: int = 4,
+    init: dict | None = None,
 ) -> fs.Plan:
     with torch.device("meta"):
         net = hp.Net()
@@ -41,6 +53,7 @@ def _plan(
         split=hp.split_points(pipeline * hpp.per_rank(schedule)),
         pipeline_rank=rank,
         boundary=(hpp.ROWS, hp.WIDTH),
+        **(init or {}),
     )
 
 
@@ -52,7 +65,8 @@ def test_bytes_and_state_equal_the_measured_run(pool4):
     results = pool4.run(hpp.measure_cases, CASES)
     for k, case in enumerate(CASES):
         for rank, got in enumerate(r[k] for r in results):
-            p = _plan(*case, got["pipeline_rank"])
+            schedule, strategy, replicate, *init = case
+            p = _plan(schedule, strategy, replicate, got["pipeline_rank"], init=init and init[0])
             what = (case, rank)
             assert got["by_axis"] == _nonzero(p.comm_by_axis, hpp.STEPS), (what, got, p)
             assert got["bytes"] == _nonzero(p.comm, hpp.STEPS), (what, got, p.comm)

@@ -24,8 +24,9 @@ data-parallel sub-world of ``world_size / P`` ranks, plus what the schedule adds
     1)``.
 
 The step's own collectives are those of a ZeRO-0/1 step of one microbatch over the
-sub-world (the gradients reduced once a step, ZeRO-3's parameters gathered once a step),
-and the step's agreements over every rank ("world", kind "metrics"): before the schedule one
+sub-world (the gradients reduced once a step, ZeRO-3's parameters gathered once a step;
+``deterministic=True``: the norm's row sums all-gathered as without a pipeline; HFSDP: the
+reduce-scatter over "replicate" and the masters' all-gather), and the step's agreements over every rank ("world", kind "metrics"): before the schedule one
 all-reduce of 5 float64 (a rank refused its batch; the batch's shapes alike on every rank),
 after it one of 3 float64 (the loss, the squared norm, a failure flag).
 
@@ -47,7 +48,6 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from funcshard.layout.strategy import OuterStrategy
 from funcshard.parallel.pipeline import Pipeline, check_stages
 from funcshard.parallel.pipeline_split import merge, split
 from funcshard.planner.report import PipelinePlan
@@ -344,11 +344,10 @@ def setup(
     if world_size % pipeline:
         raise ValueError(f"plan: world_size={world_size} is not a multiple of pipeline={pipeline}")
     for name, value in _refused(*refused).items():
-        if value:  # fs.init runs deterministic and HFSDP under a pipeline; the plan not yet
-            why = "not modelled" if name in _UNMODELLED else "fs.init refuses it"
+        if value:
             raise ValueError(
-                f"plan: pipeline={pipeline} with {name}={value!r} is not supported ({why} "
-                "under a pipeline)"
+                f"plan: pipeline={pipeline} with {name}={value!r} is not supported (fs.init "
+                "refuses it under a pipeline)"
             )
     pipe = Pipeline(schedule, microbatches=microbatches)
     model, stages, mine = rank_model(params, split_points, pipe, pipeline, rank)
@@ -421,14 +420,9 @@ def edge_bytes(boundary: Sequence[int] | None, microbatches: int, itemsize: int)
     return math.prod(shape) // microbatches * itemsize
 
 
-_UNMODELLED = ("deterministic", "outer_strategy")
-
-
-def _refused(context, deterministic, outer_strategy, replica_groups) -> dict:
+def _refused(context: int, replica_groups: int) -> dict:
     """``plan``'s arguments that ``fs.init`` refuses under a pipeline, by name."""
     return {
         "context": context if context != 1 else 0,
-        "deterministic": deterministic,
-        "outer_strategy": OuterStrategy.parse(outer_strategy).shards_optim and outer_strategy,
         "replica_groups": replica_groups if replica_groups != 1 else 0,
     }

@@ -221,8 +221,9 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int, gathers
     if T > 1:  # its batch digests (3 words) and losses, all-gathered over "tensor"
         add("metrics", 1, T * 4 * _METRIC_BYTES, "tensor")
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares
-        if world > 1:
-            add("metrics", 1, world * (M + flag + SUMMED_HEADER) * _METRIC_BYTES, "world")
+        if world > 1:  # pipelined: the loss is in the step's agreement (an all-reduce)
+            losses = 1 + SUMMED_HEADER if gathers else world * (M + flag + SUMMED_HEADER)
+            add("metrics", 1, losses * _METRIC_BYTES, "world")
         expert = lambda s: layout.buckets[s.bucket].expert  # noqa: E731
         if masters > 1:
             rows = sum(s.rows_per_shard for s in layout.leaves if not expert(s))
@@ -419,7 +420,7 @@ def plan(
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     backend_of(compile, deterministic=deterministic)  # its errors, as fs.init's
-    refused = (context, deterministic, outer_strategy, replica_groups)
+    refused = (context, replica_groups)
     pp = pipeline_lib.setup(
         params, split, pipeline, schedule, microbatches, pipeline_rank, world_size, refused
     )
