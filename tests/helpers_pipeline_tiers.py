@@ -88,6 +88,60 @@ def _another_split(root: str, kw: dict) -> str:
     return "restored"
 
 
+def _value_check(module: nn.Module, x: torch.Tensor) -> None:
+    """What the meta device cannot run (a value read, as data-dependent routing reads one):
+    notes the input's largest magnitude and raises on a nonzero input on the ranks in
+    ``module.raise_on`` (a check that zeros pass), or on one above 1e30."""
+    amax = float(x.detach().abs().amax())  # .item(): no meta kernel
+    module.seen.append(amax)
+    if amax > 1e30 or (amax > 0 and dist.get_rank() in module.raise_on):
+        raise RuntimeError("no_meta: a stage's forward failed")
+
+
+class NoMeta(models.Block):
+    """A block that checks its input's values (:func:`_value_check`)."""
+
+    seen: list[float]
+    raise_on: tuple[int, ...] = ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _value_check(self, x)
+        return super().forward(x)
+
+
+class NoMetaLinear(nn.Linear):
+    """A linear layer that checks its input's values (:func:`_value_check`)."""
+
+    seen: list[float]
+    raise_on: tuple[int, ...] = ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _value_check(self, x)
+        return super().forward(x)
+
+
+def _no_meta_stage() -> dict:
+    """Stages the meta device cannot run at P=2 (each begins with a value check): stage 0's
+    raising on rank 0 alone in the very first forward (torch's shape inference, on the real
+    microbatch): every rank raises naming it (its stand-in sized by the stage run on zeros),
+    never a hang; the step then trains. Stage 1's first input in torch's shape inference is
+    zeros (torch makes it with torch.empty)."""
+    net = hp.make_net()
+    net.embed, net.blocks[4] = NoMetaLinear(hp.D_IN, hp.WIDTH), NoMeta(hp.WIDTH)
+    net.embed.seen, net.blocks[4].seen = [], []
+    net.embed.raise_on = (0,)
+    mesh = fs.make_mesh(pipeline=2, device_type="cpu")
+    opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
+    pipe = fs.Pipeline("1F1B", microbatches=hp.MICROBATCHES)
+    state = fs.init(fs.pipeline.split(net, hp.split_points(2)), opt, mesh=mesh, pipeline=pipe)
+    batch = hp.dp_parts(0, 8, 2)[dist.get_rank() % 2]
+    out = {"error": hp._error(lambda: fs.train_step(state, batch, hp.loss_fn))}
+    net.embed.raise_on = ()
+    state, m = fs.train_step(state, batch, hp.loss_fn)
+    out["step"], out["loss"], out["first_seen"] = state.step, m["loss"], net.blocks[4].seen[:1]
+    return out
+
+
 def _raise_under_zero_bubble() -> dict:
     """ZBVZeroBubble at P=2 (4 stages), block 5 raising in its forward on step 1 on every rank
     of its stage: every rank raises naming it (the stand-in's zero gradients dense: torch's
@@ -148,6 +202,7 @@ def run_titan_and_tiers(root: str, rows: int) -> dict:
     out["tier"] = _cpu(fs.full_params(restored))
     out["another_split"] = _another_split(root, kw)
     out["zero_bubble"] = _raise_under_zero_bubble()
+    out["no_meta"] = _no_meta_stage()
     fs.save(f"{root}/saved", state)
     if dist.get_rank() == 0:
         convert(f"{root}/saved", f"{root}/dcp", "dcp")

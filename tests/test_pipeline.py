@@ -198,8 +198,10 @@ def test_a_module_dict_of_blocks_and_the_local_and_dcp_tiers(pool4, tmp_path):
     step); its state saved by a CheckpointManager's local tier only, then restored by a new
     manager into a meta model's state, bitwise, while a tier step of another split whose
     masters have the same shapes is not taken; converted to DCP, restored model_only at P=4,
-    bitwise. And a stage that cannot run on the meta device, raising on its second step:
-    every rank raises naming it (its stand-in sized by its first output), never a hang; a
+    bitwise. And a stage that cannot run on the meta device raising on one rank in its very
+    first forward: every rank raises naming it (its stand-in sized by the stage run on
+    zeros), never a hang, and the next stage's first input in torch's shape inference is
+    zeros, not torch.empty's; a
     forward raising under ZBVZeroBubble fails every rank and the next step trains; a stage
     returning a dict is refused on every rank."""
     out = pool4.run(hpt.run_titan_and_tiers, str(tmp_path), ROWS)
@@ -219,4 +221,8 @@ def test_a_module_dict_of_blocks_and_the_local_and_dcp_tiers(pool4, tmp_path):
         assert "rank 3: stage 2" in zb["zbv_back"], zb["zbv_back"]
         assert zb["zbv_step"] == 2 and math.isfinite(zb["zbv_loss"]), zb
         assert zb["dict"].startswith("ValueError") and "stage 0 returns dict" in zb["dict"], zb
+        nm = r["no_meta"]
+        assert "rank 0: stage 0" in nm["error"] and "no_meta: a stage's" in nm["error"], nm
+        assert nm["step"] == 1 and math.isfinite(nm["loss"]), nm
+        assert stage == 0 or nm["first_seen"] == [0.0], nm  # torch's shape inference
         assert _equal(r["dcp"], r["full"]), rank

@@ -26,9 +26,10 @@ data-parallel sub-world of ``world_size / P`` ranks, plus what the schedule adds
 The step's own collectives are those of a ZeRO-0/1 step of one microbatch over the
 sub-world (the gradients reduced once a step, ZeRO-3's parameters gathered once a step;
 ``deterministic=True``: the norm's row sums all-gathered as without a pipeline; HFSDP: the
-reduce-scatter over "replicate" and the masters' all-gather), and the step's agreements over every rank ("world", kind "metrics"): before the schedule one
-all-reduce of 5 float64 (a rank refused its batch; the batch's shapes alike on every rank),
-after it one of 3 float64 (the loss, the squared norm, a failure flag).
+reduce-scatter over "replicate" and the masters' all-gather), and the step's agreements
+over every rank ("world", kind "metrics"): before the schedule one all-reduce of 5 float64
+(a rank refused its batch; the batch's shapes alike on every rank), after it one of 3
+float64 (the loss, the squared norm, a failure flag).
 
 >>> order = schedule_order("GPipe", 2, 8)
 >>> s = simulate(order, 2)

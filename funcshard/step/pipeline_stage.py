@@ -117,20 +117,23 @@ class StageModule(nn.Module):
                     "collectives began: they wait for the collective timeout\n" + self.error,
                     stacklevel=2,
                 )
-        if self.peers and self.rejoin:
+        # with peers, the stage itself joins their collectives; a stage the meta device
+        # cannot run and that never gave an output is sized by that run
+        if self.rejoin and (self.peers or self.out_meta is None):
             try:
                 sent = self._rerun(args)
-                if self.out_meta is None:  # a stage the meta device cannot run: sized here
+                if self.out_meta is None:
                     self.out_meta = optree.tree_map(as_meta, sent)
                 return sent
             except Exception:  # noqa: BLE001 (the first failure is the one reported)
                 self.rejoin = False
-                warnings.warn(
-                    f"pipeline stage {self.index} raised again on zero inputs, so its "
-                    "stand-in cannot join its tensor / expert peers' collectives: they wait "
-                    "for the collective timeout\n" + self.error,
-                    stacklevel=2,
-                )
+                if self.peers:
+                    warnings.warn(
+                        f"pipeline stage {self.index} raised again on zero inputs, so its "
+                        "stand-in cannot join its tensor / expert peers' collectives: they "
+                        "wait for the collective timeout\n" + self.error,
+                        stacklevel=2,
+                    )
         if self.out_meta is None:  # no shape to stand in with: this rank fails alone
             raise RuntimeError(f"pipeline stage {self.index} failed:\n{self.error}")
         return self._stand_in(args)
@@ -144,6 +147,8 @@ class StageModule(nn.Module):
             if sent is not None:
                 self.saved_buckets = frozenset(self.regather.saved)
                 return sent
+        if self.out_meta is None:  # no shape to stand in with: this rank fails alone
+            raise RuntimeError(f"pipeline stage {self.index} failed:\n{self.error}")
         return self._stand_in(args, params)
 
     def regathered_buckets(self) -> list[int]:
@@ -155,13 +160,11 @@ class StageModule(nn.Module):
 
     def _attempt(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
         """The stage's output as sent, None where it raised (the error kept for the step's
-        agreement; raised where no stand-in can be sized yet)."""
+        agreement)."""
         try:
             sent = _sendable(self._run(args, params), self.out_meta, self.index)
         except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
             self.error = traceback.format_exc(limit=-3)
-            if self.out_meta is None and not self.peers:  # (with peers: :meth:`_rerun`)
-                raise
             return None
         if self.out_meta is None:  # the meta-device run failed: sized by this one
             self.out_meta = optree.tree_map(as_meta, sent)
@@ -177,10 +180,11 @@ class StageModule(nn.Module):
         return [g._get_sequence_number_for_group() for g in self.peers]
 
     def _rerun(self, args: tuple) -> Any:
-        """The stand-in of a stage with tensor or expert peers: the stage itself on zero
-        inputs, its output times zero, so that its forward and backward issue the
-        collectives its peers wait in (the same, from the shapes alone: TP's and the
-        experts'), and it hands on and back zeros."""
+        """The stand-in of a stage with tensor or expert peers, or of one whose output shape
+        is not known yet (the meta device cannot run it): the stage itself on zero inputs,
+        its output times zero, so that its forward and backward issue the collectives its
+        peers wait in (the same, from the shapes alone: TP's and the experts'), and it hands
+        on and back zeros."""
         zeroed = tuple(
             (t * 0 if t.is_floating_point() else torch.zeros_like(t))
             if isinstance(t, torch.Tensor)

@@ -71,6 +71,17 @@ class CountingStage(PipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return _counted(super().get_bwd_send_ops(bwd_chunk_id))
 
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        """torch's first-step metadata inference materializes a stage's inputs it only knows
+        the shapes of (every stage but the first) with ``torch.empty``: zeros here, so that a
+        stage reading its input's values (a check, data-dependent routing) sees neither the
+        allocator's garbage nor NaN, alike on every rank and run."""
+        t = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor):
+            with torch.no_grad():
+                t.zero_()
+        return t
+
     def _compute_input_grads(self, outputs: Any, all_fwd_inputs: Any, *args: Any) -> Any:
         """torch's backward of its shape inference (the first step): where it raises, as
         :meth:`backward_one_chunk` does, the error is kept and zeros of the inputs' shapes
