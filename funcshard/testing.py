@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -108,6 +109,11 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Connection) ->
     finally:
         outbox.close()
         dist.destroy_process_group()
+    # closed: no interpreter shutdown (the threads and pools the jobs left, e.g. a
+    # checkpoint writer's, would each be joined): every answer is already sent
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class RankPool:
