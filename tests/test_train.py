@@ -559,17 +559,18 @@ def test_train_pipelines_tensor_experts_deterministic_and_hfsdp_as_plain_runs(
     tmp_path, monkeypatch, pool_of
 ):
     """``--pipeline=2`` with ``--tensor=2``, with ``--experts=4 --expert=2``, and with
-    ``--deterministic --outer_strategy=optim`` (HFSDP over 2 replicas) restores a plain run's
-    step-2 checkpoint (no pipeline) and trains steps 3-4 as that run went on: the losses,
-    grad norms and held-out loss within 1e-5 (fp32: the stages, tensor shards and
-    microbatches sum in another order), the step-4 checkpoint's params within 1e-5 and the
-    MoE routers' bias (DeepSeek-V3's update from the step's global load, which the pipelined
-    loop sums over every stage's blocks) bitwise the plain run's. train.py's flags to
-    ``Config`` in this process, ``trainer.run`` on the session pools' warm ranks."""
+    ``--outer_strategy=optim`` (HFSDP over 2 replicas), each with ``--deterministic``,
+    restores a plain run's step-2 checkpoint (no pipeline) and trains steps 3-4 as that run
+    went on: the losses, grad norms and held-out loss within 1e-5 (fp32: the stages, tensor
+    shards and microbatches sum in another order; the relative rounding of a few fp32 sums
+    is ~1e-7), the step-4 checkpoint's params within 1e-5 and the MoE routers' bias
+    (DeepSeek-V3's update from the step's global load, which the pipelined loop sums over
+    every stage's blocks) bitwise the plain run's. train.py's flags to ``Config`` in this
+    process, ``trainer.run`` on the session pools' warm ranks (5 runs)."""
     import helpers_train
 
     model = [*TINY, "--n_layer=2", "--notied", "--param_dtype=fp32", "--device=cpu", "--steps=4"]
-    moe = ["--experts=4", "--expert=2"]
+    moe = ["--experts=4", "--expert=2", "--deterministic"]
     plain = {
         "dense": ["--nproc=2", "--replicate=2", "--outer_strategy=optim", "--deterministic"],
         "moe": ["--nproc=2", *moe],
