@@ -5,6 +5,7 @@
     python experiments/train.py --nproc=2 --data=input.txt      # char-level text, no floor
     python experiments/train.py --nproc=2 --context=2 --seq_len=64  # sequences split 2 ways
     python experiments/train.py --nproc=4 --pipeline=2 --notied      # 2 stages x ZeRO-3 over 2
+    python experiments/train.py --nproc=4 --pipeline=2 --notied --tensor=2  # TP in each stage
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --max-restarts=3 \
         --rdzv-backend=c10d ... experiments/train.py --grad_chunks=4 --deterministic \
         --checkpoint_dir=ckpt --save_every=50 --resume     # elastic: docs/multi-node.md
@@ -438,11 +439,13 @@ def _check_pipeline(shard: int) -> None:
     for flag, on in given.items():
         if on:
             _fail(f"--pipeline={FLAGS.pipeline} with {flag}: not supported, {why[flag]}")
-    if FLAGS.outer_strategy == "optim" and FLAGS.replicate > 1 and shard > 1:
+    sharded = shard // FLAGS.expert  # the mesh's "shard" axis (--expert is carved out of it)
+    if FLAGS.outer_strategy == "optim" and FLAGS.replicate > 1 and sharded > 1:
         _fail(
             f"--pipeline={FLAGS.pipeline} with --outer_strategy=optim on --replicate="
-            f"{FLAGS.replicate} x shard size {shard}: not supported (HFSDP's master groups "
-            "span one pipeline rank only where --replicate or the shard size is 1; fs.init "
+            f"{FLAGS.replicate} x shard size {sharded}: not supported (HFSDP's master-order "
+            "groups come from the whole mesh's grid, which the pipeline axis in front of it "
+            "mixes up, where both --replicate and the shard size are above 1; fs.init "
             "refuses it)"
         )
     try:
