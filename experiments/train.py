@@ -5,6 +5,7 @@
     python experiments/train.py --nproc=2 --data=input.txt      # char-level text, no floor
     python experiments/train.py --nproc=2 --context=2 --seq_len=64  # sequences split 2 ways
     python experiments/train.py --nproc=4 --pipeline=2 --notied      # 2 stages x ZeRO-3 over 2
+    python experiments/train.py --nproc=4 --pipeline=2 --notied --tensor=2  # TP in each stage
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --max-restarts=3 \
         --rdzv-backend=c10d ... experiments/train.py --grad_chunks=4 --deterministic \
         --checkpoint_dir=ckpt --save_every=50 --resume     # elastic: docs/multi-node.md
@@ -94,8 +95,9 @@ flags.DEFINE_integer(
     1,
     "Pipeline ranks P (the outermost mesh axis, fs.Pipeline): the GPT split into stages by "
     "fs.pipeline.split at its blocks (P stages, 2P under the looped and V-shaped schedules), "
-    "every other axis inside each pipeline rank. Needs --notied (a tied head would be split "
-    "from its embedding).",
+    "every other axis inside each pipeline rank (--tensor, --experts / --expert, "
+    "--deterministic, --outer_strategy=optim too). Needs --notied (a tied head would be split "
+    "from its embedding); refuses --context, --compile and --replica_groups.",
     lower_bound=1,
 )
 flags.DEFINE_enum(
@@ -143,7 +145,9 @@ flags.DEFINE_bool(
     False,
     "Bitwise the same run on every world size, mesh, "
     "strategy and offload fraction with as many gradient chunks (world x "
-    "microbatches, a power of two).",
+    "microbatches, a power of two); under --pipeline, on every data-parallel layout of the "
+    "same --pipeline, split, --schedule and microbatches (torch's schedule sums each rank's "
+    "microbatches in its own order).",
 )
 flags.DEFINE_integer(
     "microbatches",
@@ -355,7 +359,7 @@ def _check_world(world: int) -> None:
             f"--pipeline={pipeline} does not divide the world size {world}"
         )
     if pipeline > 1:
-        _check_pipeline()
+        _check_pipeline(FLAGS.shard if FLAGS.shard != -1 else world // others)
     if context > 1:
         if FLAGS.seq_len % (2 * context):
             _fail(f"--seq_len={FLAGS.seq_len} must be divisible by 2 x --context={context}")
@@ -400,26 +404,50 @@ def _check_world(world: int) -> None:
         )
 
 
-def _check_pipeline() -> None:
-    """--pipeline's own checks: what it does not combine with yet, the blocks per stage."""
+def _check_pipeline(shard: int) -> None:
+    """--pipeline's own checks, before any rank starts: the blocks per stage, and what it
+    does not combine with (each refusal says why).
+
+    Under a pipeline every other axis lives inside each pipeline rank (``fs.make_mesh(
+    pipeline=, replicate=, shard=, expert=, tensor=)``): --tensor (the blocks' TP plan on
+    each stage), --experts / --expert (the MoE blocks, experts split inside a stage),
+    --deterministic and --outer_strategy=optim (HFSDP, where --replicate or the shard size
+    ``shard`` is 1) run as ``fs.init(stages, ..., pipeline=)`` runs them. Refused: a tied
+    head; --context, --compile and --replica_groups, which fs.init does not take under a
+    pipeline; HFSDP on replicated and sharded ranks, which fs.init refuses too.
+    """
     if FLAGS.tied:
         _fail(
             f"--pipeline={FLAGS.pipeline} with --tied: the output head tied to the token "
             "embedding would be split from it (the first stage holds the embedding, the last "
             "the head); pass --notied (an untied head, its own weights)"
         )
+    why = {
+        "--context": "the context axis inside a pipeline stage is not built (fs.init refuses "
+        "a mesh with a 'context' axis under a pipeline)",
+        "--compile": "fs.init(compile=) is refused under a pipeline, and blocks compiled in "
+        "place under torch's schedules (each stage run on the meta device and through "
+        "torch.func.functional_call) are not tested",
+        "--replica_groups": "fs.init(fault_tolerance=) is refused under a pipeline (a "
+        "replica group's live recovery of a pipelined state is not built)",
+    }
     given = {
-        "--tensor": FLAGS.tensor > 1,
         "--context": FLAGS.context > 1,
-        "--experts": FLAGS.experts > 0,
-        "--deterministic": FLAGS.deterministic,
         "--compile": bool(FLAGS.compile),
         "--replica_groups": FLAGS.replica_groups > 0,
-        "--outer_strategy=optim": FLAGS.outer_strategy == "optim",
     }
     for flag, on in given.items():
         if on:
-            _fail(f"--pipeline={FLAGS.pipeline} with {flag}: not yet (docs/pipeline-parallel.md)")
+            _fail(f"--pipeline={FLAGS.pipeline} with {flag}: not supported, {why[flag]}")
+    sharded = shard // FLAGS.expert  # the mesh's "shard" axis (--expert is carved out of it)
+    if FLAGS.outer_strategy == "optim" and FLAGS.replicate > 1 and sharded > 1:
+        _fail(
+            f"--pipeline={FLAGS.pipeline} with --outer_strategy=optim on --replicate="
+            f"{FLAGS.replicate} x shard size {sharded}: not supported (HFSDP's master-order "
+            "groups come from the whole mesh's grid, which the pipeline axis in front of it "
+            "mixes up, where both --replicate and the shard size are above 1; fs.init "
+            "refuses it)"
+        )
     try:
         model = GPTConfig(n_layer=FLAGS.n_layer)
         split_points(Config(pipeline=FLAGS.pipeline, schedule=FLAGS.schedule, model=model))

@@ -28,6 +28,7 @@ from experiments.gpt import (
     GPT,
     GPTConfig,
     GroupedExperts,
+    MoE,
     balance_routers,
     expert_load,
     tensor_plan,
@@ -291,6 +292,59 @@ class Progress:
         return tps
 
 
+class StageLoads:
+    """Under a pipeline, the step's tokens per expert of every MoE block, summed over the
+    world: what the plain run's ``loss_fn`` hands back as ``fs.summed(expert_load(model))``
+    (the pipeline's ``loss_fn`` sees the last stage's output only).
+
+    A forward hook keeps each block's load of every call on this rank. torch's schedule runs
+    each stage once more before its first step's microbatches (its shape inference), so the
+    step's are each block's last ``microbatches`` calls; a block of another pipeline rank's
+    stage has none here and counts zeros. The world's sum (one all-reduce of
+    ``blocks x experts`` int64, outside ``fs.comm_stats``) counts each block on the
+    data-parallel ranks of its own pipeline rank: every token of the global batch once.
+    """
+
+    def __init__(self, model: GPT) -> None:
+        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self.calls: dict[MoE, list[torch.Tensor]] = {m: [] for m in self.moes}
+        for m in self.moes:
+            m.register_forward_hook(self._record)
+
+    def _record(self, module: MoE, args: Any, output: Any) -> None:
+        self.calls[module].append(module.last_load)
+
+    def reset(self) -> None:
+        for calls in self.calls.values():
+            calls.clear()
+
+    def total(self, microbatches: int, device: torch.device) -> torch.Tensor:
+        """The step's global load ``(blocks, experts)``: a collective over every rank."""
+        rows = []
+        for m in self.moes:
+            calls = self.calls[m][-microbatches:]
+            rows.append(sum(calls) if calls else torch.zeros_like(m.router_bias, dtype=torch.int64))
+        load = torch.stack([r.cpu() for r in rows]).to(device)
+        dist.all_reduce(load)
+        return load
+
+
+def share_router_bias(model: GPT, stages: list, pipe: fs.Pipeline, mesh) -> None:
+    """After a restore under a pipeline, every rank's MoE routers' bias from the pipeline rank
+    whose stage holds the block: ``fs.restore`` fills a rank's own stages' buffers only, and
+    :func:`evaluate` runs the whole model on every rank (the steps' global loads then keep
+    them equal). One all-reduce over "pipeline": each block's bias and zeros elsewhere."""
+    axis = mesh["pipeline"]
+    mine = pipe.stages_of(axis.get_local_rank(), axis.size(), len(stages))
+    owned = {m for i in mine for m in stages[i].modules() if isinstance(m, MoE)}
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    bias = torch.stack([m.router_bias if m in owned else 0 * m.router_bias for m in moes])
+    dist.all_reduce(bias, group=axis.get_group())
+    with torch.no_grad():
+        for m, b in zip(moes, bias, strict=True):
+            m.router_bias.copy_(b)
+
+
 def _init_logging(rank: int) -> None:
     """Spawned ranks never parse flags: turn absl's INFO lines on for rank 0 only."""
     logging.use_absl_handler()
@@ -323,9 +377,12 @@ def evaluate(
 ) -> float:
     """Mean loss of the master weights on ``cfg.eval_batches`` held-out global batches.
 
-    With ``cfg.deterministic`` each rank cuts its rows into ``microbatches`` chunks (the
-    training step's G chunks) and every rank sums the same (batches, G) losses: the result is
-    the same bits on every world with the same G, as the training metrics are.
+    Each data-parallel rank takes its rows as in training (a tensor or context group's ranks,
+    and the pipeline ranks, the same rows: each computes them with the whole model); the
+    losses of one rank per data-parallel rank, in its order, make the mean. With
+    ``cfg.deterministic`` each cuts its rows into ``microbatches`` chunks (the training
+    step's G chunks) and every rank sums the same (batches, G) losses: the result is the same
+    bits on every world with the same G, as the training metrics are.
     """
     params = fs.full_params(state)  # collective: every rank gathers the full model
     params.update(model.named_buffers())  # the router's bias
@@ -333,6 +390,8 @@ def evaluate(
         with torch.device("meta"):
             model = GPT(model.cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
+    group, per_stage = cfg.tensor * cfg.context, world // cfg.pipeline
+    dp_rank, dp_world = rank % per_stage // group, per_stage // group
     chunks = microbatches if cfg.deterministic else 1
     losses = torch.zeros(cfg.eval_batches, chunks, dtype=torch.float64, device=device)
     with torch.no_grad():
@@ -341,8 +400,8 @@ def evaluate(
                 i,
                 batch_size=cfg.batch_size,
                 seq_len=cfg.model.seq_len,
-                rank=rank,
-                world=world,
+                rank=dp_rank,
+                world=dp_world,
                 stream=data_lib.EVAL,
             ).to(device)
             for m, part in enumerate(x.chunk(chunks)):
@@ -350,8 +409,9 @@ def evaluate(
                 losses[i, m] = _loss(logits, part)
     gathered = [torch.empty_like(losses) for _ in range(world)]
     dist.all_gather(gathered, losses)
-    # Every chunk holds as many tokens: the mean of the chunks' means is the mean.
-    return float(torch.cat(gathered, dim=1).mean())
+    # pipeline rank 0's, tensor / context rank 0's: each data-parallel rank's losses once;
+    # every chunk holds as many tokens: the mean of the chunks' means is the mean
+    return float(torch.cat(gathered[:per_stage:group], dim=1).mean())
 
 
 def _plot(rows: list[dict[str, Any]], floor: float | None, final: float, path: Path) -> None:
@@ -436,8 +496,9 @@ def run(
         block.compile(backend=cfg.compile)
     opt = make_optimizer(cfg)
     pipe = None if cfg.pipeline == 1 else fs.Pipeline(cfg.schedule, microbatches=microbatches)
+    stages = None if pipe is None else fs.pipeline.split(model, split_points(cfg))
     state = fs.init(
-        model if pipe is None else fs.pipeline.split(model, split_points(cfg)),
+        model if pipe is None else stages,
         opt,
         mesh=mesh,
         policy=cfg.policy,
@@ -457,6 +518,8 @@ def run(
     # every one restarts at step 0 and restores the same latest step)
     if cfg.resume and mgr is not None and mgr.latest_step() is not None and state.step == 0:
         state = mgr.restore(mgr.latest_step(), like=state)
+        if pipe is not None and cfg.model.experts:
+            share_router_bias(model, stages, pipe, mesh)
     restore_s = time.perf_counter() - t0
     start = state.step
     saves = mgr is not None and cfg.replica_group == 0  # one group saves (each holds the state)
@@ -499,8 +562,10 @@ def run(
             return loss
         return loss, {"load": fs.summed(expert_load(model))}  # the step's, over every rank
 
+    loads = None
     if pipe is not None:  # on the last stage: (its logits, the microbatch's tokens)
         loss_fn = _loss  # noqa: F811
+        loads = StageLoads(model) if cfg.model.experts else None  # the routers' load
 
     schedule = lr_schedule(cfg)
     end = min(cfg.stop_at or cfg.steps, cfg.steps)
@@ -526,6 +591,8 @@ def run(
             with fs.comm_stats() as stats:  # this rank's bytes per collective kind and mesh axis
                 batch = _context_batch(x) if cfg.context > 1 else {"x": x}
                 batch = (x[:, :-1], x) if pipe is not None else batch  # (inputs, target)
+                if loads is not None:
+                    loads.reset()
                 state, metrics = fs.train_step(state, batch, loss_fn, microbatches=microbatches)
         except TimeoutError:  # too few replica groups for a quorum yet: the state is unchanged
             if committed is None:
@@ -533,6 +600,8 @@ def run(
             logging.warning("step %d: no quorum of replica groups yet; asking again", step)
             continue
         step_s = time.perf_counter() - t_step  # the process's first step compiles (--compile)
+        if loads is not None:  # under a pipeline: the step's load of every stage's blocks
+            metrics["aux"] = {"load": loads.total(microbatches, device)}
         if cfg.model.experts and metrics.get("committed", 1) and "aux" in metrics:
             balance_routers(model, metrics["aux"]["load"], cfg.router_bias_rate)
         if step == start and rank == 0 and cfg.compile:

@@ -143,7 +143,11 @@ def test_text_source_windows_come_from_the_file(tmp_path):
         (["--expert=4", "--experts=8"], "--expert=4 must divide the shard size 2"),
         (["--pipeline=2"], "--pipeline=2 with --tied: the output head tied"),
         (["--pipeline=2", "--notied", "--schedule=ZBVZeroBubble"], "--n_layer=2: a pipeline"),
-        (["--pipeline=2", "--notied", "--nproc=4", "--tensor=2"], "with --tensor: not yet"),
+        (["--pipeline=2", "--notied", "--nproc=4", "--context=2"], "with --context: not supported"),
+        (
+            ["--pipeline=2", "--notied", "--nproc=8", "--replicate=2", "--outer_strategy=optim"],
+            "--outer_strategy=optim on --replicate=2 x shard size 2: not supported",
+        ),
         (["--pipeline=3", "--notied"], "--pipeline=3 does not divide the world size 2"),
     ],
 )
@@ -497,3 +501,95 @@ def test_train_resumes_a_pipelined_run_in_a_plain_one(tmp_path):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), (ra, rb)
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-5), (ra, rb)
     assert final_b["final_loss"] == pytest.approx(final_a["final_loss"], rel=1e-5)
+
+
+def _flags_config(args: list[str], monkeypatch) -> tuple[trainer.Config, int]:
+    """The ``Config`` and world ``train.py`` launches for ``args`` (absl's parse and the
+    script's checks in this process, the launch caught)."""
+    from absl import flags
+
+    from experiments import train
+
+    launched = []
+    monkeypatch.setattr(train.fs, "launch", lambda fn, cfg, nproc: launched.append((cfg, nproc)))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what --device=cpu sets before launching
+    try:
+        flags.FLAGS(["train.py", *args])
+        train.main(["train.py"])
+    finally:
+        flags.FLAGS.unparse_flags()
+    ((cfg, nproc),) = launched
+    return cfg, nproc
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _check_resumed(run: Path, ref: Path) -> float:
+    """``run`` (resumed at step 2 from ``ref``'s checkpoint) went on as ``ref`` did: steps
+    3-4's losses and grad norms, the held-out loss and the step-4 params within 1e-5, the
+    buffers (the routers' bias, moved by integer loads) bitwise; returns the largest
+    relative param error."""
+    (rows, final), (rows_ref, final_ref) = _rows(run), _rows(ref)
+    assert [r["step"] for r in rows] == [3, 4], (run.name, rows)
+    assert "pipeline" in rows[0]["comm_by_axis"], (run.name, rows[0])
+    for r, rr in zip(rows, rows_ref[2:], strict=True):
+        assert r["loss"] == pytest.approx(rr["loss"], rel=1e-5), (run.name, r, rr)
+        assert r["grad_norm"] == pytest.approx(rr["grad_norm"], rel=1e-5), (run.name, r, rr)
+    got, want = _checkpoint(run / "ckpt" / "4"), _checkpoint(ref / "ckpt" / "4")
+    assert set(got["params"]) == set(want["params"]), run.name
+    # not the keys' bias: its gradient is 0 in exact arithmetic (a score's softmax over the
+    # keys does not see q . b_k), and AdamW turns its rounding noise into whole steps
+    err = max(
+        _rel(np.asarray(v), np.asarray(want["params"][n]))
+        for n, v in got["params"].items()
+        if not n.endswith(".k.bias")
+    )
+    assert err < 1e-5, (run.name, err)
+    assert bool(want.get("buffers")) == (ref.name == "moe"), (run.name, list(want))
+    for n, v in want.get("buffers", {}).items():
+        assert np.asarray(v).any(), (run.name, n)  # moved by the loads of steps 1-4
+        np.testing.assert_array_equal(np.asarray(got["buffers"][n]), np.asarray(v), n)
+    assert final["final_loss"] == pytest.approx(final_ref["final_loss"], rel=1e-5), run.name
+    return err
+
+
+def test_train_pipelines_tensor_experts_deterministic_and_hfsdp_as_plain_runs(
+    tmp_path, monkeypatch, pool_of
+):
+    """``--pipeline=2`` with ``--tensor=2``, with ``--experts=4 --expert=2``, and with
+    ``--outer_strategy=optim`` (HFSDP over 2 replicas), each with ``--deterministic``,
+    restores a plain run's step-2 checkpoint (no pipeline) and trains steps 3-4 as that run
+    went on: the losses, grad norms and held-out loss within 1e-5 (fp32: the stages, tensor
+    shards and microbatches sum in another order; the relative rounding of a few fp32 sums
+    is ~1e-7), the step-4 checkpoint's params within 1e-5 and the MoE routers' bias
+    (DeepSeek-V3's update from the step's global load, which the pipelined loop sums over
+    every stage's blocks) bitwise the plain run's. train.py's flags to ``Config`` in this
+    process, ``trainer.run`` on the session pools' warm ranks (5 runs)."""
+    import helpers_train
+
+    model = [*TINY, "--n_layer=2", "--notied", "--param_dtype=fp32", "--device=cpu", "--steps=4"]
+    moe = ["--experts=4", "--expert=2", "--deterministic"]
+    plain = {
+        "dense": ["--nproc=2", "--replicate=2", "--outer_strategy=optim", "--deterministic"],
+        "moe": ["--nproc=2", *moe],
+    }
+    piped = {  # name: (its plain run, its flags)
+        "hfsdp": ("dense", ["--replicate=2", "--outer_strategy=optim", "--deterministic"]),
+        "tensor": ("dense", ["--tensor=2", "--deterministic"]),
+        "experts": ("moe", moe),
+    }
+    for name, args in plain.items():
+        where = [f"--out_dir={tmp_path / name}", f"--checkpoint_dir={tmp_path / name / 'ckpt'}"]
+        cfg, nproc = _flags_config([*model, *args, *where, "--save_every=2"], monkeypatch)
+        pool_of(nproc).run(helpers_train.run, cfg)
+    for name, (ref, args) in piped.items():
+        shutil.copytree(tmp_path / ref / "ckpt" / "2", tmp_path / name / "ckpt" / "2")
+        where = [f"--out_dir={tmp_path / name}", f"--checkpoint_dir={tmp_path / name / 'ckpt'}"]
+        flags = [*model, "--nproc=4", "--pipeline=2", *args, *where, "--save_every=2", "--resume"]
+        cfg, nproc = _flags_config(flags, monkeypatch)
+        assert (cfg.pipeline, cfg.microbatches, nproc) == (2, 2, 4), cfg
+        pool_of(nproc).run(helpers_train.run, cfg)
+        err = _check_resumed(tmp_path / name, tmp_path / ref)
+        print(name, "largest relative param error", err)
