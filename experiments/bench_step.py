@@ -90,8 +90,9 @@ flags.DEFINE_string(
     "trace_dir",
     None,
     "Write a torch.profiler trace (Chrome JSON, CPU and CUDA "
-    "activity) of one funcshard step per configuration and rank here: on a GPU "
-    "it shows the offload copies on their side streams beside the compute.",
+    "activity) and a table of the ops by self time of one step of each runner per "
+    "configuration and rank here: on a GPU it shows the offload copies on their side "
+    "streams beside the compute.",
 )
 flags.DEFINE_string(
     "compile",
@@ -353,16 +354,22 @@ class _Torch(_ModuleLoop):
 
 def _trace(cfg: Config, runner, batch, name: str) -> None:
     """One step under torch.profiler, exported as Chrome trace JSON (chrome://tracing,
-    ui.perfetto.dev): with CUDA, kernels and copies per stream."""
+    ui.perfetto.dev; with CUDA, kernels and copies per stream) and as a table of the ops by
+    self time, grouped by input shapes (``NAME_rankR.txt``)."""
     activities = [ProfilerActivity.CPU]
     if cfg.device == "cuda":
         activities.append(ProfilerActivity.CUDA)
     os.makedirs(cfg.trace_dir, exist_ok=True)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         runner.step(batch)
         if cfg.device == "cuda":
             torch.cuda.synchronize()
-    prof.export_chrome_trace(os.path.join(cfg.trace_dir, f"{name}_rank{dist.get_rank()}.json"))
+    path = os.path.join(cfg.trace_dir, f"{name}_rank{dist.get_rank()}")
+    prof.export_chrome_trace(path + ".json")
+    by = "self_cuda_time_total" if cfg.device == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages(group_by_input_shape=True).table(sort_by=by, row_limit=40)
+    with open(path + ".txt", "w") as f:
+        f.write(table)
 
 
 def _flops_per_token(model: GPT) -> int:
@@ -489,8 +496,9 @@ def _run_pair(cfg: Config, mesh, strategy: str, policy_name: str) -> dict[str, A
     with _FsdpComm() as fsdp_comm:
         runners["fsdp2"].step(batches[0])
     peak = {k: _peak_bytes(r, batches) for k, r in runners.items()}
-    if cfg.trace_dir:
-        _trace(cfg, runners["funcshard"], batches[0], f"{strategy}_{policy_name}")
+    if cfg.trace_dir:  # every runner's step (with --compile: each mode's)
+        for name, runner in runners.items():
+            _trace(cfg, runner, batches[0], f"{strategy}_{policy_name}_{name}")
     predicted = fs.plan(
         model,
         world_size=dist.get_world_size(),

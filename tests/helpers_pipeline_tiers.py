@@ -98,8 +98,9 @@ def _value_check(module: nn.Module, x: torch.Tensor) -> None:
         raise RuntimeError("no_meta: a stage's forward failed")
 
 
-class NoMeta(models.Block):
-    """A block that checks its input's values (:func:`_value_check`)."""
+class ValueChecked:
+    """A module mixin checking its input's values (:func:`_value_check`) before its own
+    forward."""
 
     seen: list[float]
     raise_on: tuple[int, ...] = ()
@@ -109,15 +110,12 @@ class NoMeta(models.Block):
         return super().forward(x)
 
 
-class NoMetaLinear(nn.Linear):
-    """A linear layer that checks its input's values (:func:`_value_check`)."""
+class NoMeta(ValueChecked, models.Block):
+    pass
 
-    seen: list[float]
-    raise_on: tuple[int, ...] = ()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _value_check(self, x)
-        return super().forward(x)
+class NoMetaLinear(ValueChecked, nn.Linear):
+    pass
 
 
 def _no_meta_stage() -> dict:
