@@ -116,6 +116,7 @@ def test_bad_pipeline_arguments():
         (dict(split=["blocks.4"], schedule="Zigzag"), "unknown schedule 'Zigzag'"),
         (dict(split=["blocks.4"], pipeline_rank=2), r"pipeline_rank=2 is not in \[0, "),
         (dict(split=["blocks.4"], context=2), "context=2 is not supported"),
+        (dict(split=["blocks.4"], world_size=8, replicate=2, outer_strategy="optim"), "x shard=2"),
         (dict(split=["blocks.4"], boundary=(6, 16)), "6 rows, not a multiple"),
         (dict(split=["blocks.4"], microbatches=1), "Schedule1F1B"),
     ]:

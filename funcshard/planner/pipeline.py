@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from funcshard.layout.strategy import OuterStrategy
 from funcshard.parallel.pipeline import Pipeline, check_stages
 from funcshard.parallel.pipeline_split import merge, split
 from funcshard.planner.report import PipelinePlan
@@ -66,6 +67,7 @@ __all__ = [
     "setup",
     "finish",
     "edge_bytes",
+    "check_hfsdp",
 ]
 
 AGREEMENT_BYTES = 3 * 8  # the step's agreement: loss, squared norm, failure flag (float64)
@@ -427,3 +429,17 @@ def _refused(context: int, replica_groups: int) -> dict:
         "context": context if context != 1 else 0,
         "replica_groups": replica_groups if replica_groups != 1 else 0,
     }
+
+
+def check_hfsdp(s: Setup | None, outer_strategy: Any, replicate: int, shard: int) -> None:
+    """Raises ValueError where ``fs.init`` refuses HFSDP under a pipeline: a pipeline rank's
+    data-parallel ranks both replicated and sharded (its master groups would span pipeline
+    ranks)."""
+    if s is not None and OuterStrategy.parse(outer_strategy).shards_optim:
+        if replicate > 1 and shard > 1:
+            raise ValueError(
+                f"plan: pipeline={s.size} with outer_strategy={str(outer_strategy)!r} on "
+                f"replicate={replicate} x shard={shard} ranks per pipeline rank is not "
+                "supported (fs.init refuses it: HFSDP under a pipeline needs replicate or "
+                "shard to be 1)"
+            )

@@ -420,12 +420,11 @@ def plan(
     """
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     backend_of(compile, deterministic=deterministic)  # its errors, as fs.init's
-    refused = (context, replica_groups)
-    pp = pipeline_lib.setup(
-        params, split, pipeline, schedule, microbatches, pipeline_rank, world_size, refused
-    )
+    pp = pipeline_lib.setup(params, split, pipeline, schedule, microbatches, pipeline_rank,
+                            world_size, (context, replica_groups))  # fmt: skip
     params, dp = (pp.model if pp else params), world_size // pipeline  # this rank's stages
     dims = mesh_dims(dp, shard, replicate, microbatches, tensor, expert, context)
+    pipeline_lib.check_hfsdp(pp, outer_strategy, replicate, dims.shard)
     check_context(context, context_algorithm, seq_len, attention, context_load_balance)
     model = params if isinstance(params, nn.Module) else None
     table = model_table(params, dtype, tensor, tensor_plan, dims, strategy)

@@ -94,6 +94,9 @@ class StageModule(nn.Module):
         # regather: the buckets the stage's last real forward saved from (its backward gathers
         # them again; None: none ran yet, every bucket assumed)
         self.saved_buckets: frozenset[int] | None = None
+        # torch's first-step shape inference is running (its inputs are not the batch's): a
+        # stage whose output shape is known stands in without running its code
+        self.inferring = False
 
     def parameters(self, recurse: bool = True):  # noqa: ARG002
         return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
@@ -105,6 +108,8 @@ class StageModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         if self.regather is not None:
             return self.regather.call(self.names, lambda p: self._regathered(args, p))
+        if self.inferring and self.out_meta is not None and not self.peers:
+            return self._stand_in(args)  # torch's shape inference: the stage's own code not run
         if self.error is None:
             before = self._issued()
             sent = self._attempt(args, {n: self.leaves[n] for n in self.names})
@@ -135,21 +140,39 @@ class StageModule(nn.Module):
                         stacklevel=2,
                     )
         if self.out_meta is None:  # no shape to stand in with: this rank fails alone
-            raise RuntimeError(f"pipeline stage {self.index} failed:\n{self.error}")
+            raise RuntimeError(self._alone())
         return self._stand_in(args)
 
     def _regathered(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
         """The stage on ``params`` gathered for this microbatch (``regather=True``); where it
         raises, a stand-in that saves one element of each gathered bucket, so that its
         backward gathers each bucket again as its data-parallel peers' backward does."""
+        if self.inferring and self.out_meta is not None:  # torch's shape inference
+            return self._stand_in(args, params)
         if self.error is None:
             sent = self._attempt(args, params)
             if sent is not None:
                 self.saved_buckets = frozenset(self.regather.saved)
                 return sent
-        if self.out_meta is None:  # no shape to stand in with: this rank fails alone
-            raise RuntimeError(f"pipeline stage {self.index} failed:\n{self.error}")
+        if self.out_meta is None and self.rejoin:  # sized by the stage run on zeros
+            try:
+                sent = self._rerun(args, params)
+                self.out_meta = optree.tree_map(as_meta, sent)
+                self.saved_buckets = frozenset(self.regather.saved)
+                return sent
+            except Exception:  # noqa: BLE001 (the first failure is the one reported)
+                self.rejoin = False
+        if self.out_meta is None:
+            raise RuntimeError(self._alone())
         return self._stand_in(args, params)
+
+    def _alone(self) -> str:
+        """The error of a stage that failed with no shape to stand in with."""
+        return (
+            f"pipeline stage {self.index} failed before it ever gave an output, and again "
+            "on zero inputs: this rank fails alone (its pipeline peers wait for the "
+            f"collective timeout):\n{self.error}"
+        )
 
     def regathered_buckets(self) -> list[int]:
         """The buckets this stage's backward gathers again (regather): those its last real
@@ -179,7 +202,7 @@ class StageModule(nn.Module):
         """How many collectives this rank has issued on each peer group."""
         return [g._get_sequence_number_for_group() for g in self.peers]
 
-    def _rerun(self, args: tuple) -> Any:
+    def _rerun(self, args: tuple, params: dict[str, torch.Tensor] | None = None) -> Any:
         """The stand-in of a stage with tensor or expert peers, or of one whose output shape
         is not known yet (the meta device cannot run it): the stage itself on zero inputs,
         its output times zero, so that its forward and backward issue the collectives its
@@ -191,7 +214,8 @@ class StageModule(nn.Module):
             else t
             for t in args
         )
-        out = self._run(zeroed, {n: self.leaves[n] for n in self.names})
+        params = params if params is not None else {n: self.leaves[n] for n in self.names}
+        out = self._run(zeroed, params)
         out = optree.tree_map(lambda t: t * 0 if t.is_floating_point() else t, out)
         return _sendable(out, self.out_meta, self.index)
 
