@@ -94,9 +94,6 @@ class StageModule(nn.Module):
         # regather: the buckets the stage's last real forward saved from (its backward gathers
         # them again; None: none ran yet, every bucket assumed)
         self.saved_buckets: frozenset[int] | None = None
-        # torch's first-step shape inference is running (its inputs are not the batch's): a
-        # stage whose output shape is known stands in without running its code
-        self.inferring = False
 
     def parameters(self, recurse: bool = True):  # noqa: ARG002
         return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
@@ -108,8 +105,6 @@ class StageModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         if self.regather is not None:
             return self.regather.call(self.names, lambda p: self._regathered(args, p))
-        if self.inferring and self.out_meta is not None and not self.peers:
-            return self._stand_in(args)  # torch's shape inference: the stage's own code not run
         if self.error is None:
             before = self._issued()
             sent = self._attempt(args, {n: self.leaves[n] for n in self.names})
@@ -147,8 +142,6 @@ class StageModule(nn.Module):
         """The stage on ``params`` gathered for this microbatch (``regather=True``); where it
         raises, a stand-in that saves one element of each gathered bucket, so that its
         backward gathers each bucket again as its data-parallel peers' backward does."""
-        if self.inferring and self.out_meta is not None:  # torch's shape inference
-            return self._stand_in(args, params)
         if self.error is None:
             sent = self._attempt(args, params)
             if sent is not None:

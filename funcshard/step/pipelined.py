@@ -71,16 +71,6 @@ class CountingStage(PipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return _counted(super().get_bwd_send_ops(bwd_chunk_id))
 
-    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's first-step shape inference: a stage whose output shape the meta device
-        gave stands in for it (:class:`StageModule`), its own code not run on inputs that
-        are not the batch's."""
-        self.submod.inferring = True
-        try:
-            return super()._forward_metadata_inference(*args, **kwargs)
-        finally:
-            self.submod.inferring = False
-
     def _to_tensor(self, arg: Any) -> torch.Tensor:
         """torch's first-step metadata inference materializes a stage's inputs it only knows
         the shapes of (every stage but the first) with ``torch.empty``: zeros here, so that a
