@@ -118,19 +118,20 @@ class NoMetaLinear(ValueChecked, nn.Linear):
     pass
 
 
-def _no_meta_stage() -> dict:
-    """Stages the meta device cannot run at P=2 (each begins with a value check): stage 0's
-    raising on rank 0 alone in the very first forward (torch's shape inference, on the real
-    microbatch): every rank raises naming it (its stand-in sized by the stage run on zeros),
-    never a hang; the step then trains. Stage 1's first input in torch's shape inference is
-    zeros (torch makes it with torch.empty)."""
+def _no_meta_stage(regather: bool = False) -> dict:
+    """Stages the meta device cannot run at P=2 x S=2, ZeRO-3 (each begins with a value
+    check): stage 0's raising on rank 0 alone in the very first forward (torch's shape
+    inference, on the real microbatch): every rank raises naming it (its stand-in sized by
+    the stage run on zeros; under ``regather`` its gathers saved as a real forward's), never
+    a hang; the step then trains. Stage 1's first input in torch's shape inference is zeros
+    (torch makes it with torch.empty)."""
     net = hp.make_net()
     net.embed, net.blocks[4] = NoMetaLinear(hp.D_IN, hp.WIDTH), NoMeta(hp.WIDTH)
     net.embed.seen, net.blocks[4].seen = [], []
     net.embed.raise_on = (0,)
     mesh = fs.make_mesh(pipeline=2, device_type="cpu")
     opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
-    pipe = fs.Pipeline("1F1B", microbatches=hp.MICROBATCHES)
+    pipe = fs.Pipeline("1F1B", microbatches=hp.MICROBATCHES, regather=regather)
     state = fs.init(fs.pipeline.split(net, hp.split_points(2)), opt, mesh=mesh, pipeline=pipe)
     batch = hp.dp_parts(0, 8, 2)[dist.get_rank() % 2]
     out = {"error": hp._error(lambda: fs.train_step(state, batch, hp.loss_fn))}
@@ -200,7 +201,7 @@ def run_titan_and_tiers(root: str, rows: int) -> dict:
     out["tier"] = _cpu(fs.full_params(restored))
     out["another_split"] = _another_split(root, kw)
     out["zero_bubble"] = _raise_under_zero_bubble()
-    out["no_meta"] = _no_meta_stage()
+    out["no_meta"] = [_no_meta_stage(), _no_meta_stage(regather=True)]
     fs.save(f"{root}/saved", state)
     if dist.get_rank() == 0:
         convert(f"{root}/saved", f"{root}/dcp", "dcp")

@@ -221,8 +221,8 @@ def test_a_module_dict_of_blocks_and_the_local_and_dcp_tiers(pool4, tmp_path):
         assert "rank 3: stage 2" in zb["zbv_back"], zb["zbv_back"]
         assert zb["zbv_step"] == 2 and math.isfinite(zb["zbv_loss"]), zb
         assert zb["dict"].startswith("ValueError") and "stage 0 returns dict" in zb["dict"], zb
-        nm = r["no_meta"]
-        assert "rank 0: stage 0" in nm["error"] and "no_meta: a stage's" in nm["error"], nm
-        assert nm["step"] == 1 and math.isfinite(nm["loss"]), nm
-        assert stage == 0 or nm["first_seen"] == [0.0], nm  # torch's shape inference
+        for nm in r["no_meta"]:  # regather=False, True
+            assert "rank 0: stage 0" in nm["error"] and "no_meta: a stage's" in nm["error"], nm
+            assert nm["step"] == 1 and math.isfinite(nm["loss"]), nm
+            assert stage == 0 or nm["first_seen"] == [0.0], nm  # torch's shape inference
         assert _equal(r["dcp"], r["full"]), rank
