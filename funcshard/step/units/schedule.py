@@ -63,11 +63,18 @@ class Placed:
         the backward), in graph order.
       gathered_peak: the most bytes of all-gathered buffers alive at once, the graph run in
         the order the pass left it (each from its all-gather to the last op that reads its
-        params; in backward, from the first op that needs them again to the last).
+        params; in backward, from the first op that needs them again to the last); over the
+        graphs of a step broken by dynamo, each graph's own peak plus what the graphs placed
+        before it hold from their forward to their backward (a lower bound: the resumed
+        graphs' forward outputs are not counted).
     """
 
     regathered: list[tuple[int, torch.dtype]] = dataclasses.field(default_factory=list)
     gathered_peak: int = 0
+    # the gathered bytes earlier graphs of the step hold from their forward to their
+    # backward (a graph break: each graph placed apart, the earlier ones' saved params alive
+    # while the later ones run)
+    held: int = 0
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -331,7 +338,7 @@ def _account(
     (a chain not ``recomputed``: a gather the backward reads is held from forward to
     backward)."""
     pos = {n: i for i, n in enumerate(chains[0][0].graph.nodes)} if chains else {}
-    intervals = []
+    intervals, held = [], 0
     for chain, recompute in zip(chains, recomputed, strict=True):
         members = set(chain)
         nbytes = _held_bytes(chain, members)
@@ -342,11 +349,14 @@ def _account(
         later = [pos[u] for u in users if u in backward]
         if later and not recompute:
             intervals.append((pos[chain[0]], max(later), nbytes))
+            held += nbytes
         elif later:
             intervals.append((min(later), max(later), nbytes))
             val = chain[0].meta["val"]
             placed.regathered.append((val.numel(), val.dtype))
-    placed.gathered_peak = _peak(intervals)
+    # after a graph break: this graph runs while the earlier graphs hold their saved params
+    placed.gathered_peak = max(placed.gathered_peak, placed.held + _peak(intervals))
+    placed.held += held
 
 
 def place_collectives(
