@@ -96,6 +96,8 @@ def _value_check(module: nn.Module, x: torch.Tensor) -> None:
     module.seen.append(amax)
     if amax > 1e30 or (amax > 0 and dist.get_rank() in module.raise_on):
         raise RuntimeError("no_meta: a stage's forward failed")
+    if amax == 0 and module.reject_zeros:
+        raise RuntimeError("no_meta: an all-zero input")
 
 
 class ValueChecked:
@@ -104,6 +106,7 @@ class ValueChecked:
 
     seen: list[float]
     raise_on: tuple[int, ...] = ()
+    reject_zeros = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _value_check(self, x)
@@ -124,11 +127,12 @@ def _no_meta_stage(regather: bool = False) -> dict:
     inference, on the real microbatch): every rank raises naming it (its stand-in sized by
     the stage run on zeros; under ``regather`` its gathers saved as a real forward's), never
     a hang; the step then trains. Stage 1's first input in torch's shape inference is zeros
-    (torch makes it with torch.empty)."""
+    (torch makes it with torch.empty); its check rejects zeros, so it runs again there on a
+    standard normal."""
     net = hp.make_net()
     net.embed, net.blocks[4] = NoMetaLinear(hp.D_IN, hp.WIDTH), NoMeta(hp.WIDTH)
     net.embed.seen, net.blocks[4].seen = [], []
-    net.embed.raise_on = (0,)
+    net.embed.raise_on, net.blocks[4].reject_zeros = (0,), True
     mesh = fs.make_mesh(pipeline=2, device_type="cpu")
     opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
     pipe = fs.Pipeline("1F1B", microbatches=hp.MICROBATCHES, regather=regather)
@@ -137,7 +141,7 @@ def _no_meta_stage(regather: bool = False) -> dict:
     out = {"error": hp._error(lambda: fs.train_step(state, batch, hp.loss_fn))}
     net.embed.raise_on = ()
     state, m = fs.train_step(state, batch, hp.loss_fn)
-    out["step"], out["loss"], out["first_seen"] = state.step, m["loss"], net.blocks[4].seen[:1]
+    out["step"], out["loss"], out["first_seen"] = state.step, m["loss"], net.blocks[4].seen[:2]
     return out
 
 

@@ -94,6 +94,9 @@ class StageModule(nn.Module):
         # regather: the buckets the stage's last real forward saved from (its backward gathers
         # them again; None: none ran yet, every bucket assumed)
         self.saved_buckets: frozenset[int] | None = None
+        # torch's first-step shape inference is running this stage on inputs that are not
+        # the batch's (zeros: :meth:`_on_synthetic`)
+        self.synthetic = False
 
     def parameters(self, recurse: bool = True):  # noqa: ARG002
         return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step
@@ -105,6 +108,10 @@ class StageModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         if self.regather is not None:
             return self.regather.call(self.names, lambda p: self._regathered(args, p))
+        if self.synthetic and self.out_meta is None and self.error is None:
+            sent = self._on_synthetic(args, {n: self.leaves[n] for n in self.names})
+            if sent is not None:
+                return sent
         if self.error is None:
             before = self._issued()
             sent = self._attempt(args, {n: self.leaves[n] for n in self.names})
@@ -143,7 +150,8 @@ class StageModule(nn.Module):
         raises, a stand-in that saves one element of each gathered bucket, so that its
         backward gathers each bucket again as its data-parallel peers' backward does."""
         if self.error is None:
-            sent = self._attempt(args, params)
+            run = self._on_synthetic if self.synthetic and self.out_meta is None else None
+            sent = (run or self._attempt)(args, params)
             if sent is not None:
                 self.saved_buckets = frozenset(self.regather.saved)
                 return sent
@@ -158,6 +166,23 @@ class StageModule(nn.Module):
         if self.out_meta is None:
             raise RuntimeError(self._alone())
         return self._stand_in(args, params)
+
+    def _on_synthetic(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
+        """A stage the meta device cannot run, in torch's first-step shape inference (its
+        inputs zeros, not the batch's): where it raises on them (a check that rejects zeros:
+        a padding-only row, a norm without epsilon), it runs again on a fixed standard
+        normal, its output times zero, and only where that raises too is the error kept
+        (None then)."""
+        sent = self._attempt(args, params)
+        if sent is None:
+            first, self.error = self.error, None
+            try:
+                sent = self._rerun(args, params, normal=True)
+            except Exception:  # noqa: BLE001 (the first failure is the one reported)
+                self.error = first
+                return None
+            self.out_meta = optree.tree_map(as_meta, sent)
+        return sent
 
     def _alone(self) -> str:
         """The error of a stage that failed with no shape to stand in with."""
@@ -195,14 +220,16 @@ class StageModule(nn.Module):
         """How many collectives this rank has issued on each peer group."""
         return [g._get_sequence_number_for_group() for g in self.peers]
 
-    def _rerun(self, args: tuple, params: dict[str, torch.Tensor] | None = None) -> Any:
+    def _rerun(
+        self, args: tuple, params: dict[str, torch.Tensor] | None = None, normal: bool = False
+    ) -> Any:
         """The stand-in of a stage with tensor or expert peers, or of one whose output shape
         is not known yet (the meta device cannot run it): the stage itself on zero inputs,
         its output times zero, so that its forward and backward issue the collectives its
         peers wait in (the same, from the shapes alone: TP's and the experts'), and it hands
         on and back zeros."""
         zeroed = tuple(
-            (t * 0 if t.is_floating_point() else torch.zeros_like(t))
+            (t * 0 + _normal(t) * normal if t.is_floating_point() else torch.zeros_like(t))
             if isinstance(t, torch.Tensor)
             else t
             for t in args
@@ -250,6 +277,12 @@ class StageModule(nn.Module):
             ),
             self.out_meta,
         )
+
+
+def _normal(t: torch.Tensor) -> torch.Tensor:
+    """A standard normal of ``t``'s shape and dtype, the same on every rank and call."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(t.shape, generator=g).to(t.device, t.dtype)
 
 
 def _plain(name: str, local: torch.Tensor) -> torch.Tensor:

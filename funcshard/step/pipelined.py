@@ -71,6 +71,15 @@ class CountingStage(PipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return _counted(super().get_bwd_send_ops(bwd_chunk_id))
 
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's first-step shape inference: every stage but the first runs on inputs that
+        are not the batch's (:meth:`StageModule._on_synthetic`)."""
+        self.submod.synthetic = not self.is_first
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            self.submod.synthetic = False
+
     def _to_tensor(self, arg: Any) -> torch.Tensor:
         """torch's first-step metadata inference materializes a stage's inputs it only knows
         the shapes of (every stage but the first) with ``torch.empty``: zeros here, so that a
