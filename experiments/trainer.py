@@ -635,8 +635,8 @@ def run(
             log.flush()
         if after_step is not None:
             after_step(state.step, world)
-    if mgr is not None:
-        mgr.wait()
+    if mgr is not None:  # its last save written, its staging buffers and exit hook released
+        mgr.close()
 
     final = evaluate(model, state, source, cfg, device, microbatches)
     if log is not None:

@@ -53,6 +53,43 @@ def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+def _flags_config(args: list[str], monkeypatch) -> tuple[trainer.Config, int]:
+    """The ``Config`` and world ``train.py`` launches for ``args`` (absl's parse and the
+    script's checks in this process, the launch caught). This process's environment is as it
+    was after (``--device=cpu`` hides CUDA before launching: a pool spawned next, kept for the
+    session, would inherit that)."""
+    from absl import flags
+
+    from experiments import train
+
+    launched = []
+    with monkeypatch.context() as patch:
+        patch.setattr(train.fs, "launch", lambda fn, cfg, nproc: launched.append((cfg, nproc)))
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")  # main sets it: restored on leaving
+        try:
+            flags.FLAGS(["train.py", *args])
+            train.main(["train.py"])
+        finally:
+            flags.FLAGS.unparse_flags()
+    ((cfg, nproc),) = launched
+    return cfg, nproc
+
+
+def _pool_train(args: list[str], monkeypatch, pool_of) -> dict[str, Any]:
+    """``train.py`` with ``args`` (``--device=cpu`` added) as the script launches it, but on the
+    session pools' warm ranks: ``trainer.run`` of the ``Config`` its flags give
+    (``_flags_config``), without a process per rank (~10 s of imports each). Returns rank 0's
+    result after checking that every rank returned the same one."""
+    import helpers_train
+
+    env = dict(os.environ)
+    cfg, nproc = _flags_config([*args, "--device=cpu"], monkeypatch)
+    assert dict(os.environ) == env, "train.py's checks changed the environment a pool inherits"
+    results = pool_of(nproc).run(helpers_train.run, cfg)
+    assert all(r == results[0] for r in results), results
+    return results[0]
+
+
 # --- the floor -------------------------------------------------------------------------------
 
 
@@ -264,23 +301,19 @@ def _planned(mesh: tuple[str, ...], grad_wire: str, param_wire: str) -> fs.Plan:
     [("int8", "fp8", ("--nproc=2",)), ("bf16", "int8", ("--nproc=2",)), ("int8", "int8", HFSDP)],
     ids=["int8-fp8", "bf16-int8", "hfsdp-int8-int8"],
 )
-def test_train_runs_with_low_precision_wires(tmp_path, grad_wire, param_wire, mesh):
+def test_train_runs_with_low_precision_wires(
+    tmp_path, grad_wire, param_wire, mesh, monkeypatch, pool_of
+):
     """The wire flags reach the policy: every step's bytes per collective kind and mesh axis
     (metrics.jsonl) equal fs.plan's with those wires; a bf16 gradient wire moves half of fp32's
     reduce bytes, an 8-bit one a quarter plus a scale per row (on these 16-wide rows, under a
-    half)."""
-    out = _train(
-        *mesh,
-        "--steps=3",
-        *TINY,
-        "--param_dtype=fp32",
-        f"--grad_comm_dtype={grad_wire}",
-        f"--param_comm_dtype={param_wire}",
-        f"--out_dir={tmp_path}",
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert FINAL.search(out.stdout), out.stdout
-    rows, _ = _rows(tmp_path)
+    half). On the pools' warm ranks (``_pool_train``)."""
+    args = [*mesh, "--steps=3", *TINY, "--param_dtype=fp32", f"--out_dir={tmp_path}"]
+    wires = [f"--grad_comm_dtype={grad_wire}", f"--param_comm_dtype={param_wire}"]
+    done = _pool_train([*args, *wires], monkeypatch, pool_of)
+    rows, summary = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and done["steps"] == summary["steps"] == 3
+    assert math.isfinite(done["final_loss"]) and done["final_loss"] == summary["final_loss"]
     wire, fp32 = _planned(mesh, grad_wire, param_wire), _planned(mesh, "none", "none")
     nonzero = lambda counts: {k: v for k, v in counts.items() if v}  # noqa: E731
     for row in rows:
@@ -315,11 +348,14 @@ DTYPE_NAMES = {"int8": "int8", "uint8": "uint8", "bf16": "bfloat16", "fp16": "fl
     [("adamw", "int8", "uint8", 64), ("muon", "bf16", "fp16", 16)],
     ids=["adamw-int8-uint8", "muon-bf16-fp16"],
 )
-def test_train_stores_moments_in_the_flagged_dtypes(tmp_path, optimizer, mu, nu, d_model):
+def test_train_stores_moments_in_the_flagged_dtypes(
+    tmp_path, optimizer, mu, nu, d_model, monkeypatch, pool_of
+):
     """--mu_dtype / --nu_dtype reach the optimizer: the saved moments have those dtypes
     (AdamW's mu and nu, Muon's momentum); 8-bit where a leaf is >= 2-D with >= 4096 elements
-    (at d_model 64 the blocks' matrices; fp32 elsewhere), with its scales beside it."""
-    out = _train(
+    (at d_model 64 the blocks' matrices; fp32 elsewhere), with its scales beside it. On the
+    pools' warm ranks (``_pool_train``)."""
+    args = [
         "--nproc=2",
         "--steps=2",
         *TINY,
@@ -330,8 +366,8 @@ def test_train_stores_moments_in_the_flagged_dtypes(tmp_path, optimizer, mu, nu,
         "--save_every=2",
         f"--checkpoint_dir={tmp_path / 'ckpt'}",
         f"--out_dir={tmp_path}",
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+    ]
+    assert _pool_train(args, monkeypatch, pool_of)["steps"] == 2
     leaves = _leaves(_checkpoint(tmp_path / "ckpt" / "2"))
     shapes = {n.removeprefix("params."): v.shape for n, v in leaves.items() if n[:7] == "params."}
     stored = {"mu": {}, "nu": {}, "momentum": {}}  # moment -> {param name: stored dtype}
@@ -360,25 +396,19 @@ def test_train_stores_moments_in_the_flagged_dtypes(tmp_path, optimizer, mu, nu,
                 assert any(leaf.endswith(f".{moment}_scale.{n}") for leaf in leaves), n
 
 
-def test_train_compiles_its_blocks_with_the_eager_runs_results(tmp_path):
+def test_train_compiles_its_blocks_with_the_eager_runs_results(tmp_path, monkeypatch, pool_of):
     """``--compile=aot_eager`` compiles each block in place (ZeRO-3, the main job's default
     strategy): the same losses and grad norms as the eager run (AOTAutograd adds the gradient
     contributions in the same order here: bitwise, as tests/test_compile.py measures), the first
-    step's compile logged, every step's wall time in metrics.jsonl."""
-    runs = {}
-    for backend in ("", "aot_eager"):
-        out_dir = tmp_path / (backend or "eager")
-        out = _train(
-            "--nproc=2",
-            "--steps=3",
-            *TINY,
-            "--param_dtype=fp32",
-            f"--compile={backend}",
-            f"--out_dir={out_dir}",
-        )
-        assert out.returncode == 0, out.stderr[-4000:]
-        runs[backend] = (_rows(out_dir)[0], out.stderr)
-    (eager, _), (compiled, log) = runs[""], runs["aot_eager"]
+    step's compile logged, every step's wall time in metrics.jsonl. The compiled run is the
+    script's own (its ranks' log, a fresh process's compile); the eager one runs on the pools'
+    warm ranks (``_pool_train``)."""
+    args = ["--nproc=2", "--steps=3", *TINY, "--param_dtype=fp32"]
+    _pool_train([*args, f"--out_dir={tmp_path / 'eager'}"], monkeypatch, pool_of)
+    out = _train(*args, "--compile=aot_eager", f"--out_dir={tmp_path / 'compiled'}")
+    assert out.returncode == 0, out.stderr[-4000:]
+    (eager, _), (compiled, _) = _rows(tmp_path / "eager"), _rows(tmp_path / "compiled")
+    log = out.stderr
     assert [(r["loss"], r["grad_norm"]) for r in compiled] == [
         (r["loss"], r["grad_norm"]) for r in eager
     ]
@@ -405,17 +435,19 @@ def test_train_captures_the_step_and_logs_each_graphs_compile(tmp_path):
     assert "1 backward graph(s)" in out.stderr, out.stderr[-2000:]
 
 
-def _same_runs(tmp_path, runs: dict[str, list[str]], steps: int) -> dict:
-    """``train.py`` with each of ``runs``' arguments (fp32, tiny), its rows and final line,
-    after checking that every step's loss and grad norm and the held-out loss agree to fp32
-    rounding (1e-5: the runs differ in summation order only)."""
+def _same_runs(tmp_path, runs: dict[str, list[str]], steps: int, monkeypatch, pool_of) -> dict:
+    """``train.py`` with each of ``runs``' arguments (fp32, tiny) on the pools' warm ranks
+    (``_pool_train``), its rows and summary, after checking that it ran every step and that
+    every step's loss and grad norm and the held-out loss agree to fp32 rounding (1e-5: the
+    runs differ in summation order only)."""
     out = {}
     for name, args in runs.items():
         out_dir = tmp_path / name
         fp32 = ["--param_dtype=fp32", f"--out_dir={out_dir}"]
-        done = _train(*args, f"--steps={steps}", *TINY, *fp32)
-        assert done.returncode == 0, done.stderr[-4000:]
+        done = _pool_train([*args, f"--steps={steps}", *TINY, *fp32], monkeypatch, pool_of)
         out[name] = _rows(out_dir)
+        assert [r["step"] for r in out[name][0]] == list(range(1, steps + 1)), name
+        assert done["final_loss"] == out[name][1]["final_loss"], name
     (rows_a, final_a), (rows_b, final_b) = out.values()
     for a, b in zip(rows_a, rows_b, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
@@ -424,23 +456,28 @@ def _same_runs(tmp_path, runs: dict[str, list[str]], steps: int) -> dict:
     return out
 
 
-def test_train_with_tensor_parallel_blocks_equals_the_data_parallel_run(tmp_path):
+def test_train_with_tensor_parallel_blocks_equals_the_data_parallel_run(
+    tmp_path, monkeypatch, pool_of
+):
     """``--tensor=2 --nproc=4`` (each block's heads and MLP split by ``gpt.tensor_plan``, a
     tensor group sharing its batch: the same 2 data-parallel ranks) trains as ``--nproc=2``:
     the same losses and grad norms to fp32 rounding (TP changes the matmuls' summation order
     only), and the held-out loss of the full params."""
-    runs = _same_runs(tmp_path, {"dp": ["--nproc=2"], "tp": ["--nproc=4", "--tensor=2"]}, 3)
+    runs = {"dp": ["--nproc=2"], "tp": ["--nproc=4", "--tensor=2"]}
+    runs = _same_runs(tmp_path, runs, 3, monkeypatch, pool_of)
     tp_rows, _ = runs["tp"]
     assert tp_rows[0]["comm_by_axis"].get("tensor", 0) > 0  # the norm's sum over "tensor"
 
 
-def test_train_with_expert_parallel_experts_equals_the_dense_moe_run(tmp_path):
+def test_train_with_expert_parallel_experts_equals_the_dense_moe_run(
+    tmp_path, monkeypatch, pool_of
+):
     """``--experts=4 --expert=2`` (each block's experts split over mesh["expert"] by
     ``fs.ExpertParallel``, tokens routed by all-to-all) trains as the same MoE GPT without the
     expert axis: the same losses, grad norms and held-out loss to fp32 rounding, and the
     all-to-all counted on "expert"."""
     moe = ["--nproc=2", "--experts=4"]
-    runs = _same_runs(tmp_path, {"dense": moe, "ep": [*moe, "--expert=2"]}, 2)
+    runs = _same_runs(tmp_path, {"dense": moe, "ep": [*moe, "--expert=2"]}, 2, monkeypatch, pool_of)
     (dense_rows, _), (ep_rows, _) = runs["dense"], runs["ep"]
     assert ep_rows[0]["comm_by_axis"].get("expert", 0) > 0
     assert "expert" not in dense_rows[0]["comm_by_axis"]
@@ -462,38 +499,32 @@ def test_gpt_splits_into_stages_that_compose_to_the_whole_model():
         second(first(tokens))
 
 
-def test_train_resumes_a_pipelined_run_in_a_plain_one(tmp_path):
+def _starts(out_dir: Path) -> list[tuple[int, int, int]]:
+    """Each start row of ``out_dir``'s metrics.jsonl: (its step, world, microbatches)."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["start"], r["world"], r["microbatches"]) for r in rows if "start" in r]
+
+
+def test_train_resumes_a_pipelined_run_in_a_plain_one(tmp_path, monkeypatch, pool_of):
     """``--pipeline=2`` (2 stages, 2 microbatches) saves whole-model names at step 2; a plain
     ``--nproc=1`` run restores that checkpoint and trains steps 3-4 as the pipelined run
     did uninterrupted (loss, grad norm, held-out loss within 1e-5: the stages sum in another
-    order)."""
+    order). On the pools' warm ranks (``_pool_train``)."""
     model = ["--n_layer=2", "--notied", "--param_dtype=fp32", "--steps=4", "--save_every=2"]
     piped, plain = tmp_path / "piped", tmp_path / "plain"
-    a = _train(
-        *TINY,
-        *model,
-        "--nproc=2",
-        "--pipeline=2",
-        f"--checkpoint_dir={piped / 'ckpt'}",
-        f"--out_dir={piped}",
-    )
-    assert a.returncode == 0, a.stderr[-4000:]
-    assert "2 ranks x 2 microbatches" in a.stderr, a.stderr[-2000:]
+    a = [*TINY, *model, "--nproc=2", "--pipeline=2"]
+    a += [f"--checkpoint_dir={piped / 'ckpt'}", f"--out_dir={piped}"]
+    assert _pool_train(a, monkeypatch, pool_of)["start_step"] == 0
+    assert _starts(piped) == [(0, 2, 2)]  # 2 ranks x 2 microbatches
     names = {
         n for n, _ in GPT(dataclasses.replace(TINY_MODEL, n_layer=2, tied=False)).named_parameters()
     }
     assert set(_checkpoint(piped / "ckpt" / "2")["params"]) == names  # the whole model's
     shutil.copytree(piped / "ckpt" / "2", plain / "ckpt" / "2")
-    b = _train(
-        *TINY,
-        *model,
-        "--nproc=1",  # the global batch whatever the world: one process fewer to start
-        "--resume",
-        f"--checkpoint_dir={plain / 'ckpt'}",
-        f"--out_dir={plain}",
-    )
-    assert b.returncode == 0, b.stderr[-4000:]
-    assert "resumed at step 2" in b.stderr, b.stderr[-2000:]
+    b = [*TINY, *model, "--nproc=1", "--resume"]  # the global batch whatever the world
+    b += [f"--checkpoint_dir={plain / 'ckpt'}", f"--out_dir={plain}"]
+    assert _pool_train(b, monkeypatch, pool_of)["start_step"] == 2  # resumed at step 2
+    assert _starts(plain) == [(2, 1, 1)]
     (rows_a, final_a), (rows_b, final_b) = _rows(piped), _rows(plain)
     assert [r["step"] for r in rows_b] == [3, 4]
     assert "pipeline" in rows_a[0]["comm_by_axis"] and "pipeline" not in rows_b[0]["comm_by_axis"]
@@ -501,25 +532,6 @@ def test_train_resumes_a_pipelined_run_in_a_plain_one(tmp_path):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), (ra, rb)
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-5), (ra, rb)
     assert final_b["final_loss"] == pytest.approx(final_a["final_loss"], rel=1e-5)
-
-
-def _flags_config(args: list[str], monkeypatch) -> tuple[trainer.Config, int]:
-    """The ``Config`` and world ``train.py`` launches for ``args`` (absl's parse and the
-    script's checks in this process, the launch caught)."""
-    from absl import flags
-
-    from experiments import train
-
-    launched = []
-    monkeypatch.setattr(train.fs, "launch", lambda fn, cfg, nproc: launched.append((cfg, nproc)))
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what --device=cpu sets before launching
-    try:
-        flags.FLAGS(["train.py", *args])
-        train.main(["train.py"])
-    finally:
-        flags.FLAGS.unparse_flags()
-    ((cfg, nproc),) = launched
-    return cfg, nproc
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
