@@ -108,7 +108,7 @@ class StageModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         if self.regather is not None:
             return self.regather.call(self.names, lambda p: self._regathered(args, p))
-        if self.synthetic and self.out_meta is None and self.error is None:
+        if self.synthetic and self.out_meta is None and self.error is None and not self.peers:
             sent = self._on_synthetic(args, {n: self.leaves[n] for n in self.names})
             if sent is not None:
                 return sent
@@ -172,7 +172,8 @@ class StageModule(nn.Module):
         inputs zeros, not the batch's): where it raises on them (a check that rejects zeros:
         a padding-only row, a norm without epsilon), it runs again on a fixed standard
         normal, its output times zero, and only where that raises too is the error kept
-        (None then)."""
+        (None then). Not with tensor / expert peers (a retry would issue their collectives
+        again: :meth:`forward`'s own rerun handles them)."""
         sent = self._attempt(args, params)
         if sent is None:
             first, self.error = self.error, None
@@ -228,12 +229,7 @@ class StageModule(nn.Module):
         its output times zero, so that its forward and backward issue the collectives its
         peers wait in (the same, from the shapes alone: TP's and the experts'), and it hands
         on and back zeros."""
-        zeroed = tuple(
-            (t * 0 + _normal(t) * normal if t.is_floating_point() else torch.zeros_like(t))
-            if isinstance(t, torch.Tensor)
-            else t
-            for t in args
-        )
+        zeroed = tuple(_fake_input(t, normal) if isinstance(t, torch.Tensor) else t for t in args)
         params = params if params is not None else {n: self.leaves[n] for n in self.names}
         out = self._run(zeroed, params)
         out = optree.tree_map(lambda t: t * 0 if t.is_floating_point() else t, out)
@@ -279,10 +275,16 @@ class StageModule(nn.Module):
         )
 
 
-def _normal(t: torch.Tensor) -> torch.Tensor:
-    """A standard normal of ``t``'s shape and dtype, the same on every rank and call."""
+def _fake_input(t: torch.Tensor, normal: bool) -> torch.Tensor:
+    """A stand-in's input for ``t``: zeros (``normal``: a standard normal, the same on every
+    rank and call, for floating point), in ``t``'s graph where it is floating point (its
+    gradient then zeros)."""
+    if not t.is_floating_point():
+        return torch.zeros_like(t)
+    if not normal:
+        return t * 0
     g = torch.Generator().manual_seed(0)
-    return torch.randn(t.shape, generator=g).to(t.device, t.dtype)
+    return t * 0 + torch.randn(t.shape, generator=g).to(t.device, t.dtype)
 
 
 def _plain(name: str, local: torch.Tensor) -> torch.Tensor:
