@@ -42,6 +42,7 @@ from experiments.trainer import (  # noqa: E402
     split_points,
 )
 from funcshard.layout.policy import native_bf16_reason  # noqa: E402
+from funcshard.planner.pipeline import schedule_order  # noqa: E402
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -379,6 +380,8 @@ def _check_world(world: int) -> None:
         microbatches = microbatches_for(given, dp_world)
     except ValueError as e:
         _fail(str(e))
+    if pipeline > 1:
+        _check_schedule(microbatches)
     if FLAGS.batch_size % (dp_world * microbatches):
         _fail(
             f"--batch_size={FLAGS.batch_size} must be divisible by the data-parallel size "
@@ -453,6 +456,18 @@ def _check_pipeline(shard: int) -> None:
         split_points(Config(pipeline=FLAGS.pipeline, schedule=FLAGS.schedule, model=model))
     except ValueError as e:
         _fail(str(e))
+
+
+def _check_schedule(microbatches: int) -> None:
+    """The microbatches torch's schedule takes for its stages (its own check, as fs.init's)."""
+    stages = pipeline_stages(Config(pipeline=FLAGS.pipeline, schedule=FLAGS.schedule))
+    try:
+        schedule_order(FLAGS.schedule, FLAGS.pipeline, microbatches, stages // FLAGS.pipeline)
+    except ValueError as e:
+        _fail(
+            f"--pipeline={FLAGS.pipeline} --schedule={FLAGS.schedule} with {microbatches} "
+            f"microbatch(es) a step (--microbatches / --grad_chunks): {e}"
+        )
 
 
 def _microbatches() -> int:

@@ -186,6 +186,10 @@ def test_text_source_windows_come_from_the_file(tmp_path):
             "--outer_strategy=optim on --replicate=2 x shard size 2: not supported",
         ),
         (["--pipeline=3", "--notied"], "--pipeline=3 does not divide the world size 2"),
+        (
+            ["--pipeline=2", "--notied", "--n_layer=4", "--schedule=DualPipeV", "--microbatches=1"],
+            "--schedule=DualPipeV with 1 microbatch",
+        ),
     ],
 )
 def test_bad_flags_fail_before_launching_and_name_the_flag(args, flag, monkeypatch):
