@@ -215,6 +215,13 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int, gathers
             add("all_gather", 1, replicate * params_lib.packed_nbytes(layout, b), "replicate")
         elif replicate > 1:
             add("all_reduce", 1, wire_for(layout, b).all_reduce_nbytes(replicate), "replicate")
+    _add_metrics(layout, M, world, gathers, add)
+    return nbytes, calls, by_axis
+
+
+def _add_metrics(layout: Layout, M: int, world: int, gathers: int, add) -> None:
+    """A step's metrics (kind "metrics"): the loss, the norm's sums, the tensor group's batch
+    check, as :func:`_comm` counts them (``add(kind, count, size, axis)``)."""
     # the norm's sums run over the masters' group (every rank under HFSDP), then over "tensor"
     masters, axis, T = layout.shard_size, layout.shard_axis, layout.tensor.size
     flag = int(T > 1 and not gathers)  # the batch check's verdict (pipelined: in its agreement)
@@ -232,16 +239,15 @@ def _comm(layout: Layout, microbatches: int, replicate: int, world: int, gathers
             add_expert_row_sums(layout, expert, add, _METRIC_BYTES)
         if T > 1:  # every tensor rank's part of the square
             add("metrics", 1, T * _METRIC_BYTES, "tensor")
-        return nbytes, calls, by_axis
+        return
     if world > 1:
         add("metrics", 1, (1 + flag + SUMMED_HEADER) * _METRIC_BYTES, "world")  # the loss
     if masters > 1:
         add("metrics", 1, _METRIC_BYTES, axis)  # the squared gradient norm
-    if not strategy.shards_optim and any(b.expert for b in layout.buckets):
+    if not layout.strategy.shards_optim and any(b.expert for b in layout.buckets):
         add("metrics", 1, _METRIC_BYTES, "expert")  # its expert ranks' parts (no "shard")
     if T > 1:
         add("metrics", 1, _METRIC_BYTES, "tensor")
-    return nbytes, calls, by_axis
 
 
 def _step_comm(
