@@ -6,6 +6,11 @@ import collections
 
 import torch
 
+# where a graph's collectives come from: torch's functional ones, and funcshard's gather in
+# place on gloo (funcshard.distributed.graph_ops: the buckets' all-gather on CPU)
+COLLECTIVES = ("_c10d_functional", "funcshard")
+GATHERS = ("all_gather_into_tensor", "all_gather_sections")
+
 
 def _from_gather(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The nodes that are a bucket's all-gather's output (one of a function of one graph input:
@@ -18,7 +23,7 @@ def _from_gather(graph: torch.fx.Graph) -> set[torch.fx.Node]:
         if node.op != "call_function":
             continue
         inputs = node.all_input_nodes
-        if getattr(node.target, "_opname", None) == "all_gather_into_tensor":
+        if getattr(node.target, "_opname", None) in GATHERS:
             if len(_placeholders_above(node)) == 1:  # a bucket's, not an activation's
                 gathered.add(node)
         elif all(a in constant for a in inputs):
@@ -44,7 +49,8 @@ def _placeholders_above(node: torch.fx.Node) -> set[torch.fx.Node]:
 def counting_backend(counts: collections.Counter, collectives: collections.Counter | None = None):
     """``aot_eager`` (AOTAutograd, graphs run as traced) counting forward/backward compiles in
     ``counts`` ("forward", "backward"); with ``collectives``, the functional collectives in
-    each graph kind, keyed ("forward" or "backward", the op's name: "all_gather_into_tensor",
+    each graph kind (torch's functional ones and funcshard's, :data:`COLLECTIVES`), keyed
+    ("forward" or "backward", the op's name: "all_gather_sections", "all_to_all_single",
     "reduce_scatter_tensor", ...), the forward's saved tensors that are gathered params
     ("forward", "saved_gathered") and, in backward, the reduce-scatters (a narrow wire's
     all-to-alls too) issued before the graph's last matmul ("backward",
@@ -56,7 +62,7 @@ def counting_backend(counts: collections.Counter, collectives: collections.Count
         nodes = list(gm.graph.nodes)
         for node in nodes:
             target = node.target
-            if getattr(target, "namespace", None) == "_c10d_functional":
+            if getattr(target, "namespace", None) in COLLECTIVES:
                 collectives[(kind, target._opname)] += 1
         if kind == "forward":
             outputs = [a for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]
@@ -279,7 +285,7 @@ class _InductorGraphs:
         ops = [
             n.target._opname
             for n in nodes
-            if getattr(n.target, "namespace", None) == "_c10d_functional"
+            if getattr(n.target, "namespace", None) in COLLECTIVES
             and "wait" not in n.target._opname
         ]
         outputs = [a for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]

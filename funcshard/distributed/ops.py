@@ -29,6 +29,7 @@ __all__ = [
     "comm_stats",
     "all_gather",
     "all_gather_pieces",
+    "gather_in_place",
     "place_rank_sections",
     "reduce_scatter",
     "all_reduce",
@@ -285,6 +286,13 @@ def _rank_pieces(out: torch.Tensor, sizes: list[int], size: int) -> list[torch.T
     offsets = itertools.accumulate(sizes, initial=0)  # one more than sizes: its end
     pairs = zip(offsets, sizes, strict=False)
     return [out[size * o : size * (o + n)].view(size, n) for o, n in pairs]
+
+
+def gather_in_place(out: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup):
+    """Every rank's contiguous 1-D ``local`` into ``out`` in group rank order, each peer's
+    section received in place by point-to-point sends (a CPU gloo group); returns ``out``
+    once they have arrived. Counts nothing (the caller counts its gather)."""
+    return _gather_by_sends(out, local, [local.numel()], group).wait()
 
 
 def _by_sends(local: torch.Tensor, group: dist.ProcessGroup) -> bool:

@@ -11,7 +11,10 @@ all-gathers the shard over the shard axis with torch's functional collectives
 its backward concatenates their gradients into rank sections, casts them to the wire
 (``grad_comm_dtype``), divides by the data-parallel size and reduce-scatters it
 (``_c10d_functional.reduce_scatter_tensor``), in the main-grads dtype: the carrier's gradient
-is this rank's reduced shard. AOTAutograd splits the result into one forward and one backward
+is this rank's reduced shard. On a CPU gloo group the two take the eager step's gloo forms:
+the gather is :func:`funcshard.distributed.graph_ops.all_gather_sections` (each peer's
+section received in place; gloo's functional all-gather copies it twice) and the
+reduce-scatter an all-to-all and a local sum (gloo's is an all-reduce: twice the bytes). AOTAutograd splits the result into one forward and one backward
 graph, collectives inside each, for the compiler to fuse, bucket and reorder.
 
 Every wire runs in the graphs as it runs eagerly, the same ops on the same values (so
@@ -67,7 +70,7 @@ from funcshard.comm import codec
 from funcshard.comm import params as params_lib
 from funcshard.comm.grads import ReplicateAxis
 from funcshard.comm.wires import NarrowWire, wire_for
-from funcshard.distributed import ops
+from funcshard.distributed import graph_ops, ops
 from funcshard.layout.layout import Bucket, Layout
 from funcshard.step.compiling import (
     Backend,
@@ -130,7 +133,7 @@ class _Gather(torch.autograd.Function):
         if gather and pwire is not None:
             return _decoded(buffer, group, S, leaves, pwire)
         if gather and S > 1:
-            gathered = funcol.all_gather_tensor(buffer, 0, group).view(S, -1)
+            gathered = _all_gather(buffer, S, group).view(S, -1)
             pieces = gathered.split([n for _, _, n in leaves], dim=1)
             return tuple(
                 p.reshape(-1)[:numel].view(shape)
@@ -161,13 +164,22 @@ def _decoded(buffer, group, S: int, leaves: tuple, pwire: ParamWire) -> tuple:
     """ZeRO-3's params through a param wire: packed, gathered, decoded once, per leaf."""
     x = buffer if pwire.packed else codec.pack(buffer, pwire.wire, pwire.blocks)
     if S > 1:
-        x = funcol.all_gather_tensor(x, 0, group)
+        x = _all_gather(x, S, group)
     full = codec.unpack(x, pwire.wire, pwire.blocks, pwire.count, pwire.compute)
     pieces = full.view(pwire.count, -1).split(list(pwire.sizes), dim=1)
     return tuple(
         p.reshape(-1)[:numel].view(shape)
         for p, (numel, shape, _) in zip(pieces, leaves, strict=True)
     )
+
+
+def _all_gather(x: torch.Tensor, S: int, group: str) -> torch.Tensor:
+    """Every shard-axis rank's ``x`` in rank order: on gloo (CPU) funcshard's op receiving the
+    sections in place (:mod:`funcshard.distributed.graph_ops`: gloo's functional all-gather
+    copies them twice), else torch's functional all-gather."""
+    if x.device.type == "cpu":
+        return graph_ops.all_gather_sections(x, S, group)
+    return funcol.all_gather_tensor(x, 0, group)
 
 
 def _reduced(x: torch.Tensor, group, S: int, dp: int, wire: GradWire) -> torch.Tensor:
@@ -177,7 +189,14 @@ def _reduced(x: torch.Tensor, group, S: int, dp: int, wire: GradWire) -> torch.T
         x = x.to(wire.wire)
         if dp > 1:
             x = x / dp
-        return funcol.reduce_scatter_tensor(x, "sum", 0, group) if S > 1 else x
+        if S == 1:
+            return x
+        if x.device.type == "cpu":
+            # gloo reduce-scatters by an all-reduce (twice the ring's bytes, through a copy):
+            # an all-to-all and a local sum, as the eager RingWire does on CPU
+            recv = funcol.all_to_all_single(x, None, None, group)
+            return recv.view(S, -1).sum(0)
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group)
     x = x.to(wire.sections).to(wire.acc)
     if dp > 1:
         x = x / dp

@@ -32,11 +32,14 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from funcshard.distributed.graph_ops import ALL_GATHER_SECTIONS
+
 __all__ = [
     "Placed",
     "joint_pass",
     "place_collectives",
     "GATHER",
+    "GATHERS",
     "REDUCE_SCATTER",
     "ALL_TO_ALL",
     "WAIT",
@@ -44,6 +47,8 @@ __all__ = [
 
 _C10D = torch.ops._c10d_functional
 GATHER = _C10D.all_gather_into_tensor.default
+# the gathers of buckets: torch's functional one, or funcshard's in place on gloo
+GATHERS = (GATHER, ALL_GATHER_SECTIONS)
 REDUCE_SCATTER = _C10D.reduce_scatter_tensor.default
 ALL_TO_ALL = _C10D.all_to_all_single.default  # a narrow gradient wire's reduce-scatter
 WAIT = _C10D.wait_tensor.default
@@ -374,7 +379,7 @@ def place_collectives(
     graph = gm.graph
     backward = _backward_nodes(graph)
     chains, recomputed = [], []
-    for gather in [n for n in graph.nodes if n.target is GATHER and n not in backward]:
+    for gather in [n for n in graph.nodes if n.target in GATHERS and n not in backward]:
         if not _of_one_input(gather):  # an activation's (a DTensor op's), not a bucket's
             continue
         chain = _gather_chain(gather, backward)
