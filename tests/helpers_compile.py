@@ -174,31 +174,47 @@ class _Printing(torch.nn.Module):
 
 
 def _graph_break_runs(mesh) -> dict:
-    """The 2-block MLP whose second block prints (a graph break in the model), 3 steps of
-    ZeRO-3 eager and captured: the warnings the captured run gave and the params' largest
-    relative difference."""
+    """The 3-block MLP whose last block prints (a graph break in the model: the params dict
+    is live across it, so the first graph returns every gathered param and re-gathers none;
+    the second gathers nothing), 3 steps of
+    ZeRO-3 eager and captured: the warnings the captured run gave, the params' largest
+    relative difference, the gathered peaks (and in a 4th step of two uneven microbatches,
+    whose graphs are compiled again) and, captured, the all-gathers ``fs.comm_stats``
+    counted in the 3rd step beside those the graphs hold (compiled once, run once)."""
     import warnings
 
     import funcshard as fs
 
     import models
 
-    params, peaks = {}, {}
+    params, peaks, uneven_peaks = {}, {}, {}
+    collectives: collections.Counter = collections.Counter()
     for compile in (False, True):
         torch._dynamo.reset()
-        model = models.make_model(n_blocks=2)
-        model.blocks[1] = _Printing(model.blocks[1])
-        backend = counting_backend(collections.Counter()) if compile else False
+        model = models.make_model(n_blocks=3)
+        model.blocks[2] = _Printing(model.blocks[2])
+        backend = counting_backend(collections.Counter(), collectives) if compile else False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, compile=backend)
             state = models.train(state, model, range(2), rows=8)[0]
             with fs.comm_stats() as stats:
                 state = models.train(state, model, range(2, 3), rows=8)[0]
-        params[compile], peaks[compile] = fs.full_params(state), stats.gathered_peak
+            params[compile], peaks[compile] = fs.full_params(state), stats.gathered_peak
+            in_graphs = sum(n for (_, op), n in collectives.items() if op in GATHERS)
+            with fs.comm_stats() as uneven:  # microbatches of 2 and 1 rows: graphs recompiled
+                models.train(state, model, range(3, 4), rows=6, microbatches=2)
+        uneven_peaks[compile] = uneven.gathered_peak
     warned = [str(w.message) for w in caught if "graph" in str(w.message)]
     error = models.max_rel_err(params[True], params[False])
-    return {"warned": warned, "error": error, "peaks": peaks}
+    gathers = (stats.calls["all_gather"], in_graphs)
+    return {
+        "warned": warned,
+        "error": error,
+        "peaks": peaks,
+        "uneven_peaks": uneven_peaks,
+        "gathers": gathers,
+    }
 
 
 def overlap_worker() -> list:

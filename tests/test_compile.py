@@ -522,6 +522,10 @@ def test_captured_edges(pool2):
     assert broken["error"] < 1e-5, broken["error"]
     # the params gathered before the break are saved for backward: captured holds more
     assert broken["peaks"][True] >= broken["peaks"][False] > 0, broken["peaks"]
+    counted, in_graphs = broken["gathers"]  # counted as the graphs gather: each bucket once
+    assert counted == in_graphs == 4, broken["gathers"]
+    # graphs compiled again for new shapes replace their frame's (before: 3x the peak)
+    assert broken["uneven_peaks"] == broken["peaks"], (broken["uneven_peaks"], broken["peaks"])
 
 
 def test_captured_aux_copied_out():

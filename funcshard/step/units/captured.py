@@ -14,8 +14,9 @@ its backward concatenates their gradients into rank sections, casts them to the 
 is this rank's reduced shard. On a CPU gloo group the two take the eager step's gloo forms:
 the gather is :func:`funcshard.distributed.graph_ops.all_gather_sections` (each peer's
 section received in place; gloo's functional all-gather copies it twice) and the
-reduce-scatter an all-to-all and a local sum (gloo's is an all-reduce: twice the bytes). AOTAutograd splits the result into one forward and one backward
-graph, collectives inside each, for the compiler to fuse, bucket and reorder.
+reduce-scatter an all-to-all and a local sum (gloo's is an all-reduce: twice the bytes).
+AOTAutograd splits the result into one forward and one backward graph, collectives inside
+each, for the compiler to fuse, bucket and reorder.
 
 Every wire runs in the graphs as it runs eagerly, the same ops on the same values (so
 aot_eager trains bitwise as eager): a param wire (``param_comm_dtype``, :class:`ParamWire`)

@@ -27,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import fx
+from torch._guards import CompileContext
 from torch.utils.checkpoint import CheckpointPolicy
 
 from funcshard.distributed.graph_ops import ALL_GATHER_SECTIONS
@@ -59,27 +61,50 @@ WAIT = _C10D.wait_tensor.default
 _COPIES = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default, WAIT)
 
 
+class _Graph(NamedTuple):
+    """What the pass placed in one graph: its re-gathers, its own gathered peak and the
+    gathered bytes it holds from its forward to its backward (saved, not re-gathered)."""
+
+    regathered: tuple[tuple[int, torch.dtype], ...]
+    peak: int
+    held: int
+
+
 @dataclasses.dataclass
 class Placed:
-    """What :func:`place_collectives` found in the last joint graph it placed.
+    """What :func:`place_collectives` placed in a captured step's graphs: one per dynamo
+    frame (a step dynamo broke into several graphs: one frame each, in the order they run),
+    the latest compile of each (a recompile, for new shapes, replaces its frame's entry).
 
     Attributes:
-      regathered: (numel, dtype) of each all-gather backward runs again (its params read by
-        the backward), in graph order.
-      gathered_peak: the most bytes of all-gathered buffers alive at once, the graph run in
+      regathered: (numel, dtype) of each all-gather the backward graphs run again (its params
+        read by the backward), in graph order.
+      gathered_peak: the most bytes of all-gathered buffers alive at once, each graph run in
         the order the pass left it (each from its all-gather to the last op that reads its
         params; in backward, from the first op that needs them again to the last); over the
-        graphs of a step broken by dynamo, each graph's own peak plus what the graphs placed
-        before it hold from their forward to their backward (a lower bound: the resumed
-        graphs' forward outputs are not counted).
+        graphs of a step broken by dynamo, each graph's own peak plus what the graphs before
+        it hold from their forward to their backward (a lower bound: the resumed graphs'
+        forward outputs are not counted).
     """
 
-    regathered: list[tuple[int, torch.dtype]] = dataclasses.field(default_factory=list)
-    gathered_peak: int = 0
-    # the gathered bytes earlier graphs of the step hold from their forward to their
-    # backward (a graph break: each graph placed apart, the earlier ones' saved params alive
-    # while the later ones run)
-    held: int = 0
+    graphs: dict[int, _Graph] = dataclasses.field(default_factory=dict)
+
+    @property
+    def regathered(self) -> list[tuple[int, torch.dtype]]:
+        return [r for _, g in sorted(self.graphs.items()) for r in g.regathered]
+
+    @property
+    def gathered_peak(self) -> int:
+        peak = held = 0
+        for _, g in sorted(self.graphs.items()):
+            peak, held = max(peak, held + g.peak), held + g.held
+        return peak
+
+
+def _frame() -> int:
+    """The dynamo frame whose graph is being compiled (0 outside dynamo)."""
+    compile_id = CompileContext.current_compile_id()
+    return compile_id.frame_id if compile_id is not None else 0
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -339,11 +364,11 @@ def _peak(intervals: list[tuple[int, int, int]]) -> int:
 def _account(
     chains: list[list[fx.Node]], backward: set[fx.Node], placed: Placed, recomputed: list[bool]
 ) -> None:
-    """Fills ``placed`` from the placed graph: what backward gathers again, the gathered peak
-    (a chain not ``recomputed``: a gather the backward reads is held from forward to
-    backward)."""
+    """Records in ``placed``, for the frame being compiled, what the placed graph gathers
+    again in backward, its gathered peak and what it holds (a chain not ``recomputed``: a
+    gather the backward reads is held from forward to backward)."""
     pos = {n: i for i, n in enumerate(chains[0][0].graph.nodes)} if chains else {}
-    intervals, held = [], 0
+    intervals, held, regathered = [], 0, []
     for chain, recompute in zip(chains, recomputed, strict=True):
         members = set(chain)
         nbytes = _held_bytes(chain, members)
@@ -358,10 +383,8 @@ def _account(
         elif later:
             intervals.append((min(later), max(later), nbytes))
             val = chain[0].meta["val"]
-            placed.regathered.append((val.numel(), val.dtype))
-    # after a graph break: this graph runs while the earlier graphs hold their saved params
-    placed.gathered_peak = max(placed.gathered_peak, placed.held + _peak(intervals))
-    placed.held += held
+            regathered.append((val.numel(), val.dtype))
+    placed.graphs[_frame()] = _Graph(tuple(regathered), _peak(intervals), held)
 
 
 def place_collectives(
@@ -402,7 +425,6 @@ def place_collectives(
     graph.lint()
     gm.recompile()
     if placed is not None:
-        placed.regathered.clear()
         _account(chains, backward, placed, recomputed)
     return gm
 
