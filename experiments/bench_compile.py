@@ -51,7 +51,8 @@ flags.DEFINE_integer("d_model", 128, "width")
 flags.DEFINE_integer("seq_len", 64, "tokens per row")
 flags.DEFINE_integer("batch", 4, "rows per rank")
 
-C10D = "_c10d_functional"
+# torch's functional collectives, and funcshard's gather in place on gloo (graph_ops)
+COLLECTIVES = ("_c10d_functional", "funcshard")
 
 
 def recording_backend(backend: str, graphs: list) -> Any:
@@ -64,7 +65,8 @@ def recording_backend(backend: str, graphs: list) -> Any:
         ops = [
             n.target._opname
             for n in gm.graph.nodes
-            if getattr(n.target, "namespace", None) == C10D and "wait" not in n.target._opname
+            if getattr(n.target, "namespace", None) in COLLECTIVES
+            and "wait" not in n.target._opname
         ]
         out = next(iter(reversed(gm.graph.nodes)))
         saved = len([a for a in out.args[0] if isinstance(a, torch.fx.Node)])
