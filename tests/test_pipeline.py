@@ -79,6 +79,37 @@ def test_split_and_pipeline_arguments():
         fs.Pipeline("DualPipeV", microbatches=4).stages_of(0, 2, 3)
 
 
+def test_a_stage_runs_its_microbatch_without_walking_its_modules(monkeypatch):
+    """A stage's microbatch (#53's per-microbatch cost): the stage called with the step's
+    leaves in place of its parameters (a tied weight taking its leaf), bitwise as
+    ``torch.func.functional_call`` runs it, gradients included, its own parameters back
+    after; without walking the stage's modules and parameters (torch's walk on every
+    microbatch, once per StageModule here)."""
+    from funcshard.step.pipeline_stage import StageModule
+
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    stage[2].weight = stage[0].weight
+    own = dict(stage.named_parameters())
+    module = StageModule(stage, 0)
+    module.leaves = {n: torch.randn_like(p).requires_grad_() for n, p in own.items()}
+    twins = {n: t.detach().clone().requires_grad_() for n, t in module.leaves.items()}
+    x = torch.randn(3, 4)
+    want = torch.func.functional_call(stage, twins, (x,))
+    walks: list[str] = []
+    for walk in ("named_modules", "named_parameters", "named_buffers", "named_children"):
+        real = getattr(stage, walk)
+        counted = lambda *a, r=real, w=walk, **k: walks.append(w) or r(*a, **k)  # noqa: E731
+        monkeypatch.setattr(stage, walk, counted)
+    got = module(x)
+    assert walks == [], walks
+    assert torch.equal(got, want)
+    (got * want.detach()).sum().backward()
+    (want * want.detach()).sum().backward()
+    assert all(torch.equal(module.leaves[n].grad, twins[n].grad) for n in own)
+    assert stage[0].weight is stage[2].weight is own["0.weight"] and stage[0].bias is own["0.bias"]
+
+
 def test_schedules_and_strategies_as_one_process(pool4):
     results = pool4.run(hp.run_cases, CASES)
     refs = {}
