@@ -79,6 +79,59 @@ def test_split_and_pipeline_arguments():
         fs.Pipeline("DualPipeV", microbatches=4).stages_of(0, 2, 3)
 
 
+class _Checkpointed(torch.nn.Module):
+    """Two linears with tied weights, the first under activation checkpointing (``ckpt``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.ckpt = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), True
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = lambda t: torch.tanh(self.a(t))  # noqa: E731
+        if self.ckpt:
+            return self.b(torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False))
+        return self.b(inner(x))
+
+
+def test_a_stage_runs_its_microbatches_on_the_steps_leaves(monkeypatch):
+    """A stage's microbatches (#53): the stage run with the step's leaves in place of its
+    parameters (a tied weight taking its leaf), bitwise as ``torch.func.functional_call``
+    runs it, without walking the stage's modules and parameters (torch's walk on every
+    microbatch, once per StageModule here); the leaves held until ``release`` (the step's
+    schedule over), so that an activation-checkpointed recomputation in backward uses them
+    (not the stage's own parameters: silently other gradients before), the stage's own
+    parameters back after."""
+    from funcshard.step.pipeline_stage import StageModule
+
+    torch.manual_seed(0)
+    stage = _Checkpointed()
+    own = dict(stage.named_parameters())
+    module = StageModule(stage, 0)
+    module.leaves = {n: torch.randn_like(p).requires_grad_() for n, p in own.items()}
+    twins = {n: t.detach().clone().requires_grad_() for n, t in module.leaves.items()}
+    xs = torch.randn(2, 3, 4)
+    stage.ckpt = False  # the reference: no recomputation
+    want = [torch.func.functional_call(stage, twins, (x,)) for x in xs]
+    stage.ckpt = True
+    walks: list[str] = []
+    for walk in ("named_modules", "named_parameters", "named_buffers", "named_children"):
+        real = getattr(stage, walk)
+        counted = lambda *a, r=real, w=walk, **k: walks.append(w) or r(*a, **k)  # noqa: E731
+        monkeypatch.setattr(stage, walk, counted)
+    got = [module(x) for x in xs]  # both forwards, then both backwards (as 1F1B may)
+    assert walks == [], walks
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    for g, w in zip(got, want, strict=True):
+        (g * w.detach()).sum().backward()
+        (w * w.detach()).sum().backward()
+    for n in own:
+        assert torch.equal(module.leaves[n].grad, twins[n].grad), n
+    assert stage.a.weight is module.leaves["a.weight"]
+    module.release()
+    assert stage.a.weight is stage.b.weight is own["a.weight"] and stage.b.bias is own["b.bias"]
+
+
 def test_schedules_and_strategies_as_one_process(pool4):
     results = pool4.run(hp.run_cases, CASES)
     refs = {}

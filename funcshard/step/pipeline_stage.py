@@ -13,8 +13,11 @@ from typing import Any
 import optree
 import torch
 from torch import nn
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
+from funcshard.layout.model_units import tied_aliases
 from funcshard.layout.policy import MixedPrecisionPolicy
+from funcshard.step.functional import Swap
 from funcshard.step.pipeline_regather import Regather
 
 __all__ = ["StageModule", "as_meta", "propagate"]
@@ -73,14 +76,22 @@ def _stage_inputs(args: tuple, dtype: torch.dtype | None) -> tuple:
 
 class StageModule(nn.Module):
     """A stage as torch's ``PipelineStage`` runs it: the user's stage module called with the
-    step's leaves (``torch.func.functional_call``); ``parameters()`` are those leaves; its
-    floating-point inputs cast to the policy's compute dtype (``cast``, set per step)."""
+    step's leaves swapped in for its parameters (as ``torch.func.functional_call`` does, its
+    tied names and submodules found once, not on every microbatch), held there until the
+    step's schedule is over (:meth:`release`; ``regather``: each microbatch's gathered params
+    during its forward only); ``parameters()`` are those leaves; its floating-point inputs
+    cast to the policy's compute dtype (``cast``, set per step)."""
 
     def __init__(self, stage: nn.Module, index: int) -> None:
         super().__init__()
         object.__setattr__(self, "stage", stage)  # not a child: its parameters are not ours
         self.index = index
         self.names = [n for n, _ in stage.named_parameters()]
+        # what each microbatch's swap would otherwise find by walking the stage's tree again
+        self._aliases = tied_aliases(stage)
+        self._accessor = NamedMemberAccessor(stage)
+        self._held: Swap | None = None  # the step's leaves in the stage (:meth:`_hold`)
+        self._holding: dict[str, torch.Tensor] = {}
         self.leaves: dict[str, torch.Tensor] = {}
         self.wrap: Callable[[str, torch.Tensor], torch.Tensor] = _plain  # the model axis's
         self.error: str | None = None
@@ -215,7 +226,31 @@ class StageModule(nn.Module):
     def _run(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
         inputs = _stage_inputs(args, self.cast)
         wrapped = {n: self.wrap(n, t) for n, t in params.items()}
-        return torch.func.functional_call(self.stage, wrapped, inputs)
+        if self.regather is None:  # the step's leaves: held (:meth:`_hold`)
+            self._hold(wrapped)
+            return self.stage(*inputs)
+        swap = Swap(self.stage, wrapped, aliases=self._aliases, accessor=self._accessor)
+        try:  # this microbatch's gathered params, for its forward only
+            return self.stage(*inputs)
+        finally:
+            swap.restore()
+
+    def _hold(self, wrapped: dict[str, torch.Tensor]) -> None:
+        """The step's leaves (as the model axis wraps them) put into the stage until
+        :meth:`release`, not only while a forward runs: a recomputation in backward
+        (``torch.utils.checkpoint``) sees them, not the stage's own parameters. Swapped
+        again only where a wrapper differs from the one held (a DTensor per microbatch)."""
+        if self._held is None:
+            self._held = Swap(self.stage, wrapped, aliases=self._aliases, accessor=self._accessor)
+        elif any(self._holding.get(n) is not t for n, t in wrapped.items()):
+            self._held.replace(wrapped)
+        self._holding = wrapped
+
+    def release(self) -> None:
+        """The stage's own parameters back in it (the step's schedule is over)."""
+        held, self._held, self._holding = self._held, None, {}
+        if held is not None:
+            held.restore()
 
     def _issued(self) -> list[int]:
         """How many collectives this rank has issued on each peer group."""

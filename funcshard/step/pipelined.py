@@ -306,6 +306,7 @@ class PipelineRun:
             self.schedule.step(*args, target=target if self.last else None)
         finally:
             for m in self.modules.values():
+                m.release()
                 m.leaves, m.regather = {}, None
             if regather is not None:
                 regather.release()
