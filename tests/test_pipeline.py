@@ -130,6 +130,17 @@ def test_a_stage_runs_its_microbatches_on_the_steps_leaves(monkeypatch):
     assert stage.a.weight is module.leaves["a.weight"]
     module.release()
     assert stage.a.weight is stage.b.weight is own["a.weight"] and stage.b.bias is own["b.bias"]
+    # regather=True: a microbatch's gathered params are in the stage during its forward only;
+    # the recomputation in backward raises naming the parameter (before: the stage's own
+    # parameters, other gradients silently)
+    from funcshard.step.units.placeholders import UnitParamsError
+
+    module.regather = object()  # only its presence matters to a stage's run
+    out = module._run((xs[0],), module.leaves)
+    with pytest.raises(UnitParamsError, match=r"stage 0: parameter 'a\.weight'.*regather=False"):
+        out.sum().backward()
+    module.release()
+    assert stage.a.weight is stage.b.weight is own["a.weight"] and stage.b.bias is own["b.bias"]
 
 
 def test_schedules_and_strategies_as_one_process(pool4):

@@ -19,6 +19,7 @@ from funcshard.layout.model_units import tied_aliases
 from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.step.functional import Swap
 from funcshard.step.pipeline_regather import Regather
+from funcshard.step.units.placeholders import Absent
 
 __all__ = ["StageModule", "as_meta", "propagate"]
 
@@ -92,6 +93,7 @@ class StageModule(nn.Module):
         self._accessor = NamedMemberAccessor(stage)
         self._held: Swap | None = None  # the step's leaves in the stage (:meth:`_hold`)
         self._holding: dict[str, torch.Tensor] = {}
+        self._placeholders: dict[str, torch.Tensor] | None = None  # regather: :meth:`_absent`
         self.leaves: dict[str, torch.Tensor] = {}
         self.wrap: Callable[[str, torch.Tensor], torch.Tensor] = _plain  # the model axis's
         self.error: str | None = None
@@ -229,11 +231,31 @@ class StageModule(nn.Module):
         if self.regather is None:  # the step's leaves: held (:meth:`_hold`)
             self._hold(wrapped)
             return self.stage(*inputs)
-        swap = Swap(self.stage, wrapped, aliases=self._aliases, accessor=self._accessor)
+        self._hold(wrapped)
         try:  # this microbatch's gathered params, for its forward only
             return self.stage(*inputs)
         finally:
-            swap.restore()
+            self._hold(self._absent(wrapped))
+
+    def _absent(self, wrapped: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the stage holds between its forwards under ``regather=True``: a placeholder
+        per parameter, whose use (a recomputation in backward: activation checkpointing)
+        raises naming it, where the stage's own parameters would give other gradients
+        silently (the microbatch's gathered ones are gone by then)."""
+        if self._placeholders is None:
+            self._placeholders = {
+                n: Absent(
+                    tuple(t.shape),
+                    t.dtype,
+                    f"pipeline stage {self.index}: parameter {n!r} was read outside the "
+                    "stage's forward under fs.Pipeline(regather=True), where its gathered "
+                    "value is gone (activation checkpointing recomputes the forward in "
+                    "backward); use regather=False (the default), which keeps the step's "
+                    "parameters until the schedule ends",
+                )
+                for n, t in wrapped.items()
+            }
+        return self._placeholders
 
     def _hold(self, wrapped: dict[str, torch.Tensor]) -> None:
         """The step's leaves (as the model axis wraps them) put into the stage until
