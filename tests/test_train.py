@@ -75,6 +75,13 @@ def _flags_config(args: list[str], monkeypatch) -> tuple[trainer.Config, int]:
     return cfg, nproc
 
 
+def _environment() -> dict[str, str]:
+    """This process's environment but for what torch sets itself the first time anything asks
+    for inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, exported for its workers):
+    whether that happens in a test depends on the tests before it."""
+    return {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+
+
 def _pool_train(args: list[str], monkeypatch, pool_of) -> dict[str, Any]:
     """``train.py`` with ``args`` (``--device=cpu`` added) as the script launches it, but on the
     session pools' warm ranks: ``trainer.run`` of the ``Config`` its flags give
@@ -82,9 +89,9 @@ def _pool_train(args: list[str], monkeypatch, pool_of) -> dict[str, Any]:
     result after checking that every rank returned the same one."""
     import helpers_train
 
-    env = dict(os.environ)
+    env = _environment()
     cfg, nproc = _flags_config([*args, "--device=cpu"], monkeypatch)
-    assert dict(os.environ) == env, "train.py's checks changed the environment a pool inherits"
+    assert _environment() == env, "train.py's checks changed the environment a pool inherits"
     results = pool_of(nproc).run(helpers_train.run, cfg)
     assert all(r == results[0] for r in results), results
     return results[0]
