@@ -99,7 +99,8 @@ def edges_worker() -> dict:
       raises at the first step (type, message);
     * "penalty": the same penalty read as ``params["head.weight"]``, scaled by a Python float
       that changes every step: captured ZeRO-3 against eager no_shard (the params' largest
-      relative difference) and the forward graphs compiled after each step."""
+      relative difference) and the forward graphs compiled after each step;
+    * "graph_break" and "two_losses": :func:`_graph_break_runs`, :func:`_two_losses_runs`."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -158,7 +159,38 @@ def edges_worker() -> dict:
     out["penalty"] = models.max_rel_err(runs["optim_grads_params"], runs["no_shard"])
     out["forward_graphs"] = per_step
     out["graph_break"] = _graph_break_runs(mesh)
+    out["two_losses"] = _two_losses_runs(mesh)
     return out if rank == 0 else {}
+
+
+def _two_losses_runs(mesh) -> list[tuple[str, int, int]]:
+    """Captured ZeRO-3 (aot_eager), steps with loss A (a print before the model: the step's
+    graph holds every gathered param to backward, re-gathers none), then B (no break: each
+    bucket re-gathered in backward), then A again (no compile: dynamo runs A's graphs).
+    Per step: the loss, fs.comm_stats' all-gather calls and gathered peak."""
+    import torch.distributed as dist
+
+    import funcshard as fs
+
+    import models
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = models.make_model(n_blocks=2)
+    state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, compile="aot_eager")
+    plain = models.make_loss_fn(model)
+
+    def printing(params, batch):
+        print(end="")  # a graph break before the model
+        return plain(params, batch)
+
+    out = []
+    for step, (name, loss_fn) in enumerate((("A", printing), ("B", plain), ("A", printing))):
+        batch = models.local_batch(models.global_batch(step, 8), rank, world)
+        with fs.comm_stats() as stats:
+            state, _ = fs.train_step(state, batch, loss_fn)
+        out.append((name, stats.calls["all_gather"], stats.gathered_peak))
+    return out
 
 
 class _Printing(torch.nn.Module):

@@ -526,6 +526,10 @@ def test_captured_edges(pool2):
     assert counted == in_graphs == 4, broken["gathers"]
     # graphs compiled again for new shapes replace their frame's (before: 3x the peak)
     assert broken["uneven_peaks"] == broken["peaks"], (broken["uneven_peaks"], broken["peaks"])
+    # a frame compiled for two loss_fns: each step counts the compile that ran (before: the
+    # latest compile's, B's re-gathers and peak reported for A's graphs)
+    a, b, a_again = out["two_losses"]
+    assert a_again == a and a[1] < b[1] and a[2] > b[2] > 0, out["two_losses"]
 
 
 def test_captured_aux_copied_out():

@@ -72,6 +72,7 @@ def compile_fn(
     *,
     constants: str | None = None,
     check: Callable[[Any, list], None] | None = None,
+    on_compiled: Callable[[], Callable[[], None]] | None = None,
 ) -> Callable[..., Any]:
     """``torch.compile(fn)`` with ``backend`` (``CudaGraphs``: inductor's reduce-overhead).
 
@@ -80,7 +81,8 @@ def compile_fn(
     nothing can change them (thousands of int comparisons per call otherwise), and the
     compile's entries are its own (``isolate_recompiles``, where torch has it). ``check``:
     called with each graph dynamo captures and its example inputs before the backend gets it
-    (what it raises reaches the caller)."""
+    (what it raises reaches the caller). ``on_compiled``: called as each graph is compiled (after
+    ``check``), it returns what to call each time that graph runs."""
     kw: dict[str, Any] = {}
     if constants is not None and _ISOLATES:
         # one code object serves every plan: each compile keeps its own entries, so that
@@ -98,24 +100,40 @@ def compile_fn(
         # mode="reduce-overhead" is these options (torch refuses a mode beside options)
         kw["options"] = {**kw.get("options", {}), "triton.cudagraphs": True}
         backend = backend.backend
-    if check is not None:
-        backend = _checked(backend, check)
+    if check is not None or on_compiled is not None:
+        backend = _checked(backend, check, on_compiled)
     return torch.compile(fn, backend=backend, **kw)
 
 
-def _checked(backend: str | Callable[..., Any], check: Callable[[Any, list], None]) -> Callable:
+def _checked(
+    backend: str | Callable[..., Any],
+    check: Callable[[Any, list], None] | None,
+    on_compiled: Callable[[], Callable[[], None]] | None = None,
+) -> Callable:
     """``backend`` (a name or a callable) called after ``check(gm, example_inputs)``; inductor's
-    options (``triton.cudagraphs``) reach it as torch.compile hands them to a callable."""
+    options (``triton.cudagraphs``) reach it as torch.compile hands them to a callable. With
+    ``on_compiled``, the compiled graph calls what it returned before each run."""
 
     def compile_graph(gm: Any, example_inputs: list, **kwargs: Any) -> Any:
-        check(gm, example_inputs)
+        if check is not None:
+            check(gm, example_inputs)
         options = kwargs.pop("options", None)
         if backend == "inductor" and options:
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs, config_patches=options)
-        inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-        return inner(gm, example_inputs, **kwargs)
+            compiled = compile_fx(gm, example_inputs, config_patches=options)
+        else:
+            inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+            compiled = inner(gm, example_inputs, **kwargs)
+        if on_compiled is None:
+            return compiled
+        ran = on_compiled()
+
+        def run(*args: Any) -> Any:
+            ran()
+            return compiled(*args)
+
+        return run
 
     return compile_graph
 

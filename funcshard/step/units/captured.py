@@ -58,6 +58,7 @@ metrics.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -85,7 +86,7 @@ from funcshard.step.summed import Summed
 from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
 from funcshard.step.units.mutation_order import mutation_renames_kept
 from funcshard.step.units.placeholders import UnitParamsError, read_in_capture
-from funcshard.step.units.schedule import Placed, joint_pass
+from funcshard.step.units.schedule import Placed, compile_key, joint_pass
 
 __all__ = ["CapturedGrads", "copied_out"]
 
@@ -286,14 +287,23 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _compiled(layout: Layout, backend: Backend) -> tuple[Callable, Placed]:
-    """The compiled step of ``layout`` and what the joint pass placed in its graphs."""
+    """The compiled step of ``layout`` and what the joint pass placed in its graphs, started
+    for a new call (:meth:`Placed.start`: no graph of it has run yet)."""
     by_backend = _CACHE.setdefault(layout, {})
     key = id(backend) if callable(backend) else backend
     if key not in by_backend:
+        placed = Placed()
         compiled = compile_fn(
-            _captured(layout), backend, constants="plan", check=_model_reads(layout)
+            _captured(layout),
+            backend,
+            constants="plan",
+            check=_model_reads(layout),
+            # each graph, as it runs, says which compile of its frame ran (a frame compiled
+            # again for another loss_fn keeps both: dynamo runs whichever one's guards pass)
+            on_compiled=lambda: functools.partial(placed.ran, compile_key()),
         )
-        by_backend[key] = (compiled, Placed())
+        by_backend[key] = (compiled, placed)
+    by_backend[key][1].start()
     return by_backend[key]
 
 

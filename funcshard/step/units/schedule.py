@@ -38,6 +38,7 @@ from funcshard.distributed.graph_ops import ALL_GATHER_SECTIONS
 
 __all__ = [
     "Placed",
+    "compile_key",
     "joint_pass",
     "place_collectives",
     "GATHER",
@@ -72,39 +73,59 @@ class _Graph(NamedTuple):
 
 @dataclasses.dataclass
 class Placed:
-    """What :func:`place_collectives` placed in a captured step's graphs: one per dynamo
-    frame (a step dynamo broke into several graphs: one frame each, in the order they run),
-    the latest compile of each (a recompile, for new shapes, replaces its frame's entry).
+    """What :func:`place_collectives` placed in a captured step's graphs, per compile (dynamo
+    frame, its compile number), and which compile of each frame ran in the current call.
+
+    A frame compiled more than once (new shapes, another ``loss_fn``) keeps every compile:
+    dynamo runs whichever one's guards pass, so a call's figures are those of the compiles
+    that ran in it (:meth:`ran`, cleared by :meth:`start`), not the latest compile's.
 
     Attributes:
-      regathered: (numel, dtype) of each all-gather the backward graphs run again (its params
-        read by the backward), in graph order.
-      gathered_peak: the most bytes of all-gathered buffers alive at once, each graph run in
-        the order the pass left it (each from its all-gather to the last op that reads its
-        params; in backward, from the first op that needs them again to the last); over the
-        graphs of a step broken by dynamo, each graph's own peak plus what the graphs before
-        it hold from their forward to their backward (a lower bound: the resumed graphs'
-        forward outputs are not counted).
+      graphs: (frame, compile) -> what the pass placed in that compile's graph.
+      running: frame -> the compile of it that ran since :meth:`start`, in run order.
     """
 
-    graphs: dict[int, _Graph] = dataclasses.field(default_factory=dict)
+    graphs: dict[tuple[int, int], _Graph] = dataclasses.field(default_factory=dict)
+    running: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def start(self) -> None:
+        """A new call of the step: no compile has run in it yet."""
+        self.running.clear()
+
+    def ran(self, key: tuple[int, int]) -> None:
+        """The compile ``key`` (frame, compile number) ran (called as its graph is called)."""
+        self.running[key[0]] = key
+
+    def _ran_graphs(self) -> list[_Graph]:
+        keys = sorted(self.running.values())
+        return [self.graphs[k] for k in keys if k in self.graphs]
 
     @property
     def regathered(self) -> list[tuple[int, torch.dtype]]:
-        return [r for _, g in sorted(self.graphs.items()) for r in g.regathered]
+        """(numel, dtype) of each all-gather the backward graphs that ran run again (its
+        params read by the backward), in graph order."""
+        return [r for g in self._ran_graphs() for r in g.regathered]
 
     @property
     def gathered_peak(self) -> int:
+        """The most bytes of all-gathered buffers alive at once in the graphs that ran, each
+        run in the order the pass left it (each from its all-gather to the last op that reads
+        its params; in backward, from the first op that needs them again to the last); over
+        the graphs of a step broken by dynamo, each graph's own peak plus what the graphs
+        before it hold from their forward to their backward (a lower bound: the resumed
+        graphs' forward outputs are not counted)."""
         peak = held = 0
-        for _, g in sorted(self.graphs.items()):
+        for g in self._ran_graphs():
             peak, held = max(peak, held + g.peak), held + g.held
         return peak
 
 
-def _frame() -> int:
-    """The dynamo frame whose graph is being compiled (0 outside dynamo)."""
+def compile_key() -> tuple[int, int]:
+    """(dynamo frame, its compile number) of the graph being compiled ((0, 0) outside dynamo)."""
     compile_id = CompileContext.current_compile_id()
-    return compile_id.frame_id if compile_id is not None else 0
+    if compile_id is None:
+        return (0, 0)
+    return (compile_id.frame_id or 0, compile_id.frame_compile_id or 0)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -384,7 +405,7 @@ def _account(
             intervals.append((min(later), max(later), nbytes))
             val = chain[0].meta["val"]
             regathered.append((val.numel(), val.dtype))
-    placed.graphs[_frame()] = _Graph(tuple(regathered), _peak(intervals), held)
+    placed.graphs[compile_key()] = _Graph(tuple(regathered), _peak(intervals), held)
 
 
 def place_collectives(
