@@ -129,6 +129,7 @@ def _checked(
             return compiled
         ran = on_compiled()
 
+        @functools.wraps(compiled)  # its attributes too (what dynamo may read of it)
         def run(*args: Any) -> Any:
             ran()
             return compiled(*args)
