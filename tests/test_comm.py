@@ -445,7 +445,7 @@ def pieces_worker(shard: int, replicate: int, by_sends: bool) -> list[str]:
         [17],
         [5, 0, 9],
     ]
-    chosen, ops._by_sends = ops._by_sends, lambda local, group: by_sends
+    chosen, ops.gathers_by_sends = ops.gathers_by_sends, lambda device, group: by_sends
     try:
         pending, expected = [], []
         for i, sizes in enumerate(cases):
@@ -473,7 +473,7 @@ def pieces_worker(shard: int, replicate: int, by_sends: bool) -> list[str]:
             if not torch.equal(got[shard * start : shard * (start + n)], want):
                 failures.append(f"after a dropped gather, piece at {start} on rank {rank}")
     finally:
-        ops._by_sends = chosen
+        ops.gathers_by_sends = chosen
     return failures
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "all_gather",
     "all_gather_pieces",
     "gather_in_place",
+    "gathers_by_sends",
     "place_rank_sections",
     "reduce_scatter",
     "all_reduce",
@@ -257,7 +258,7 @@ def all_gather_pieces(
         out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
     assert out.numel() == size * local.numel() and out.dtype == local.dtype, "an all-gather's out"
     record("all_gather", out, axis)
-    if _by_sends(local, group):
+    if gathers_by_sends(local.device, group):
         pending = _gather_by_sends(out, local.contiguous(), sizes, group)
     else:
         gathered = torch.empty_like(out)
@@ -295,9 +296,10 @@ def gather_in_place(out: torch.Tensor, local: torch.Tensor, group: dist.ProcessG
     return _gather_by_sends(out, local, [local.numel()], group).wait()
 
 
-def _by_sends(local: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether :func:`all_gather_pieces` sends the pieces to their place: a CPU gloo group."""
-    return local.device.type == "cpu" and dist.get_backend(group) == "gloo"
+def gathers_by_sends(device: torch.device | str, group: dist.ProcessGroup) -> bool:
+    """Whether a gather on ``device`` over ``group`` sends the sections to their place
+    (:func:`all_gather_pieces`, :func:`gather_in_place`): a CPU gloo group."""
+    return torch.device(device).type == "cpu" and dist.get_backend(group) == "gloo"
 
 
 # The tag of these sends, apart from a user's point-to-point messages on the same group (tag 0

@@ -11,10 +11,11 @@ all-gathers the shard over the shard axis with torch's functional collectives
 its backward concatenates their gradients into rank sections, casts them to the wire
 (``grad_comm_dtype``), divides by the data-parallel size and reduce-scatters it
 (``_c10d_functional.reduce_scatter_tensor``), in the main-grads dtype: the carrier's gradient
-is this rank's reduced shard. On a CPU gloo group the two take the eager step's gloo forms:
-the gather is :func:`funcshard.distributed.graph_ops.all_gather_sections` (each peer's
-section received in place; gloo's functional all-gather copies it twice) and the
-reduce-scatter an all-to-all and a local sum (gloo's is an all-reduce: twice the bytes).
+is this rank's reduced shard. On CPU the two take the eager step's gloo forms, chosen as
+eagerly: on a gloo group the gather is
+:func:`funcshard.distributed.graph_ops.all_gather_sections` (each peer's section received in
+place; gloo's functional all-gather copies it twice), and on CPU the reduce-scatter is an
+all-to-all and a local sum (gloo's is an all-reduce: twice the bytes).
 AOTAutograd splits the result into one forward and one backward graph, collectives inside
 each, for the compiler to fuse, bucket and reorder.
 
@@ -129,13 +130,13 @@ class _Gather(torch.autograd.Function):
     gradient for every element of the bucket)."""
 
     @staticmethod
-    def forward(ctx, buffer, carrier, group, S, leaves, gather, dp, wire, pwire):
+    def forward(ctx, buffer, carrier, group, in_place, S, leaves, gather, dp, wire, pwire):
         ctx.group, ctx.S, ctx.leaves, ctx.dp, ctx.wire = group, S, leaves, dp, wire
         ctx.dtype = carrier.dtype
         if gather and pwire is not None:
-            return _decoded(buffer, group, S, leaves, pwire)
+            return _decoded(buffer, group, in_place, S, leaves, pwire)
         if gather and S > 1:
-            gathered = _all_gather(buffer, S, group).view(S, -1)
+            gathered = _all_gather(buffer, S, group, in_place).view(S, -1)
             pieces = gathered.split([n for _, _, n in leaves], dim=1)
             return tuple(
                 p.reshape(-1)[:numel].view(shape)
@@ -159,14 +160,14 @@ class _Gather(torch.autograd.Function):
         # rank sections: section r holds every leaf's piece r
         x = torch.cat(flats, dim=1).view(-1)
         x = _reduced(x, ctx.group, S, ctx.dp, ctx.wire)
-        return None, x.to(ctx.dtype), None, None, None, None, None, None, None
+        return None, x.to(ctx.dtype), *([None] * 9)
 
 
-def _decoded(buffer, group, S: int, leaves: tuple, pwire: ParamWire) -> tuple:
+def _decoded(buffer, group, in_place: bool, S: int, leaves: tuple, pwire: ParamWire) -> tuple:
     """ZeRO-3's params through a param wire: packed, gathered, decoded once, per leaf."""
     x = buffer if pwire.packed else codec.pack(buffer, pwire.wire, pwire.blocks)
     if S > 1:
-        x = _all_gather(x, S, group)
+        x = _all_gather(x, S, group, in_place)
     full = codec.unpack(x, pwire.wire, pwire.blocks, pwire.count, pwire.compute)
     pieces = full.view(pwire.count, -1).split(list(pwire.sizes), dim=1)
     return tuple(
@@ -175,11 +176,12 @@ def _decoded(buffer, group, S: int, leaves: tuple, pwire: ParamWire) -> tuple:
     )
 
 
-def _all_gather(x: torch.Tensor, S: int, group: str) -> torch.Tensor:
-    """Every shard-axis rank's ``x`` in rank order: on gloo (CPU) funcshard's op receiving the
-    sections in place (:mod:`funcshard.distributed.graph_ops`: gloo's functional all-gather
-    copies them twice), else torch's functional all-gather."""
-    if x.device.type == "cpu":
+def _all_gather(x: torch.Tensor, S: int, group: str, in_place: bool) -> torch.Tensor:
+    """Every shard-axis rank's ``x`` in rank order: where the eager gather sends the sections
+    to their place (``in_place``: a CPU gloo group), funcshard's op doing the same
+    (:mod:`funcshard.distributed.graph_ops`: gloo's functional all-gather copies them twice),
+    else torch's functional all-gather."""
+    if in_place:
         return graph_ops.all_gather_sections(x, S, group)
     return funcol.all_gather_tensor(x, 0, group)
 
@@ -238,13 +240,14 @@ def _captured(layout: Layout) -> Callable[..., Any]:
     dynamo guards on its code and closure, so a loss made anew each step reuses the graphs)."""
     S, gather = layout.shard_size, layout.strategy.shards_params
     group = layout.shard_group.group_name if S > 1 else None
+    in_place = S > 1 and ops.gathers_by_sends(layout.device, layout.shard_group)
     plan = []
     for b in layout.buckets:
         specs = layout.bucket_leaves(b)
         offsets = [sum(s.shard_numel for s in specs[:i]) for i in range(len(specs))]
         assert [s.offset for s in specs] == offsets, "a bucket's leaves packed in order"
         leaves = tuple((s.numel, tuple(s.shape), s.shard_numel) for s in specs)
-        meta = (group, S, leaves, gather, layout.dp_size, _grad_wire(layout, b))
+        meta = (group, in_place, S, leaves, gather, layout.dp_size, _grad_wire(layout, b))
         meta += (_param_wire(layout, b) if gather else None,)
         plan.append((tuple(s.name for s in specs), meta))
 
