@@ -41,6 +41,7 @@ __all__ = [
     "TreeWire",
     "NarrowWire",
     "wire_for",
+    "reduces_by_all_to_all",
     "all_reduce_by_halves",
     "sum_dtype",
 ]
@@ -153,15 +154,20 @@ class RingWire(_Float):
     ) -> Pending:
         if _size(group) == 1:
             return Pending(None, full)
-        if full.device.type == "cpu":
-            # gloo (the CPU backend) reduce-scatters by an all-reduce, twice a ring
-            # reduce-scatter's bytes (measured on a veth link: experiments/bench_nodes.py);
-            # an all-to-all and a local sum move exactly the ring's
+        if reduces_by_all_to_all(full.device):
             return ops.exchange_blocks(full, group, _sum_blocks, axis=axis, kind=kind)
         return ops.reduce_scatter(full, group, axis=axis, async_op=True)
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group, *, axis: Axis | str) -> Pending:
         return ops.all_reduce(tensor.to(self.dtype), group, axis=axis, async_op=True)
+
+
+def reduces_by_all_to_all(device: torch.device) -> bool:
+    """Whether a ring wire's reduce-scatter on ``device`` is an all-to-all and a local sum (the
+    eager step's and the captured step's choice): on CPU, where gloo reduce-scatters by an
+    all-reduce, twice a ring reduce-scatter's bytes (measured on a veth link:
+    experiments/bench_nodes.py); an all-to-all and a local sum move exactly the ring's."""
+    return device.type == "cpu"
 
 
 def _sum_blocks(blocks: torch.Tensor) -> torch.Tensor:

@@ -228,10 +228,9 @@ class StageModule(nn.Module):
     def _run(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
         inputs = _stage_inputs(args, self.cast)
         wrapped = {n: self.wrap(n, t) for n, t in params.items()}
-        if self.regather is None:  # the step's leaves: held (:meth:`_hold`)
-            self._hold(wrapped)
-            return self.stage(*inputs)
         self._hold(wrapped)
+        if self.regather is None:  # the step's leaves: held until :meth:`release`
+            return self.stage(*inputs)
         try:  # this microbatch's gathered params, for its forward only
             return self.stage(*inputs)
         finally:

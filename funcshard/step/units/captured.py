@@ -72,7 +72,7 @@ import torch.distributed._functional_collectives as funcol
 from funcshard.comm import codec
 from funcshard.comm import params as params_lib
 from funcshard.comm.grads import ReplicateAxis
-from funcshard.comm.wires import NarrowWire, wire_for
+from funcshard.comm.wires import NarrowWire, reduces_by_all_to_all, wire_for
 from funcshard.distributed import graph_ops, ops
 from funcshard.layout.layout import Bucket, Layout
 from funcshard.step.compiling import (
@@ -195,9 +195,7 @@ def _reduced(x: torch.Tensor, group, S: int, dp: int, wire: GradWire) -> torch.T
             x = x / dp
         if S == 1:
             return x
-        if x.device.type == "cpu":
-            # gloo reduce-scatters by an all-reduce (twice the ring's bytes, through a copy):
-            # an all-to-all and a local sum, as the eager RingWire does on CPU
+        if reduces_by_all_to_all(x.device):  # as the eager RingWire sums it
             recv = funcol.all_to_all_single(x, None, None, group)
             return recv.view(S, -1).sum(0)
         return funcol.reduce_scatter_tensor(x, "sum", 0, group)
