@@ -51,8 +51,11 @@ flags.DEFINE_integer("d_model", 128, "Width.")
 flags.DEFINE_integer("n_head", 4, "Heads.")
 flags.DEFINE_integer("vocab", 256, "Vocabulary.")
 flags.DEFINE_integer("threads", 1, "torch threads per rank.")
+flags.DEFINE_integer(
+    "shard", 2, "Data-parallel ranks per stage (world = 2 x shard; 1: a core per rank here)."
+)
 
-P, WORLD, LR, MOMENTUM = 2, 4, 1e-3, 0.9
+P, LR, MOMENTUM = 2, 1e-3, 0.9
 
 
 def _model(cfg: dict) -> GPT:
@@ -132,12 +135,12 @@ def funcshard_worker(cfg: dict, run: dict) -> dict:
         stages = fs.pipeline.split(_model(model_cfg), [f"blocks.{cfg['n_layer'] // 2}"])
         pipe = fs.Pipeline(run["schedule"], microbatches=run["microbatches"])
         state = fs.init(stages, opt, mesh=mesh, strategy="optim_grads_params", pipeline=pipe)
-        dp, call = WORLD // P, loss_fn
+        dp, call = run["world"] // P, loss_fn
     else:
         waits, mesh = None, fs.make_mesh(device_type="cpu")
         model = _model(model_cfg)
         state = fs.init(model, opt, mesh=mesh, strategy="optim_grads_params")
-        dp = WORLD
+        dp = run["world"]
 
         def call(params, batch):
             return loss_fn(fs.functional_call(model, params, (batch[0],)), batch[1])
@@ -172,7 +175,7 @@ def torch_worker(cfg: dict, run: dict) -> dict:
     model_cfg = {k: cfg[k] for k in ("vocab", "seq_len", "n_layer", "d_model", "n_head")}
     cls = getattr(schedules, fs.Pipeline(run["schedule"]).torch_class)
     waits = _Waits(cls)
-    mesh = init_device_mesh("cpu", (P, WORLD // P), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh("cpu", (P, run["world"] // P), mesh_dim_names=("pp", "dp"))
     p = mesh["pp"].get_local_rank()
     stage_mod = _torch_stage(_model(model_cfg), p, cfg["n_layer"] // 2)
     for block in stage_mod.blocks:
@@ -181,7 +184,7 @@ def torch_worker(cfg: dict, run: dict) -> dict:
     stage = PipelineStage(stage_mod, p, P, torch.device("cpu"), group=mesh["pp"].get_group())
     sched = cls(stage, run["microbatches"], loss_fn=loss_fn, scale_grads=True)
     opt = torch.optim.SGD(stage_mod.parameters(), lr=LR, momentum=MOMENTUM)
-    dp, dp_rank = WORLD // P, mesh["dp"].get_local_rank()
+    dp, dp_rank = run["world"] // P, mesh["dp"].get_local_rank()
 
     def one(step: int) -> None:
         x, y = _local(step, cfg, dp, dp_rank)
@@ -207,12 +210,13 @@ def main(argv: list[str]) -> None:
         "microbatches": FLAGS.microbatches,
         "steps": FLAGS.steps,
         "threads": FLAGS.threads,
+        "world": P * FLAGS.shard,
     }
     with torch.device("meta"):
         meta = GPT(GPTConfig(tied=False, **{k: v for k, v in cfg.items() if k != "batch"}))
     plan = fs.plan(
         meta,
-        world_size=WORLD,
+        world_size=run["world"],
         strategy="optim_grads_params",
         optimizer="sgd_momentum",
         microbatches=FLAGS.microbatches,
@@ -220,11 +224,11 @@ def main(argv: list[str]) -> None:
         pipeline=P,
         schedule=FLAGS.schedule,
         split=[f"blocks.{FLAGS.n_layer // 2}"],
-        boundary=(FLAGS.batch // (WORLD // P), FLAGS.seq_len, FLAGS.d_model),
+        boundary=(FLAGS.batch // (run["world"] // P), FLAGS.seq_len, FLAGS.d_model),
     )
-    ours = fs.launch(funcshard_worker, cfg, {**run, "pipeline": True}, nproc=WORLD)
-    theirs = fs.launch(torch_worker, cfg, run, nproc=WORLD)
-    zero3 = fs.launch(funcshard_worker, cfg, {**run, "pipeline": False}, nproc=WORLD)
+    ours = fs.launch(funcshard_worker, cfg, {**run, "pipeline": True}, nproc=run["world"])
+    theirs = fs.launch(torch_worker, cfg, run, nproc=run["world"])
+    zero3 = fs.launch(funcshard_worker, cfg, {**run, "pipeline": False}, nproc=run["world"])
     t = {name: max(r["time"] for r in rs) for name, rs in (("ours", ours), ("torch", theirs))}
     t["zero3"] = max(r["time"] for r in zero3)
     bubble = {
@@ -232,14 +236,14 @@ def main(argv: list[str]) -> None:
         for name, rs in (("ours", ours), ("torch", theirs))
     }
     print(
-        f"P={P} x S={WORLD // P}, {FLAGS.schedule}, {FLAGS.microbatches} microbatches, "
+        f"P={P} x S={run['world'] // P}, {FLAGS.schedule}, {FLAGS.microbatches} microbatches, "
         f"batch {FLAGS.batch} x {FLAGS.seq_len}, {cfg}, median of {FLAGS.steps} steps "
         f"(slowest rank), load average {os.getloadavg()[0]:.1f}"
     )
     print(f"{'run':>24} {'step s':>8} {'bubble':>7}")
     print(f"{'funcshard PP + ZeRO-3':>24} {t['ours']:>8.3f} {bubble['ours']:>7.3f}")
     print(f"{'torch PP + fully_shard':>24} {t['torch']:>8.3f} {bubble['torch']:>7.3f}")
-    print(f"{'funcshard ZeRO-3 x 4':>24} {t['zero3']:>8.3f}")
+    print(f"{'funcshard ZeRO-3 x ' + str(run['world']):>24} {t['zero3']:>8.3f}")
     print(f"{'fs.plan bubble':>24} {'':>8} {plan.pipeline.bubble:>7.3f}")
     print(
         f"funcshard / torch = {t['ours'] / t['torch']:.2f}; funcshard PP / ZeRO-3 = "
