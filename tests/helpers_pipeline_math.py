@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 import funcshard as fs
 
@@ -149,20 +150,73 @@ def run_layout(mesh: str, strategy: str, init_kw: dict) -> dict:
 # --- ZeRO-3 gathering per microbatch ------------------------------------------------------------
 
 
-def run_regather(schedule: str, per_rank: int, regather: bool) -> dict:
+VOCAB = 11  # the embedding's rows (EmbedNet)
+
+
+class EmbedNet(hp.Net):
+    """The pipeline tests' MLP with an embedding first (its backward saves the indices, not
+    the weight) and 4 blocks: stage 0 embed + blocks 0-1 (or + block 0 of 4 stages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hp.WIDTH)
+        self.blocks = self.blocks[:4]
+
+
+def _regather_batch(step: int, embed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if not embed:
+        return _batch(step)
+    g = torch.Generator().manual_seed(2000 + 10 * step + dist.get_rank() % 2)
+    return torch.randint(0, VOCAB, (ROWS,), generator=g), torch.randn(ROWS, hp.D_OUT, generator=g)
+
+
+def regather_split(per_rank: int, embed: bool) -> list[str]:
+    """The split points of :func:`run_regather`'s stages (2 per pipeline rank: 4 stages)."""
+    if embed:
+        return [f"blocks.{k}" for k in (1, 2, 3)] if per_rank == 2 else ["blocks.2"]
+    return hp.split_points(2 * per_rank)
+
+
+def regather_plan(schedule: str, per_rank: int, regather: bool, embed: bool, rank: int):
+    """``fs.plan`` of :func:`run_regather`'s run for pipeline rank ``rank``, from a meta model
+    and meta inputs."""
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        net = EmbedNet() if embed else hp.Net()
+        inputs = torch.empty(ROWS, dtype=torch.long) if embed else torch.empty(ROWS, hp.D_IN)
+    return fs.plan(
+        net,
+        world_size=4,
+        strategy="optim_grads_params",
+        optimizer="sgd_momentum",
+        microbatches=hp.MICROBATCHES,
+        device_type="cpu",
+        pipeline=2,
+        schedule=schedule,
+        split=regather_split(per_rank, embed),
+        pipeline_rank=rank,
+        boundary=(ROWS, hp.WIDTH),
+        regather=regather,
+        inputs=inputs,
+    )
+
+
+def run_regather(schedule: str, per_rank: int, regather: bool, embed: bool = False) -> dict:
     """ZeRO-3 at P=2 x S=2 under ``fs.Pipeline(schedule, regather=regather)``: the whole
-    model, metrics, and the all-gathers of steps 1 and 2 (step 0 also runs torch's shape
-    inference through the stages)."""
+    model, metrics, and what steps 1 and 2 move and gather (step 0 also runs torch's shape
+    inference through the stages); ``embed``: :class:`EmbedNet` on token batches."""
     mesh = fs.make_mesh(pipeline=2, device_type="cpu")
-    stages = fs.pipeline.split(hp.make_net(), hp.split_points(2 * per_rank))
+    torch.manual_seed(0)
+    net = EmbedNet() if embed else hp.make_net()
+    stages = fs.pipeline.split(net, regather_split(per_rank, embed))
     pipe = fs.Pipeline(schedule, microbatches=hp.MICROBATCHES, regather=regather)
     opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
     state = fs.init(stages, opt, mesh=mesh, strategy="optim_grads_params", pipeline=pipe)
-    state, m = fs.train_step(state, _batch(0), hp.loss_fn)
+    state, m = fs.train_step(state, _regather_batch(0, embed), hp.loss_fn)
     metrics = [(m["loss"], m["grad_norm"])]
     with fs.comm_stats() as stats:
         for step in range(1, hp.STEPS):
-            state, m = fs.train_step(state, _batch(step), hp.loss_fn)
+            state, m = fs.train_step(state, _regather_batch(step, embed), hp.loss_fn)
             metrics.append((m["loss"], m["grad_norm"]))
     return {
         "full": {n: t.cpu() for n, t in fs.full_params(state).items()},
@@ -171,6 +225,11 @@ def run_regather(schedule: str, per_rank: int, regather: bool) -> dict:
         "gathered_bytes": stats.bytes["all_gather"],
         "buckets": len(state.layout.buckets),
         "stages": state.pipeline.mine,
+        "pipeline_rank": mesh["pipeline"].get_local_rank(),
+        "by_axis": {k: v for k, v in stats.bytes_by_axis.items() if v},
+        "bytes": {k: v for k, v in stats.bytes.items() if v},
+        "calls": {k: v for k, v in stats.calls.items() if v},
+        "peak": stats.gathered_peak,
     }
 
 

@@ -124,6 +124,10 @@ REGATHER_CASES = [
     ("run_regather", "1F1B", 1, False),
     ("run_regather", "ZBVZeroBubble", 2, True),
 ]
+EMBED_CASES = [  # an embedding first (its weight not saved), fs.plan's figures only
+    ("run_regather", "1F1B", 1, True, True),
+    ("run_regather", "ZBVZeroBubble", 2, True, True),
+]
 
 
 def _parity(case: tuple, r: dict, ref: dict) -> None:
@@ -148,13 +152,27 @@ def _check_regather(rank: int, runs: list[dict]) -> None:
     assert zbv["gathers"] > steps * hp.MICROBATCHES * zbv["buckets"], (rank, zbv)
 
 
+def _check_regather_plan(case: tuple, rank: int, r: dict) -> None:
+    """A steady step's bytes per axis and kind, calls and gathered peak (steps 1 and 2)
+    equal to ``fs.plan(..., regather=)``'s, found by running the stages on the meta device."""
+    p = hm.regather_plan(*case[1:4], len(case) > 4, r["pipeline_rank"])
+    steps, what = hp.STEPS - 1, (case, rank)
+    nonzero = lambda d: {k: v * steps for k, v in d.items() if v}  # noqa: E731
+    assert p.pipeline.exact and p.pipeline.regather == case[3], (what, p.pipeline)
+    assert r["by_axis"] == nonzero(p.comm_by_axis), (what, r["by_axis"], p.comm_by_axis)
+    assert r["bytes"] == nonzero(p.comm), (what, r["bytes"], p.comm)
+    assert r["calls"] == nonzero(p.calls), (what, r["calls"], p.calls)
+    assert r["peak"] == p.memory.gathered_peak > 0, (what, r["peak"], p.memory)
+
+
 def test_deterministic_hfsdp_and_regather(pool4):
     """deterministic=True at P=2 x S=2 and P=2 x R=2 (ZeRO-3): bitwise alike (params, loss,
     grad norm) and within 1e-5 of one process; HFSDP (outer_strategy="optim", P=2 x R=2)
     over ZeRO-3 and ZeRO-1 within 1e-5 (the whole model's gradient clipped to norm 1, so the
     update reads the norm's bits too); ZeRO-3 with fs.Pipeline(regather=True) under 1F1B and
-    ZBVZeroBubble within 1e-5, gathering per microbatch."""
-    results = pool4.run(hm.run_cases, LAYOUT_CASES + REGATHER_CASES)
+    ZBVZeroBubble within 1e-5, gathering per microbatch; with and without regather, and with
+    an embedding first, a steady step's bytes, calls and gathered peak equal fs.plan's."""
+    results = pool4.run(hm.run_cases, LAYOUT_CASES + REGATHER_CASES + EMBED_CASES)
     clipped, plain = hm.reference_clipped(), hp.reference(hm.ROWS, 2)
     for k, case in enumerate(LAYOUT_CASES + REGATHER_CASES):
         for r in results:
@@ -163,7 +181,9 @@ def test_deterministic_hfsdp_and_regather(pool4):
         s2, r2 = r[0], r[1]
         assert s2["metrics"] == r2["metrics"], rank
         assert all(torch.equal(s2["full"][n], r2["full"][n]) for n in s2["full"]), rank
-        _check_regather(rank, r[len(LAYOUT_CASES) :])
+        _check_regather(rank, r[len(LAYOUT_CASES) : -len(EMBED_CASES)])
+        for k, case in enumerate(REGATHER_CASES + EMBED_CASES):
+            _check_regather_plan(case, rank, r[len(LAYOUT_CASES) + k])
 
 
 # --- the remaining compositions: optimizers, offload and wires (helpers_pipeline_more) ---------

@@ -49,9 +49,11 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from funcshard.comm import params as params_lib
 from funcshard.layout.strategy import OuterStrategy
 from funcshard.parallel.pipeline import Pipeline, check_stages
 from funcshard.parallel.pipeline_split import merge, split
+from funcshard.planner.regather import regathers
 from funcshard.planner.report import PipelinePlan
 
 __all__ = [
@@ -311,7 +313,8 @@ def add_pipeline_step(
 
 class Setup(NamedTuple):
     """A plan's pipeline, read before its layout: this rank's stages merged (the model to
-    plan), the schedule, every stage and this rank's indices."""
+    plan), the schedule, every stage and this rank's indices, and ``inputs=`` (what
+    ``regather=True`` runs the stages on)."""
 
     model: nn.Module
     pipe: Pipeline
@@ -319,6 +322,7 @@ class Setup(NamedTuple):
     mine: tuple[int, ...]
     rank: int
     size: int
+    inputs: Any = None
 
 
 def setup(
@@ -330,8 +334,10 @@ def setup(
     rank: int,
     world_size: int,
     refused: tuple,
+    regather: tuple[bool, Any] = (False, None),
 ) -> Setup | None:
-    """The plan's :class:`Setup` (None for ``pipeline=1``).
+    """The plan's :class:`Setup` (None for ``pipeline=1``); ``regather``: ``fs.Pipeline``'s
+    ``regather`` and ``inputs=``.
 
     Raises:
       ValueError: ``world_size`` not a multiple of ``pipeline``; an argument ``fs.init``
@@ -352,10 +358,10 @@ def setup(
                 f"plan: pipeline={pipeline} with {name}={value!r} is not supported (fs.init "
                 "refuses it under a pipeline)"
             )
-    pipe = Pipeline(schedule, microbatches=microbatches)
+    pipe = Pipeline(schedule, microbatches=microbatches, regather=bool(regather[0]))
     model, stages, mine = rank_model(params, split_points, pipe, pipeline, rank)
     schedule_order(schedule, pipeline, microbatches, len(stages) // pipeline)  # torch's checks
-    return Setup(model, pipe, stages, mine, rank, pipeline)
+    return Setup(model, pipe, stages, mine, rank, pipeline, regather[1])
 
 
 def finish(
@@ -374,17 +380,18 @@ def finish(
     comm, calls, by_axis = traffic["comm"], traffic["calls"], traffic["comm_by_axis"]
     dp_size = layout.dp_size
     add_pipeline_step(s.pipe, s.mine, n, s.size, boundary_bytes, dp_size, comm, calls, by_axis)
-    timeline = simulate(
-        schedule_order(s.pipe.schedule, s.size, s.pipe.microbatches, n // s.size), n
-    )
+    order = schedule_order(s.pipe.schedule, s.size, s.pipe.microbatches, n // s.size)
+    timeline = simulate(order, n)
     inner = layout.inner
     full = [inner.over(p).shard_size * p.numel for p in inner.buckets]
     grads = sum(f * b.dtypes.grad.itemsize for f, b in zip(full, layout.buckets, strict=True))
-    gathered = memory.gathered_peak
+    gathered, note = memory.gathered_peak, ""
     if layout.strategy.shards_params and inner.shard_size > 1:
         gathered = sum(
             f * b.dtypes.compute.itemsize for f, b in zip(full, layout.buckets, strict=True)
         )
+        if s.pipe.regather:
+            gathered, note = _regather(s, inner, order[s.rank], traffic)
     memory = dataclasses.replace(
         memory,
         grads=grads,
@@ -401,7 +408,35 @@ def finish(
         timeline.bubble_by_rank,
         timeline.in_flight,
         boundary_bytes,
+        s.pipe.regather,
+        not note,
+        note,
     )
+
+
+def _regather(s: Setup, inner: Any, actions: list[Action], traffic: dict) -> tuple[int, str]:
+    """ZeRO-3 under ``regather=True``: each bucket's once-a-step all-gather (counted by the
+    step's collectives) made the steady step's count of them
+    (:func:`funcshard.planner.regather.regathers`); ``(gathered peak, note)``.
+
+    Raises:
+      ValueError: no ``inputs=`` to run the stages on.
+    """
+    if s.inputs is None:
+        raise ValueError(
+            "plan: regather=True under ZeRO-3 needs inputs= (this rank's local batch inputs, "
+            "a tensor or tuple of tensors, meta-device ones do): the plan runs the stages on "
+            "the meta device to find which buckets their backward gathers again"
+        )
+    rg = regathers(s.stages, s.mine, inner, s.inputs, s.pipe.microbatches, actions)
+    for index, bucket in enumerate(inner.buckets):
+        if inner.over(bucket).shard_size > 1:
+            more = rg.counts[index] - 1
+            nbytes = more * params_lib.all_gather_nbytes(inner, bucket)
+            traffic["comm"]["all_gather"] += nbytes
+            traffic["calls"]["all_gather"] += more
+            traffic["comm_by_axis"]["shard"] += nbytes
+    return rg.peak, rg.note
 
 
 def edge_bytes(boundary: Sequence[int] | None, microbatches: int, itemsize: int) -> int:

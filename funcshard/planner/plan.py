@@ -259,10 +259,11 @@ def _step_comm(
     routing: Routing | None,
     model: nn.Module | None = None,
     pipelined: bool = False,
-) -> tuple[dict[str, int], dict[str, int], dict[str, int], int]:
-    """A step's bytes and calls per kind and bytes per axis: the data-parallel collectives,
-    Muon's exchange, the replica groups' all-reduce, the all-to-alls; Muon's owner bytes.
-    ``pipelined``: a pipeline rank's step (reduced as one microbatch, gathered once)."""
+) -> tuple[dict[str, dict[str, int]], int]:
+    """``({"comm", "calls", "comm_by_axis"}, Muon's owner bytes)``: a step's bytes and calls
+    per kind and bytes per axis (in that order): the data-parallel collectives, Muon's
+    exchange, the replica groups' all-reduce, the all-to-alls. ``pipelined``: a pipeline
+    rank's step (reduced as one microbatch, gathered once)."""
     M, gathers = (1, 1) if pipelined else (microbatches, 0)
     comm, calls, by_axis = _comm(layout, M, dims.replicate, dims.dp_size, gathers)
     comm["muon"], calls["muon"], muon_owner, muon_by_axis = muon_exchange(optimizer, layout)
@@ -271,7 +272,7 @@ def _step_comm(
     add_replica_groups(layout, replica_groups, dims.world, comm, calls, by_axis)
     counts = routed_experts(model, routing)
     add_all_to_all(dims.expert, routing, microbatches, comm, calls, by_axis, counts)
-    return comm, calls, by_axis, muon_owner
+    return dict(comm=comm, calls=calls, comm_by_axis=by_axis), muon_owner
 
 
 def _plan_layout(
@@ -341,6 +342,8 @@ def plan(
     pipeline_rank: int = 0,
     boundary: Sequence[int] | None = None,
     compile: bool | str = False,
+    regather: bool = False,
+    inputs: object = None,
 ) -> Plan:
     """Predicts per-rank bytes and per-step communication without running anything.
 
@@ -399,6 +402,14 @@ def plan(
         tensor a stage hands the next for one step of this rank's local batch (rows first,
         in the compute dtype): bytes under "pipeline", ``memory.activations`` and
         ``Plan.pipeline`` (:mod:`funcshard.planner.pipeline`).
+      regather, inputs: ``fs.Pipeline(regather=)`` and, under ZeRO-3 with it True, this
+        rank's local batch inputs (``train_step``'s ``batch[0]``: a tensor or tuple of
+        tensors; meta-device ones do, only shapes and dtypes are read): a steady step's
+        all-gathers (per microbatch in forward, again in backward for the buckets a stage's
+        forward saved a tensor of, and in the zero-bubble schedules' weight backward) and
+        ``memory.gathered_peak`` (a stage's buckets), found by running this rank's stages on
+        the meta device (:mod:`funcshard.planner.regather`; ``Plan.pipeline.exact`` False
+        where one cannot run there). The first step's shape inference gathers more.
       compile: as in ``fs.init`` (checked as it checks it): under ZeRO-2/3 the captured step,
         planned as its graphs move and hold, which is eager's: each bucket's all-gather in
         forward and again in backward (recomputed, not saved), a reduce-scatter per bucket,
@@ -427,7 +438,7 @@ def plan(
     params = unwrapped(params)  # torch.compile(model): the plain model's names, as fs.init
     backend_of(compile, deterministic=deterministic)  # its errors, as fs.init's
     pp = pipeline_lib.setup(params, split, pipeline, schedule, microbatches, pipeline_rank,
-                            world_size, (context, replica_groups))  # fmt: skip
+                            world_size, (context, replica_groups), (regather, inputs))  # fmt: skip
     params, dp = (pp.model if pp else params), world_size // pipeline  # this rank's stages
     dims = mesh_dims(dp, shard, replicate, microbatches, tensor, expert, context)
     pipeline_lib.check_hfsdp(pp, outer_strategy, replicate, dims.shard)
@@ -437,13 +448,12 @@ def plan(
     choices = (policy, strategy, offload_fraction, units, optimizer, deterministic, outer_strategy)
     layout = _plan_layout(table, model, dims, replicate, *choices)
     st = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model, bool(pp))
-    comm, calls, by_axis, muon_owner = st
+    traffic, muon_owner = st
     ex = (context_algorithm, seq_len, batch_size, attention, _itemsize(policy, dtype), microbatches)
-    add_context_exchange(dims.context, *ex, comm, calls, by_axis)
-    buffer_broadcast(model, buffers, dims.dp_size, comm, calls, by_axis)
+    add_context_exchange(dims.context, *ex, *traffic.values())
+    buffer_broadcast(model, buffers, dims.dp_size, *traffic.values())
     memory = _memory(layout, optimizer, device_type, microbatches, muon_owner)
     memory = dataclasses.replace(memory, attention=attention_saved(dims.context, *ex[1:]))
-    traffic = dict(comm=comm, calls=calls, comm_by_axis=by_axis)
     memory, piped = pipeline_lib.finish(pp, layout, memory, (boundary, ex[4]), traffic)
     geometry = _geometry(layout, world_size, dims, replicate, microbatches, tensor)
     return Plan(**geometry, **traffic, memory=memory, pipeline=piped)

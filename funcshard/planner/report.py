@@ -82,6 +82,12 @@ class PipelinePlan:
       bubble_by_rank: each rank's idle fraction of the step.
       in_flight: per rank, the most microbatches whose activations are alive at once.
       boundary_bytes: one microbatch's boundary tensor (0 without ``boundary=``).
+      regather: ZeRO-3 gathering per microbatch (``fs.Pipeline(regather=True)``): the
+        all-gathers and ``memory.gathered_peak`` are a steady step's, found by running this
+        rank's stages on the meta device (:mod:`funcshard.planner.regather`).
+      exact: False where a stage could not run there: its gathers are then counted at most
+        (every bucket it uses in each phase), ``note`` naming the stage and its error.
+      note: why the figures are not exact ("" where they are).
     """
 
     schedule: str
@@ -93,6 +99,9 @@ class PipelinePlan:
     bubble_by_rank: tuple[float, ...]
     in_flight: tuple[int, ...]
     boundary_bytes: int = 0
+    regather: bool = False
+    exact: bool = True
+    note: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,8 +172,10 @@ class Plan:
             rows.append(
                 f"pipeline: {pp.schedule} P={pp.size} rank={pp.rank} stages={pp.stages} "
                 f"microbatches={pp.microbatches} bubble={pp.bubble:.3f} "
-                f"in_flight={pp.in_flight}"
+                f"in_flight={pp.in_flight}" + (" regather=True" if pp.regather else "")
             )
+            if not pp.exact:
+                rows.append(f"  not exact (at most): {pp.note}")
         return "\n".join(rows)
 
 

@@ -25,6 +25,13 @@ from funcshard.step.units.gather import Gatherer
 __all__ = ["Regather", "Gathered"]
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage ``t`` lives in, while that storage is alive: the same for every view of
+    it, on any device (the meta device included, where every data pointer is 0: a plan runs
+    :class:`Regather` there)."""
+    return t.untyped_storage()._cdata
+
+
 class _Saved(NamedTuple):
     """Where a saved tensor lives in a bucket's full buffer."""
 
@@ -90,7 +97,7 @@ class Regather:
     def views(self, bucket: int, full: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter of ``bucket`` inside its full buffer ``full``."""
         S = self.layout.over(self.layout.buckets[bucket]).shard_size
-        self._gathered_now[full.untyped_storage().data_ptr()] = bucket
+        self._gathered_now[_storage_key(full)] = bucket
         return [
             shard_lib.full_view(full, spec, S)
             for spec in self.layout.bucket_leaves(self.layout.buckets[bucket])
@@ -113,9 +120,7 @@ class Regather:
             self._gathered_now.clear()  # the forward's buffers are freed with their last view
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.device.type == "meta":
-            return t
-        bucket = self._gathered_now.get(t.untyped_storage().data_ptr())
+        bucket = self._gathered_now.get(_storage_key(t))
         if bucket is None:
             return t
         self.saved.add(bucket)
