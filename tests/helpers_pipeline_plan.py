@@ -3,12 +3,14 @@ model (``helpers_pipeline``) whose measured bytes and state the test holds to ``
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 import funcshard as fs
 from funcshard.testing import state_bytes
 
 import helpers_pipeline as hp
+import models
 
 STEPS, ROWS = 2, 8  # ROWS per data-parallel rank: 2 a microbatch
 
@@ -42,3 +44,12 @@ def measure(schedule: str, strategy: str, replicate: int, init: dict | None = No
 
 def measure_cases(cases: list[tuple]) -> list[dict]:
     return [measure(*case) for case in cases]
+
+
+class ValueCheck(models.Block):
+    """A block that reads its input's values (a check): the meta device cannot run it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("ValueCheck: a nonfinite input")
+        return super().forward(x)

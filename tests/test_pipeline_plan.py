@@ -124,3 +124,27 @@ def test_bad_pipeline_arguments():
             fs.plan(net, **{**kw, **extra})
     with pytest.raises(ValueError, match="world_size=3 is not a multiple of pipeline=2"):
         fs.plan(net, world_size=3, pipeline=2, split=["blocks.4"])
+
+
+def test_regather_of_a_stage_the_meta_device_cannot_run():
+    """fs.plan(..., regather=True): a stage that reads its input's values does not run on
+    the meta device: its rank's plan says so (``exact`` False, the note naming the stage and
+    its error, the table too) and counts every bucket it uses in forward and backward (at
+    most what it gathers); the other rank's is exact; inputs= missing or of rows the
+    microbatches do not divide is refused, naming it. (Exact figures: test_pipeline_math.)"""
+    with torch.device("meta"):
+        net = hp.Net()
+        net.blocks[5] = hpp.ValueCheck(hp.WIDTH)
+    kw = dict(world_size=4, optimizer="sgd_momentum", microbatches=4, device_type="cpu")
+    kw |= dict(pipeline=2, schedule="1F1B", split=hp.split_points(2), regather=True)
+    x = torch.empty(hpp.ROWS, hp.D_IN, device="meta")
+    p0, p1 = (fs.plan(net, **kw, pipeline_rank=r, inputs=x) for r in (0, 1))
+    assert p0.pipeline.regather and p0.pipeline.exact and p0.pipeline.note == "", p0.pipeline
+    assert not p1.pipeline.exact and "not exact" in p1.table(), p1.pipeline
+    assert "stage 1 does not run on the meta device" in p1.pipeline.note, p1.pipeline.note
+    assert p1.calls["all_gather"] == 4 * 2 * p1.buckets, p1.calls  # forward + backward, each
+    assert p0.calls["all_gather"] == 4 * (2 * p0.buckets - 1), p0.calls  # embed's: no input grad
+    with pytest.raises(ValueError, match=r"regather=True under ZeRO-3 needs inputs="):
+        fs.plan(net, **kw)
+    with pytest.raises(ValueError, match=r"inputs= of shape \(6, 5\).*microbatches=4"):
+        fs.plan(net, **kw, inputs=torch.empty(6, hp.D_IN, device="meta"))

@@ -417,17 +417,8 @@ def finish(
 def _regather(s: Setup, inner: Any, actions: list[Action], traffic: dict) -> tuple[int, str]:
     """ZeRO-3 under ``regather=True``: each bucket's once-a-step all-gather (counted by the
     step's collectives) made the steady step's count of them
-    (:func:`funcshard.planner.regather.regathers`); ``(gathered peak, note)``.
-
-    Raises:
-      ValueError: no ``inputs=`` to run the stages on.
-    """
-    if s.inputs is None:
-        raise ValueError(
-            "plan: regather=True under ZeRO-3 needs inputs= (this rank's local batch inputs, "
-            "a tensor or tuple of tensors, meta-device ones do): the plan runs the stages on "
-            "the meta device to find which buckets their backward gathers again"
-        )
+    (:func:`funcshard.planner.regather.regathers`, which raises where ``inputs=`` is
+    missing or wrong); ``(gathered peak, note)``."""
     rg = regathers(s.stages, s.mine, inner, s.inputs, s.pipe.microbatches, actions)
     for index, bucket in enumerate(inner.buckets):
         if inner.over(bucket).shard_size > 1:

@@ -99,6 +99,8 @@ def _forward(module: StageModule, args: tuple, first: bool) -> tuple[tuple, list
         for t in args
     ]
     out = module(*inputs)
+    if module.error is not None:  # it raised, and handed on its stand-in
+        raise RuntimeError(module.error)
     return tuple(optree.tree_leaves(out)), inputs
 
 
@@ -158,18 +160,24 @@ def stage_phases(
         buffers = Swap(stages[i], {n: as_meta(b) for n, b in stages[i].named_buffers()})
         try:
             if x is None:
-                raise RuntimeError(f"stage {i - 1} does not run on the meta device")
+                raise RuntimeError("its input is not known: a stage before it does not run")
             found[i] = _phases(module, rg, x, (i == 0, i == len(stages) - 1), split)
         except Exception as e:  # noqa: BLE001 (the plan says so, and counts at most)
             every = tuple(sorted({rg.bucket_of[n] for n in module.names}))
             found[i] = Phases(every, every, every, every)
-            notes.append(f"stage {i}: {module.error or traceback.format_exception_only(e)[-1]}")
+            error = module.error or "".join(traceback.format_exception_only(e))
+            notes.append(f"stage {i} does not run on the meta device: {_last_line(error)}")
         finally:
             module.release()
             buffers.restore()
             rg.gathered = []
             rg.release()
-    return found, "; ".join(n.strip() for n in notes)
+    return found, "; ".join(notes)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "?"
 
 
 def regathers(
@@ -183,7 +191,13 @@ def regathers(
     """A steady step's gathers per bucket of ``layout`` (the inner layout: ZeRO-3's), for
     this rank's ``actions`` (:class:`~funcshard.planner.pipeline.Action`) of its stages
     ``mine`` (module docstring), and the most gathered bytes alive at once: a stage's forward
-    holds every bucket it uses at once (its backward a part of them)."""
+    holds every bucket it uses at once (its backward a part of them).
+
+    Raises:
+      ValueError: ``inputs`` missing, not a tensor or tuple of tensors, or of rows not a
+        multiple of ``microbatches``.
+    """
+    _check_inputs(inputs, microbatches)
     split = any(a.kind in "IW" for a in actions)
     phases, note = stage_phases(stages, mine, layout, inputs, microbatches, split)
     counts = dict.fromkeys(range(len(layout.buckets)), 0)
@@ -198,3 +212,22 @@ def regathers(
 
     peak = max(sum(full(b) for b in set(bs)) for p in phases.values() for bs in p)
     return Regathers(counts, peak, note)
+
+
+def _check_inputs(inputs: Any, microbatches: int) -> None:
+    """Raises ValueError where ``inputs`` cannot be run as ``train_step``'s inputs."""
+    why = (
+        "plan: regather=True under ZeRO-3 needs inputs= (this rank's local batch inputs, "
+        "train_step's batch[0]: a tensor or tuple of tensors, meta-device ones do): the plan "
+        "runs the stages on the meta device to find which buckets their backward gathers "
+        "again; got "
+    )
+    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    if not args or not all(isinstance(t, torch.Tensor) for t in args):
+        raise ValueError(why + repr(inputs))
+    for t in args:
+        if t.dim() == 0 or t.shape[0] % microbatches:
+            raise ValueError(
+                f"plan: inputs= of shape {tuple(t.shape)}: its rows (dim 0) are not a multiple "
+                f"of microbatches={microbatches} (train_step refuses it)"
+            )
