@@ -131,7 +131,8 @@ def test_regather_of_a_stage_the_meta_device_cannot_run():
     the meta device: its rank's plan says so (``exact`` False, the note naming the stage and
     its error, the table too) and counts every bucket it uses in forward and backward (at
     most what it gathers); the other rank's is exact; inputs= missing or of rows the
-    microbatches do not divide is refused, naming it. (Exact figures: test_pipeline_math.)"""
+    microbatches do not divide, and regather without a pipeline, are refused, naming them.
+    (The exact figures against a run: test_pipeline_math.)"""
     with torch.device("meta"):
         net = hp.Net()
         net.blocks[5] = hpp.ValueCheck(hp.WIDTH)
@@ -148,3 +149,5 @@ def test_regather_of_a_stage_the_meta_device_cannot_run():
         fs.plan(net, **kw)
     with pytest.raises(ValueError, match=r"inputs= of shape \(6, 5\).*microbatches=4"):
         fs.plan(net, **kw, inputs=torch.empty(6, hp.D_IN, device="meta"))
+    with pytest.raises(ValueError, match=r"regather= without pipeline=P > 1"):
+        fs.plan(net, world_size=2, regather=True, inputs=x)

@@ -24,7 +24,8 @@ data-parallel sub-world of ``world_size / P`` ranks, plus what the schedule adds
     1)``.
 
 The step's own collectives are those of a ZeRO-0/1 step of one microbatch over the
-sub-world (the gradients reduced once a step, ZeRO-3's parameters gathered once a step;
+sub-world (the gradients reduced once a step, ZeRO-3's parameters gathered once a step, or
+per microbatch under ``regather=True``: :mod:`funcshard.planner.regather`;
 ``deterministic=True``: the norm's row sums all-gathered as without a pipeline; HFSDP: the
 reduce-scatter over "replicate" and the masters' all-gather), and the step's agreements
 over every rank ("world", kind "metrics"): before the schedule one all-reduce of 5 float64
@@ -347,8 +348,9 @@ def setup(
     if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
         raise ValueError(f"plan: pipeline must be an int >= 1, got {pipeline!r}")
     if pipeline == 1:
-        if split_points is not None:
-            raise ValueError("plan: split= without pipeline=P > 1")
+        for name, value in (("split", split_points), ("regather", regather[0] or None)):
+            if value is not None:
+                raise ValueError(f"plan: {name}= without pipeline=P > 1")
         return None
     if world_size % pipeline:
         raise ValueError(f"plan: world_size={world_size} is not a multiple of pipeline={pipeline}")
@@ -371,7 +373,8 @@ def finish(
     ``(plan's boundary=, the compute dtype's itemsize)``. The step's sends and agreement
     added to the bytes; the
     memory's gradients (every bucket's full unreduced sections: the stages' leaves hold the
-    step's sum), ZeRO-3's gathered peak (every bucket at once: gathered once a step) and the
+    step's sum), ZeRO-3's gathered peak (every bucket at once: gathered once a step; the
+    largest stage's under ``regather=True``, its gathers counted by :func:`_regather`) and the
     in-flight activations (this rank's peak microbatches in flight x ``boundary_bytes``)."""
     if s is None:
         return memory, None
