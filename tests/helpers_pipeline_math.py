@@ -204,7 +204,8 @@ def regather_plan(schedule: str, per_rank: int, regather: bool, embed: bool, ran
 def run_regather(schedule: str, per_rank: int, regather: bool, embed: bool = False) -> dict:
     """ZeRO-3 at P=2 x S=2 under ``fs.Pipeline(schedule, regather=regather)``: the whole
     model, metrics, and what steps 1 and 2 move and gather (step 0 also runs torch's shape
-    inference through the stages); ``embed``: :class:`EmbedNet` on token batches."""
+    inference through the stages); ``embed``: :class:`EmbedNet` on token batches, steps 0
+    and 1 only."""
     mesh = fs.make_mesh(pipeline=2, device_type="cpu")
     torch.manual_seed(0)
     net = EmbedNet() if embed else hp.make_net()
@@ -215,7 +216,7 @@ def run_regather(schedule: str, per_rank: int, regather: bool, embed: bool = Fal
     state, m = fs.train_step(state, _regather_batch(0, embed), hp.loss_fn)
     metrics = [(m["loss"], m["grad_norm"])]
     with fs.comm_stats() as stats:
-        for step in range(1, hp.STEPS):
+        for step in range(1, 2 if embed else hp.STEPS):
             state, m = fs.train_step(state, _regather_batch(step, embed), hp.loss_fn)
             metrics.append((m["loss"], m["grad_norm"]))
     return {
@@ -230,6 +231,7 @@ def run_regather(schedule: str, per_rank: int, regather: bool, embed: bool = Fal
         "bytes": {k: v for k, v in stats.bytes.items() if v},
         "calls": {k: v for k, v in stats.calls.items() if v},
         "peak": stats.gathered_peak,
+        "steady_steps": len(metrics) - 1,
     }
 
 

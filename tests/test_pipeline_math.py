@@ -153,10 +153,10 @@ def _check_regather(rank: int, runs: list[dict]) -> None:
 
 
 def _check_regather_plan(case: tuple, rank: int, r: dict) -> None:
-    """A steady step's bytes per axis and kind, calls and gathered peak (steps 1 and 2)
-    equal to ``fs.plan(..., regather=)``'s, found by running the stages on the meta device."""
+    """A steady step's bytes per axis and kind, calls and gathered peak (steps 1 and 2, or
+    1) equal to ``fs.plan(..., regather=)``'s, found by running the stages on the meta device."""
     p = hm.regather_plan(*case[1:4], len(case) > 4, r["pipeline_rank"])
-    steps, what = hp.STEPS - 1, (case, rank)
+    steps, what = r["steady_steps"], (case, rank)
     nonzero = lambda d: {k: v * steps for k, v in d.items() if v}  # noqa: E731
     assert p.pipeline.exact and p.pipeline.regather == case[3], (what, p.pipeline)
     assert r["by_axis"] == nonzero(p.comm_by_axis), (what, r["by_axis"], p.comm_by_axis)
@@ -181,7 +181,7 @@ def test_deterministic_hfsdp_and_regather(pool4):
         s2, r2 = r[0], r[1]
         assert s2["metrics"] == r2["metrics"], rank
         assert all(torch.equal(s2["full"][n], r2["full"][n]) for n in s2["full"]), rank
-        _check_regather(rank, r[len(LAYOUT_CASES) : -len(EMBED_CASES)])
+        _check_regather(rank, r[len(LAYOUT_CASES) : len(LAYOUT_CASES) + len(REGATHER_CASES)])
         for k, case in enumerate(REGATHER_CASES + EMBED_CASES):
             _check_regather_plan(case, rank, r[len(LAYOUT_CASES) + k])
 
