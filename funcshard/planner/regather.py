@@ -31,11 +31,6 @@ from typing import Any, NamedTuple
 import optree
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import (
-    stage_backward,
-    stage_backward_input,
-    stage_backward_weight,
-)
 
 from funcshard.layout.layout import Layout
 from funcshard.layout.policy import MixedPrecisionPolicy
@@ -118,20 +113,22 @@ def _phases(
 ) -> Phases:
     """One microbatch of the stage through the step's code (module docstring); ``place``:
     (first stage, last stage); ``split``: whether the schedule splits its backward."""
+    from torch.distributed.pipelining import _backward as torch_backward  # loads pipelining
+
     first, last = place
     outputs, inputs = _forward(module, args, first)
     forward = rg.noted()
     seed, grads = _seed(outputs, last)
-    stage_backward(seed[0] if last else seed, grads, inputs)  # torch: the loss itself
+    torch_backward.stage_backward(seed[0] if last else seed, grads, inputs)  # torch: the loss
     full = rg.noted()
     if not split or first:  # torch's first stage: no input backward, a full weight one
         return Phases(forward, full, (), full)
     outputs, inputs = _forward(module, args, first)
     rg.noted()
     seed, grads = _seed(outputs, last)
-    _, groups = stage_backward_input(seed, grads, inputs, module.parameters())
+    _, groups = torch_backward.stage_backward_input(seed, grads, inputs, module.parameters())
     input_ = rg.noted()
-    stage_backward_weight(module.parameters(), groups)
+    torch_backward.stage_backward_weight(module.parameters(), groups)
     return Phases(forward, full, input_, rg.noted())
 
 
