@@ -142,6 +142,7 @@ def test_regather_of_a_stage_the_meta_device_cannot_run():
     p0, p1 = (fs.plan(net, **kw, pipeline_rank=r, inputs=x) for r in (0, 1))
     assert p0.pipeline.regather and p0.pipeline.exact and p0.pipeline.note == "", p0.pipeline
     assert not p1.pipeline.exact and "not exact" in p1.table(), p1.pipeline
+    assert "a steady step's gathers" in p0.table(), p0.table()
     assert "stage 1 does not run on the meta device" in p1.pipeline.note, p1.pipeline.note
     assert p1.calls["all_gather"] == 4 * 2 * p1.buckets, p1.calls  # forward + backward, each
     assert p0.calls["all_gather"] == 4 * (2 * p0.buckets - 1), p0.calls  # embed's: no input grad

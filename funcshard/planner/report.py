@@ -172,8 +172,13 @@ class Plan:
             rows.append(
                 f"pipeline: {pp.schedule} P={pp.size} rank={pp.rank} stages={pp.stages} "
                 f"microbatches={pp.microbatches} bubble={pp.bubble:.3f} "
-                f"in_flight={pp.in_flight}" + (" regather=True" if pp.regather else "")
+                f"in_flight={pp.in_flight}"
             )
+            if pp.regather:
+                rows.append(
+                    "  regather=True: a steady step's gathers (the first step's shape "
+                    "inference gathers more)"
+                )
             if not pp.exact:
                 rows.append(f"  not exact (at most): {pp.note}")
         return "\n".join(rows)
