@@ -304,6 +304,23 @@ def overlap_worker() -> list:
     return [*out, warned]
 
 
+def _matmuls_in_flight(prof) -> list[int]:
+    """Per started gather (``funcshard::all_gather_sections_start``, in run order), the
+    matmuls the rank ran before its wait: the compute the gather overlapped."""
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    counts: list[int] = []
+    open_ = False
+    for e in events:
+        if e.name == "funcshard::all_gather_sections_start":
+            counts.append(0)
+            open_ = True
+        elif e.name == "funcshard::all_gather_sections_wait":
+            open_ = False
+        elif open_ and e.name in ("aten::mm", "aten::addmm"):
+            counts[-1] += 1
+    return counts
+
+
 class _InductorGraphs:
     """An inductor post-grad pass recording, per graph it compiles ("forward" or "backward":
     a backward graph takes tangents), its all-gathers and reduce-scatters in order and
@@ -401,9 +418,15 @@ def _inductor_runs(rows: int, microbatches: int, steps: int) -> dict:
             fs.comm_stats() as stats,
         ):
             state, history = models.train(
-                state, model, range(steps), rows=rows, microbatches=microbatches
+                state, model, range(steps - 1), rows=rows, microbatches=microbatches
             )
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                state, last = models.train(  # a step compiled already: what it overlaps
+                    state, model, [steps - 1], rows=rows, microbatches=microbatches
+                )
+            history += last
         out[compile or "eager"] = {
+            "overlapped": _matmuls_in_flight(prof),
             "params": fs.full_params(state),
             "losses": [m["loss"] for m in history],
             "graphs": graphs.graphs,

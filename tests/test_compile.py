@@ -619,11 +619,17 @@ def test_inductor_regathers_uneven_rows(pool2):
         kinds = [g["kind"] for g in compiled["graphs"]]
         assert kinds.count("forward") == kinds.count("backward") >= 1, kinds
         for g in compiled["graphs"]:  # each bucket gathered in forward, and again in backward
-            assert g["collectives"].count("all_gather_sections") == n, g
+            assert g["collectives"].count("all_gather_sections_start") == n, g
             assert g["saved_gathered"] == 0, g
             if g["kind"] == "backward":
                 assert g["collectives"].count("all_to_all_single") == n, g
         assert compiled["bytes"] == eager["bytes"], (compiled["bytes"], eager["bytes"])
+        # each graph's gathers but its first started one bucket ahead: a matmul ran while
+        # each was in flight (funcshard.step.units.prefetch), in forward and in backward
+        # (the last step's: its forward and backward graph)
+        overlapped = compiled["overlapped"]
+        assert len(overlapped) == 2 * n and eager["overlapped"] == [], overlapped
+        assert overlapped[0] == overlapped[n] == 0 < min(overlapped[1:n] + overlapped[n + 1 :])
         # the overlap passes ran, each graph's collectives left in its own (lowering) order;
         # the forward's gathers are funcshard's on gloo, which the passes do not move (none)
         assert len(out["scheduled"]) == len(compiled["graphs"]), out["scheduled"]

@@ -9,17 +9,33 @@ section out of it: two copies of the gathered bytes a call that the eager step d
 AOTAutograd trace it, inductor calls it as an extern kernel): the same values, the bytes
 received where they belong. It returns when the sections have arrived (no separate wait: the
 compiler's overlap passes, which move only functional collectives, do not see it).
+
+:func:`all_gather_sections_start` and :func:`all_gather_sections_wait` are the same gather
+in two ops, so that a graph can issue a bucket's gather before the compute it overlaps
+(:mod:`funcshard.step.units.prefetch`): the start posts the sends and returns a ticket (eight
+bytes: the graph's memory planning sees no buffer held from the start), the wait redeems it
+for the gathered sections. The start's ``after``, not read, orders the gathers in the graph
+(every rank posts its sends in the same order).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from funcshard.distributed.ops import gather_in_place
+from funcshard.distributed.ops import Pending, gather_in_place
 
-__all__ = ["all_gather_sections", "ALL_GATHER_SECTIONS"]
+__all__ = [
+    "all_gather_sections",
+    "all_gather_sections_start",
+    "ALL_GATHER_SECTIONS",
+    "ALL_GATHER_SECTIONS_START",
+    "ALL_GATHER_SECTIONS_WAIT",
+    "all_gather_sections_wait",
+]
 
 
 @torch.library.custom_op("funcshard::all_gather_sections", mutates_args=())
@@ -38,5 +54,53 @@ def _(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:  #
     return shard.new_empty(group_size * shard.numel())
 
 
-# the op as a graph node's target
+@torch.library.custom_op("funcshard::all_gather_sections_start", mutates_args=())
+def all_gather_sections_start(
+    shard: torch.Tensor, after: torch.Tensor | None, group_size: int, group_name: str
+) -> torch.Tensor:
+    """Starts :func:`all_gather_sections`; returns its ticket, a one-element int64 tensor
+    that :func:`all_gather_sections_wait` redeems (``after`` is not read)."""
+    del after
+    group = _resolve_process_group(group_name)
+    assert dist.get_world_size(group) == group_size, (group_name, group_size)
+    while _IN_FLIGHT:  # left by a graph that raised between a start and its wait
+        _IN_FLIGHT.popitem()[1].discard()
+    out = shard.new_empty(group_size * shard.numel())
+    ticket = next(_TICKETS)
+    _IN_FLIGHT[ticket] = gather_in_place(out, shard.contiguous(), group, async_op=True)
+    return torch.tensor([ticket], dtype=torch.int64)
+
+
+@all_gather_sections_start.register_fake
+def _(
+    shard: torch.Tensor,
+    after: torch.Tensor | None,  # noqa: ARG001
+    group_size: int,  # noqa: ARG001
+    group_name: str,  # noqa: ARG001
+) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("funcshard::all_gather_sections_wait", mutates_args=())
+def all_gather_sections_wait(
+    ticket: torch.Tensor, shard: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The gathered sections of the start that gave ``ticket`` (``shard``, its input, is an
+    input here too so that a graph keeps it until the sends are done)."""
+    del shard, group_size
+    return _IN_FLIGHT.pop(int(ticket)).wait()
+
+
+@all_gather_sections_wait.register_fake
+def _(ticket: torch.Tensor, shard: torch.Tensor, group_size: int) -> torch.Tensor:  # noqa: ARG001
+    return shard.new_empty(group_size * shard.numel())
+
+
+# gathers started and not yet waited for, by ticket (at most one per graph at a time)
+_IN_FLIGHT: dict[int, Pending] = {}
+_TICKETS = itertools.count()
+
+# the ops as graph nodes' targets
 ALL_GATHER_SECTIONS = torch.ops.funcshard.all_gather_sections.default
+ALL_GATHER_SECTIONS_START = torch.ops.funcshard.all_gather_sections_start.default
+ALL_GATHER_SECTIONS_WAIT = torch.ops.funcshard.all_gather_sections_wait.default

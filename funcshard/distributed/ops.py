@@ -289,11 +289,15 @@ def _rank_pieces(out: torch.Tensor, sizes: list[int], size: int) -> list[torch.T
     return [out[size * o : size * (o + n)].view(size, n) for o, n in pairs]
 
 
-def gather_in_place(out: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup):
+def gather_in_place(
+    out: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
+):
     """Every rank's contiguous 1-D ``local`` into ``out`` in group rank order, each peer's
     section received in place by point-to-point sends (a CPU gloo group); returns ``out``
-    once they have arrived. Counts nothing (the caller counts its gather)."""
-    return _gather_by_sends(out, local, [local.numel()], group).wait()
+    once they have arrived (``async_op``: a :class:`Pending` of it, ``local`` kept alive
+    until then). Counts nothing (the caller counts its gather)."""
+    pending = _gather_by_sends(out, local, [local.numel()], group)
+    return pending if async_op else pending.wait()
 
 
 def gathers_by_sends(device: torch.device | str, group: dist.ProcessGroup) -> bool:

@@ -46,6 +46,7 @@ __all__ = [
     "compile_units",
     "model_of",
     "overlap_config",
+    "overlaps",
     "unwrapped",
 ]
 
@@ -197,12 +198,18 @@ def model_of(layout: Any) -> nn.Module | None:
     return entry[0]() if entry is not None else None
 
 
+def overlaps(layout: Any, backend: Backend) -> bool:
+    """Whether ``layout``'s captured step overlaps its collectives with compute: ``fs.init``
+    asked for it (``overlap=True``, the default) and inductor compiles."""
+    entry = _CAPTURES.get(layout)
+    inductor = backend == "inductor" or isinstance(backend, CudaGraphs)
+    return entry is not None and entry[1] and inductor
+
+
 def overlap_config(layout: Any, backend: Backend) -> contextlib.AbstractContextManager:
     """Around a captured call: inductor's overlap passes (:data:`OVERLAP`) where ``fs.init``
     asked for them (``overlap=True``, the default) and inductor compiles."""
-    entry = _CAPTURES.get(layout)
-    inductor = backend == "inductor" or isinstance(backend, CudaGraphs)
-    if entry is None or not entry[1] or not inductor:
+    if not overlaps(layout, backend):
         return contextlib.nullcontext()
     import torch._inductor.config
     import torch._inductor.config_comms as comms

@@ -81,9 +81,11 @@ from funcshard.step.compiling import (
     compile_fn,
     model_of,
     overlap_config,
+    overlaps,
 )
 from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.summed import Summed
+from funcshard.step.units import prefetch
 from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
 from funcshard.step.units.mutation_order import mutation_renames_kept
 from funcshard.step.units.placeholders import UnitParamsError, read_in_capture
@@ -367,6 +369,8 @@ def _compiling(layout: Layout, backend: Backend) -> contextlib.ExitStack:
     their collective's wait (:mod:`funcshard.step.units.mutation_order`)."""
     stack = contextlib.ExitStack()
     stack.enter_context(overlap_config(layout, backend))
+    if overlaps(layout, backend):  # a CPU gloo group's gathers one bucket ahead
+        stack.enter_context(prefetch.installed())
     stack.enter_context(mutation_renames_kept())
     return stack
 
