@@ -23,6 +23,13 @@ Carried: persistent plain-tensor buffers (what ``model.state_dict()`` holds besi
 params). Not carried: non-persistent buffers (``persistent=False``: derived, such as rotary
 frequencies) and DTensor buffers. An unfilled state's (meta-device) model's buffers are
 carried too: ``fs.restore`` gives them the checkpoint's values on the state's device.
+
+Under a pipeline the model is the merge of this rank's stages (read, never run) and the
+buffers live in the stages that run them: ``stages`` (this rank's). A buffer is read from the
+first of them holding it (on a module every stage keeps, the root, each stage holds it) and
+:meth:`ModelBuffers.load` puts a value into every one of them and the merge: a stage module
+the split copied (the root, a cut container) is not the merge's, so a buffer given to the
+merge alone (a meta-device model's, made by a restore) would never reach the stage.
 """
 
 from __future__ import annotations
@@ -59,10 +66,15 @@ class ModelBuffers:
     model: nn.Module | None = None
     names: tuple[str, ...] = ()
     mode: str = "broadcast"  # fs.init's buffers: what keeps the ranks' values agreeing
+    # under a pipeline: per buffer, this rank's stages holding it (see the module docstring)
+    holders: dict[str, tuple[nn.Module, ...]] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, model: nn.Module, mode: str = "broadcast") -> ModelBuffers:
-        """The persistent plain-tensor buffers of ``model`` (see the module docstring).
+    def of(
+        cls, model: nn.Module, mode: str = "broadcast", stages: tuple[nn.Module, ...] = ()
+    ) -> ModelBuffers:
+        """The persistent plain-tensor buffers of ``model`` (see the module docstring);
+        ``stages``: under a pipeline, this rank's stages (``model`` their merge).
 
         Raises:
           TypeError: a buffer of a dtype no checkpoint can hold (named, with its dtype).
@@ -82,12 +94,34 @@ class ModelBuffers:
                     + ", ".join(str(d).removeprefix("torch.") for d in ZARR_DTYPE)
                     + "); register it with persistent=False, or keep it in one of those"
                 )
-        return cls(model, tuple(names), mode)
+        holders = {n: tuple(s for s in stages if _holds(s, n)) for n in names}
+        return cls(model, tuple(names), mode, {n: h for n, h in holders.items() if h})
 
     def get(self, name: str) -> torch.Tensor:
-        """Buffer ``name``'s tensor as the model holds it now (it may have been reassigned)."""
+        """Buffer ``name``'s tensor as the model (under a pipeline: the first of this rank's
+        stages holding it) holds it now (it may have been reassigned)."""
         assert self.model is not None
-        return self.model.get_buffer(name)
+        return self._trees(name)[0].get_buffer(name)
+
+    def _trees(self, name: str) -> tuple[nn.Module, ...]:
+        """The module trees holding buffer ``name``: the stages running it, then the model."""
+        assert self.model is not None
+        return (*self.holders.get(name, ()), self.model)
+
+    @torch.no_grad()
+    def load(self, name: str, value: torch.Tensor, device: torch.device | None = None) -> None:
+        """``value`` into buffer ``name`` of every tree holding it: copied in place where a
+        tree's tensor has its shape and dtype and is not on the meta device, else ``value``
+        (moved to ``device``, the tree's tensor's when None) put in its place."""
+        for tree in self._trees(name):
+            buf = tree.get_buffer(name)
+            if buf.device.type != "meta" and buf.shape == value.shape and buf.dtype == value.dtype:
+                if buf is not value:
+                    buf.copy_(value)
+                continue
+            owner, _, leaf = name.rpartition(".")
+            where = device if device is not None else buf.device
+            setattr(tree.get_submodule(owner), leaf, value.to(where))
 
     def values(self) -> dict[str, torch.Tensor]:
         """Every carried buffer's current tensor (the model's own, not a copy)."""
@@ -102,17 +136,11 @@ class ModelBuffers:
         """A copy of every carried buffer's values (before a step that may be undone)."""
         return {n: t.detach().clone() for n, t in self.values().items()}
 
-    @torch.no_grad()
     def put_back(self, kept: dict[str, torch.Tensor]) -> None:
-        """The values of :meth:`snapshot` copied back into the model's buffers, in place."""
-        assert self.model is not None
+        """The values of :meth:`snapshot` copied back into the model's buffers, in place (a
+        buffer the step reassigned: the tensor it was before, as it was)."""
         for n, t in kept.items():
-            buf = self.get(n)
-            if buf.shape == t.shape and buf.dtype == t.dtype:
-                buf.copy_(t)
-            else:  # the step reassigned it: the tensor it was before, as it was
-                owner, _, leaf = n.rpartition(".")
-                setattr(self.model.get_submodule(owner), leaf, t)
+            self.load(n, t)
 
     @torch.no_grad()
     def broadcast(self, group: dist.ProcessGroup, device: torch.device) -> None:
@@ -129,6 +157,14 @@ class ModelBuffers:
             # a part's offset in the bytes need not suit its dtype (an int64 counter after 12
             # bytes of floats): a copy of it starts aligned
             t.copy_(part.clone().view(t.dtype).reshape(t.shape))
+
+
+def _holds(tree: nn.Module, name: str) -> bool:
+    try:
+        tree.get_buffer(name)
+    except AttributeError:  # another stage's module (removed: an nn.Identity, or dropped)
+        return False
+    return True
 
 
 NO_BUFFERS = ModelBuffers()
