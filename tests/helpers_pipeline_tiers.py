@@ -235,8 +235,9 @@ class Head(nn.Module):
 
 class NormNet(nn.Module):
     """A BatchNorm1d (train mode: running statistics and counter updated by each forward) in
-    the first stage and in the last, 4 blocks between, the fixed table in the head, and a
-    persistent buffer on the root, which every stage keeps."""
+    the first stage and in the last, 4 blocks between, the fixed table in the head, and on the
+    root, which every stage keeps, a fixed buffer and a counter its forward updates in place
+    (every stage runs the root's forward: each counts the microbatches)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -246,8 +247,10 @@ class NormNet(nn.Module):
         self.norm1 = nn.BatchNorm1d(hp.WIDTH)
         self.head = Head()
         self.register_buffer("root_stat", torch.arange(3.0))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
         h = self.norm0(self.embed(x))
         for block in self.blocks:
             h = block(h)
@@ -291,23 +294,42 @@ def _norm_state(schedule: str, per_rank: int, seed: int = 0, meta: bool = False)
 
 
 def _stage_buffers(state) -> dict:
-    """``{"stage:name": buffer}`` of this rank's stages (a meta one as the string "meta")."""
+    """``{"stage:name": buffer}`` of this rank's stages (a meta one as the string "meta"),
+    and under "shared" the root buffers its stages hold as one tensor."""
     run = state.pipeline
-    return {
+    out = {
         f"{i}:{n}": "meta" if b.is_meta else b.clone()
         for i in run.mine
         for n, b in run.stages[i].named_buffers()
     }
+    first, *rest = (run.stages[i] for i in run.mine)
+    out["shared"] = [
+        n for n in ("root_stat", "calls") for s in rest if s.get_buffer(n) is first.get_buffer(n)
+    ]
+    return out
 
 
 def run_trained_buffers(root: str) -> dict:
-    """P=2 x S=2 (1F1B, ZeRO-3) on :class:`NormNet`: 2 steps, ``fs.save``; the whole-model
-    views (``full_params``, ``export_safetensors``); restored onto a plain state (S=4), saved
-    from it and restored from that into a meta-device model split in 4 (Interleaved1F1B, two
-    stages a rank); restored onto the same layout, one step more beside the uninterrupted
-    run's."""
-    state = hp._steps(_norm_state("1F1B", 1), 2, range(2))
-    out = {"trained": _stage_buffers(state)}
+    """P=2 x S=2 (Interleaved1F1B: 4 stages, two a rank; ZeRO-3) on :class:`NormNet`: 2
+    steps, ``fs.save``; the whole-model views (``full_params``, ``export_safetensors``);
+    restored onto a plain state (S=4), saved from it and restored from that into a meta-device
+    model's stages under ZBVZeroBubble (rank 0 holds the first and the last); restored onto
+    the same layout, one step more beside the uninterrupted run's."""
+    with fs.comm_stats() as stats:
+        state = hp._steps(_norm_state("Interleaved1F1B", 2), 2, range(2))
+    out = {"trained": _stage_buffers(state), "buffer_bytes": stats.bytes["buffers"]}
+    out["planned"] = fs.plan(
+        norm_net(meta=True),
+        world_size=4,
+        strategy="optim_grads_params",
+        optimizer="sgd_momentum",
+        microbatches=hp.MICROBATCHES,
+        pipeline=2,
+        schedule="Interleaved1F1B",
+        split=["blocks.1", "blocks.2", "blocks.3"],
+        pipeline_rank=dist.get_rank() // 2,
+        device_type="cpu",
+    ).comm["buffers"]
     fs.save(f"{root}/pp", state)
     fs.export_safetensors(f"{root}/hf", state)
     out["full_names"] = sorted(fs.full_params(state))
@@ -316,9 +338,9 @@ def run_trained_buffers(root: str) -> dict:
     plain = fs.restore(f"{root}/pp", like=plain)
     out["plain"] = {n: b.clone() for n, b in net.named_buffers()}
     fs.save(f"{root}/plain", plain)
-    meta = fs.restore(f"{root}/plain", like=_norm_state("Interleaved1F1B", 2, 1, meta=True))
+    meta = fs.restore(f"{root}/plain", like=_norm_state("ZBVZeroBubble", 2, 1, meta=True))
     out["meta"] = _stage_buffers(meta)
-    resumed = fs.restore(f"{root}/pp", like=_norm_state("1F1B", 1, seed=1))
+    resumed = fs.restore(f"{root}/pp", like=_norm_state("Interleaved1F1B", 2, seed=1))
     resumed = hp._steps(resumed, 2, range(2, 3))
     state = hp._steps(state, 2, range(2, 3))
     out["resumed"] = (_stage_buffers(resumed), _cpu(fs.full_params(resumed)))

@@ -440,7 +440,7 @@ def plan(
     comm, calls, by_axis, muon_owner = st
     ex = (context_algorithm, seq_len, batch_size, attention, _itemsize(policy, dtype), microbatches)
     add_context_exchange(dims.context, *ex, comm, calls, by_axis)
-    buffer_broadcast(model, buffers, dims.dp_size, comm, calls, by_axis)
+    buffer_broadcast(model, buffers, dims.dp_size, comm, calls, by_axis, pp)
     memory = _memory(layout, optimizer, device_type, microbatches, muon_owner)
     memory = dataclasses.replace(memory, attention=attention_saved(dims.context, *ex[1:]))
     traffic = dict(comm=comm, calls=calls, comm_by_axis=by_axis)
