@@ -214,3 +214,140 @@ def run_titan_and_tiers(root: str, rows: int) -> dict:
         fs.full_params(fs.restore(f"{root}/dcp", like=_state(4, "no_shard"), model_only=True))
     )
     return out
+
+
+# --- buffers the forward updates, under a pipeline ----------------------------------------------
+
+
+class Head(nn.Module):
+    """The head with a fixed persistent table (a registered constant) and a non-persistent
+    buffer (derived: never written), both read by its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hp.WIDTH, hp.D_OUT)
+        self.register_buffer("table", torch.linspace(-1.0, 1.0, hp.D_OUT))
+        self.register_buffer("scale", torch.full((hp.D_OUT,), 0.5), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc(h) + self.table * self.scale
+
+
+class NormNet(nn.Module):
+    """A BatchNorm1d (train mode: running statistics and counter updated by each forward) in
+    the first stage and in the last, 4 blocks between, the fixed table in the head, and on the
+    root, which every stage keeps, a fixed buffer and a counter its forward updates in place
+    (every stage runs the root's forward: each counts the microbatches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(hp.D_IN, hp.WIDTH)
+        self.norm0 = nn.BatchNorm1d(hp.WIDTH)
+        self.blocks = nn.ModuleList(models.Block(hp.WIDTH) for _ in range(4))
+        self.norm1 = nn.BatchNorm1d(hp.WIDTH)
+        self.head = Head()
+        self.register_buffer("root_stat", torch.arange(3.0))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.norm0(self.embed(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm1(h))
+
+
+def norm_net(seed: int = 0, meta: bool = False) -> NormNet:
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        return NormNet()
+
+
+def norm_reference(steps: int) -> list[dict]:
+    """One process on the global batch (16 rows, 4 microbatches per data-parallel part of 8
+    rows), SGD momentum fp32; the buffers after each step those the first data-parallel rank's
+    microbatches left (``buffers="broadcast"``: its values go to every rank after a step)."""
+    model = norm_net()
+    opt = torch.optim.SGD(model.parameters(), lr=hp.LR, momentum=hp.MOMENTUM)
+    out = []
+    for step in range(steps):
+        opt.zero_grad()
+        for dp_rank, (x, y) in enumerate(hp.dp_parts(step, 8, 2)):
+            xs, ys = x.tensor_split(hp.MICROBATCHES), y.tensor_split(hp.MICROBATCHES)
+            for xm, ym in zip(xs, ys, strict=True):
+                (hp.loss_fn(model(xm), ym) / (2 * hp.MICROBATCHES)).backward()
+            if dp_rank == 0:
+                first = {n: b.clone() for n, b in model.named_buffers()}
+        model.load_state_dict(first, strict=False)
+        opt.step()
+        out.append({"params": _cpu(dict(model.named_parameters())), "buffers": first})
+    return out
+
+
+def _norm_state(schedule: str, per_rank: int, seed: int = 0, meta: bool = False):
+    points = ["blocks.2"] if per_rank == 1 else ["blocks.1", "blocks.2", "blocks.3"]
+    stages = fs.pipeline.split(norm_net(seed, meta), points)
+    pipe = fs.Pipeline(schedule, microbatches=hp.MICROBATCHES)
+    opt = fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
+    mesh = fs.make_mesh(pipeline=2, device_type="cpu")
+    return fs.init(stages, opt, mesh=mesh, strategy="optim_grads_params", pipeline=pipe)
+
+
+def _stage_buffers(state) -> dict:
+    """``{"stage:name": buffer}`` of this rank's stages (a meta one as the string "meta"),
+    and under "shared" the root buffers its stages hold as one tensor."""
+    run = state.pipeline
+    out = {
+        f"{i}:{n}": "meta" if b.is_meta else b.clone()
+        for i in run.mine
+        for n, b in run.stages[i].named_buffers()
+    }
+    first, *rest = (run.stages[i] for i in run.mine)
+    out["shared"] = [
+        n for n in ("root_stat", "calls") for s in rest if s.get_buffer(n) is first.get_buffer(n)
+    ]
+    return out
+
+
+def run_trained_buffers(root: str) -> dict:
+    """P=2 x S=2 (Interleaved1F1B: 4 stages, two a rank; ZeRO-3) on :class:`NormNet`: 2
+    steps, ``fs.save``; the whole-model views (``full_params``, ``export_safetensors``);
+    restored onto a plain state (S=4), saved from it and restored from that into a meta-device
+    model's stages under ZBVZeroBubble (rank 0 holds the first and the last); restored onto
+    the same layout, one step more beside the uninterrupted run's."""
+    with fs.comm_stats() as stats:
+        state = hp._steps(_norm_state("Interleaved1F1B", 2), 2, range(2))
+    out = {"trained": _stage_buffers(state), "buffer_bytes": stats.bytes["buffers"]}
+    out["planned"] = fs.plan(
+        norm_net(meta=True),
+        world_size=4,
+        strategy="optim_grads_params",
+        optimizer="sgd_momentum",
+        microbatches=hp.MICROBATCHES,
+        pipeline=2,
+        schedule="Interleaved1F1B",
+        split=["blocks.1", "blocks.2", "blocks.3"],
+        pipeline_rank=dist.get_rank() // 2,
+        device_type="cpu",
+    ).comm["buffers"]
+    fs.save(f"{root}/pp", state)
+    fs.export_safetensors(f"{root}/hf", state)
+    out["full_names"] = sorted(fs.full_params(state))
+    net, opt = norm_net(1), fs.optim.sgd(hp.LR, momentum=hp.MOMENTUM)
+    plain = fs.init(net, opt, mesh=fs.make_mesh(device_type="cpu"), strategy="optim")
+    plain = fs.restore(f"{root}/pp", like=plain)
+    out["plain"] = {n: b.clone() for n, b in net.named_buffers()}
+    fs.save(f"{root}/plain", plain)
+    meta = fs.restore(f"{root}/plain", like=_norm_state("ZBVZeroBubble", 2, 1, meta=True))
+    out["meta"] = _stage_buffers(meta)
+    resumed = fs.restore(f"{root}/pp", like=_norm_state("Interleaved1F1B", 2, seed=1))
+    resumed = hp._steps(resumed, 2, range(2, 3))
+    state = hp._steps(state, 2, range(2, 3))
+    out["resumed"] = (_stage_buffers(resumed), _cpu(fs.full_params(resumed)))
+    out["uninterrupted"] = (_stage_buffers(state), _cpu(fs.full_params(state)))
+    return out
+
+
+def run_checkpoints_and_buffers(root: str) -> dict:
+    """``hp.run_checkpoints`` and :func:`run_trained_buffers`, in one call of the pool."""
+    return hp.run_checkpoints(root) | {"trained_buffers": run_trained_buffers(f"{root}/norm")}

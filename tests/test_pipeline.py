@@ -217,8 +217,10 @@ def test_checkpoints_of_the_whole_model(pool4, tmp_path):
     split and schedule, which train on as one process does; the optimizer state restored
     exactly (the same layout resumes bitwise as if uninterrupted); JAX's Orbax reads it; a
     CheckpointManager saves and restores it across P into a meta-device model's state;
-    export_safetensors writes the whole model."""
-    out = pool4.run(hp.run_checkpoints, str(tmp_path))
+    export_safetensors writes the whole model. And buffers the forward updates
+    (:func:`_check_trained_buffers`)."""
+    out = pool4.run(hpt.run_checkpoints_and_buffers, str(tmp_path))
+    _check_trained_buffers([r["trained_buffers"] for r in out], tmp_path / "norm")
     ref = hp.reference(ROWS, 2, steps=2)
     for rank, r in enumerate(out):
         for k, case in enumerate(r["cases"]):
@@ -254,6 +256,49 @@ def test_checkpoints_of_the_whole_model(pool4, tmp_path):
     saved = out[0]["cases"][0]["saved"]
     assert sorted(exported) == sorted(saved)  # the whole model
     assert all(torch.equal(exported[n], t) for n, t in saved.items())
+
+
+def _check_trained_buffers(out: list[dict], root) -> None:
+    """BatchNorm in the first and last stages at P=2 x S=2 (4 stages, two a rank): after 2
+    steps each stage's running statistics and counter are one process's (the first
+    data-parallel rank's microbatches: 8 forwards, not one more for torch's shape
+    inference), and so is the root's counter in each stage (not once a stage: each its own
+    copy); the checkpoint holds every stage's from that stage's ranks, bitwise, whoever
+    restores it (a plain state; from the plain state's checkpoint, a meta model's stages under
+    ZBVZeroBubble, the root's buffers in both of a rank's stages, each its own); the same
+    layout restored trains on bitwise as uninterrupted, a third step within 1e-5 of one
+    process. The whole-model views carry the parameters only (no buffer is claimed)."""
+    ref = hpt.norm_reference(3)
+    params = list(ref[0]["params"])
+    persistent = [n for n in ref[0]["buffers"] if n != "head.scale"]
+    for r in out:
+        for got in (r["trained"], r["meta"], r["resumed"][0], r["uninterrupted"][0]):
+            assert got.pop("shared") == [], got  # each stage its own root buffers
+    trained = {n.split(":")[1]: b for r in out for n, b in r["trained"].items()}
+    for rank, r in enumerate(out):
+        for step, buffers in ((1, r["trained"]), (2, r["uninterrupted"][0])):
+            for key, b in buffers.items():
+                want = ref[step]["buffers"][key.split(":")[1]]
+                assert b.dtype == want.dtype and hp._rel(b.double(), want.double()) < TOL, key
+                if key.endswith(("num_batches_tracked", ":calls")):  # 4 microbatches a step
+                    assert int(b) == hp.MICROBATCHES * (step + 1), (rank, key, int(b))
+        names = {n.split(":")[1] for n in r["trained"]}
+        assert {"root_stat", f"norm{rank // 2}.running_var"} <= names, names
+        assert r["full_names"] == sorted(params), r["full_names"]  # params only
+        # broadcast over the stage's data-parallel ranks: each stage's copy of the root's
+        assert r["buffer_bytes"] == 2 * r["planned"] > 2 * 2 * (12 + 8), r  # 2 steps
+        assert sorted(r["plain"]) == sorted(ref[0]["buffers"]), rank
+        assert all(torch.equal(r["plain"][n], trained[n]) for n in persistent), rank
+        for key, b in r["meta"].items():
+            if not key.endswith(":head.scale"):  # not persistent: a meta model's stays meta
+                assert not isinstance(b, str) and torch.equal(b, trained[key.split(":")[1]]), key
+        assert len([k for k in r["meta"] if k.endswith(":calls")]) == 2, r["meta"]
+        assert _equal(r["resumed"][1], r["uninterrupted"][1]), rank
+        assert _equal(r["resumed"][0], r["uninterrupted"][0]), rank
+        err = max(hp._rel(r["uninterrupted"][1][n], ref[2]["params"][n]) for n in params)
+        assert err < TOL, (rank, err)
+    exported = safetensors.torch.load_file(str(root / "hf" / "model.safetensors"))
+    assert sorted(exported) == sorted(params)
 
 
 def test_a_module_dict_of_blocks_and_the_local_and_dcp_tiers(pool4, tmp_path):

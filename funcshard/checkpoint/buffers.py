@@ -66,13 +66,9 @@ def buffer_reads(
 
 @torch.no_grad()
 def copy_into_model(like: TrainState, reads: list[ReadRequest]) -> None:
-    """The values ``reads`` read, copied into the model's buffers."""
+    """The values ``reads`` read, copied into the model's buffers (under a pipeline, into
+    every one of this rank's stages holding each); an unfilled state's (meta-device) model's
+    buffers are made here, on the state's device."""
     for r in reads:
         name = r.keys[1]
-        buf = like.buffers.get(name)
-        if buf.device.type == "meta":  # an unfilled state's model: the buffer made here
-            owner, _, leaf = name.rpartition(".")
-            module = like.buffers.model.get_submodule(owner)  # type: ignore[union-attr]
-            setattr(module, leaf, r.out.reshape(buf.shape).to(like.layout.device))
-        else:
-            buf.copy_(r.out.reshape(buf.shape))
+        like.buffers.load(name, r.out.reshape(like.buffers.get(name).shape), like.layout.device)

@@ -332,10 +332,9 @@ def materialized(like: TrainState) -> TrainState:
     layout = like.layout
     for name in like.buffers.names:
         buf = like.buffers.get(name)
-        if buf.device.type == "meta":
-            owner, _, leaf = name.rpartition(".")
-            module = like.buffers.model.get_submodule(owner)  # type: ignore[union-attr]
-            setattr(module, leaf, torch.empty(buf.shape, dtype=buf.dtype, device=layout.device))
+        if buf.device.type == "meta":  # made in every tree holding it (a pipeline's stages)
+            made = torch.empty(buf.shape, dtype=buf.dtype, device=layout.device)
+            like.buffers.load(name, made, layout.device)
     pairs = zip(like.master, layout.buckets, strict=True)
     master = tuple(_target(m, b, layout, pin=True) for m, b in pairs)
 

@@ -451,7 +451,7 @@ def plan(
     traffic, muon_owner = st
     ex = (context_algorithm, seq_len, batch_size, attention, _itemsize(policy, dtype), microbatches)
     add_context_exchange(dims.context, *ex, *traffic.values())
-    buffer_broadcast(model, buffers, dims.dp_size, *traffic.values())
+    buffer_broadcast(model, buffers, dims.dp_size, *traffic.values(), pp)
     memory = _memory(layout, optimizer, device_type, microbatches, muon_owner)
     memory = dataclasses.replace(memory, attention=attention_saved(dims.context, *ex[1:]))
     memory, piped = pipeline_lib.finish(pp, layout, memory, (boundary, ex[4]), traffic)

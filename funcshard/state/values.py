@@ -70,6 +70,7 @@ def _load_buffers(buffers: ModelBuffers, received: dict[str, torch.Tensor]) -> N
     for name in buffers.names:
         if name in received:
             _copy_into(buffers.get(name), received[name], f"buffer {name!r}")
+            buffers.load(name, buffers.get(name))  # every stage holding it (a pipeline's)
 
 
 def _pairs(ours: Sequence[Any], received: dict[str, Any], key: str) -> list[tuple[Any, Any]]:

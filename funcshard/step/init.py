@@ -159,7 +159,8 @@ def init(
         check_batch=check_tensor_batch,
     )
     named = expert_lib.layout_params(model, tensor)
-    carried = ModelBuffers.of(model, buffer_lib.mode(buffers))  # refused before a group joins
+    stages = () if run is None else tuple(run.stages[i] for i in run.mine)
+    carried = ModelBuffers.of(model, buffer_lib.mode(buffers), stages)  # before a group joins
     guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
     with guard.shut_down_on_error():  # a failed fs.init leaves no manager asking for quorums
         layout = build_layout(

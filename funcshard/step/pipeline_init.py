@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -73,7 +74,25 @@ def prepare(
         counts_loss=TENSOR not in names or sub.get_local_rank(TENSOR) == 0,
         peers=[mesh[a].get_group() for a in (TENSOR, EXPERT) if a in names and mesh[a].size() > 1],
     )
+    _own_buffers([stages[i] for i in mine])
     return merge([stages[i] for i in mine]), sub, run
+
+
+def _own_buffers(stages: list[nn.Module]) -> None:
+    """Each of this rank's stages given its own copy of a buffer an earlier one holds (one on
+    a module the split copied into both: the root, a cut container), as torchtitan's stages
+    (each a copy of the model) have it: a forward updating it in place (a counter on the
+    root) then does so once a microbatch, as the unsplit model's does, not once a stage."""
+    seen: set[int] = set()
+    for stage in stages:
+        copies: dict[int, torch.Tensor] = {}  # a buffer tied within the stage stays tied
+        for name, buf in list(stage.named_buffers(remove_duplicate=False)):
+            if id(buf) in seen:
+                if id(buf) not in copies:
+                    copies[id(buf)] = buf.detach().clone()
+                owner, _, leaf = name.rpartition(".")
+                setattr(stage.get_submodule(owner), leaf, copies[id(buf)])
+        seen |= {id(b) for _, b in stage.named_buffers(remove_duplicate=False)}
 
 
 def _refuse(mesh: DeviceMesh, pipe: Pipeline, refused: dict[str, Any]) -> None:

@@ -5,9 +5,10 @@ meta-device run of every stage (:func:`propagate`), by which a stand-in is sized
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -110,6 +111,29 @@ class StageModule(nn.Module):
         # torch's first-step shape inference is running this stage on inputs that are not
         # the batch's (zeros: :meth:`_on_synthetic`)
         self.synthetic = False
+
+    @contextlib.contextmanager
+    def buffers_kept(self) -> Iterator[None]:
+        """The stage's buffers (persistent or not) put back as they were before the block:
+        torch's shape inference runs the stage's forward once more than the microbatches
+        (the first stage on the first microbatch, the others on zeros), whose in-place
+        updates (BatchNorm's running statistics and counter) no step makes. Copied back in
+        place with the buffer's version kept: torch's backward inference that follows runs
+        through what this forward saved (BatchNorm saves its running statistics, whose values
+        its training-mode backward does not read; that backward gives only shapes)."""
+        kept = {n: b.detach().clone() for n, b in self.stage.named_buffers()}
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in kept.items():
+                    buf = self.stage.get_buffer(name)
+                    if buf.shape == value.shape and buf.dtype == value.dtype:
+                        with torch.autograd._unsafe_preserve_version_counter(buf):
+                            buf.copy_(value)
+                    else:  # the forward reassigned it: the tensor it was before
+                        owner, _, leaf = name.rpartition(".")
+                        setattr(self.stage.get_submodule(owner), leaf, value)
 
     def parameters(self, recurse: bool = True):  # noqa: ARG002
         return iter([self.leaves[n] for n in self.names if n in self.leaves])  # none off a step

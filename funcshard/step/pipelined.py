@@ -73,10 +73,12 @@ class CountingStage(PipelineStage):
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         """torch's first-step shape inference: every stage but the first runs on inputs that
-        are not the batch's (:meth:`StageModule._on_synthetic`)."""
+        are not the batch's (:meth:`StageModule._on_synthetic`), a forward no microbatch
+        makes: what it did to the stage's buffers is undone."""
         self.submod.synthetic = not self.is_first
         try:
-            return super()._forward_metadata_inference(*args, **kwargs)
+            with self.submod.buffers_kept():
+                return super()._forward_metadata_inference(*args, **kwargs)
         finally:
             self.submod.synthetic = False
 
