@@ -5,6 +5,7 @@
     sudo python experiments/bench_nodes.py --rate=100mbit --steps=3      # --rate=none: unshaped
     sudo python experiments/bench_nodes.py --noflat --fsdp2_reduce_bf16 \
         --wires=HSDP:bf16,HSDP:int8,HFSDP:int8                # the low-precision wires
+    sudo python experiments/bench_nodes.py --compile_rows     # + captured ZeRO-3, overlap on/off
 
 ``experiments/nodes.py`` makes 2 network-namespace nodes whose links to the bridge are shaped
 by ``tc tbf`` to ``--rate`` in each direction; one torchrun job per node (2 gloo ranks each,
@@ -88,7 +89,13 @@ flags.DEFINE_list(
     "funcshard rows with low-precision wires: MESH:GRAD[:PARAM], MESH one of flat, HSDP, "
     "HFSDP; GRAD (grad_comm_dtype) and PARAM (param_comm_dtype) one of fp32, bf16, fp8, int8.",
 )
-FORWARDED += ("flat", "fsdp2_reduce_bf16", "wires")
+flags.DEFINE_bool(
+    "compile_rows",
+    False,
+    "Add funcshard flat ZeRO-3 captured (compile=inductor) with overlap on (its gathers one "
+    "bucket ahead) and off (each gather where its params are first read), alternated.",
+)
+FORWARDED += ("flat", "fsdp2_reduce_bf16", "wires", "compile_rows")
 NODES, PER_NODE = 2, 2
 BF16 = " reduce bf16"  # the suffixes of FSDP2's rows with reduce_dtype=torch.bfloat16
 ONCE = ", all-reduce once"  # and with set_requires_all_reduce(False) before the last microbatch
@@ -192,7 +199,9 @@ def _funcshard(
     return bs._Funcshard(model, mesh, "optim_grads_params", policy, cfg, outer_strategy=outer)
 
 
-def worker(cfg: bs.Config, out: str, flat: bool, reduce_bf16: bool, wires: list[Wire]) -> None:
+def worker(
+    cfg: bs.Config, out: str, flat: bool, reduce_bf16: bool, wires: list[Wire], compiled: bool
+) -> None:
     fs.init_from_env("gloo")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
@@ -217,6 +226,18 @@ def worker(cfg: bs.Config, out: str, flat: bool, reduce_bf16: bool, wires: list[
             name = "FSDP2 HSDP" + (BF16 if bf16 else "") + (ONCE if once else "")
             rows[name] = _Fsdp2Hsdp(copy.deepcopy(model), mesh2d, cfg, once, bf16)
     rows["funcshard HFSDP"] = _funcshard(copy.deepcopy(model), hsdp, cfg, outer="optim")
+    for overlap in (True, False) if compiled else ():
+        rows[f"funcshard flat ZeRO-3 compile=, overlap {'on' if overlap else 'off'}"] = (
+            bs._Funcshard(
+                copy.deepcopy(model),
+                flat_mesh,
+                "optim_grads_params",
+                fs.MixedPrecisionPolicy(),
+                cfg,
+                compile="inductor",
+                overlap=overlap,
+            )
+        )
     plan_kw = {
         "funcshard flat ZeRO-3": dict(shard=4),
         "funcshard HSDP": dict(replicate=2),
@@ -347,6 +368,8 @@ def report(cfg: bs.Config, r: dict, rate: str, load: tuple[float, float]) -> Non
         print(f"{a:<{width}}" + "".join(f"{ratio(a, b):>12.2f}" for b in peers))
     pairs = [("funcshard flat ZeRO-3", "FSDP2 flat")] if "FSDP2 flat" in names else []
     pairs += [("funcshard HFSDP", "funcshard HSDP")]
+    on, off = (f"funcshard flat ZeRO-3 compile=, overlap {x}" for x in ("on", "off"))
+    pairs += [(on, off)] if on in names else []
     for a, b in pairs:
         print(f"{a} / {b}: {ratio(a, b):.2f}")
     print("(ratios: median over steps of each step over its peer's in the same round)")
@@ -367,7 +390,7 @@ def main(argv: list[str]) -> None:
     cfg = _cfg()
     if FLAGS.out:
         wires = [Wire.parse(x) for x in FLAGS.wires]
-        worker(cfg, FLAGS.out, FLAGS.flat, FLAGS.fsdp2_reduce_bf16, wires)
+        worker(cfg, FLAGS.out, FLAGS.flat, FLAGS.fsdp2_reduce_bf16, wires, FLAGS.compile_rows)
         return
     load_before = os.getloadavg()[0]
     with (

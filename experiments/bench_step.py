@@ -254,12 +254,15 @@ class _Funcshard:
         outer_strategy: str = "no_shard",
         compile: str = "",
         cuda_graphs: bool = False,
+        overlap: bool = True,
     ) -> None:
         self.model, self.cfg = model, cfg
         opt = fs.optim.adamw(LR, weight_decay=0.1)
         kw = {"compile": compile} if compile else {}
         if cuda_graphs:
             kw["cuda_graphs"] = True
+        if not overlap:
+            kw["overlap"] = False
         self.state = fs.init(
             model,
             opt,
