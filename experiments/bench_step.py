@@ -698,6 +698,7 @@ COMPILE_RATIOS = (
     ("fsdp2 compiled/eager", "fsdp2", "fsdp2_eager"),
     ("fs compile=/fsdp2 compiled", "fs_compile", "fsdp2"),
     ("fs compile=/fs eager", "fs_compile", "funcshard_eager"),
+    ("fs compile=/fsdp2 eager", "fs_compile", "fsdp2_eager"),
     ("fs compile=/torch compiled", "fs_compile", "torch_compiled"),
     ("torch compiled/eager", "torch_compiled", "torch"),
     ("fs cuda_graphs/torch compiled", "fs_cuda_graphs", "torch_compiled"),
@@ -729,8 +730,12 @@ def _print_compiled(cfg: Config, results: list[list[dict[str, Any]]]) -> None:
             )
         print(f"  {'ratio':<28}{'wall':>7}{'cpu':>7}")
         blocks = "funcshard_eager" in names  # else "funcshard" / "fsdp2" ran eager
+        eager = {} if blocks else {"funcshard_eager": "funcshard", "fsdp2_eager": "fsdp2"}
         for label, a, b in COMPILE_RATIOS:
-            if a in names and b in names and (blocks or not {a, b} & {"funcshard", "fsdp2"}):
+            if not blocks and {a, b} & {"funcshard", "fsdp2"}:
+                continue  # a ratio of the compiled blocks, which did not run
+            a, b = eager.get(a, a), eager.get(b, b)
+            if a in names and b in names:
                 wall = _per_step_ratio(results, i, a, b)
                 print(f"  {label:<28}{wall:>7.3f}{cpu[a] / cpu[b]:>7.3f}")
 
