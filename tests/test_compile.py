@@ -635,3 +635,42 @@ def test_inductor_regathers_uneven_rows(pool2):
         assert len(out["scheduled"]) == len(compiled["graphs"]), out["scheduled"]
         assert all(ops == sorted(ops) for ops in out["scheduled"]), out["scheduled"]
         assert any(out["scheduled"]), out["scheduled"]  # the backward's reduce-scatters
+
+
+def test_prefetch_runs_the_users_post_grad_passes():
+    """The gathers' prefetch pass (installed under compile= with overlap) goes first among
+    inductor's post-grad passes and leaves the user's as torch runs them: a list of passes,
+    an inference-aware one told ``is_inference``. Fails without the fix: the pass called the
+    user's setting as one pass ('list' object is not callable)."""
+    import uuid
+
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass, CustomInferenceAwareGraphPass
+
+    from funcshard.step.units import prefetch
+
+    seen, key = [], uuid.uuid4().hex  # a fresh key: no cached graph skips the passes
+
+    class Plain(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            seen.append("plain")
+
+        def uuid(self) -> str:
+            return key
+
+    class Aware(CustomInferenceAwareGraphPass):
+        def __call__(self, graph: torch.fx.Graph, is_inference: bool) -> None:
+            seen.append(("aware", is_inference))
+
+        def uuid(self) -> str:
+            return key
+
+    torch._dynamo.reset()
+    x = torch.randn(3, requires_grad=True)
+    with config.patch(post_grad_custom_post_pass=[Plain(), Aware()]), prefetch.installed():
+        passes = config.post_grad_custom_post_pass
+        torch.compile(lambda t: (t * 2).sin(), backend="inductor")(x).sum().backward()
+    assert isinstance(passes[0], prefetch.PrefetchGathers) and len(passes) == 3, passes
+    # forward and backward graphs, each through both of the user's passes in order
+    assert seen == ["plain", ("aware", False)] * 2, seen
+    assert config.post_grad_custom_post_pass is None  # restored

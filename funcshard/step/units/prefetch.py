@@ -71,37 +71,27 @@ def prefetch_gathers(graph: fx.Graph) -> int:
 
 
 class PrefetchGathers(CustomGraphPass):
-    """:func:`prefetch_gathers` as inductor's ``post_grad_custom_post_pass``, then the pass a
-    user set there (its ``uuid``, this module's source and the user pass's, keeps inductor's
-    graph cache where the user's pass allows it)."""
-
-    def __init__(self, then: CustomGraphPass | None = None) -> None:
-        self.then = then
+    """:func:`prefetch_gathers` as one of inductor's ``post_grad_custom_post_pass`` passes
+    (its ``uuid``, this module's source, keys inductor's graph cache)."""
 
     def __call__(self, graph: fx.Graph) -> None:
         prefetch_gathers(graph)
-        if self.then is not None:
-            self.then(graph)
 
-    def uuid(self) -> bytes | None:
-        then = b""
-        if self.then is not None:
-            user = getattr(self.then, "uuid", lambda: None)()
-            if user is None:
-                return None  # a pass inductor cannot key its cache by
-            then = repr(user).encode()
-        source = inspect.getsource(sys.modules[__name__]).encode()
-        return hashlib.sha256(source + then).digest()
+    def uuid(self) -> bytes:
+        return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).digest()
 
 
 @contextlib.contextmanager
 def installed() -> Iterator[None]:
-    """:class:`PrefetchGathers` as inductor's post-grad pass (before the user's, if any)."""
+    """:class:`PrefetchGathers` as inductor's first post-grad pass, the passes a user set there
+    (one, or a list or tuple of them) after it, each as inductor runs and keys it alone (an
+    inference-aware pass told ``is_inference``; one without a ``uuid`` bypasses the cache)."""
     import torch._inductor.config as config
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
-    user = config.post_grad_custom_post_pass
-    if isinstance(user, PrefetchGathers):  # installed already (a nested call)
+    user = get_custom_graph_passes(config.post_grad_custom_post_pass)
+    if any(isinstance(p, PrefetchGathers) for p in user):  # installed already (a nested call)
         yield
         return
-    with config.patch(post_grad_custom_post_pass=PrefetchGathers(user)):
+    with config.patch(post_grad_custom_post_pass=(PrefetchGathers(), *user)):
         yield
