@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint as activation
 from torch import nn
 
 import funcshard as fs
@@ -235,9 +236,11 @@ class Head(nn.Module):
 
 class NormNet(nn.Module):
     """A BatchNorm1d (train mode: running statistics and counter updated by each forward) in
-    the first stage and in the last, 4 blocks between, the fixed table in the head, and on the
-    root, which every stage keeps, a fixed buffer and a counter its forward updates in place
-    (every stage runs the root's forward: each counts the microbatches)."""
+    the first stage and in the last (under activation checkpointing: its recomputation in
+    backward updates them again, in one process too), 4 blocks between, the fixed table in
+    the head, and on the root, which every stage keeps, a fixed buffer and a counter its
+    forward updates in place (every stage runs the root's forward: each counts the
+    microbatches)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -254,7 +257,7 @@ class NormNet(nn.Module):
         h = self.norm0(self.embed(x))
         for block in self.blocks:
             h = block(h)
-        return self.head(self.norm1(h))
+        return self.head(activation.checkpoint(self.norm1, h, use_reentrant=False))
 
 
 def norm_net(seed: int = 0, meta: bool = False) -> NormNet:

@@ -72,15 +72,19 @@ class CountingStage(PipelineStage):
         return _counted(super().get_bwd_send_ops(bwd_chunk_id))
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's first-step shape inference: every stage but the first runs on inputs that
-        are not the batch's (:meth:`StageModule._on_synthetic`), a forward no microbatch
-        makes: what it did to the stage's buffers is undone."""
+        """torch's first-step shape inference (every stage but the first on inputs not the
+        batch's: :meth:`StageModule._on_synthetic`), no microbatch's: its buffer updates undone."""
         self.submod.synthetic = not self.is_first
         try:
             with self.submod.buffers_kept():
                 return super()._forward_metadata_inference(*args, **kwargs)
         finally:
             self.submod.synthetic = False
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        """Its backward, whose recomputations (activation checkpointing) are undone alike."""
+        with self.submod.buffers_kept():
+            return super()._backward_metadata_inference(*args, **kwargs)
 
     def _to_tensor(self, arg: Any) -> torch.Tensor:
         """torch's first-step metadata inference materializes a stage's inputs it only knows
