@@ -82,8 +82,7 @@ class CountingStage(PipelineStage):
             self.submod.synthetic = False
 
     def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        """Its backward, whose recomputations (activation checkpointing) are undone alike."""
-        with self.submod.buffers_kept():
+        with self.submod.buffers_kept():  # its recomputations (activation checkpointing) too
             return super()._backward_metadata_inference(*args, **kwargs)
 
     def _to_tensor(self, arg: Any) -> torch.Tensor:
@@ -133,7 +132,8 @@ class CountingStage(PipelineStage):
             if bwd_chunk_id not in self.backward_state and self.dw_builder is None:
                 self.dw_runner.pop(bwd_chunk_id, None)  # its input backward failed
                 return None
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+            with self.submod.buffers_kept(not self.is_first):  # a second recomputation: undone
+                return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
         except Exception:  # noqa: BLE001 (no send follows a weight backward)
             self.submod.fail(traceback.format_exc(limit=-3))
             return None
