@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint as activation
 
 import funcshard as fs
 from funcshard.testing import state_bytes
@@ -53,3 +54,10 @@ class ValueCheck(models.Block):
         if not bool(torch.isfinite(x).all()):
             raise ValueError("ValueCheck: a nonfinite input")
         return super().forward(x)
+
+
+class Checkpointed(models.Block):
+    """A block under activation checkpointing (recomputed in backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return activation.checkpoint(super().forward, x, use_reentrant=False)

@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint as activation
 from torch import nn
 
 import funcshard as fs
@@ -235,9 +236,12 @@ class Head(nn.Module):
 
 class NormNet(nn.Module):
     """A BatchNorm1d (train mode: running statistics and counter updated by each forward) in
-    the first stage and in the last, 4 blocks between, the fixed table in the head, and on the
-    root, which every stage keeps, a fixed buffer and a counter its forward updates in place
-    (every stage runs the root's forward: each counts the microbatches)."""
+    the first stage and in the last (under activation checkpointing: its recomputation in
+    backward updates them again, in one process too; the last stage runs each microbatch's
+    forward and backward in one process's order), 4 blocks between, the fixed table in
+    the head, and on the root, which every stage keeps, a fixed buffer and a counter its
+    forward updates in place (every stage runs the root's forward: each counts the
+    microbatches)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -254,7 +258,7 @@ class NormNet(nn.Module):
         h = self.norm0(self.embed(x))
         for block in self.blocks:
             h = block(h)
-        return self.head(self.norm1(h))
+        return self.head(activation.checkpoint(self.norm1, h, use_reentrant=False))
 
 
 def norm_net(seed: int = 0, meta: bool = False) -> NormNet:
@@ -310,13 +314,13 @@ def _stage_buffers(state) -> dict:
 
 
 def run_trained_buffers(root: str) -> dict:
-    """P=2 x S=2 (Interleaved1F1B: 4 stages, two a rank; ZeRO-3) on :class:`NormNet`: 2
+    """P=2 x S=2 (InterleavedZeroBubble: 4 stages, two a rank; ZeRO-3) on :class:`NormNet`: 2
     steps, ``fs.save``; the whole-model views (``full_params``, ``export_safetensors``);
     restored onto a plain state (S=4), saved from it and restored from that into a meta-device
     model's stages under ZBVZeroBubble (rank 0 holds the first and the last); restored onto
     the same layout, one step more beside the uninterrupted run's."""
     with fs.comm_stats() as stats:
-        state = hp._steps(_norm_state("Interleaved1F1B", 2), 2, range(2))
+        state = hp._steps(_norm_state("InterleavedZeroBubble", 2), 2, range(2))
     out = {"trained": _stage_buffers(state), "buffer_bytes": stats.bytes["buffers"]}
     out["planned"] = fs.plan(
         norm_net(meta=True),
@@ -325,7 +329,7 @@ def run_trained_buffers(root: str) -> dict:
         optimizer="sgd_momentum",
         microbatches=hp.MICROBATCHES,
         pipeline=2,
-        schedule="Interleaved1F1B",
+        schedule="InterleavedZeroBubble",
         split=["blocks.1", "blocks.2", "blocks.3"],
         pipeline_rank=dist.get_rank() // 2,
         device_type="cpu",
@@ -340,7 +344,7 @@ def run_trained_buffers(root: str) -> dict:
     fs.save(f"{root}/plain", plain)
     meta = fs.restore(f"{root}/plain", like=_norm_state("ZBVZeroBubble", 2, 1, meta=True))
     out["meta"] = _stage_buffers(meta)
-    resumed = fs.restore(f"{root}/pp", like=_norm_state("Interleaved1F1B", 2, seed=1))
+    resumed = fs.restore(f"{root}/pp", like=_norm_state("InterleavedZeroBubble", 2, seed=1))
     resumed = hp._steps(resumed, 2, range(2, 3))
     state = hp._steps(state, 2, range(2, 3))
     out["resumed"] = (_stage_buffers(resumed), _cpu(fs.full_params(resumed)))

@@ -131,7 +131,9 @@ def test_regather_of_a_stage_the_meta_device_cannot_run():
     the meta device: its rank's plan says so (``exact`` False, the note naming the stage and
     its error, the table too) and counts every bucket it uses in forward and backward (at
     most what it gathers); the other rank's is exact; inputs= missing or of rows the
-    microbatches do not divide, and regather without a pipeline, are refused, naming them.
+    microbatches do not divide, and regather without a pipeline, are refused, naming them, as
+    is a stage with activation checkpointing (its recomputation reads a parameter outside the
+    stage's forward: the step raises UnitParamsError on every step).
     (The exact figures against a run: test_pipeline_math.)"""
     with torch.device("meta"):
         net = hp.Net()
@@ -152,3 +154,7 @@ def test_regather_of_a_stage_the_meta_device_cannot_run():
         fs.plan(net, **kw, inputs=torch.empty(6, hp.D_IN, device="meta"))
     with pytest.raises(ValueError, match=r"regather= without pipeline=P > 1"):
         fs.plan(net, world_size=2, regather=True, inputs=x)
+    with torch.device("meta"):  # activation checkpointing: the step raises, so does the plan
+        net.blocks[1] = hpp.Checkpointed(hp.WIDTH)
+    with pytest.raises(ValueError, match=r"stage 0 cannot run.*'blocks\.1\.norm\.weight'"):
+        fs.plan(net, **kw, pipeline_rank=0, inputs=x)

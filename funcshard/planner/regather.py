@@ -37,6 +37,7 @@ from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.step.functional import Swap
 from funcshard.step.pipeline_regather import Regather
 from funcshard.step.pipeline_stage import StageModule, as_meta, propagate
+from funcshard.step.units.placeholders import UnitParamsError
 
 __all__ = ["Phases", "Regathers", "regathers"]
 
@@ -160,9 +161,10 @@ def stage_phases(
                 raise RuntimeError("its input is not known: a stage before it does not run")
             found[i] = _phases(module, rg, x, (i == 0, i == len(stages) - 1), split)
         except Exception as e:  # noqa: BLE001 (the plan says so, and counts at most)
+            _refuse_refused(e, i)
             every = tuple(sorted({rg.bucket_of[n] for n in module.names}))
             found[i] = Phases(every, every, every, every)
-            error = module.error or "".join(traceback.format_exception_only(e))
+            error = module.error or "".join(traceback.format_exception_only(_innermost(e)))
             notes.append(f"stage {i} does not run on the meta device: {_last_line(error)}")
         finally:
             module.release()
@@ -170,6 +172,28 @@ def stage_phases(
             rg.gathered = []
             rg.release()
     return found, "; ".join(notes)
+
+
+def _innermost(e: BaseException) -> BaseException:
+    """The exception ``e`` was raised from, innermost (torch's ``stage_backward`` wraps the
+    stage's error in a RuntimeError whose last line names its inputs, not the error)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
+def _refuse_refused(e: BaseException, index: int) -> None:
+    """Raises ValueError where stage ``index`` raised what ``fs.train_step`` raises on every
+    step too, not what only the meta device cannot run: a parameter read outside the
+    stage's forward (activation checkpointing's recomputation in backward)."""
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, UnitParamsError):
+        cause = cause.__cause__
+    if cause is not None:
+        raise ValueError(
+            f"plan: regather=True: pipeline stage {index} cannot run under it, as "
+            f"fs.train_step would raise UnitParamsError on every step: {cause}"
+        ) from e
 
 
 def _last_line(text: str) -> str:
@@ -192,7 +216,8 @@ def regathers(
 
     Raises:
       ValueError: ``inputs`` missing, not a tensor or tuple of tensors, or of rows not a
-        multiple of ``microbatches``.
+        multiple of ``microbatches``; a stage the step refuses under ``regather=True`` (its
+        backward reads a parameter outside its forward: activation checkpointing).
     """
     _check_inputs(inputs, microbatches)
     split = any(a.kind in "IW" for a in actions)

@@ -113,14 +113,20 @@ class StageModule(nn.Module):
         self.synthetic = False
 
     @contextlib.contextmanager
-    def buffers_kept(self) -> Iterator[None]:
-        """The stage's buffers (persistent or not) put back as they were before the block:
-        torch's shape inference runs the stage's forward once more than the microbatches
-        (the first stage on the first microbatch, the others on zeros), whose in-place
-        updates (BatchNorm's running statistics and counter) no step makes. Copied back in
-        place with the buffer's version kept: torch's backward inference that follows runs
-        through what this forward saved (BatchNorm saves its running statistics, whose values
-        its training-mode backward does not read; that backward gives only shapes)."""
+    def buffers_kept(self, keep: bool = True) -> Iterator[None]:
+        """The stage's buffers (persistent or not) put back as they were before the block
+        (``keep`` False: left as the block leaves them): torch's shape inference runs the
+        stage's forward once more than the microbatches (the first stage on the first
+        microbatch, the others on zeros), and its backward inference and a zero-bubble
+        schedule's weight backward (but the first stage's, its whole backward) recompute
+        what activation checkpointing recomputes once more than one process does; their
+        in-place updates (BatchNorm's running statistics and counter) no step makes. Copied
+        back in place with the buffer's version kept: torch's backward inference that follows
+        runs through what this forward saved (BatchNorm saves its running statistics, whose
+        values its training-mode backward does not read; that backward gives only shapes)."""
+        if not keep:
+            yield
+            return
         kept = {n: b.detach().clone() for n, b in self.stage.named_buffers()}
         try:
             yield

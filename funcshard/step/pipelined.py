@@ -72,15 +72,18 @@ class CountingStage(PipelineStage):
         return _counted(super().get_bwd_send_ops(bwd_chunk_id))
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's first-step shape inference: every stage but the first runs on inputs that
-        are not the batch's (:meth:`StageModule._on_synthetic`), a forward no microbatch
-        makes: what it did to the stage's buffers is undone."""
+        """torch's first-step shape inference (every stage but the first on inputs not the
+        batch's: :meth:`StageModule._on_synthetic`), no microbatch's: its buffer updates undone."""
         self.submod.synthetic = not self.is_first
         try:
             with self.submod.buffers_kept():
                 return super()._forward_metadata_inference(*args, **kwargs)
         finally:
             self.submod.synthetic = False
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with self.submod.buffers_kept():  # its recomputations (activation checkpointing) too
+            return super()._backward_metadata_inference(*args, **kwargs)
 
     def _to_tensor(self, arg: Any) -> torch.Tensor:
         """torch's first-step metadata inference materializes a stage's inputs it only knows
@@ -129,7 +132,8 @@ class CountingStage(PipelineStage):
             if bwd_chunk_id not in self.backward_state and self.dw_builder is None:
                 self.dw_runner.pop(bwd_chunk_id, None)  # its input backward failed
                 return None
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+            with self.submod.buffers_kept(not self.is_first):  # a second recomputation: undone
+                return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
         except Exception:  # noqa: BLE001 (no send follows a weight backward)
             self.submod.fail(traceback.format_exc(limit=-3))
             return None
