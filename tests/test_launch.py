@@ -268,6 +268,11 @@ def _finish_torchrun(p: subprocess.Popen, log: str, deadline: float) -> int:
             pytest.fail(f"torchrun {p.args[3:]} hung:\n{f.read()[-4000:]}")
 
 
+def _torchrun(args: list[str], env: dict[str, str], log: str, timeout: float) -> int:
+    """torchrun's exit code; past ``timeout`` it is stopped (and its workers): a failure."""
+    return _finish_torchrun(_start_torchrun(args, env, log), log, time.monotonic() + timeout)
+
+
 def _job_env(shared: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     if not shared:
@@ -352,32 +357,6 @@ _EXIT_JOB = os.path.join(os.path.dirname(_JOB), "_exit_job.py")
 EXIT_RUNS = int(os.environ.get("FUNCSHARD_EXIT_RUNS", "2"))  # a trial, not a measure
 
 
-def _exit_runs(tmp_path, args: list[str], indices: range) -> list[tuple]:
-    """Runs ``indices`` of _exit_job at once; (index, outer strategy, exit code, log tail) of
-    each that failed or said "terminate"."""
-    runs = {}
-    try:
-        for i in indices:
-            outer = "optim" if i % 2 else "no_shard"  # HFSDP's groups too
-            log = str(tmp_path / f"log{i}")
-            argv = [*args, str(tmp_path / f"ckpt{i}"), f"--outer={outer}"]
-            runs[i] = (outer, _start_torchrun(argv, _job_env(True), log), log)
-        deadline = time.monotonic() + 150  # 120 s a run alone
-        codes = {i: _finish_torchrun(p, log, deadline) for i, (_, p, log) in runs.items()}
-    finally:
-        for _, p, _ in runs.values():
-            if p.poll() is None:  # another run hung first
-                p.terminate()  # torchrun stops its workers on SIGTERM
-                p.wait(timeout=15)
-    failed = []
-    for i, (outer, _, log) in runs.items():
-        with open(log, errors="replace") as f:
-            text = f.read()
-        if codes[i] != 0 or "terminate" in text:
-            failed.append((i, outer, codes[i], text[-3000:]))
-    return failed
-
-
 def test_a_script_that_keeps_its_state_in_globals_exits_cleanly(tmp_path) -> None:
     """README's loop keeps mesh, state and a CheckpointManager that saved in module globals to
     the end; the groups they hold used to reach interpreter finalization, where a gloo worker
@@ -389,8 +368,18 @@ def test_a_script_that_keeps_its_state_in_globals_exits_cleanly(tmp_path) -> Non
         "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", _EXIT_JOB,
     ]  # fmt: skip
     failed = []
-    for first in range(0, EXIT_RUNS, 2):  # two runs at once: each a trial of its own
-        failed += _exit_runs(tmp_path, args, range(first, min(first + 2, EXIT_RUNS)))
+    for i in range(EXIT_RUNS):
+        outer = "optim" if i % 2 else "no_shard"  # HFSDP's groups too
+        log = tmp_path / f"log{i}"
+        code = _torchrun(
+            [*args, str(tmp_path / f"ckpt{i}"), f"--outer={outer}"],
+            _job_env(True),
+            str(log),
+            timeout=120,
+        )
+        text = log.read_text(errors="replace")
+        if code != 0 or "terminate" in text:
+            failed.append((i, outer, code, text[-3000:]))
     assert not failed, f"{len(failed)} of {EXIT_RUNS} runs failed; the first: {failed[0]}"
 
 
