@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,50 +51,6 @@ def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         env=env,
         cwd=ROOT,
     )
-
-
-def _start_train(name: str, args: list[str], out_dir) -> subprocess.Popen:
-    """``train.py`` on ``args`` started as ``_train`` runs it, its output in ``out_dir``'s
-    files ``name.out`` and ``name.err`` (no pipe fills while another run is awaited)."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    with open(out_dir / f"{name}.out", "w") as out, open(out_dir / f"{name}.err", "w") as err:
-        cmd = [sys.executable, str(SCRIPT), *args]
-        return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
-
-
-def _finish_train(procs: dict, out_dir, timeout: float = 300) -> dict:
-    """Each of ``_start_train``'s ``procs`` by name, waited for as ``_train`` waits (all
-    within ``timeout``): its exit code, stdout and stderr; those left running are killed."""
-    done = {}
-    try:
-        deadline = time.monotonic() + timeout
-        for name, p in procs.items():
-            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            text = [(out_dir / f"{name}.{k}").read_text() for k in ("out", "err")]
-            done[name] = subprocess.CompletedProcess(p.args, code, *text)
-    finally:
-        _stop(procs)
-    return done
-
-
-def _stop(procs: dict) -> None:
-    """Kills those of ``procs`` still running."""
-    for p in procs.values():
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
-def _train_both(runs: dict[str, list[str]], out_dir) -> dict:
-    """``_train`` of each of ``runs``' argument lists, all at once."""
-    procs = {}
-    try:
-        for name, args in runs.items():
-            procs[name] = _start_train(name, args, out_dir)
-    except BaseException:
-        _stop(procs)
-        raise
-    return _finish_train(procs, out_dir)
 
 
 def _flags_config(args: list[str], monkeypatch) -> tuple[trainer.Config, int]:
@@ -288,20 +243,7 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     common = ["--steps=6", "--save_every=3", "--grad_chunks=2", "--deterministic", *TINY]
 
-    ckpt = f"--checkpoint_dir={split / 'ckpt'}"
-    first = _train_both(  # the straight run and the split one's first part, at once
-        {
-            "whole": [
-                *common,
-                "--nproc=2",
-                f"--checkpoint_dir={whole / 'ckpt'}",
-                f"--out_dir={whole}",
-            ],
-            "split": [*common, "--nproc=2", "--stop_at=3", ckpt, f"--out_dir={split}"],
-        },
-        tmp_path,
-    )
-    a, b1 = first["whole"], first["split"]
+    a = _train(*common, "--nproc=2", f"--checkpoint_dir={whole / 'ckpt'}", f"--out_dir={whole}")
     assert a.returncode == 0, a.stderr[-4000:]
     # The smoke test: the final line, the metrics and the plot.
     final = FINAL.search(a.stdout)
@@ -311,6 +253,8 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
     assert float(final.group(1)) == pytest.approx(summary["final_loss"], abs=1e-4)
     assert (whole / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    ckpt = f"--checkpoint_dir={split / 'ckpt'}"
+    b1 = _train(*common, "--nproc=2", "--stop_at=3", ckpt, f"--out_dir={split}")
     assert b1.returncode == 0, b1.stderr[-4000:]
     b2 = _train(*common, "--nproc=1", "--resume", ckpt, f"--out_dir={split}")
     assert b2.returncode == 0, b2.stderr[-4000:]
@@ -463,34 +407,16 @@ def test_train_stores_moments_in_the_flagged_dtypes(
                 assert any(leaf.endswith(f".{moment}_scale.{n}") for leaf in leaves), n
 
 
-def test_train_compiles_its_blocks_and_captures_the_step_as_the_eager_run(
-    tmp_path, monkeypatch, pool_of
-):
+def test_train_compiles_its_blocks_with_the_eager_runs_results(tmp_path, monkeypatch, pool_of):
     """``--compile=aot_eager`` compiles each block in place (ZeRO-3, the main job's default
     strategy): the same losses and grad norms as the eager run (AOTAutograd adds the gradient
     contributions in the same order here: bitwise, as tests/test_compile.py measures), the first
-    step's compile logged, every step's wall time in metrics.jsonl. ``--compile_by=fs`` gives
-    the backend to ``fs.init(compile=)`` (ZeRO-3: the captured step): the run finishes, and the
-    log names the capture and each graph's compile time (one forward and one backward graph).
-    The compiled runs are the script's own (their ranks' logs, a fresh process's compiles),
-    both started at once; the eager one runs meanwhile on the pools' warm ranks
-    (``_pool_train``)."""
-    args = ["--nproc=2", "--steps=3", *TINY, "--param_dtype=fp32", "--compile=aot_eager"]
-    captured = ["--nproc=2", "--steps=2", *TINY, "--param_dtype=fp32", "--compile=aot_eager"]
-    runs = {
-        "compiled": [*args, f"--out_dir={tmp_path / 'compiled'}"],
-        "captured": [*captured, "--compile_by=fs", f"--out_dir={tmp_path / 'captured'}"],
-    }
-    procs = {}
-    try:
-        for name, argv in runs.items():
-            procs[name] = _start_train(name, argv, tmp_path)
-        eager = [*args[:-1], f"--out_dir={tmp_path / 'eager'}"]
-        _pool_train(eager, monkeypatch, pool_of)
-    except BaseException:
-        _stop(procs)
-        raise
-    out, fs_out = _finish_train(procs, tmp_path).values()
+    step's compile logged, every step's wall time in metrics.jsonl. The compiled run is the
+    script's own (its ranks' log, a fresh process's compile); the eager one runs on the pools'
+    warm ranks (``_pool_train``)."""
+    args = ["--nproc=2", "--steps=3", *TINY, "--param_dtype=fp32"]
+    _pool_train([*args, f"--out_dir={tmp_path / 'eager'}"], monkeypatch, pool_of)
+    out = _train(*args, "--compile=aot_eager", f"--out_dir={tmp_path / 'compiled'}")
     assert out.returncode == 0, out.stderr[-4000:]
     (eager, _), (compiled, _) = _rows(tmp_path / "eager"), _rows(tmp_path / "compiled")
     log = out.stderr
@@ -499,10 +425,25 @@ def test_train_compiles_its_blocks_and_captures_the_step_as_the_eager_run(
     ]
     assert "first step" in log and "compiling the blocks: aot_eager" in log, log[-2000:]
     assert all(r["step_s"] > 0 for r in compiled + eager)
-    assert fs_out.returncode == 0, fs_out.stderr[-4000:]
-    assert "compiling the captured step: aot_eager" in fs_out.stderr, fs_out.stderr[-2000:]
-    assert "compile time: 1 forward graph(s)" in fs_out.stderr, fs_out.stderr[-2000:]
-    assert "1 backward graph(s)" in fs_out.stderr, fs_out.stderr[-2000:]
+
+
+def test_train_captures_the_step_and_logs_each_graphs_compile(tmp_path):
+    """``--compile=aot_eager --compile_by=fs`` gives the backend to ``fs.init(compile=)``
+    (ZeRO-3: the captured step): the run finishes, and the log names the capture and each
+    graph's compile time (one forward and one backward graph)."""
+    out = _train(
+        "--nproc=2",
+        "--steps=2",
+        *TINY,
+        "--param_dtype=fp32",
+        "--compile=aot_eager",
+        "--compile_by=fs",
+        f"--out_dir={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "compiling the captured step: aot_eager" in out.stderr, out.stderr[-2000:]
+    assert "compile time: 1 forward graph(s)" in out.stderr, out.stderr[-2000:]
+    assert "1 backward graph(s)" in out.stderr, out.stderr[-2000:]
 
 
 def _same_runs(tmp_path, runs: dict[str, list[str]], steps: int, monkeypatch, pool_of) -> dict:
