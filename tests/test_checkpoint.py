@@ -22,7 +22,6 @@ from torch import nn
 
 import funcshard as fs
 from funcshard import checkpoint as ckpt_lib
-from funcshard.testing import RankPool
 
 import models
 
@@ -109,12 +108,6 @@ CASES = {
     "no_shard->2x2": (2, "no_shard", 1, 4, "optim_grads_params", 2, 0.5),
 }
 SAVE_STEPS, TOTAL_STEPS = 2, 4
-
-
-@pytest.fixture(scope="module")
-def pool1():
-    with RankPool(1) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

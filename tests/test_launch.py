@@ -245,22 +245,32 @@ _JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch_job.py"
 _ROOT = os.path.dirname(os.path.dirname(_JOB))
 
 
-def _torchrun(args: list[str], env: dict[str, str], log: str, timeout: float) -> int:
-    """torchrun's exit code; past ``timeout`` it is stopped (and its workers): a failure."""
+def _start_torchrun(args: list[str], env: dict[str, str], log: str) -> subprocess.Popen:
+    """torchrun started on ``args``, its output appended to ``log``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *args]
     with open(log, "ab") as out:
-        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _finish_torchrun(p: subprocess.Popen, log: str, deadline: float) -> int:
+    """``p``'s exit code; past ``deadline`` (monotonic) it is stopped (and its workers): a
+    failure quoting ``log``."""
+    try:
+        return p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        p.terminate()  # torchrun stops its workers on SIGTERM
         try:
-            return p.wait(timeout=timeout)
+            p.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            p.terminate()  # torchrun stops its workers on SIGTERM
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            with open(log, errors="replace") as f:
-                pytest.fail(f"torchrun hung for {timeout:.0f} s:\n{f.read()[-4000:]}")
+            p.kill()
+            p.wait()
+        with open(log, errors="replace") as f:
+            pytest.fail(f"torchrun {p.args[3:]} hung:\n{f.read()[-4000:]}")
+
+
+def _torchrun(args: list[str], env: dict[str, str], log: str, timeout: float) -> int:
+    """torchrun's exit code; past ``timeout`` it is stopped (and its workers): a failure."""
+    return _finish_torchrun(_start_torchrun(args, env, log), log, time.monotonic() + timeout)
 
 
 def _job_env(shared: bool) -> dict[str, str]:
@@ -276,12 +286,15 @@ def _inits(log_dir) -> list[tuple[str, ...]]:
         return sorted(tuple(line.split()) for line in f)
 
 
-@pytest.mark.parametrize(
-    ("store", "slow_rank"),
-    [("shared", 0), ("shared", 1), ("not_shared", 1)],
-    ids=["shared-rank0-late", "shared-rank1-late", "not_shared"],
-)
-def test_init_from_env_joins_again_after_a_restart(tmp_path, store: str, slow_rank: int) -> None:
+# (store, the late rank): each case one torchrun, the three at once (they mostly wait)
+RESTART_CASES = {
+    "shared-rank0-late": (True, 0),
+    "shared-rank1-late": (True, 1),
+    "not_shared": (False, 1),
+}
+
+
+def test_init_from_env_joins_again_after_a_restart(tmp_path) -> None:
     """Rank 1 dies after joining; torchrun's second attempt must join (and all-reduce) again.
 
     A late rank 0 leaves the shared store's entry of the first attempt for rank 1 to read; a
@@ -289,19 +302,32 @@ def test_init_from_env_joins_again_after_a_restart(tmp_path, store: str, slow_ra
     then with "Connection refused"). Without the shared store, rank 0 hosts a store at a new
     port each attempt; fs.init_from_env used to wait for a host there forever.
     """
-    args = [
-        "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.2",
-        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
-        _JOB, str(tmp_path), "--die=0:1", f"--slow={slow_rank}",
-    ]  # fmt: skip
-    code = _torchrun(args, _job_env(store == "shared"), str(tmp_path / "log"), timeout=90)
-    assert code == 0, (tmp_path / "log").read_text()[-4000:]
-    assert _inits(tmp_path) == [
-        ("0", "0", "0", "2", "2"),
-        ("0", "0", "1", "2", "2"),
-        ("1", "0", "0", "2", "2"),
-        ("1", "0", "1", "2", "2"),
-    ]
+    runs = {}
+    try:
+        for case, (shared, slow_rank) in RESTART_CASES.items():
+            (tmp_path / case).mkdir()
+            args = [
+                "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.2",
+                "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+                _JOB, str(tmp_path / case), "--die=0:1", f"--slow={slow_rank}",
+            ]  # fmt: skip
+            log = str(tmp_path / case / "log")
+            runs[case] = (_start_torchrun(args, _job_env(shared), log), log)
+        deadline = time.monotonic() + 180  # 90 s a case alone; three share 2 cores
+        codes = {case: _finish_torchrun(p, log, deadline) for case, (p, log) in runs.items()}
+    finally:
+        for p, _ in runs.values():
+            if p.poll() is None:  # another case failed first
+                p.terminate()  # torchrun stops its workers on SIGTERM
+                p.wait(timeout=15)
+    for case, code in codes.items():
+        assert code == 0, (case, (tmp_path / case / "log").read_text()[-4000:])
+        assert _inits(tmp_path / case) == [
+            ("0", "0", "0", "2", "2"),
+            ("0", "0", "1", "2", "2"),
+            ("1", "0", "0", "2", "2"),
+            ("1", "0", "1", "2", "2"),
+        ], case
 
 
 def test_init_from_env_joins_without_torchrun(tmp_path) -> None:

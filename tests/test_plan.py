@@ -11,7 +11,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
 from funcshard.planner.plan import transformer_shapes
-from funcshard.testing import RankPool
 
 import models as M
 
@@ -31,12 +30,6 @@ OPTIMIZERS = {
     "sgd": lambda: fs.optim.sgd(0.1),
     "sgd_momentum": lambda: fs.optim.sgd(0.1, momentum=0.9),
 }
-
-
-@pytest.fixture(scope="module")
-def pool1():
-    with RankPool(1) as pool:
-        yield pool
 
 
 @pytest.mark.parametrize(
