@@ -35,6 +35,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from funcshard.distributed import graph_ops
 from funcshard.distributed.graph_ops import (
     ALL_GATHER_SECTIONS,
     ALL_GATHER_SECTIONS_START,
@@ -72,13 +73,15 @@ def prefetch_gathers(graph: fx.Graph) -> int:
 
 class PrefetchGathers(CustomGraphPass):
     """:func:`prefetch_gathers` as one of inductor's ``post_grad_custom_post_pass`` passes
-    (its ``uuid``, this module's source, keys inductor's graph cache)."""
+    (its ``uuid``, the source of this module and of the ops it writes into the graphs, keys
+    inductor's graph cache: a cached graph never calls the ops as an older version did)."""
 
     def __call__(self, graph: fx.Graph) -> None:
         prefetch_gathers(graph)
 
     def uuid(self) -> bytes:
-        return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).digest()
+        sources = (sys.modules[__name__], graph_ops)
+        return hashlib.sha256("".join(map(inspect.getsource, sources)).encode()).digest()
 
 
 @contextlib.contextmanager
