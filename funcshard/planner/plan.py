@@ -76,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -275,6 +276,17 @@ def _step_comm(
     return dict(comm=comm, calls=calls, comm_by_axis=by_axis), muon_owner
 
 
+def _traffic(step: tuple, pp: Any, ex: tuple, buffers: str) -> tuple[dict, int]:
+    """:func:`_step_comm` (``step``: its arguments but ``pipelined``, which ``pp`` gives) with
+    the context axis's exchange (``ex``: :func:`add_context_exchange`'s arguments) and the
+    buffers' broadcast."""
+    traffic, muon_owner = _step_comm(*step, bool(pp))
+    dims, model = step[3], step[6]
+    add_context_exchange(dims.context, *ex, *traffic.values())
+    buffer_broadcast(model, buffers, dims.dp_size, *traffic.values(), pp)
+    return traffic, muon_owner
+
+
 def _plan_layout(
     tables,
     model,
@@ -447,11 +459,9 @@ def plan(
     table = model_table(params, dtype, tensor, tensor_plan, dims, strategy)
     choices = (policy, strategy, offload_fraction, units, optimizer, deterministic, outer_strategy)
     layout = _plan_layout(table, model, dims, replicate, *choices)
-    st = _step_comm(layout, optimizer, microbatches, dims, replica_groups, routing, model, bool(pp))
-    traffic, muon_owner = st
     ex = (context_algorithm, seq_len, batch_size, attention, _itemsize(policy, dtype), microbatches)
-    add_context_exchange(dims.context, *ex, *traffic.values())
-    buffer_broadcast(model, buffers, dims.dp_size, *traffic.values(), pp)
+    step = (layout, optimizer, microbatches, dims, replica_groups, routing, model)
+    traffic, muon_owner = _traffic(step, pp, ex, buffers)
     memory = _memory(layout, optimizer, device_type, microbatches, muon_owner)
     memory = dataclasses.replace(memory, attention=attention_saved(dims.context, *ex[1:]))
     memory, piped = pipeline_lib.finish(pp, layout, memory, (boundary, ex[4]), traffic)

@@ -25,12 +25,10 @@ to the next stage as it is: under torch's plans it is replicated over "tensor", 
 tensor rank sends its own copy to the same tensor rank of the next stage (``mesh["pipeline"]``
 holds every other coordinate equal). The loss is counted on tensor rank 0 only.
 
-A stage that raises in its forward (or ``loss_fn`` raising on the last stage) does not stop
-the schedule halfway (its peers would wait on its sends until the collective timeout): it
-hands on zeros of the output's shape (known from running every stage on the meta device
-first) and the step's agreement raises on every rank, naming the rank, stage and error. One
-raising in its backward (the input backward of the zero-bubble schedules included) hands
-back zero input gradients and skips its weight backward, with the same agreement.
+A stage raising in its forward (or ``loss_fn`` on the last stage) hands on zeros of its
+output's shape (from the stages' meta-device run), one raising in its backward zero input
+gradients, so that no peer waits on a send: the step's agreement then raises on every rank,
+naming the rank, stage and error (docs/pipeline-parallel.md).
 """
 
 from __future__ import annotations
