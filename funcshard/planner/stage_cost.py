@@ -1,6 +1,6 @@
 """Each pipeline stage's cost in FLOPs, by which a plan weights its schedule's bubble.
 
-Without ``inputs=`` a plan's bubble is that of equal stages (:mod:`funcshard.planner.pipeline`:
+Without ``inputs=`` a plan's bubble is that of equal stages (:mod:`funcshard.planner.schedule`:
 a forward costs 1, a full backward 2, an input or weight backward 1). With ``inputs=`` (this
 rank's local batch inputs, meta-device ones do) the plan runs one microbatch of EVERY stage
 (the bubble involves every rank, not only the one planned) on the meta device through the
