@@ -4,19 +4,21 @@ per axis, kind and calls equal what a pipelined run of the pipeline tests' model
 deterministic at P=2 x S=2 and HFSDP at P=2 x R=2; 2
 steps of 4 microbatches, one pool call), its state's bytes equal the state's; every
 schedule's "pipeline" bytes at P=2 and P=4 those the pipeline tests expect; the bubble and
-in-flight microbatches, from torch's own order, against the closed forms; bad arguments
-named."""
+in-flight microbatches, from torch's own order, against the closed forms, of equal stages
+and of stages weighted by their FLOPs (``inputs=``); bad arguments named."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import funcshard as fs
 from funcshard.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from funcshard.planner.pipeline import schedule_order, simulate
 
 import helpers_pipeline as hp
+import helpers_pipeline_math as hm
 import helpers_pipeline_plan as hpp
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -107,6 +109,78 @@ def test_bubble_and_in_flight_from_torchs_order(P):
     assert "bubble=0.200" in p.table()
 
 
+def _flops_plan(net: nn.Module, schedule: str, split: list[str], inputs: torch.Tensor):
+    """Pipeline rank 0's plan at P=2 with the bubble weighted by each stage's FLOPs."""
+    kw = dict(world_size=4, strategy="no_shard", optimizer="sgd", device_type="cpu")
+    return fs.plan(
+        net,
+        **kw,
+        microbatches=hp.MICROBATCHES,
+        pipeline=2,
+        schedule=schedule,
+        split=split,
+        inputs=inputs,
+    )
+
+
+def _flat(costs: tuple) -> list[float]:
+    return [c for stage in costs for c in stage]
+
+
+def test_bubble_weighted_by_each_stages_flops():
+    """With inputs= the bubble weighs each stage by its FLOPs (counted on the meta device; a
+    Linear's 2 x in x out a row, norms and tanh none). A wide head makes stage 1 the heavier
+    in forward and backward: then GPipe and 1F1B both run stage 1's M forwards and backwards
+    back to back after stage 0's first forward and before its last backward, a makespan of
+    ``c0 + M c1`` (``c``: a stage's forward + backward), each rank busy ``M c``. Stage 0
+    computes no input gradient (the batch needs none): its backward lacks the embed's."""
+    W, M = hp.WIDTH, hp.MICROBATCHES
+    with torch.device("meta"):
+        net = hp.Net()
+        net.head = nn.Linear(W, 16 * W)  # 8192 FLOPs a row: 16 blocks' worth
+    x = torch.empty(hpp.ROWS, hp.D_IN, device="meta")
+    block = 2 * W * W
+    f0 = 2 * hp.D_IN * W + 4 * block
+    f1, b0 = 4 * block + 2 * W * 16 * W, f0 + 4 * block
+    c0, c1, T, mean = 2 * f0 + 4 * block, 3 * f1, f0 + b0 + M * 3 * f1, (f0 + f1) / 2
+    for schedule in ("GPipe", "1F1B"):
+        pp = _flops_plan(net, schedule, hp.split_points(2), x).pipeline
+        assert pp.bubble_model == "flops" and pp.bubble_note == "", pp
+        want = ((f0 / mean, b0 / mean, 0, 0), (f1 / mean, 2 * f1 / mean, 0, 0))
+        assert _flat(pp.stage_costs) == pytest.approx(_flat(want)), pp.stage_costs
+        bubble = 1 - M * (c0 + c1) / (2 * T)
+        assert pp.bubble == pytest.approx(bubble), schedule
+        assert pp.bubble_by_rank == pytest.approx((1 - M * c0 / T, 1 - M * c1 / T))
+        assert pp.bubble > 1.5 / (M + 1), pp.bubble  # equal stages': 1 / (M + 1)
+    assert (
+        f"bubble={bubble:.3f} (stages by FLOPs)"
+        in _flops_plan(net, "1F1B", ["blocks.4"], x).table()
+    )
+
+
+def test_equal_stages_by_flops_give_the_equal_bubble():
+    """Stages of equal FLOPs (an embedding first, so stage 0's first product computes its
+    input gradient too; no head) give the equal model's bubble; under a zero-bubble schedule
+    a stage's input and weight backward cost a forward each, but the first stage's, which
+    as torch runs it computes nothing in its input backward and all in its weight one."""
+    with torch.device("meta"):
+        net = hm.EmbedNet()  # embed + 4 blocks + head
+        net.head = nn.Identity()
+    tokens = torch.empty(hpp.ROWS, dtype=torch.long, device="meta")
+    M = hp.MICROBATCHES
+    for schedule, split, want in [
+        ("GPipe", ["blocks.2"], 1 / (M + 1)),
+        ("1F1B", ["blocks.2"], 1 / (M + 1)),
+        ("Interleaved1F1B", ["blocks.1", "blocks.2", "blocks.3"], 1 / (2 * M + 1)),
+    ]:
+        pp = _flops_plan(net, schedule, split, tokens).pipeline
+        assert pp.bubble_model == "flops", pp
+        assert _flat(pp.stage_costs) == pytest.approx([1, 2, 0, 0] * (len(split) + 1)), pp
+        assert pp.bubble == pytest.approx(want), (schedule, pp.bubble)
+    pp = _flops_plan(net, "ZBVZeroBubble", ["blocks.1", "blocks.2", "blocks.3"], tokens).pipeline
+    assert _flat(pp.stage_costs) == pytest.approx([1, 2, 0, 2] + [1, 2, 1, 1] * 3), pp
+
+
 def test_bad_pipeline_arguments():
     net = hp.make_net()
     kw = dict(world_size=4, pipeline=2, microbatches=4)
@@ -146,6 +220,10 @@ def test_regather_of_a_stage_the_meta_device_cannot_run():
     assert not p1.pipeline.exact and "not exact" in p1.table(), p1.pipeline
     assert "a steady step's gathers" in p0.table(), p0.table()
     assert "stage 1 does not run on the meta device" in p1.pipeline.note, p1.pipeline.note
+    for p in (p0, p1):  # the bubble involves every stage: equal ones stand in on both ranks
+        assert p.pipeline.bubble_model == "equal", p.pipeline
+        assert "stage 1 does not run on the meta device" in p.pipeline.bubble_note, p.pipeline
+    assert "bubble of equal stages: stage 1" in p0.table(), p0.table()
     assert p1.calls["all_gather"] == 4 * 2 * p1.buckets, p1.calls  # forward + backward, each
     assert p0.calls["all_gather"] == 4 * (2 * p0.buckets - 1), p0.calls  # embed's: no input grad
     with pytest.raises(ValueError, match=r"regather=True under ZeRO-3 needs inputs="):

@@ -8,20 +8,9 @@ data-parallel sub-world of ``world_size / P`` ranks, plus what the schedule adds
   rank, one step's boundary tensor (``boundary=``, the local batch's rows) to the next stage
   and its gradient back to the previous one, where that stage is on another rank; a
   boundary inside one rank counts nothing. Calls: one per microbatch and crossing.
-* the order torch's schedule runs (:func:`schedule_order`): the single-stage schedules
-  ("GPipe", "1F1B") recorded from their own ``_step_microbatches`` over a stage that only
-  notes each forward and backward; the others from the ``pipeline_order`` torch builds (its
-  ``OVERLAP_F_B`` actions as their forward and backward in turn). From it:
-
-  - in flight (:func:`simulate`): per rank, the most microbatches whose forward has run and
-    whose backward (the weight gradient's, ``W``, under the zero-bubble schedules: the graph
-    is kept until then) has not, over all its stages at once;
-  - the bubble: the order run with every stage's forward taking 1, a full backward 2, an
-    input or weight gradient 1 (the zero-bubble paper's ``T_F = T_B = T_W``), each action
-    starting when its rank is free and its inputs are there (the forward of the previous
-    stage, the input gradient of the next), sends taking no time; a rank's bubble is its idle
-    time over the step's, ``1 - busy / makespan``. GPipe and 1F1B give ``(P - 1) / (M + P -
-    1)``.
+* the schedule's order, in flight microbatches and bubble (:mod:`funcshard.planner.schedule`),
+  the bubble with each stage's FLOPs where ``inputs=`` is given
+  (:mod:`funcshard.planner.stage_cost`), else with equal stages.
 
 The step's own collectives are those of a ZeRO-0/1 step of one microbatch over the
 sub-world (the gradients reduced once a step, ZeRO-3's parameters gathered once a step, or
@@ -31,20 +20,12 @@ reduce-scatter over "replicate" and the masters' all-gather), and the step's agr
 over every rank ("world", kind "metrics"): before the schedule one all-reduce of 5 float64
 (a rank refused its batch; the batch's shapes alike on every rank), after it one of 3
 float64 (the loss, the squared norm, a failure flag).
-
->>> order = schedule_order("GPipe", 2, 8)
->>> s = simulate(order, 2)
->>> round(s.bubble, 4), s.in_flight
-(0.1111, (8, 8))
->>> simulate(schedule_order("1F1B", 2, 8), 2).in_flight
-(2, 1)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import types
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -56,6 +37,8 @@ from funcshard.parallel.pipeline import Pipeline, check_stages
 from funcshard.parallel.pipeline_split import merge, split
 from funcshard.planner.regather import regathers
 from funcshard.planner.report import PipelinePlan
+from funcshard.planner.schedule import Action, Timeline, schedule_order, simulate
+from funcshard.planner.stage_cost import StageCost, stage_costs
 
 __all__ = [
     "Action",
@@ -75,179 +58,6 @@ __all__ = [
 
 AGREEMENT_BYTES = 3 * 8  # the step's agreement: loss, squared norm, failure flag (float64)
 BATCH_CHECK_BYTES = 5 * 8  # before the schedule (max): a refusal, the shapes' digest, negated
-COST = {"F": 1, "B": 2, "I": 1, "W": 1}  # the zero-bubble paper's T_F = T_B = T_W
-
-
-class Action(NamedTuple):
-    """One computation of a schedule: ``kind`` "F", "B" (full backward), "I" (input
-    gradient) or "W" (weight gradient) of ``stage`` on ``microbatch``."""
-
-    kind: str
-    stage: int
-    microbatch: int
-
-
-class Timeline(NamedTuple):
-    """What :func:`simulate` finds: the makespan, each rank's busy time, the bubble (idle
-    over all ranks' time), each rank's bubble and peak microbatches in flight."""
-
-    makespan: int
-    busy: tuple[int, ...]
-    bubble: float
-    bubble_by_rank: tuple[float, ...]
-    in_flight: tuple[int, ...]
-
-
-class _Recorder:
-    """A stage for torch's single-stage schedules that notes each forward and backward (and
-    sends nothing): what ``_step_microbatches`` runs, in its order."""
-
-    def __init__(self, index: int, stages: int) -> None:
-        self.stage_index, self.num_stages = index, stages
-        self.is_first, self.is_last = index == 0, index == stages - 1
-        self.submod, self.has_backward, self.device = None, True, "cpu"
-        self.actions: list[Action] = []
-
-    def clear_runtime_states(self) -> None:
-        pass
-
-    def _no_ops(self, chunk: int) -> list:  # noqa: ARG002
-        return []
-
-    get_fwd_recv_ops = get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = _no_ops
-
-    def forward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> None:
-        self.actions.append(Action("F", self.stage_index, chunk))
-
-    def backward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> None:
-        self.actions.append(Action("B", self.stage_index, chunk))
-
-    def perform_reduce_grad(self, *args: Any) -> None:
-        pass
-
-
-def _fake(index: int, stages: int, pipeline: int, rank: int) -> types.SimpleNamespace:
-    """What torch's multi-stage schedules read of a stage to build their order."""
-    return types.SimpleNamespace(
-        num_stages=stages,
-        group_size=pipeline,
-        group_rank=rank,
-        stage_index=index,
-        is_first=index == 0,
-        is_last=index == stages - 1,
-        submod=None,
-    )
-
-
-def schedule_order(
-    schedule: str, pipeline: int, microbatches: int, per_rank: int | None = None
-) -> dict[int, list[Action]]:
-    """Each pipeline rank's computations in the order torch's schedule runs them (module
-    docstring); ``per_rank``: stages per rank (1 for single-stage schedules, else 2).
-
-    Raises:
-      ValueError: microbatches torch's schedule refuses (its own words).
-    """
-    pipe = Pipeline(schedule, microbatches=microbatches)
-    from torch.distributed.pipelining import schedules as torch_schedules  # loads dynamo
-
-    cls = getattr(torch_schedules, pipe.torch_class)
-    per_rank = per_rank or (1 if pipe.placement == "single" else 2)
-    n = pipeline * per_rank
-    try:
-        if pipe.placement == "single":
-            return {rank: _recorded(cls, rank, n, microbatches) for rank in range(pipeline)}
-        fakes = [_fake(i, n, pipeline, 0) for i in pipe.stages_of(0, pipeline, n)]
-        order = cls(fakes, microbatches).pipeline_order
-    except ValueError as e:
-        raise ValueError(
-            f"plan: Pipeline(schedule={schedule!r}, microbatches={microbatches}) on {n} "
-            f"stages: torch's {cls.__name__} refuses it: {e}"
-        ) from e
-    return {rank: _computations(order[rank]) for rank in range(pipeline)}
-
-
-def _recorded(cls: type, rank: int, stages: int, microbatches: int) -> list[Action]:
-    """What torch's single-stage schedule ``cls`` runs on ``rank``, in its order."""
-    rec = _Recorder(rank, stages)
-    sched = cls(rec, microbatches)
-    sched._has_backward = True  # as with a loss_fn; its stage counts as set up
-    sched._stage_forward_initialized = sched._stage_backward_initialized = True
-    sched._step_microbatches()
-    return rec.actions
-
-
-def _computations(actions: Sequence[Any]) -> list[Action]:
-    out = []
-    for a in actions:
-        if a is None:
-            continue
-        for sub in a.sub_actions or (a,):
-            kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I"}.get(
-                sub.computation_type.name,
-                "W" if sub.computation_type.name == "BACKWARD_WEIGHT" else None,
-            )
-            if kind is not None:
-                out.append(Action(kind, sub.stage_index, sub.microbatch_index))
-    return out
-
-
-def _deps(a: Action, stages: int) -> list[tuple]:
-    if a.kind == "F":
-        return [("F", a.stage - 1, a.microbatch)] if a.stage > 0 else []
-    if a.kind == "W":
-        return [("G", a.stage, a.microbatch)]
-    grad = [("G", a.stage + 1, a.microbatch)] if a.stage < stages - 1 else []
-    return [("F", a.stage, a.microbatch), *grad]
-
-
-def simulate(order: dict[int, list[Action]], stages: int) -> Timeline:
-    """Runs ``order`` (module docstring): the makespan, bubble and microbatches in flight.
-
-    Raises:
-      ValueError: an order that cannot finish (an action waiting on one never run).
-    """
-    done: dict[tuple, int] = {}
-    clock = dict.fromkeys(order, 0)
-    nxt = dict.fromkeys(order, 0)
-    pending = sum(len(v) for v in order.values())
-    while pending:
-        progress = False
-        for rank, actions in order.items():
-            while nxt[rank] < len(actions):
-                a = actions[nxt[rank]]
-                deps = _deps(a, stages)
-                if any(d not in done for d in deps):
-                    break
-                end = max([clock[rank], *(done[d] for d in deps)]) + COST[a.kind]
-                clock[rank] = end
-                done["G" if a.kind in "BI" else a.kind, a.stage, a.microbatch] = end
-                nxt[rank], pending, progress = nxt[rank] + 1, pending - 1, True
-        if not progress:
-            stuck = {r: order[r][nxt[r]] for r in order if nxt[r] < len(order[r])}
-            raise ValueError(f"pipeline plan: the schedule's order cannot finish: {stuck}")
-    makespan = max(clock.values())
-    busy = tuple(sum(COST[a.kind] for a in order[r]) for r in sorted(order))
-    return Timeline(
-        makespan,
-        busy,
-        1 - sum(busy) / (len(busy) * makespan),
-        tuple(1 - b / makespan for b in busy),
-        tuple(_peak(order[r]) for r in sorted(order)),
-    )
-
-
-def _peak(actions: list[Action]) -> int:
-    """The most microbatches whose forward ran and whose activations are not freed yet."""
-    live = peak = 0
-    zero_bubble = any(a.kind == "W" for a in actions)
-    for a in actions:
-        if a.kind == "F":
-            live += 1
-        elif a.kind == "B" or (a.kind == "W" and zero_bubble):
-            live -= 1
-        peak = max(peak, live)
-    return peak
 
 
 def rank_model(
@@ -371,11 +181,8 @@ def finish(
 ) -> tuple[Any, PipelinePlan | None]:
     """``(memory, pipeline plan)`` (``(memory, None)`` without a pipeline); ``boundary``:
     ``(plan's boundary=, the compute dtype's itemsize)``. The step's sends and agreement
-    added to the bytes; the
-    memory's gradients (every bucket's full unreduced sections: the stages' leaves hold the
-    step's sum), ZeRO-3's gathered peak (every bucket at once: gathered once a step; the
-    largest stage's under ``regather=True``, its gathers counted by :func:`_regather`) and the
-    in-flight activations (this rank's peak microbatches in flight x ``boundary_bytes``)."""
+    added to the bytes, the memory made a pipeline rank's (:func:`_rank_memory`), the
+    bubble that of each stage's FLOPs where ``inputs=`` is given (:func:`_timeline`)."""
     if s is None:
         return memory, None
     boundary_bytes = edge_bytes(boundary[0], s.pipe.microbatches, boundary[1])
@@ -384,23 +191,9 @@ def finish(
     dp_size = layout.dp_size
     add_pipeline_step(s.pipe, s.mine, n, s.size, boundary_bytes, dp_size, comm, calls, by_axis)
     order = schedule_order(s.pipe.schedule, s.size, s.pipe.microbatches, n // s.size)
-    timeline = simulate(order, n)
-    inner = layout.inner
-    full = [inner.over(p).shard_size * p.numel for p in inner.buckets]
-    grads = sum(f * b.dtypes.grad.itemsize for f, b in zip(full, layout.buckets, strict=True))
-    gathered, note = memory.gathered_peak, ""
-    if layout.strategy.shards_params and inner.shard_size > 1:
-        gathered = sum(
-            f * b.dtypes.compute.itemsize for f, b in zip(full, layout.buckets, strict=True)
-        )
-        if s.pipe.regather:
-            gathered, note = _regather(s, inner, order[s.rank], traffic)
-    memory = dataclasses.replace(
-        memory,
-        grads=grads,
-        gathered_peak=gathered,
-        activations=timeline.in_flight[s.rank] * boundary_bytes,
-    )
+    timeline, costs, why = _timeline(s, order, layout.policy)
+    active = timeline.in_flight[s.rank] * boundary_bytes
+    memory, note = _rank_memory(s, layout, memory, order[s.rank], traffic, active)
     return memory, PipelinePlan(
         s.pipe.schedule,
         s.size,
@@ -414,7 +207,45 @@ def finish(
         s.pipe.regather,
         not note,
         note,
+        "flops" if costs else "equal",
+        costs,
+        why,
     )
+
+
+def _timeline(
+    s: Setup, order: dict[int, list[Action]], policy: Any
+) -> tuple[Timeline, tuple[StageCost, ...], str]:
+    """``order`` simulated with each stage's FLOPs where ``inputs=`` is given
+    (:func:`~funcshard.planner.stage_cost.stage_costs`), else with equal stages: ``(its
+    timeline, the stages' costs (() for equal ones), why equal ones stand in for inputs=)``."""
+    costs, why = (), ""
+    if s.inputs is not None:
+        split = any(a.kind in "IW" for actions in order.values() for a in actions)
+        costs, why = stage_costs(s.stages, policy, s.inputs, s.pipe.microbatches, split)
+    return simulate(order, len(s.stages), costs or None), costs, why
+
+
+def _rank_memory(
+    s: Setup, layout: Any, memory: Any, actions: list[Action], traffic: dict, active: int
+) -> tuple[Any, str]:
+    """``(memory, regather's note)``: the memory's gradients (every bucket's full unreduced
+    sections: the stages' leaves hold the step's sum), ZeRO-3's gathered peak (every bucket
+    at once: gathered once a step; the largest stage's under ``regather=True``, its gathers
+    counted by :func:`_regather`) and the in-flight activations (``active``: this rank's
+    peak microbatches in flight x one microbatch's boundary bytes)."""
+    inner = layout.inner
+    full = [inner.over(p).shard_size * p.numel for p in inner.buckets]
+    grads = sum(f * b.dtypes.grad.itemsize for f, b in zip(full, layout.buckets, strict=True))
+    gathered, note = memory.gathered_peak, ""
+    if layout.strategy.shards_params and inner.shard_size > 1:
+        gathered = sum(
+            f * b.dtypes.compute.itemsize for f, b in zip(full, layout.buckets, strict=True)
+        )
+        if s.pipe.regather:
+            gathered, note = _regather(s, inner, actions, traffic)
+    memory = dataclasses.replace(memory, grads=grads, gathered_peak=gathered, activations=active)
+    return memory, note
 
 
 def _regather(s: Setup, inner: Any, actions: list[Action], traffic: dict) -> tuple[int, str]:

@@ -421,7 +421,9 @@ def plan(
         forward saved a tensor of, and in the zero-bubble schedules' weight backward) and
         ``memory.gathered_peak`` (a stage's buckets), found by running this rank's stages on
         the meta device (:mod:`funcshard.planner.regather`; ``Plan.pipeline.exact`` False
-        where one cannot run there). The first step's shape inference gathers more.
+        where one cannot run there). The first step's shape inference gathers more. Under
+        any strategy ``inputs=`` weighs the bubble by each stage's FLOPs, run on the meta
+        device (:mod:`funcshard.planner.stage_cost`; ``Plan.pipeline.bubble_model``).
       compile: as in ``fs.init`` (checked as it checks it): under ZeRO-2/3 the captured step,
         planned as its graphs move and hold, which is eager's: each bucket's all-gather in
         forward and again in backward (recomputed, not saved), a reduce-scatter per bucket,

@@ -25,7 +25,7 @@ in each phase, which is at most what it gathers, and the plan says so
 from __future__ import annotations
 
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -39,7 +39,7 @@ from funcshard.step.pipeline_regather import Regather
 from funcshard.step.pipeline_stage import StageModule, as_meta, propagate
 from funcshard.step.units.placeholders import UnitParamsError
 
-__all__ = ["Phases", "Regathers", "regathers"]
+__all__ = ["Phases", "Regathers", "regathers", "run_phases", "meta_error", "check_rows"]
 
 
 class Phases(NamedTuple):
@@ -109,28 +109,31 @@ def _seed(outputs: tuple, last: bool) -> tuple[list, list | None]:
     return grad, [torch.ones_like(t) for t in grad]
 
 
-def _phases(
-    module: StageModule, rg: _MetaRegather, args: tuple, place: tuple[bool, bool], split: bool
-) -> Phases:
-    """One microbatch of the stage through the step's code (module docstring); ``place``:
-    (first stage, last stage); ``split``: whether the schedule splits its backward."""
+def run_phases(
+    module: StageModule, args: tuple, place: tuple[bool, bool], split: bool, noted: Callable
+) -> tuple[Any, Any, Any, Any]:
+    """One microbatch of the stage through the step's code (module docstring), ``noted()``
+    called at the end of each phase, what it returns the phase's: ``(forward, full backward,
+    input backward, weight backward)``; ``place``: (first stage, last stage); ``split``:
+    whether the schedule splits its backward (else the last two are the full one's and
+    ``noted()`` after nothing). :mod:`funcshard.planner.stage_cost` counts FLOPs so."""
     from torch.distributed.pipelining import _backward as torch_backward  # loads pipelining
 
     first, last = place
     outputs, inputs = _forward(module, args, first)
-    forward = rg.noted()
+    forward = noted()
     seed, grads = _seed(outputs, last)
     torch_backward.stage_backward(seed[0] if last else seed, grads, inputs)  # torch: the loss
-    full = rg.noted()
+    full = noted()
     if not split or first:  # torch's first stage: no input backward, a full weight one
-        return Phases(forward, full, (), full)
+        return forward, full, noted(), full
     outputs, inputs = _forward(module, args, first)
-    rg.noted()
+    noted()
     seed, grads = _seed(outputs, last)
     _, groups = torch_backward.stage_backward_input(seed, grads, inputs, module.parameters())
-    input_ = rg.noted()
+    input_ = noted()
     torch_backward.stage_backward_weight(module.parameters(), groups)
-    return Phases(forward, full, input_, rg.noted())
+    return forward, full, input_, noted()
 
 
 def stage_phases(
@@ -159,19 +162,26 @@ def stage_phases(
         try:
             if x is None:
                 raise RuntimeError("its input is not known: a stage before it does not run")
-            found[i] = _phases(module, rg, x, (i == 0, i == len(stages) - 1), split)
+            place = (i == 0, i == len(stages) - 1)
+            found[i] = Phases(*run_phases(module, x, place, split, rg.noted))
         except Exception as e:  # noqa: BLE001 (the plan says so, and counts at most)
             _refuse_refused(e, i)
             every = tuple(sorted({rg.bucket_of[n] for n in module.names}))
             found[i] = Phases(every, every, every, every)
-            error = module.error or "".join(traceback.format_exception_only(_innermost(e)))
-            notes.append(f"stage {i} does not run on the meta device: {_last_line(error)}")
+            notes.append(f"stage {i} does not run on the meta device: {meta_error(module, e)}")
         finally:
             module.release()
             buffers.restore()
             rg.gathered = []
             rg.release()
     return found, "; ".join(notes)
+
+
+def meta_error(module: StageModule, e: BaseException) -> str:
+    """The last line of why ``module`` did not run on the meta device (``e``: what it
+    raised)."""
+    error = module.error or "".join(traceback.format_exception_only(_innermost(e)))
+    return _last_line(error)
 
 
 def _innermost(e: BaseException) -> BaseException:
@@ -247,6 +257,12 @@ def _check_inputs(inputs: Any, microbatches: int) -> None:
     args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     if not args or not all(isinstance(t, torch.Tensor) for t in args):
         raise ValueError(why + repr(inputs))
+    check_rows(args, microbatches)
+
+
+def check_rows(args: Sequence[torch.Tensor], microbatches: int) -> None:
+    """Raises ValueError where a tensor of ``args`` (``inputs=``) has no rows (dim 0) or
+    rows that ``microbatches`` do not divide: ``train_step`` refuses it."""
     for t in args:
         if t.dim() == 0 or t.shape[0] % microbatches:
             raise ValueError(

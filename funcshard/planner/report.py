@@ -7,6 +7,8 @@ import dataclasses
 
 __all__ = ["KINDS", "MemoryPlan", "Plan", "PipelinePlan", "format_bytes"]
 
+# how a pipeline plan's bubble weighs its stages, as its table prints it
+_STAGES = {"equal": "equal stages", "flops": "stages by FLOPs"}
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "metrics", "muon", "buffers")
 
 
@@ -78,7 +80,7 @@ class PipelinePlan:
       stages: the stage indices that rank holds.
       microbatches: microbatches a step.
       bubble: the schedule's bubble fraction over every rank
-        (:mod:`funcshard.planner.pipeline`).
+        (:mod:`funcshard.planner.schedule`), its stages weighted as ``bubble_model`` says.
       bubble_by_rank: each rank's idle fraction of the step.
       in_flight: per rank, the most microbatches whose activations are alive at once.
       boundary_bytes: one microbatch's boundary tensor (0 without ``boundary=``).
@@ -88,6 +90,16 @@ class PipelinePlan:
       exact: False where a stage could not run there: its gathers are then counted at most
         (every bucket it uses in each phase), ``note`` naming the stage and its error.
       note: why the figures are not exact ("" where they are).
+      bubble_model: how ``bubble`` weighs the stages: "equal" (each stage's forward 1, full
+        backward 2, input and weight backward 1), or "flops" (each stage's FLOPs, counted by
+        running every stage on the meta device on ``inputs=``:
+        :mod:`funcshard.planner.stage_cost`). Neither counts the boundary transfers nor the
+        optimizer step.
+      stage_costs: under "flops", each stage's forward, full backward, input backward and
+        weight backward over the mean forward (``StageCost`` of
+        :mod:`funcshard.planner.stage_cost`); () under "equal".
+      bubble_note: why equal stages stand in though ``inputs=`` was given (a stage that
+        does not run on the meta device; "" otherwise).
     """
 
     schedule: str
@@ -102,6 +114,9 @@ class PipelinePlan:
     regather: bool = False
     exact: bool = True
     note: str = ""
+    bubble_model: str = "equal"
+    stage_costs: tuple[tuple[float, float, float, float], ...] = ()
+    bubble_note: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -172,8 +187,10 @@ class Plan:
             rows.append(
                 f"pipeline: {pp.schedule} P={pp.size} rank={pp.rank} stages={pp.stages} "
                 f"microbatches={pp.microbatches} bubble={pp.bubble:.3f} "
-                f"in_flight={pp.in_flight}"
+                f"({_STAGES[pp.bubble_model]}) in_flight={pp.in_flight}"
             )
+            if pp.bubble_note:
+                rows.append(f"  bubble of equal stages: {pp.bubble_note}")
             if pp.regather:
                 rows.append(
                     "  regather=True: a steady step's gathers (the first step's shape "
