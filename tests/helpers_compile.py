@@ -50,11 +50,11 @@ def counting_backend(counts: collections.Counter, collectives: collections.Count
     """``aot_eager`` (AOTAutograd, graphs run as traced) counting forward/backward compiles in
     ``counts`` ("forward", "backward"); with ``collectives``, the functional collectives in
     each graph kind (torch's functional ones and funcshard's, :data:`COLLECTIVES`), keyed
-    ("forward" or "backward", the op's name: "all_gather_sections", "all_to_all_single",
-    "reduce_scatter_tensor", ...), the forward's saved tensors that are gathered params
-    ("forward", "saved_gathered") and, in backward, the reduce-scatters (a narrow wire's
-    all-to-alls too) issued before the graph's last matmul ("backward",
-    "reduce_scatter_before_last_mm")."""
+    ("forward" or "backward", the op's name: "all_gather_sections", "reduce_sections",
+    "all_to_all_single", "reduce_scatter_tensor", ...), the forward's saved tensors that are
+    gathered params ("forward", "saved_gathered") and, in backward, the reduce-scatters
+    (funcshard's on gloo, a narrow wire's all-to-alls too) issued before the graph's last
+    matmul ("backward", "reduce_scatter_before_last_mm")."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -73,7 +73,8 @@ def counting_backend(counts: collections.Counter, collectives: collections.Count
         scatters = [
             i
             for i, n in enumerate(nodes)
-            if getattr(n.target, "_opname", "") in ("reduce_scatter_tensor", "all_to_all_single")
+            if getattr(n.target, "_opname", "")
+            in ("reduce_scatter_tensor", "all_to_all_single", "reduce_sections")
         ]
         collectives[(kind, "reduce_scatter_before_last_mm")] += sum(
             i < max(mms, default=-1) for i in scatters
@@ -304,6 +305,15 @@ def overlap_worker() -> list:
     return [*out, warned]
 
 
+def _reduces_before_last_matmul(prof) -> int:
+    """How many of the step's reduces (``funcshard::reduce_sections``) ran before its last
+    matmul (the backward's): issued as their unit's backward ended, not at the tail."""
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    mms = [e.time_range.start for e in events if e.name in ("aten::mm", "aten::addmm")]
+    reduces = [e for e in events if e.name == "funcshard::reduce_sections"]
+    return sum(e.time_range.start < max(mms, default=0) for e in reduces)
+
+
 def _matmuls_in_flight(prof) -> list[int]:
     """Per started gather (``funcshard::all_gather_sections_start``, in run order), the
     matmuls the rank ran before its wait: the compute the gather overlapped."""
@@ -427,6 +437,7 @@ def _inductor_runs(rows: int, microbatches: int, steps: int) -> dict:
             history += last
         out[compile or "eager"] = {
             "overlapped": _matmuls_in_flight(prof),
+            "reduced_early": _reduces_before_last_matmul(prof),
             "params": fs.full_params(state),
             "losses": [m["loss"] for m in history],
             "graphs": graphs.graphs,

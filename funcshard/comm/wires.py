@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from funcshard.comm import codec
-from funcshard.distributed import ops
+from funcshard.distributed import graph_ops, ops
 from funcshard.distributed.ops import Axis, Pending
 from funcshard.layout import determinism
 
@@ -171,8 +171,9 @@ def reduces_by_all_to_all(device: torch.device) -> bool:
 
 
 def _sum_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """The received blocks' sum in ``torch.sum``'s order (not the deterministic tree's)."""
-    return blocks.sum(0)
+    """The received blocks' sum in rank order (not the deterministic tree's), as the
+    captured step's reduce adds them (:func:`funcshard.distributed.graph_ops.sum_by_rank`)."""
+    return graph_ops.sum_by_rank(blocks)
 
 
 def _tree_blocks(blocks: torch.Tensor) -> torch.Tensor:

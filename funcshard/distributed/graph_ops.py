@@ -16,6 +16,15 @@ in two ops, so that a graph can issue a bucket's gather before the compute it ov
 bytes: the graph's memory planning sees no buffer held from the start), the wait redeems it
 for the gathered sections. The start's ``after``, not read, orders the gathers in the graph
 (every rank posts its sends in the same order).
+
+:func:`reduce_sections` is the reduce-scatter's counterpart (the eager step reduces on a
+CPU group by exchanging rank sections and summing them: gloo's reduce-scatter is an
+all-reduce, twice the bytes): each rank's section sent to it by point-to-point sends and
+added as it arrives (:func:`reduce_by_sends`), in one op whose output is the section alone.
+In the two-op form (``_c10d_functional.all_to_all_single``, whose output is the whole
+bucket, then a sum) inductor's peak-memory ordering put every bucket's reduce at the end of
+the backward graph, each unit's gradients held until then; as one op it runs where the
+captured step places it, as the unit's backward ends.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from funcshard.distributed.ops import Pending, gather_in_place
+from funcshard.distributed.ops import _PIECES_TAG, _UNWAITED, Pending, _Works, gather_in_place
 
 __all__ = [
     "all_gather_sections",
@@ -35,6 +44,10 @@ __all__ = [
     "ALL_GATHER_SECTIONS_START",
     "ALL_GATHER_SECTIONS_WAIT",
     "all_gather_sections_wait",
+    "reduce_by_sends",
+    "reduce_sections",
+    "REDUCE_SECTIONS",
+    "sum_by_rank",
 ]
 
 
@@ -96,6 +109,66 @@ def _(ticket: torch.Tensor, shard: torch.Tensor, group_size: int) -> torch.Tenso
     return shard.new_empty(group_size * shard.numel())
 
 
+def sum_by_rank(blocks: torch.Tensor) -> torch.Tensor:
+    """The sum over dim 0 of ``blocks`` (one block per rank), added from zero in rank order
+    in float32 for a 16-bit dtype (else its own), then cast back: :func:`reduce_by_sends`'s
+    order, and ``torch.sum``'s own where it adds the rows in turn (measured equal for 2-4
+    rows, fp32 / bf16 / fp16), so that a sum received whole and one received a block at a time
+    agree for any number of ranks."""
+    out = torch.zeros_like(blocks[0], dtype=_accumulator(blocks.dtype))
+    for block in blocks:
+        out += block
+    return out.to(blocks.dtype)
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def reduce_by_sends(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's section of the sum over ``group`` of every rank's contiguous 1-D ``x``
+    (one equal section per rank, in group rank order), by sends to each peer (a CPU gloo
+    group), added as :func:`sum_by_rank` adds, one received section at a time: besides
+    ``x``, two sections' bytes (the sum and the section received), where an all-to-all
+    receives all of ``x``'s size first. Counts nothing."""
+    while _UNWAITED:
+        _UNWAITED.pop(0).wait()
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    sections = x.view(size, -1)
+    sends = _Works(
+        [
+            dist.isend(sections[peer], group=group, group_dst=peer, tag=_PIECES_TAG)
+            for peer in range(size)
+            if peer != rank
+        ]
+    )
+    out = torch.zeros_like(sections[0], dtype=_accumulator(x.dtype))
+    received = torch.empty_like(sections[0])
+    for peer in range(size):
+        if peer != rank:
+            dist.irecv(received, group=group, group_src=peer, tag=_PIECES_TAG).wait()
+        out += sections[rank] if peer == rank else received
+    sends.wait()
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("funcshard::reduce_sections", mutates_args=())
+def reduce_sections(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """This rank's section of the sum over the group named ``group_name`` (``group_size``
+    ranks) of every rank's 1-D ``x`` (``group_size`` sections in group rank order): the
+    sections exchanged by one all-to-all and summed here, as the eager step reduces on a CPU
+    group (:func:`funcshard.comm.wires.reduces_by_all_to_all`), in one op whose output is the
+    section alone (module docstring)."""
+    group = _resolve_process_group(group_name)
+    assert dist.get_world_size(group) == group_size, (group_name, group_size)
+    return reduce_by_sends(x.contiguous(), group)
+
+
+@reduce_sections.register_fake
+def _(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:  # noqa: ARG001
+    return x.new_empty(x.numel() // group_size)
+
+
 # gathers started and not yet waited for, by ticket (at most one per graph at a time)
 _IN_FLIGHT: dict[int, Pending] = {}
 _TICKETS = itertools.count()
@@ -104,3 +177,4 @@ _TICKETS = itertools.count()
 ALL_GATHER_SECTIONS = torch.ops.funcshard.all_gather_sections.default
 ALL_GATHER_SECTIONS_START = torch.ops.funcshard.all_gather_sections_start.default
 ALL_GATHER_SECTIONS_WAIT = torch.ops.funcshard.all_gather_sections_wait.default
+REDUCE_SECTIONS = torch.ops.funcshard.reduce_sections.default

@@ -14,8 +14,10 @@ its backward concatenates their gradients into rank sections, casts them to the 
 is this rank's reduced shard. On CPU the two take the eager step's gloo forms, chosen as
 eagerly: on a gloo group the gather is
 :func:`funcshard.distributed.graph_ops.all_gather_sections` (each peer's section received in
-place; gloo's functional all-gather copies it twice), and on CPU the reduce-scatter is an
-all-to-all and a local sum (gloo's is an all-reduce: twice the bytes).
+place; gloo's functional all-gather copies it twice), and on CPU the reduce-scatter is
+:func:`funcshard.distributed.graph_ops.reduce_sections` (each rank's section sent to it and
+summed as the eager wire sums its all-to-all: gloo's reduce-scatter is an all-reduce, twice
+the bytes).
 AOTAutograd splits the result into one forward and one backward graph, collectives inside
 each, for the compiler to fuse, bucket and reorder.
 
@@ -198,8 +200,7 @@ def _reduced(x: torch.Tensor, group, S: int, dp: int, wire: GradWire) -> torch.T
         if S == 1:
             return x
         if reduces_by_all_to_all(x.device):  # as the eager RingWire sums it
-            recv = funcol.all_to_all_single(x, None, None, group)
-            return recv.view(S, -1).sum(0)
+            return graph_ops.reduce_sections(x, S, group)
         return funcol.reduce_scatter_tensor(x, "sum", 0, group)
     x = x.to(wire.sections).to(wire.acc)
     if dp > 1:

@@ -34,7 +34,7 @@ from torch import fx
 from torch._guards import CompileContext
 from torch.utils.checkpoint import CheckpointPolicy
 
-from funcshard.distributed.graph_ops import ALL_GATHER_SECTIONS
+from funcshard.distributed.graph_ops import ALL_GATHER_SECTIONS, REDUCE_SECTIONS
 
 __all__ = [
     "Placed",
@@ -280,6 +280,8 @@ def _reduce_chain(scatter: fx.Node, backward: set[fx.Node]) -> set[fx.Node]:
         if all(u in chain for u in node.users):  # looked at again as each user joins
             chain.add(node)
             todo.extend(node.all_input_nodes)
+    if scatter.target is REDUCE_SECTIONS:  # returns when its sections have arrived
+        _after_wait(scatter, chain)
     for user in scatter.users:
         if user.target is WAIT:
             chain.add(user)
@@ -438,7 +440,7 @@ def place_collectives(
     if chains:
         _constants_before_use(graph)
     eager: set[fx.Node] = set()
-    scatters = (REDUCE_SCATTER, ALL_TO_ALL)
+    scatters = (REDUCE_SCATTER, ALL_TO_ALL, REDUCE_SECTIONS)
     for scatter in [n for n in graph.nodes if n.target in scatters and n in backward]:
         eager |= _reduce_chain(scatter, backward)
     if eager:
