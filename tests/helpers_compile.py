@@ -364,10 +364,14 @@ class _InductorGraphs:
             and "wait" not in n.target._opname
         ]
         outputs = [a for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]
+        reduces = [n for n in nodes if getattr(n.target, "_opname", "") == "reduce_sections"]
+        chain = [r.args[1] is p for p, r in zip([None, *reduces], reduces, strict=False)]
         self.graphs.append(
             {
                 "kind": "backward" if backward else "forward",
                 "collectives": ops,
+                # each reduce's ``after``: the reduce before it (None for the first)
+                "reduce_chain": chain,
                 "saved_gathered": 0 if backward else len(_from_gather(graph) & set(outputs)),
             }
         )

@@ -607,7 +607,8 @@ def test_inductor_regathers_uneven_rows(pool2):
     compiles its own shapes (4 rows, 3 rows), so the overlap passes order each rank's graphs
     by its own costs and must keep the collectives' order (gloo aborts on a mismatch). Fails without
     funcshard.step.units.mutation_order: inductor's CPU kernels read the re-gathered root
-    bucket before its wait (loss 1e33 at step 2)."""
+    bucket before its wait (loss 1e33 at step 2). Each reduce takes the one before it, so
+    that both ranks send their reduces in one order (fails without the pass's chain)."""
     from helpers_compile import inductor_worker
 
     for out in pool2.run(inductor_worker, 7, 1, 3):
@@ -624,6 +625,8 @@ def test_inductor_regathers_uneven_rows(pool2):
             assert g["saved_gathered"] == 0, g
             if g["kind"] == "backward":
                 assert g["collectives"].count("reduce_sections") == n, g
+                # chained, one order on every rank (each rank's graphs are its own shapes')
+                assert g["reduce_chain"] == [True] * n, g
         assert compiled["bytes"] == eager["bytes"], (compiled["bytes"], eager["bytes"])
         # each graph's gathers but its first started one bucket ahead: a matmul ran while
         # each was in flight (funcshard.step.units.prefetch), in forward and in backward

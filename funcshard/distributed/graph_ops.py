@@ -137,7 +137,7 @@ def reduce_by_sends(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     sections = x.view(size, -1)
     sends = _Works(
         [
-            dist.isend(sections[peer], group=group, group_dst=peer, tag=_PIECES_TAG)
+            dist.isend(sections[peer], group=group, group_dst=peer, tag=_REDUCE_TAG)
             for peer in range(size)
             if peer != rank
         ]
@@ -146,28 +146,42 @@ def reduce_by_sends(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     received = torch.empty_like(sections[0])
     for peer in range(size):
         if peer != rank:
-            dist.irecv(received, group=group, group_src=peer, tag=_PIECES_TAG).wait()
+            dist.irecv(received, group=group, group_src=peer, tag=_REDUCE_TAG).wait()
         out += sections[rank] if peer == rank else received
     sends.wait()
     return out.to(x.dtype)
 
 
 @torch.library.custom_op("funcshard::reduce_sections", mutates_args=())
-def reduce_sections(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+def reduce_sections(
+    x: torch.Tensor, after: torch.Tensor | None, group_size: int, group_name: str
+) -> torch.Tensor:
     """This rank's section of the sum over the group named ``group_name`` (``group_size``
-    ranks) of every rank's 1-D ``x`` (``group_size`` sections in group rank order): the
-    sections exchanged by one all-to-all and summed here, as the eager step reduces on a CPU
-    group (:func:`funcshard.comm.wires.reduces_by_all_to_all`), in one op whose output is the
-    section alone (module docstring)."""
+    ranks) of every rank's 1-D ``x`` (``group_size`` sections in group rank order), by
+    :func:`reduce_by_sends`, in one op whose output is the section alone (module docstring).
+    ``after``, not read, is the previous reduce's output in the graph: the captured step's
+    pass chains them so that every rank posts its reduces' sends in one order."""
+    del after
     group = _resolve_process_group(group_name)
     assert dist.get_world_size(group) == group_size, (group_name, group_size)
     return reduce_by_sends(x.contiguous(), group)
 
 
 @reduce_sections.register_fake
-def _(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:  # noqa: ARG001
+def _(
+    x: torch.Tensor,
+    after: torch.Tensor | None,  # noqa: ARG001
+    group_size: int,
+    group_name: str,  # noqa: ARG001
+) -> torch.Tensor:
     return x.new_empty(x.numel() // group_size)
 
+
+# the reduces' sends, apart from the gathers' (gloo matches a pair's messages in order per
+# tag): a graph orders its reduces among themselves (``after``) and its gathers among
+# themselves, not a reduce against a gather, and a rank's inductor may order those two by its
+# own shapes' costs
+_REDUCE_TAG = _PIECES_TAG + 1
 
 # gathers started and not yet waited for, by ticket (at most one per graph at a time)
 _IN_FLIGHT: dict[int, Pending] = {}

@@ -200,7 +200,7 @@ def _reduced(x: torch.Tensor, group, S: int, dp: int, wire: GradWire) -> torch.T
         if S == 1:
             return x
         if reduces_by_all_to_all(x.device):  # as the eager RingWire sums it
-            return graph_ops.reduce_sections(x, S, group)
+            return graph_ops.reduce_sections(x, None, S, group)  # chained: units/schedule
         return funcol.reduce_scatter_tensor(x, "sum", 0, group)
     x = x.to(wire.sections).to(wire.acc)
     if dp > 1:

@@ -410,6 +410,15 @@ def _account(
     placed.graphs[compile_key()] = _Graph(tuple(regathered), _peak(intervals), held)
 
 
+def _chain_reduces(graph: fx.Graph) -> None:
+    """Each reduce by sends (:data:`REDUCE_SECTIONS`) takes the one before it in ``graph``
+    as its ``after``: the compiler keeps their order, the same on every rank (it may order
+    two unchained ones by a rank's own shapes, and gloo matches a pair's sends in order)."""
+    reduces = [n for n in graph.nodes if n.target is REDUCE_SECTIONS]
+    for previous, node in zip(reduces, reduces[1:], strict=False):
+        node.update_arg(1, previous)
+
+
 def place_collectives(
     gm: fx.GraphModule,
     joint_inputs: object = None,
@@ -445,6 +454,7 @@ def place_collectives(
         eager |= _reduce_chain(scatter, backward)
     if eager:
         _hoist(graph, eager, backward)
+    _chain_reduces(graph)
     graph.lint()
     gm.recompile()
     if placed is not None:
