@@ -9,6 +9,8 @@ bit, and a non-persistent one keeps the fresh model's value.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -370,14 +372,31 @@ def unfilled_worker(directory: str) -> tuple[dict, dict]:
     fs.save(directory, state)
     with torch.device("meta"):
         fresh = Routed()
-    fs.restore(directory, like=fs.init(fresh, fs.optim.sgd(0.1), mesh=mesh))
-    return _persistent(model), _persistent(fresh)
+    restored = fs.restore(directory, like=fs.init(fresh, fs.optim.sgd(0.1), mesh=mesh))
+    got = _persistent(fresh)
+
+    def loss_fn(params, batch):
+        return fs.functional_call(fresh, params, (batch,)).square().mean()
+
+    batch = torch.randn(4, 4)
+    try:  # its non-persistent buffer, no checkpoint's to give, is still on meta
+        fs.train_step(restored, batch, loss_fn)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    fresh.register_buffer("derived", torch.full((2,), 7.0), persistent=False)
+    _, metrics = fs.train_step(restored, batch, loss_fn)
+    return _persistent(model), got, refused, metrics["loss"]
 
 
 def test_an_unfilled_state_restores_the_buffers(pool2, tmp_path) -> None:
     """A meta-device model's buffers (an unfilled ``like``) get the checkpoint's values, not a
-    refusal naming every saved buffer as 'not a persistent buffer of the model'."""
-    for saved, restored in pool2.run(unfilled_worker, str(tmp_path / "ckpt")):
+    refusal naming every saved buffer as 'not a persistent buffer of the model'; its
+    non-persistent buffer, left on meta, is named by the first step (not an error inside the
+    forward), which trains once it is made."""
+    for saved, restored, refused, loss in pool2.run(unfilled_worker, str(tmp_path / "ckpt")):
+        assert "'derived'" in refused and "meta device" in refused, refused
+        assert math.isfinite(loss), loss
         assert saved.keys() == restored.keys()
         for name, value in saved.items():
             assert restored[name].device.type == "cpu", name

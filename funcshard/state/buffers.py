@@ -38,6 +38,7 @@ never reach the stage); the step's snapshot and broadcast cover every stage's co
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -143,6 +144,18 @@ class ModelBuffers:
         """Whether every data-parallel rank must hold the same values (``"broadcast"``)."""
         return self.mode == "broadcast" and bool(self.names)
 
+    def on_meta(self) -> list[str]:
+        """The model's buffers (non-persistent ones too) still on the meta device: a state
+        built from a meta-device model and restored holds every persistent buffer, but the
+        non-persistent ones (derived: rotary tables, masks) are no checkpoint's to give. A
+        model found with none is not looked at again (a buffer made stays made)."""
+        if self.model is None or self.model in _MADE:
+            return []
+        meta = [n for n, b in self.model.named_buffers() if b.is_meta]
+        if not meta:
+            _MADE.add(self.model)
+        return meta
+
     def snapshot(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
         """A copy of every carried buffer's values in every tree (before a step that may be
         undone; a tensor several trees share copied once)."""
@@ -190,3 +203,7 @@ def _holds(tree: nn.Module, name: str) -> bool:
 
 
 NO_BUFFERS = ModelBuffers()
+
+
+# models whose buffers are all made (ModelBuffers.on_meta)
+_MADE: weakref.WeakSet[nn.Module] = weakref.WeakSet()

@@ -241,6 +241,13 @@ def _check_steppable(state: TrainState) -> None:
             "train_step: the state holds no values (built from a meta-device "
             "model); fill it with fs.restore(..., model_only=True) first"
         )
+    if meta := state.buffers.on_meta():
+        raise RuntimeError(
+            f"train_step: the model's buffers {', '.join(map(repr, meta))} are on the meta "
+            "device (non-persistent buffers of a meta-device model: no checkpoint holds "
+            "them); make them on the model's device before the first step (e.g. "
+            "module.register_buffer(name, tensor, persistent=False))"
+        )
     every = state.check_replicas_every
     if every and state.step and state.step % every == 0:  # before anything is donated
         check_replicas(state)
