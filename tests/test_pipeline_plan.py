@@ -181,6 +181,22 @@ def test_equal_stages_by_flops_give_the_equal_bubble():
     assert _flat(pp.stage_costs) == pytest.approx([1, 2, 0, 2] + [1, 2, 1, 1] * 3), pp
 
 
+def test_a_stage_of_no_flops_keeps_equal_stages():
+    """A first stage of the embedding alone counts no FLOP (a gather): weighted by FLOPs its
+    rank would idle through the step (a bubble of 1 on that rank, 0.5 over both); the plan
+    keeps equal stages instead and says which stage."""
+    with torch.device("meta"):
+        net = hm.EmbedNet()
+    tokens = torch.empty(hpp.ROWS, dtype=torch.long, device="meta")
+    p = _flops_plan(net, "1F1B", ["blocks.0"], tokens)
+    pp = p.pipeline
+    assert pp.bubble_model == "equal" and pp.stage_costs == (), pp
+    assert "stage 0's forward counts no FLOP" in pp.bubble_note, pp.bubble_note
+    assert pp.bubble == pytest.approx(1 / (hp.MICROBATCHES + 1)), pp.bubble
+    assert max(pp.bubble_by_rank) < 1, pp.bubble_by_rank
+    assert "bubble of equal stages: stage 0's forward counts no FLOP" in p.table(), p.table()
+
+
 def test_bad_pipeline_arguments():
     net = hp.make_net()
     kw = dict(world_size=4, pipeline=2, microbatches=4)

@@ -20,8 +20,9 @@ What the FLOPs leave out: FlopCounterMode counts matrix products, convolutions a
 only, so norms, activations, an embedding's gather and the loss count nothing (on a
 memory-bound device they take time); the last stage's backward starts from the sum of its
 outputs (the loss_fn is not the plan's to run). Where a stage does not run on the meta device
-(a value check, data-dependent routing) or no stage's forward counts a FLOP, the plan keeps
-equal stages and says why (``PipelinePlan.bubble_note``).
+(a value check, data-dependent routing) or a stage's forward counts no FLOP (an embedding
+alone: by FLOPs its rank would idle through the step), the plan keeps equal stages and says
+why (``PipelinePlan.bubble_note``).
 """
 
 from __future__ import annotations
@@ -87,9 +88,15 @@ def stage_costs(
             flops.append(_counted(module, x, policy, (i == 0, i == len(stages) - 1), split))
         except Exception as e:  # noqa: BLE001 (the plan says so, and keeps equal stages)
             return (), f"stage {i} does not run on the meta device: {meta_error(module, e)}"
-    mean = sum(f.forward for f in flops) / len(flops)
-    if not mean:
+    idle = [i for i, f in enumerate(flops) if not f.forward]
+    if len(idle) == len(flops):
         return (), "no stage's forward counts a FLOP (a matrix product, convolution, attention)"
+    if idle:  # weighted by FLOPs its rank would idle through the step: a bubble of 1
+        return (), (
+            f"stage {idle[0]}'s forward counts no FLOP (a matrix product, convolution, "
+            "attention): an embedding, norms or activations alone weigh nothing by FLOPs"
+        )
+    mean = sum(f.forward for f in flops) / len(flops)
     return tuple(StageCost(*(v / mean for v in f)) for f in flops), ""
 
 
