@@ -681,3 +681,40 @@ def test_prefetch_runs_the_users_post_grad_passes():
     # forward and backward graphs, each through both of the user's passes in order
     assert seen == ["plain", ("aware", False)] * 2, seen
     assert config.post_grad_custom_post_pass is None  # restored
+
+
+def interleaved_worker() -> list[str]:
+    """Rank 0 starts a gather, then reduces; rank 1 reduces, then starts the gather (the
+    order inductor's scheduler may pick on each rank's graph: nothing orders the two); the
+    shard and the section are of one size, as a block's are. Returns what came back wrong."""
+    from funcshard.distributed import graph_ops
+
+    rank, size, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
+    shard = torch.full((4,), float(rank))
+    x = torch.arange(4.0 * size) + 100 * rank
+
+    def start() -> torch.Tensor:
+        return graph_ops.all_gather_sections_start(shard, None, size, name)
+
+    ticket = start() if rank == 0 else None
+    reduced = graph_ops.reduce_sections(x, None, size, name)
+    ticket = start() if ticket is None else ticket
+    gathered = graph_ops.all_gather_sections_wait(ticket, shard, size)
+    ranks = torch.arange(size, dtype=torch.float32)
+    want = torch.arange(4.0 * size).view(size, 4)[rank] * size + 100 * ranks.sum()
+    wrong = []
+    if not torch.equal(gathered, ranks.repeat_interleave(4)):
+        wrong.append(f"rank {rank} gathered {gathered.tolist()}")
+    if not torch.equal(reduced, want):
+        wrong.append(f"rank {rank} reduced {reduced.tolist()}, want {want.tolist()}")
+    return wrong
+
+
+def test_a_reduce_and_a_gather_in_flight_receive_their_own(pool2):
+    """The captured step's reduce (funcshard::reduce_sections, by sends) while a prefetched
+    gather is in flight between the same ranks, issued in another order on each rank: each
+    receives its own messages (a tag of its own), the order of the gathers and the reduces
+    around each other left to each rank's scheduler. Fails without: on the gathers' tag
+    every rank's gather received the reduce's section and the reduce the shard, silently."""
+    for wrong in pool2.run(interleaved_worker):
+        assert wrong == [], wrong
