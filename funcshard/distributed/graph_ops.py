@@ -129,8 +129,8 @@ def reduce_by_sends(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's section of the sum over ``group`` of every rank's contiguous 1-D ``x``
     (one equal section per rank, in group rank order), by sends to each peer (a CPU gloo
     group), added as :func:`sum_by_rank` adds, one received section at a time: besides
-    ``x``, two sections' bytes (the sum and the section received), where an all-to-all
-    receives all of ``x``'s size first. Counts nothing."""
+    ``x``, the sum (float32 for a 16-bit ``x``) and one received section, where an
+    all-to-all receives all of ``x``'s size first. Counts nothing."""
     while _UNWAITED:
         _UNWAITED.pop(0).wait()
     rank, size = dist.get_rank(group), dist.get_world_size(group)
