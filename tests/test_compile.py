@@ -718,3 +718,33 @@ def test_a_reduce_and_a_gather_in_flight_receive_their_own(pool2):
     every rank's gather received the reduce's section and the reduce the shard, silently."""
     for wrong in pool2.run(interleaved_worker):
         assert wrong == [], wrong
+
+
+def test_prefetch_chains_a_packed_gather_with_the_others():
+    """A gather of a shard the graph packs (a param wire) is in the gathers' chain too (its
+    start takes the previous wait, the next start takes its wait), its start where it was
+    (not one bucket ahead): every gather by sends of a graph in one order on every rank.
+    Fails without: the packed gather stayed synchronous, outside the chain."""
+    from funcshard.distributed import graph_ops
+    from funcshard.step.units.prefetch import prefetch_gathers
+
+    graph = torch.fx.Graph()
+    shards = [graph.placeholder(f"shard{i}") for i in range(3)]
+    gathered, packed = [], None
+    for i, shard in enumerate(shards):
+        if i == 1:  # packed in the graph (a cast stands for the wire's encode)
+            packed = shard = graph.call_function(torch.ops.aten.mul.Tensor, (shard, 2.0))
+        node = graph.call_function(graph_ops.ALL_GATHER_SECTIONS, (shard, 2, "0"))
+        node.meta["val"] = torch.empty(8)
+        gathered.append(graph.call_function(torch.ops.aten.sum.default, (node,)))
+    graph.output(tuple(gathered))
+    assert prefetch_gathers(graph) == 1  # the third one bucket ahead; the packed one not
+    nodes = list(graph.nodes)
+    starts = [n for n in nodes if n.target is graph_ops.ALL_GATHER_SECTIONS_START]
+    waits = [n for n in nodes if n.target is graph_ops.ALL_GATHER_SECTIONS_WAIT]
+    assert len(starts) == len(waits) == 3
+    assert not any(n.target is graph_ops.ALL_GATHER_SECTIONS for n in nodes)
+    assert [s.args[1] for s in starts] == [None, waits[0], waits[1]]
+    assert nodes.index(starts[1]) > nodes.index(packed)  # after its encode
+    assert nodes.index(starts[2]) == nodes.index(waits[1]) + 1  # one bucket ahead
+    graph.lint()

@@ -9,12 +9,13 @@ only torch's functional collectives, and a peak-memory budget of zero (funcshard
 :data:`funcshard.step.compiling.OVERLAP_COMMS`) keeps them from issuing a gather early.
 
 :class:`PrefetchGathers`, run on each of inductor's post-grad graphs (forward and backward),
-turns each such gather of a graph input (a bucket's shard; a shard packed on a param wire
-inside the graph stays synchronous: its encode would have to move too) into
-``all_gather_sections_start`` and ``all_gather_sections_wait``
+turns each such gather into ``all_gather_sections_start`` and ``all_gather_sections_wait``
 (:mod:`funcshard.distributed.graph_ops`), the wait where the gather was and the start just
 after the previous gather's wait: at most one gather is in flight, as in eager, and it runs
-while the previous bucket's compute does. The start returns an eight-byte ticket, so
+while the previous bucket's compute does. A shard packed on a param wire inside the graph
+keeps its start where the gather was (its encode would have to move too), in the same chain:
+every gather by sends of a graph, prefetched or not, in one order on every rank (they share
+a gloo tag, matched in order per pair). The start returns an eight-byte ticket, so
 inductor's peak-memory ordering has no buffer to defer it for (with torch's ``wait_tensor`` on
 the start's output it issued each forward gather after the previous bucket's compute); it
 takes the previous wait's output as an input it does not read, so the gathers keep their
@@ -49,9 +50,7 @@ _META = ("val", "tensor_meta", "stack_trace", "nn_module_stack")
 
 def prefetch_gathers(graph: fx.Graph) -> int:
     """Rewrites ``graph`` (module docstring); returns how many gathers it starts early."""
-    gathers = [
-        n for n in graph.nodes if n.target is ALL_GATHER_SECTIONS and n.args[0].op == "placeholder"
-    ]
+    gathers = [n for n in graph.nodes if n.target is ALL_GATHER_SECTIONS]
     previous: fx.Node | None = None
     early = 0
     for gather in gathers:
@@ -64,7 +63,8 @@ def prefetch_gathers(graph: fx.Graph) -> int:
         start.meta["val"] = gather.meta["val"].new_empty(1, dtype=torch.int64)
         gather.replace_all_uses_with(wait)
         graph.erase_node(gather)
-        if previous is not None:  # issued as the previous bucket's sections arrive
+        # issued as the previous bucket's sections arrive; a packed shard where it was packed
+        if previous is not None and shard.op == "placeholder":
             previous.append(start)
             early += 1
         previous = wait
