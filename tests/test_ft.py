@@ -210,16 +210,18 @@ def test_two_groups_of_every_strategy_start_recover_and_equal_the_replay(tmp_pat
     # loss of step 1 (after its quorum), catch it and call again: group 0 waits out its
     # all-reduce, and both must meet in a later quorum and commit every step together, not
     # stay wedged on a failed quorum (#43). Every strategy at once, each its own two groups
-    # and lighthouse: a run is mostly process starts and quorum waits.
-    steps, runs = 3, {}
+    # and lighthouse: a run is mostly process starts and quorum waits. Its 16 processes start
+    # at once: on 2 loaded cores a group joined 10.4 s after its peer, past the join's quorum
+    # timeout at fs.init (2 x torchft's timeout), so these runs wait twice SHORT.
+    steps, runs, timeout = 3, {}, 2 * SHORT
     for strategy in STRATEGIES:
         root = str(tmp_path / strategy)
         os.makedirs(root)
         lh = lighthouse(min_replicas=2, root=root)
         runs[strategy] = [
-            *_ft_job.start_group(root, 0, steps, lh.address, strategy=strategy, timeout=SHORT),
+            *_ft_job.start_group(root, 0, steps, lh.address, strategy=strategy, timeout=timeout),
             *_ft_job.start_group(
-                root, 1, steps, lh.address, strategy=strategy, timeout=SHORT, raise_at=1
+                root, 1, steps, lh.address, strategy=strategy, timeout=timeout, raise_at=1
             ),
         ]
     wait_all([p for procs in runs.values() for p in procs], str(tmp_path))
