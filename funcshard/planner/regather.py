@@ -39,7 +39,7 @@ from funcshard.step.pipeline_regather import Regather
 from funcshard.step.pipeline_stage import StageModule, as_meta, propagate
 from funcshard.step.units.placeholders import UnitParamsError
 
-__all__ = ["Phases", "Regathers", "regathers", "run_phases", "meta_error", "check_rows"]
+__all__ = ["Phases", "Regathers", "regathers", "run_phases", "meta_error", "input_args"]
 
 
 class Phases(NamedTuple):
@@ -248,19 +248,31 @@ def regathers(
 
 def _check_inputs(inputs: Any, microbatches: int) -> None:
     """Raises ValueError where ``inputs`` cannot be run as ``train_step``'s inputs."""
-    why = (
+    input_args(
+        inputs,
+        microbatches,
         "plan: regather=True under ZeRO-3 needs inputs= (this rank's local batch inputs, "
         "train_step's batch[0]: a tensor or tuple of tensors, meta-device ones do): the plan "
         "runs the stages on the meta device to find which buckets their backward gathers "
-        "again; got "
+        "again; got ",
     )
-    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def input_args(inputs: Any, microbatches: int, why: str) -> tuple[torch.Tensor, ...]:
+    """``inputs`` (``fs.plan``'s ``inputs=``) as a tuple of tensors.
+
+    Raises:
+      ValueError: ``why`` and ``inputs`` where it is not a tensor or tuple of tensors; a
+        tensor of no rows (dim 0) or of rows that ``microbatches`` do not divide.
+    """
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not args or not all(isinstance(t, torch.Tensor) for t in args):
         raise ValueError(why + repr(inputs))
-    check_rows(args, microbatches)
+    _check_rows(args, microbatches)
+    return args
 
 
-def check_rows(args: Sequence[torch.Tensor], microbatches: int) -> None:
+def _check_rows(args: Sequence[torch.Tensor], microbatches: int) -> None:
     """Raises ValueError where a tensor of ``args`` (``inputs=``) has no rows (dim 0) or
     rows that ``microbatches`` do not divide: ``train_step`` refuses it."""
     for t in args:

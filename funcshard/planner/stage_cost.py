@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from funcshard.layout.policy import MixedPrecisionPolicy
-from funcshard.planner.regather import check_rows, meta_error, run_phases
+from funcshard.planner.regather import input_args, meta_error, run_phases
 from funcshard.step.functional import Swap
 from funcshard.step.pipeline_stage import StageModule, as_meta, propagate
 
@@ -68,13 +68,11 @@ def stage_costs(
       ValueError: ``inputs`` not a tensor or tuple of tensors, or of rows (dim 0) that
         ``microbatches`` do not divide.
     """
-    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    if not args or not all(isinstance(t, torch.Tensor) for t in args):
-        raise ValueError(
-            "plan: inputs= must be this rank's local batch inputs (train_step's batch[0]: a "
-            f"tensor or tuple of tensors, meta-device ones do), got {inputs!r}"
-        )
-    check_rows(args, microbatches)
+    why = (
+        "plan: inputs= must be this rank's local batch inputs (train_step's batch[0]: a "
+        "tensor or tuple of tensors, meta-device ones do), got "
+    )
+    args = input_args(inputs, microbatches, why)
     mb = tuple(torch.tensor_split(as_meta(t), microbatches)[0] for t in args)
     outs = propagate(list(stages), mb, policy)
     flops = []
