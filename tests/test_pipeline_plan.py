@@ -197,6 +197,20 @@ def test_a_stage_of_no_flops_keeps_equal_stages():
     assert "bubble of equal stages: stage 0's forward counts no FLOP" in p.table(), p.table()
 
 
+def test_inputs_the_first_stage_cannot_take_are_named():
+    """inputs= of the wrong width fail in the first stage on the meta device: the plan keeps
+    equal stages and its note shows the microbatch it was given, not the model alone."""
+    with torch.device("meta"):
+        net = hp.Net()
+    wrong = torch.empty(hpp.ROWS, hp.D_IN + 1, device="meta")
+    pp = _flops_plan(net, "1F1B", hp.split_points(2), wrong).pipeline
+    assert pp.bubble_model == "equal", pp
+    note = pp.bubble_note
+    assert note.startswith("stage 0 does not run on the meta device"), note
+    shape = (hpp.ROWS // hp.MICROBATCHES, hp.D_IN + 1)
+    assert f"inputs=: {shape} torch.float32; is it train_step's batch[0]?" in note, note
+
+
 def test_bad_pipeline_arguments():
     net = hp.make_net()
     kw = dict(world_size=4, pipeline=2, microbatches=4)

@@ -39,7 +39,15 @@ from funcshard.step.pipeline_regather import Regather
 from funcshard.step.pipeline_stage import StageModule, as_meta, propagate
 from funcshard.step.units.placeholders import UnitParamsError
 
-__all__ = ["Phases", "Regathers", "regathers", "run_phases", "meta_error", "input_args"]
+__all__ = [
+    "Phases",
+    "Regathers",
+    "regathers",
+    "run_phases",
+    "meta_error",
+    "meta_failure",
+    "input_args",
+]
 
 
 class Phases(NamedTuple):
@@ -168,13 +176,24 @@ def stage_phases(
             _refuse_refused(e, i)
             every = tuple(sorted({rg.bucket_of[n] for n in module.names}))
             found[i] = Phases(every, every, every, every)
-            notes.append(f"stage {i} does not run on the meta device: {meta_error(module, e)}")
+            notes.append(meta_failure(i, module, e, x))
         finally:
             module.release()
             buffers.restore()
             rg.gathered = []
             rg.release()
     return found, "; ".join(notes)
+
+
+def meta_failure(index: int, module: StageModule, e: BaseException, given: tuple | None) -> str:
+    """Why stage ``index`` did not run on the meta device; for the first stage, with the
+    microbatch of ``inputs=`` it was given (inputs of the wrong shape fail there, and the
+    model is not to blame)."""
+    why = f"stage {index} does not run on the meta device: {meta_error(module, e)}"
+    if index == 0 and given is not None:
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in given)
+        why += f" (on a microbatch of inputs=: {shapes}; is it train_step's batch[0]?)"
+    return why
 
 
 def meta_error(module: StageModule, e: BaseException) -> str:

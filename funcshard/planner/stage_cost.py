@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from funcshard.layout.policy import MixedPrecisionPolicy
-from funcshard.planner.regather import input_args, meta_error, run_phases
+from funcshard.planner.regather import input_args, meta_failure, run_phases
 from funcshard.step.functional import Swap
 from funcshard.step.pipeline_stage import StageModule, as_meta, propagate
 
@@ -85,7 +85,7 @@ def stage_costs(
         try:
             flops.append(_counted(module, x, policy, (i == 0, i == len(stages) - 1), split))
         except Exception as e:  # noqa: BLE001 (the plan says so, and keeps equal stages)
-            return (), f"stage {i} does not run on the meta device: {meta_error(module, e)}"
+            return (), meta_failure(i, module, e, x)
     idle = [i for i, f in enumerate(flops) if not f.forward]
     if len(idle) == len(flops):
         return (), "no stage's forward counts a FLOP (a matrix product, convolution, attention)"
