@@ -306,12 +306,29 @@ def overlap_worker() -> list:
 
 
 def _reduces_before_last_matmul(prof) -> int:
-    """How many of the step's reduces (``funcshard::reduce_sections``) ran before its last
-    matmul (the backward's): issued as their unit's backward ended, not at the tail."""
+    """How many of the step's reduces (``funcshard::reduce_sections_start``) started before
+    its last matmul (the backward's): issued as their unit's backward ended, not at the tail."""
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
     mms = [e.time_range.start for e in events if e.name in ("aten::mm", "aten::addmm")]
-    reduces = [e for e in events if e.name == "funcshard::reduce_sections"]
+    reduces = [e for e in events if e.name == "funcshard::reduce_sections_start"]
     return sum(e.time_range.start < max(mms, default=0) for e in reduces)
+
+
+def _matmuls_while_reducing(prof) -> list[int]:
+    """Per started reduce (``funcshard::reduce_sections_start``, in run order), the matmuls
+    the rank ran before its wait: the backward the reduce overlapped."""
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    counts: list[int] = []
+    open_ = False
+    for e in events:
+        if e.name == "funcshard::reduce_sections_start":
+            counts.append(0)
+            open_ = True
+        elif e.name == "funcshard::reduce_sections_wait":
+            open_ = False
+        elif open_ and e.name in ("aten::mm", "aten::addmm"):
+            counts[-1] += 1
+    return counts
 
 
 def _matmuls_in_flight(prof) -> list[int]:
@@ -364,13 +381,17 @@ class _InductorGraphs:
             and "wait" not in n.target._opname
         ]
         outputs = [a for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]
-        reduces = [n for n in nodes if getattr(n.target, "_opname", "") == "reduce_sections"]
-        chain = [r.args[1] is p for p, r in zip([None, *reduces], reduces, strict=False)]
+        starts = [n for n in nodes if getattr(n.target, "_opname", "") == "reduce_sections_start"]
+        waits = [n for n in nodes if getattr(n.target, "_opname", "") == "reduce_sections_wait"]
+        chain = [  # each start's ``after`` the wait of the start before it
+            s.args[1] is w and (w is None or w.args[0] is p)
+            for p, w, s in zip([None, *starts], [None, *waits], starts, strict=False)
+        ]
         self.graphs.append(
             {
                 "kind": "backward" if backward else "forward",
                 "collectives": ops,
-                # each reduce's ``after``: the reduce before it (None for the first)
+                # each reduce start's ``after``: the wait before it (None for the first)
                 "reduce_chain": chain,
                 "saved_gathered": 0 if backward else len(_from_gather(graph) & set(outputs)),
             }
@@ -442,6 +463,7 @@ def _inductor_runs(rows: int, microbatches: int, steps: int) -> dict:
         out[compile or "eager"] = {
             "overlapped": _matmuls_in_flight(prof),
             "reduced_early": _reduces_before_last_matmul(prof),
+            "reduce_overlapped": _matmuls_while_reducing(prof),
             "params": fs.full_params(state),
             "losses": [m["loss"] for m in history],
             "graphs": graphs.graphs,

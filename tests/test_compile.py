@@ -608,7 +608,8 @@ def test_inductor_regathers_uneven_rows(pool2):
     by its own costs and must keep the collectives' order (gloo aborts on a mismatch). Fails without
     funcshard.step.units.mutation_order: inductor's CPU kernels read the re-gathered root
     bucket before its wait (loss 1e33 at step 2). Each reduce takes the one before it, so
-    that both ranks send their reduces in one order (fails without the pass's chain)."""
+    that both ranks send their reduces in one order (fails without the pass's chain), and
+    each is waited for as the next starts: one in flight while the backward computes."""
     from helpers_compile import inductor_worker
 
     for out in pool2.run(inductor_worker, 7, 1, 3):
@@ -624,7 +625,7 @@ def test_inductor_regathers_uneven_rows(pool2):
             assert g["collectives"].count("all_gather_sections_start") == n, g
             assert g["saved_gathered"] == 0, g
             if g["kind"] == "backward":
-                assert g["collectives"].count("reduce_sections") == n, g
+                assert g["collectives"].count("reduce_sections_start") == n, g
                 # chained, one order on every rank (each rank's graphs are its own shapes')
                 assert g["reduce_chain"] == [True] * n, g
         assert compiled["bytes"] == eager["bytes"], (compiled["bytes"], eager["bytes"])
@@ -638,6 +639,10 @@ def test_inductor_regathers_uneven_rows(pool2):
         # the step) ran before the backward's last matmul, as its unit's backward ended (the
         # all-to-all form ran every one at the graph's tail: inductor's peak-memory order)
         assert compiled["reduced_early"] == n - 1, compiled["reduced_early"]
+        # and each but that one was in flight while the next unit's backward computed
+        # (funcshard.step.units.comm_order: inductor ran every start and wait at the tail)
+        flight = compiled["reduce_overlapped"]
+        assert len(flight) == n and min(flight[:-1]) > 0 == flight[-1], flight
         # the overlap passes ran; on gloo every collective of the graphs is funcshard's op,
         # which they do not move (they move torch's functional ones: NCCL's)
         assert len(out["scheduled"]) == len(compiled["graphs"]), out["scheduled"]

@@ -24,7 +24,10 @@ added as it arrives (:func:`reduce_by_sends`), in one op whose output is the sec
 In the two-op form (``_c10d_functional.all_to_all_single``, whose output is the whole
 bucket, then a sum) inductor's peak-memory ordering put every bucket's reduce at the end of
 the backward graph, each unit's gradients held until then; as one op it runs where the
-captured step places it, as the unit's backward ends.
+captured step places it, as the unit's backward ends. :func:`reduce_sections_start` and
+:func:`reduce_sections_wait` are it in two ops (the sections sent and the peers' posted for;
+the sum once they have arrived), so that a reduce runs while the next unit's backward
+computes (:mod:`funcshard.step.units.prefetch`, :mod:`funcshard.step.units.comm_order`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ __all__ = [
     "reduce_by_sends",
     "reduce_sections",
     "REDUCE_SECTIONS",
+    "reduce_sections_start",
+    "REDUCE_SECTIONS_START",
+    "reduce_sections_wait",
+    "REDUCE_SECTIONS_WAIT",
     "sum_by_rank",
 ]
 
@@ -182,6 +189,83 @@ def reduce_by_sends(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return (_first_two(first, None, None) if total is None else total).to(x.dtype)
 
 
+class _Reducing:
+    """A reduce by sends in flight (:func:`reduce_sections_start`): this rank's sections
+    sent, every peer's section received into a buffer of its own while the graph computes;
+    :meth:`wait` adds them as :func:`reduce_by_sends` does (the same bits)."""
+
+    def __init__(self, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+        while _UNWAITED:
+            _UNWAITED.pop(0).wait()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        sections = x.view(size, -1)
+        self._dtype, self._blocks = x.dtype, []
+        sends = []
+        for peer in range(size):
+            if peer == rank:
+                self._blocks.append((sections[rank], None))
+                continue
+            sends.append(dist.isend(sections[peer], group=group, group_dst=peer, tag=_REDUCE_TAG))
+            block = torch.empty_like(sections[0])
+            recv = dist.irecv(block, group=group, group_src=peer, tag=_REDUCE_TAG)
+            self._blocks.append((block, _Works([recv])))
+        self._sends = _Works(sends)
+
+    def wait(self) -> torch.Tensor:
+        """This rank's section of the sum, once every section has arrived and been sent."""
+        first = total = None  # as in reduce_by_sends; a received block is ours to add into
+        for block, received in self._blocks:
+            if received is not None:
+                received.wait()
+            if first is None and total is None:
+                first = block
+            elif total is None:
+                total = _first_two(first, block, block if received is not None else first)
+            else:
+                total += block
+        self._sends.wait()
+        return (_first_two(first, None, None) if total is None else total).to(self._dtype)
+
+
+@torch.library.custom_op("funcshard::reduce_sections_start", mutates_args=())
+def reduce_sections_start(
+    x: torch.Tensor, after: torch.Tensor | None, group_size: int, group_name: str
+) -> torch.Tensor:
+    """Starts :func:`reduce_sections`; returns its ticket, a one-element int64 tensor that
+    :func:`reduce_sections_wait` redeems (``after``, not read: the previous reduce's wait)."""
+    del after
+    group = _resolve_process_group(group_name)
+    assert dist.get_world_size(group) == group_size, (group_name, group_size)
+    _REDUCING.clear()  # left by a graph that raised between a start and its wait (their
+    # works wait in _UNWAITED, each keeping its buffer, until the next sends are posted)
+    ticket = next(_TICKETS)
+    _REDUCING[ticket] = _Reducing(x.contiguous(), group)
+    return torch.tensor([ticket], dtype=torch.int64)
+
+
+@reduce_sections_start.register_fake
+def _(
+    x: torch.Tensor,  # noqa: ARG001
+    after: torch.Tensor | None,  # noqa: ARG001
+    group_size: int,  # noqa: ARG001
+    group_name: str,  # noqa: ARG001
+) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("funcshard::reduce_sections_wait", mutates_args=())
+def reduce_sections_wait(ticket: torch.Tensor, x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The section of the reduce that gave ``ticket`` (``x``, its input, is an input here too
+    so that a graph keeps it until its sends are done)."""
+    del x, group_size
+    return _REDUCING.pop(int(ticket)).wait()
+
+
+@reduce_sections_wait.register_fake
+def _(ticket: torch.Tensor, x: torch.Tensor, group_size: int) -> torch.Tensor:  # noqa: ARG001
+    return x.new_empty(x.numel() // group_size)
+
+
 @torch.library.custom_op("funcshard::reduce_sections", mutates_args=())
 def reduce_sections(
     x: torch.Tensor, after: torch.Tensor | None, group_size: int, group_name: str
@@ -215,6 +299,8 @@ _REDUCE_TAG = _PIECES_TAG + 1
 
 # gathers started and not yet waited for, by ticket (at most one per graph at a time)
 _IN_FLIGHT: dict[int, Pending] = {}
+# reduces started and not yet waited for, by ticket (at most one at a time)
+_REDUCING: dict[int, _Reducing] = {}
 _TICKETS = itertools.count()
 
 # the ops as graph nodes' targets
@@ -222,3 +308,5 @@ ALL_GATHER_SECTIONS = torch.ops.funcshard.all_gather_sections.default
 ALL_GATHER_SECTIONS_START = torch.ops.funcshard.all_gather_sections_start.default
 ALL_GATHER_SECTIONS_WAIT = torch.ops.funcshard.all_gather_sections_wait.default
 REDUCE_SECTIONS = torch.ops.funcshard.reduce_sections.default
+REDUCE_SECTIONS_START = torch.ops.funcshard.reduce_sections_start.default
+REDUCE_SECTIONS_WAIT = torch.ops.funcshard.reduce_sections_wait.default

@@ -22,6 +22,13 @@ takes the previous wait's output as an input it does not read, so the gathers ke
 order on every rank whatever order the scheduler picks around them; the wait takes the
 shard, kept alive until the sends are done. ``gathered_peak`` counts a bucket from its wait,
 as eager's does; the bucket in flight is one more, as in eager.
+
+:func:`overlap_reduces` does the same for the backward graph's reduces by sends
+(``funcshard::reduce_sections``): each becomes ``reduce_sections_start`` where it was and
+``reduce_sections_wait`` just before the reduce's first reader or the next reduce, each
+start taking the previous wait as its ``after``. Where inductor's schedule runs them is
+:mod:`funcshard.step.units.comm_order`'s to say (its peak-memory ordering would put every
+start and wait at the graph's tail), installed with the post-grad pass by :func:`installed`.
 """
 
 from __future__ import annotations
@@ -41,9 +48,13 @@ from funcshard.distributed.graph_ops import (
     ALL_GATHER_SECTIONS,
     ALL_GATHER_SECTIONS_START,
     ALL_GATHER_SECTIONS_WAIT,
+    REDUCE_SECTIONS,
+    REDUCE_SECTIONS_START,
+    REDUCE_SECTIONS_WAIT,
 )
+from funcshard.step.units.comm_order import place_comms
 
-__all__ = ["PrefetchGathers", "installed", "prefetch_gathers"]
+__all__ = ["PrefetchGathers", "installed", "overlap_reduces", "prefetch_gathers"]
 
 _META = ("val", "tensor_meta", "stack_trace", "nn_module_stack")
 
@@ -71,6 +82,29 @@ def prefetch_gathers(graph: fx.Graph) -> int:
     return early
 
 
+def overlap_reduces(graph: fx.Graph) -> int:
+    """Splits each reduce by sends of ``graph`` into its start, where the reduce was, and its
+    wait, just before the reduce's first user or the next reduce's start (module docstring;
+    :mod:`funcshard.step.units.comm_order` places them in inductor's schedule). Returns
+    how many it split."""
+    reduces = [n for n in graph.nodes if n.target is REDUCE_SECTIONS]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    previous: fx.Node | None = None
+    for i, reduce in enumerate(reduces):
+        x, _, size, name = reduce.args
+        with graph.inserting_before(reduce):
+            start = graph.call_function(REDUCE_SECTIONS_START, (x, previous, size, name))
+        start.meta["val"] = reduce.meta["val"].new_empty(1, dtype=torch.int64)
+        then = min([*reduce.users, *reduces[i + 1 : i + 2]], key=order.__getitem__)
+        with graph.inserting_before(then):
+            wait = graph.call_function(REDUCE_SECTIONS_WAIT, (start, x, size))
+        wait.meta.update({k: v for k, v in reduce.meta.items() if k in _META})
+        reduce.replace_all_uses_with(wait)
+        graph.erase_node(reduce)
+        previous = wait
+    return len(reduces)
+
+
 class PrefetchGathers(CustomGraphPass):
     """:func:`prefetch_gathers` as one of inductor's ``post_grad_custom_post_pass`` passes
     (its ``uuid``, the source of this module and of the ops it writes into the graphs, keys
@@ -78,9 +112,10 @@ class PrefetchGathers(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         prefetch_gathers(graph)
+        overlap_reduces(graph)
 
     def uuid(self) -> bytes:
-        sources = (sys.modules[__name__], graph_ops)
+        sources = (sys.modules[__name__], graph_ops, sys.modules[place_comms.__module__])
         return hashlib.sha256("".join(map(inspect.getsource, sources)).encode()).digest()
 
 
@@ -96,5 +131,9 @@ def installed() -> Iterator[None]:
     if any(isinstance(p, PrefetchGathers) for p in user):  # installed already (a nested call)
         yield
         return
-    with config.patch(post_grad_custom_post_pass=(PrefetchGathers(), *user)):
+    passes = [*config.reorder_for_compute_comm_overlap_passes, place_comms]
+    with config.patch(
+        post_grad_custom_post_pass=(PrefetchGathers(), *user),
+        reorder_for_compute_comm_overlap_passes=passes,
+    ):
         yield

@@ -319,7 +319,11 @@ def _hoist(graph: fx.Graph, eager: set[fx.Node], backward: set[fx.Node]) -> None
     for n in graph.nodes:  # topological order
         if n in eager or any(a in held and a not in backward for a in n.all_input_nodes):
             held.add(n)
-    forward = [n for n in graph.nodes if n not in held and n.op not in skip]
+    # (before the first backward node: the ops of no tangent that only the backward reads,
+    # an embedding backward's mask of the tokens, sit late in it and held every reduce back)
+    nodes = list(graph.nodes)
+    first = next((i for i, n in enumerate(nodes) if n in backward and n.op not in skip), len(nodes))
+    forward = [n for n in nodes[:first] if n not in held and n.op not in skip]
     barrier = forward[-1] if forward else None
 
     def ready(node: fx.Node) -> bool:

@@ -1,0 +1,136 @@
+"""Where inductor's schedule issues the captured step's reduces by sends (a CPU gloo group).
+
+:func:`funcshard.step.units.prefetch.overlap_reduces` splits each bucket's reduce into a start
+(``funcshard::reduce_sections_start``: the sections sent, the peers' posted for) and a wait
+(the sum, once they have arrived), each start taking the previous reduce's wait as an input
+it does not read, so that every rank issues the reduces in one order. Left to inductor, both
+go to the end of the backward graph: its peak-memory ordering
+(``torch._inductor.memory.reorder_for_peak_memory``) gains nothing from a start (it frees
+nothing: its input lives until the wait) and runs every gradient matmul first, so every
+bucket's gradients would be held to the end and no reduce would overlap the backward.
+
+:func:`place_reduces`, run last among inductor's ``reorder_for_compute_comm_overlap_passes``
+(after the peak-memory ordering), moves each start up to just after the last node it depends
+on (its bucket's gradients complete) and the previous reduce's wait to just before it: the
+eager step's order, where a bucket's reduce is waited for as the next one starts, one in
+flight while the backward computes. A start is only ever moved earlier, never before a
+node it depends on, and a wait never after a node that reads it, so the schedule stays
+valid; the reduces' order is the graph's, the same on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch._inductor import ir
+
+from funcshard.distributed.graph_ops import (
+    ALL_GATHER_SECTIONS_START,
+    ALL_GATHER_SECTIONS_WAIT,
+    REDUCE_SECTIONS_START,
+    REDUCE_SECTIONS_WAIT,
+)
+
+__all__ = ["place_comms", "place_gathers", "place_reduces"]
+
+
+def place_comms(snodes: list[Any]) -> list[Any]:
+    """:func:`place_gathers` then :func:`place_reduces`; ``snodes`` as they were if the
+    result were not a valid order (a node before one it depends on: never expected)."""
+    order = place_reduces(place_gathers(list(snodes)))
+    return order if _valid(order) else list(snodes)
+
+
+def place_gathers(order: list[Any]) -> list[Any]:
+    """``order`` with each gather's wait just before the first node that reads the gathered
+    params and the next gather's start just after that wait (module docstring)."""
+    starts = _ops(order, ALL_GATHER_SECTIONS_START)
+    waits = _ops(order, ALL_GATHER_SECTIONS_WAIT)
+    if len(starts) != len(waits):
+        return order
+    for j, wait in enumerate(waits):
+        after = starts[j + 1] if j + 1 < len(starts) else []  # its ``after`` is this wait
+        _remove(order, wait)
+        _remove(order, after)
+        to = _first_user(order, wait)
+        order[to:to] = wait + after
+    return order
+
+
+def place_reduces(snodes: list[Any]) -> list[Any]:
+    """``snodes`` (inductor's scheduler nodes, in order) with each reduce's start just after
+    its gradients and the previous reduce's wait just before that start (module docstring)."""
+    order = snodes
+    starts, waits = _ops(order, REDUCE_SECTIONS_START), _ops(order, REDUCE_SECTIONS_WAIT)
+    if len(starts) != len(waits):
+        return order
+    for k, start in enumerate(starts):
+        wait = waits[k - 1] if k else []
+        _remove(order, wait)
+        _remove(order, start)
+        to = _last_ancestor(order, start, _names(wait)) + 1
+        # the wait no later than a node that reads its result (the start after it does)
+        to_wait = min(to, _first_user(order, wait))
+        order[to_wait:to_wait] = wait
+        order[to + len(wait) : to + len(wait)] = start  # after both
+    return order
+
+
+def _remove(order: list[Any], group: list[Any]) -> None:
+    if group:
+        at = order.index(group[0])
+        del order[at : at + len(group)]
+
+
+def _first_user(order: list[Any], group: list[Any]) -> int:
+    """The index in ``order`` of the first node that reads a buffer of ``group`` (its
+    length: none)."""
+    bufs = {name for snode in group for name in snode.get_buffer_names()}
+    reads = (i for i, s in enumerate(order) if {d.name for d in s.read_writes.reads} & bufs)
+    return next(reads, len(order))
+
+
+def _ops(order: list[Any], target: Any) -> list[list[Any]]:
+    """The scheduler nodes of each call of ``target`` in ``order``: its kernel and the
+    nodes that unpack its outputs (``ir.MultiOutput``)."""
+    groups = []
+    for i, snode in enumerate(order):
+        node = getattr(snode, "node", None)
+        if getattr(node, "op_overload", None) is not target:
+            continue
+        group = [snode]
+        for later in order[i + 1 :]:
+            out = getattr(later, "node", None)
+            if not isinstance(out, ir.MultiOutput) or not _unpacks(out, node):
+                break
+            group.append(later)
+        groups.append(group)
+    return groups
+
+
+def _unpacks(out: ir.MultiOutput, node: Any) -> bool:
+    return any(i is node for i in out.inputs)
+
+
+def _names(group: list[Any]) -> set[str]:
+    return {name for snode in group for name in snode.get_operation_names()}
+
+
+def _last_ancestor(order: list[Any], group: list[Any], leave_out: set[str]) -> int:
+    """The index in ``order`` of the last node ``group`` depends on (-1: none), the nodes
+    named ``leave_out`` and their own ancestors not counted."""
+    ancestors = set().union(*(s.ancestors for s in group)) - _names(group) - leave_out
+    return max((i for i, s in enumerate(order) if _names([s]) & ancestors), default=-1)
+
+
+def _valid(order: list[Any]) -> bool:
+    """Whether every node of ``order`` comes after every node of ``order`` it depends on
+    (an ancestor may name an op no node holds now: one inductor removed)."""
+    known = _names(order)
+    seen: set[str] = set()
+    for snode in order:
+        own = snode.get_operation_names()  # a fused node's ancestors hold its own ops'
+        if not (snode.ancestors & known) - own <= seen:
+            return False
+        seen |= own
+    return True
