@@ -287,9 +287,10 @@ def run_first_step_failures() -> dict:
     the first stage on both its ranks in the first step (its stand-in's guessed shape handed
     on to a stage that cannot take it), then the last stage on rank 2 alone. Every rank
     raises naming it, no hang; then the step trains as one process does (the shapes
-    inferred again: the guessed ones are not kept). Then under ``regather=True`` (ZeRO-3), a
-    stage raising in the backward of that step's shape inference on rank 2 alone: it gathers
-    again what its peer's backward gathers (before, its peers waited)."""
+    inferred again: the guessed ones are not kept). Then under ``regather=True`` (ZeRO-3),
+    the last stage raising on rank 2 alone in such a step, in its forward, then in its
+    backward: its stand-in, and its backward to the inputs alone (torch's shape inference),
+    gather again what its peer's backward gathers (before, its peers waited)."""
     net = make_net()
     first, last = _boom_at(net, 1), _boom_at(net, 5)
     pipe = fs.Pipeline("1F1B", microbatches=MICROBATCHES)
@@ -307,7 +308,9 @@ def run_first_step_failures() -> dict:
     pipe = fs.Pipeline("1F1B", microbatches=MICROBATCHES, regather=True)
     stages = fs.pipeline.split(net, split_points(2))
     again = fs.init(stages, opt, mesh=mesh, strategy="optim_grads_params", pipeline=pipe)
-    last.backward_on = (2,)
+    last.forward_on = (2,)
+    out["regather_forward"] = _error(lambda: fs.train_step(again, batch, loss_fn))
+    last.forward_on, last.backward_on = (), (2,)
     out["regather_back"] = _error(lambda: fs.train_step(again, batch, loss_fn))
     last.backward_on = ()
     again, _ = fs.train_step(again, batch, loss_fn)

@@ -322,8 +322,11 @@ class StageModule(nn.Module):
         of a sum's gradient, by which torch would size the previous stage's buffers). Under
         ``regather``, ``gathered`` (this microbatch's params): the leaves' zero gradients
         come through them, and one element of each bucket, in bucket order, is saved for
-        backward (each squared into the chain of the output, so that backward unpacks them
-        last bucket first, as a stage using its buckets in order does): its re-gathers."""
+        backward (each multiplied into a chain from an input's element, or squared where no
+        input requires grad, so that backward unpacks them last bucket first, as a stage
+        using its buckets in order does): its re-gathers. The chain lies on the inputs'
+        path, so torch's backward to the inputs alone (its first-step shape inference)
+        gathers them too, as a real stage's does for the weights its input gradient reads."""
         args = _stage_inputs(args, None)
         leaves = [] if gathered is not None else list(self.leaves.values())
         anchor = sum(
@@ -339,8 +342,14 @@ class StageModule(nn.Module):
                 bucket = self.regather.bucket_of[name]
                 if t.numel() and bucket in saves:
                     one.setdefault(bucket, t[(0,) * t.dim()])
-            for bucket in sorted(one):  # t * t saves t (a view of the gathered buffer)
-                anchor = anchor + (one[bucket] * one[bucket]).to(anchor.dtype) * 0
+            chain = next((t.reshape(-1)[0] * 0 for t in args if _differentiable(t)), None)
+            for bucket in sorted(one):  # a product saves both (one: a gathered buffer's view)
+                if chain is None:
+                    anchor = anchor + (one[bucket] * one[bucket]).to(anchor.dtype) * 0
+                else:
+                    chain = chain.to(one[bucket].dtype) * one[bucket]
+            if chain is not None:
+                anchor = anchor + chain.to(anchor.dtype)
         meta = self.out_meta
         if meta is None:
             meta, self.guessed = self._unsized(args), True
