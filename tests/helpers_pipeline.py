@@ -273,6 +273,50 @@ def run_refusals() -> dict:
     return out
 
 
+def _boom_at(net: Net, k: int) -> Boom:
+    """Block ``k`` of ``net`` made a :class:`Boom` holding the block's values."""
+    boom = Boom(WIDTH)
+    boom.load_state_dict(net.blocks[k].state_dict())
+    net.blocks[k] = boom
+    return boom
+
+
+def run_first_step_failures() -> dict:
+    """P=2 x S=2, 1F1B: a stage raising in its forward on every input, the meta device's
+    too (so no rank knows its output's shape), in a step that infers the stages' shapes:
+    the first stage on both its ranks in the first step (its stand-in's guessed shape handed
+    on to a stage that cannot take it), then the last stage on rank 2 alone. Every rank
+    raises naming it, no hang; then the step trains as one process does (the shapes
+    inferred again: the guessed ones are not kept). Then under ``regather=True`` (ZeRO-3),
+    the last stage raising on rank 2 alone in such a step, in its forward, then in its
+    backward: its stand-in, and its backward to the inputs alone (torch's shape inference),
+    gather again what its peer's backward gathers (before, its peers waited)."""
+    net = make_net()
+    first, last = _boom_at(net, 1), _boom_at(net, 5)
+    pipe = fs.Pipeline("1F1B", microbatches=MICROBATCHES)
+    mesh = fs.make_mesh(pipeline=2, device_type="cpu")
+    opt = fs.optim.sgd(LR, momentum=MOMENTUM)
+    state = fs.init(fs.pipeline.split(net, split_points(2)), opt, mesh=mesh, pipeline=pipe)
+    batch = dp_parts(0, 8, 2)[dist.get_rank() % 2]
+    first.armed = True
+    out = {"first_every_rank": _error(lambda: fs.train_step(state, batch, loss_fn))}
+    first.armed, last.forward_on = False, (2,)
+    out["last_one_rank"] = _error(lambda: fs.train_step(state, batch, loss_fn))
+    last.forward_on = ()
+    state, m = fs.train_step(state, batch, loss_fn)
+    full = {n: t.detach().cpu().clone() for n, t in fs.full_params(state).items()}
+    pipe = fs.Pipeline("1F1B", microbatches=MICROBATCHES, regather=True)
+    stages = fs.pipeline.split(net, split_points(2))
+    again = fs.init(stages, opt, mesh=mesh, strategy="optim_grads_params", pipeline=pipe)
+    last.forward_on = (2,)
+    out["regather_forward"] = _error(lambda: fs.train_step(again, batch, loss_fn))
+    last.forward_on, last.backward_on = (), (2,)
+    out["regather_back"] = _error(lambda: fs.train_step(again, batch, loss_fn))
+    last.backward_on = ()
+    again, _ = fs.train_step(again, batch, loss_fn)
+    return out | {"full": full, "metrics": [(m["loss"], m["grad_norm"])], "again": again.step}
+
+
 class BiasOnly(nn.Module):
     """``x + b``: its backward saves nothing, so regather=True never gathers it again."""
 

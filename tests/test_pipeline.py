@@ -200,6 +200,30 @@ def test_bad_input_and_a_failing_stage(pool4):
         assert out["loss_then"] > 0, out
 
 
+def test_a_stage_failing_on_any_input_in_its_first_step(pool4):
+    """A stage whose output shape no rank knows (it raises on the meta device too) failing in
+    the step that infers the stages' shapes: before, that rank raised alone and its peers
+    waited for the collective timeout; now its stand-in takes its input's shape, the step
+    fails on every rank, and the next one infers the shapes again (not the guessed ones:
+    stage 1 would receive stage 0's output into buffers of its input's shape) and trains.
+    Under regather=True, a forward, then a backward, failing on one rank in such a step
+    gathers again what its data-parallel peer's backward does (before, the peers waited)."""
+    ref = hp.reference(ROWS, 2, steps=1)
+    for rank, out in enumerate(pool4.run(hp.run_first_step_failures)):
+        one, every = out["last_one_rank"], out["first_every_rank"]
+        assert one.startswith("RuntimeError: train_step: the pipeline step failed"), one
+        assert "rank 2: stage 1" in one and "rank 3:" not in one, (rank, one)
+        assert "boom: a stage's forward failed" in one, one
+        assert "rank 0: stage 0" in every and "rank 1: stage 0" in every, (rank, every)
+        assert "boom: a stage's forward failed" in every, every
+        err = hp.errors(out, ref)
+        assert err["names"] and max(err["param"], err["loss"], err["norm"]) < TOL, (rank, err)
+        fwd, back = out["regather_forward"], out["regather_back"]
+        assert "rank 2: stage 1" in fwd and "boom: a stage's forward failed" in fwd, fwd
+        assert "rank 2: stage 1" in back and "boom: a stage's backward failed" in back, back
+        assert out["again"] == 1, out["again"]
+
+
 ORBAX_READ = """
 import sys, numpy as np, orbax.checkpoint as ocp
 tree = ocp.PyTreeCheckpointer().restore(sys.argv[1])

@@ -111,6 +111,8 @@ class StageModule(nn.Module):
         # torch's first-step shape inference is running this stage on inputs that are not
         # the batch's (zeros: :meth:`_on_synthetic`)
         self.synthetic = False
+        # this step's stand-in guessed its output's shape (:meth:`_unsized`)
+        self.guessed = False
 
     @contextlib.contextmanager
     def buffers_kept(self, keep: bool = True) -> Iterator[None]:
@@ -184,8 +186,6 @@ class StageModule(nn.Module):
                         "wait for the collective timeout\n" + self.error,
                         stacklevel=2,
                     )
-        if self.out_meta is None:  # no shape to stand in with: this rank fails alone
-            raise RuntimeError(self._alone())
         return self._stand_in(args)
 
     def _regathered(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
@@ -206,8 +206,6 @@ class StageModule(nn.Module):
                 return sent
             except Exception:  # noqa: BLE001 (the first failure is the one reported)
                 self.rejoin = False
-        if self.out_meta is None:
-            raise RuntimeError(self._alone())
         return self._stand_in(args, params)
 
     def _on_synthetic(self, args: tuple, params: dict[str, torch.Tensor]) -> Any:
@@ -227,14 +225,6 @@ class StageModule(nn.Module):
                 return None
             self.out_meta = optree.tree_map(as_meta, sent)
         return sent
-
-    def _alone(self) -> str:
-        """The error of a stage that failed with no shape to stand in with."""
-        return (
-            f"pipeline stage {self.index} failed before it ever gave an output, and again "
-            "on zero inputs: this rank fails alone (its pipeline peers wait for the "
-            f"collective timeout):\n{self.error}"
-        )
 
     def regathered_buckets(self) -> list[int]:
         """The buckets this stage's backward gathers again (regather): those its last real
@@ -332,8 +322,11 @@ class StageModule(nn.Module):
         of a sum's gradient, by which torch would size the previous stage's buffers). Under
         ``regather``, ``gathered`` (this microbatch's params): the leaves' zero gradients
         come through them, and one element of each bucket, in bucket order, is saved for
-        backward (each squared into the chain of the output, so that backward unpacks them
-        last bucket first, as a stage using its buckets in order does): its re-gathers."""
+        backward (each multiplied into a chain from an input's element, or squared where no
+        input requires grad, so that backward unpacks them last bucket first, as a stage
+        using its buckets in order does): its re-gathers. The chain lies on the inputs'
+        path, so torch's backward to the inputs alone (its first-step shape inference)
+        gathers them too, as a real stage's does for the weights its input gradient reads."""
         args = _stage_inputs(args, None)
         leaves = [] if gathered is not None else list(self.leaves.values())
         anchor = sum(
@@ -349,16 +342,36 @@ class StageModule(nn.Module):
                 bucket = self.regather.bucket_of[name]
                 if t.numel() and bucket in saves:
                     one.setdefault(bucket, t[(0,) * t.dim()])
-            for bucket in sorted(one):  # t * t saves t (a view of the gathered buffer)
-                anchor = anchor + (one[bucket] * one[bucket]).to(anchor.dtype) * 0
+            chain = next((t.reshape(-1)[0] * 0 for t in args if _differentiable(t)), None)
+            for bucket in sorted(one):  # a product saves both (one: a gathered buffer's view)
+                if chain is None:
+                    anchor = anchor + (one[bucket] * one[bucket]).to(anchor.dtype) * 0
+                else:
+                    chain = chain.to(one[bucket].dtype) * one[bucket]
+            if chain is not None:
+                anchor = anchor + chain.to(anchor.dtype)
+        meta = self.out_meta
+        if meta is None:
+            meta, self.guessed = self._unsized(args), True
         return optree.tree_map(
             lambda m: (
                 torch.zeros(m.shape, dtype=m.dtype, device=anchor.device) + anchor.to(m.dtype)
                 if m.is_floating_point()
                 else torch.zeros(m.shape, dtype=m.dtype, device=anchor.device)
             ),
-            self.out_meta,
+            meta,
         )
+
+    def _unsized(self, args: tuple) -> torch.Tensor:
+        """The stand-in's shape where the stage's output shape is unknown (it never gave an
+        output: the meta device could not run it, nor could it run on zeros; a stage raising
+        on every input, or on one rank alone, in its first step): its first input's, in
+        floating point. torch's first-step shape inference hands that shape on, so every
+        stage after it runs and the schedule ends on every rank (the step fails on all);
+        the next step infers the shapes again (:meth:`PipelineRun.agree`)."""
+        first = next(t for t in optree.tree_leaves(args) if isinstance(t, torch.Tensor))
+        dtype = first.dtype if first.is_floating_point() else (self.cast or torch.float32)
+        return torch.empty(first.shape, dtype=dtype, device="meta")
 
 
 def _fake_input(t: torch.Tensor, normal: bool) -> torch.Tensor:

@@ -43,7 +43,6 @@ import optree
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from funcshard.distributed import ops
@@ -53,105 +52,15 @@ from funcshard.layout.policy import MixedPrecisionPolicy
 from funcshard.parallel.pipeline import Pipeline
 from funcshard.step.pipeline_regather import Regather
 from funcshard.step.pipeline_stage import StageModule, as_meta, propagate
+from funcshard.step.pipeline_torch_stage import CountingStage
 from funcshard.step.units.gather import Gatherer
 
 __all__ = ["PipelineRun", "StageModule", "CountingStage"]
 
-
-class CountingStage(PipelineStage):
-    """torch's ``PipelineStage``, counting what it sends (stage outputs to another rank, the
-    gradients of its inputs back) under ``comm_stats``'s "pipeline" axis, kind "send". A
-    boundary inside one rank sends nothing: torch passes the tensors on locally."""
-
-    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return _counted(super().get_fwd_send_ops(fwd_chunk_id))
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return _counted(super().get_bwd_send_ops(bwd_chunk_id))
-
-    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's first-step shape inference (every stage but the first on inputs not the
-        batch's: :meth:`StageModule._on_synthetic`), no microbatch's: its buffer updates undone."""
-        self.submod.synthetic = not self.is_first
-        try:
-            with self.submod.buffers_kept():
-                return super()._forward_metadata_inference(*args, **kwargs)
-        finally:
-            self.submod.synthetic = False
-
-    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        with self.submod.buffers_kept():  # its recomputations (activation checkpointing) too
-            return super()._backward_metadata_inference(*args, **kwargs)
-
-    def _to_tensor(self, arg: Any) -> torch.Tensor:
-        """torch's first-step metadata inference materializes a stage's inputs it only knows
-        the shapes of (every stage but the first) with ``torch.empty``: zeros here, so that a
-        stage reading its input's values (a check, data-dependent routing) sees neither the
-        allocator's garbage nor NaN, alike on every rank and run."""
-        t = super()._to_tensor(arg)
-        if not isinstance(arg, torch.Tensor):
-            with torch.no_grad():
-                t.zero_()
-        return t
-
-    def _compute_input_grads(self, outputs: Any, all_fwd_inputs: Any, *args: Any) -> Any:
-        """torch's backward of its shape inference (the first step): where it raises, as
-        :meth:`backward_one_chunk` does, the error is kept and zeros of the inputs' shapes
-        stand for their gradients."""
-        try:
-            return super()._compute_input_grads(outputs, all_fwd_inputs, *args)
-        except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
-            self.submod.fail(traceback.format_exc(limit=-3))
-            return tuple(_zero_grad(t) for t in all_fwd_inputs)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        """torch's backward of one microbatch; where it raises, the error is kept for the
-        step's agreement and the stage hands back zero input gradients (the previous stage
-        waits for them), its weight backward then skipped: the schedule runs to its end on
-        every rank, and the step fails on all."""
-        inputs = self.fwd_cache.get(bwd_chunk_id, (None, ()))[1]
-        try:
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)
-            self.submod.fail(traceback.format_exc(limit=-3))
-            if self.submod.regather is not None:  # the gathers its peers' backward makes
-                self.submod.regather.gather_rest(self.submod.regathered_buckets())
-            n = len(self._stage_meta.inputs or ())
-            self.bwd_cache[bwd_chunk_id] = tuple(_zero_grad(t) for t in inputs)[:n]
-            self.dw_runner[bwd_chunk_id] = lambda: None
-            self.backward_state.pop(bwd_chunk_id, None)
-            return None
-        finally:  # regather=True: the buffers gathered again for it are freed
-            if self.submod.regather is not None:
-                self.submod.regather.release()
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        try:
-            if bwd_chunk_id not in self.backward_state and self.dw_builder is None:
-                self.dw_runner.pop(bwd_chunk_id, None)  # its input backward failed
-                return None
-            with self.submod.buffers_kept(not self.is_first):  # a second recomputation: undone
-                return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-        except Exception:  # noqa: BLE001 (no send follows a weight backward)
-            self.submod.fail(traceback.format_exc(limit=-3))
-            return None
-        finally:
-            if self.submod.regather is not None:
-                self.submod.regather.release()
-
-
-def _zero_grad(t: Any) -> torch.Tensor | None:
-    """What torch's backward gives an input: its gradient where it requires one (here zeros,
-    contiguous), None otherwise."""
-    if isinstance(t, torch.Tensor) and t.requires_grad:
-        return torch.zeros_like(t, memory_format=torch.contiguous_format)
-    return None
-
-
-def _counted(p2p: list[dist.P2POp]) -> list[dist.P2POp]:
-    for op in p2p:
-        ops.record("send", op.tensor, ops.Axis.PIPELINE)
-    return p2p
+# PipelineRun._key after a failed step whose stand-in guessed a stage's output shape
+# (StageModule._unsized): no batch has it, so the next step rebuilds torch's schedule and
+# infers every stage's shapes again
+_REINFER = ("infer the stages' shapes again",)
 
 
 class LossWrap:
@@ -302,6 +211,7 @@ class PipelineRun:
             leaves = _step_leaves(layout, master, compute)
         for m in self.modules.values():
             m.leaves, m.error, m.regather = {n: leaves[n] for n in m.names}, None, regather
+            m.guessed = False
             m.rejoin = True
             m.wrap = layout.tensor.wrap  # DTensors where the stage had them (tensor, experts)
         self.loss.reset(loss_fn, factor)
@@ -402,7 +312,9 @@ class PipelineRun:
         """``(mean loss, whole model's gradient norm)``, the same bits on every rank (one
         all-reduce over the world, counted under "metrics"), or RuntimeError on every rank
         when a stage or ``loss_fn`` raised on any, naming each rank's failure; ``apart``
-        (a tensor group's batch check failed) is named only where no stage failed."""
+        (a tensor group's batch check failed) is named only where no stage failed. Where a
+        failed stage's stand-in guessed its output's shape (it never gave one), every rank
+        infers the stages' shapes again at its next step."""
         square = square.to(loss_sum) if self.counts_norm else torch.zeros_like(loss_sum)
         loss_sum = loss_sum if self.counts_loss else torch.zeros_like(loss_sum)
         flag = loss_sum.new_tensor(float(error is not None or apart is not None))
@@ -410,9 +322,12 @@ class PipelineRun:
         vec = ops.all_reduce(vec, self.world, axis=ops.Axis.WORLD, kind="metrics")
         if float(vec[2]) > 0:
             told: list[Any] = [None] * dist.get_world_size(self.world)
-            dist.all_gather_object(told, (dist.get_rank(), error, apart), group=self.world)
-            lines = [f"rank {r}: {e}" for r, e, _ in told if e]
-            lines = lines or [f"rank {r}: {a}" for r, _, a in told if a]
+            guessed = any(m.guessed for m in self.modules.values())
+            dist.all_gather_object(told, (dist.get_rank(), error, apart, guessed), group=self.world)
+            if any(g for *_, g in told):  # torch's shape inference may hold the guess
+                self._key = _REINFER  # every rank, as all are told here
+            lines = [f"rank {r}: {e}" for r, e, _, _ in told if e]
+            lines = lines or [f"rank {r}: {a}" for r, _, a, _ in told if a]
             raise RuntimeError(
                 "train_step: the pipeline step failed (nothing was updated):\n" + "\n".join(lines)
             )
