@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch._inductor import ir
+from torch._inductor.dependencies import WeakDep
 
 from funcshard.distributed.graph_ops import (
     ALL_GATHER_SECTIONS_START,
@@ -124,13 +125,18 @@ def _last_ancestor(order: list[Any], group: list[Any], leave_out: set[str]) -> i
 
 
 def _valid(order: list[Any]) -> bool:
-    """Whether every node of ``order`` comes after every node of ``order`` it depends on
-    (an ancestor may name an op no node holds now: one inductor removed)."""
-    known = _names(order)
-    seen: set[str] = set()
-    for snode in order:
-        own = snode.get_operation_names()  # a fused node's ancestors hold its own ops'
-        if not (snode.ancestors & known) - own <= seen:
-            return False
-        seen |= own
-    return True
+    """Whether every node of ``order`` comes after the nodes of ``order`` whose buffers it
+    depends on (a buffer no node makes is a graph input's, or one inductor removed).
+
+    Not the fake dependency (``WeakDep(is_fake=True)``) that inductor gives each functional
+    collective on the one before it, which its own passes do not keep either (they sink a
+    collective's wait past the next collective): counted, it made inductor's own order of a
+    graph with two all-to-alls (a narrow gradient wire's) invalid, and every such graph
+    kept it, its gathers placed by no one."""
+    made = {name: i for i, snode in enumerate(order) for name in snode.get_buffer_names()}
+    return all(
+        made.get(dep.name, -1) <= i
+        for i, snode in enumerate(order)
+        for dep in snode.unmet_dependencies
+        if not (isinstance(dep, WeakDep) and dep.is_fake)
+    )
