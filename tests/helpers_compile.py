@@ -315,33 +315,27 @@ def _reduces_before_last_matmul(prof) -> int:
 
 
 def _matmuls_while_reducing(prof) -> list[int]:
-    """Per started reduce (``funcshard::reduce_sections_start``, in run order), the matmuls
-    the rank ran before its wait: the backward the reduce overlapped."""
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    counts: list[int] = []
-    open_ = False
-    for e in events:
-        if e.name == "funcshard::reduce_sections_start":
-            counts.append(0)
-            open_ = True
-        elif e.name == "funcshard::reduce_sections_wait":
-            open_ = False
-        elif open_ and e.name in ("aten::mm", "aten::addmm"):
-            counts[-1] += 1
-    return counts
+    """Per started reduce (in run order), the matmuls the rank ran before its wait: the
+    backward the reduce overlapped."""
+    return _matmuls_between(prof, "funcshard::reduce_sections")
 
 
 def _matmuls_in_flight(prof) -> list[int]:
-    """Per started gather (``funcshard::all_gather_sections_start``, in run order), the
-    matmuls the rank ran before its wait: the compute the gather overlapped."""
+    """Per started gather (in run order), the matmuls the rank ran before its wait: the
+    compute the gather overlapped."""
+    return _matmuls_between(prof, "funcshard::all_gather_sections")
+
+
+def _matmuls_between(prof, op: str) -> list[int]:
+    """Per ``{op}_start`` event, in run order, the matmuls before the next ``{op}_wait``."""
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
     counts: list[int] = []
     open_ = False
     for e in events:
-        if e.name == "funcshard::all_gather_sections_start":
+        if e.name == f"{op}_start":
             counts.append(0)
             open_ = True
-        elif e.name == "funcshard::all_gather_sections_wait":
+        elif e.name == f"{op}_wait":
             open_ = False
         elif open_ and e.name in ("aten::mm", "aten::addmm"):
             counts[-1] += 1
