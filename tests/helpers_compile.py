@@ -6,6 +6,8 @@ import collections
 
 import torch
 
+from funcshard.distributed import graph_ops
+
 # where a graph's collectives come from: torch's functional ones, and funcshard's gather in
 # place on gloo (funcshard.distributed.graph_ops: the buckets' all-gather on CPU)
 COLLECTIVES = ("_c10d_functional", "funcshard")
@@ -377,15 +379,18 @@ class _InductorGraphs:
         outputs = [a for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]
         starts = [n for n in nodes if getattr(n.target, "_opname", "") == "reduce_sections_start"]
         waits = [n for n in nodes if getattr(n.target, "_opname", "") == "reduce_sections_wait"]
-        chain = [  # each start's ``after`` the wait of the start before it
-            s.args[1] is w and (w is None or w.args[0] is p)
+        chain = [  # each start's ``after`` the wait of the start before it; the first's
+            # the graph's record of its collectives (graph_ops.graph_collectives)
+            s.args[1] is w and w.args[0] is p
+            if w is not None
+            else getattr(s.args[1], "target", None) is graph_ops.GRAPH_COLLECTIVES
             for p, w, s in zip([None, *starts], [None, *waits], starts, strict=False)
         ]
         self.graphs.append(
             {
                 "kind": "backward" if backward else "forward",
                 "collectives": ops,
-                # each reduce start's ``after``: the wait before it (None for the first)
+                # each reduce start's ``after``: the wait before it (the record for the first)
                 "reduce_chain": chain,
                 "saved_gathered": 0 if backward else len(_from_gather(graph) & set(outputs)),
             }

@@ -67,3 +67,25 @@ def test_gathers_placed_where_inductor_sinks_a_collectives_wait():
     read2 = _Node("read2", (wait2, read1))
     order = [start1, wait1, grads, a2a1, a2a1_wait, read1, shard2, start2, wait2, read2]
     assert comm_order.place_comms(order) == order
+
+
+def test_the_graphs_record_of_its_collectives_runs_first():
+    """``funcshard::graph_collectives`` (a graph's record of its gathers and reduces by sends,
+    which a rank the graph raises on drains) goes first, so that no op of the graph can raise
+    before it: where the pass's placement stands and where inductor's order is kept."""
+    mark = _Node("mark", op=graph_ops.GRAPH_COLLECTIVES)
+    grads = _Node("grads")
+    tap = _Node("tap", (grads,))
+    start = _Node("start", (grads, mark), graph_ops.REDUCE_SECTIONS_START)
+    wait = _Node("wait", (start,), graph_ops.REDUCE_SECTIONS_WAIT)
+    placed = comm_order.place_comms([grads, tap, mark, start, wait])
+    assert [n.name for n in placed] == ["mark", "grads", "start", "tap", "wait"], placed
+    # a start before the node that makes its shard: inductor's order kept, the record first
+    shard = _Node("shard")
+    start1 = _Node("start1", (mark,), graph_ops.ALL_GATHER_SECTIONS_START)
+    wait1 = _Node("wait1", (start1,), graph_ops.ALL_GATHER_SECTIONS_WAIT)
+    start2 = _Node("start2", (wait1, shard), graph_ops.ALL_GATHER_SECTIONS_START)
+    wait2 = _Node("wait2", (start2,), graph_ops.ALL_GATHER_SECTIONS_WAIT)
+    read = _Node("read", (wait1,))
+    order = [start1, wait1, read, shard, start2, wait2, mark]
+    assert comm_order.place_comms(order) == [mark, *order[:-1]]

@@ -32,7 +32,10 @@ computes (:mod:`funcshard.step.units.prefetch`, :mod:`funcshard.step.units.comm_
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,10 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from funcshard.distributed.ops import _PIECES_TAG, _UNWAITED, Pending, _Works, gather_in_place
 
 __all__ = [
+    "drain_failed_graph",
+    "drained_on_failure",
+    "GRAPH_COLLECTIVES",
+    "graph_collectives",
     "all_gather_sections",
     "all_gather_sections_start",
     "ALL_GATHER_SECTIONS",
@@ -88,6 +95,7 @@ def all_gather_sections_start(
     out = shard.new_empty(group_size * shard.numel())
     ticket = next(_TICKETS)
     _IN_FLIGHT[ticket] = gather_in_place(out, shard.contiguous(), group, async_op=True)
+    _started("gathers")
     return torch.tensor([ticket], dtype=torch.int64)
 
 
@@ -226,6 +234,13 @@ class _Reducing:
         self._sends.wait()
         return (_first_two(first, None, None) if total is None else total).to(self._dtype)
 
+    def discard(self) -> None:
+        """Waits for every section to arrive and be sent, and adds nothing."""
+        for _, received in self._blocks:
+            if received is not None:
+                received.wait()
+        self._sends.wait()
+
 
 @torch.library.custom_op("funcshard::reduce_sections_start", mutates_args=())
 def reduce_sections_start(
@@ -240,6 +255,7 @@ def reduce_sections_start(
     # works wait in _UNWAITED, each keeping its buffer, until the next sends are posted)
     ticket = next(_TICKETS)
     _REDUCING[ticket] = _Reducing(x.contiguous(), group)
+    _started("reduces")
     return torch.tensor([ticket], dtype=torch.int64)
 
 
@@ -310,3 +326,89 @@ ALL_GATHER_SECTIONS_WAIT = torch.ops.funcshard.all_gather_sections_wait.default
 REDUCE_SECTIONS = torch.ops.funcshard.reduce_sections.default
 REDUCE_SECTIONS_START = torch.ops.funcshard.reduce_sections_start.default
 REDUCE_SECTIONS_WAIT = torch.ops.funcshard.reduce_sections_wait.default
+
+
+@torch.library.custom_op("funcshard::graph_collectives", mutates_args=())
+def graph_collectives(manifest: str) -> torch.Tensor:
+    """A graph's first op (:mod:`funcshard.step.units.comm_order` puts it there): records
+    the graph's gathers and reduces by sends, in their order (``manifest``, JSON: for
+    "gathers" and "reduces", each start's ``[numel, dtype, group_size, group_name]``), as the
+    open graph's, none started yet, so that the graph raising on this rank can post the rest
+    (:func:`drain_failed_graph`). Returns a ticket each chain's first start takes as its
+    ``after``, so that the graph keeps this op."""
+    _OPEN[:] = [_Open(json.loads(manifest))]
+    return torch.empty(1, dtype=torch.int64)
+
+
+@graph_collectives.register_fake
+def _(manifest: str) -> torch.Tensor:  # noqa: ARG001
+    return torch.empty(1, dtype=torch.int64)
+
+
+class _Open:
+    """The collectives of the graph that runs (:func:`graph_collectives`), and how many of
+    each chain this rank has started."""
+
+    def __init__(self, manifest: dict[str, list[list]]) -> None:
+        self.specs = {kind: manifest.get(kind, []) for kind in ("gathers", "reduces")}
+        self.started = dict.fromkeys(self.specs, 0)
+
+    def rest(self, kind: str) -> list[list]:
+        return self.specs[kind][self.started[kind] :]
+
+
+def _started(kind: str) -> None:
+    if _OPEN and _OPEN[0].started[kind] < len(_OPEN[0].specs[kind]):
+        _OPEN[0].started[kind] += 1
+
+
+def drain_failed_graph() -> None:
+    """Where a captured graph raised on this rank: each gather and reduce by sends of the
+    graph that this rank had not started yet, posted with every byte 0xFF (NaN in each float
+    format), then every one in flight waited for.
+
+    Each rank's inductor schedules its graph by its own shapes, so a rank may wait for a
+    reduce before an op that raises on every rank while a peer raises there before starting
+    that reduce: the first waits for ever, the second's next step pairs its sends with the
+    failed step's. Posted here, each collective of the failed graph is met by every rank (by
+    its own start, or this one) in the chains' order, and the pairs of ranks stay in step. A
+    peer that did not fail finishes the graph with NaN where this rank's sections were (never
+    values that look right), then waits at its step's next collective. Everything is posted
+    before anything is waited for: a peer may be waiting for a reduce while this rank has
+    gathers left."""
+    opened = _OPEN.pop() if _OPEN else None
+    held: list[Pending | _Reducing] = [*_IN_FLIGHT.values(), *_REDUCING.values()]
+    _IN_FLIGHT.clear()
+    _REDUCING.clear()
+    posted: list[Pending | _Reducing] = []
+    if opened is not None:
+        for numel, dtype, size, name in opened.rest("gathers"):
+            shard = _poison(numel, dtype)
+            out = shard.new_empty(size * numel)
+            group = _resolve_process_group(name)
+            posted.append(gather_in_place(out, shard, group, async_op=True))
+        for numel, dtype, _, name in opened.rest("reduces"):
+            posted.append(_Reducing(_poison(numel, dtype), _resolve_process_group(name)))
+    for work in [*held, *posted]:
+        work.discard()
+
+
+@contextlib.contextmanager
+def drained_on_failure() -> Iterator[None]:
+    """Runs graphs of a captured step: one raising on this rank posts the rest of its
+    collectives (:func:`drain_failed_graph`) before the error goes on."""
+    try:
+        yield
+    except Exception:
+        drain_failed_graph()
+        raise
+
+
+def _poison(numel: int, dtype: str) -> torch.Tensor:
+    kind = getattr(torch, dtype)
+    return torch.full((numel * kind.itemsize,), 0xFF, dtype=torch.uint8).view(kind)
+
+
+# the open graph (:func:`graph_collectives`): none, or the one that ran last
+_OPEN: list[_Open] = []
+GRAPH_COLLECTIVES = torch.ops.funcshard.graph_collectives.default

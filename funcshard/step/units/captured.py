@@ -367,11 +367,14 @@ def _compiling(layout: Layout, backend: Backend) -> contextlib.ExitStack:
     """What surrounds a captured call and its backward (where AOTAutograd compiles the
     backward graph, lazily): inductor's overlap passes where asked for
     (:func:`~funcshard.step.compiling.overlap_config`) and its scheduler's reads kept after
-    their collective's wait (:mod:`funcshard.step.units.mutation_order`)."""
+    their collective's wait (:mod:`funcshard.step.units.mutation_order`); a graph raising
+    on this rank drains its collectives by sends
+    (:func:`~funcshard.distributed.graph_ops.drain_failed_graph`)."""
     stack = contextlib.ExitStack()
     stack.enter_context(overlap_config(layout, backend))
     if overlaps(layout, backend):  # a CPU gloo group's gathers one bucket ahead
         stack.enter_context(prefetch.installed())
+        stack.enter_context(graph_ops.drained_on_failure())
     stack.enter_context(mutation_renames_kept())
     return stack
 

@@ -28,6 +28,7 @@ from torch._inductor.dependencies import WeakDep
 from funcshard.distributed.graph_ops import (
     ALL_GATHER_SECTIONS_START,
     ALL_GATHER_SECTIONS_WAIT,
+    GRAPH_COLLECTIVES,
     REDUCE_SECTIONS_START,
     REDUCE_SECTIONS_WAIT,
 )
@@ -36,10 +37,15 @@ __all__ = ["place_comms", "place_gathers", "place_reduces"]
 
 
 def place_comms(snodes: list[Any]) -> list[Any]:
-    """:func:`place_gathers` then :func:`place_reduces`; ``snodes`` as they were if the
-    result were not a valid order (a node before one it depends on: never expected)."""
-    order = place_reduces(place_gathers(list(snodes)))
-    return order if _valid(order) else list(snodes)
+    """The graph's record of its collectives (``funcshard::graph_collectives``) first, so that
+    nothing can raise before it; then :func:`place_gathers` and :func:`place_reduces`, or the
+    order as it was if their result were not valid (a node before one it depends on)."""
+    first = list(snodes)
+    for mark in _ops(first, GRAPH_COLLECTIVES):  # it reads nothing: first is valid
+        _remove(first, mark)
+        first[0:0] = mark
+    order = place_reduces(place_gathers(list(first)))
+    return order if _valid(order) else first
 
 
 def place_gathers(order: list[Any]) -> list[Any]:

@@ -29,6 +29,12 @@ as eager's does; the bucket in flight is one more, as in eager.
 start taking the previous wait as its ``after``. Where inductor's schedule runs them is
 :mod:`funcshard.step.units.comm_order`'s to say (its peak-memory ordering would put every
 start and wait at the graph's tail), installed with the post-grad pass by :func:`installed`.
+
+:func:`mark_collectives` then records the graph's gathers and reduces, in their chains'
+order, in an op that comm_order runs first (``funcshard::graph_collectives``): a graph that
+raises on one rank posts the rest of them there
+(:func:`funcshard.distributed.graph_ops.drain_failed_graph`), so that a peer whose schedule
+waits for one before the op that raised is met, and the pairs of ranks stay in step.
 """
 
 from __future__ import annotations
@@ -36,25 +42,34 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import json
 import sys
 from collections.abc import Iterator
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from funcshard.distributed import graph_ops
 from funcshard.distributed.graph_ops import (
     ALL_GATHER_SECTIONS,
     ALL_GATHER_SECTIONS_START,
     ALL_GATHER_SECTIONS_WAIT,
+    GRAPH_COLLECTIVES,
     REDUCE_SECTIONS,
     REDUCE_SECTIONS_START,
     REDUCE_SECTIONS_WAIT,
 )
 from funcshard.step.units.comm_order import place_comms
 
-__all__ = ["PrefetchGathers", "installed", "overlap_reduces", "prefetch_gathers"]
+__all__ = [
+    "PrefetchGathers",
+    "installed",
+    "mark_collectives",
+    "overlap_reduces",
+    "prefetch_gathers",
+]
 
 _META = ("val", "tensor_meta", "stack_trace", "nn_module_stack")
 
@@ -105,6 +120,36 @@ def overlap_reduces(graph: fx.Graph) -> int:
     return len(reduces)
 
 
+def mark_collectives(graph: fx.Graph) -> fx.Node | None:
+    """Records ``graph``'s gathers and reduces by sends in its first op,
+    ``funcshard::graph_collectives`` (:func:`funcshard.distributed.graph_ops.drain_failed_graph`),
+    which each chain's first start takes as its ``after``; None where it has none."""
+    chains = {
+        "gathers": [n for n in graph.nodes if n.target is ALL_GATHER_SECTIONS_START],
+        "reduces": [n for n in graph.nodes if n.target is REDUCE_SECTIONS_START],
+    }
+    if not any(chains.values()):
+        return None
+    manifest = {
+        kind: [[*_numel_dtype(start.args[0]), *start.args[2:4]] for start in starts]
+        for kind, starts in chains.items()
+    }
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        mark = graph.call_function(GRAPH_COLLECTIVES, (json.dumps(manifest),))
+    some = next(starts[0] for starts in chains.values() if starts)
+    mark.meta["val"] = some.meta["val"].new_empty(1)
+    for starts in chains.values():
+        if starts and starts[0].args[1] is None:
+            starts[0].update_arg(1, mark)
+    return mark
+
+
+def _numel_dtype(node: fx.Node) -> tuple[int, str]:
+    val = node.meta["val"]  # symbolic in a dynamic compile: its layout's size (no guard)
+    return optimization_hint(val.numel()), str(val.dtype).removeprefix("torch.")
+
+
 class PrefetchGathers(CustomGraphPass):
     """:func:`prefetch_gathers` as one of inductor's ``post_grad_custom_post_pass`` passes
     (its ``uuid``, the source of this module and of the ops it writes into the graphs, keys
@@ -113,6 +158,7 @@ class PrefetchGathers(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         prefetch_gathers(graph)
         overlap_reduces(graph)
+        mark_collectives(graph)
 
     def uuid(self) -> bytes:
         sources = (sys.modules[__name__], graph_ops, sys.modules[place_comms.__module__])

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import fx
 from torch._guards import CompileContext
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.checkpoint import CheckpointPolicy
 
 from funcshard.distributed.graph_ops import ALL_GATHER_SECTIONS, REDUCE_SECTIONS
@@ -360,7 +361,7 @@ def _hoist(graph: fx.Graph, eager: set[fx.Node], backward: set[fx.Node]) -> None
 
 def _nbytes(node: fx.Node) -> int:
     val = node.meta["val"]
-    return val.numel() * val.element_size()
+    return optimization_hint(val.numel()) * val.element_size()
 
 
 def _held_bytes(chain: list[fx.Node], members: set[fx.Node]) -> int:
@@ -410,7 +411,9 @@ def _account(
         elif later:
             intervals.append((min(later), max(later), nbytes))
             val = chain[0].meta["val"]
-            regathered.append((val.numel(), val.dtype))
+            # a size a dynamic compile made symbolic (automatic dynamic: the step's frame saw
+            # another layout's sizes) is this layout's, its compiles being its own
+            regathered.append((optimization_hint(val.numel()), val.dtype))
     placed.graphs[compile_key()] = _Graph(tuple(regathered), _peak(intervals), held)
 
 

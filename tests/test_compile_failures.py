@@ -1,0 +1,109 @@
+"""A captured step that raises on every rank, each rank compiled to its own shapes: every rank
+comes back with the error, and the same step again trains as a state that never failed.
+
+Each rank's inductor schedules its graphs by its own shapes' costs, so one rank may wait for a
+reduce before reaching the op that raises while its peer raises before starting that reduce
+(``funcshard.distributed.graph_ops.drain_failed_graph``; the ops alone:
+``tests/test_graph_drain.py``)."""
+
+from __future__ import annotations
+
+import faulthandler
+
+import torch
+import torch.distributed as dist
+
+import funcshard as fs
+
+import models
+
+FAIL = {"on": False}
+
+
+@torch.library.custom_op("funcshard_tests::tap", mutates_args=())
+def tap(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@tap.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("funcshard_tests::tap_backward", mutates_args=())
+def tap_backward(g: torch.Tensor) -> torch.Tensor:
+    if FAIL["on"]:
+        raise RuntimeError("disk full while logging gradients")
+    return g.clone()
+
+
+@tap_backward.register_fake
+def _(g: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(g)
+
+
+tap.register_autograd(lambda ctx, g: torch.ops.funcshard_tests.tap_backward(g))  # noqa: ARG005
+
+
+class Tapped(models.MLP):
+    """Its backward raises at block 2's output (``FAIL``); nothing orders that op against the
+    later blocks' reduces."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            h = torch.ops.funcshard_tests.tap(h) if i == 2 else h
+        return (self.head(h) * self.scale).float()
+
+
+def failing_worker(rows: tuple[int, ...], strategy: str) -> dict:
+    """Three steps with the second one failing first, beside three steps that never fail."""
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, not CI
+    rank = dist.get_rank()
+    out = {}
+    for fail in (True, False):
+        torch.manual_seed(0)
+        model = Tapped(n_blocks=6, dim=256)
+        state = fs.init(
+            model,
+            fs.optim.sgd(0.1, momentum=0.9),
+            mesh=fs.make_mesh(device_type="cpu"),
+            strategy=strategy,
+            compile="inductor",
+        )
+        loss_fn = models.make_loss_fn(model)
+        losses, error = [], None
+        for step in range(3):
+            g = models.global_batch(step, sum(rows))
+            batch = {k: v.split(rows)[rank] for k, v in g.items()}
+            if fail and step == 1:
+                FAIL["on"] = True
+                try:
+                    fs.train_step(state, batch, loss_fn)
+                except RuntimeError as e:
+                    error = str(e)
+                finally:
+                    FAIL["on"] = False
+            state, metrics = fs.train_step(state, batch, loss_fn)
+            losses.append(metrics["loss"])
+        params = fs.full_params(state)
+        out[fail] = {"losses": losses, "error": error, "params": params}
+    faulthandler.cancel_dump_traceback_later()
+    failed, never = out[True], out[False]
+    return {
+        "error": failed["error"],
+        "losses": (failed["losses"], never["losses"]),
+        "bitwise": all(torch.equal(failed["params"][n], p) for n, p in never["params"].items()),
+    }
+
+
+def test_a_step_raising_on_every_rank_in_differently_scheduled_graphs(pool2) -> None:
+    """1 row on rank 0, 1024 on rank 1: the two ranks' backward graphs order the raising op
+    and the reduces differently. Fails without the drain: one rank waits for a reduce its
+    peer never starts, or the retried step's messages pair with the failed step's (gloo
+    aborted a rank here)."""
+    for strategy in ("optim_grads", "optim_grads_params"):
+        for r in pool2.run(failing_worker, (1, 1024), strategy):
+            assert "disk full while logging gradients" in (r["error"] or ""), r
+            assert r["losses"][0] == r["losses"][1] and r["bitwise"], (strategy, r)
