@@ -753,3 +753,34 @@ def test_prefetch_chains_a_packed_gather_with_the_others():
     assert nodes.index(starts[1]) > nodes.index(packed)  # after its encode
     assert nodes.index(starts[2]) == nodes.index(waits[1]) + 1  # one bucket ahead
     graph.lint()
+
+
+def symbolic_worker() -> list[bool]:
+    """Two captured ZeRO-3 states of other sizes in one process, a step each: whether each
+    graph the backend got had a symbolic size (an input SymInt or a tensor's)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    symbolic = []
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        shapes = [d for x in example_inputs if isinstance(x, torch.Tensor) for d in x.shape]
+        symbolic.append(any(isinstance(x, torch.SymInt) for x in [*example_inputs, *shapes]))
+        return gm
+
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+    for dim in (37, 53):
+        model = models.MLP(dim=dim, n_blocks=2)
+        state = fs.init(
+            model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"), compile=backend
+        )
+        models.train(state, model, range(1), rows=8)
+    return symbolic
+
+
+def test_a_second_state_compiles_its_own_sizes(pool2):
+    """A state of other sizes in the same process compiles its graphs with its sizes, as the
+    first: fails without the captured step's own code object per state (dynamo's automatic
+    dynamic, keyed by code, made the second's buffer sizes and plan ints symbolic: slower
+    kernels, and the re-gather accounting raised on a symbolic size)."""
+    for symbolic in pool2.run(symbolic_worker):
+        assert len(symbolic) >= 4 and not any(symbolic), symbolic

@@ -27,6 +27,8 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -80,11 +82,14 @@ def compile_fn(
     ``constants``: the name of a variable ``fn`` closes over that holds an immutable tree of
     Python constants (a layout's plan): dynamo's guards on its values are dropped, since
     nothing can change them (thousands of int comparisons per call otherwise), and the
-    compile's entries are its own (``isolate_recompiles``, where torch has it). ``check``:
+    compile's entries are its own (``isolate_recompiles``, where torch has it), and so is
+    its code object (:func:`_own_code`). ``check``:
     called with each graph dynamo captures and its example inputs before the backend gets it
     (what it raises reaches the caller). ``on_compiled``: called as each graph is compiled (after
     ``check``), it returns what to call each time that graph runs."""
     kw: dict[str, Any] = {}
+    if constants is not None:
+        fn = _own_code(fn)
     if constants is not None and _ISOLATES:
         # one code object serves every plan: each compile keeps its own entries, so that
         # dropping the plan's guards cannot hand one plan's graphs to another (nor do many
@@ -104,6 +109,19 @@ def compile_fn(
     if check is not None or on_compiled is not None:
         backend = _checked(backend, check, on_compiled)
     return torch.compile(fn, backend=backend, **kw)
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own (its name numbered): dynamo keeps what it learns
+    of a frame by its code (automatic dynamic: a size or int seen to change is made symbolic
+    in the next compile), so that one code serving two plans (two states of other sizes in
+    one process) compiled the second with symbolic sizes, its plan's ints and its buffers'."""
+    name = f"{fn.__name__}_{next(_CODES)}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+_CODES = itertools.count()
 
 
 def _checked(
