@@ -784,3 +784,38 @@ def test_a_second_state_compiles_its_own_sizes(pool2):
     kernels, and the re-gather accounting raised on a symbolic size)."""
     for symbolic in pool2.run(symbolic_worker):
         assert len(symbolic) >= 4 and not any(symbolic), symbolic
+
+
+def fp8_wire_worker() -> dict:
+    """ZeRO-2 with an fp8 gradient wire, eager and captured under inductor (37 rows over the
+    ranks, 2 microbatches, 3 steps of SGD momentum): the largest difference of a param
+    relative to its largest value, and whether the bytes were eager's."""
+    out = {}
+    for backend in (False, "inductor"):
+        torch.manual_seed(0)
+        model = models.make_model(n_blocks=2)
+        state = fs.init(
+            model,
+            fs.optim.sgd(0.1, momentum=0.9),
+            mesh=fs.make_mesh(device_type="cpu"),
+            strategy="optim_grads",
+            policy=fs.MixedPrecisionPolicy(grad_comm_dtype=torch.float8_e4m3fn),
+            compile=backend,
+        )
+        with fs.comm_stats() as stats:
+            state = models.train(state, model, range(3), rows=37, microbatches=2)[0]
+        out[backend] = (fs.full_params(state), dict(stats.bytes))
+    (eager, eager_bytes), (compiled, compiled_bytes) = out[False], out["inductor"]
+    rel = max(float((compiled[n] - p).abs().max() / p.abs().max()) for n, p in eager.items())
+    return {"rel": rel, "bytes": eager_bytes == compiled_bytes}
+
+
+def test_fp8_gradient_wire_under_inductor(pool2):
+    """The fp8 gradient wire's encode inside inductor's CPU graphs: fails without the codec's
+    cast before the byte write (inductor could not write an fp8 view of the packed uint8
+    buffer: "Promotion for Float8 Types is not supported"). The compiled step's gradients
+    differ from eager's by fp32 rounding, which can move a value across an fp8 rounding
+    boundary: one e4m3 step, 2^-3 of the value, times lr 0.1, on a gradient below the
+    params' scale, so 1e-2 of the largest param bounds it (2e-7 measured)."""
+    for r in pool2.run(fp8_wire_worker):
+        assert r["bytes"] and r["rel"] < 1e-2, r

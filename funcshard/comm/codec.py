@@ -171,7 +171,7 @@ def encode(x: torch.Tensor, dtype: torch.dtype, layout: Blocks, out: torch.Tenso
     ``(..., layout.nbytes)``): per section its fp32 scales, then its values in ``dtype``."""
     top = _TOP[dtype]
     scales = torch.empty(*x.shape[:-1], layout.count, dtype=torch.float32, device=x.device)
-    values = out[..., _SCALE * layout.count :].view(dtype)
+    values = out[..., _SCALE * layout.count :]  # one byte a value, written as bytes
     for run in layout.runs:
         n = run.count * run.width
         xs = x[..., run.offset : run.offset + n]
@@ -187,7 +187,11 @@ def encode(x: torch.Tensor, dtype: torch.dtype, layout: Blocks, out: torch.Tenso
             qv.mul_(shift.unsqueeze(-1)).mul_(inv.unsqueeze(-1))  # inf or NaN absmax: decode
         if dtype == torch.int8:
             q.round_()
-        values[..., run.value : run.value + n].copy_(q.clamp_(-top, top))
+        # cast, then bytes: inductor's CPU code cannot write an fp8 view of a uint8 buffer
+        # (a masked store promotes its bool mask with fp8: "Promotion for Float8 Types")
+        values[..., run.value : run.value + n].copy_(
+            q.clamp_(-top, top).to(dtype).view(torch.uint8)
+        )
     out[..., : _SCALE * layout.count].copy_(scales.view(torch.uint8))
 
 
