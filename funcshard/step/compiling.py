@@ -117,7 +117,7 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     in the next compile), so that one code serving two plans (two states of other sizes in
     one process) compiled the second with symbolic sizes, its plan's ints and its buffers'."""
     name = f"{fn.__name__}_{next(_CODES)}"
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    code = fn.__code__.replace(co_name=name)  # (co_qualname, Python 3.11's, need not change)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
