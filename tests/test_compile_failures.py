@@ -57,8 +57,9 @@ class Tapped(models.MLP):
         return (self.head(h) * self.scale).float()
 
 
-def failing_worker(rows: tuple[int, ...], strategy: str) -> dict:
-    """Three steps with the second one failing first, beside three steps that never fail."""
+def failing_worker(rows: tuple[int, ...], strategy: str, grad_comm_dtype=None) -> dict:
+    """Three steps with the second one failing first, beside three steps that never fail
+    (``grad_comm_dtype``: the gradients' wire, fp32 main grads)."""
     faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, not CI
     rank = dist.get_rank()
     out = {}
@@ -71,6 +72,7 @@ def failing_worker(rows: tuple[int, ...], strategy: str) -> dict:
             mesh=fs.make_mesh(device_type="cpu"),
             strategy=strategy,
             compile="inductor",
+            policy=fs.MixedPrecisionPolicy(grad_comm_dtype=grad_comm_dtype),
         )
         loss_fn = models.make_loss_fn(model)
         losses, error = [], None
@@ -107,3 +109,13 @@ def test_a_step_raising_on_every_rank_in_differently_scheduled_graphs(pool2) -> 
         for r in pool2.run(failing_worker, (1, 1024), strategy):
             assert "disk full while logging gradients" in (r["error"] or ""), r
             assert r["losses"][0] == r["losses"][1] and r["bitwise"], (strategy, r)
+
+
+def test_a_narrow_gradient_wire_drains_its_all_to_alls(pool2) -> None:
+    """ZeRO-2 with bf16 on the gradients' wire: each bucket's reduce is a functional
+    all-to-all that inductor's code issues, the backward graph's only collectives. Hung
+    without them in the graph's record: one rank had issued an all-to-all its peer never did,
+    and every collective after it on the group waited for ever."""
+    for r in pool2.run(failing_worker, (1, 1024), "optim_grads", torch.bfloat16):
+        assert "disk full while logging gradients" in (r["error"] or ""), r
+        assert r["losses"][0] == r["losses"][1] and r["bitwise"], r
