@@ -111,11 +111,14 @@ def test_a_step_raising_on_every_rank_in_differently_scheduled_graphs(pool2) -> 
             assert r["losses"][0] == r["losses"][1] and r["bitwise"], (strategy, r)
 
 
-def test_a_narrow_gradient_wire_drains_its_all_to_alls(pool2) -> None:
-    """ZeRO-2 with bf16 on the gradients' wire: each bucket's reduce is a functional
-    all-to-all that inductor's code issues, the backward graph's only collectives. Hung
-    without them in the graph's record: one rank had issued an all-to-all its peer never did,
-    and every collective after it on the group waited for ever."""
-    for r in pool2.run(failing_worker, (1, 1024), "optim_grads", torch.bfloat16):
-        assert "disk full while logging gradients" in (r["error"] or ""), r
-        assert r["losses"][0] == r["losses"][1] and r["bitwise"], r
+def test_a_narrow_gradient_wire_in_differently_scheduled_graphs(pool2) -> None:
+    """bf16 on the gradients' wire, 1 row against 1024: each bucket's exchange is funcshard's
+    by sends in the reduces' chain. Under ZeRO-3 it was torch's functional all-to-all, which
+    each rank's inductor issued where its own costs said: one rank ran every gather before
+    its first all-to-all while the other waited on an all-to-all after three, a deadlock with
+    no failure at all; under ZeRO-2 a step raising on every rank left an all-to-all one rank
+    had issued and its peer had not (gloo aborted a rank)."""
+    for strategy in ("optim_grads", "optim_grads_params"):
+        for r in pool2.run(failing_worker, (1, 1024), strategy, torch.bfloat16):
+            assert "disk full while logging gradients" in (r["error"] or ""), r
+            assert r["losses"][0] == r["losses"][1] and r["bitwise"], (strategy, r)

@@ -236,6 +236,12 @@ class _Reducing:
         self._sends.wait()
         return (_first_two(first, None, None) if total is None else total).to(self._dtype)
 
+    def sections(self) -> torch.Tensor:
+        """Every rank's section of this rank's part, in group rank order, not added (an
+        all-to-all's output: a narrow wire sums them itself)."""
+        self.discard()
+        return torch.cat([block for block, _ in self._blocks])
+
     def discard(self) -> None:
         """Waits for every section to arrive and be sent, and adds nothing."""
         for _, received in self._blocks:
@@ -273,30 +279,42 @@ def _(
 
 
 @torch.library.custom_op("funcshard::reduce_sections_wait", mutates_args=())
-def reduce_sections_wait(ticket: torch.Tensor, x: torch.Tensor, group_size: int) -> torch.Tensor:
+def reduce_sections_wait(
+    ticket: torch.Tensor, x: torch.Tensor, group_size: int, summed: bool = True
+) -> torch.Tensor:
     """The section of the reduce that gave ``ticket`` (``x``, its input, is an input here too
-    so that a graph keeps it until its sends are done)."""
+    so that a graph keeps it until its sends are done); not ``summed``: every rank's section
+    (:meth:`_Reducing.sections`)."""
     del x, group_size
-    return _REDUCING.pop(int(ticket)).wait()
+    reducing = _REDUCING.pop(int(ticket))
+    return reducing.wait() if summed else reducing.sections()
 
 
 @reduce_sections_wait.register_fake
-def _(ticket: torch.Tensor, x: torch.Tensor, group_size: int) -> torch.Tensor:  # noqa: ARG001
-    return x.new_empty(x.numel() // group_size)
+def _(ticket: torch.Tensor, x: torch.Tensor, group_size: int, summed: bool = True) -> torch.Tensor:  # noqa: ARG001
+    return x.new_empty(x.numel() // group_size if summed else x.numel())
 
 
 @torch.library.custom_op("funcshard::reduce_sections", mutates_args=())
 def reduce_sections(
-    x: torch.Tensor, after: torch.Tensor | None, group_size: int, group_name: str
+    x: torch.Tensor,
+    after: torch.Tensor | None,
+    group_size: int,
+    group_name: str,
+    summed: bool = True,
 ) -> torch.Tensor:
     """This rank's section of the sum over the group named ``group_name`` (``group_size``
     ranks) of every rank's 1-D ``x`` (``group_size`` sections in group rank order), by
     :func:`reduce_by_sends`, in one op whose output is the section alone (module docstring).
     ``after``, not read, is the previous reduce's output in the graph: the captured step's
-    pass chains them so that every rank posts its reduces' sends in one order."""
+    pass chains them so that every rank posts its reduces' sends in one order. Not
+    ``summed``: every rank's section of this rank's part, in rank order (a narrow wire's
+    exchange, in the reduces' chain: an all-to-all's output by the same sends)."""
     del after
     group = _resolve_process_group(group_name)
     assert dist.get_world_size(group) == group_size, (group_name, group_size)
+    if not summed:
+        return _Reducing(x.contiguous(), group).sections()
     return reduce_by_sends(x.contiguous(), group)
 
 
@@ -306,8 +324,9 @@ def _(
     after: torch.Tensor | None,  # noqa: ARG001
     group_size: int,
     group_name: str,  # noqa: ARG001
+    summed: bool = True,
 ) -> torch.Tensor:
-    return x.new_empty(x.numel() // group_size)
+    return x.new_empty(x.numel() // group_size if summed else x.numel())
 
 
 # the reduces' sends, apart from the gathers' (gloo matches a pair's messages in order per

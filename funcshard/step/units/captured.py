@@ -208,14 +208,21 @@ def _reduced(x: torch.Tensor, group, S: int, dp: int, wire: GradWire) -> torch.T
     if S == 1:
         return x
     if wire.blocks is None:  # rounded once going out, summed in fp32 coming in
-        recv = funcol.all_to_all_single(x.to(wire.wire), None, None, group)
-        return recv.view(S, -1).sum(0, dtype=wire.acc)
+        return _exchanged(x.to(wire.wire), S, group).view(S, -1).sum(0, dtype=wire.acc)
     section = x.numel() // S
     send = torch.empty(S, wire.blocks.nbytes, dtype=torch.uint8, device=x.device)
     codec.encode(x.view(S, section), wire.wire, wire.blocks, send)
-    recv = funcol.all_to_all_single(send.view(-1), None, None, group).view(S, -1)
+    recv = _exchanged(send.view(-1), S, group).view(S, -1)
     out = torch.empty(S, section, dtype=wire.acc, device=x.device)
     return codec.decode(recv, wire.wire, wire.blocks, out).sum(0)
+
+
+def _exchanged(x: torch.Tensor, S: int, group) -> torch.Tensor:
+    """An all-to-all of ``x``'s rank sections; on a CPU gloo group by sends in the reduces'
+    chain (inductor put a functional one where each rank's own costs said: a deadlock)."""
+    if reduces_by_all_to_all(x.device):
+        return graph_ops.reduce_sections(x, None, S, group, False)
+    return funcol.all_to_all_single(x, None, None, group)
 
 
 def copied_out(aux: Any) -> Any:

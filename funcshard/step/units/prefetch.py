@@ -108,13 +108,14 @@ def overlap_reduces(graph: fx.Graph) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     previous: fx.Node | None = None
     for i, reduce in enumerate(reduces):
-        x, _, size, name = reduce.args
+        x, _, size, name, *summed = reduce.args  # summed: a narrow wire's exchange if False
+        summed += [reduce.kwargs["summed"]] if "summed" in reduce.kwargs else []
         with graph.inserting_before(reduce):
             start = graph.call_function(REDUCE_SECTIONS_START, (x, previous, size, name))
         start.meta["val"] = reduce.meta["val"].new_empty(1, dtype=torch.int64)
         then = min([*reduce.users, *reduces[i + 1 : i + 2]], key=order.__getitem__)
         with graph.inserting_before(then):
-            wait = graph.call_function(REDUCE_SECTIONS_WAIT, (start, x, size))
+            wait = graph.call_function(REDUCE_SECTIONS_WAIT, (start, x, size, *summed))
         wait.meta.update({k: v for k, v in reduce.meta.items() if k in _META})
         reduce.replace_all_uses_with(wait)
         graph.erase_node(reduce)
