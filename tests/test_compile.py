@@ -541,7 +541,7 @@ def test_captured_aux_copied_out():
     """Under cuda_graphs=True the captured step copies aux out of the graphs' static outputs:
     every tensor leaf (an fs.summed's value too) is a new tensor of the same values."""
     from funcshard.step.summed import Summed
-    from funcshard.step.units.captured import copied_out
+    from funcshard.step.units.losses import copied_out
 
     x, y = torch.arange(3.0), torch.ones(2)
     aux = {"x": x, "pair": (y, 2), "total": Summed(x), "none": None}

@@ -67,7 +67,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 import torch.distributed._functional_collectives as funcol
 
@@ -86,14 +85,13 @@ from funcshard.step.compiling import (
     overlaps,
 )
 from funcshard.step.reduction import AddInto, Grads, Sink
-from funcshard.step.summed import Summed
 from funcshard.step.units import prefetch
-from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
+from funcshard.step.units.losses import copied_out, dtensor_backward, loss_and_aux, reported
 from funcshard.step.units.mutation_order import mutation_renames_kept
 from funcshard.step.units.placeholders import UnitParamsError, read_in_capture
 from funcshard.step.units.schedule import Placed, compile_key, joint_pass
 
-__all__ = ["CapturedGrads", "copied_out"]
+__all__ = ["CapturedGrads"]
 
 
 class ParamWire(NamedTuple):
@@ -223,18 +221,6 @@ def _exchanged(x: torch.Tensor, S: int, group) -> torch.Tensor:
     if reduces_by_all_to_all(x.device):
         return graph_ops.reduce_sections(x, None, S, group, False)
     return funcol.all_to_all_single(x, None, None, group)
-
-
-def copied_out(aux: Any) -> Any:
-    """``aux`` with each tensor leaf (an ``fs.summed``'s value too) a copy: a CUDA graph's
-    replay overwrites the static buffers its outputs live in."""
-
-    def copy(x: Any) -> Any:
-        if isinstance(x, Summed):
-            return Summed(x.value.clone())
-        return x.clone() if isinstance(x, torch.Tensor) else x
-
-    return optree.tree_map(copy, aux, is_leaf=lambda x: isinstance(x, Summed), none_is_leaf=True)
 
 
 def carrier_zeros(numel: int, grads: tuple) -> torch.Tensor:

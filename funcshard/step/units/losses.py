@@ -7,10 +7,13 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import optree
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["loss_and_aux", "reported", "dtensor_backward"]
+from funcshard.step.summed import Summed
+
+__all__ = ["copied_out", "loss_and_aux", "reported", "dtensor_backward"]
 
 
 def loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
@@ -44,3 +47,15 @@ def dtensor_backward(loss: torch.Tensor) -> Iterator[None]:
             "runs the backward after loss_fn returns; call the step inside it "
             "(with loss_parallel(): fs.train_step(...)) rather than inside loss_fn"
         ) from e
+
+
+def copied_out(aux: Any) -> Any:
+    """``aux`` with each tensor leaf (an ``fs.summed``'s value too) a copy: a CUDA graph's
+    replay overwrites the static buffers its outputs live in."""
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, Summed):
+            return Summed(x.value.clone())
+        return x.clone() if isinstance(x, torch.Tensor) else x
+
+    return optree.tree_map(copy, aux, is_leaf=lambda x: isinstance(x, Summed), none_is_leaf=True)
