@@ -8,7 +8,6 @@ can take (each rank's inductor orders its graph by its own shapes; the compiled 
 
 from __future__ import annotations
 
-import faulthandler
 import json
 
 import pytest
@@ -89,48 +88,3 @@ def test_a_peer_that_did_not_fail_finishes_the_graph_with_nan(pool2) -> None:
     fail, done = pool2.run(drain_worker, {0: ["g"], 1: []}, [0])
     assert fail["in_step"] and done["in_step"], (fail, done)
     assert done["nan"] == ["gather1", "gather2", "reduce3", "reduce4"], done
-
-
-def all_to_all_worker(plan: list[str]) -> dict:
-    """A graph of a gather by sends and two functional all-to-alls ("a", a narrow gradient
-    wire's): rank 0 runs ``plan`` ("G": the gather started, left in flight) then raises and
-    drains; rank 1 runs the graph whole ("a", "g", "a"). Then an all-to-all of known values."""
-    from torch.distributed import _functional_collectives as funcol
-
-    from funcshard.distributed import graph_ops as ops
-
-    faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the test, not CI
-    group, rank = dist.group.WORLD, dist.get_rank()
-    size, name = dist.get_world_size(group), group.group_name
-    splits = [N] * size
-    manifest = json.loads(_manifest(group, gathers=1, reduces=0))
-    manifest["all_to_alls"] = [[size * N, "float32", size, name, splits, splits]] * 2
-    ops.graph_collectives(json.dumps(manifest))
-    todo = ["a", "g", "a"] if rank else plan
-    out = []
-    for step in todo:
-        if step in "gG":
-            x = torch.full((N,), float(rank))
-            ticket = ops.all_gather_sections_start(x, None, size, name)
-            if step == "g":
-                ops.all_gather_sections_wait(ticket, x, size)
-        else:
-            x = torch.full((size * N,), float(rank))
-            out.append(funcol.wait_tensor(funcol.all_to_all_single(x, splits, splits, name)))
-    if rank == 0:
-        ops.drain_failed_graph()
-    x = torch.arange(size * N, dtype=torch.float32) + 100 * rank
-    got = funcol.wait_tensor(funcol.all_to_all_single(x, splits, splits, name))
-    want = torch.cat([torch.arange(N) + rank * N + 100.0 * r for r in range(size)])
-    faulthandler.cancel_dump_traceback_later()
-    return {"in_step": torch.equal(got, want), "nan": [bool(t.isnan().any()) for t in out]}
-
-
-@pytest.mark.parametrize("plan", [[], ["G"], ["a", "G"]])
-def test_a_graphs_functional_all_to_alls_are_drained_by_count(pool2, plan) -> None:
-    """The all-to-alls rank 0 had not issued (the group's sequence number's growth, less the
-    gather's messages) are posted: rank 1 gets NaN from them, and the two ranks' next
-    all-to-all pairs. Hung without them in the record (rank 1 waits for the second)."""
-    fail, done = pool2.run(all_to_all_worker, plan)
-    assert fail["in_step"] and done["in_step"], (fail, done)
-    assert done["nan"] == ["a" not in plan, True], done

@@ -40,7 +40,6 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.fx.node import has_side_effect
 
 from funcshard.distributed.ops import _PIECES_TAG, _UNWAITED, Pending, _Works, gather_in_place
 
@@ -95,9 +94,8 @@ def all_gather_sections_start(
         _IN_FLIGHT.popitem()[1].discard()
     out = shard.new_empty(group_size * shard.numel())
     ticket = next(_TICKETS)
-    before = _tracked(group)
     _IN_FLIGHT[ticket] = gather_in_place(out, shard.contiguous(), group, async_op=True)
-    _started("gathers", group, before)
+    _started("gathers")
     return torch.tensor([ticket], dtype=torch.int64)
 
 
@@ -262,9 +260,8 @@ def reduce_sections_start(
     _REDUCING.clear()  # left by a graph that raised between a start and its wait (their
     # works wait in _UNWAITED, each keeping its buffer, until the next sends are posted)
     ticket = next(_TICKETS)
-    before = _tracked(group)
     _REDUCING[ticket] = _Reducing(x.contiguous(), group)
-    _started("reduces", group, before)
+    _started("reduces")
     return torch.tensor([ticket], dtype=torch.int64)
 
 
@@ -353,13 +350,16 @@ REDUCE_SECTIONS_WAIT = torch.ops.funcshard.reduce_sections_wait.default
 @torch.library.custom_op("funcshard::graph_collectives", mutates_args=())
 def graph_collectives(manifest: str) -> torch.Tensor:
     """A graph's first op (:mod:`funcshard.step.units.comm_order` puts it there): records
-    the graph's gathers and reduces by sends and its functional all-to-alls (a narrow
-    gradient wire's), in their order (``manifest``, JSON: for "gathers" and "reduces", each
-    start's ``[numel, dtype, group_size, group_name]``; for "all_to_alls", each one's and its
-    output and input split sizes), as the open graph's, none started yet, so that the graph
-    raising on this rank can post the rest (:func:`drain_failed_graph`). Returns a ticket
-    each chain's first start takes as its ``after``; a graph keeps it for its side effect
-    where nothing does (all-to-alls only)."""
+    the graph's gathers and reduces by sends, in their chains' order (``manifest``, JSON: for
+    "gathers" and "reduces", each start's ``[numel, dtype, group_size, group_name]``), as the
+    open graph's, none started yet, so that the graph raising on this rank can post the rest
+    (:func:`drain_failed_graph`). Returns a ticket each chain's first start takes as its
+    ``after``.
+
+    torch's functional collectives in a graph (a tensor-parallel model's; on a GPU every
+    gather and reduce-scatter) are not recorded: inductor's code issues them, nothing of ours
+    could count them, and a drain of some of a group's collectives but not the others would
+    pair a collective with one of another kind. A graph with none by sends has no record."""
     _OPEN[:] = [_Open(json.loads(manifest))]
     return torch.empty(1, dtype=torch.int64)
 
@@ -371,58 +371,26 @@ def _(manifest: str) -> torch.Tensor:  # noqa: ARG001
 
 class _Open:
     """The collectives of the graph that runs (:func:`graph_collectives`), and how many of
-    each chain this rank has started.
-
-    A functional all-to-all counts nowhere of ours (inductor's code issues it), so each of its
-    groups' sequence number (one a collective or point-to-point message this rank posts) is
-    read here and when the graph raises: the all-to-alls issued are what it grew by, less the
-    messages the gathers and reduces by sends posted on the group (``sent``)."""
+    each chain this rank has started."""
 
     def __init__(self, manifest: dict[str, list[list]]) -> None:
         self.specs = {kind: manifest.get(kind, []) for kind in _KINDS}
         self.started = dict.fromkeys(self.specs, 0)
-        names = {spec[3] for spec in self.specs["all_to_alls"]}
-        self.marks = {name: _sequence(_resolve_process_group(name)) for name in names}
-        self.sent = dict.fromkeys(names, 0)
 
     def rest(self, kind: str) -> list[list]:
         return self.specs[kind][self.started[kind] :]
 
-    def all_to_alls_left(self) -> list[list]:
-        """The graph's all-to-alls this rank has not issued (read before posting any)."""
-        left = []
-        for name, mark in self.marks.items():
-            issued = _sequence(_resolve_process_group(name)) - mark - self.sent[name]
-            left += [spec for spec in self.specs["all_to_alls"] if spec[3] == name][issued:]
-        return left
 
-
-def _sequence(group: dist.ProcessGroup) -> int:
-    return group._get_sequence_number_for_group()
-
-
-def _tracked(group: dist.ProcessGroup) -> int | None:
-    """``group``'s sequence number where the open graph counts its messages (it has
-    all-to-alls on it), else None."""
-    return _sequence(group) if _OPEN and group.group_name in _OPEN[0].sent else None
-
-
-def _started(kind: str, group: dist.ProcessGroup, before: int | None) -> None:
-    """Counts a start of the open graph's, and the messages it posted on ``group`` (its
-    sequence number was ``before``, :func:`_tracked`)."""
-    if not _OPEN:
-        return
-    opened = _OPEN[0]
-    if opened.started[kind] < len(opened.specs[kind]):
-        opened.started[kind] += 1
-    if before is not None:
-        opened.sent[group.group_name] += _sequence(group) - before
+def _started(kind: str) -> None:
+    """Counts a start of the open graph's."""
+    if _OPEN and _OPEN[0].started[kind] < len(_OPEN[0].specs[kind]):
+        _OPEN[0].started[kind] += 1
 
 
 def drain_failed_graph() -> None:
-    """Where a captured graph raised on this rank: each gather and reduce by sends and each
-    functional all-to-all of the graph that this rank had not started yet, posted with every
-    byte 0xFF (NaN in each float format), then every one in flight waited for.
+    """Where a captured graph raised on this rank: each gather and reduce by sends of the
+    graph that this rank had not started yet, posted with every byte 0xFF (NaN in each float
+    format), then every one in flight waited for.
 
     Each rank's inductor schedules its graph by its own shapes, so a rank may wait for a
     reduce before an op that raises on every rank while a peer raises there before starting
@@ -437,9 +405,8 @@ def drain_failed_graph() -> None:
     held: list[Pending | _Reducing] = [*_IN_FLIGHT.values(), *_REDUCING.values()]
     _IN_FLIGHT.clear()
     _REDUCING.clear()
-    posted: list[Pending | _Reducing | _AllToAll] = []
+    posted: list[Pending | _Reducing] = []
     if opened is not None:
-        all_to_alls = opened.all_to_alls_left()  # before any message below
         for numel, dtype, size, name in opened.rest("gathers"):
             shard = _poison(numel, dtype)
             out = shard.new_empty(size * numel)
@@ -447,21 +414,8 @@ def drain_failed_graph() -> None:
             posted.append(gather_in_place(out, shard, group, async_op=True))
         for numel, dtype, _, name in opened.rest("reduces"):
             posted.append(_Reducing(_poison(numel, dtype), _resolve_process_group(name)))
-        posted += [_AllToAll(*spec) for spec in all_to_alls]
     for work in [*held, *posted]:
         work.discard()
-
-
-class _AllToAll:
-    """A functional all-to-all of poison, as a graph's (the same op, sizes and group)."""
-
-    def __init__(self, numel, dtype, size, name, out_splits, in_splits) -> None:  # noqa: ARG002
-        self._out = torch.ops._c10d_functional.all_to_all_single.default(
-            _poison(numel, dtype), out_splits, in_splits, name
-        )
-
-    def discard(self) -> None:
-        torch.ops._c10d_functional.wait_tensor.default(self._out)
 
 
 @contextlib.contextmanager
@@ -480,9 +434,7 @@ def _poison(numel: int, dtype: str) -> torch.Tensor:
     return torch.full((numel * kind.itemsize,), 0xFF, dtype=torch.uint8).view(kind)
 
 
-_KINDS = ("gathers", "reduces", "all_to_alls")
+_KINDS = ("gathers", "reduces")
 # the open graph (:func:`graph_collectives`): none, or the one that ran last
 _OPEN: list[_Open] = []
 GRAPH_COLLECTIVES = torch.ops.funcshard.graph_collectives.default
-# kept where nothing reads its ticket (a graph whose collectives are all-to-alls only)
-has_side_effect(GRAPH_COLLECTIVES)

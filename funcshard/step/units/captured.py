@@ -26,8 +26,9 @@ aot_eager trains bitwise as eager): a param wire (``param_comm_dtype``, :class:`
 packs the shard (a cast, or :mod:`funcshard.comm.codec`'s 8-bit blocks), all-gathers the
 packed bytes and decodes them once; HFSDP's inner shard (the layout the step runs is
 :attr:`Layout.inner`) arrives packed already. A narrow or 8-bit gradient wire
-(:class:`GradWire`) rounds each rank's sections once, exchanges them by
-``_c10d_functional.all_to_all_single`` and sums what arrives in fp32.
+(:class:`GradWire`) rounds each rank's sections once, exchanges them (on a CPU gloo group by
+sends in the reduces' chain, :func:`_exchanged`; else ``_c10d_functional.all_to_all_single``)
+and sums what arrives in fp32.
 
 With ``cuda_graphs=True`` the two graphs are inductor's CUDA graph trees
 (``mode="reduce-overhead"``): each microbatch marks a new step, and the loss and the reduced

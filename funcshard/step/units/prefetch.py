@@ -31,11 +31,10 @@ start taking the previous wait as its ``after``. Where inductor's schedule runs 
 start and wait at the graph's tail), installed with the post-grad pass by :func:`installed`.
 
 :func:`mark_collectives` then records the graph's gathers and reduces, in their chains'
-order, and its functional all-to-alls (a narrow gradient wire's), in an op that comm_order
-runs first (``funcshard::graph_collectives``): a graph that raises on one rank posts the
-rest of them there (:func:`funcshard.distributed.graph_ops.drain_failed_graph`), so that a
-peer whose schedule waits for one before the op that raised is met, and the pairs of ranks
-stay in step.
+order, in an op that comm_order runs first (``funcshard::graph_collectives``): a graph that
+raises on one rank posts the rest of them there
+(:func:`funcshard.distributed.graph_ops.drain_failed_graph`), so that a peer whose schedule
+waits for one before the op that raised is met, and the pairs of ranks stay in step.
 """
 
 from __future__ import annotations
@@ -72,7 +71,6 @@ __all__ = [
     "prefetch_gathers",
 ]
 
-_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 _META = ("val", "tensor_meta", "stack_trace", "nn_module_stack")
 
 
@@ -124,29 +122,25 @@ def overlap_reduces(graph: fx.Graph) -> int:
 
 
 def mark_collectives(graph: fx.Graph) -> fx.Node | None:
-    """Records ``graph``'s gathers and reduces by sends and its functional all-to-alls (a
-    narrow gradient wire's) in its first op, ``funcshard::graph_collectives``
-    (:func:`funcshard.distributed.graph_ops.drain_failed_graph`), which each chain's first
-    start takes as its ``after``; None where it has none."""
+    """Records ``graph``'s gathers and reduces by sends in its first op,
+    ``funcshard::graph_collectives`` (:func:`funcshard.distributed.graph_ops.drain_failed_graph`),
+    which each chain's first start takes as its ``after``; None where it has none."""
     chains = {
         "gathers": [n for n in graph.nodes if n.target is ALL_GATHER_SECTIONS_START],
         "reduces": [n for n in graph.nodes if n.target is REDUCE_SECTIONS_START],
-        "all_to_alls": [n for n in graph.nodes if n.target is _ALL_TO_ALL],
     }
     if not any(chains.values()):
         return None
     manifest = {
-        kind: [[*_numel_dtype(start.args[0]), *start.args[2:4]] for start in chains[kind]]
-        for kind in ("gathers", "reduces")
+        kind: [[*_numel_dtype(start.args[0]), *start.args[2:4]] for start in starts]
+        for kind, starts in chains.items()
     }
-    manifest["all_to_alls"] = [_all_to_all_spec(n) for n in chains["all_to_alls"]]
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
         mark = graph.call_function(GRAPH_COLLECTIVES, (json.dumps(manifest),))
     some = next(starts[0] for starts in chains.values() if starts)
     mark.meta["val"] = some.meta["val"].new_empty(1, dtype=torch.int64)
-    for kind in ("gathers", "reduces"):
-        starts = chains[kind]
+    for starts in chains.values():
         if starts and starts[0].args[1] is None:
             starts[0].update_arg(1, mark)
     return mark
@@ -155,17 +149,6 @@ def mark_collectives(graph: fx.Graph) -> fx.Node | None:
 def _numel_dtype(node: fx.Node) -> tuple[int, str]:
     val = node.meta["val"]  # symbolic in a dynamic compile: its layout's size (no guard)
     return optimization_hint(val.numel()), str(val.dtype).removeprefix("torch.")
-
-
-def _all_to_all_spec(node: fx.Node) -> list:
-    """A functional all-to-all's ``[numel, dtype, group_size, group_name, output splits,
-    input splits]`` (None: equal ones, the group size unread)."""
-    x, out_splits, in_splits, name = node.args[:4]
-    out_splits, in_splits = (
-        None if splits is None else [optimization_hint(n) for n in splits]
-        for splits in (out_splits, in_splits)
-    )
-    return [*_numel_dtype(x), len(out_splits or ()), name, out_splits, in_splits]
 
 
 class PrefetchGathers(CustomGraphPass):
