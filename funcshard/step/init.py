@@ -21,6 +21,7 @@ from funcshard.fault.replicas import FaultTolerance
 from funcshard.layout.build import build_layout
 from funcshard.layout.layout import Layout, UnitsArg
 from funcshard.layout.policy import MixedPrecisionPolicy
+from funcshard.layout.same_model import check_same_model
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
 from funcshard.parallel import context as context_lib
@@ -134,7 +135,9 @@ def init(
         ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
         ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model;
         ``buffers`` neither "broadcast" nor "local"; ``context`` with ``compile``, or naming
-        a buffer the model lacks.
+        a buffer the model lacks; on every rank, where the ranks of the mesh built models of
+        other parameter names, shapes or dtypes, or asked for other strategies (naming the
+        first parameter that differs and the rank: :mod:`funcshard.layout.same_model`).
       TypeError: ``compile`` neither a bool, a backend name nor a callable; a persistent
         buffer of a dtype no checkpoint holds (named, with its dtype).
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
@@ -176,11 +179,11 @@ def init(
             outer_strategy=outer_strategy,
             tensor=tensor,
         )
+        check_same_model(layout, named)
         check_units(given, layout, backend, overlap=overlap)
         bound = context_lib.bind(context, mesh, model)
         static = Static(layout, opt, backend, guard, every, carried, bound, pipeline=run)
-        state = _first_state(static, named)
-        return guard.join(state)
+        return guard.join(_first_state(static, named))
 
 
 def _check_optimizer(opt: Any) -> None:

@@ -1,0 +1,52 @@
+"""fs.init on ranks that built different models: every rank raises, naming the parameter and
+the rank (``funcshard.layout.same_model``), instead of a step that pairs one rank's rows of a
+weight with another's rows of another weight."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import funcshard as fs
+from funcshard.layout.same_model import difference, spec_of
+
+
+def init_worker(differs: str) -> str:
+    """Rank 2's model (or strategy) differs as ``differs`` says: "transposed" keeps every
+    bucket's size (no collective's size would tell), "extra" adds a parameter."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    odd = rank == 2
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
+    strategy = "optim_grads_params"
+    if odd and differs == "transposed":
+        model[0] = nn.Linear(4, 6)  # 24 + 6 against 24 + 4: the first is transposed
+        model[0].bias = nn.Parameter(torch.zeros(4))
+    if odd and differs == "extra":
+        model.append(nn.Linear(3, 3))
+    if odd and differs == "strategy":
+        strategy = "optim_grads"
+    try:
+        fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy)
+    except ValueError as error:
+        return str(error)
+    return "initialized"
+
+
+def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
+    for differs, want in (
+        ("transposed", "parameter '0.weight' is (6, 4) float32 on rank 2 of the mesh and (4, 6)"),
+        ("extra", "parameter '2.bias' is (3,) float32 on rank 2 of the mesh and absent on rank 0"),
+        ("strategy", "rank 2 of the mesh asked for strategy 'optim_grads', rank 0 for"),
+    ):
+        got = pool3.run(init_worker, differs)
+        assert all(want in text for text in got), (differs, got)
+    assert pool3.run(init_worker, "nothing") == ["initialized"] * 3
+
+
+def test_difference_names_the_first_parameter_that_differs() -> None:
+    a = spec_of({"w": ((2, 3), torch.float32), "b": ((3,), torch.float32)})
+    b = spec_of({"w": ((2, 3), torch.bfloat16), "b": ((3,), torch.float32)})
+    text = difference([("no_shard", a), ("no_shard", a), ("no_shard", b)])
+    assert "'w' is (2, 3) bfloat16 on rank 2 of the mesh and (2, 3) float32 on rank 0" in text
