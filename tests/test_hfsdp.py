@@ -383,3 +383,42 @@ def test_offload_restore_and_donation_with_a_param_wire(pool4, tmp_path, strateg
             "same_params": True,
             "same_metrics": True,
         }, r
+
+
+# --- the captured step (compile=) runs the inner layout ------------------------------------------
+def captured_worker() -> dict:
+    """HFSDP (1 shard x 2 replicas) captured: a loss_fn reading the model's own parameter
+    (aot_eager), the error its first step raises; and whether the inner layout, the one the
+    captured step runs, has inductor's passes that chain and drain its gathers and reduces."""
+    import torch.nn.functional as F
+
+    from funcshard.step.compiling import overlaps
+
+    rank, mesh = dist.get_rank(), fs.make_mesh(shard=1, replicate=2, device_type="cpu")
+    model = models.make_model(n_blocks=2)
+    opt = fs.optim.sgd(0.1)
+    state = fs.init(model, opt, mesh=mesh, outer_strategy="optim", compile="aot_eager")
+
+    def reads_model(params, b):
+        logits = fs.functional_call(model, params, (b["x"],))
+        return F.cross_entropy(logits, b["y"]) + 1e-2 * model.head.weight.square().sum()
+
+    try:
+        fs.train_step(state, models.local_batch(models.global_batch(0, 8), rank, 2), reads_model)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = (type(e).__name__, str(e))
+    inductor = fs.init(model, opt, mesh=mesh, outer_strategy="optim", compile="inductor")
+    return {"error": error, "overlaps": overlaps(inductor.layout.inner, "inductor")}
+
+
+def test_the_captured_step_knows_its_inner_layout(pool2) -> None:
+    """The captured step runs HFSDP's inner layout, another object than fs.init's: unknown to
+    compile='s record, its graphs had no chained gathers and reduces by sends under inductor
+    (ranks of other shapes ordered them each by its own costs: 2 shards x 2 replicas, rows
+    2/30/6/64, deadlocked in the first backward) and a loss_fn reading the model's own
+    parameter trained on the model's initial weights instead of raising."""
+    out = pool2.run(captured_worker)[0]
+    assert out["overlaps"], out
+    assert out["error"] is not None and out["error"][0] == "UnitParamsError", out
+    assert "'head.weight'" in out["error"][1], out

@@ -170,13 +170,18 @@ def check_units(model: nn.Module, layout: Any, backend: Backend, *, overlap: boo
     """``fs.init``'s checks of a ZeRO-2/3 layout's units against what is compiled: no
     compiled region around them (:func:`check_not_compiled_around_units`), and a warning
     where ``compile=`` cannot capture the step (:func:`warn_not_captured`); with a backend,
-    the captured step's model and ``overlap`` recorded for the layout."""
+    the captured step's model and ``overlap`` recorded for the layout and for its
+    :attr:`~funcshard.layout.layout.Layout.inner` one, the layout the step runs (HFSDP's is
+    another object: unrecorded, its graphs ran without the gathers' and reduces' chains and
+    drain, and ranks of other shapes deadlocked in the first backward)."""
     if layout.strategy.runs_units:
         check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
         warn_not_captured(layout, backend)
         warn_not_joint(layout, backend)
         if backend is not None:
-            _CAPTURES[layout] = (weakref.ref(unwrapped(model)), overlap)
+            entry = (weakref.ref(unwrapped(model)), overlap)
+            for captured in {layout, layout.inner}:
+                _CAPTURES[captured] = entry
 
 
 # layout -> (the plain model fs.init read it from, overlap), weak both ways: the captured step
