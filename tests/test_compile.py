@@ -743,7 +743,7 @@ def test_prefetch_chains_a_packed_gather_with_the_others():
     for i, shard in enumerate(shards):
         if i == 1:  # packed in the graph (a cast stands for the wire's encode)
             packed = shard = graph.call_function(torch.ops.aten.mul.Tensor, (shard, 2.0))
-        node = graph.call_function(graph_ops.ALL_GATHER_SECTIONS, (shard, 2, "0"))
+        node = graph.call_function(graph_ops.ALL_GATHER_SECTIONS, (shard, 2, "0", None))
         node.meta["val"] = torch.empty(8)
         gathered.append(graph.call_function(torch.ops.aten.sum.default, (node,)))
     graph.output(tuple(gathered))
@@ -756,6 +756,30 @@ def test_prefetch_chains_a_packed_gather_with_the_others():
     assert [s.args[1] for s in starts] == [None, waits[0], waits[1]]
     assert nodes.index(starts[1]) > nodes.index(packed)  # after its encode
     assert nodes.index(starts[2]) == nodes.index(waits[1]) + 1  # one bucket ahead
+    graph.lint()
+
+
+def test_overlap_off_chains_whole_collectives_of_both_kinds():
+    """``overlap=False``: each blocking gather and reduce by sends takes the one before it in
+    the graph, of either kind, as its ``after`` (a reduce's second argument, a gather's
+    fourth), the first none; nothing else changes."""
+    from funcshard.distributed import graph_ops
+    from funcshard.step.units.prefetch import chain_collectives
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    kinds = ["G", "R", "G", "G", "R"]
+    ops = []
+    for kind in kinds:
+        if kind == "G":
+            ops.append(graph.call_function(graph_ops.ALL_GATHER_SECTIONS, (x, 2, "0", None)))
+        else:
+            ops.append(graph.call_function(graph_ops.REDUCE_SECTIONS, (x, None, 2, "0")))
+    graph.output(tuple(ops))
+    assert chain_collectives(graph) == 5
+    after = [op.args[3] if kind == "G" else op.args[1] for op, kind in zip(ops, kinds, strict=True)]
+    assert after == [None, *ops[:-1]]
+    assert [op.args[0] for op in ops] == [x] * 5
     graph.lint()
 
 

@@ -122,3 +122,39 @@ def test_a_narrow_gradient_wire_in_differently_scheduled_graphs(pool2) -> None:
         for r in pool2.run(failing_worker, (1, 1024), strategy, torch.bfloat16):
             assert "disk full while logging gradients" in (r["error"] or ""), r
             assert r["losses"][0] == r["losses"][1] and r["bitwise"], (strategy, r)
+
+
+def overlap_off_worker(rows: tuple[int, ...]) -> dict:
+    """ZeRO-3 under inductor with ``overlap=False`` (each gather and reduce by sends one op
+    that blocks until done), 2 microbatches, one step; then the same step eagerly."""
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the test, not CI
+    rank = dist.get_rank()
+    g = models.global_batch(0, sum(rows))
+    batch = {k: v.split(list(rows))[rank] for k, v in g.items()}
+    params = []
+    for compile in ("inductor", False):
+        torch.manual_seed(0)
+        model = models.MLP()
+        state = fs.init(
+            model,
+            fs.optim.sgd(0.1, momentum=0.9),
+            mesh=fs.make_mesh(device_type="cpu"),
+            strategy="optim_grads_params",
+            compile=compile,
+            overlap=False,
+        )
+        state, _ = fs.train_step(state, batch, models.make_loss_fn(model), microbatches=2)
+        params.append(fs.full_params(state))
+    faulthandler.cancel_dump_traceback_later()
+    captured, eager = params
+    return {n: float((captured[n] - p).abs().max() / p.abs().max()) for n, p in eager.items()}
+
+
+def test_whole_collectives_keep_one_order_with_overlap_off(pool2) -> None:
+    """2 rows against 30: with ``overlap=False`` each rank's inductor ordered a blocking
+    gather and a blocking reduce by its own shapes, opposite ways, each rank waiting in its
+    own (found by review; a hang here). They are chained in the graph's order
+    (``prefetch.chain_collectives``). Tolerance: fp32 sums in other orders, a few ulps of
+    each update."""
+    for diffs in pool2.run(overlap_off_worker, (2, 30)):
+        assert max(diffs.values()) < 1e-5, diffs

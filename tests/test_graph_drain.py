@@ -52,7 +52,7 @@ def drain_worker(plan: dict[int, list[str]], fails: list[int]) -> dict:
     if rank in fails:
         ops.drain_failed_graph()
     shard = torch.arange(N, dtype=torch.float32) + 100 * rank
-    gathered = ops.all_gather_sections(shard, size, group.group_name)
+    gathered = ops.all_gather_sections(shard, size, group.group_name, None)
     bucket = torch.arange(size * N, dtype=torch.float32) * (rank + 1)
     reduced = ops.reduce_sections(bucket, None, size, group.group_name)
     want = torch.arange(size * N, dtype=torch.float32).view(size, N)[rank] * sum(range(1, size + 1))

@@ -66,10 +66,14 @@ __all__ = [
 
 
 @torch.library.custom_op("funcshard::all_gather_sections", mutates_args=())
-def all_gather_sections(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+def all_gather_sections(
+    shard: torch.Tensor, group_size: int, group_name: str, after: torch.Tensor | None
+) -> torch.Tensor:
     """Every rank's 1-D ``shard`` of the group named ``group_name`` (``group_size`` ranks),
     concatenated in group rank order: what ``_c10d_functional.all_gather_into_tensor``
-    returns, received in place by point-to-point sends (gloo)."""
+    returns, received in place by point-to-point sends (gloo). ``after``, not read: the
+    collective before it in the graph (``overlap=False``'s chain)."""
+    del after
     group = _resolve_process_group(group_name)
     assert dist.get_world_size(group) == group_size, (group_name, group_size)
     out = shard.new_empty(group_size * shard.numel())
@@ -77,7 +81,12 @@ def all_gather_sections(shard: torch.Tensor, group_size: int, group_name: str) -
 
 
 @all_gather_sections.register_fake
-def _(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:  # noqa: ARG001
+def _(
+    shard: torch.Tensor,
+    group_size: int,
+    group_name: str,  # noqa: ARG001
+    after: torch.Tensor | None,  # noqa: ARG001
+) -> torch.Tensor:
     return shard.new_empty(group_size * shard.numel())
 
 

@@ -185,7 +185,7 @@ def _all_gather(x: torch.Tensor, S: int, group: str, in_place: bool) -> torch.Te
     (:mod:`funcshard.distributed.graph_ops`: gloo's functional all-gather copies them twice),
     else torch's functional all-gather."""
     if in_place:
-        return graph_ops.all_gather_sections(x, S, group)
+        return graph_ops.all_gather_sections(x, S, group, None)
     return funcol.all_gather_tensor(x, 0, group)
 
 
@@ -369,6 +369,8 @@ def _compiling(layout: Layout, backend: Backend) -> contextlib.ExitStack:
     if overlaps(layout, backend):  # a CPU gloo group's gathers one bucket ahead
         stack.enter_context(prefetch.installed())
         stack.enter_context(graph_ops.drained_on_failure())
+    else:  # one order of its whole collectives on every rank (inductor's graphs)
+        stack.enter_context(prefetch.installed(overlap=False))
     stack.enter_context(mutation_renames_kept())
     return stack
 

@@ -80,10 +80,10 @@ def prefetch_gathers(graph: fx.Graph) -> int:
     previous: fx.Node | None = None
     early = 0
     for gather in gathers:
-        shard, *rest = gather.args
+        shard, size, name, _ = gather.args
         with graph.inserting_before(gather):
-            start = graph.call_function(ALL_GATHER_SECTIONS_START, (shard, previous, *rest))
-            wait = graph.call_function(ALL_GATHER_SECTIONS_WAIT, (start, shard, rest[0]))
+            start = graph.call_function(ALL_GATHER_SECTIONS_START, (shard, previous, size, name))
+            wait = graph.call_function(ALL_GATHER_SECTIONS_WAIT, (start, shard, size))
         # the gather's value (not its recorded eager inputs: other args)
         wait.meta.update({k: v for k, v in gather.meta.items() if k in _META})
         start.meta["val"] = gather.meta["val"].new_empty(1, dtype=torch.int64)
@@ -151,26 +151,50 @@ def _numel_dtype(node: fx.Node) -> tuple[int, str]:
     return optimization_hint(val.numel()), str(val.dtype).removeprefix("torch.")
 
 
+def chain_collectives(graph: fx.Graph) -> int:
+    """``fs.init(overlap=False)``'s pass: each gather and reduce by sends of ``graph``, whole
+    ops that block until done, takes the one before it in the graph, of either kind, as its
+    ``after``, so that inductor's scheduler runs them in one order on every rank. Left to
+    it, a rank of 2 rows and one of 30 ran a gather and a reduce in opposite orders, each
+    blocked in its own (found by review). Returns how many it chained."""
+    ops = [n for n in graph.nodes if n.target in (ALL_GATHER_SECTIONS, REDUCE_SECTIONS)]
+    for previous, node in zip([None, *ops], ops, strict=False):
+        if node.target is REDUCE_SECTIONS:
+            node.update_arg(1, previous)
+        else:
+            node.update_arg(3, previous)
+    return len(ops)
+
+
 class PrefetchGathers(CustomGraphPass):
     """:func:`prefetch_gathers` as one of inductor's ``post_grad_custom_post_pass`` passes
     (its ``uuid``, the source of this module and of the ops it writes into the graphs, keys
-    inductor's graph cache: a cached graph never calls the ops as an older version did)."""
+    inductor's graph cache: a cached graph never calls the ops as an older version did);
+    ``overlap=False``: :func:`chain_collectives` alone."""
+
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap = overlap
 
     def __call__(self, graph: fx.Graph) -> None:
+        if not self.overlap:
+            chain_collectives(graph)
+            return
         prefetch_gathers(graph)
         overlap_reduces(graph)
         mark_collectives(graph)
 
     def uuid(self) -> bytes:
         sources = (sys.modules[__name__], graph_ops, sys.modules[place_comms.__module__])
-        return hashlib.sha256("".join(map(inspect.getsource, sources)).encode()).digest()
+        text = "".join(map(inspect.getsource, sources)) + f"overlap={self.overlap}"
+        return hashlib.sha256(text.encode()).digest()
 
 
 @contextlib.contextmanager
-def installed() -> Iterator[None]:
+def installed(overlap: bool = True) -> Iterator[None]:
     """:class:`PrefetchGathers` as inductor's first post-grad pass, the passes a user set there
     (one, or a list or tuple of them) after it, each as inductor runs and keys it alone (an
-    inference-aware pass told ``is_inference``; one without a ``uuid`` bypasses the cache)."""
+    inference-aware pass told ``is_inference``; one without a ``uuid`` bypasses the cache);
+    with ``overlap``, comm_order last among inductor's reorder passes."""
     import torch._inductor.config as config
     from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
@@ -178,9 +202,9 @@ def installed() -> Iterator[None]:
     if any(isinstance(p, PrefetchGathers) for p in user):  # installed already (a nested call)
         yield
         return
-    passes = [*config.reorder_for_compute_comm_overlap_passes, place_comms]
-    with config.patch(
-        post_grad_custom_post_pass=(PrefetchGathers(), *user),
-        reorder_for_compute_comm_overlap_passes=passes,
-    ):
+    patch = {"post_grad_custom_post_pass": (PrefetchGathers(overlap), *user)}
+    if overlap:
+        passes = [*config.reorder_for_compute_comm_overlap_passes, place_comms]
+        patch["reorder_for_compute_comm_overlap_passes"] = passes
+    with config.patch(patch):
         yield
