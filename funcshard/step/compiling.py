@@ -41,6 +41,7 @@ __all__ = [
     "Backend",
     "CudaGraphs",
     "backend_of",
+    "by_inductor",
     "capture_refusal",
     "check_units",
     "compile_fn",
@@ -225,8 +226,13 @@ def overlaps(layout: Any, backend: Backend) -> bool:
     """Whether ``layout``'s captured step overlaps its collectives with compute: ``fs.init``
     asked for it (``overlap=True``, the default) and inductor compiles."""
     entry = _CAPTURES.get(layout)
-    inductor = backend == "inductor" or isinstance(backend, CudaGraphs)
+    inductor = by_inductor(backend)
     return entry is not None and entry[1] and inductor
+
+
+def by_inductor(backend: Backend) -> bool:
+    """Whether inductor compiles the captured step's graphs (its post-grad passes run)."""
+    return backend == "inductor" or isinstance(backend, CudaGraphs)
 
 
 def overlap_config(layout: Any, backend: Backend) -> contextlib.AbstractContextManager:

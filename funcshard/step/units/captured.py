@@ -80,6 +80,7 @@ from funcshard.layout.layout import Bucket, Layout
 from funcshard.step.compiling import (
     Backend,
     CudaGraphs,
+    by_inductor,
     compile_fn,
     model_of,
     overlap_config,
@@ -369,7 +370,7 @@ def _compiling(layout: Layout, backend: Backend) -> contextlib.ExitStack:
     if overlaps(layout, backend):  # a CPU gloo group's gathers one bucket ahead
         stack.enter_context(prefetch.installed())
         stack.enter_context(graph_ops.drained_on_failure())
-    else:  # one order of its whole collectives on every rank (inductor's graphs)
+    elif by_inductor(backend):  # one order of its whole collectives on every rank
         stack.enter_context(prefetch.installed(overlap=False))
     stack.enter_context(mutation_renames_kept())
     return stack

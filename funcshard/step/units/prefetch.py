@@ -189,6 +189,10 @@ class PrefetchGathers(CustomGraphPass):
         return hashlib.sha256(text.encode()).digest()
 
 
+# one of each, made once: a pass made per captured call was left to the cycle collector
+_PASSES = {overlap: PrefetchGathers(overlap) for overlap in (True, False)}
+
+
 @contextlib.contextmanager
 def installed(overlap: bool = True) -> Iterator[None]:
     """:class:`PrefetchGathers` as inductor's first post-grad pass, the passes a user set there
@@ -202,7 +206,7 @@ def installed(overlap: bool = True) -> Iterator[None]:
     if any(isinstance(p, PrefetchGathers) for p in user):  # installed already (a nested call)
         yield
         return
-    patch = {"post_grad_custom_post_pass": (PrefetchGathers(overlap), *user)}
+    patch = {"post_grad_custom_post_pass": (_PASSES[overlap], *user)}
     if overlap:
         passes = [*config.reorder_for_compute_comm_overlap_passes, place_comms]
         patch["reorder_for_compute_comm_overlap_passes"] = passes
