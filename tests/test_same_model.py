@@ -13,13 +13,14 @@ from funcshard.layout.same_model import difference, spec_of
 
 
 def init_worker(differs: str) -> str:
-    """Rank 2's model (or strategy) differs as ``differs`` says: "transposed" keeps every
-    bucket's size (no collective's size would tell), "extra" adds a parameter."""
+    """Rank 2's model (or a setting) differs as ``differs`` says: "transposed" keeps every
+    bucket's size (no collective's size would tell), "extra" adds a parameter; other units,
+    policy or offload fraction pack other buckets (gloo aborted: "collective mismatch")."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     odd = rank == 2
     model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
-    strategy = "optim_grads_params"
+    strategy, kw = "optim_grads_params", {}
     if odd and differs == "transposed":
         model[0] = nn.Linear(4, 6)  # 24 + 6 against 24 + 4: the first is transposed
         model[0].bias = nn.Parameter(torch.zeros(4))
@@ -27,8 +28,15 @@ def init_worker(differs: str) -> str:
         model.append(nn.Linear(3, 3))
     if odd and differs == "strategy":
         strategy = "optim_grads"
+    if odd and differs == "units":
+        kw["units"] = ["1"]
+    if odd and differs == "policy":
+        kw["policy"] = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    if odd and differs == "offload":
+        kw["offload_fraction"] = 1.0
+    mesh = fs.make_mesh(device_type="cpu")
     try:
-        fs.init(model, fs.optim.sgd(0.1), mesh=fs.make_mesh(device_type="cpu"), strategy=strategy)
+        fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy=strategy, **kw)
     except ValueError as error:
         return str(error)
     return "initialized"
@@ -39,6 +47,9 @@ def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
         ("transposed", "parameter '0.weight' is (6, 4) float32 on rank 2 of the mesh and (4, 6)"),
         ("extra", "parameter '2.bias' is (3,) float32 on rank 2 of the mesh and absent on rank 0"),
         ("strategy", "rank 2 of the mesh asked for strategy 'optim_grads', rank 0 for"),
+        ("units", "rank 2 of the mesh asked for units ('', '1'), rank 0 for ('',)"),
+        ("policy", "rank 2 of the mesh asked for policy MixedPrecisionPolicy(param_dtype=torch.b"),
+        ("offload", "rank 2 of the mesh asked for offload_fraction 1.0, rank 0 for 0.0"),
     ):
         got = pool3.run(init_worker, differs)
         assert all(want in text for text in got), (differs, got)
@@ -48,5 +59,6 @@ def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
 def test_difference_names_the_first_parameter_that_differs() -> None:
     a = spec_of({"w": ((2, 3), torch.float32), "b": ((3,), torch.float32)})
     b = spec_of({"w": ((2, 3), torch.bfloat16), "b": ((3,), torch.float32)})
-    text = difference([("no_shard", a), ("no_shard", a), ("no_shard", b)])
+    same = (("strategy", "'no_shard'"),)
+    text = difference([(same, a), (same, a), (same, b)])
     assert "'w' is (2, 3) bfloat16 on rank 2 of the mesh and (2, 3) float32 on rank 0" in text
