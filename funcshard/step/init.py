@@ -136,8 +136,9 @@ def init(
         ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model;
         ``buffers`` neither "broadcast" nor "local"; ``context`` with ``compile``, or naming
         a buffer the model lacks; on every rank, where the ranks of the mesh built models of
-        other parameter names, shapes or dtypes, or asked for other strategies (naming the
-        first parameter that differs and the rank: :mod:`funcshard.layout.same_model`).
+        other parameter names, shapes or dtypes, or asked for other strategies, units,
+        policies, offload fractions or ``deterministic`` (naming the first setting or
+        parameter that differs and the rank: :mod:`funcshard.layout.same_model`).
       TypeError: ``compile`` neither a bool, a backend name nor a callable; a persistent
         buffer of a dtype no checkpoint holds (named, with its dtype).
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
