@@ -135,14 +135,9 @@ def overlap_off_worker(rows: tuple[int, ...]) -> dict:
     for compile in ("inductor", False):
         torch.manual_seed(0)
         model = models.MLP()
-        state = fs.init(
-            model,
-            fs.optim.sgd(0.1, momentum=0.9),
-            mesh=fs.make_mesh(device_type="cpu"),
-            strategy="optim_grads_params",
-            compile=compile,
-            overlap=False,
-        )
+        kw = {"strategy": "optim_grads_params", "compile": compile, "overlap": False}
+        mesh = fs.make_mesh(device_type="cpu")
+        state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, **kw)
         state, _ = fs.train_step(state, batch, models.make_loss_fn(model), microbatches=2)
         params.append(fs.full_params(state))
     faulthandler.cancel_dump_traceback_later()
