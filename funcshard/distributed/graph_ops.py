@@ -312,8 +312,9 @@ def reduce_sections(
     """This rank's section of the sum over the group named ``group_name`` (``group_size``
     ranks) of every rank's 1-D ``x`` (``group_size`` sections in group rank order), by
     :func:`reduce_by_sends`, in one op whose output is the section alone (module docstring).
-    ``after``, not read, is the previous reduce's output in the graph: the captured step's
-    pass chains them so that every rank posts its reduces' sends in one order. Not
+    ``after``, not read, is the previous reduce's output in the graph (under
+    ``overlap=False`` the previous gather's or reduce's: one chain of both kinds): the
+    captured step's passes chain them so that every rank posts its sends in one order. Not
     ``summed``: every rank's section of this rank's part, in rank order (a narrow wire's
     exchange, in the reduces' chain: an all-to-all's output by the same sends)."""
     del after
