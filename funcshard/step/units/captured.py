@@ -158,12 +158,13 @@ class _Gather(torch.autograd.Function):
         S, flats = ctx.S, []
         for g, (numel, _, n) in zip(grads, ctx.leaves, strict=True):
             flat = g.reshape(-1) if g is not None else carrier_zeros(numel, grads)
+            flat = _scaled(flat, ctx.dp, ctx.wire)
             if S * n > numel:  # the leaf's padding rows
                 flat = torch.cat([flat, flat.new_zeros(S * n - numel)])
             flats.append(flat.view(S, n))
         # rank sections: section r holds every leaf's piece r
         x = torch.cat(flats, dim=1).view(-1)
-        x = _reduced(x, ctx.group, S, ctx.dp, ctx.wire)
+        x = _reduced(x, ctx.group, S, ctx.wire)
         return None, x.to(ctx.dtype), *([None] * 9)
 
 
@@ -190,21 +191,25 @@ def _all_gather(x: torch.Tensor, S: int, group: str, in_place: bool) -> torch.Te
     return funcol.all_gather_tensor(x, 0, group)
 
 
-def _reduced(x: torch.Tensor, group, S: int, dp: int, wire: GradWire) -> torch.Tensor:
-    """Rank sections ``x`` -> this rank's shard of their mean over the shard axis, as the
-    bucket's eager wire sums it (:mod:`funcshard.comm.wires`)."""
+def _scaled(x: torch.Tensor, dp: int, wire: GradWire) -> torch.Tensor:
+    """A leaf's gradient as the eager wire scales its sections (:mod:`funcshard.comm.grads`):
+    cast to the wire (a narrow wire's rounded, then widened to its sum's dtype) and divided by
+    the data-parallel size. Elementwise, so done per leaf it is fused into the leaf's copy
+    into the rank sections, on the same values; on the concatenated sections it cost inductor
+    one more pass over the whole bucket."""
+    x = x.to(wire.sections).to(wire.acc) if wire.narrow else x.to(wire.wire)
+    return x / dp if dp > 1 else x
+
+
+def _reduced(x: torch.Tensor, group, S: int, wire: GradWire) -> torch.Tensor:
+    """Rank sections ``x`` (:func:`_scaled`) -> this rank's shard of their sum over the shard
+    axis, as the bucket's eager wire sums it (:mod:`funcshard.comm.wires`)."""
     if not wire.narrow:
-        x = x.to(wire.wire)
-        if dp > 1:
-            x = x / dp
         if S == 1:
             return x
         if reduces_by_all_to_all(x.device):  # as the eager RingWire sums it
             return graph_ops.reduce_sections(x, None, S, group)  # chained: units/schedule
         return funcol.reduce_scatter_tensor(x, "sum", 0, group)
-    x = x.to(wire.sections).to(wire.acc)
-    if dp > 1:
-        x = x / dp
     if S == 1:
         return x
     if wire.blocks is None:  # rounded once going out, summed in fp32 coming in
