@@ -57,7 +57,9 @@ class Tapped(models.MLP):
         return (self.head(h) * self.scale).float()
 
 
-def failing_worker(rows: tuple[int, ...], strategy: str, grad_comm_dtype=None) -> dict:
+def failing_worker(
+    rows: tuple[int, ...], strategy: str, grad_comm_dtype=None, overlap: bool = True
+) -> dict:
     """Three steps with the second one failing first, beside three steps that never fail
     (``grad_comm_dtype``: the gradients' wire, fp32 main grads)."""
     faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, not CI
@@ -73,6 +75,7 @@ def failing_worker(rows: tuple[int, ...], strategy: str, grad_comm_dtype=None) -
             strategy=strategy,
             compile="inductor",
             policy=fs.MixedPrecisionPolicy(grad_comm_dtype=grad_comm_dtype),
+            overlap=overlap,
         )
         loss_fn = models.make_loss_fn(model)
         losses, error = [], None
@@ -153,3 +156,13 @@ def test_whole_collectives_keep_one_order_with_overlap_off(pool2) -> None:
     each update."""
     for diffs in pool2.run(overlap_off_worker, (2, 30)):
         assert max(diffs.values()) < 1e-5, diffs
+
+
+def test_a_step_raising_with_overlap_off(pool2) -> None:
+    """``overlap=False``, ZeRO-2, 1 row against 1024: the graphs' whole gathers and reduces are
+    recorded first as the overlapped graphs' starts are (``prefetch.mark_collectives``,
+    ``comm_order.place_mark``), and a rank that raised posts the ones it had not started.
+    Without the record gloo aborted a rank (its peer's blocking reduce met nothing)."""
+    for r in pool2.run(failing_worker, (1, 1024), "optim_grads", None, False):
+        assert "disk full while logging gradients" in (r["error"] or ""), r
+        assert r["losses"][0] == r["losses"][1] and r["bitwise"], r

@@ -77,6 +77,7 @@ def all_gather_sections(
     group = _resolve_process_group(group_name)
     assert dist.get_world_size(group) == group_size, (group_name, group_size)
     out = shard.new_empty(group_size * shard.numel())
+    _started("gathers")  # before it blocks: a peer's drain posts it if this rank fails after
     return gather_in_place(out, shard.contiguous(), group)
 
 
@@ -320,6 +321,7 @@ def reduce_sections(
     del after
     group = _resolve_process_group(group_name)
     assert dist.get_world_size(group) == group_size, (group_name, group_size)
+    _started("reduces")
     if not summed:
         return _Reducing(x.contiguous(), group).sections()
     return reduce_by_sends(x.contiguous(), group)
@@ -361,10 +363,10 @@ REDUCE_SECTIONS_WAIT = torch.ops.funcshard.reduce_sections_wait.default
 def graph_collectives(manifest: str) -> torch.Tensor:
     """A graph's first op (:mod:`funcshard.step.units.comm_order` puts it there): records
     the graph's gathers and reduces by sends, in their chains' order (``manifest``, JSON: for
-    "gathers" and "reduces", each start's ``[numel, dtype, group_size, group_name]``), as the
+    "gathers" and "reduces", each one's ``[numel, dtype, group_size, group_name]``), as the
     open graph's, none started yet, so that the graph raising on this rank can post the rest
-    (:func:`drain_failed_graph`). Returns a ticket each chain's first start takes as its
-    ``after``.
+    (:func:`drain_failed_graph`). Returns a ticket each chain's first start (or, under
+    ``overlap=False``, the first whole op) takes as its ``after``.
 
     torch's functional collectives in a graph (a tensor-parallel model's; on a GPU every
     gather and reduce-scatter) are not recorded: inductor's code issues them, nothing of ours

@@ -105,7 +105,9 @@ def init(
         inductor's passes that reorder collectives to overlap compute
         (``reorder_for_compute_comm_overlap`` and its passes), keeping the collectives'
         relative order, so that ranks whose shapes differ (uneven rows) issue them in the
-        same order. On by default; False leaves inductor's defaults.
+        same order. On by default; False leaves inductor's defaults (each gather and
+        reduce by sends one blocking op, in the graph's order on every rank), but for
+        the record of the graph's collectives, run first, that a failure drains.
       check_tensor_batch: with a tensor axis, ``train_step`` checks that every rank of a
         tensor group passes the same batch (a fingerprint of it, all-gathered over "tensor"
         with the loss: docs/tensor-parallel.md); False skips it, for a data loader known to

@@ -372,11 +372,10 @@ def _compiling(layout: Layout, backend: Backend) -> contextlib.ExitStack:
     (:func:`~funcshard.distributed.graph_ops.drain_failed_graph`)."""
     stack = contextlib.ExitStack()
     stack.enter_context(overlap_config(layout, backend))
-    if overlaps(layout, backend):  # a CPU gloo group's gathers one bucket ahead
-        stack.enter_context(prefetch.installed())
+    if by_inductor(backend):  # overlap: a CPU gloo group's gathers one bucket ahead; else
+        # one order of its whole collectives on every rank
+        stack.enter_context(prefetch.installed(overlaps(layout, backend)))
         stack.enter_context(graph_ops.drained_on_failure())
-    elif by_inductor(backend):  # one order of its whole collectives on every rank
-        stack.enter_context(prefetch.installed(overlap=False))
     stack.enter_context(mutation_renames_kept())
     return stack
 

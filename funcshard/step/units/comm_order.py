@@ -33,19 +33,26 @@ from funcshard.distributed.graph_ops import (
     REDUCE_SECTIONS_WAIT,
 )
 
-__all__ = ["place_comms", "place_gathers", "place_reduces"]
+__all__ = ["place_comms", "place_gathers", "place_mark", "place_reduces"]
 
 
 def place_comms(snodes: list[Any]) -> list[Any]:
+    """:func:`place_mark`, then :func:`place_gathers` and :func:`place_reduces`, or the
+    order with the mark first if their result were not valid (a node before one it depends
+    on)."""
+    first = place_mark(snodes)
+    order = place_reduces(place_gathers(list(first)))
+    return order if _valid(order) else first
+
+
+def place_mark(snodes: list[Any]) -> list[Any]:
     """The graph's record of its collectives (``funcshard::graph_collectives``) first, so that
-    nothing can raise before it; then :func:`place_gathers` and :func:`place_reduces`, or the
-    order as it was if their result were not valid (a node before one it depends on)."""
+    nothing can raise before it, the rest as it was: ``overlap=False``'s one reorder pass."""
     first = list(snodes)
     for mark in _ops(first, GRAPH_COLLECTIVES):  # it reads nothing: first is valid
         _remove(first, mark)
         first[0:0] = mark
-    order = place_reduces(place_gathers(list(first)))
-    return order if _valid(order) else first
+    return first
 
 
 def place_gathers(order: list[Any]) -> list[Any]:

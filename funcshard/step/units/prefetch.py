@@ -61,7 +61,7 @@ from funcshard.distributed.graph_ops import (
     REDUCE_SECTIONS_START,
     REDUCE_SECTIONS_WAIT,
 )
-from funcshard.step.units.comm_order import place_comms
+from funcshard.step.units.comm_order import place_comms, place_mark
 
 __all__ = [
     "PrefetchGathers",
@@ -122,28 +122,38 @@ def overlap_reduces(graph: fx.Graph) -> int:
 
 
 def mark_collectives(graph: fx.Graph) -> fx.Node | None:
-    """Records ``graph``'s gathers and reduces by sends in its first op,
-    ``funcshard::graph_collectives`` (:func:`funcshard.distributed.graph_ops.drain_failed_graph`),
-    which each chain's first start takes as its ``after``; None where it has none."""
-    chains = {
-        "gathers": [n for n in graph.nodes if n.target is ALL_GATHER_SECTIONS_START],
-        "reduces": [n for n in graph.nodes if n.target is REDUCE_SECTIONS_START],
-    }
+    """Records ``graph``'s gathers and reduces by sends (starts, or under ``overlap=False``
+    whole ops) in its first op, ``funcshard::graph_collectives``
+    (:func:`funcshard.distributed.graph_ops.drain_failed_graph`), which the first of each
+    chain takes as its ``after``; None where it has none."""
+    kinds = {"gathers": _GATHERS, "reduces": _REDUCES}
+    chains = {k: [n for n in graph.nodes if n.target in ops] for k, ops in kinds.items()}
     if not any(chains.values()):
         return None
-    manifest = {
-        kind: [[*_numel_dtype(start.args[0]), *start.args[2:4]] for start in starts]
-        for kind, starts in chains.items()
-    }
+    manifest = {kind: [_spec(node) for node in nodes] for kind, nodes in chains.items()}
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
         mark = graph.call_function(GRAPH_COLLECTIVES, (json.dumps(manifest),))
-    some = next(starts[0] for starts in chains.values() if starts)
+    some = next(nodes[0] for nodes in chains.values() if nodes)
     mark.meta["val"] = some.meta["val"].new_empty(1, dtype=torch.int64)
-    for starts in chains.values():
-        if starts and starts[0].args[1] is None:
-            starts[0].update_arg(1, mark)
+    for nodes in chains.values():
+        after = _AFTER[nodes[0].target] if nodes else None
+        if after is not None and nodes[0].args[after] is None:
+            nodes[0].update_arg(after, mark)
     return mark
+
+
+# each op by sends, by kind; where its ``after`` and its group's size and name are
+_GATHERS = (ALL_GATHER_SECTIONS_START, ALL_GATHER_SECTIONS)
+_REDUCES = (REDUCE_SECTIONS_START, REDUCE_SECTIONS)
+_AFTER = {ALL_GATHER_SECTIONS: 3, ALL_GATHER_SECTIONS_START: 1}
+_AFTER.update(dict.fromkeys(_REDUCES, 1))
+
+
+def _spec(node: fx.Node) -> list:
+    """``[numel, dtype, group_size, group_name]`` of a collective's input (its first arg)."""
+    size_name = node.args[1:3] if node.target is ALL_GATHER_SECTIONS else node.args[2:4]
+    return [*_numel_dtype(node.args[0]), *size_name]
 
 
 def _numel_dtype(node: fx.Node) -> tuple[int, str]:
@@ -178,6 +188,7 @@ class PrefetchGathers(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         if not self.overlap:
             chain_collectives(graph)
+            mark_collectives(graph)
             return
         prefetch_gathers(graph)
         overlap_reduces(graph)
@@ -198,7 +209,8 @@ def installed(overlap: bool = True) -> Iterator[None]:
     """:class:`PrefetchGathers` as inductor's first post-grad pass, the passes a user set there
     (one, or a list or tuple of them) after it, each as inductor runs and keys it alone (an
     inference-aware pass told ``is_inference``; one without a ``uuid`` bypasses the cache);
-    with ``overlap``, comm_order last among inductor's reorder passes."""
+    with ``overlap``, comm_order last among inductor's reorder passes; without, comm_order's
+    :func:`~funcshard.step.units.comm_order.place_mark` as the only one."""
     import torch._inductor.config as config
     from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
@@ -210,5 +222,8 @@ def installed(overlap: bool = True) -> Iterator[None]:
     if overlap:
         passes = [*config.reorder_for_compute_comm_overlap_passes, place_comms]
         patch["reorder_for_compute_comm_overlap_passes"] = passes
+    else:  # the record first, nothing else moved
+        patch["reorder_for_compute_comm_overlap"] = True
+        patch["reorder_for_compute_comm_overlap_passes"] = [place_mark]
     with config.patch(patch):
         yield
