@@ -60,13 +60,45 @@ def test_gathers_placed_where_inductor_sinks_a_collectives_wait():
         *("start1", "grads", "a2a1", "a2a2", "a2a1_wait"),
         *("wait1", "start2", "read1", "wait2", "read2"),
     ], names
-    # the second gather's start moved before the node that makes its shard: not valid
+    # a start waits for the node that makes its shard (a packed gather's encode)
     shard2 = _Node("shard2")
     start2 = _Node("start2", (wait1, shard2), graph_ops.ALL_GATHER_SECTIONS_START)
     wait2 = _Node("wait2", (start2,), graph_ops.ALL_GATHER_SECTIONS_WAIT)
     read2 = _Node("read2", (wait2, read1))
     order = [start1, wait1, grads, a2a1, a2a1_wait, read1, shard2, start2, wait2, read2]
-    assert comm_order.place_comms(order) == order
+    names = [n.name for n in comm_order.place_comms(order)]
+    assert names == [
+        *("start1", "grads", "a2a1", "a2a1_wait", "wait1"),
+        *("read1", "shard2", "start2", "wait2", "read2"),
+    ], names
+
+
+def test_a_gather_starts_after_the_reduce_the_graph_puts_before_it():
+    """Unit a's reduce comes before unit c's gather in the graph (``order_kinds``: the
+    gather's start takes the reduce's as an input). Where a unit's last gradient is deferred
+    past the next unit's compute, the gather's start waits for the reduce's instead of
+    going one bucket ahead, and the reduce's start still follows the gather's before it: one
+    order of starts, the graph's, whatever the scheduler chose."""
+    g1 = _Node("g1", op=graph_ops.ALL_GATHER_SECTIONS_START)
+    w1 = _Node("w1", (g1,), graph_ops.ALL_GATHER_SECTIONS_WAIT)
+    g2 = _Node("g2", (w1,), graph_ops.ALL_GATHER_SECTIONS_START)
+    w2 = _Node("w2", (g2,), graph_ops.ALL_GATHER_SECTIONS_WAIT)
+    comp_a = _Node("comp_a", (w1,))
+    late_a = _Node("late_a", (comp_a,))  # unit a's last weight gradient
+    ra = _Node("ra", (late_a, g2), graph_ops.REDUCE_SECTIONS_START)
+    ra_wait = _Node("ra_wait", (ra,), graph_ops.REDUCE_SECTIONS_WAIT)
+    g3 = _Node("g3", (w2, ra), graph_ops.ALL_GATHER_SECTIONS_START)
+    w3 = _Node("w3", (g3,), graph_ops.ALL_GATHER_SECTIONS_WAIT)
+    comp_b = _Node("comp_b", (w2, comp_a))
+    comp_c = _Node("comp_c", (w3, comp_b))
+    order = [g1, w1, comp_a, g2, w2, comp_b, late_a, ra, g3, w3, comp_c, ra_wait]
+    names = [n.name for n in comm_order.place_comms(order)]
+    assert names == [
+        *("g1", "w1", "g2", "comp_a", "w2", "comp_b"),
+        *("late_a", "ra", "g3", "w3", "comp_c", "ra_wait"),
+    ], names
+    starts = [n for n in names if n in ("g1", "g2", "ra", "g3")]
+    assert starts == ["g1", "g2", "ra", "g3"]
 
 
 def test_the_graphs_record_of_its_collectives_runs_first():

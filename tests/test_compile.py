@@ -10,6 +10,7 @@ after the first step and break no graph. The backend is AOTAutograd with no-op c
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 import torch
@@ -764,7 +765,7 @@ def test_overlap_off_chains_whole_collectives_of_both_kinds():
     the graph, of either kind, as its ``after`` (a reduce's second argument, a gather's
     fourth), the first none; nothing else changes."""
     from funcshard.distributed import graph_ops
-    from funcshard.step.units.prefetch import chain_collectives
+    from funcshard.step.units.prefetch import chain_collectives, mark_collectives
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -780,6 +781,34 @@ def test_overlap_off_chains_whole_collectives_of_both_kinds():
     after = [op.args[3] if kind == "G" else op.args[1] for op, kind in zip(ops, kinds, strict=True)]
     assert after == [None, *ops[:-1]]
     assert [op.args[0] for op in ops] == [x] * 5
+    # recorded as the overlapped graphs' starts are: a rank that raises drains the rest
+    x.meta["val"] = torch.empty(8)
+    for op in ops:
+        op.meta["val"] = torch.empty(4)
+    mark = mark_collectives(graph)
+    assert ops[0].args[3] is mark and list(graph.nodes).index(mark) == 1
+    spec = [8, "float32", 2, "0"]
+    assert json.loads(mark.args[0]) == {"gathers": [spec] * 3, "reduces": [spec] * 2}
+    graph.lint()
+
+
+def test_starts_of_both_kinds_keep_the_graphs_order():
+    """Each start by sends whose previous start in the graph is of the other kind takes that
+    start as its ``other`` (read by nothing), so that every rank starts its gathers and
+    reduces in one order, the graph's: the two chains order each kind alone, and a rank whose
+    scheduler deferred a unit's reduce past the next unit's gather while its peer did not
+    could wait in that gather as the peer waits in the reduce. Fails without: no ``other``."""
+    from funcshard.distributed import graph_ops
+    from funcshard.step.units.prefetch import order_kinds
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    kinds = ["G", "R", "G", "G", "R"]
+    target = {"G": graph_ops.ALL_GATHER_SECTIONS_START, "R": graph_ops.REDUCE_SECTIONS_START}
+    ops = [graph.call_function(target[k], (x, None, 2, "0")) for k in kinds]
+    graph.output(tuple(ops))
+    assert order_kinds(graph) == 3
+    assert [op.kwargs.get("other") for op in ops] == [None, ops[0], ops[1], None, ops[3]]
     graph.lint()
 
 

@@ -93,11 +93,16 @@ def _(
 
 @torch.library.custom_op("funcshard::all_gather_sections_start", mutates_args=())
 def all_gather_sections_start(
-    shard: torch.Tensor, after: torch.Tensor | None, group_size: int, group_name: str
+    shard: torch.Tensor,
+    after: torch.Tensor | None,
+    group_size: int,
+    group_name: str,
+    other: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Starts :func:`all_gather_sections`; returns its ticket, a one-element int64 tensor
-    that :func:`all_gather_sections_wait` redeems (``after`` is not read)."""
-    del after
+    that :func:`all_gather_sections_wait` redeems (``after`` and ``other``, the previous
+    reduce's start where one comes between the two gathers, are not read)."""
+    del after, other
     group = _resolve_process_group(group_name)
     assert dist.get_world_size(group) == group_size, (group_name, group_size)
     while _IN_FLIGHT:  # left by a graph that raised between a start and its wait
@@ -115,6 +120,7 @@ def _(
     after: torch.Tensor | None,  # noqa: ARG001
     group_size: int,  # noqa: ARG001
     group_name: str,  # noqa: ARG001
+    other: torch.Tensor | None = None,  # noqa: ARG001
 ) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64)
 
@@ -260,11 +266,16 @@ class _Reducing:
 
 @torch.library.custom_op("funcshard::reduce_sections_start", mutates_args=())
 def reduce_sections_start(
-    x: torch.Tensor, after: torch.Tensor | None, group_size: int, group_name: str
+    x: torch.Tensor,
+    after: torch.Tensor | None,
+    group_size: int,
+    group_name: str,
+    other: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Starts :func:`reduce_sections`; returns its ticket, a one-element int64 tensor that
-    :func:`reduce_sections_wait` redeems (``after``, not read: the previous reduce's wait)."""
-    del after
+    :func:`reduce_sections_wait` redeems (not read: ``after``, the previous reduce's wait;
+    ``other``, the previous gather's start where one comes between the two reduces)."""
+    del after, other
     group = _resolve_process_group(group_name)
     assert dist.get_world_size(group) == group_size, (group_name, group_size)
     _REDUCING.clear()  # left by a graph that raised between a start and its wait (their
@@ -281,6 +292,7 @@ def _(
     after: torch.Tensor | None,  # noqa: ARG001
     group_size: int,  # noqa: ARG001
     group_name: str,  # noqa: ARG001
+    other: torch.Tensor | None = None,  # noqa: ARG001
 ) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64)
 

@@ -33,15 +33,14 @@ from funcshard.distributed.graph_ops import (
     REDUCE_SECTIONS_WAIT,
 )
 
-__all__ = ["place_comms", "place_gathers", "place_mark", "place_reduces"]
+__all__ = ["place_comms", "place_mark", "place_starts"]
 
 
 def place_comms(snodes: list[Any]) -> list[Any]:
-    """:func:`place_mark`, then :func:`place_gathers` and :func:`place_reduces`, or the
-    order with the mark first if their result were not valid (a node before one it depends
-    on)."""
+    """:func:`place_mark`, then :func:`place_starts`, or the order with the mark first if
+    their result were not valid (a node before one it depends on)."""
     first = place_mark(snodes)
-    order = place_reduces(place_gathers(list(first)))
+    order = place_starts(list(first))
     return order if _valid(order) else first
 
 
@@ -55,39 +54,53 @@ def place_mark(snodes: list[Any]) -> list[Any]:
     return first
 
 
-def place_gathers(order: list[Any]) -> list[Any]:
-    """``order`` with each gather's wait just before the first node that reads the gathered
-    params and the next gather's start just after that wait (module docstring)."""
-    starts = _ops(order, ALL_GATHER_SECTIONS_START)
-    waits = _ops(order, ALL_GATHER_SECTIONS_WAIT)
-    if len(starts) != len(waits):
+def place_starts(order: list[Any]) -> list[Any]:
+    """``order`` (inductor's scheduler nodes) with the starts by sends placed one at a time,
+    in their order (the graph's, which their inputs fix: each kind's chain and the start of
+    the other kind before it, :func:`funcshard.step.units.prefetch.order_kinds`), each after
+    those before it: a gather's (:func:`_place_gather`) or a reduce's
+    (:func:`_place_reduce`); the last gather's wait then just before its first reader."""
+    g_starts, g_waits = (
+        _ops(order, ALL_GATHER_SECTIONS_START),
+        _ops(order, ALL_GATHER_SECTIONS_WAIT),
+    )
+    r_starts, r_waits = _ops(order, REDUCE_SECTIONS_START), _ops(order, REDUCE_SECTIONS_WAIT)
+    if len(g_starts) != len(g_waits) or len(r_starts) != len(r_waits):
         return order
-    for j, wait in enumerate(waits):
-        after = starts[j + 1] if j + 1 < len(starts) else []  # its ``after`` is this wait
-        _remove(order, wait)
-        _remove(order, after)
-        to = _first_user(order, wait)
-        order[to:to] = wait + after
+    turns = [(s, g_waits[j - 1], _place_gather) for j, s in enumerate(g_starts) if j]
+    turns += [(s, r_waits[k - 1] if k else [], _place_reduce) for k, s in enumerate(r_starts)]
+    turns.sort(key=lambda turn: order.index(turn[0][0]))
+    for start, wait, place in turns:
+        place(order, start, wait)
+    if g_waits:  # no start after it
+        _remove(order, g_waits[-1])
+        to = _first_user(order, g_waits[-1])
+        order[to:to] = g_waits[-1]
     return order
 
 
-def place_reduces(snodes: list[Any]) -> list[Any]:
-    """``snodes`` (inductor's scheduler nodes, in order) with each reduce's start just after
-    its gradients and the previous reduce's wait just before that start (module docstring)."""
-    order = snodes
-    starts, waits = _ops(order, REDUCE_SECTIONS_START), _ops(order, REDUCE_SECTIONS_WAIT)
-    if len(starts) != len(waits):
-        return order
-    for k, start in enumerate(starts):
-        wait = waits[k - 1] if k else []
-        _remove(order, wait)
-        _remove(order, start)
-        to = _last_ancestor(order, start, _names(wait)) + 1
-        # the wait no later than a node that reads its result (the start after it does)
-        to_wait = min(to, _first_user(order, wait))
-        order[to_wait:to_wait] = wait
-        order[to + len(wait) : to + len(wait)] = start  # after both
-    return order
+def _place_gather(order: list[Any], start: list[Any], wait: list[Any]) -> None:
+    """The previous gather's ``wait`` just before the first node that reads the gathered
+    params, and this gather's ``start`` as soon after it as the start's inputs allow (a
+    packed shard's encode, a reduce's start before it)."""
+    _remove(order, wait)
+    _remove(order, start)
+    to = _first_user(order, wait)
+    order[to:to] = wait
+    at = max(to + len(wait), _last_ancestor(order, start, set()) + 1)
+    order[at:at] = start
+
+
+def _place_reduce(order: list[Any], start: list[Any], wait: list[Any]) -> None:
+    """A reduce's ``start`` just after its gradients (and whatever else it depends on) and
+    the previous reduce's ``wait`` just before that start."""
+    _remove(order, wait)
+    _remove(order, start)
+    to = _last_ancestor(order, start, _names(wait)) + 1
+    # the wait no later than a node that reads its result (the start after it does)
+    to_wait = min(to, _first_user(order, wait))
+    order[to_wait:to_wait] = wait
+    order[to + len(wait) : to + len(wait)] = start  # after both
 
 
 def _remove(order: list[Any], group: list[Any]) -> None:

@@ -67,6 +67,7 @@ __all__ = [
     "PrefetchGathers",
     "installed",
     "mark_collectives",
+    "order_kinds",
     "overlap_reduces",
     "prefetch_gathers",
 ]
@@ -119,6 +120,22 @@ def overlap_reduces(graph: fx.Graph) -> int:
         graph.erase_node(reduce)
         previous = wait
     return len(reduces)
+
+
+def order_kinds(graph: fx.Graph) -> int:
+    """Each start by sends of ``graph`` whose previous start in the graph is of the other
+    kind (a gather's after a reduce's, or the reverse) takes that start as its ``other``, an
+    input it does not read: every rank then starts its gathers and reduces in one order, the
+    graph's, as each kind's chain orders its own (module docstring). Returns how many it
+    tied."""
+    kinds = (ALL_GATHER_SECTIONS_START, REDUCE_SECTIONS_START)
+    starts = [n for n in graph.nodes if n.target in kinds]
+    tied = 0
+    for previous, start in zip(starts, starts[1:], strict=False):
+        if previous.target is not start.target:
+            start.update_kwarg("other", previous)
+            tied += 1
+    return tied
 
 
 def mark_collectives(graph: fx.Graph) -> fx.Node | None:
@@ -192,6 +209,7 @@ class PrefetchGathers(CustomGraphPass):
             return
         prefetch_gathers(graph)
         overlap_reduces(graph)
+        order_kinds(graph)
         mark_collectives(graph)
 
     def uuid(self) -> bytes:
