@@ -1,4 +1,5 @@
-"""Where inductor's schedule issues the captured step's reduces by sends (a CPU gloo group).
+"""Where inductor's schedule issues the captured step's gathers and reduces by sends (a CPU
+gloo group).
 
 :func:`funcshard.step.units.prefetch.overlap_reduces` splits each bucket's reduce into a start
 (``funcshard::reduce_sections_start``: the sections sent, the peers' posted for) and a wait
@@ -9,13 +10,17 @@ go to the end of the backward graph: its peak-memory ordering
 nothing: its input lives until the wait) and runs every gradient matmul first, so every
 bucket's gradients would be held to the end and no reduce would overlap the backward.
 
-:func:`place_reduces`, run last among inductor's ``reorder_for_compute_comm_overlap_passes``
-(after the peak-memory ordering), moves each start up to just after the last node it depends
-on (its bucket's gradients complete) and the previous reduce's wait to just before it: the
-eager step's order, where a bucket's reduce is waited for as the next one starts, one in
-flight while the backward computes. A start is only ever moved earlier, never before a
-node it depends on, and a wait never after a node that reads it, so the schedule stays
-valid; the reduces' order is the graph's, the same on every rank.
+:func:`place_starts`, run last among inductor's ``reorder_for_compute_comm_overlap_passes``
+(after the peak-memory ordering), places the starts of both kinds one at a time in the
+graph's order (each start's inputs fix it: :func:`funcshard.step.units.prefetch.order_kinds`).
+Each reduce's start goes just after the last node it depends on (its bucket's gradients
+complete) and the previous reduce's wait just before it: the eager step's order, where a
+bucket's reduce is waited for as the next one starts, one in flight while the backward
+computes. Each gather's previous wait goes just before the first node that reads the
+gathered params, and the gather's start as soon after that wait as its inputs allow (one
+bucket ahead). A start never goes before a node it depends on, and a wait never after a node
+that reads it; where the result were not valid all the same, inductor's order stays (the
+record first). Either way the starts' order is the graph's, the same on every rank.
 """
 
 from __future__ import annotations

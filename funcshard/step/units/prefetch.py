@@ -30,6 +30,11 @@ start taking the previous wait as its ``after``. Where inductor's schedule runs 
 :mod:`funcshard.step.units.comm_order`'s to say (its peak-memory ordering would put every
 start and wait at the graph's tail), installed with the post-grad pass by :func:`installed`.
 
+:func:`order_kinds` then ties the two chains into one order: each start whose previous start
+in the graph is of the other kind takes that start as an input it does not read, so that
+every rank starts its gathers and reduces in the graph's order (a rank waits only for starts
+its peers posted before: no deadlock whatever each rank's scheduler does around them).
+
 :func:`mark_collectives` then records the graph's gathers and reduces, in their chains'
 order, in an op that comm_order runs first (``funcshard::graph_collectives``): a graph that
 raises on one rank posts the rest of them there
