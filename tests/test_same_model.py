@@ -4,6 +4,9 @@ weight with another's rows of another weight."""
 
 from __future__ import annotations
 
+import faulthandler
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -54,6 +57,55 @@ def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
         got = pool3.run(init_worker, differs)
         assert all(want in text for text in got), (differs, got)
     assert pool3.run(init_worker, "nothing") == ["initialized"] * 3
+
+
+BAD = {"none": {}, "units": {"units": ["nope"]}, "offload": {"offload_fraction": 3.0}}
+
+
+def bad_input_worker(bad: str, tensor: int = 1) -> tuple[str, float]:
+    """Rank 1 alone given a bad input (``BAD[bad]``): what each rank's fs.init raised, and
+    after how many seconds. A rank left waiting dumps its stack and exits after 120 s.
+    ``tensor``: the mesh's tensor ranks (2: rank 1's data-parallel peer is rank 3, and ranks
+    0 and 2 are told too)."""
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the test, not CI
+    kw = BAD[bad] if dist.get_rank() == 1 else {}
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
+    mesh = fs.make_mesh(device_type="cpu", **({"tensor": tensor} if tensor > 1 else {}))
+    start = time.monotonic()
+    try:
+        fs.init(model, fs.optim.sgd(0.1), mesh=mesh, **kw)
+        text = "initialized"
+    except ValueError as error:
+        text = str(error)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return text, time.monotonic() - start
+
+
+def test_a_bad_input_on_one_rank_raises_on_every_rank(pool3) -> None:
+    """Before, rank 1 raised alone in build_layout and ranks 0 and 2 waited in the same-model
+    all-reduce for the process group's timeout (30 minutes)."""
+    for bad, own in (
+        ("units", "units: no submodule named ['nope'] in Sequential"),
+        ("offload", "offload_fraction must lie in [0, 1], got 3.0"),
+    ):
+        (t0, s0), (t1, s1), (t2, s2) = pool3.run(bad_input_worker, bad)
+        assert t1 == own, (bad, t1)
+        assert t0 == t2 == f"init failed on rank 1: ValueError: {own}", (bad, t0, t2)
+        assert max(s0, s1, s2) < 30, (bad, s0, s1, s2)
+    assert [t for t, _ in pool3.run(bad_input_worker, "none")] == ["initialized"] * 3
+
+
+def test_a_bad_input_on_one_tensor_rank_raises_on_every_rank(pool4) -> None:
+    """The agreement spans the world, not only rank 1's data-parallel ranks (1 and 3): its
+    tensor peers would wait in their first step's collective."""
+    got = pool4.run(bad_input_worker, "units", 2)
+    own = "units: no submodule named ['nope'] in Sequential"
+    assert got[1][0] == own, got
+    assert [t for t, _ in got] == [f"init failed on rank 1: ValueError: {own}", own] + [
+        f"init failed on rank 1: ValueError: {own}"
+    ] * 2, got
+    assert max(s for _, s in got) < 30, got
 
 
 def test_difference_names_the_first_parameter_that_differs() -> None:

@@ -5,26 +5,34 @@ data) may pack other shapes into buckets of the same sizes: the step's gathers a
 reduce-scatters would then pair one rank's rows of a weight with another rank's rows of
 another weight, with no error. Where a size differs, gloo aborted a rank in the first step
 ("collective mismatch"; a GPT whose position table was sized per rank); NCCL may hang.
-:func:`check_same_model` compares one hash of the parameters' names, shapes and dtypes (and
+:meth:`InitAgreement.check` compares one hash of the parameters' names, shapes and dtypes (and
 the settings that shape the step's collectives: strategy, outer strategy, units, policy,
-offload fraction, deterministic) across the mesh, two int64 in one all-reduce; only where they
-differ does every rank send its lists, so that every rank raises the same :class:`ValueError`
+offload fraction, deterministic) across the mesh in one all-reduce; only where they differ
+does every rank send its lists, so that every rank raises the same :class:`ValueError`
 naming the first setting or parameter that differs and the rank. A rank given other units,
 another policy or offload fraction packs other buckets: gloo aborted in ``fs.init``'s first
-collectives or the first step ("collective mismatch")."""
+collectives or the first step ("collective mismatch").
+
+That all-reduce is ``fs.init``'s one agreement (:class:`InitAgreement`): a rank whose own part
+of ``fs.init`` raised (``units=`` naming no module, ``offload_fraction=3.0``, an unknown
+strategy, policy or ``compile=`` backend) takes part in it with a "failed" flag instead of its
+hash, so that every rank of the mesh raises at once, not that rank alone while its peers wait
+in the all-reduce until the process group's timeout."""
 
 from __future__ import annotations
 
 import hashlib
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard.distributed import mesh as mesh_lib
 from funcshard.layout.layout import Layout
 
-__all__ = ["check_same_model"]
+__all__ = ["InitAgreement"]
 
 Spec = list[tuple[str, tuple[int, ...], str]]
 Settings = tuple[tuple[str, str], ...]
@@ -53,24 +61,96 @@ def _digest(spec: Spec, settings: Settings) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 2  # -h fits int64
 
 
-def check_same_model(layout: Layout, named: dict[str, torch.Tensor]) -> None:
-    """Raises ValueError on every rank of ``layout``'s mesh where their ``named`` params'
-    names, shapes or dtypes, or their settings (:func:`settings_of`), differ (module
-    docstring); a mesh of one rank checks nothing. A tensor-parallel param's shape is its
-    global one."""
-    if layout.mesh.size() == 1:
-        return
-    group = mesh_lib.world_group(layout.mesh)
-    spec = spec_of({n: (tuple(p.shape), p.dtype) for n, p in named.items()})
-    settings = settings_of(layout)
-    h = _digest(spec, settings)
-    both = torch.tensor([h, -h], dtype=torch.int64, device=layout.device)
+class InitAgreement:
+    """The part of ``fs.init`` that may fail on one rank alone, run as a ``with`` block that
+    ends with :meth:`check`: one all-reduce (max) of three int64 over every rank of the mesh,
+    a "failed" flag beside the hash of the rank's model and settings and its negation. A rank
+    whose block raises before its check takes part in that all-reduce with the flag set; the
+    ranks then exchange their errors' texts (only then): that rank's own error goes on, and
+    every other rank raises a ValueError naming the first rank that failed and its error (one
+    line), promptly, not after the process group's timeout.
+
+    The group is the world where the mesh spans it (its tensor, expert, context and pipeline
+    ranks included: a rank of another stage or tensor rank is told too). Where the layout's
+    data-parallel ranks are fewer (a tensor, context or pipeline axis, across which the
+    models differ by design), the hash is compared over them in a second all-reduce of two
+    int64; else the one all-reduce carries both. A mesh that does not span the world agrees
+    over the layout's data-parallel ranks alone. Not agreed on: an error raised before the
+    block or by ``mesh=`` itself (no group is known yet), or after it (among collectives):
+    where one rank alone raises there, the others wait in their next collective.
+    """
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.group, self.device, self.checked = _group_of(mesh), None, False
+        if self.group is not None:
+            self.device = mesh_lib.local_device(mesh)
+
+    def __enter__(self) -> InitAgreement:
+        return self
+
+    def __exit__(
+        self, kind: type | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        """A block that raised before its check: the peers are told, the error goes on here."""
+        if isinstance(error, Exception) and not self.checked:
+            self.checked = True
+            self._agree(0, f"{type(error).__name__}: {' '.join(str(error).split())}")
+
+    def check(self, layout: Layout, named: dict[str, torch.Tensor]) -> None:
+        """The block's last step: ValueError on every rank where a rank's block failed
+        (naming it and its error) or where the data-parallel ranks' ``named`` params' names,
+        shapes or dtypes, or their settings (:func:`settings_of`), differ (module docstring).
+        A tensor-parallel param's shape is its global one."""
+        spec = spec_of({n: (tuple(p.shape), p.dtype) for n, p in named.items()})
+        settings = settings_of(layout)
+        h = _digest(spec, settings)
+        together = self.group is not None and layout.mesh.size() == self._size  # compares too
+        self.checked = True
+        same = self._agree(h if together else 0, None)
+        if not together and layout.mesh.size() > 1:  # its group made after: a collective
+            same = _max_of([h, -h], mesh_lib.world_group(layout.mesh), self.device) == [h, -h]
+        if same:
+            return
+        peers = mesh_lib.world_group(layout.mesh)
+        every: list[Any] = [None] * dist.get_world_size(peers)
+        dist.all_gather_object(every, (settings, spec), group=peers)  # only where they differ
+        raise ValueError(f"init: {difference(every)}")
+
+    @property
+    def _size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def _agree(self, h: int, failure: str | None) -> bool:
+        """The one all-reduce over the group: whether every rank gave hash ``h``; ValueError
+        where another rank failed (``failure``: this rank's own, which goes on after)."""
+        if self._size == 1:
+            return True
+        got = _max_of([int(failure is not None), h, -h], self.group, self.device)
+        if got[0]:
+            told: list[Any] = [None] * self._size
+            dist.all_gather_object(told, (dist.get_rank(), failure), group=self.group)
+            failed = [(r, f) for r, f in told if f is not None]
+            if failure is None:
+                more = "".join(f", rank {r}" for r, _ in failed[1:])
+                raise ValueError(f"init failed on rank {failed[0][0]}{more}: {failed[0][1]}")
+        return got[1] == -got[2]  # max == min: one hash on every rank
+
+
+def _group_of(mesh: Any) -> Any:
+    """The group ``fs.init`` agrees over (:class:`InitAgreement`); None where ``mesh`` is not
+    a mesh (nothing to agree over: each rank's own error goes on)."""
+    if not isinstance(mesh, DeviceMesh):
+        return None
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh_lib.world_group(mesh_lib.data_parallel(mesh_lib.without_pipeline(mesh)))
+
+
+def _max_of(values: list[int], group: Any, device: torch.device) -> list[int]:
+    """``values`` (int64) all-reduced with max over ``group``."""
+    both = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if int(both[0]) == -int(both[1]):  # max == min: one hash on every rank
-        return
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (settings, spec), group=group)  # only where they differ
-    raise ValueError(f"init: {difference(every)}")
+    return both.tolist()
 
 
 def difference(every: list[tuple[Settings, Spec]]) -> str:

@@ -17,15 +17,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard.distributed import mesh as mesh_lib
 from funcshard.fault import seam as fault_lib
-from funcshard.fault.replicas import FaultTolerance
+from funcshard.fault.replicas import FaultTolerance, check_init
 from funcshard.layout.build import build_layout
 from funcshard.layout.layout import Layout, UnitsArg
 from funcshard.layout.policy import MixedPrecisionPolicy
-from funcshard.layout.same_model import check_same_model
+from funcshard.layout.same_model import InitAgreement
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.optim import Optimizer
 from funcshard.parallel import context as context_lib
 from funcshard.parallel import expert_axis as expert_lib
+from funcshard.parallel.axis import ModelAxis
 from funcshard.parallel.context import ContextParallel
 from funcshard.parallel.pipeline import Pipeline
 from funcshard.state import buffers as buffer_lib
@@ -140,7 +141,13 @@ def init(
         a buffer the model lacks; on every rank, where the ranks of the mesh built models of
         other parameter names, shapes or dtypes, or asked for other strategies, units,
         policies, offload fractions or ``deterministic`` (naming the first setting or
-        parameter that differs and the rank: :mod:`funcshard.layout.same_model`).
+        parameter that differs and the rank: :mod:`funcshard.layout.same_model`); on every
+        other rank of the mesh, where one rank raised any error before ``fs.init``'s
+        collectives (a bad ``units=``, ``offload_fraction``, strategy, policy or ``compile=``
+        given to it alone): that rank raises its own error, the others a ValueError naming
+        it and its error (one line), agreed in the same-model check's all-reduce
+        (:class:`~funcshard.layout.same_model.InitAgreement`). Not agreed on: an error from
+        ``mesh=`` itself (no group to agree over yet).
       TypeError: ``compile`` neither a bool, a backend name nor a callable; a persistent
         buffer of a dtype no checkpoint holds (named, with its dtype).
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
@@ -148,27 +155,23 @@ def init(
         replica group and the lighthouse); the group's torchft manager is shut down, as on
         any error after it was made.
     """
-    _check_optimizer(opt)
-    every = replica_check.period(check_replicas_every)
-    hfsdp = OuterStrategy.parse(outer_strategy).shards_optim and outer_strategy
-    refused = dict(compile=compile, context=context, fault_tolerance=fault_tolerance)
-    refused.update(outer_strategy=hfsdp)  # refused only on a 2-D data-parallel sub-world
-    model, mesh, run = pipeline_init.prepare(model, mesh, pipeline, refused)
-    backend = backend_of(compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh)
-    if context is not None and backend is not None:
-        raise ValueError("init: context parallel does not run under compile= yet")
-    given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
-    tensor = expert_lib.read_axes(
-        model,
-        mesh,
-        over_shard=Strategy.parse(strategy).shards_optim,
-        check_batch=check_tensor_batch,
-    )
-    named = expert_lib.layout_params(model, tensor)
-    stages = () if run is None else tuple(run.stages[i] for i in run.mine)
-    carried = ModelBuffers.of(model, buffer_lib.mode(buffers), stages)  # before a group joins
-    guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
-    with guard.shut_down_on_error():  # a failed fs.init leaves no manager asking for quorums
+    with InitAgreement(mesh) as agreement:  # what fails on one rank alone fails on every rank
+        _check_optimizer(opt)
+        every = replica_check.period(check_replicas_every)
+        hfsdp = OuterStrategy.parse(outer_strategy).shards_optim and outer_strategy
+        refused = dict(compile=compile, context=context, fault_tolerance=fault_tolerance)
+        refused.update(outer_strategy=hfsdp)  # refused only on a 2-D data-parallel sub-world
+        model, mesh, run = pipeline_init.prepare(model, mesh, pipeline, refused)
+        backend = backend_of(
+            compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh
+        )
+        if context is not None and backend is not None:
+            raise ValueError("init: context parallel does not run under compile= yet")
+        given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
+        tensor, named = _read_model(model, mesh, strategy, check_tensor_batch)
+        stages = () if run is None else tuple(run.stages[i] for i in run.mine)
+        carried = ModelBuffers.of(model, buffer_lib.mode(buffers), stages)  # before a group joins
+        check_init(fault_tolerance, outer_strategy, named)  # its manager is made after the check
         layout = build_layout(
             {n: (tuple(p.shape), p.dtype) for n, p in named.items()},
             model=model,
@@ -182,11 +185,23 @@ def init(
             outer_strategy=outer_strategy,
             tensor=tensor,
         )
-        check_same_model(layout, named)
         check_units(given, layout, backend, overlap=overlap)
         bound = context_lib.bind(context, mesh, model)
+        agreement.check(layout, named)  # the one collective above; a rank that failed: named
+    guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
+    with guard.shut_down_on_error():  # a failed fs.init leaves no manager asking for quorums
         static = Static(layout, opt, backend, guard, every, carried, bound, pipeline=run)
         return guard.join(_first_state(static, named))
+
+
+def _read_model(
+    model: nn.Module, mesh: DeviceMesh, strategy: str | Strategy, check_batch: bool
+) -> tuple[ModelAxis, dict[str, torch.Tensor]]:
+    """The model's model-parallel axis on ``mesh`` and its parameters as the layout holds
+    them (:func:`funcshard.parallel.expert_axis.read_axes`)."""
+    over_shard = Strategy.parse(strategy).shards_optim
+    tensor = expert_lib.read_axes(model, mesh, over_shard=over_shard, check_batch=check_batch)
+    return tensor, expert_lib.layout_params(model, tensor)
 
 
 def _check_optimizer(opt: Any) -> None:
