@@ -193,9 +193,12 @@ def test_a_state_is_immutable_replace_shares_and_donation_refuses_the_sharers(po
         assert "strategy=optim_grads_params" in r["describe"] and "buckets=" in r["describe"]
 
 
-def test_init_refuses_what_is_not_an_optimizer() -> None:
+def test_init_refuses_what_is_not_an_optimizer_or_a_policy() -> None:
     with pytest.raises(TypeError, match=r"fs\.optim\.chain\(clip, adamw\)"):
         fs.init(models.make_model(), fs.optim.clip_by_global_norm(1.0), mesh=None)
+    # a policy given as a string: named, not an AttributeError from deep inside
+    with pytest.raises(TypeError, match=r"policy must be an fs\.MixedPrecisionPolicy.*'bf16'"):
+        fs.init(models.make_model(), fs.optim.sgd(0.1), mesh=None, policy="bf16")
 
 
 def meta_worker() -> dict:

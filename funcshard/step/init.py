@@ -148,15 +148,16 @@ def init(
         it and its error (one line), agreed in the same-model check's all-reduce
         (:class:`~funcshard.layout.same_model.InitAgreement`). Not agreed on: an error from
         ``mesh=`` itself (no group to agree over yet).
-      TypeError: ``compile`` neither a bool, a backend name nor a callable; a persistent
-        buffer of a dtype no checkpoint holds (named, with its dtype).
+      TypeError: ``opt`` not an ``fs.optim`` optimizer; ``policy`` not a
+        ``MixedPrecisionPolicy``; ``compile`` neither a bool, a backend name nor a
+        callable; a persistent buffer of a dtype no checkpoint holds (named, with its dtype).
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
       TimeoutError: ``fault_tolerance``'s first quorum did not form in time (naming the
         replica group and the lighthouse); the group's torchft manager is shut down, as on
         any error after it was made.
     """
     with InitAgreement(mesh) as agreement:  # what fails on one rank alone fails on every rank
-        _check_optimizer(opt)
+        _check_types(opt, policy)
         every = replica_check.period(check_replicas_every)
         hfsdp = OuterStrategy.parse(outer_strategy).shards_optim and outer_strategy
         refused = dict(compile=compile, context=context, fault_tolerance=fault_tolerance)
@@ -204,11 +205,17 @@ def _read_model(
     return tensor, expert_lib.layout_params(model, tensor)
 
 
-def _check_optimizer(opt: Any) -> None:
+def _check_types(opt: Any, policy: Any) -> None:
     if not isinstance(opt, Optimizer):
         raise TypeError(
             f"init: opt must be an fs.optim optimizer, got {type(opt).__name__} "
             "(a gradient transformation goes before one: fs.optim.chain(clip, adamw))"
+        )
+    if policy is not None and not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"init: policy must be an fs.MixedPrecisionPolicy or None, got "
+            f"{type(policy).__name__} {policy!r} (e.g. fs.MixedPrecisionPolicy("
+            "param_dtype=torch.bfloat16))"
         )
 
 
