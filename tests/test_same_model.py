@@ -18,7 +18,9 @@ from funcshard.layout.same_model import difference, spec_of
 def init_worker(differs: str) -> str:
     """Rank 2's model (or a setting) differs as ``differs`` says: "transposed" keeps every
     bucket's size (no collective's size would tell), "extra" adds a parameter; other units,
-    policy or offload fraction pack other buckets (gloo aborted: "collective mismatch")."""
+    policy or offload fraction pack other buckets (gloo aborted: "collective mismatch");
+    "mesh": rank 2 passes a mesh of 3 replicas, made on every rank (before, every rank
+    initialized and the first step's gathers waited on other groups)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     odd = rank == 2
@@ -38,6 +40,9 @@ def init_worker(differs: str) -> str:
     if odd and differs == "offload":
         kw["offload_fraction"] = 1.0
     mesh = fs.make_mesh(device_type="cpu")
+    if differs == "mesh":
+        replicas = fs.make_mesh(replicate=3, device_type="cpu")  # a collective: every rank
+        mesh = replicas if odd else mesh
     try:
         fs.init(model, fs.optim.sgd(0.1), mesh=mesh, strategy=strategy, **kw)
     except ValueError as error:
@@ -53,6 +58,7 @@ def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
         ("units", "rank 2 of the mesh asked for units ('', '1'), rank 0 for ('',)"),
         ("policy", "rank 2 of the mesh asked for policy MixedPrecisionPolicy(param_dtype=torch.b"),
         ("offload", "rank 2 of the mesh asked for offload_fraction 1.0, rank 0 for 0.0"),
+        ("mesh", "rank 2 of the mesh asked for mesh replicate=3 x shard=1, rank 0 for replicate=1"),
     ):
         got = pool3.run(init_worker, differs)
         assert all(want in text for text in got), (differs, got)

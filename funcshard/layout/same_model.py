@@ -6,12 +6,15 @@ reduce-scatters would then pair one rank's rows of a weight with another rank's 
 another weight, with no error. Where a size differs, gloo aborted a rank in the first step
 ("collective mismatch"; a GPT whose position table was sized per rank); NCCL may hang.
 :meth:`InitAgreement.check` compares one hash of the parameters' names, shapes and dtypes (and
-the settings that shape the step's collectives: strategy, outer strategy, units, policy,
-offload fraction, deterministic) across the mesh in one all-reduce; only where they differ
-does every rank send its lists, so that every rank raises the same :class:`ValueError`
-naming the first setting or parameter that differs and the rank. A rank given other units,
-another policy or offload fraction packs other buckets: gloo aborted in ``fs.init``'s first
-collectives or the first step ("collective mismatch").
+the settings that shape the step's collectives: the data-parallel mesh's shape, strategy,
+outer strategy, units, policy, offload fraction, deterministic) across the mesh in one
+all-reduce; only where they differ does every rank send its lists, so that every rank raises
+the same :class:`ValueError` naming the first setting or parameter that differs and the rank.
+A rank given other units, another policy or offload fraction packs other buckets: gloo
+aborted in ``fs.init``'s first collectives or the first step ("collective mismatch"). A rank
+given a mesh of another shape (``make_mesh(replicate=2)`` where the others passed
+``make_mesh()``, both made on every rank before) initialized, and its first step's gathers
+waited on other groups than its peers'.
 
 That all-reduce is ``fs.init``'s one agreement (:class:`InitAgreement`): a rank whose own part
 of ``fs.init`` raised (``units=`` naming no module, ``offload_fraction=3.0``, an unknown
@@ -45,8 +48,10 @@ def spec_of(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Spec:
 
 def settings_of(layout: Layout) -> Settings:
     """The layout's settings every rank must share, shown as compared: each decides the
-    buckets or the collectives (a rank's own device, mesh and rows are not among them)."""
+    buckets or the collectives (the data-parallel mesh's axes and sizes among them; a rank's
+    own device, place in the mesh and rows are not)."""
     return (
+        ("mesh", _shape_of(layout.mesh)),
         ("strategy", repr(layout.strategy.value)),
         ("outer_strategy", repr(layout.outer.value)),
         ("units", repr(layout.units)),
@@ -54,6 +59,12 @@ def settings_of(layout: Layout) -> Settings:
         ("offload_fraction", repr(layout.offload_fraction)),
         ("deterministic", repr(layout.deterministic)),
     )
+
+
+def _shape_of(mesh: DeviceMesh) -> str:
+    """``"replicate=2 x shard=2"``: the mesh's axes and sizes (an unnamed axis by its index)."""
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    return " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape, strict=True))
 
 
 def _digest(spec: Spec, settings: Settings) -> int:
