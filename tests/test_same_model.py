@@ -58,7 +58,7 @@ def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
         ("units", "rank 2 of the mesh asked for units ('', '1'), rank 0 for ('',)"),
         ("policy", "rank 2 of the mesh asked for policy MixedPrecisionPolicy(param_dtype=torch.b"),
         ("offload", "rank 2 of the mesh asked for offload_fraction 1.0, rank 0 for 0.0"),
-        ("mesh", "rank 2 of the mesh asked for mesh replicate=3 x shard=1, rank 0 for replicate=1"),
+        ("mesh", "rank 2 of the mesh gave a mesh of replicate=3 x shard=1, rank 0 of replicate=1"),
     ):
         got = pool3.run(init_worker, differs)
         assert all(want in text for text in got), (differs, got)
@@ -112,6 +112,29 @@ def test_a_bad_input_on_one_tensor_rank_raises_on_every_rank(pool4) -> None:
         f"init failed on rank 1: ValueError: {own}"
     ] * 2, got
     assert max(s for _, s in got) < 30, got
+
+
+def other_mesh_worker() -> str:
+    """Rank 1 alone passes a mesh with a tensor axis (both meshes made on every rank): what
+    each rank's fs.init raised. A rank left waiting dumps its stack and exits after 120 s."""
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the test, not CI
+    plain, tensor = fs.make_mesh(device_type="cpu"), fs.make_mesh(tensor=2, device_type="cpu")
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
+    try:
+        fs.init(model, fs.optim.sgd(0.1), mesh=tensor if dist.get_rank() == 1 else plain)
+        return "initialized"
+    except ValueError as error:
+        return str(error)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_mesh_of_another_shape_on_one_rank_raises_on_every_rank(pool4) -> None:
+    """Before, rank 1 waited in the creation of its data-parallel group (its second
+    all-reduce's) and the others in the exchange of their lists, the hashes differing."""
+    want = "rank 1 of the mesh gave a mesh of replicate=1 x shard=2 x tensor=2, rank 0 of"
+    got = pool4.run(other_mesh_worker)
+    assert all(text.startswith(f"init: {want} replicate=1 x shard=4") for text in got), got
 
 
 def test_difference_names_the_first_parameter_that_differs() -> None:

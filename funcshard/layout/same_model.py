@@ -6,15 +6,17 @@ reduce-scatters would then pair one rank's rows of a weight with another rank's 
 another weight, with no error. Where a size differs, gloo aborted a rank in the first step
 ("collective mismatch"; a GPT whose position table was sized per rank); NCCL may hang.
 :meth:`InitAgreement.check` compares one hash of the parameters' names, shapes and dtypes (and
-the settings that shape the step's collectives: the data-parallel mesh's shape, strategy,
-outer strategy, units, policy, offload fraction, deterministic) across the mesh in one
+the settings that shape the step's collectives: strategy, outer strategy, units, policy,
+offload fraction, deterministic) and one of the mesh's shape across the mesh in one
 all-reduce; only where they differ does every rank send its lists, so that every rank raises
-the same :class:`ValueError` naming the first setting or parameter that differs and the rank.
-A rank given other units, another policy or offload fraction packs other buckets: gloo
-aborted in ``fs.init``'s first collectives or the first step ("collective mismatch"). A rank
-given a mesh of another shape (``make_mesh(replicate=2)`` where the others passed
-``make_mesh()``, both made on every rank before) initialized, and its first step's gathers
-waited on other groups than its peers'.
+the same :class:`ValueError` naming the first setting or parameter (or mesh) that differs and
+the rank. A rank given other units, another policy or offload fraction packs other buckets:
+gloo aborted in ``fs.init``'s first collectives or the first step ("collective mismatch"). A
+rank given a mesh of another shape (both meshes made on every rank before): with
+``make_mesh(replicate=2)`` where the others passed ``make_mesh()``, every rank initialized and
+the first step's gathers waited on other groups than its peers'; with ``make_mesh(tensor=2)``,
+``fs.init``'s check itself waited (that rank in a group's creation, the others in the
+exchange of their lists).
 
 That all-reduce is ``fs.init``'s one agreement (:class:`InitAgreement`): a rank whose own part
 of ``fs.init`` raised (``units=`` naming no module, ``offload_fraction=3.0``, an unknown
@@ -48,10 +50,9 @@ def spec_of(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Spec:
 
 def settings_of(layout: Layout) -> Settings:
     """The layout's settings every rank must share, shown as compared: each decides the
-    buckets or the collectives (the data-parallel mesh's axes and sizes among them; a rank's
-    own device, place in the mesh and rows are not)."""
+    buckets or the collectives (a rank's own device, mesh and rows are not among them; the
+    mesh's shape is compared by :class:`InitAgreement` itself)."""
     return (
-        ("mesh", _shape_of(layout.mesh)),
         ("strategy", repr(layout.strategy.value)),
         ("outer_strategy", repr(layout.outer.value)),
         ("units", repr(layout.units)),
@@ -67,15 +68,17 @@ def _shape_of(mesh: DeviceMesh) -> str:
     return " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape, strict=True))
 
 
-def _digest(spec: Spec, settings: Settings) -> int:
+def _digest(spec: Any, settings: Any) -> int:
     blob = repr((settings, spec)).encode()
     return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 2  # -h fits int64
 
 
 class InitAgreement:
     """The part of ``fs.init`` that may fail on one rank alone, run as a ``with`` block that
-    ends with :meth:`check`: one all-reduce (max) of three int64 over every rank of the mesh,
-    a "failed" flag beside the hash of the rank's model and settings and its negation. A rank
+    ends with :meth:`check`: one all-reduce (max) of five int64 over every rank of the mesh,
+    a "failed" flag, the hash of the rank's model and settings and its negation, and the hash
+    of its mesh's shape and its negation (a rank given a mesh of another shape would go on
+    along other groups than its peers': ValueError on every rank, naming it). A rank
     whose block raises before its check takes part in that all-reduce with the flag set; the
     ranks then exchange their errors' texts (only then): that rank's own error goes on, and
     every other rank raises a ValueError naming the first rank that failed and its error (one
@@ -95,6 +98,7 @@ class InitAgreement:
         self.group, self.device, self.checked = _group_of(mesh), None, False
         if self.group is not None:
             self.device = mesh_lib.local_device(mesh)
+            self.shape = _shape_of(mesh)
 
     def __enter__(self) -> InitAgreement:
         return self
@@ -133,10 +137,12 @@ class InitAgreement:
 
     def _agree(self, h: int, failure: str | None) -> bool:
         """The one all-reduce over the group: whether every rank gave hash ``h``; ValueError
-        where another rank failed (``failure``: this rank's own, which goes on after)."""
+        where another rank failed (``failure``: this rank's own, which goes on after) or
+        where the ranks' meshes differ in shape (before a rank's next step depends on it)."""
         if self._size == 1:
             return True
-        got = _max_of([int(failure is not None), h, -h], self.group, self.device)
+        m = _digest(self.shape, ())
+        got = _max_of([int(failure is not None), h, -h, m, -m], self.group, self.device)
         if got[0]:
             told: list[Any] = [None] * self._size
             dist.all_gather_object(told, (dist.get_rank(), failure), group=self.group)
@@ -144,6 +150,15 @@ class InitAgreement:
             if failure is None:
                 more = "".join(f", rank {r}" for r, _ in failed[1:])
                 raise ValueError(f"init failed on rank {failed[0][0]}{more}: {failed[0][1]}")
+            return False
+        if got[3] != -got[4]:  # only then: their shapes
+            shapes: list[Any] = [None] * self._size
+            dist.all_gather_object(shapes, self.shape, group=self.group)
+            r = next(r for r, shape in enumerate(shapes) if shape != shapes[0])
+            raise ValueError(
+                f"init: rank {r} of the mesh gave a mesh of {shapes[r]}, rank 0 of "
+                f"{shapes[0]} (every rank passes a mesh of one shape)"
+            )
         return got[1] == -got[2]  # max == min: one hash on every rank
 
 

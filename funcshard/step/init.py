@@ -139,9 +139,9 @@ def init(
         ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model;
         ``buffers`` neither "broadcast" nor "local"; ``context`` with ``compile``, or naming
         a buffer the model lacks; on every rank, where the ranks of the mesh built models of
-        other parameter names, shapes or dtypes, or asked for other data-parallel mesh
-        shapes, strategies, units, policies, offload fractions or ``deterministic`` (naming
-        the first setting or parameter that differs and the rank:
+        other parameter names, shapes or dtypes, or asked for other strategies, units,
+        policies, offload fractions or ``deterministic``, or gave meshes of other shapes
+        (naming the first setting or parameter that differs, or the mesh, and the rank:
         :mod:`funcshard.layout.same_model`); on every
         other rank of the mesh, where one rank raised any error before ``fs.init``'s
         collectives (a bad ``units=``, ``offload_fraction``, strategy, policy or ``compile=``
