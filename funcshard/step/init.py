@@ -142,13 +142,13 @@ def init(
         other parameter names, shapes or dtypes, or asked for other strategies, units,
         policies, offload fractions or ``deterministic``, or gave meshes of other shapes
         (naming the first setting or parameter that differs, or the mesh, and the rank:
-        :mod:`funcshard.layout.same_model`); on every
-        other rank of the mesh, where one rank raised any error before ``fs.init``'s
-        collectives (a bad ``units=``, ``offload_fraction``, strategy, policy or ``compile=``
-        given to it alone): that rank raises its own error, the others a ValueError naming
-        it and its error (one line), agreed in the same-model check's all-reduce
+        :mod:`funcshard.layout.same_model`); on every other rank of the mesh, where one
+        rank raised any error before ``fs.init``'s collectives (a bad ``units=``,
+        ``offload_fraction``, strategy, policy or ``compile=`` given to it alone): that
+        rank raises its own error, the others a ValueError naming it and its error (one
+        line), agreed in the same-model check's all-reduce
         (:class:`~funcshard.layout.same_model.InitAgreement`). Not agreed on: an error from
-        ``mesh=`` itself (no group to agree over yet).
+        ``mesh=`` itself (no group to agree over yet) or a KeyboardInterrupt.
       TypeError: ``opt`` not an ``fs.optim`` optimizer; ``policy`` not a
         ``MixedPrecisionPolicy``; ``compile`` neither a bool, a backend name nor a
         callable; a persistent buffer of a dtype no checkpoint holds (named, with its dtype).
