@@ -386,10 +386,18 @@ class _InductorGraphs:
             else getattr(s.args[1], "target", None) is graph_ops.GRAPH_COLLECTIVES
             for p, w, s in zip([None, *starts], [None, *waits], starts, strict=False)
         ]
+        kinds = ("all_gather_sections_start", "reduce_sections_start")
+        both = [n for n in nodes if getattr(n.target, "_opname", "") in kinds]
         self.graphs.append(
             {
                 "kind": "backward" if backward else "forward",
                 "collectives": ops,
+                # each start after one of the other kind takes that start as its ``other``
+                "kinds_tied": [
+                    s.kwargs.get("other") is p
+                    for p, s in zip(both, both[1:], strict=False)
+                    if p.target is not s.target
+                ],
                 # each reduce start's ``after``: the wait before it (the record for the first)
                 "reduce_chain": chain,
                 "saved_gathered": 0 if backward else len(_from_gather(graph) & set(outputs)),

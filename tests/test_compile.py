@@ -633,6 +633,8 @@ def test_inductor_regathers_uneven_rows(pool2):
                 assert g["collectives"].count("reduce_sections_start") == n, g
                 # chained, one order on every rank (each rank's graphs are its own shapes')
                 assert g["reduce_chain"] == [True] * n, g
+                # and both kinds' starts in the graph's order (prefetch.order_kinds)
+                assert g["kinds_tied"] and all(g["kinds_tied"]), g
         assert compiled["bytes"] == eager["bytes"], (compiled["bytes"], eager["bytes"])
         # each graph's gathers but its first started one bucket ahead: a matmul ran while
         # each was in flight (funcshard.step.units.prefetch), in forward and in backward
