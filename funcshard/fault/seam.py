@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from funcshard.fault.replicas import FaultTolerance, Replicas, check_init
-from funcshard.layout.strategy import OuterStrategy
+from funcshard.fault.replicas import FaultTolerance, Replicas
 from funcshard.state.state import TrainState
 from funcshard.state.values import load_values, values
 
@@ -124,14 +123,10 @@ class Group:
             raise
 
 
-def guard_for(
-    ft: FaultTolerance | None,
-    outer: str | OuterStrategy,
-    named: dict[str, Any],
-    device: torch.device,
-) -> Solo | Group:
-    """The guard ``fs.init(fault_tolerance=ft)`` gives its state (refusing what it cannot do)."""
-    check_init(ft, outer, named)
+def guard_for(ft: FaultTolerance | None, device: torch.device) -> Solo | Group:
+    """The guard ``fs.init(fault_tolerance=ft)`` gives its state, once every rank has passed
+    :func:`~funcshard.fault.replicas.check_init` (``fs.init`` checks inside its agreement:
+    the manager's constructor waits for the group's other ranks)."""
     return SOLO if ft is None else Group(Replicas(ft, device))
 
 

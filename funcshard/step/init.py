@@ -190,7 +190,7 @@ def init(
         check_units(given, layout, backend, overlap=overlap)
         bound = context_lib.bind(context, mesh, model)
         agreement.check(layout, named)  # the one collective above; a rank that failed: named
-    guard = fault_lib.guard_for(fault_tolerance, outer_strategy, named, mesh_lib.local_device(mesh))
+    guard = fault_lib.guard_for(fault_tolerance, mesh_lib.local_device(mesh))
     with guard.shut_down_on_error():  # a failed fs.init leaves no manager asking for quorums
         static = Static(layout, opt, backend, guard, every, carried, bound, pipeline=run)
         return guard.join(_first_state(static, named))
