@@ -52,7 +52,7 @@ def counting_backend(counts: collections.Counter, collectives: collections.Count
     """``aot_eager`` (AOTAutograd, graphs run as traced) counting forward/backward compiles in
     ``counts`` ("forward", "backward"); with ``collectives``, the functional collectives in
     each graph kind (torch's functional ones and funcshard's, :data:`COLLECTIVES`), keyed
-    ("forward" or "backward", the op's name: "all_gather_sections", "reduce_sections",
+    ("forward" or "backward", the op's name: "all_gather_sections", "reduce_scatter_sections",
     "all_to_all_single", "reduce_scatter_tensor", ...), the forward's saved tensors that are
     gathered params ("forward", "saved_gathered") and, in backward, the reduce-scatters
     (funcshard's on gloo, a narrow wire's all-to-alls too) issued before the graph's last
@@ -76,7 +76,7 @@ def counting_backend(counts: collections.Counter, collectives: collections.Count
             i
             for i, n in enumerate(nodes)
             if getattr(n.target, "_opname", "")
-            in ("reduce_scatter_tensor", "all_to_all_single", "reduce_sections")
+            in ("reduce_scatter_tensor", "all_to_all_single", "reduce_scatter_sections")
         ]
         collectives[(kind, "reduce_scatter_before_last_mm")] += sum(
             i < max(mms, default=-1) for i in scatters
@@ -308,18 +308,18 @@ def overlap_worker() -> list:
 
 
 def _reduces_before_last_matmul(prof) -> int:
-    """How many of the step's reduces (``funcshard::reduce_sections_start``) started before
+    """How many of the step's reduces (``funcshard::reduce_scatter_sections_start``) started before
     its last matmul (the backward's): issued as their unit's backward ended, not at the tail."""
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
     mms = [e.time_range.start for e in events if e.name in ("aten::mm", "aten::addmm")]
-    reduces = [e for e in events if e.name == "funcshard::reduce_sections_start"]
+    reduces = [e for e in events if e.name == "funcshard::reduce_scatter_sections_start"]
     return sum(e.time_range.start < max(mms, default=0) for e in reduces)
 
 
 def _matmuls_while_reducing(prof) -> list[int]:
     """Per started reduce (in run order), the matmuls the rank ran before its wait: the
     backward the reduce overlapped."""
-    return _matmuls_between(prof, "funcshard::reduce_sections")
+    return _matmuls_between(prof, "funcshard::reduce_scatter_sections")
 
 
 def _matmuls_in_flight(prof) -> list[int]:
@@ -377,8 +377,12 @@ class _InductorGraphs:
             and "wait" not in n.target._opname
         ]
         outputs = [a for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]
-        starts = [n for n in nodes if getattr(n.target, "_opname", "") == "reduce_sections_start"]
-        waits = [n for n in nodes if getattr(n.target, "_opname", "") == "reduce_sections_wait"]
+        starts = [
+            n for n in nodes if getattr(n.target, "_opname", "") == "reduce_scatter_sections_start"
+        ]
+        waits = [
+            n for n in nodes if getattr(n.target, "_opname", "") == "reduce_scatter_sections_wait"
+        ]
         chain = [  # each start's ``after`` the wait of the start before it; the first's
             # the graph's record of its collectives (graph_ops.graph_collectives)
             s.args[1] is w and w.args[0] is p
@@ -386,7 +390,7 @@ class _InductorGraphs:
             else getattr(s.args[1], "target", None) is graph_ops.GRAPH_COLLECTIVES
             for p, w, s in zip([None, *starts], [None, *waits], starts, strict=False)
         ]
-        kinds = ("all_gather_sections_start", "reduce_sections_start")
+        kinds = ("all_gather_sections_start", "reduce_scatter_sections_start")
         both = [n for n in nodes if getattr(n.target, "_opname", "") in kinds]
         self.graphs.append(
             {

@@ -85,8 +85,8 @@ def test_a_gather_starts_after_the_reduce_the_graph_puts_before_it():
     w2 = _Node("w2", (g2,), graph_ops.ALL_GATHER_SECTIONS_WAIT)
     comp_a = _Node("comp_a", (w1,))
     late_a = _Node("late_a", (comp_a,))  # unit a's last weight gradient
-    ra = _Node("ra", (late_a, g2), graph_ops.REDUCE_SECTIONS_START)
-    ra_wait = _Node("ra_wait", (ra,), graph_ops.REDUCE_SECTIONS_WAIT)
+    ra = _Node("ra", (late_a, g2), graph_ops.REDUCE_SCATTER_SECTIONS_START)
+    ra_wait = _Node("ra_wait", (ra,), graph_ops.REDUCE_SCATTER_SECTIONS_WAIT)
     g3 = _Node("g3", (w2, ra), graph_ops.ALL_GATHER_SECTIONS_START)
     w3 = _Node("w3", (g3,), graph_ops.ALL_GATHER_SECTIONS_WAIT)
     comp_b = _Node("comp_b", (w2, comp_a))
@@ -108,8 +108,8 @@ def test_the_graphs_record_of_its_collectives_runs_first():
     mark = _Node("mark", op=graph_ops.GRAPH_COLLECTIVES)
     grads = _Node("grads")
     tap = _Node("tap", (grads,))
-    start = _Node("start", (grads, mark), graph_ops.REDUCE_SECTIONS_START)
-    wait = _Node("wait", (start,), graph_ops.REDUCE_SECTIONS_WAIT)
+    start = _Node("start", (grads, mark), graph_ops.REDUCE_SCATTER_SECTIONS_START)
+    wait = _Node("wait", (start,), graph_ops.REDUCE_SCATTER_SECTIONS_WAIT)
     placed = comm_order.place_comms([grads, tap, mark, start, wait])
     assert [n.name for n in placed] == ["mark", "grads", "start", "tap", "wait"], placed
     # a start before the node that makes its shard: inductor's order kept, the record first

@@ -195,7 +195,7 @@ def _check_captured(strategy: str, eager: dict, compiled: dict) -> None:
     assert collectives[("forward", "saved_gathered")] == 0, collectives
     # on gloo a bucket's reduce-scatter is funcshard's, by sends, summed as eager's all-to-all
     # (gloo's reduce-scatter is an all-reduce: twice the bytes)
-    assert collectives[("backward", "reduce_sections")] == n, collectives
+    assert collectives[("backward", "reduce_scatter_sections")] == n, collectives
     assert ("backward", "all_to_all_single") not in collectives, collectives
     assert ("backward", "reduce_scatter_tensor") not in collectives, collectives
     assert collectives[("backward", "reduce_scatter_before_last_mm")] >= 1, collectives
@@ -291,10 +291,11 @@ def test_captured_axes(pool2):
         zero3 = AXES[name].get("strategy", "optim_grads_params") == "optim_grads_params"
         for kind in ("forward", "backward"):
             assert found.get((kind, "all_gather_sections"), 0) == 3 * zero3, (name, found)
-        # a narrow wire's exchange: by sends in the reduces' chain (funcshard::reduce_sections,
-        # not summed), not torch's functional all-to-all (each rank's inductor issued those
-        # where its own costs said: ranks of other shapes deadlocked on a gather)
-        assert found[("backward", "reduce_sections")] == 3, (name, found)
+        # a narrow wire's exchange: by sends in the reduces' chain
+        # (funcshard::reduce_scatter_sections, not summed), not torch's functional all-to-all
+        # (each rank's inductor issued those where its own costs said: ranks of other shapes
+        # deadlocked on a gather)
+        assert found[("backward", "reduce_scatter_sections")] == 3, (name, found)
         assert ("backward", "all_to_all_single") not in found, (name, found)
         assert found[("backward", "reduce_scatter_before_last_mm")] >= 1, (name, found)
     [warning] = out["experts"]
@@ -334,7 +335,7 @@ def test_captured_mixed_precision_and_offload(pool2):
     bf16 rounding (the compiled backward may sum a gradient's contributions in another order)."""
     out = pool2.run(mixed_worker)[0]
     eager, compiled = out[False], out["fs"]
-    assert compiled["collectives"][("backward", "reduce_sections")] > 0
+    assert compiled["collectives"][("backward", "reduce_scatter_sections")] > 0
     assert compiled["reduce_scatter"] == eager["reduce_scatter"] > 0
     assert models.max_rel_err(compiled["params"], eager["params"]) < 1e-2
 
@@ -630,7 +631,7 @@ def test_inductor_regathers_uneven_rows(pool2):
             assert g["collectives"].count("all_gather_sections_start") == n, g
             assert g["saved_gathered"] == 0, g
             if g["kind"] == "backward":
-                assert g["collectives"].count("reduce_sections_start") == n, g
+                assert g["collectives"].count("reduce_scatter_sections_start") == n, g
                 # chained, one order on every rank (each rank's graphs are its own shapes')
                 assert g["reduce_chain"] == [True] * n, g
                 # and both kinds' starts in the graph's order (prefetch.order_kinds)
@@ -709,7 +710,7 @@ def interleaved_worker() -> list[str]:
         return graph_ops.all_gather_sections_start(shard, None, size, name)
 
     ticket = start() if rank == 0 else None
-    reduced = graph_ops.reduce_sections(x, None, size, name)
+    reduced = graph_ops.reduce_scatter_sections(x, None, size, name)
     ticket = start() if ticket is None else ticket
     gathered = graph_ops.all_gather_sections_wait(ticket, shard, size)
     ranks = torch.arange(size, dtype=torch.float32)
@@ -723,7 +724,7 @@ def interleaved_worker() -> list[str]:
 
 
 def test_a_reduce_and_a_gather_in_flight_receive_their_own(pool2):
-    """The captured step's reduce (funcshard::reduce_sections, by sends) while a prefetched
+    """The captured step's reduce (funcshard::reduce_scatter_sections, by sends) while a prefetched
     gather is in flight between the same ranks, issued in another order on each rank: each
     receives its own messages (a tag of its own), the order of the gathers and the reduces
     around each other left to each rank's scheduler. Fails without: on the gathers' tag
@@ -777,7 +778,7 @@ def test_overlap_off_chains_whole_collectives_of_both_kinds():
         if kind == "G":
             ops.append(graph.call_function(graph_ops.ALL_GATHER_SECTIONS, (x, 2, "0", None)))
         else:
-            ops.append(graph.call_function(graph_ops.REDUCE_SECTIONS, (x, None, 2, "0")))
+            ops.append(graph.call_function(graph_ops.REDUCE_SCATTER_SECTIONS, (x, None, 2, "0")))
     graph.output(tuple(ops))
     assert chain_collectives(graph) == 5
     after = [op.args[3] if kind == "G" else op.args[1] for op, kind in zip(ops, kinds, strict=True)]
@@ -806,7 +807,10 @@ def test_starts_of_both_kinds_keep_the_graphs_order():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     kinds = ["G", "R", "G", "G", "R"]
-    target = {"G": graph_ops.ALL_GATHER_SECTIONS_START, "R": graph_ops.REDUCE_SECTIONS_START}
+    target = {
+        "G": graph_ops.ALL_GATHER_SECTIONS_START,
+        "R": graph_ops.REDUCE_SCATTER_SECTIONS_START,
+    }
     ops = [graph.call_function(target[k], (x, None, 2, "0")) for k in kinds]
     graph.output(tuple(ops))
     assert order_kinds(graph) == 3

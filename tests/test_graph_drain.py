@@ -46,15 +46,15 @@ def drain_worker(plan: dict[int, list[str]], fails: list[int]) -> dict:
             if step == "g":
                 out[f"gather{i}"] = ops.all_gather_sections_wait(ticket, x, size)
         else:
-            ticket = ops.reduce_sections_start(x, None, size, group.group_name)
+            ticket = ops.reduce_scatter_sections_start(x, None, size, group.group_name)
             if step == "r":
-                out[f"reduce{i}"] = ops.reduce_sections_wait(ticket, x, size)
+                out[f"reduce{i}"] = ops.reduce_scatter_sections_wait(ticket, x, size)
     if rank in fails:
         ops.drain_failed_graph()
     shard = torch.arange(N, dtype=torch.float32) + 100 * rank
     gathered = ops.all_gather_sections(shard, size, group.group_name, None)
     bucket = torch.arange(size * N, dtype=torch.float32) * (rank + 1)
-    reduced = ops.reduce_sections(bucket, None, size, group.group_name)
+    reduced = ops.reduce_scatter_sections(bucket, None, size, group.group_name)
     want = torch.arange(size * N, dtype=torch.float32).view(size, N)[rank] * sum(range(1, size + 1))
     return {
         "in_step": torch.equal(

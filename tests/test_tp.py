@@ -439,7 +439,7 @@ def test_compiled_blocks_on_the_3d_mesh(pool4, by_funcshard: bool) -> None:
             found = out["collectives"]
             assert found[("forward", "all_gather_sections")] > 0, found  # the buckets', in place
             assert found[("backward", "all_gather_sections")] > 0, found
-            assert found[("backward", "reduce_sections")] > 0, found  # gloo: by sends
+            assert found[("backward", "reduce_scatter_sections")] > 0, found  # gloo: by sends
             assert found.get(("forward", "saved_gathered"), 0) == 0, found
             eager_comm, comp_comm = out["comm"]
             assert comp_comm == eager_comm, out["comm"]  # bytes and calls per kind

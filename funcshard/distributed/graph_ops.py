@@ -17,15 +17,15 @@ bytes: the graph's memory planning sees no buffer held from the start), the wait
 for the gathered sections. The start's ``after``, not read, orders the gathers in the graph
 (every rank posts its sends in the same order).
 
-:func:`reduce_sections` is the reduce-scatter's counterpart (the eager step reduces on a
+:func:`reduce_scatter_sections` is the reduce-scatter's counterpart (the eager step reduces on a
 CPU group by exchanging rank sections and summing them: gloo's reduce-scatter is an
 all-reduce, twice the bytes): each rank's section sent to it by point-to-point sends and
 added as it arrives (:func:`reduce_by_sends`), in one op whose output is the section alone.
 In the two-op form (``_c10d_functional.all_to_all_single``, whose output is the whole
 bucket, then a sum) inductor's peak-memory ordering put every bucket's reduce at the end of
 the backward graph, each unit's gradients held until then; as one op it runs where the
-captured step places it, as the unit's backward ends. :func:`reduce_sections_start` and
-:func:`reduce_sections_wait` are it in two ops (the sections sent and the peers' posted for;
+captured step places it, as the unit's backward ends. :func:`reduce_scatter_sections_start` and
+:func:`reduce_scatter_sections_wait` are it in two ops (the sections sent and the peers' posted for;
 the sum once they have arrived), so that a reduce runs while the next unit's backward
 computes (:mod:`funcshard.step.units.prefetch`, :mod:`funcshard.step.units.comm_order`).
 """
@@ -55,12 +55,12 @@ __all__ = [
     "ALL_GATHER_SECTIONS_WAIT",
     "all_gather_sections_wait",
     "reduce_by_sends",
-    "reduce_sections",
-    "REDUCE_SECTIONS",
-    "reduce_sections_start",
-    "REDUCE_SECTIONS_START",
-    "reduce_sections_wait",
-    "REDUCE_SECTIONS_WAIT",
+    "reduce_scatter_sections",
+    "REDUCE_SCATTER_SECTIONS",
+    "reduce_scatter_sections_start",
+    "REDUCE_SCATTER_SECTIONS_START",
+    "reduce_scatter_sections_wait",
+    "REDUCE_SCATTER_SECTIONS_WAIT",
     "sum_by_rank",
 ]
 
@@ -214,7 +214,7 @@ def reduce_by_sends(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 class _Reducing:
-    """A reduce by sends in flight (:func:`reduce_sections_start`): this rank's sections
+    """A reduce by sends in flight (:func:`reduce_scatter_sections_start`): this rank's sections
     sent, every peer's section received into a buffer of its own while the graph computes;
     :meth:`wait` adds them as :func:`reduce_by_sends` does (the same bits)."""
 
@@ -264,16 +264,16 @@ class _Reducing:
         self._sends.wait()
 
 
-@torch.library.custom_op("funcshard::reduce_sections_start", mutates_args=())
-def reduce_sections_start(
+@torch.library.custom_op("funcshard::reduce_scatter_sections_start", mutates_args=())
+def reduce_scatter_sections_start(
     x: torch.Tensor,
     after: torch.Tensor | None,
     group_size: int,
     group_name: str,
     other: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Starts :func:`reduce_sections`; returns its ticket, a one-element int64 tensor that
-    :func:`reduce_sections_wait` redeems (not read: ``after``, the previous reduce's wait;
+    """Starts :func:`reduce_scatter_sections`; returns its ticket, a one-element int64 tensor that
+    :func:`reduce_scatter_sections_wait` redeems (not read: ``after``, the previous reduce's wait;
     ``other``, the previous gather's start where one comes between the two reduces)."""
     del after, other
     group = _resolve_process_group(group_name)
@@ -286,7 +286,7 @@ def reduce_sections_start(
     return torch.tensor([ticket], dtype=torch.int64)
 
 
-@reduce_sections_start.register_fake
+@reduce_scatter_sections_start.register_fake
 def _(
     x: torch.Tensor,  # noqa: ARG001
     after: torch.Tensor | None,  # noqa: ARG001
@@ -297,8 +297,8 @@ def _(
     return torch.empty(1, dtype=torch.int64)
 
 
-@torch.library.custom_op("funcshard::reduce_sections_wait", mutates_args=())
-def reduce_sections_wait(
+@torch.library.custom_op("funcshard::reduce_scatter_sections_wait", mutates_args=())
+def reduce_scatter_sections_wait(
     ticket: torch.Tensor, x: torch.Tensor, group_size: int, summed: bool = True
 ) -> torch.Tensor:
     """The section of the reduce that gave ``ticket`` (``x``, its input, is an input here too
@@ -309,13 +309,13 @@ def reduce_sections_wait(
     return reducing.wait() if summed else reducing.sections()
 
 
-@reduce_sections_wait.register_fake
+@reduce_scatter_sections_wait.register_fake
 def _(ticket: torch.Tensor, x: torch.Tensor, group_size: int, summed: bool = True) -> torch.Tensor:  # noqa: ARG001
     return x.new_empty(x.numel() // group_size if summed else x.numel())
 
 
-@torch.library.custom_op("funcshard::reduce_sections", mutates_args=())
-def reduce_sections(
+@torch.library.custom_op("funcshard::reduce_scatter_sections", mutates_args=())
+def reduce_scatter_sections(
     x: torch.Tensor,
     after: torch.Tensor | None,
     group_size: int,
@@ -339,7 +339,7 @@ def reduce_sections(
     return reduce_by_sends(x.contiguous(), group)
 
 
-@reduce_sections.register_fake
+@reduce_scatter_sections.register_fake
 def _(
     x: torch.Tensor,
     after: torch.Tensor | None,  # noqa: ARG001
@@ -366,9 +366,9 @@ _TICKETS = itertools.count()
 ALL_GATHER_SECTIONS = torch.ops.funcshard.all_gather_sections.default
 ALL_GATHER_SECTIONS_START = torch.ops.funcshard.all_gather_sections_start.default
 ALL_GATHER_SECTIONS_WAIT = torch.ops.funcshard.all_gather_sections_wait.default
-REDUCE_SECTIONS = torch.ops.funcshard.reduce_sections.default
-REDUCE_SECTIONS_START = torch.ops.funcshard.reduce_sections_start.default
-REDUCE_SECTIONS_WAIT = torch.ops.funcshard.reduce_sections_wait.default
+REDUCE_SCATTER_SECTIONS = torch.ops.funcshard.reduce_scatter_sections.default
+REDUCE_SCATTER_SECTIONS_START = torch.ops.funcshard.reduce_scatter_sections_start.default
+REDUCE_SCATTER_SECTIONS_WAIT = torch.ops.funcshard.reduce_scatter_sections_wait.default
 
 
 @torch.library.custom_op("funcshard::graph_collectives", mutates_args=())

@@ -15,7 +15,7 @@ is this rank's reduced shard. On CPU the two take the eager step's gloo forms, c
 eagerly: on a gloo group the gather is
 :func:`funcshard.distributed.graph_ops.all_gather_sections` (each peer's section received in
 place; gloo's functional all-gather copies it twice), and on CPU the reduce-scatter is
-:func:`funcshard.distributed.graph_ops.reduce_sections` (each rank's section sent to it and
+:func:`funcshard.distributed.graph_ops.reduce_scatter_sections` (each rank's section sent to it and
 summed as the eager wire sums its all-to-all: gloo's reduce-scatter is an all-reduce, twice
 the bytes).
 AOTAutograd splits the result into one forward and one backward graph, collectives inside
@@ -208,7 +208,7 @@ def _reduced(x: torch.Tensor, group, S: int, wire: GradWire) -> torch.Tensor:
         if S == 1:
             return x
         if reduces_by_all_to_all(x.device):  # as the eager RingWire sums it
-            return graph_ops.reduce_sections(x, None, S, group)  # chained: units/schedule
+            return graph_ops.reduce_scatter_sections(x, None, S, group)  # chained: units/schedule
         return funcol.reduce_scatter_tensor(x, "sum", 0, group)
     if S == 1:
         return x
@@ -226,7 +226,7 @@ def _exchanged(x: torch.Tensor, S: int, group) -> torch.Tensor:
     """An all-to-all of ``x``'s rank sections; on a CPU gloo group by sends in the reduces'
     chain (inductor put a functional one where each rank's own costs said: a deadlock)."""
     if reduces_by_all_to_all(x.device):
-        return graph_ops.reduce_sections(x, None, S, group, False)
+        return graph_ops.reduce_scatter_sections(x, None, S, group, False)
     return funcol.all_to_all_single(x, None, None, group)
 
 

@@ -2,7 +2,7 @@
 gloo group).
 
 :func:`funcshard.step.units.prefetch.overlap_reduces` splits each bucket's reduce into a start
-(``funcshard::reduce_sections_start``: the sections sent, the peers' posted for) and a wait
+(``funcshard::reduce_scatter_sections_start``: the sections sent, the peers' posted for) and a wait
 (the sum, once they have arrived), each start taking the previous reduce's wait as an input
 it does not read, so that every rank issues the reduces in one order. Left to inductor, both
 go to the end of the backward graph: its peak-memory ordering
@@ -34,8 +34,8 @@ from funcshard.distributed.graph_ops import (
     ALL_GATHER_SECTIONS_START,
     ALL_GATHER_SECTIONS_WAIT,
     GRAPH_COLLECTIVES,
-    REDUCE_SECTIONS_START,
-    REDUCE_SECTIONS_WAIT,
+    REDUCE_SCATTER_SECTIONS_START,
+    REDUCE_SCATTER_SECTIONS_WAIT,
 )
 
 __all__ = ["place_comms", "place_mark", "place_starts"]
@@ -69,7 +69,10 @@ def place_starts(order: list[Any]) -> list[Any]:
         _ops(order, ALL_GATHER_SECTIONS_START),
         _ops(order, ALL_GATHER_SECTIONS_WAIT),
     )
-    r_starts, r_waits = _ops(order, REDUCE_SECTIONS_START), _ops(order, REDUCE_SECTIONS_WAIT)
+    r_starts, r_waits = (
+        _ops(order, REDUCE_SCATTER_SECTIONS_START),
+        _ops(order, REDUCE_SCATTER_SECTIONS_WAIT),
+    )
     if len(g_starts) != len(g_waits) or len(r_starts) != len(r_waits):
         return order
     turns = [(s, g_waits[j - 1], _place_gather) for j, s in enumerate(g_starts) if j]

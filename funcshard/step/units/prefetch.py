@@ -24,11 +24,12 @@ shard, kept alive until the sends are done. ``gathered_peak`` counts a bucket fr
 as eager's does; the bucket in flight is one more, as in eager.
 
 :func:`overlap_reduces` does the same for the backward graph's reduces by sends
-(``funcshard::reduce_sections``): each becomes ``reduce_sections_start`` where it was and
-``reduce_sections_wait`` just before the reduce's first reader or the next reduce, each
-start taking the previous wait as its ``after``. Where inductor's schedule runs them is
-:mod:`funcshard.step.units.comm_order`'s to say (its peak-memory ordering would put every
-start and wait at the graph's tail), installed with the post-grad pass by :func:`installed`.
+(``funcshard::reduce_scatter_sections``): each becomes ``reduce_scatter_sections_start``
+where it was and ``reduce_scatter_sections_wait`` just before the reduce's first reader or
+the next reduce, each start taking the previous wait as its ``after``. Where inductor's
+schedule runs them is :mod:`funcshard.step.units.comm_order`'s to say (its peak-memory
+ordering would put every start and wait at the graph's tail), installed with the post-grad
+pass by :func:`installed`.
 
 :func:`order_kinds` then ties the two chains into one order: each start whose previous start
 in the graph is of the other kind takes that start as an input it does not read, so that
@@ -62,9 +63,9 @@ from funcshard.distributed.graph_ops import (
     ALL_GATHER_SECTIONS_START,
     ALL_GATHER_SECTIONS_WAIT,
     GRAPH_COLLECTIVES,
-    REDUCE_SECTIONS,
-    REDUCE_SECTIONS_START,
-    REDUCE_SECTIONS_WAIT,
+    REDUCE_SCATTER_SECTIONS,
+    REDUCE_SCATTER_SECTIONS_START,
+    REDUCE_SCATTER_SECTIONS_WAIT,
 )
 from funcshard.step.units.comm_order import place_comms, place_mark
 
@@ -108,18 +109,18 @@ def overlap_reduces(graph: fx.Graph) -> int:
     wait, just before the reduce's first user or the next reduce's start (module docstring;
     :mod:`funcshard.step.units.comm_order` places them in inductor's schedule). Returns
     how many it split."""
-    reduces = [n for n in graph.nodes if n.target is REDUCE_SECTIONS]
+    reduces = [n for n in graph.nodes if n.target is REDUCE_SCATTER_SECTIONS]
     order = {n: i for i, n in enumerate(graph.nodes)}
     previous: fx.Node | None = None
     for i, reduce in enumerate(reduces):
         x, _, size, name, *summed = reduce.args  # summed: a narrow wire's exchange if False
         summed += [reduce.kwargs["summed"]] if "summed" in reduce.kwargs else []
         with graph.inserting_before(reduce):
-            start = graph.call_function(REDUCE_SECTIONS_START, (x, previous, size, name))
+            start = graph.call_function(REDUCE_SCATTER_SECTIONS_START, (x, previous, size, name))
         start.meta["val"] = reduce.meta["val"].new_empty(1, dtype=torch.int64)
         then = min([*reduce.users, *reduces[i + 1 : i + 2]], key=order.__getitem__)
         with graph.inserting_before(then):
-            wait = graph.call_function(REDUCE_SECTIONS_WAIT, (start, x, size, *summed))
+            wait = graph.call_function(REDUCE_SCATTER_SECTIONS_WAIT, (start, x, size, *summed))
         wait.meta.update({k: v for k, v in reduce.meta.items() if k in _META})
         reduce.replace_all_uses_with(wait)
         graph.erase_node(reduce)
@@ -133,7 +134,7 @@ def order_kinds(graph: fx.Graph) -> int:
     input it does not read: every rank then starts its gathers and reduces in one order, the
     graph's, as each kind's chain orders its own (module docstring). Returns how many it
     tied."""
-    kinds = (ALL_GATHER_SECTIONS_START, REDUCE_SECTIONS_START)
+    kinds = (ALL_GATHER_SECTIONS_START, REDUCE_SCATTER_SECTIONS_START)
     starts = [n for n in graph.nodes if n.target in kinds]
     tied = 0
     for previous, start in zip(starts, starts[1:], strict=False):
@@ -167,7 +168,7 @@ def mark_collectives(graph: fx.Graph) -> fx.Node | None:
 
 # each op by sends, by kind; where its ``after`` and its group's size and name are
 _GATHERS = (ALL_GATHER_SECTIONS_START, ALL_GATHER_SECTIONS)
-_REDUCES = (REDUCE_SECTIONS_START, REDUCE_SECTIONS)
+_REDUCES = (REDUCE_SCATTER_SECTIONS_START, REDUCE_SCATTER_SECTIONS)
 _AFTER = {ALL_GATHER_SECTIONS: 3, ALL_GATHER_SECTIONS_START: 1}
 _AFTER.update(dict.fromkeys(_REDUCES, 1))
 
@@ -189,9 +190,9 @@ def chain_collectives(graph: fx.Graph) -> int:
     ``after``, so that inductor's scheduler runs them in one order on every rank. Left to
     it, a rank of 2 rows and one of 30 ran a gather and a reduce in opposite orders, each
     blocked in its own (found by review). Returns how many it chained."""
-    ops = [n for n in graph.nodes if n.target in (ALL_GATHER_SECTIONS, REDUCE_SECTIONS)]
+    ops = [n for n in graph.nodes if n.target in (ALL_GATHER_SECTIONS, REDUCE_SCATTER_SECTIONS)]
     for previous, node in zip([None, *ops], ops, strict=False):
-        if node.target is REDUCE_SECTIONS:
+        if node.target is REDUCE_SCATTER_SECTIONS:
             node.update_arg(1, previous)
         else:
             node.update_arg(3, previous)

@@ -35,7 +35,7 @@ from torch._guards import CompileContext
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.checkpoint import CheckpointPolicy
 
-from funcshard.distributed.graph_ops import ALL_GATHER_SECTIONS, REDUCE_SECTIONS
+from funcshard.distributed.graph_ops import ALL_GATHER_SECTIONS, REDUCE_SCATTER_SECTIONS
 
 __all__ = [
     "Placed",
@@ -281,7 +281,7 @@ def _reduce_chain(scatter: fx.Node, backward: set[fx.Node]) -> set[fx.Node]:
         if all(u in chain for u in node.users):  # looked at again as each user joins
             chain.add(node)
             todo.extend(node.all_input_nodes)
-    if scatter.target is REDUCE_SECTIONS:  # returns when its sections have arrived
+    if scatter.target is REDUCE_SCATTER_SECTIONS:  # returns when its sections have arrived
         _after_wait(scatter, chain)
     for user in scatter.users:
         if user.target is WAIT:
@@ -418,10 +418,10 @@ def _account(
 
 
 def _chain_reduces(graph: fx.Graph) -> None:
-    """Each reduce by sends (:data:`REDUCE_SECTIONS`) takes the one before it in ``graph``
+    """Each reduce by sends (:data:`REDUCE_SCATTER_SECTIONS`) takes the one before it in ``graph``
     as its ``after``: the compiler keeps their order, the same on every rank (it may order
     two unchained ones by a rank's own shapes, and gloo matches a pair's sends in order)."""
-    reduces = [n for n in graph.nodes if n.target is REDUCE_SECTIONS]
+    reduces = [n for n in graph.nodes if n.target is REDUCE_SCATTER_SECTIONS]
     for previous, node in zip(reduces, reduces[1:], strict=False):
         node.update_arg(1, previous)
 
@@ -456,7 +456,7 @@ def place_collectives(
     if chains:
         _constants_before_use(graph)
     eager: set[fx.Node] = set()
-    scatters = (REDUCE_SCATTER, ALL_TO_ALL, REDUCE_SECTIONS)
+    scatters = (REDUCE_SCATTER, ALL_TO_ALL, REDUCE_SCATTER_SECTIONS)
     for scatter in [n for n in graph.nodes if n.target in scatters and n in backward]:
         eager |= _reduce_chain(scatter, backward)
     if eager:
