@@ -20,7 +20,9 @@ def init_worker(differs: str) -> str:
     bucket's size (no collective's size would tell), "extra" adds a parameter; other units,
     policy or offload fraction pack other buckets (gloo aborted: "collective mismatch");
     "mesh": rank 2 passes a mesh of 3 replicas, made on every rank (before, every rank
-    initialized and the first step's gathers waited on other groups)."""
+    initialized and the first step's gathers waited on other groups); "compile": rank 2
+    alone captures its step (aot_eager), "overlap": rank 2 alone turns inductor's overlap
+    passes off (before, every rank initialized and the first step's collectives waited)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     odd = rank == 2
@@ -39,6 +41,10 @@ def init_worker(differs: str) -> str:
         kw["policy"] = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     if odd and differs == "offload":
         kw["offload_fraction"] = 1.0
+    if differs == "compile":
+        kw["compile"] = "aot_eager" if odd else False
+    if differs == "overlap":
+        kw.update(compile="inductor", overlap=not odd)
     mesh = fs.make_mesh(device_type="cpu")
     if differs == "mesh":
         replicas = fs.make_mesh(replicate=3, device_type="cpu")  # a collective: every rank
@@ -59,13 +65,20 @@ def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
         ("policy", "rank 2 of the mesh asked for policy MixedPrecisionPolicy(param_dtype=torch.b"),
         ("offload", "rank 2 of the mesh asked for offload_fraction 1.0, rank 0 for 0.0"),
         ("mesh", "rank 2 of the mesh gave a mesh of replicate=3 x shard=1, rank 0 of replicate=1"),
+        ("compile", "rank 2 of the mesh asked for compile 'aot_eager', rank 0 for None"),
+        ("overlap", "rank 2 of the mesh asked for overlap False, rank 0 for True"),
     ):
         got = pool3.run(init_worker, differs)
         assert all(want in text for text in got), (differs, got)
     assert pool3.run(init_worker, "nothing") == ["initialized"] * 3
 
 
-BAD = {"none": {}, "units": {"units": ["nope"]}, "offload": {"offload_fraction": 3.0}}
+BAD = {
+    "none": {},
+    "units": {"units": ["nope"]},
+    "offload": {"offload_fraction": 3.0},
+    "overlap": {"compile": "aot_eager", "overlap": "no"},  # before: truthy, the passes on
+}
 
 
 def bad_input_worker(bad: str, tensor: int = 1) -> tuple[str, float]:
@@ -81,7 +94,7 @@ def bad_input_worker(bad: str, tensor: int = 1) -> tuple[str, float]:
     try:
         fs.init(model, fs.optim.sgd(0.1), mesh=mesh, **kw)
         text = "initialized"
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         text = str(error)
     finally:
         faulthandler.cancel_dump_traceback_later()
@@ -94,10 +107,12 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank(pool3) -> None:
     for bad, own in (
         ("units", "units: no submodule named ['nope'] in Sequential"),
         ("offload", "offload_fraction must lie in [0, 1], got 3.0"),
+        ("overlap", "init: overlap must be True or False; got 'no'"),
     ):
         (t0, s0), (t1, s1), (t2, s2) = pool3.run(bad_input_worker, bad)
+        kind = "TypeError" if bad == "overlap" else "ValueError"
         assert t1 == own, (bad, t1)
-        assert t0 == t2 == f"init failed on rank 1: ValueError: {own}", (bad, t0, t2)
+        assert t0 == t2 == f"init failed on rank 1: {kind}: {own}", (bad, t0, t2)
         assert max(s0, s1, s2) < 30, (bad, s0, s1, s2)
     assert [t for t, _ in pool3.run(bad_input_worker, "none")] == ["initialized"] * 3
 

@@ -1,22 +1,22 @@
 """Every rank of a layout's mesh built the same model: checked once, at ``fs.init``.
 
 A rank whose model differs (a config read per rank, a sequence length taken from that rank's
-data) may pack other shapes into buckets of the same sizes: the step's gathers and
-reduce-scatters would then pair one rank's rows of a weight with another rank's rows of
-another weight, with no error. Where a size differs, gloo aborted a rank in the first step
-("collective mismatch"; a GPT whose position table was sized per rank); NCCL may hang.
+data) may pack other shapes into buckets of the same sizes: the step's gathers and reduce-
+scatters would then pair one rank's rows of a weight with another rank's rows of another
+weight, with no error. Where a size differs, gloo aborted a rank in the first step ("collective
+mismatch"; a GPT whose position table was sized per rank); NCCL may hang.
 :meth:`InitAgreement.check` compares one hash of the parameters' names, shapes and dtypes (and
 the settings that shape the step's collectives: strategy, outer strategy, units, policy,
-offload fraction, deterministic) and one of the mesh's shape across the mesh in one
-all-reduce; only where they differ does every rank send its lists, so that every rank raises
-the same :class:`ValueError` naming the first setting or parameter (or mesh) that differs and
-the rank. A rank given other units, another policy or offload fraction packs other buckets:
-gloo aborted in ``fs.init``'s first collectives or the first step ("collective mismatch"). A
-rank given a mesh of another shape (both meshes made on every rank before): with
-``make_mesh(replicate=2)`` where the others passed ``make_mesh()``, every rank initialized and
-the first step's gathers waited on other groups than its peers'; with ``make_mesh(tensor=2)``,
-``fs.init``'s check itself waited (that rank in a group's creation, the others in the
-exchange of their lists).
+offload fraction, deterministic, ``compile=``'s backend and overlap) and one of the mesh's
+shape across the mesh in one all-reduce; only where they differ does every rank send its lists,
+so that every rank raises the same :class:`ValueError` naming the first setting or parameter
+(or mesh) that differs and the rank. A rank given other units, another policy or offload
+fraction packs other buckets: gloo aborted in ``fs.init``'s first collectives or the first step
+("collective mismatch"). A rank given a mesh of another shape (both meshes made on every rank
+before): with ``make_mesh(replicate=2)`` where the others passed ``make_mesh()``, every rank
+initialized and the first step's gathers waited on other groups than its peers'; with
+``make_mesh(tensor=2)``, ``fs.init``'s check itself waited (that rank in a group's creation,
+the others in the exchange of their lists).
 
 That all-reduce is ``fs.init``'s one agreement (:class:`InitAgreement`): a rank whose own part
 of ``fs.init`` raised (``units=`` naming no module, ``offload_fraction=3.0``, an unknown
@@ -111,13 +111,14 @@ class InitAgreement:
             self.checked = True
             self._agree(0, f"{type(error).__name__}: {' '.join(str(error).split())}")
 
-    def check(self, layout: Layout, named: dict[str, torch.Tensor]) -> None:
+    def check(self, layout: Layout, named: dict[str, torch.Tensor], more: Settings = ()) -> None:
         """The block's last step: ValueError on every rank where a rank's block failed
         (naming it and its error) or where the data-parallel ranks' ``named`` params' names,
-        shapes or dtypes, or their settings (:func:`settings_of`), differ (module docstring).
+        shapes or dtypes, or their settings (:func:`settings_of`, then ``more``: settings
+        of the step not in the layout, ``compile=``'s), differ (module docstring).
         A tensor-parallel param's shape is its global one."""
         spec = spec_of({n: (tuple(p.shape), p.dtype) for n, p in named.items()})
-        settings = settings_of(layout)
+        settings = settings_of(layout) + tuple(more)
         h = _digest(spec, settings)
         together = self.group is not None and layout.mesh.size() == self._size  # compares too
         self.checked = True

@@ -45,6 +45,7 @@ __all__ = [
     "capture_refusal",
     "check_units",
     "compile_fn",
+    "compile_settings",
     "compiled_call",
     "compile_units",
     "model_of",
@@ -342,6 +343,30 @@ def backend_of(
             "compiled unit's fused kernels are the compiler's choice; pass one or the other"
         )
     return CudaGraphs() if cuda_graphs else backend
+
+
+def compile_settings(backend: Backend, overlap: bool) -> tuple[tuple[str, str], ...]:
+    """``fs.init``'s compile settings as every rank must share them (compared with the
+    layout's by :class:`~funcshard.layout.same_model.InitAgreement`): the backend (a callable
+    by its qualified name, the same on every rank) and whether inductor's overlap passes run.
+    Ranks that differ issue other collectives in the first step (a captured step beside an
+    eager one, inductor beside aot_eager, overlap on beside off): each waited there for its
+    peers until the process group's timeout.
+
+    Raises:
+      TypeError: ``overlap`` not a bool (a string such as "no" is truthy: it turned the
+        passes on).
+    """
+    if not isinstance(overlap, bool):
+        raise TypeError(f"init: overlap must be True or False; got {overlap!r}")
+    if backend is None or isinstance(backend, str):
+        name = repr(backend)
+    elif isinstance(backend, CudaGraphs):
+        name = f"{backend.backend!r} (cuda_graphs)"
+    else:
+        named = backend if hasattr(backend, "__qualname__") else type(backend)
+        name = f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
+    return (("compile", name), ("overlap", repr(overlap and by_inductor(backend))))
 
 
 def _known_backend(name: str) -> str:

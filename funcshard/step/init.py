@@ -35,7 +35,7 @@ from funcshard.state.buffers import ModelBuffers
 from funcshard.state.derive import derive_compute, pack_masters
 from funcshard.state.state import LossScale, Static, TrainState
 from funcshard.step import pipeline_init
-from funcshard.step.compiling import backend_of, check_units, unwrapped
+from funcshard.step.compiling import backend_of, check_units, compile_settings, unwrapped
 
 __all__ = ["init"]
 
@@ -140,7 +140,8 @@ def init(
         ``buffers`` neither "broadcast" nor "local"; ``context`` with ``compile``, or naming
         a buffer the model lacks; on every rank, where the ranks of the mesh built models of
         other parameter names, shapes or dtypes, or asked for other strategies, units,
-        policies, offload fractions or ``deterministic``, or gave meshes of other shapes
+        policies, offload fractions, ``deterministic``, ``compile=`` backends or (under
+        inductor) ``overlap``, or gave meshes of other shapes
         (naming the first setting or parameter that differs, or the mesh, and the rank:
         :mod:`funcshard.layout.same_model`); on every other rank of the mesh, where one
         rank raised any error before ``fs.init``'s collectives (a bad ``units=``,
@@ -151,7 +152,8 @@ def init(
         ``mesh=`` itself (no group to agree over yet) or a KeyboardInterrupt.
       TypeError: ``opt`` not an ``fs.optim`` optimizer; ``policy`` not a
         ``MixedPrecisionPolicy``; ``compile`` neither a bool, a backend name nor a
-        callable; a persistent buffer of a dtype no checkpoint holds (named, with its dtype).
+        callable; ``overlap`` not a bool; a persistent buffer of a dtype no checkpoint
+        holds (named, with its dtype).
       ImportError: ``fault_tolerance`` without torchft (``pip install "funcshard[ft]"``).
       TimeoutError: ``fault_tolerance``'s first quorum did not form in time (naming the
         replica group and the lighthouse); the group's torchft manager is shut down, as on
@@ -167,6 +169,7 @@ def init(
         backend = backend_of(
             compile, deterministic=deterministic, cuda_graphs=cuda_graphs, mesh=mesh
         )
+        settings = compile_settings(backend, overlap)  # compared by the agreement below
         if context is not None and backend is not None:
             raise ValueError("init: context parallel does not run under compile= yet")
         given, model = model, unwrapped(model)  # torch.compile(model): the plain model's names
@@ -189,7 +192,7 @@ def init(
         )
         check_units(given, layout, backend, overlap=overlap)
         bound = context_lib.bind(context, mesh, model)
-        agreement.check(layout, named)  # the one collective above; a rank that failed: named
+        agreement.check(layout, named, settings)  # the one collective above; a failure: named
     guard = fault_lib.guard_for(fault_tolerance, mesh_lib.local_device(mesh))
     with guard.shut_down_on_error():  # a failed fs.init leaves no manager asking for quorums
         static = Static(layout, opt, backend, guard, every, carried, bound, pipeline=run)
