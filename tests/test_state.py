@@ -201,6 +201,39 @@ def test_init_refuses_what_is_not_an_optimizer_or_a_policy() -> None:
         fs.init(models.make_model(), fs.optim.sgd(0.1), mesh=None, policy="bf16")
 
 
+def test_init_refuses_a_frozen_parameter_it_would_train() -> None:
+    """A parameter of requires_grad=False: before, every strategy trained it (SGD with
+    momentum moved a frozen block's weight by 0.045 in 3 steps), where torch's optimizers and
+    FSDP2 leave it; now fs.init names it and says how to keep it fixed."""
+    model = models.make_model()
+    model.blocks[0].fc.requires_grad_(False)
+    with pytest.raises(
+        ValueError, match=r"parameter 'blocks\.0\.fc\.weight' \(and 1 more\) has requires"
+    ):
+        fs.init(model, fs.optim.sgd(0.1), mesh=None)
+
+
+def frozen_by_label_worker() -> float:
+    """What fs.init's refusal of a frozen parameter says to do, done: the largest change of
+    the labelled leaves after two steps of SGD with momentum and weight decay (ZeRO-3)."""
+    model = models.make_model(seed=4)
+    opt = fs.optim.multi_transform(
+        {"train": fs.optim.sgd(0.5, momentum=0.9, weight_decay=0.1), "frozen": fs.optim.sgd(0.0)},
+        lambda name, shape: "frozen" if name.startswith("blocks.0.") else "train",
+    )
+    state = fs.init(model, opt, mesh=_mesh(), strategy="optim_grads_params")
+    before = {n: p.clone() for n, p in state.params.items()}
+    for step in range(2):
+        state, _ = fs.train_step(state, _batch(step), models.make_loss_fn(model))
+    moved = {n: float((p - before[n]).abs().max()) for n, p in state.params.items() if p.numel()}
+    assert moved["blocks.1.fc.weight"] > 0, moved  # the others trained
+    return max(v for n, v in moved.items() if n.startswith("blocks.0."))
+
+
+def test_a_zero_learning_rate_label_keeps_parameters_fixed(pool2) -> None:
+    assert pool2.run(frozen_by_label_worker) == [0.0, 0.0]
+
+
 def meta_worker() -> dict:
     with torch.device("meta"):
         model = models.make_model()

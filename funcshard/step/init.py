@@ -138,7 +138,9 @@ def init(
         ZeRO-2/3, a model compiled as a whole around its gather units (compile the units);
         ``fault_tolerance`` with an ``outer_strategy`` other than "no_shard" or a meta model;
         ``buffers`` neither "broadcast" nor "local"; ``context`` with ``compile``, or naming
-        a buffer the model lacks; on every rank, where the ranks of the mesh built models of
+        a buffer the model lacks; a parameter of ``requires_grad=False`` (named: the step
+        trains every parameter; freezing is a zero learning rate of its own label); on every
+        rank, where the ranks of the mesh built models of
         other parameter names, shapes or dtypes, or asked for other strategies, units,
         policies, offload fractions, ``deterministic``, ``compile=`` backends or (under
         inductor) ``overlap``, or gave meshes of other shapes
@@ -161,6 +163,7 @@ def init(
     """
     with InitAgreement(mesh) as agreement:  # what fails on one rank alone fails on every rank
         _check_types(opt, policy)
+        _check_trainable(unwrapped(model))
         every = replica_check.period(check_replicas_every)
         hfsdp = OuterStrategy.parse(outer_strategy).shards_optim and outer_strategy
         refused = dict(compile=compile, context=context, fault_tolerance=fault_tolerance)
@@ -220,6 +223,22 @@ def _check_types(opt: Any, policy: Any) -> None:
             f"init: policy must be an fs.MixedPrecisionPolicy or None, got "
             f"{type(policy).__name__} {policy!r} (e.g. fs.MixedPrecisionPolicy("
             "param_dtype=torch.bfloat16))"
+        )
+
+
+def _check_trainable(model: nn.Module) -> None:
+    """ValueError naming a parameter of ``requires_grad=False``: the step would train it (every
+    leaf of the state is trained; before, such a parameter moved under every strategy, where
+    torch's optimizers and FSDP2 leave it as it is)."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        more = f" (and {len(frozen) - 1} more)" if len(frozen) > 1 else ""
+        raise ValueError(
+            f"init: parameter {frozen[0]!r}{more} has requires_grad=False, and funcshard "
+            "trains every parameter of the model; to keep parameters fixed, give them a label "
+            "of their own with a learning rate of 0: fs.optim.multi_transform({'train': opt, "
+            "'frozen': fs.optim.sgd(0.0)}, labels) (their gradients still count in a clip's "
+            "norm), or hold them as buffers"
         )
 
 
