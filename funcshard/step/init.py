@@ -8,7 +8,7 @@ from them, the optimizer state initialized, and the state handed to its fault-to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -226,11 +226,13 @@ def _check_types(opt: Any, policy: Any) -> None:
         )
 
 
-def _check_trainable(model: nn.Module) -> None:
-    """ValueError naming a parameter of ``requires_grad=False``: the step would train it (every
-    leaf of the state is trained; before, such a parameter moved under every strategy, where
-    torch's optimizers and FSDP2 leave it as it is)."""
-    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+def _check_trainable(model: nn.Module | Sequence[nn.Module]) -> None:
+    """ValueError naming a parameter of ``requires_grad=False`` (of the model, or of a pipeline's
+    stages): the step would train it (every leaf of the state is trained; before, such a
+    parameter moved under every strategy, where torch's optimizers and FSDP2 leave it)."""
+    given = model if isinstance(model, (list, tuple)) else [model]
+    modules = [m for m in given if isinstance(m, nn.Module)]
+    frozen = [n for m in modules for n, p in m.named_parameters() if not p.requires_grad]
     if frozen:
         more = f" (and {len(frozen) - 1} more)" if len(frozen) > 1 else ""
         raise ValueError(
