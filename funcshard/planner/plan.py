@@ -431,9 +431,8 @@ def plan(
         gather each unit at its first use and drop it after its last). A bucket whose params
         the backward never reads (biases alone, as an optimizer's or the offload's split of a
         unit may leave) is planned re-gathered, as eager re-gathers it; the captured backward
-        does not, so there the plan's bytes and ``gathered_peak`` are the captured step's
-        upper bounds (a helper measured 59136 bytes against 61008 planned, a peak of 6240
-        against 9012: 3 ranks, offload 0.5). Inductor re-gathers too (docs/strategies.md);
+        does not: there the plan's bytes and ``gathered_peak`` are upper bounds of the
+        captured step's. Inductor re-gathers too (docs/strategies.md);
         with a param wire the captured step's ``gathered_peak`` counts the decoded params, as
         eager's and this plan's do.
 
