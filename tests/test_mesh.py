@@ -156,7 +156,7 @@ def _threads() -> dict[int, str]:
     for tid in os.listdir("/proc/self/task"):
         try:
             threads[int(tid)] = open(f"/proc/self/task/{tid}/comm").read().strip()
-        except FileNotFoundError:  # it ended while we looked
+        except OSError:  # it ended while we looked (ENOENT or ESRCH, by timing)
             pass
     return threads
 

@@ -86,9 +86,12 @@ def _tensorstore_nice() -> list[int]:
     """The nice values of tensorstore's worker threads (Linux)."""
     out = []
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().startswith("ts_pool"):
-                out.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("ts_pool"):
+                    out.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except OSError:  # it ended while we looked (ENOENT or ESRCH, by timing)
+            continue
     return out
 
 
