@@ -238,6 +238,16 @@ def refusals_worker() -> list[str]:
                 models.train(state, model, [0], rows=ROWS)
             except ValueError as e:
                 errors.append(f"{strategy} {when}: {e}")
+
+    def my_failing_backend(gm, example_inputs):  # noqa: ARG001
+        raise RuntimeError("the backend of my own failed")
+
+    model = models.make_model(n_blocks=BLOCKS)
+    state = fs.init(model, fs.optim.sgd(0.1), mesh=mesh, compile=my_failing_backend)
+    try:
+        models.train(state, model, [0], rows=ROWS)
+    except Exception as e:  # noqa: BLE001 (torch's BackendCompilerFailed)
+        errors.append(f"{type(e).__name__}: {e}")
     return errors
 
 
@@ -247,8 +257,14 @@ def test_compile_refusals(pool2):
     backend other than inductor, a ValueError; under ZeRO-2/3 a model compiled as a whole
     (its units' hooks inside the compiled region; in place or a torch.compile(model) wrapper) a
     ValueError at fs.init, or at the step when compiled after it, saying to compile the blocks
-    instead; a backend name torch.compile does not know (misspelt) a ValueError naming it."""
-    deterministic, bad, cpu_graphs, other_backend, misspelt, *whole = pool2.run(refusals_worker)[0]
+    instead; a backend name torch.compile does not know (misspelt) a ValueError naming it; a
+    backend callable that raises, an error at the step naming it."""
+    errors = pool2.run(refusals_worker)[0]
+    deterministic, bad, cpu_graphs, other_backend, misspelt, *whole, failing = errors
+    # a backend callable that raises is named in the error (not funcshard's wrapper of it)
+    assert failing.startswith("BackendCompilerFailed"), failing
+    assert "my_failing_backend" in failing and "the backend of my own failed" in failing, failing
+    assert "compile_graph" not in failing, failing
     assert misspelt.startswith("ValueError") and "'indcutor'" in misspelt, misspelt
     assert "not a torch.compile backend" in misspelt and "inductor" in misspelt, misspelt
     assert deterministic.startswith("ValueError") and "deterministic=True" in deterministic

@@ -160,3 +160,15 @@ def test_a_summed_leaf_of_another_shape_on_another_rank_is_named_on_every_rank(p
     for message in pool2.run(mismatch_worker, "ranks"):
         said = "fs.summed leaf 'rows' differs across the data-parallel ranks"
         assert f"{said} (rank 0: of shape (1,); rank 1: of shape (2,))" in message, message
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused_with_its_shape() -> None:
+    """A per-row loss left unreduced (a common slip) names its shape, not its values."""
+    from funcshard.step.units.losses import loss_and_aux
+
+    with pytest.raises(TypeError, match=r"got a tensor of shape \(4, 3\)"):
+        loss_and_aux((torch.ones(4, 3), {"n": 1}))
+    with pytest.raises(TypeError, match="got <class 'float'>"):
+        loss_and_aux(1.0)
+    loss, aux = loss_and_aux(torch.ones(1, 1))
+    assert loss.shape == () and aux is None

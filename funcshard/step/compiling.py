@@ -157,6 +157,9 @@ def _checked(
 
         return run
 
+    # named as the backend: dynamo's errors name the backend that raised by its __name__
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", None)
+    compile_graph.__name__ = compile_graph.__qualname__ = name or type(backend).__name__
     return compile_graph
 
 

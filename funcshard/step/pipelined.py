@@ -80,7 +80,12 @@ class LossWrap:
             try:
                 loss = self.loss_fn(output, target)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}")
+                    got = (
+                        f"a tensor of shape {tuple(loss.shape)}"
+                        if isinstance(loss, torch.Tensor)
+                        else type(loss)
+                    )
+                    raise TypeError(f"loss_fn must return a scalar tensor, got {got}")
                 self.losses.append(loss.detach())
                 return loss * self.factor
             except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)

@@ -21,7 +21,12 @@ def loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
     loss may be a DTensor (torch's ``loss_parallel``): its backward runs as a DTensor's."""
     loss, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"loss_fn must return a scalar tensor or (loss, aux); got {type(loss)}")
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss)
+        )
+        raise TypeError(f"loss_fn must return a scalar tensor or (loss, aux); got {got}")
     return loss.reshape(()), aux
 
 
