@@ -22,7 +22,8 @@ def init_worker(differs: str) -> str:
     "mesh": rank 2 passes a mesh of 3 replicas, made on every rank (before, every rank
     initialized and the first step's gathers waited on other groups); "compile": rank 2
     alone captures its step (aot_eager), "overlap": rank 2 alone turns inductor's overlap
-    passes off (before, every rank initialized and the first step's collectives waited)."""
+    passes off (before, every rank initialized and the first step's collectives waited);
+    "lambda": rank 2 alone gives another backend by a lambda of the same name."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     odd = rank == 2
@@ -45,6 +46,8 @@ def init_worker(differs: str) -> str:
         kw["compile"] = "aot_eager" if odd else False
     if differs == "overlap":
         kw.update(compile="inductor", overlap=not odd)
+    if differs == "lambda":  # one qualified name ("<lambda>"), two backends
+        kw["compile"] = _backend_lambdas()[odd]
     mesh = fs.make_mesh(device_type="cpu")
     if differs == "mesh":
         replicas = fs.make_mesh(replicate=3, device_type="cpu")  # a collective: every rank
@@ -54,6 +57,14 @@ def init_worker(differs: str) -> str:
     except ValueError as error:
         return str(error)
     return "initialized"
+
+
+def _backend_lambdas() -> tuple:
+    lookup = torch._dynamo.lookup_backend
+    return (
+        lambda gm, inputs: lookup("aot_eager")(gm, inputs),
+        lambda gm, inputs: lookup("eager")(gm, inputs),
+    )
 
 
 def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
@@ -67,6 +78,7 @@ def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
         ("mesh", "rank 2 of the mesh gave a mesh of replicate=3 x shard=1, rank 0 of replicate=1"),
         ("compile", "rank 2 of the mesh asked for compile 'aot_eager', rank 0 for None"),
         ("overlap", "rank 2 of the mesh asked for overlap False, rank 0 for True"),
+        ("lambda", "_backend_lambdas.<locals>.<lambda> (code "),
     ):
         got = pool3.run(init_worker, differs)
         assert all(want in text for text in got), (differs, got)
