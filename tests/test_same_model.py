@@ -5,6 +5,10 @@ weight with another's rows of another weight."""
 from __future__ import annotations
 
 import faulthandler
+import functools
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -78,7 +82,7 @@ def test_ranks_with_other_models_raise_on_every_rank(pool3) -> None:
         ("mesh", "rank 2 of the mesh gave a mesh of replicate=3 x shard=1, rank 0 of replicate=1"),
         ("compile", "rank 2 of the mesh asked for compile 'aot_eager', rank 0 for None"),
         ("overlap", "rank 2 of the mesh asked for overlap False, rank 0 for True"),
-        ("lambda", "_backend_lambdas.<locals>.<lambda> (code "),
+        ("lambda", "_backend_lambdas.<locals>.<lambda> (digest "),
     ):
         got = pool3.run(init_worker, differs)
         assert all(want in text for text in got), (differs, got)
@@ -170,3 +174,48 @@ def test_difference_names_the_first_parameter_that_differs() -> None:
     same = (("strategy", "'no_shard'"),)
     text = difference([(same, a), (same, a), (same, b)])
     assert "'w' is (2, 3) bfloat16 on rank 2 of the mesh and (2, 3) float32 on rank 0" in text
+
+
+def _compiler_a(gm, example_inputs):  # noqa: ARG001
+    return gm
+
+
+def _compiler_b(gm, example_inputs):  # noqa: ARG001
+    return gm.forward
+
+
+_SET_LAMBDA = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("digest", sys.argv[1])  # stdlib only: no torch
+digest = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(digest)
+print(digest.callable_digest(lambda gm, inputs: gm if inputs in {"alpha", "beta"} else 1.5))
+"""
+
+
+def test_backend_digests_tell_backends_of_one_name_apart_and_agree_across_processes() -> None:
+    """What fs.init's agreement compares of a callable backend: two ``aot_autograd``
+    backends (one type, other compilers) or two partials differ, the same one built twice
+    does not; a digest is the same in processes of other hash seeds (a set literal's order
+    follows its strings' hashes)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from funcshard.step import digest as digest_module
+    from funcshard.step.digest import callable_digest
+
+    a, b = aot_autograd(fw_compiler=_compiler_a), aot_autograd(fw_compiler=_compiler_b)
+    assert callable_digest(a) != callable_digest(b)
+    assert callable_digest(a) == callable_digest(aot_autograd(fw_compiler=_compiler_a))
+    one, two = functools.partial(_compiler_a, 1), functools.partial(_compiler_a, 2)
+    assert callable_digest(one) != callable_digest(two)
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", _SET_LAMBDA, digest_module.__file__],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(digests) == 1 and len(digests.pop().strip()) == 12, digests

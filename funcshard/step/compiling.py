@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import inspect
 import itertools
 import types
@@ -37,6 +36,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from funcshard.step.digest import callable_digest
 
 __all__ = [
     "Backend",
@@ -352,7 +353,8 @@ def backend_of(
 def compile_settings(backend: Backend, overlap: bool) -> tuple[tuple[str, str], ...]:
     """``fs.init``'s compile settings as every rank must share them (compared with the
     layout's by :class:`~funcshard.layout.same_model.InitAgreement`): the backend (a callable
-    by its qualified name, a function with a digest of its code: two lambdas share a name)
+    by its qualified name and :func:`~funcshard.step.digest.callable_digest`: two lambdas
+    share a name)
     and whether inductor's overlap passes run.
     Ranks that differ issue other collectives in the first step (a captured step beside an
     eager one, inductor beside aot_eager, overlap on beside off): each waited there for its
@@ -371,35 +373,8 @@ def compile_settings(backend: Backend, overlap: bool) -> tuple[tuple[str, str], 
     else:
         named = backend if hasattr(backend, "__qualname__") else type(backend)
         name = f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
-        if isinstance(backend, types.FunctionType):  # two lambdas share a qualified name
-            name += f" (code {_code_digest(backend.__code__, backend.__closure__)})"
+        name += f" (digest {callable_digest(backend)})"  # two lambdas share a name
     return (("compile", name), ("overlap", repr(overlap and by_inductor(backend))))
-
-
-def _code_digest(code: types.CodeType, closure: tuple | None = None) -> str:
-    """A digest of a function's code, the same in every process running the same source: its
-    bytecode, names and constants (a nested function's code by its own digest), and the
-    closure's values where they are plain (a str, a number), else their qualified names (a
-    function's, a class's) or types."""
-    plain = (str, int, float, bool, type(None))
-    parts = [code.co_code.hex(), repr(code.co_names), *map(_const, code.co_consts)]
-    for cell in closure or ():
-        value = cell.cell_contents
-        named = getattr(value, "__qualname__", None) or type(value).__qualname__
-        parts.append(repr(value) if isinstance(value, plain) else named)
-    return hashlib.sha1("\x00".join(parts).encode()).hexdigest()[:12]
-
-
-def _const(value: Any) -> str:
-    """A code constant as text, the same in every process (a frozenset's order follows its
-    strings' hashes, which differ from process to process)."""
-    if isinstance(value, types.CodeType):
-        return _code_digest(value)
-    if isinstance(value, tuple):
-        return f"({','.join(map(_const, value))})"
-    if isinstance(value, frozenset):
-        return f"{{{','.join(sorted(map(_const, value)))}}}"
-    return repr(value)
 
 
 def _known_backend(name: str) -> str:

@@ -1,0 +1,71 @@
+"""A digest of a compile backend given as a callable, the same in every process that runs the
+same source, so that ``fs.init``'s agreement tells two backends of one name apart (two
+lambdas, two ``aot_autograd(...)`` backends with other compilers, two partials)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import types
+from typing import Any
+
+__all__ = ["callable_digest"]
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def callable_digest(fn: Any) -> str:
+    """12 hex digits of ``fn``: a function's code and closure, a method's function, a
+    partial's function and arguments, another object's type and attributes; what they hold
+    by value where plain (a str, a number), by digest where callable, else by type."""
+    return hashlib.sha1(_text(fn, 0).encode()).hexdigest()[:12]
+
+
+def _text(value: Any, depth: int) -> str:
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if depth > 4:  # deep enough to tell backends apart; a cycle ends here
+        return _named(value)
+    d = depth + 1
+    if isinstance(value, types.FunctionType):
+        cells = [_text(c.cell_contents, d) for c in value.__closure__ or ()]
+        return "\x00".join([_code(value.__code__), *cells])
+    if isinstance(value, types.MethodType):
+        return _text(value.__func__, d)
+    if isinstance(value, functools.partial):
+        parts = [_text(value.func, d), *(_text(a, d) for a in value.args)]
+        return "\x00".join(parts + _items(value.keywords, d))
+    if isinstance(value, (tuple, list)):
+        return f"({','.join(_text(v, d) for v in value)})"
+    if isinstance(value, dict):
+        return "{" + ",".join(_items(value, d)) + "}"
+    attrs = getattr(value, "__dict__", None)
+    if callable(value) and isinstance(attrs, dict) and not isinstance(value, type):
+        return "\x00".join([_named(value), *_items(attrs, d)])
+    return _named(value)
+
+
+def _items(mapping: dict, depth: int) -> list[str]:
+    return sorted(f"{k}={_text(v, depth)}" for k, v in mapping.items())
+
+
+def _named(value: Any) -> str:
+    """A function's or class's qualified name, else its type's (never an address)."""
+    named = value if hasattr(value, "__qualname__") else type(value)
+    return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
+
+
+def _code(code: types.CodeType) -> str:
+    """A code object as text: its bytecode, names and constants (a frozenset's sorted: its
+    order follows its strings' hashes, which differ from process to process)."""
+    return "\x00".join([code.co_code.hex(), repr(code.co_names), *map(_const, code.co_consts)])
+
+
+def _const(value: Any) -> str:
+    if isinstance(value, types.CodeType):
+        return _code(value)
+    if isinstance(value, tuple):
+        return f"({','.join(map(_const, value))})"
+    if isinstance(value, frozenset):
+        return f"{{{','.join(sorted(map(_const, value)))}}}"
+    return repr(value)
