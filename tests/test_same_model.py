@@ -195,9 +195,9 @@ print(digest.callable_digest(lambda gm, inputs: gm if inputs in {"alpha", "beta"
 
 def test_backend_digests_tell_backends_of_one_name_apart_and_agree_across_processes() -> None:
     """What fs.init's agreement compares of a callable backend: two ``aot_autograd``
-    backends (one type, other compilers) or two partials differ, the same one built twice
-    does not; a digest is the same in processes of other hash seeds (a set literal's order
-    follows its strings' hashes)."""
+    backends (one type, other compilers) or partials of two functions differ, the same one
+    built twice, or given another rank, does not; a digest is the same in processes of
+    other hash seeds (a set literal's order follows its strings' hashes)."""
     from torch._dynamo.backends.common import aot_autograd
 
     from funcshard.step import digest as digest_module
@@ -206,8 +206,11 @@ def test_backend_digests_tell_backends_of_one_name_apart_and_agree_across_proces
     a, b = aot_autograd(fw_compiler=_compiler_a), aot_autograd(fw_compiler=_compiler_b)
     assert callable_digest(a) != callable_digest(b)
     assert callable_digest(a) == callable_digest(aot_autograd(fw_compiler=_compiler_a))
-    one, two = functools.partial(_compiler_a, 1), functools.partial(_compiler_a, 2)
+    one, two = functools.partial(_compiler_a, 1), functools.partial(_compiler_b, 1)
     assert callable_digest(one) != callable_digest(two)
+    # what may differ between ranks running one backend (a rank, a path) does not count
+    rank0, rank1 = functools.partial(_compiler_a, rank=0), functools.partial(_compiler_a, rank=1)
+    assert callable_digest(rank0) == callable_digest(rank1)
     digests = {
         subprocess.run(
             [sys.executable, "-c", _SET_LAMBDA, digest_module.__file__],

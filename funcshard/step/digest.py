@@ -1,6 +1,11 @@
 """A digest of a compile backend given as a callable, the same in every process that runs the
 same source, so that ``fs.init``'s agreement tells two backends of one name apart (two
-lambdas, two ``aot_autograd(...)`` backends with other compilers, two partials)."""
+lambdas, two ``aot_autograd(...)`` backends with other compilers, two partials of other
+functions).
+
+It reads code, not plain values: a backend may hold what differs between ranks that run
+the same backend (a rank, a log path), so a str or a number counts by its type only; the
+literals of a function's code count as written (every rank runs the same source)."""
 
 from __future__ import annotations
 
@@ -17,13 +22,13 @@ _PLAIN = (str, int, float, bool, type(None))
 def callable_digest(fn: Any) -> str:
     """12 hex digits of ``fn``: a function's code and closure, a method's function, a
     partial's function and arguments, another object's type and attributes; what they hold
-    by value where plain (a str, a number), by digest where callable, else by type."""
+    by digest where callable, else by type."""
     return hashlib.sha1(_text(fn, 0).encode()).hexdigest()[:12]
 
 
 def _text(value: Any, depth: int) -> str:
-    if isinstance(value, _PLAIN):
-        return repr(value)
+    if isinstance(value, _PLAIN):  # by type: a rank or a path may differ between ranks
+        return type(value).__name__
     if depth > 4:  # deep enough to tell backends apart; a cycle ends here
         return _named(value)
     d = depth + 1
