@@ -190,6 +190,10 @@ spec = importlib.util.spec_from_file_location("digest", sys.argv[1])  # stdlib o
 digest = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(digest)
 print(digest.callable_digest(lambda gm, inputs: gm if inputs in {"alpha", "beta"} else 1.5))
+def keyed():  # a table of targets keyed by a function, whose str holds its address
+    table = {(lambda x: x): "b"}
+    return lambda gm, inputs: table[gm]
+print(digest.callable_digest(keyed()))
 """
 
 
@@ -197,7 +201,8 @@ def test_backend_digests_tell_backends_of_one_name_apart_and_agree_across_proces
     """What fs.init's agreement compares of a callable backend: two ``aot_autograd``
     backends (one type, other compilers) or partials of two functions differ, the same one
     built twice, or given another rank, does not; a digest is the same in processes of
-    other hash seeds (a set literal's order follows its strings' hashes)."""
+    other hash seeds (a set literal's order follows its strings' hashes; a table keyed by a
+    function, whose ``str`` holds its address)."""
     from torch._dynamo.backends.common import aot_autograd
 
     from funcshard.step import digest as digest_module
@@ -221,4 +226,26 @@ def test_backend_digests_tell_backends_of_one_name_apart_and_agree_across_proces
         ).stdout
         for seed in ("1", "2", "3")
     }
-    assert len(digests) == 1 and len(digests.pop().strip()) == 12, digests
+    assert len(digests) == 1, digests
+    assert [len(line) for line in digests.pop().split()] == [12, 12]
+
+
+def test_backend_digests_count_held_backend_names_and_read_empty_cells() -> None:
+    """A backend holding a backend's name compiles with it: ``CompileCounterWithBackend``
+    of "aot_eager" and of "eager" differ (before, equal: both ranks initialized and the
+    first step waited until gloo's timeout); a closure over a variable assigned after the
+    backend is made (an empty cell) is read, not refused (before, ValueError in fs.init)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from funcshard.step.compiling import compile_settings
+
+    def held(name: str) -> str:
+        return compile_settings(CompileCounterWithBackend(name), False)[0][1]
+
+    assert held("aot_eager") != held("eager") and held("eager") == held("eager")
+
+    def backend(gm, example_inputs):  # noqa: ARG001
+        return later(gm)
+
+    assert "(digest " in compile_settings(backend, False)[0][1]
+    later = torch.compile  # noqa: F841 (assigned after the backend: its cell was empty)

@@ -354,8 +354,8 @@ def compile_settings(backend: Backend, overlap: bool) -> tuple[tuple[str, str], 
     """``fs.init``'s compile settings as every rank must share them (compared with the
     layout's by :class:`~funcshard.layout.same_model.InitAgreement`): the backend (a callable
     by its qualified name and :func:`~funcshard.step.digest.callable_digest`: two lambdas
-    share a name)
-    and whether inductor's overlap passes run.
+    share a name; a torch.compile backend's name it holds counts as written) and whether
+    inductor's overlap passes run.
     Ranks that differ issue other collectives in the first step (a captured step beside an
     eager one, inductor beside aot_eager, overlap on beside off): each waited there for its
     peers until the process group's timeout.
@@ -373,7 +373,8 @@ def compile_settings(backend: Backend, overlap: bool) -> tuple[tuple[str, str], 
     else:
         named = backend if hasattr(backend, "__qualname__") else type(backend)
         name = f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
-        name += f" (digest {callable_digest(backend)})"  # two lambdas share a name
+        known = frozenset(torch._dynamo.list_backends(exclude_tags=()))  # held names count
+        name += f" (digest {callable_digest(backend, known)})"  # two lambdas share a name
     return (("compile", name), ("overlap", repr(overlap and by_inductor(backend))))
 
 

@@ -5,7 +5,12 @@ functions).
 
 It reads code, not plain values: a backend may hold what differs between ranks that run
 the same backend (a rank, a log path), so a str or a number counts by its type only; the
-literals of a function's code count as written (every rank runs the same source)."""
+literals of a function's code count as written (every rank runs the same source), and so
+does a str that names a torch.compile backend (``names``: a backend that holds one, as torch's
+``CompileCounterWithBackend("aot_eager")`` does, compiles with it; two ranks holding
+"aot_eager" and "eager" initialized and waited in the first step's collectives). Not told
+apart: backends that differ only by a plain value other than a backend's name (a flag, a
+mode string), or by a global their code reads."""
 
 from __future__ import annotations
 
@@ -19,39 +24,60 @@ __all__ = ["callable_digest"]
 _PLAIN = (str, int, float, bool, type(None))
 
 
-def callable_digest(fn: Any) -> str:
+def callable_digest(fn: Any, names: frozenset[str] = frozenset()) -> str:
     """12 hex digits of ``fn``: a function's code and closure, a method's function, a
     partial's function and arguments, another object's type and attributes; what they hold
-    by digest where callable, else by type."""
-    return hashlib.sha1(_text(fn, 0).encode()).hexdigest()[:12]
+    by digest where callable, else by type (a str in ``names``, a backend's name, as
+    written)."""
+    return hashlib.sha1(_text(fn, 0, names).encode()).hexdigest()[:12]
 
 
-def _text(value: Any, depth: int) -> str:
+def _text(value: Any, depth: int, names: frozenset[str]) -> str:
     if isinstance(value, _PLAIN):  # by type: a rank or a path may differ between ranks
-        return type(value).__name__
+        return repr(value) if isinstance(value, str) and value in names else type(value).__name__
     if depth > 4:  # deep enough to tell backends apart; a cycle ends here
         return _named(value)
     d = depth + 1
     if isinstance(value, types.FunctionType):
-        cells = [_text(c.cell_contents, d) for c in value.__closure__ or ()]
+        cells = [_text(_contents(c), d, names) for c in value.__closure__ or ()]
         return "\x00".join([_code(value.__code__), *cells])
     if isinstance(value, types.MethodType):
-        return _text(value.__func__, d)
+        return _text(value.__func__, d, names)
     if isinstance(value, functools.partial):
-        parts = [_text(value.func, d), *(_text(a, d) for a in value.args)]
-        return "\x00".join(parts + _items(value.keywords, d))
+        parts = [_text(value.func, d, names), *(_text(a, d, names) for a in value.args)]
+        return "\x00".join(parts + _items(value.keywords, d, names))
     if isinstance(value, (tuple, list)):
-        return f"({','.join(_text(v, d) for v in value)})"
+        return f"({','.join(_text(v, d, names) for v in value)})"
     if isinstance(value, dict):
-        return "{" + ",".join(_items(value, d)) + "}"
+        return "{" + ",".join(_items(value, d, names)) + "}"
     attrs = getattr(value, "__dict__", None)
     if callable(value) and isinstance(attrs, dict) and not isinstance(value, type):
-        return "\x00".join([_named(value), *_items(attrs, d)])
+        return "\x00".join([_named(value), *_items(attrs, d, names)])
     return _named(value)
 
 
-def _items(mapping: dict, depth: int) -> list[str]:
-    return sorted(f"{k}={_text(v, depth)}" for k, v in mapping.items())
+def _contents(cell: types.CellType) -> Any:
+    """A closure cell's value; an empty one (a variable the enclosing function assigns after
+    making the backend, or never) as None: ``cell_contents`` raised ValueError in fs.init."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
+
+
+def _items(mapping: dict, depth: int, names: frozenset[str]) -> list[str]:
+    return sorted(f"{_key(k)}={_text(v, depth, names)}" for k, v in mapping.items())
+
+
+def _key(key: Any) -> str:
+    """A mapping's key as written where plain (a keyword, an attribute), else by name: a
+    function's ``str`` holds its address, which differs from process to process (a table
+    keyed by ``F.silu`` or ``torch.relu`` was refused on every run)."""
+    if isinstance(key, _PLAIN):
+        return str(key)
+    if isinstance(key, tuple):
+        return f"({','.join(map(_key, key))})"
+    return _named(key)
 
 
 def _named(value: Any) -> str:
