@@ -249,3 +249,26 @@ def test_backend_digests_count_held_backend_names_and_read_empty_cells() -> None
 
     assert "(digest " in compile_settings(backend, False)[0][1]
     later = torch.compile  # noqa: F841 (assigned after the backend: its cell was empty)
+
+
+class _PerRankBackend:
+    """A backend holding what differs between ranks running it: a table keyed by the rank, a
+    module with a hook (hooks are keyed by a process-wide count)."""
+
+    def __init__(self, rank: int, hooks: int) -> None:
+        self.by_rank = {rank: f"log_{rank}.txt"}
+        self.module = nn.Linear(2, 2)
+        for _ in range(hooks):
+            self.module.register_forward_hook(lambda *args: None)  # noqa: ARG005
+
+    def __call__(self, gm, example_inputs):  # noqa: ARG002
+        return gm
+
+
+def test_backend_digests_ignore_per_rank_keys() -> None:
+    """Plain keys other than a str count by type: a backend keyed by its rank, or holding a
+    module whose hook ids differ between processes, is the same backend on every rank."""
+    from funcshard.step.digest import callable_digest
+
+    _PerRankBackend(0, 0)  # moves the process-wide hook count
+    assert callable_digest(_PerRankBackend(0, 1)) == callable_digest(_PerRankBackend(1, 1))

@@ -70,11 +70,14 @@ def _items(mapping: dict, depth: int, names: frozenset[str]) -> list[str]:
 
 
 def _key(key: Any) -> str:
-    """A mapping's key as written where plain (a keyword, an attribute), else by name: a
-    function's ``str`` holds its address, which differs from process to process (a table
-    keyed by ``F.silu`` or ``torch.relu`` was refused on every run)."""
+    """A mapping's key: a str as written (a keyword, an attribute's name), another plain key
+    by type (a rank; a module's hooks are keyed by a process-wide handle count), else by
+    name: a function's ``str`` holds its address, which differs from process to process (a
+    table keyed by ``F.silu`` or ``torch.relu`` was refused on every run)."""
+    if isinstance(key, str):
+        return key
     if isinstance(key, _PLAIN):
-        return str(key)
+        return type(key).__name__
     if isinstance(key, tuple):
         return f"({','.join(map(_key, key))})"
     return _named(key)
