@@ -107,7 +107,11 @@ def test_a_step_raising_on_every_rank_in_differently_scheduled_graphs(pool2) -> 
     """1 row on rank 0, 1024 on rank 1: the two ranks' backward graphs order the raising op
     and the reduces differently. Fails without the drain: one rank waits for a reduce its
     peer never starts, or the retried step's messages pair with the failed step's (gloo
-    aborted a rank here)."""
+    aborted a rank here). The model's size keeps ZeRO-3's two schedules apart (measured): at
+    dim 37 (1 row against 4, 64, 148, 1024 or 8192) or with 4 blocks of 256 both ranks start
+    the same gathers and reduces before the raising op; at 6 blocks of 256 rank 1 starts one
+    gather and one reduce fewer. ZeRO-2's differ at 4 blocks of 256 and at dim 37 with 1 row
+    against 8192 (not against 4)."""
     for strategy in ("optim_grads", "optim_grads_params"):
         for r in pool2.run(failing_worker, (1, 1024), strategy):
             assert "disk full while logging gradients" in (r["error"] or ""), r
@@ -151,7 +155,8 @@ def overlap_off_worker(rows: tuple[int, ...]) -> dict:
 def test_whole_collectives_keep_one_order_with_overlap_off(pool2) -> None:
     """2 rows against 8: with ``overlap=False`` each rank's inductor ordered a blocking
     gather and a blocking reduce by its own shapes, opposite ways, each rank waiting in its
-    own (found by review at 2 against 30; a hang here, at both). Rank 1's microbatches are
+    own (found by review at 2 against 30; a hang here, at both; without the chain, no hang
+    at 8 against 6: microbatches of test_compile.py's 4 and 3 rows). Rank 1's microbatches are
     4 rows, as in test_compile.py's inductor tests: kernels inductor's cache has already.
     They are chained in the graph's order
     (``prefetch.chain_collectives``). Tolerance: fp32 sums in other orders, a few ulps of
