@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from funcshard.step.digest import callable_digest
+from funcshard.step.digest import callable_digest, qualified_name
 
 __all__ = [
     "Backend",
@@ -371,8 +371,7 @@ def compile_settings(backend: Backend, overlap: bool) -> tuple[tuple[str, str], 
     elif isinstance(backend, CudaGraphs):
         name = f"{backend.backend!r} (cuda_graphs)"
     else:
-        named = backend if hasattr(backend, "__qualname__") else type(backend)
-        name = f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
+        name = qualified_name(backend)
         known = frozenset(torch._dynamo.list_backends(exclude_tags=()))  # held names count
         name += f" (digest {callable_digest(backend, known)})"  # two lambdas share a name
     return (("compile", name), ("overlap", repr(overlap and by_inductor(backend))))

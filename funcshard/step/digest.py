@@ -19,7 +19,7 @@ import hashlib
 import types
 from typing import Any
 
-__all__ = ["callable_digest"]
+__all__ = ["callable_digest", "qualified_name"]
 
 _PLAIN = (str, int, float, bool, type(None))
 
@@ -36,7 +36,7 @@ def _text(value: Any, depth: int, names: frozenset[str]) -> str:
     if isinstance(value, _PLAIN):  # by type: a rank or a path may differ between ranks
         return repr(value) if isinstance(value, str) and value in names else type(value).__name__
     if depth > 4:  # deep enough to tell backends apart; a cycle ends here
-        return _named(value)
+        return qualified_name(value)
     d = depth + 1
     if isinstance(value, types.FunctionType):
         cells = [_text(_contents(c), d, names) for c in value.__closure__ or ()]
@@ -52,8 +52,8 @@ def _text(value: Any, depth: int, names: frozenset[str]) -> str:
         return "{" + ",".join(_items(value, d, names)) + "}"
     attrs = getattr(value, "__dict__", None)
     if callable(value) and isinstance(attrs, dict) and not isinstance(value, type):
-        return "\x00".join([_named(value), *_items(attrs, d, names)])
-    return _named(value)
+        return "\x00".join([qualified_name(value), *_items(attrs, d, names)])
+    return qualified_name(value)
 
 
 def _contents(cell: types.CellType) -> Any:
@@ -80,10 +80,10 @@ def _key(key: Any) -> str:
         return type(key).__name__
     if isinstance(key, tuple):
         return f"({','.join(map(_key, key))})"
-    return _named(key)
+    return qualified_name(key)
 
 
-def _named(value: Any) -> str:
+def qualified_name(value: Any) -> str:
     """A function's or class's qualified name, else its type's (never an address)."""
     named = value if hasattr(value, "__qualname__") else type(value)
     return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"

@@ -54,6 +54,7 @@ from funcshard.step.pipeline_regather import Regather
 from funcshard.step.pipeline_stage import StageModule, as_meta, propagate
 from funcshard.step.pipeline_torch_stage import CountingStage
 from funcshard.step.units.gather import Gatherer
+from funcshard.step.units.losses import described
 
 __all__ = ["PipelineRun", "StageModule", "CountingStage"]
 
@@ -80,12 +81,7 @@ class LossWrap:
             try:
                 loss = self.loss_fn(output, target)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    got = (
-                        f"a tensor of shape {tuple(loss.shape)}"
-                        if isinstance(loss, torch.Tensor)
-                        else type(loss)
-                    )
-                    raise TypeError(f"loss_fn must return a scalar tensor, got {got}")
+                    raise TypeError(f"loss_fn must return a scalar tensor, got {described(loss)}")
                 self.losses.append(loss.detach())
                 return loss * self.factor
             except Exception:  # noqa: BLE001 (every rank is told, at the step's agreement)

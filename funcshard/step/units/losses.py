@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from funcshard.step.summed import Summed
 
-__all__ = ["copied_out", "loss_and_aux", "reported", "dtensor_backward"]
+__all__ = ["copied_out", "described", "loss_and_aux", "reported", "dtensor_backward"]
 
 
 def loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
@@ -21,13 +21,18 @@ def loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
     loss may be a DTensor (torch's ``loss_parallel``): its backward runs as a DTensor's."""
     loss, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = (
-            f"a tensor of shape {tuple(loss.shape)}"
-            if isinstance(loss, torch.Tensor)
-            else type(loss)
+        raise TypeError(
+            f"loss_fn must return a scalar tensor or (loss, aux); got {described(loss)}"
         )
-        raise TypeError(f"loss_fn must return a scalar tensor or (loss, aux); got {got}")
     return loss.reshape(()), aux
+
+
+def described(loss: Any) -> str:
+    """What a loss that is not a scalar was, for an error: a tensor by its shape (its values
+    may be many), anything else by its type."""
+    if isinstance(loss, torch.Tensor):
+        return f"a tensor of shape {tuple(loss.shape)}"
+    return str(type(loss))
 
 
 def reported(loss: torch.Tensor) -> torch.Tensor:
