@@ -352,6 +352,33 @@ def test_init_from_env_joins_without_torchrun(tmp_path) -> None:
     assert _inits(tmp_path) == [("?", "?", "0", "2", "2"), ("?", "?", "1", "2", "2")]
 
 
+_EAGER_PROGRAM = """
+import sys, torch, funcshard as fs
+from torch import nn
+fs.init_from_env()
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=fs.make_mesh(),
+                strategy="optim_grads_params")
+loss_fn = lambda params, batch: fs.functional_call(model, params, (batch,)).square().mean()
+for _ in range(2):
+    state, _ = fs.train_step(state, torch.randn(5, 8), loss_fn)
+fs.full_params(state)
+print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))))
+"""
+
+
+def test_an_eager_program_never_imports_torchs_compiler() -> None:
+    """An eager program (fs.init, train_step, full_params) leaves torch's compiler unimported:
+    its import is 0.6 s of every process's start (each rank, each restart)."""
+    env = {**_job_env(shared=True), "MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1"}
+    env["MASTER_PORT"] = str(importlib.import_module("funcshard.distributed.launch").free_port())
+    out = subprocess.run(
+        [sys.executable, "-c", _EAGER_PROGRAM], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
 # --- exit: whatever the program keeps ------------------------------------------------------------
 _EXIT_JOB = os.path.join(os.path.dirname(_JOB), "_exit_job.py")
 EXIT_RUNS = int(os.environ.get("FUNCSHARD_EXIT_RUNS", "2"))  # a trial, not a measure

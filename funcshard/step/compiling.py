@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import sys
 import types
 import warnings
 import weakref
@@ -430,16 +431,23 @@ def unwrapped(model: Any) -> Any:
     wrapper stays what runs (``fs.functional_call(compiled, params, ...)`` swaps the params
     into the modules the two share, then calls the wrapper).
     """
-    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    while isinstance(model, _optimized_module()):
         model = model._orig_mod
     return model
+
+
+def _optimized_module() -> type | tuple[()]:
+    """torch.compile's module wrapper type; none (``()``) while torch's compiler was never
+    imported, as then no model can be wrapped: an eager program does not import it (0.6 s)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return () if dynamo is None else dynamo.eval_frame.OptimizedModule
 
 
 def compiled_around_units(model: nn.Module, prefixes: Iterable[str]) -> str | None:
     """The name of a module of ``model`` compiled as a whole that holds gather units
     (``model.compile()``, or a ``torch.compile(model)`` wrapper): "" for the model itself;
     None when no unit is inside a compiled region."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if isinstance(model, _optimized_module()):
         return ""
     prefixes = list(prefixes)
     for name, module in model.named_modules():

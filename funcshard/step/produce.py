@@ -27,7 +27,6 @@ from funcshard.step.compiling import Backend, capture_refusal
 from funcshard.step.functional import StepParams
 from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.units import UnitRun
-from funcshard.step.units.captured import CapturedGrads
 from funcshard.step.units.losses import dtensor_backward, loss_and_aux, reported
 
 __all__ = ["GradProducer", "ReplicatedGrads", "UnitGrads", "producer_for", "loss_and_aux"]
@@ -172,5 +171,8 @@ def producer_for(
             for b, m, c in zip(layout.buckets, master, compute, strict=True)
         ]
     if backend is not None and capture_refusal(layout) is None:
+        # imported here: the captured step brings torch's compiler (0.6 s an import)
+        from funcshard.step.units.captured import CapturedGrads
+
         return CapturedGrads(layout, compute, backend)
     return UnitGrads(layout, compute, backend)
