@@ -169,6 +169,64 @@ def test_a_unit_param_used_outside_its_unit_is_named(pool2, strategy: str) -> No
         assert "'blocks.1.fc.weight'" in e and "'blocks.1'" in e and "params[name]" in e, e
 
 
+class SharedLinear(torch.nn.Module):
+    """Three residual blocks, the first and the last running one Linear; with ``on_root`` the
+    Linear is also registered on the model itself, before the blocks (the root unit's)."""
+
+    def __init__(self, on_root: bool) -> None:
+        super().__init__()
+        shared = torch.nn.Linear(8, 8)
+        if on_root:
+            self.shared = shared
+        self.blocks = torch.nn.ModuleList(
+            [
+                torch.nn.Sequential(fc, torch.nn.Tanh())
+                for fc in (shared, torch.nn.Linear(8, 8), shared)
+            ]
+        )
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def shared_worker(on_root: bool) -> dict:
+    out = {}
+    for strategy in ("no_shard", "optim_grads_params"):
+        torch.manual_seed(0)
+        model = SharedLinear(on_root)
+        mesh = fs.make_mesh(device_type="cpu")
+        state = fs.init(model, fs.optim.sgd(0.1, momentum=0.9), mesh=mesh, strategy=strategy)
+
+        def loss_fn(params, b, model=model):
+            return fs.functional_call(model, params, (b,)).square().mean()
+
+        try:
+            for step in range(2):
+                batch = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+                state, _ = fs.train_step(state, batch[dist.get_rank() :: 2], loss_fn)
+            out[strategy] = fs.full_params(state)
+        except fs.UnitParamsError as e:
+            out[strategy] = str(e)
+    return out
+
+
+def test_a_param_tied_into_two_units_is_named_with_its_other_name(pool2) -> None:
+    """One Linear in blocks 0 and 2: ZeRO-3 gathers it with blocks.0 only, so block 2's use
+    is refused, naming the tied name and the two ways out (before, the error said to read
+    params[name] in loss_fn, which the user's code never did). Registered on the model
+    first (the root), it trains as no_shard does."""
+    for out in pool2.run(shared_worker, False):
+        e = out["optim_grads_params"]
+        assert "'blocks.0.0.weight'" in e and "'blocks.2.0.weight'" in e, e
+        assert "one unit" in e and "root" in e and "params[name]" not in e, e
+    for out in pool2.run(shared_worker, True):
+        for name, want in out["no_shard"].items():
+            torch.testing.assert_close(out["optim_grads_params"][name], want, rtol=1e-6, atol=1e-6)
+
+
 def backward_inside_worker(strategy: str) -> dict:
     torch.manual_seed(0)
     model = models.MLP()

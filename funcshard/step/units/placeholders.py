@@ -80,14 +80,28 @@ def _make(layout: Layout, names: list[str]) -> dict[str, Absent]:
                 "checkpointing); checkpoint units, or code inside them, instead"
             )
         else:
-            why = (
-                f"parameter {name!r} of unit {layout.units[spec.unit]!r} was used where "
-                f"that unit was not running: under {layout.strategy} a unit's params exist "
-                "only inside its forward (and its backward). Take a param outside of its "
-                "unit through params[name] in loss_fn"
-            )
+            why = _outside_its_unit(layout, name, layout.units[spec.unit])
         out[name] = Absent(spec.shape, spec.dtypes.compute, why)
     return out
+
+
+def _outside_its_unit(layout: Layout, name: str, unit: str) -> str:
+    """Why unit ``unit``'s parameter ``name`` was absent: read outside the unit, or (tied
+    into a module of another unit, e.g. one Linear in two blocks) used there."""
+    tied = [a for a in layout.aliases_of(name) if not a.startswith(unit + ".")]
+    if tied:
+        return (
+            f"parameter {name!r} of unit {unit!r} is tied into another module as {tied[0]!r} "
+            f"(one tensor under both names) and was used there while {unit!r} was not "
+            f"running: under {layout.strategy} a unit's params exist only inside its forward "
+            "(and its backward). Make the modules that share it one unit (fs.init(units=...)), "
+            "or register the shared module on the model itself before them (the root unit)"
+        )
+    return (
+        f"parameter {name!r} of unit {unit!r} was used where that unit was not running: "
+        f"under {layout.strategy} a unit's params exist only inside its forward (and its "
+        "backward). Take a param outside of its unit through params[name] in loss_fn"
+    )
 
 
 def read_in_capture(layout: Layout, name: str) -> UnitParamsError:
