@@ -63,7 +63,7 @@ def test_formula_by_strategy():
         "all_reduce": (30 + 7) * w,
         "all_gather": 0,
         "reduce_scatter": 0,
-        "metrics": 8 + 16,  # the loss and fs.summed's shape header (2 float64)
+        "metrics": 8 + 8 + 16,  # the loss, the batch's verdict, fs.summed's shape header
         "muon": 0,
         "buffers": 0,  # a table of shapes: no model, no buffers
     }
@@ -71,7 +71,7 @@ def test_formula_by_strategy():
         "reduce_scatter": Pp * w,
         "all_reduce": Pp // 4 * w,
         "all_gather": Pp * w,
-        "metrics": 16 + 16,
+        "metrics": 16 + 8 + 16,
         "muon": 0,
         "buffers": 0,
     }

@@ -208,6 +208,50 @@ def test_microbatch_split_errors_name_the_leaf() -> None:
     assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
 
 
+def ragged_worker(strategy: str, compile: str | None) -> dict:
+    """Steps 0 and 2 of 4 rows a rank, 2 microbatches; between them a ragged batch: 2 rows on
+    rank 0, 1 on rank 1. Beside it the same run without the ragged step."""
+    rank, out = dist.get_rank(), {}
+    for ragged in (True, False):
+        torch.manual_seed(0)
+        model = models.make_model()
+        mesh = fs.make_mesh(device_type="cpu")
+        opt = fs.optim.sgd(0.1, momentum=0.9)
+        state = fs.init(model, opt, mesh=mesh, strategy=strategy, compile=compile)
+        loss_fn = models.make_loss_fn(model)
+        state, _ = fs.train_step(
+            state, models.local_batch(models.global_batch(0, 8), rank, 2), loss_fn, 2
+        )
+        if ragged:
+            small = models.global_batch(1, 3)
+            mine = {k: v[:2] if rank == 0 else v[2:] for k, v in small.items()}
+            try:
+                fs.train_step(state, mine, loss_fn, 2)
+                out["error"] = None
+            except ValueError as e:
+                out["error"] = str(e)
+        state, _ = fs.train_step(
+            state, models.local_batch(models.global_batch(2, 8), rank, 2), loss_fn, 2
+        )
+        out[ragged] = fs.full_params(state)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("strategy", "compile"), [("optim_grads_params", None), ("optim_grads", "aot_eager")]
+)
+def test_a_batch_one_rank_cannot_split_raises_on_every_rank(pool2, strategy, compile) -> None:
+    """A ragged last batch: rank 1's single row cannot make 2 microbatches. Raised on that
+    rank alone, its peer waited in the step's first collective for ever (ZeRO-3: the gather;
+    captured: the reduce by sends). Now both raise, naming rank 1, and the state goes on as
+    if the step had not been asked for (bitwise)."""
+    for out in pool2.run(ragged_worker, strategy, compile):
+        assert out["error"] is not None and "rank 1: batch leaf" in out["error"], out["error"]
+        assert "1 rows cannot split into 2" in out["error"] and "rank 0" not in out["error"]
+        for name, want in out[False].items():
+            assert torch.equal(out[True][name], want), name
+
+
 def huge_gradient_worker(strategy: str) -> dict:
     mesh = fs.make_mesh(device_type="cpu")
     model = models.make_model()

@@ -225,7 +225,9 @@ def _add_metrics(layout: Layout, M: int, world: int, gathers: int, add) -> None:
     check, as :func:`_comm` counts them (``add(kind, count, size, axis)``)."""
     # the norm's sums run over the masters' group (every rank under HFSDP), then over "tensor"
     masters, axis, T = layout.shard_size, layout.shard_axis, layout.tensor.size
-    flag = int(T > 1 and not gathers)  # the batch check's verdict (pipelined: in its agreement)
+    # the batch's verdicts: split or refused, and the tensor group's check (pipelined: in its
+    # agreement)
+    flag = int(not gathers)
     if T > 1:  # its batch digests (3 words) and losses, all-gathered over "tensor"
         add("metrics", 1, T * 4 * _METRIC_BYTES, "tensor")
     if layout.deterministic:  # all-gathers: every chunk's loss, every row's sum of squares

@@ -13,6 +13,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
 from funcshard.comm import grads as grads_lib
 from funcshard.comm import params as params_lib
@@ -20,6 +21,7 @@ from funcshard.distributed import mesh as mesh_lib
 from funcshard.distributed import ops
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
+from funcshard.parallel.axis import BatchCheck
 from funcshard.state.replica_check import check_replicas
 from funcshard.state.state import LossScale, TrainState
 from funcshard.step import summed as summed_lib
@@ -48,6 +50,54 @@ def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
             )
     parts = [torch.tensor_split(leaf, microbatches) for leaf in leaves]
     return [optree.tree_unflatten(treedef, [p[i] for p in parts]) for i in range(microbatches)]
+
+
+# A refused batch's weight in the flag the step's loss carries over the world: above any
+# count of tensor groups whose batches were apart (the other flag summed there).
+_REFUSED = float(1 << 24)
+
+
+class _Split:
+    """This rank's microbatches, or where its batch has fewer rows than ``microbatches`` (a
+    ragged last batch) a stand-in: the whole batch as every microbatch. Raised at once, the
+    refusal left its peers waiting in the step's first gather or reduce by sends (point-to-
+    point messages, which gloo cannot see as mismatched). Run on the stand-in, this rank
+    meets each of the step's collectives; the refusal travels with the loss
+    (:meth:`flag`) and every rank raises it (:meth:`raise_if`) before anything is
+    donated or applied."""
+
+    def __init__(self, batch: Any, microbatches: int, check: BatchCheck) -> None:
+        self.check = check  # the model axis's check of the batch (a tensor group's)
+        self.why: str | None = None
+        if microbatches < 1:  # the same on every rank: raised at once
+            split_microbatches(batch, microbatches)
+        try:
+            self.parts = split_microbatches(batch, microbatches)
+        except ValueError as e:  # too few rows (a leaf without a batch dim: TypeError)
+            self.why = str(e)
+            self.parts = [batch] * microbatches
+
+    def flag(self, losses: list[torch.Tensor]) -> float:
+        """The check's flag (see :class:`~funcshard.parallel.axis.BatchCheck`) with this
+        rank's refusal added: what rides with the loss, summed over the world."""
+        other = self.check.flag(losses)
+        return (other or 0.0) + (_REFUSED if self.why is not None else 0.0)
+
+    def raise_if(self, flags: float, group: Any) -> None:
+        """ValueError on every rank of ``group`` where any rank refused its batch, naming
+        each with why (one all-gather of them, only then); else the check's verdict
+        (``flags``, the world's sum of :meth:`flag`)."""
+        if flags < _REFUSED:
+            self.check.raise_if(flags)
+            return
+        told: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(told, (dist.get_rank(), self.why), group=group)
+        lines = "; ".join(f"rank {rank}: {why}" for rank, why in told if why is not None)
+        raise ValueError(
+            f"train_step: a batch could not be split into microbatches ({lines}); every "
+            "rank raises it and nothing was applied (give every rank at least as many rows "
+            "as microbatches, e.g. drop a ragged last batch)"
+        )
 
 
 def _nonfinite_flags(layout: Layout, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -154,11 +204,11 @@ def _step(
     replicate = grads_lib.ReplicateAxis(layout, across=guard.across)
     # this rank's part of each sequence, loss_fn attending over the whole (before any collective)
     batch, loss_fn = state.context.apply(batch, loss_fn)
-    batch_check = layout.tensor.batch_check(batch, layout.device)  # before loss_fn sees it
+    # checked as passed, before loss_fn sees it; refusals raised below, on every rank
+    split = _Split(batch, microbatches, layout.tensor.batch_check(batch, layout.device))
     losses, aux, aux_sums = [], None, None
-    parts = split_microbatches(batch, microbatches)
-    for k, mb in enumerate(parts):
-        last = k == len(parts) - 1
+    for k, mb in enumerate(split.parts):
+        last = k == microbatches - 1
         sink = summed.sink(last=last, in_backward=producer.shard_reduced)
         loss, aux, grads = producer.microbatch(
             mb, loss_fn, scale, sink, replicate if last else None
@@ -177,8 +227,8 @@ def _step(
     finite = math.isfinite(norm)
     # the fs.summed leaves' shapes ride with the loss; their totals follow once all agree
     head = summed_lib.header(aux_sums, layout.device)
-    loss, apart, head = reduction.mean_loss(layout, losses, batch_check.flag(losses), head)
-    batch_check.raise_if(apart)  # on every rank, before anything is donated
+    loss, flags, head = reduction.mean_loss(layout, losses, split.flag(losses), head)
+    split.raise_if(flags, mesh_lib.world_group(layout.mesh))  # before anything is donated
     summed_lib.check_agreed(aux_sums, head, mesh_lib.world_group(layout.mesh))
     flat = summed_lib.flat_sums(aux_sums, layout.device)
     totals = None if flat is None else reduction.sum_over_world(layout, flat)
