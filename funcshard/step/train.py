@@ -27,7 +27,7 @@ from funcshard.state.state import LossScale, TrainState
 from funcshard.step import summed as summed_lib
 from funcshard.step import update as offload_lib
 from funcshard.step.produce import LossFn, producer_for
-from funcshard.step.reduction import reduction_of
+from funcshard.step.reduction import Reduction, reduction_of
 
 __all__ = ["train_step", "full_params", "split_microbatches"]
 
@@ -69,11 +69,11 @@ class _Split:
     def __init__(self, batch: Any, microbatches: int, check: BatchCheck) -> None:
         self.check = check  # the model axis's check of the batch (a tensor group's)
         self.why: str | None = None
-        if microbatches < 1:  # the same on every rank: raised at once
-            split_microbatches(batch, microbatches)
         try:
             self.parts = split_microbatches(batch, microbatches)
         except ValueError as e:  # too few rows (a leaf without a batch dim: TypeError)
+            if microbatches < 1:  # the same on every rank: raised at once
+                raise
             self.why = str(e)
             self.parts = [batch] * microbatches
 
@@ -228,11 +228,10 @@ def _step(
     # the fs.summed leaves' shapes ride with the loss; their totals follow once all agree
     head = summed_lib.header(aux_sums, layout.device)
     loss, flags, head = reduction.mean_loss(layout, losses, split.flag(losses), head)
-    split.raise_if(flags, mesh_lib.world_group(layout.mesh))  # before anything is donated
-    summed_lib.check_agreed(aux_sums, head, mesh_lib.world_group(layout.mesh))
-    flat = summed_lib.flat_sums(aux_sums, layout.device)
-    totals = None if flat is None else reduction.sum_over_world(layout, flat)
-    totals = guard.total(totals)  # and over the replica groups of a fault-tolerant step
+    world = mesh_lib.world_group(layout.mesh)
+    split.raise_if(flags, world)  # before anything is donated
+    summed_lib.check_agreed(aux_sums, head, world)
+    totals = _summed_totals(layout, reduction, guard, aux_sums)
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
     metrics = _metrics(loss, norm, new_ls, summed_lib.with_totals(aux, aux_sums, totals))
     committed = guard.end(state, metrics)
@@ -246,6 +245,16 @@ def _step(
         return donated.state(), metrics, False
     new = offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm)
     return new, metrics, True
+
+
+def _summed_totals(
+    layout: Layout, reduction: Reduction, guard: Any, aux_sums: Any
+) -> torch.Tensor | None:
+    """The step's ``fs.summed`` leaves summed over the world, and over the replica groups
+    of a fault-tolerant step; None where ``aux`` holds none."""
+    flat = summed_lib.flat_sums(aux_sums, layout.device)
+    totals = None if flat is None else reduction.sum_over_world(layout, flat)
+    return guard.total(totals)
 
 
 def _pipeline_step(
