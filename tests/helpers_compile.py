@@ -103,6 +103,8 @@ def edges_worker() -> dict:
     * "penalty": the same penalty read as ``params["head.weight"]``, scaled by a Python float
       that changes every step: captured ZeRO-3 against eager no_shard (the params' largest
       relative difference) and the forward graphs compiled after each step;
+    * "wrong_width": the error of a step, in that captured run, on a batch one column too
+      wide (type, message): the op's own error, not dynamo's report; the run goes on;
     * "graph_break" and "two_losses": :func:`_graph_break_runs`, :func:`_two_losses_runs`."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -155,6 +157,12 @@ def edges_worker() -> dict:
                 penalty = params["head.weight"].square().sum()
                 return F.cross_entropy(logits, b["y"]) + weight * penalty
 
+            if compile and step == 2:  # an op fails on fake tensors: nothing runs
+                wide = {**batch(step), "x": torch.cat([batch(step)["x"]] * 2, dim=1)}
+                try:
+                    fs.train_step(state, wide, penalized, microbatches=2)
+                except Exception as e:  # noqa: BLE001
+                    out["wrong_width"] = (type(e).__name__, str(e))
             state, _ = fs.train_step(state, batch(step), penalized, microbatches=2)
             if compile:
                 per_step.append(counts["forward"])

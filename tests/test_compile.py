@@ -523,7 +523,8 @@ def test_captured_edges(pool2):
     ZeRO-3 as under eager ZeRO-3 (UnitParamsError), instead of training on the model's
     initial weights; the same penalty read as params[name] trains as no_shard does, and a
     Python float in loss_fn that changes every step compiles the graphs once more (dynamo
-    makes the float symbolic at its first change), not once a step. A graph break in the
+    makes the float symbolic at its first change), not once a step; a batch too wide raises
+    the failing op's error, not dynamo's forty lines, and changes nothing. A graph break in the
     model (a print in a block) is warned of once, naming it, and trains as eager does
     (before: the graph resumed after the break took the state's params for the model's own
     and raised UnitParamsError)."""
@@ -536,7 +537,15 @@ def test_captured_edges(pool2):
         assert kind == "UnitParamsError" and "'head.weight'" in message, (strategy, error)
         if compiled:
             assert "params['head.weight']" in message, message
-    assert out["penalty"] < 1e-5, out["penalty"]
+    assert out["penalty"] < 1e-5, out["penalty"]  # a step on a batch too wide changed nothing
+    # it raised the op's own error, naming loss_fn's line and the batch: not dynamo's report
+    kind, message = out["wrong_width"]
+    assert (
+        kind == "RuntimeError"
+        and "models.py:" in message
+        and "in forward: h = self.inp(" in message
+    ), message
+    assert "x (2, 10)" in message and "Dynamo" not in message and len(message) < 500, message
     graphs = out["forward_graphs"]
     assert graphs[1] == graphs[-1] <= 2, graphs
     broken = out["graph_break"]  # a print in a block: warned once in 3 steps, trained right

@@ -92,6 +92,7 @@ from funcshard.step.units.losses import copied_out, dtensor_backward, loss_and_a
 from funcshard.step.units.mutation_order import mutation_renames_kept
 from funcshard.step.units.placeholders import UnitParamsError, read_in_capture
 from funcshard.step.units.schedule import Placed, compile_key, joint_pass
+from funcshard.step.units.traced import traced_error
 
 __all__ = ["CapturedGrads"]
 
@@ -465,6 +466,8 @@ class CapturedGrads:
                 loss, aux = step(loss_fn, self.buffers, carriers, batch)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             raise _unwrapped_error(e) from None
+        except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on fake tensors
+            raise traced_error(e, batch, self.backend) from None
         _warn_graph_breaks(layout, breaks)
         if layout.strategy.shards_params:
             _count(layout, "all_gather", buckets)
