@@ -1,11 +1,12 @@
 """An op that fails as dynamo traces the captured step, said as eager would say it.
 
-Dynamo runs each op of ``loss_fn`` on fake tensors before any graph runs; an op that cannot
+Dynamo runs each op of ``loss_fn`` on fake tensors before its graph runs; an op that cannot
 take its inputs (a batch of the wrong width) raises there, and dynamo reports it as a
 ``TorchRuntimeError`` of some forty lines: its explanation, a hint, a link and the frames.
 :func:`traced_error` turns it into the op's own error type and message, naming the user's
-line that called it and the batch's shapes, the way the eager step raises it. Nothing has
-run then: no collective, no update; the state passed is usable.
+line that called it and the batch's shapes, the way the eager step raises it. No update
+has run then (only a graph before a graph break may have: its gathers, on every rank whose
+batch is alike); ``train_step`` puts the buffers back and the state passed is usable.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def traced_error(e: Exception, batch: Any, backend: Any) -> Exception:
     name = backend if isinstance(backend, str) else getattr(backend, "__name__", None)
     return kind(
         f"{got['message']} (an op of loss_fn{_user_line(e)}, as "
-        f"compile={name or type(backend).__name__!r} traced "
-        f"it on this batch: {_shapes(batch)}; the op fails in an eager step too; nothing ran "
-        "and the state passed is usable)"
+        f"compile={name or type(backend).__name__!r} traced it on this batch: "
+        f"{_shapes(batch)}; the op fails in an eager step too; nothing was applied and the "
+        "state passed is usable)"
     )
