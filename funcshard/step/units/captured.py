@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -90,9 +89,9 @@ from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.units import prefetch
 from funcshard.step.units.losses import copied_out, dtensor_backward, loss_and_aux, reported
 from funcshard.step.units.mutation_order import mutation_renames_kept
-from funcshard.step.units.placeholders import UnitParamsError, read_in_capture
+from funcshard.step.units.placeholders import read_in_capture
 from funcshard.step.units.schedule import Placed, compile_key, joint_pass
-from funcshard.step.units.traced import traced_error
+from funcshard.step.units.traced import traced_error, unwrapped_error, warn_graph_breaks
 
 __all__ = ["CapturedGrads"]
 
@@ -381,48 +380,6 @@ def _compiling(layout: Layout, backend: Backend) -> contextlib.ExitStack:
     return stack
 
 
-# layouts whose captured step was warned of a graph break (once each), weak on the layout
-_BROKEN: weakref.WeakSet = weakref.WeakSet()
-
-
-def _first_lines(reason: str) -> str:
-    """A graph break's reason as dynamo counts it, cut to its title and explanation."""
-    lines = [line.strip() for line in reason.strip().splitlines()]
-    why = next((line for line in lines if line.startswith("Explanation:")), "")
-    return f"{lines[0]}: {why.removeprefix('Explanation: ')}" if why else lines[0]
-
-
-def _warn_graph_breaks(layout: Layout, before: dict[str, int]) -> None:
-    """Warns, once per layout, where dynamo broke the captured step's graph during a call
-    (``before``: its graph-break counters then), naming each reason: the graphs on either
-    side of a break are compiled apart, so the forward's params cross between them, and the
-    joint pass places each graph's collectives within it alone."""
-    counts = torch._dynamo.utils.counters["graph_break"]
-    new = {r: n - before.get(r, 0) for r, n in counts.items() if n > before.get(r, 0)}
-    if not new or layout in _BROKEN:
-        return
-    _BROKEN.add(layout)
-    short: dict[str, int] = {}
-    for reason, n in new.items():
-        short[_first_lines(reason)] = short.get(_first_lines(reason), 0) + n
-    reasons = "; ".join(f"{r} (x{n})" for r, n in short.items())
-    warnings.warn(
-        f"train_step: compile= captured the {layout.strategy} step in pieces: dynamo broke the "
-        f"graph inside loss_fn or the model, {sum(new.values())} time(s): {reasons}. Each "
-        "piece compiles on its own: the collectives of one piece do not overlap another's, "
-        "and ZeRO-3's params gathered before a break are kept for the backward past it. "
-        "Remove the break (a print, a .item(), data-dependent Python) to capture the step "
-        "whole; torch._dynamo.explain(fn)(...) lists each break. Warned once per state",
-        stacklevel=4,
-    )
-
-
-def _unwrapped_error(e: Exception) -> Exception:
-    """A backend's failure as dynamo reports it, or the UnitParamsError inside it."""
-    inner = getattr(e, "inner_exception", None)
-    return inner if isinstance(inner, UnitParamsError) else e
-
-
 class CapturedGrads:
     """ZeRO-2/3 with the microbatch in the compiled graphs (the module docstring)."""
 
@@ -432,6 +389,22 @@ class CapturedGrads:
         self.layout = layout
         self.buffers = tuple(buffers)
         self.backend = backend
+
+    def _call(self, step: Callable, placed: Placed, loss_fn: Callable, carriers, batch) -> Any:
+        """The compiled step's forward; an error dynamo wraps as the backend or the op raised
+        it (:mod:`funcshard.step.units.traced`)."""
+        try:
+            with (
+                torch._functorch.config.patch(
+                    joint_custom_pass=joint_pass(placed), enable_autograd_cache=False
+                ),
+                _compiling(self.layout, self.backend),
+            ):
+                return step(loss_fn, self.buffers, carriers, batch)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            raise unwrapped_error(e) from None
+        except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on fake tensors
+            raise traced_error(e, batch, self.backend) from None
 
     def microbatch(
         self,
@@ -456,19 +429,8 @@ class CapturedGrads:
         if replayed:  # a new microbatch: the last replay's outputs may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()
         breaks = dict(torch._dynamo.utils.counters["graph_break"])
-        try:
-            with (
-                torch._functorch.config.patch(
-                    joint_custom_pass=joint_pass(placed), enable_autograd_cache=False
-                ),
-                _compiling(layout, self.backend),
-            ):
-                loss, aux = step(loss_fn, self.buffers, carriers, batch)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            raise _unwrapped_error(e) from None
-        except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on fake tensors
-            raise traced_error(e, batch, self.backend) from None
-        _warn_graph_breaks(layout, breaks)
+        loss, aux = self._call(step, placed, loss_fn, carriers, batch)
+        warn_graph_breaks(layout, breaks)
         if layout.strategy.shards_params:
             _count(layout, "all_gather", buckets)
             _count_regathers(layout, placed)

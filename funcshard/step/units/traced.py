@@ -1,4 +1,9 @@
-"""An op that fails as dynamo traces the captured step, said as eager would say it.
+"""What dynamo reports of the captured step, said as the step would say it eagerly.
+
+* :func:`traced_error`: an op that fails as dynamo traces the step.
+* :func:`unwrapped_error`: a :class:`UnitParamsError` raised inside a backend (the check
+  that a graph reads no model parameter), out of dynamo's ``BackendCompilerFailed``.
+* :func:`warn_graph_breaks`: where dynamo broke the step's graph, warned once per state.
 
 Dynamo runs each op of ``loss_fn`` on fake tensors before its graph runs; an op that cannot
 take its inputs (a batch of the wrong width) raises there, and dynamo reports it as a
@@ -14,21 +19,25 @@ from __future__ import annotations
 import builtins
 import os
 import re
+import warnings
+import weakref
 from typing import Any
 
 import optree
 import torch
 
-__all__ = ["traced_error"]
+from funcshard.layout.layout import Layout
+from funcshard.step.units.placeholders import UnitParamsError
+
+__all__ = ["traced_error", "unwrapped_error", "warn_graph_breaks"]
 
 # "...: got RuntimeError('a and b must have same reduction dim, but got [4, s9] X [8, 16].')"
 _GOT = re.compile(r"got (?P<type>\w+)\((?P<q>['\"])(?P<message>.*)(?P=q)\)\s*$")
 # the packages whose frames are not the user's line
+_FUNCSHARD = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LIBRARIES = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in (torch, optree, __import__("funcshard"))
-    if m.__file__ is not None
-)
+    os.path.dirname(path) + os.sep for path in (torch.__file__, optree.__file__) if path
+) + (_FUNCSHARD + os.sep,)
 
 
 def _user_line(e: Exception) -> str:
@@ -70,3 +79,45 @@ def traced_error(e: Exception, batch: Any, backend: Any) -> Exception:
         f"{_shapes(batch)}; the op fails in an eager step too; nothing was applied and the "
         "state passed is usable)"
     )
+
+
+# layouts whose captured step was warned of a graph break (once each), weak on the layout
+_BROKEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def _first_lines(reason: str) -> str:
+    """A graph break's reason as dynamo counts it, cut to its title and explanation."""
+    lines = [line.strip() for line in reason.strip().splitlines()]
+    why = next((line for line in lines if line.startswith("Explanation:")), "")
+    return f"{lines[0]}: {why.removeprefix('Explanation: ')}" if why else lines[0]
+
+
+def warn_graph_breaks(layout: Layout, before: dict[str, int]) -> None:
+    """Warns, once per layout, where dynamo broke the captured step's graph during a call
+    (``before``: its graph-break counters then), naming each reason: the graphs on either
+    side of a break are compiled apart, so the forward's params cross between them, and the
+    joint pass places each graph's collectives within it alone."""
+    counts = torch._dynamo.utils.counters["graph_break"]
+    new = {r: n - before.get(r, 0) for r, n in counts.items() if n > before.get(r, 0)}
+    if not new or layout in _BROKEN:
+        return
+    _BROKEN.add(layout)
+    short: dict[str, int] = {}
+    for reason, n in new.items():
+        short[_first_lines(reason)] = short.get(_first_lines(reason), 0) + n
+    reasons = "; ".join(f"{r} (x{n})" for r, n in short.items())
+    warnings.warn(
+        f"train_step: compile= captured the {layout.strategy} step in pieces: dynamo broke the "
+        f"graph inside loss_fn or the model, {sum(new.values())} time(s): {reasons}. Each "
+        "piece compiles on its own: the collectives of one piece do not overlap another's, "
+        "and ZeRO-3's params gathered before a break are kept for the backward past it. "
+        "Remove the break (a print, a .item(), data-dependent Python) to capture the step "
+        "whole; torch._dynamo.explain(fn)(...) lists each break. Warned once per state",
+        stacklevel=4,
+    )
+
+
+def unwrapped_error(e: Exception) -> Exception:
+    """A backend's failure as dynamo reports it, or the UnitParamsError inside it."""
+    inner = getattr(e, "inner_exception", None)
+    return inner if isinstance(inner, UnitParamsError) else e
