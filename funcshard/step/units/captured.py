@@ -390,7 +390,14 @@ class CapturedGrads:
         self.buffers = tuple(buffers)
         self.backend = backend
 
-    def _call(self, step: Callable, placed: Placed, loss_fn: Callable, carriers, batch) -> Any:
+    def _call(
+        self,
+        step: Callable,
+        placed: Placed,
+        loss_fn: Callable,
+        carriers: list[torch.Tensor],
+        batch: Any,
+    ) -> Any:
         """The compiled step's forward; an error dynamo wraps as the backend or the op raised
         it (:mod:`funcshard.step.units.traced`)."""
         try:
