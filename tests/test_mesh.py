@@ -161,17 +161,22 @@ def _threads() -> dict[int, str]:
     return threads
 
 
-def exit_worker() -> dict:
+def _ports(n: int) -> list[int]:
+    """``n`` free ports of rank 0's, on every rank (the launcher's world carries them)."""
+    ports = [[free_port() for _ in range(n)] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(ports)
+    return ports[0]
+
+
+def exit_worker(port: int) -> dict:
     """A world of the job's own, a mesh, HFSDP's group and a collective, then the world
     destroyed as a job ends."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    port = [free_port() if rank == 0 else None]
-    dist.broadcast_object_list(port)
     dist.destroy_process_group()  # the launcher's world: the baseline is taken without one
     mesh_lib._free_groups_at_exit()
     gc.collect()
     before = _threads()  # the runner's own threads
-    init_process_group(rank, world, port[0], "gloo")
+    init_process_group(rank, world, port, "gloo")
     mesh = fs.make_mesh(shard=2, replicate=2, device_type="cpu")
     mesh_lib.master_group(mesh)
     out = collectives.all_gather(torch.ones(2), mesh_lib.axis_group(mesh, "shard"), axis="shard")
@@ -182,15 +187,31 @@ def exit_worker() -> dict:
     return {"before": before, "destroyed": destroyed, "at_exit": _threads()}
 
 
+def ends_worker(directory: str) -> dict:
+    """:func:`exit_worker`, then :func:`kept_worker` at 2x2 (HFSDP) in a third world: the
+    two 4-rank runs in one launch (a launch of 4 ranks is ~13 s of process starts on 2
+    cores)."""
+    rank, (exit_port, kept_port) = dist.get_rank(), _ports(2)
+    destroyed = exit_worker(exit_port)
+    init_process_group(rank, 4, kept_port, "gloo")
+    return {"destroyed": destroyed, "kept": kept_worker(directory, 2)}
+
+
+@pytest.fixture(scope="module")
+def ends(tmp_path_factory) -> list[dict]:
+    """Each rank's :func:`ends_worker` result."""
+    return fs.launch(ends_worker, str(tmp_path_factory.mktemp("ends")), nproc=4)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_no_gloo_thread_outlives_a_destroyed_world() -> None:
+def test_no_gloo_thread_outlives_a_destroyed_world(ends) -> None:
     """``destroy_process_group`` only unregisters the groups; the mesh cache held them and
     their gloo worker threads into interpreter finalization, where a worker freeing its last
     collective (its tensors' Python objects need the GIL) was ended inside a C++ destructor:
     "terminate called without an active exception" at about 1 exit in 10 of test_nodes' job.
     At exit the groups of a destroyed world are freed first: of the threads its world and
     funcshard started none is left, and the process's own (those before the world) all are."""
-    for r in fs.launch(exit_worker, nproc=4):
+    for r in (e["destroyed"] for e in ends):
         started = {t: name for t, name in r["destroyed"].items() if t not in r["before"]}
         assert "gloo_tcp_loop" in started.values(), r  # the groups' threads were there
         assert r["at_exit"] == r["before"], r  # exactly those are gone
@@ -225,14 +246,19 @@ def kept_worker(directory: str, replicate: int) -> dict:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 @pytest.mark.parametrize(("nproc", "replicate"), [(2, 1), (4, 2)], ids=["2", "2x2-hfsdp"])
 def test_no_gloo_thread_outlives_the_world_whatever_the_program_keeps(
-    tmp_path, nproc: int, replicate: int
+    request, tmp_path, nproc: int, replicate: int
 ) -> None:
     """A program that keeps the mesh, the state and a CheckpointManager in its globals (as
     README's loop does) still has every group funcshard made freed at exit, before the
     interpreter finalizes (see test_no_gloo_thread_outlives_a_destroyed_world): the holders
     drop the groups of a destroyed world, and no gloo thread is left (a checkpoint leaves
-    threads of its own, tensorstore's). test_launch.py runs such a script under torchrun."""
-    for r in fs.launch(kept_worker, str(tmp_path), replicate, nproc=nproc):
+    threads of its own, tensorstore's). test_launch.py runs such a script under torchrun.
+    2x2: the ranks of ``ends`` (after a world of their own, destroyed)."""
+    if nproc == 4:
+        results = [e["kept"] for e in request.getfixturevalue("ends")]
+    else:
+        results = fs.launch(kept_worker, str(tmp_path), replicate, nproc=nproc)
+    for r in results:
         gloo = {k: [n for n in v.values() if "gloo" in n] for k, v in r.items() if k != "kept"}
         assert len(gloo["destroyed"]) > len(gloo["before"]), r  # the groups' threads were there
         assert gloo["at_exit"] == [], r  # and are gone, the world's with them
