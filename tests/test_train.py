@@ -237,9 +237,11 @@ def _checkpoint(path: Path) -> dict:
         return mgr.restore(int(path.name))
 
 
-def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
+def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path, monkeypatch, pool_of):
     """2 ranks straight; 2 ranks to step 3, then 1 rank from its checkpoint: --grad_chunks
-    keeps G = 2 (1 then 2 microbatches) and --deterministic the bits."""
+    keeps G = 2 (1 then 2 microbatches) and --deterministic the bits. The run to step 3 is
+    on the pools' warm ranks (``_pool_train``: only its checkpoint and rows are read); the
+    straight run and the resumed one are the script's own processes (their logs are read)."""
     whole, split = tmp_path / "whole", tmp_path / "split"
     common = ["--steps=6", "--save_every=3", "--grad_chunks=2", "--deterministic", *TINY]
 
@@ -254,8 +256,10 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path):
     assert (whole / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     ckpt = f"--checkpoint_dir={split / 'ckpt'}"
-    b1 = _train(*common, "--nproc=2", "--stop_at=3", ckpt, f"--out_dir={split}")
-    assert b1.returncode == 0, b1.stderr[-4000:]
+    b1 = _pool_train(
+        [*common, "--nproc=2", "--stop_at=3", ckpt, f"--out_dir={split}"], monkeypatch, pool_of
+    )
+    assert b1["steps"] == 3, b1
     b2 = _train(*common, "--nproc=1", "--resume", ckpt, f"--out_dir={split}")
     assert b2.returncode == 0, b2.stderr[-4000:]
     assert "1 ranks x 2 microbatches" in b2.stderr and "resumed at step 3" in b2.stderr
