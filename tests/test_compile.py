@@ -911,3 +911,28 @@ def test_fp8_gradient_wire_under_inductor(pool2):
     params' scale, so 1e-2 of the largest param bounds it (4e-6 measured at 16 rows)."""
     for r in pool2.run(fp8_wire_worker):
         assert r["bytes"] and r["rel"] < 1e-2, r
+
+
+def test_traced_error_says_the_ops_error_where_dynamo_names_one():
+    """traced_error (the captured step's fake-tensor failures): the op's message and type (an
+    AssertionError of a meta check said as RuntimeError, as eager's kernel raises it), the
+    innermost user frame (a function dynamo resumed after a graph break by its own name), the
+    batch's shapes; dynamo's error itself where its text names no op error."""
+    import traceback
+
+    from funcshard.step.units.traced import traced_error
+
+    TorchRuntimeError = torch._dynamo.exc.TorchRuntimeError
+    why = "Explanation: Dynamo failed to run FX node with fake tensors: call_function f(): got "
+    stack = traceback.StackSummary.from_list(
+        [("train.py", 19, "torch_dynamo_resume_in_loss_fn_at_19", "return ce(out, y)")]
+    )
+    e = TorchRuntimeError(f"title\n  {why}AssertionError('got 2D')\n  Hint: ...", stack)
+    said = traced_error(e, {"y": torch.zeros(4, 2)}, "inductor")
+    assert type(said) is RuntimeError, type(said)
+    assert str(said).startswith("got 2D (an op of loss_fn at train.py:19 in loss_fn: return ")
+    assert "compile='inductor'" in str(said) and "y (4, 2)" in str(said), said
+    e = TorchRuntimeError(f"title\n  {why}IndexError(\"index 'x' out of range\")", stack)
+    assert type(traced_error(e, {}, "inductor")) is IndexError
+    other = TorchRuntimeError("Explanation: a data-dependent guard", stack)
+    assert traced_error(other, {}, "inductor") is other

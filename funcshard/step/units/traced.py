@@ -16,7 +16,6 @@ batch is alike); ``train_step`` puts the buffers back and the state passed is us
 
 from __future__ import annotations
 
-import builtins
 import os
 import re
 import warnings
@@ -33,6 +32,11 @@ __all__ = ["traced_error", "unwrapped_error", "warn_graph_breaks"]
 
 # "...: got RuntimeError('a and b must have same reduction dim, but got [4, s9] X [8, 16].')"
 _GOT = re.compile(r"got (?P<type>\w+)\((?P<q>['\"])(?P<message>.*)(?P=q)\)\s*$")
+# the op errors kept as their type; any other (an AssertionError of a meta check) is said as
+# RuntimeError, as eager's kernels raise it
+_KINDS = {k.__name__: k for k in (RuntimeError, ValueError, TypeError, IndexError)}
+# a function dynamo resumed after a graph break: "torch_dynamo_resume_in_loss_fn_at_19"
+_RESUMED = re.compile(r"^torch_dynamo_resume_in_(?P<name>.+)_at_\d+$")
 # the packages whose frames are not the user's line
 _FUNCSHARD = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LIBRARIES = tuple(
@@ -46,7 +50,8 @@ def _user_line(e: Exception) -> str:
     for frame in reversed(list(stack)):
         if not frame.filename.startswith(_LIBRARIES):
             code = f": {frame.line.strip()}" if frame.line else ""
-            return f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}{code}"
+            name = _RESUMED.sub(r"\g<name>", frame.name)
+            return f" at {os.path.basename(frame.filename)}:{frame.lineno} in {name}{code}"
     return ""
 
 
@@ -62,16 +67,16 @@ def _shapes(batch: Any) -> str:
 
 def traced_error(e: Exception, batch: Any, backend: Any) -> Exception:
     """``e`` (dynamo's TorchRuntimeError) as the error of the op that failed on fake
-    tensors: its type where it is a builtin exception, else RuntimeError; ``e`` itself where
-    dynamo's text names no such op error."""
+    tensors: its type where it is RuntimeError, ValueError, TypeError or IndexError, else
+    RuntimeError; ``e`` itself where dynamo's text names no such op error."""
     lines = [line.strip() for line in str(e).splitlines()]
     why = next((line for line in lines if line.startswith("Explanation:")), "")
     got = _GOT.search(why)
     if got is None:
         return e
-    kind = getattr(builtins, got["type"], None)
-    if not (isinstance(kind, type) and issubclass(kind, Exception)):
-        kind = RuntimeError
+    # an op's meta check may assert where its kernel raises RuntimeError: a bad input is not
+    # an assertion of funcshard's
+    kind = _KINDS.get(got["type"], RuntimeError)
     name = backend if isinstance(backend, str) else getattr(backend, "__name__", None)
     return kind(
         f"{got['message']} (an op of loss_fn{_user_line(e)}, as "
