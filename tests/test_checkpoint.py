@@ -511,6 +511,8 @@ def manager_worker(root: str) -> dict:
         if step == 4:
             gate.set()
         at[step] = _cpu(fs.full_params(state))
+        if step == 3:  # the save in flight (step 2's) looks write_arrays up as it writes:
+            mgr.wait()  # swapped before it has, it took the gate and waited out its 60 s
         mgr.saver.write_arrays = gated if step == 3 else real
         mgr.save(step, state)  # step 3 is written after step 4 updated the buffers in place
     mgr.wait()
