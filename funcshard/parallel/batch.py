@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from funcshard.distributed import ops
 
-__all__ = ["batch_fingerprint", "TensorBatchCheck"]
+__all__ = ["batch_fingerprint", "leaf_paths", "TensorBatchCheck"]
 
 
 class TensorBatchCheck:
@@ -102,6 +102,12 @@ class TensorBatchCheck:
 _CHUNK = 1 << 17  # int64 words a fingerprint reads at a time: its scratch is one MiB at most
 
 
+def leaf_paths(batch: Any) -> list[str]:
+    """Each leaf of ``batch`` named by its path, as the step's errors name a batch leaf
+    ("x", "inputs/0"; "<batch>" for a batch that is one tensor)."""
+    return ["/".join(map(str, p)) or "<batch>" for p in optree.tree_paths(batch)]
+
+
 def batch_fingerprint(batch: Any, device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
     """``(paths, fingerprint)``: per batch leaf (by its path), three int64 that change with
     any change of its bytes, shape or dtype: a CRC of shape and dtype, the sum of its bytes
@@ -120,7 +126,7 @@ def batch_fingerprint(batch: Any, device: torch.device) -> tuple[tuple[str, ...]
         split would.
     """
     leaves = optree.tree_leaves(batch)
-    paths = tuple("/".join(map(str, p)) or "<batch>" for p in optree.tree_paths(batch))
+    paths = tuple(leaf_paths(batch))
     rows = []
     for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, torch.Tensor):

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from funcshard.distributed import mesh as mesh_lib
 from funcshard.parallel import attention as attention_lib
 from funcshard.parallel.attention import Chunks
+from funcshard.parallel.batch import leaf_paths
 
 __all__ = ["ContextParallel", "ContextGroup", "NO_CONTEXT", "bind", "ALGORITHMS"]
 
@@ -155,7 +156,7 @@ class ContextGroup:
         length = self._seq_len(batch)
         if self.size == 1:
             return batch, loss_fn
-        paths = _paths(batch)
+        paths = leaf_paths(batch)
         leaves, treedef = optree.tree_flatten(batch)
         parts = [
             self._part(leaf, self.cp.seq_dims[path]) if path in self.cp.seq_dims else leaf
@@ -170,7 +171,7 @@ class ContextGroup:
         return local, attending
 
     def _seq_len(self, batch: Any) -> int:
-        leaves = dict(zip(_paths(batch), optree.tree_leaves(batch), strict=True))
+        leaves = dict(zip(leaf_paths(batch), optree.tree_leaves(batch), strict=True))
         lengths = {}
         for path, dim in self.cp.seq_dims.items():
             leaf = leaves.get(path)
@@ -336,10 +337,6 @@ def _check_parts(qkv: tuple[torch.Tensor, ...], local: int, algorithm: str) -> N
             f"ContextParallel: attention's value head dim {v.shape[3]} differs from the "
             f"query's {q.shape[3]}: not supported by algorithm='ring' (all_to_all takes it)"
         )
-
-
-def _paths(tree: Any) -> list[str]:
-    return ["/".join(map(str, p)) or "<batch>" for p in optree.tree_paths(tree)]
 
 
 def _is_t(x: Any) -> bool:

@@ -22,6 +22,7 @@ from funcshard.distributed import ops
 from funcshard.layout import sharding as shard_lib
 from funcshard.layout.layout import Layout
 from funcshard.parallel.axis import BatchCheck
+from funcshard.parallel.batch import leaf_paths
 from funcshard.state.replica_check import check_replicas
 from funcshard.state.state import LossScale, TrainState
 from funcshard.step import summed as summed_lib
@@ -37,8 +38,7 @@ def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     leaves, treedef = optree.tree_flatten(batch)
-    for path, leaf in zip(optree.tree_paths(batch), leaves, strict=True):
-        path = "/".join(map(str, path)) or "<batch>"
+    for path, leaf in zip(leaf_paths(batch), leaves, strict=True):
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             raise TypeError(
                 f"batch leaf {path!r}: expected a tensor with a batch dim, got {leaf!r}"

@@ -26,6 +26,7 @@ import optree
 import torch
 
 from funcshard.layout.layout import Layout
+from funcshard.parallel.batch import leaf_paths
 from funcshard.step.units.placeholders import UnitParamsError
 
 __all__ = ["traced_error", "unwrapped_error", "warn_graph_breaks"]
@@ -56,22 +57,26 @@ def _user_line(e: Exception) -> str:
 
 
 def _shapes(batch: Any) -> str:
-    paths = optree.tree_paths(batch)
     leaves = optree.tree_leaves(batch)
     return ", ".join(
-        f"{'/'.join(map(str, p)) or '<batch>'} {tuple(x.shape)}"
-        for p, x in zip(paths, leaves, strict=True)
+        f"{path} {tuple(x.shape)}"
+        for path, x in zip(leaf_paths(batch), leaves, strict=True)
         if isinstance(x, torch.Tensor)
     )
+
+
+def _explanation(text: str) -> str:
+    """The "Explanation:" line of dynamo's report, without its label ("" if none)."""
+    lines = (line.strip() for line in text.splitlines())
+    why = next((line for line in lines if line.startswith("Explanation:")), "")
+    return why.removeprefix("Explanation: ")
 
 
 def traced_error(e: Exception, batch: Any, backend: Any) -> Exception:
     """``e`` (dynamo's TorchRuntimeError) as the error of the op that failed on fake
     tensors: its type where it is RuntimeError, ValueError, TypeError or IndexError, else
     RuntimeError; ``e`` itself where dynamo's text names no such op error."""
-    lines = [line.strip() for line in str(e).splitlines()]
-    why = next((line for line in lines if line.startswith("Explanation:")), "")
-    got = _GOT.search(why)
+    got = _GOT.search(_explanation(str(e)))
     if got is None:
         return e
     # an op's meta check may assert where its kernel raises RuntimeError: a bad input is not
@@ -92,9 +97,8 @@ _BROKEN: weakref.WeakSet = weakref.WeakSet()
 
 def _first_lines(reason: str) -> str:
     """A graph break's reason as dynamo counts it, cut to its title and explanation."""
-    lines = [line.strip() for line in reason.strip().splitlines()]
-    why = next((line for line in lines if line.startswith("Explanation:")), "")
-    return f"{lines[0]}: {why.removeprefix('Explanation: ')}" if why else lines[0]
+    title, why = reason.strip().splitlines()[0].strip(), _explanation(reason)
+    return f"{title}: {why}" if why else title
 
 
 def warn_graph_breaks(layout: Layout, before: dict[str, int]) -> None:
