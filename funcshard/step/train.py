@@ -235,16 +235,31 @@ def _step(
     new_ls = _next_loss_scale(ls, finite, layout.policy.loss_scale_growth_interval)
     metrics = _metrics(loss, norm, new_ls, summed_lib.with_totals(aux, aux_sums, totals))
     committed = guard.end(state, metrics)
-    donated = state.donate("train_step")
     if not finite:
         metrics["nonfinite_params"] = _nonfinite_leaves(layout, grads)
-    if not committed:  # the input's values, loss scale included
-        return donated.state(), metrics, False
+    new, applied = _apply(state, grads, norm, new_ls, committed=committed, finite=finite)
+    return new, metrics, applied
+
+
+def _apply(
+    state: TrainState,
+    grads: list[torch.Tensor],
+    norm: float,
+    new_ls: LossScale | None,
+    *,
+    committed: bool,
+    finite: bool,
+) -> tuple[TrainState, bool]:
+    """Donates ``state`` and returns the step's result, and whether the update was applied:
+    the input's values (loss scale included) where the step was not committed, only the new
+    loss scale where the gradient was not finite, else the optimizer's update."""
+    donated = state.donate("train_step")
+    if not committed:
+        return donated.state(), False
     donated = donated.replace(loss_scale=new_ls)
-    if not finite:  # nothing but the loss scale changes
-        return donated.state(), metrics, False
-    new = offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm)
-    return new, metrics, True
+    if not finite:
+        return donated.state(), False
+    return offload_lib.apply_update(donated, tuple(grads), threads=None, grad_norm=norm), True
 
 
 def _summed_totals(
