@@ -139,6 +139,7 @@ def timeline_worker(root: str) -> dict:
         state = mgr.restore(2, like=fresh())
         _, saved = _run(mgr, state, model, [9])
     kept = sorted(os.listdir(os.path.join(root, f"local-{dist.get_rank() // 2}")))
+    dist.barrier()  # listed before a peer's next manager writes its probe there
     with _manager(root, "C", persistent_every=2) as mgr:
         restored = mgr.restore(like=fresh())
     return {"step": restored.step, "bitwise": _equal(_values(restored), saved[3]), "kept": kept}
