@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 __all__ = ["GPT", "GPTConfig", "GroupedExperts", "MoE", "tensor_plan"]
 
@@ -142,6 +141,9 @@ def tensor_plan() -> dict:
     """Each block's tensor-parallel plan (torchtitan's Llama plan, for ``parallelize_module``
     on ``mesh["tensor"]``): attention heads and the MLP's hidden units split colwise into,
     rowwise out of, each block; embeddings, norms and the head stay replicated."""
+    # DTensor's import (most of a second) only in a run with a tensor axis
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     return {
         "q": ColwiseParallel(),
         "k": ColwiseParallel(),

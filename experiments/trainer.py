@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from absl import logging
-from torch.distributed.tensor.parallel import parallelize_module
 
 import funcshard as fs
 from experiments import data as data_lib
@@ -484,6 +483,8 @@ def run(
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(dataclasses.replace(cfg.model, vocab=source.vocab)).to(device)
+    if cfg.tensor > 1 or cfg.expert > 1:  # DTensor's import (most of a second) only then
+        from torch.distributed.tensor.parallel import parallelize_module
     if cfg.tensor > 1:
         for block in model.blocks:
             parallelize_module(block, mesh["tensor"], tensor_plan())

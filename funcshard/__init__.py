@@ -13,7 +13,6 @@ from funcshard.layout.sharding import shard
 from funcshard.layout.strategy import OuterStrategy, Strategy
 from funcshard.parallel import pipeline
 from funcshard.parallel.context import ContextParallel
-from funcshard.parallel.experts import ExpertParallel
 from funcshard.parallel.pipeline import Pipeline
 from funcshard.planner.experts import Routing
 from funcshard.planner.plan import plan
@@ -67,3 +66,13 @@ __all__ = [
     "train_step",
     "tree",
 ]
+
+
+def __getattr__(name: str):
+    """``fs.ExpertParallel``, imported at its first use: a torch ``ParallelStyle``, whose
+    import (DTensor's) takes most of a second that a program without experts never needs."""
+    if name == "ExpertParallel":
+        from funcshard.parallel.experts import ExpertParallel
+
+        return ExpertParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

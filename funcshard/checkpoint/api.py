@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
 from funcshard.checkpoint import buffers as buffers_lib
-from funcshard.checkpoint import checksums, hf, matching, pipelined, reading, storage
-from funcshard.checkpoint import dcp as dcp_lib
+from funcshard.checkpoint import checksums, hf, matching, pipelined, reading, sources, storage
 from funcshard.checkpoint import safetensors as st
 from funcshard.checkpoint.agreement import Agreement
 from funcshard.checkpoint.commit import Saver
@@ -41,12 +41,18 @@ def save(
     Saver(chunk_bytes=chunk_bytes).save(directory, state)
 
 
-def open_source(path: str) -> Source:
-    """The reader for the checkpoint at ``path``: Hugging Face safetensors, DCP or Orbax."""
+def open_source(path: str, names: Sequence[str] = ()) -> Source:
+    """The reader for the checkpoint at ``path``: Hugging Face safetensors, DCP or Orbax
+    (``names``: the target's parameter names, a DCP state's choice between its FQNs as they
+    are and under ``model.``)."""
     if st.is_safetensors(path):
         return hf.SafetensorsSource(path)
-    if dcp_lib.is_dcp(path):
-        return dcp_lib.DCPSource(path)
+    if sources.is_dcp(path):  # torch's DCP (DTensor with it: most of a second) for DCP only
+        from funcshard.checkpoint import dcp
+
+        source = dcp.DCPSource(path)
+        source.align(names)
+        return source
     return OrbaxSource(path)
 
 
@@ -111,11 +117,9 @@ def restore(
                 f"restore: {path} holds no committed checkpoint (no {COMMIT_FILE}: a save "
                 "that never finished, or nothing)"
             )
-        source = open_source(path)
+        source = open_source(path, like.layout.names)
         if isinstance(source, OrbaxSource) and source.checksums is None:
             checksums.warn_unverified(path)
-        if isinstance(source, dcp_lib.DCPSource):
-            source.align(like.layout.names)
         problems, keymap = matching.match(like, source, model_only, others=other_params)
         buffer_reads, bad_buffers = buffers_lib.buffer_reads(like, source, others=other_buffers)
         if problems or bad_buffers:

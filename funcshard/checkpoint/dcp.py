@@ -33,17 +33,12 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from funcshard.checkpoint import stats
 from funcshard.checkpoint import storage as storage_lib
 from funcshard.checkpoint.format import Keys
-from funcshard.checkpoint.sources import ReadRequest
+from funcshard.checkpoint.sources import DCP_METADATA_FILE, ReadRequest, is_dcp
 
 __all__ = ["DCPSource", "is_dcp", "save_streaming", "METADATA_FILE"]
 
-METADATA_FILE = ".metadata"  # DCP's own name for it
+METADATA_FILE = DCP_METADATA_FILE
 _NOT_MODEL = ("optimizer.", "optim.", "lr_scheduler.", "dataloader.", "train_state.")
-
-
-def is_dcp(path: str) -> bool:
-    """A directory DCP wrote (it holds DCP's ``.metadata``)."""
-    return storage_lib.exists(os.path.join(path, METADATA_FILE))
 
 
 def read_metadata(path: str) -> Metadata:

@@ -10,16 +10,26 @@ memory (here).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from funcshard.checkpoint import storage
 from funcshard.checkpoint.format import (
     Keys,
 )
 
-__all__ = ["ReadRequest", "Source", "DictSource", "copy_rows"]
+__all__ = ["ReadRequest", "Source", "DictSource", "copy_rows", "is_dcp", "DCP_METADATA_FILE"]
+
+DCP_METADATA_FILE = ".metadata"  # DCP's own name for its index
+
+
+def is_dcp(path: str) -> bool:
+    """A directory DCP wrote (it holds DCP's ``.metadata``): read by ``dcp.DCPSource``, a
+    module imported only then (torch's DCP brings DTensor, most of a second)."""
+    return storage.exists(os.path.join(path, DCP_METADATA_FILE))
 
 
 class ReadRequest(NamedTuple):

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
+from funcshard.distributed import dtensor as dt
 from funcshard.distributed import mesh as mesh_lib
 from funcshard.distributed import ops
 from funcshard.distributed.dims import EXPERT
@@ -44,7 +44,10 @@ class ExpertLeaf:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dim: int = 0
-    placement: Shard = Shard(0)
+
+    @property
+    def placement(self) -> dt.Shard:
+        return dt.Shard(0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -142,10 +145,10 @@ class ExpertAxis:
         leaf = self.experts.get(name)
         if leaf is None:
             return self.inner.wrap(name, local)
-        return DTensor.from_local(
+        return dt.DTensor.from_local(
             local,
             self.mesh,
-            (Shard(0),),
+            (dt.Shard(0),),
             run_check=False,
             shape=torch.Size(leaf.shape),
             stride=leaf.stride,
@@ -208,13 +211,13 @@ class ExpertAxis:
         return f"ExpertAxis({sorted(self.experts)}, E={self.expert_size}, inner={self.inner!r})"
 
 
-def _where(name: str, p: DTensor) -> str:
+def _where(name: str, p: dt.DTensor) -> str:
     return f"parameter {name!r} (a DTensor on {p.device_mesh}, placements {p.placements})"
 
 
-def _expert_leaf(name: str, p: DTensor, expert_mesh: DeviceMesh) -> ExpertLeaf:
+def _expert_leaf(name: str, p: dt.DTensor, expert_mesh: DeviceMesh) -> ExpertLeaf:
     """The :class:`ExpertLeaf` of a DTensor on ``mesh["expert"]``, checked."""
-    if tuple(p.placements) != (Shard(0),):
+    if tuple(p.placements) != (dt.Shard(0),):
         raise ValueError(
             f"{_where(name, p)}: expert parallel takes experts stacked on dim 0 as Shard(0) on "
             "mesh['expert']"
@@ -230,7 +233,7 @@ def _expert_leaf(name: str, p: DTensor, expert_mesh: DeviceMesh) -> ExpertLeaf:
 
 def _on_expert_axis(p: torch.Tensor, expert_mesh: DeviceMesh | None) -> bool:
     """Whether ``p`` is a DTensor meant for an expert axis (``mesh["expert"]`` or another)."""
-    if not isinstance(p, DTensor):
+    if not dt.is_dtensor(p):
         return False
     if expert_mesh is not None and p.device_mesh == expert_mesh:
         return True
@@ -272,4 +275,4 @@ def layout_params(model: nn.Module, axis: ModelAxis) -> dict[str, torch.Tensor]:
     """``model.named_parameters()`` as the layout holds them: a DTensor's local shard (an
     expert leaf's: this expert rank's experts)."""
     del axis
-    return {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
+    return {n: (p.to_local() if dt.is_dtensor(p) else p) for n, p in model.named_parameters()}

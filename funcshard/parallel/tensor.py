@@ -19,17 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 
+from funcshard.distributed import dtensor as dt
 from funcshard.distributed import ops
 from funcshard.parallel.axis import NO_AXIS, NO_CHECK, BatchCheck, GlobalShape, ModelAxis
 from funcshard.parallel.batch import TensorBatchCheck
@@ -76,14 +67,14 @@ def gather_numel(shape: Sequence[int], dim: int, size: int) -> int:
 class TensorLeaf:
     """One DTensor parameter: its placement on the tensor mesh and its global geometry."""
 
-    placement: Shard | Replicate
+    placement: dt.Shard | dt.Replicate
     shape: tuple[int, ...]
     stride: tuple[int, ...]
 
     @property
     def dim(self) -> int | None:
         """The dim sharded over "tensor"; None when replicated."""
-        return self.placement.dim if isinstance(self.placement, Shard) else None
+        return self.placement.dim if isinstance(self.placement, dt.Shard) else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -161,7 +152,7 @@ class TensorParallel:
         leaf = self.leaves.get(name)
         if leaf is None:
             return local
-        return DTensor.from_local(
+        return dt.DTensor.from_local(
             local,
             self.mesh,
             (leaf.placement,),
@@ -269,7 +260,7 @@ def read_model(
     """
     leaves = {}
     for name, p in model.named_parameters():
-        if not isinstance(p, DTensor) or name in skip:
+        if not dt.is_dtensor(p) or name in skip:
             continue
         if tensor_mesh is None:
             raise ValueError(
@@ -287,11 +278,11 @@ def read_model(
     return TensorParallel(tensor_mesh, leaves, check_batch)
 
 
-def _where(name: str, p: DTensor) -> str:
+def _where(name: str, p: dt.DTensor) -> str:
     return f"parameter {name!r} (a DTensor on {p.device_mesh}, placements {p.placements})"
 
 
-def leaf_of(name: str, p: DTensor) -> TensorLeaf:
+def leaf_of(name: str, p: dt.DTensor) -> TensorLeaf:
     """The :class:`TensorLeaf` of DTensor parameter ``name``.
 
     Raises:
@@ -301,22 +292,22 @@ def leaf_of(name: str, p: DTensor) -> TensorLeaf:
     if len(p.placements) != 1:
         raise ValueError(f"{_where(name, p)}: expected a DTensor on a 1-D tensor mesh")
     (placement,) = p.placements
-    if not (type(placement) is Shard or isinstance(placement, Replicate)):
+    if not (type(placement) is dt.Shard or isinstance(placement, dt.Replicate)):
         raise ValueError(
             f"{_where(name, p)}: funcshard shards Shard(dim) and Replicate placements over the "
             "data-parallel axes; a partial or strided parameter is not a weight it can own"
         )
-    if isinstance(placement, Shard) and placement.dim < 0:
-        placement = Shard(placement.dim + p.dim())
+    if isinstance(placement, dt.Shard) and placement.dim < 0:
+        placement = dt.Shard(placement.dim + p.dim())
     return TensorLeaf(placement, tuple(p.shape), tuple(p.stride()))
 
 
 def local_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.named_parameters()`` with each DTensor as its local shard."""
-    return {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
+    return {n: (p.to_local() if dt.is_dtensor(p) else p) for n, p in model.named_parameters()}
 
 
-def planned_leaves(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, TensorLeaf]:
+def planned_leaves(model: nn.Module, plan: Mapping[str, dt.ParallelStyle]) -> dict[str, TensorLeaf]:
     """The :class:`TensorLeaf` each parameter of plain ``model`` would get from
     ``parallelize_module(model, mesh["tensor"], plan)`` (keys relative to ``model``, ``*``
     wildcards per name component as torch matches them), without a mesh: torch's placements
@@ -356,21 +347,23 @@ def _matches(name: str, key: str) -> bool:
 
 
 def _style_placements(
-    key: str, style: ParallelStyle, module: nn.Module
-) -> dict[str, Shard | Replicate]:
+    key: str, style: dt.ParallelStyle, module: nn.Module
+) -> dict[str, dt.Shard | dt.Replicate]:
     """``{parameter name in module: placement}`` that ``style`` gives ``module``'s parameters."""
-    if isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
+    if isinstance(
+        style, (dt.PrepareModuleInput, dt.PrepareModuleOutput, dt.PrepareModuleInputOutput)
+    ):
         return {}
-    if isinstance(style, SequenceParallel):
-        return {n: Replicate() for n, _ in module.named_parameters()}
-    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and isinstance(
+    if isinstance(style, dt.SequenceParallel):
+        return {n: dt.Replicate() for n, _ in module.named_parameters()}
+    if isinstance(style, (dt.ColwiseParallel, dt.RowwiseParallel)) and isinstance(
         module, (nn.Linear, nn.Embedding)
     ):
-        colwise = isinstance(style, ColwiseParallel)
+        colwise = isinstance(style, dt.ColwiseParallel)
         if isinstance(module, nn.Embedding):
-            return {"weight": Shard(1 if colwise else 0)}
-        bias = Shard(0) if colwise else Replicate()
-        placements = {"weight": Shard(0 if colwise else 1)}
+            return {"weight": dt.Shard(1 if colwise else 0)}
+        bias = dt.Shard(0) if colwise else dt.Replicate()
+        placements = {"weight": dt.Shard(0 if colwise else 1)}
         return placements | ({"bias": bias} if module.bias is not None else {})
     raise ValueError(
         f"tensor plan: key {key!r}: funcshard cannot plan {type(style).__name__} on "

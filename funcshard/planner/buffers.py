@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from funcshard.distributed import dtensor as dt
 from funcshard.state import buffers as buffer_lib
 
 __all__ = ["buffer_broadcast"]
@@ -41,5 +41,5 @@ def _carried(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         n: t
         for n, t in model.state_dict(keep_vars=True).items()
-        if n not in params and isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+        if n not in params and isinstance(t, torch.Tensor) and not dt.is_dtensor(t)
     }

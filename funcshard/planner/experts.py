@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from funcshard.distributed import dtensor as dt
 from funcshard.distributed.dims import EXPERT, MeshDims
 from funcshard.layout.layout import Layout
 from funcshard.layout.strategy import Strategy
-from funcshard.parallel import experts as experts_lib
 from funcshard.parallel.axis import ModelAxis
 from funcshard.parallel.expert_axis import ExpertAxis, ExpertLeaf
 from funcshard.planner.inputs import ShapeMesh, param_table, tensor_table
@@ -80,7 +79,7 @@ def expert_table(
         return table, axis, None
     experts = {}
     for name, p in params.named_parameters():
-        if not (isinstance(p, DTensor) and EXPERT in (p.device_mesh.mesh_dim_names or ())):
+        if not (dt.is_dtensor(p) and EXPERT in (p.device_mesh.mesh_dim_names or ())):
             continue
         if expert == 1:
             return table, axis, None  # planned as the same model without the axis: global experts
@@ -155,7 +154,9 @@ def routed_experts(model: object, routing: Routing | None) -> list[int]:
         return [routing.experts] * routing.layers if routing.experts else []
     if not isinstance(model, nn.Module):
         return []
-    return experts_lib.routed_experts(model)
+    from funcshard.parallel import experts  # ExpertParallel's (DTensor's) import: routing only
+
+    return experts.routed_experts(model)
 
 
 def add_all_to_all(

@@ -9,9 +9,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle
 
+from funcshard.distributed import dtensor as dt
 from funcshard.distributed.dims import EXPERT, MeshDims
 from funcshard.parallel.axis import NO_AXIS, ModelAxis
 from funcshard.parallel.tensor import (
@@ -103,7 +102,7 @@ def mesh_dims(
     )
 
 
-def _expert(p: DTensor) -> bool:
+def _expert(p: dt.DTensor) -> bool:
     """An expert DTensor (on an expert mesh): planned global, as ``fs.init`` holds it."""
     return EXPERT in (p.device_mesh.mesh_dim_names or ())
 
@@ -112,7 +111,7 @@ def tensor_table(
     params: ShapesArg,
     table: dict,
     tensor: int,
-    tensor_plan: Mapping[str, ParallelStyle] | None = None,
+    tensor_plan: Mapping[str, dt.ParallelStyle] | None = None,
 ) -> tuple[dict, ModelAxis]:
     """Tensor rank 0's local shapes (the largest shards) of a model after
     ``parallelize_module`` on a tensor mesh of ``tensor`` ranks, or of a plain model under
@@ -121,7 +120,7 @@ def tensor_table(
         raise ValueError("plan: tensor_plan splits over the tensor axis; pass tensor=T > 1")
     if tensor == 1:
         if isinstance(params, nn.Module) and any(
-            isinstance(p, DTensor) and not _expert(p) for p in params.parameters()
+            dt.is_dtensor(p) and not _expert(p) for p in params.parameters()
         ):
             raise ValueError(
                 "plan: the model holds DTensor parameters (parallelize_module); pass "
@@ -133,9 +132,7 @@ def tensor_table(
             f"plan: tensor={tensor} needs the model after parallelize_module (its DTensor "
             "placements) or the plain model with tensor_plan=, not a table of shapes"
         )
-    dtensors = {
-        n: p for n, p in params.named_parameters() if isinstance(p, DTensor) and not _expert(p)
-    }
+    dtensors = {n: p for n, p in params.named_parameters() if dt.is_dtensor(p) and not _expert(p)}
     if tensor_plan is not None and dtensors:
         raise ValueError(
             f"plan: tensor_plan given for a model already parallelized (parameter "

@@ -80,10 +80,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from funcshard.comm import params as params_lib
 from funcshard.comm.wires import wire_for
+from funcshard.distributed import dtensor as dt
 from funcshard.distributed.dims import MeshDims
 from funcshard.distributed.ops import AXES
 from funcshard.layout.build import build_layout
@@ -339,7 +339,7 @@ def plan(
     deterministic: bool = False,
     outer_strategy: str | OuterStrategy = "no_shard",
     tensor: int = 1,
-    tensor_plan: Mapping[str, ParallelStyle] | None = None,
+    tensor_plan: Mapping[str, dt.ParallelStyle] | None = None,
     replica_groups: int = 1,
     expert: int = 1,
     routing: Routing | None = None,

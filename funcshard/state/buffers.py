@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from funcshard.distributed import dtensor as dt
 from funcshard.distributed import ops
 from funcshard.state.dtypes import ZARR_DTYPE
 
@@ -87,7 +87,7 @@ class ModelBuffers:
         names = [
             n
             for n, t in model.state_dict(keep_vars=True).items()
-            if n not in params and isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+            if n not in params and isinstance(t, torch.Tensor) and not dt.is_dtensor(t)
         ]
         for n in names:
             dtype = model.get_buffer(n).dtype

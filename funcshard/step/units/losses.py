@@ -9,8 +9,8 @@ from typing import Any
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
+from funcshard.distributed import dtensor as dt
 from funcshard.step.summed import Summed
 
 __all__ = ["copied_out", "described", "loss_and_aux", "reported", "dtensor_backward"]
@@ -38,7 +38,7 @@ def described(loss: Any) -> str:
 def reported(loss: torch.Tensor) -> torch.Tensor:
     """The loss's value as the step sums it: a plain tensor, a DTensor's full value."""
     loss = loss.detach()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return loss.full_tensor() if dt.is_dtensor(loss) else loss
 
 
 @contextlib.contextmanager
@@ -49,7 +49,7 @@ def dtensor_backward(loss: torch.Tensor) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        if not isinstance(loss, DTensor) or "got mixed torch.Tensor and DTensor" not in str(e):
+        if not dt.is_dtensor(loss) or "got mixed torch.Tensor and DTensor" not in str(e):
             raise
         raise ValueError(
             "train_step: loss_fn returned a DTensor loss whose backward meets plain tensors: "

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from funcshard.distributed import dtensor as dt
 
 __all__ = ["Holder", "SavedParams"]
 
@@ -64,7 +65,7 @@ class SavedParams:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, DTensor):  # a tensor-parallel param: its local tensor travels
+        if dt.is_dtensor(t):  # a tensor-parallel param: its local tensor travels
             with torch.no_grad():
                 local = self.pack(t.to_local())
             if not isinstance(local, _Token):
@@ -85,7 +86,7 @@ class SavedParams:
         if isinstance(x, _DTensorToken):
             local = self.unpack(x.local)
             with torch.no_grad():
-                return DTensor.from_local(
+                return dt.DTensor.from_local(
                     local, x.mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride
                 )
         if not isinstance(x, _Token):
