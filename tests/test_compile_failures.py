@@ -60,40 +60,48 @@ class Tapped(models.MLP):
 def failing_worker(
     rows: tuple[int, ...], strategy: str, grad_comm_dtype=None, overlap: bool = True
 ) -> dict:
-    """Three steps with the second one failing first, beside three steps that never fail
-    (``grad_comm_dtype``: the gradients' wire, fp32 main grads)."""
+    """Three steps with the second one failing first, beside the same three steps never
+    failing (``grad_comm_dtype``: the gradients' wire, fp32 main grads). The never-failed
+    steps 1 and 2 run first, on a copy of the state after step 0 and through the same
+    compiled graphs (a second ``fs.init`` compiled them all again: 5 s a run); then the
+    failing step and its retry on the state itself."""
     faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, not CI
     rank = dist.get_rank()
-    out = {}
-    for fail in (True, False):
-        torch.manual_seed(0)
-        model = Tapped(n_blocks=6, dim=256)
-        state = fs.init(
-            model,
-            fs.optim.sgd(0.1, momentum=0.9),
-            mesh=fs.make_mesh(device_type="cpu"),
-            strategy=strategy,
-            compile="inductor",
-            policy=fs.MixedPrecisionPolicy(grad_comm_dtype=grad_comm_dtype),
-            overlap=overlap,
-        )
-        loss_fn = models.make_loss_fn(model)
-        losses, error = [], None
-        for step in range(3):
-            g = models.global_batch(step, sum(rows))
-            batch = {k: v.split(rows)[rank] for k, v in g.items()}
+    torch.manual_seed(0)
+    model = Tapped(n_blocks=6, dim=256)
+    state = fs.init(
+        model,
+        fs.optim.sgd(0.1, momentum=0.9),
+        mesh=fs.make_mesh(device_type="cpu"),
+        strategy=strategy,
+        compile="inductor",
+        policy=fs.MixedPrecisionPolicy(grad_comm_dtype=grad_comm_dtype),
+        overlap=overlap,
+    )
+    loss_fn = models.make_loss_fn(model)
+
+    def batch(step: int) -> dict:
+        g = models.global_batch(step, sum(rows))
+        return {k: v.split(rows)[rank] for k, v in g.items()}
+
+    state, metrics = fs.train_step(state, batch(0), loss_fn)
+    first = metrics["loss"]
+    never = fs.tree.map(lambda x: x.clone() if torch.is_tensor(x) else x, state)
+    out = {False: {"losses": [first], "error": None}, True: {"losses": [first], "error": None}}
+    for fail in (False, True):
+        run = state if fail else never
+        for step in (1, 2):
             if fail and step == 1:
                 FAIL["on"] = True
                 try:
-                    fs.train_step(state, batch, loss_fn)
+                    fs.train_step(run, batch(step), loss_fn)
                 except RuntimeError as e:
-                    error = str(e)
+                    out[fail]["error"] = str(e)
                 finally:
                     FAIL["on"] = False
-            state, metrics = fs.train_step(state, batch, loss_fn)
-            losses.append(metrics["loss"])
-        params = fs.full_params(state)
-        out[fail] = {"losses": losses, "error": error, "params": params}
+            run, metrics = fs.train_step(run, batch(step), loss_fn)
+            out[fail]["losses"].append(metrics["loss"])
+        out[fail]["params"] = fs.full_params(run)
     faulthandler.cancel_dump_traceback_later()
     failed, never = out[True], out[False]
     return {
