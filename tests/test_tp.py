@@ -383,6 +383,11 @@ def test_hugging_face_llama_under_a_tensor_parallel_plan(pool4, strategy: str) -
         assert max(errors.values()) < TOL, errors
 
 
+# per rank process (the session pool's), strategy: compiled_worker's eager run, the same for
+# both ways of compiling (a run of STEPS steps on 4 ranks computed once)
+_EAGER_RUNS: dict = {}
+
+
 def compiled_worker(strategy: str, by_funcshard: bool) -> dict:
     """Blocks compiled in place (``layer.compile()``, torchtitan's way), or by funcshard
     (``fs.init(compile=...)``), on the tensor-parallel model: the eager run's losses and params
@@ -391,6 +396,9 @@ def compiled_worker(strategy: str, by_funcshard: bool) -> dict:
     mesh = tp.world_mesh(2, 1, 2)
     runs, counts, collectives = {}, collections.Counter(), collections.Counter()
     for compiled in (False, True):
+        if not compiled and strategy in _EAGER_RUNS:  # the other parametrization's, the same
+            runs[compiled] = _EAGER_RUNS[strategy]
+            continue
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         model = tp.parallelize(tp.make_model(seed=3), mesh)
@@ -407,6 +415,8 @@ def compiled_worker(strategy: str, by_funcshard: bool) -> dict:
                 per_step.append(dict(counts))
                 losses.append(metrics["loss"])
         runs[compiled] = (fs.full_params(state), losses, (dict(stats.bytes), dict(stats.calls)))
+        if not compiled:
+            _EAGER_RUNS[strategy] = runs[compiled]
     (eager, eager_losses, eager_comm), (comp, comp_losses, comp_comm) = runs[False], runs[True]
     rel = lambda a, b: float((a - b).norm() / (b.norm() + 1e-12))
     counters = torch._dynamo.utils.counters
