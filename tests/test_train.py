@@ -42,15 +42,32 @@ FINAL = re.compile(r"^final loss (\d+\.\d+) nats/token, floor (\d+\.\d+), gap (-
 
 
 def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return _finish(_start_train(*args), timeout)
+
+
+def _start_train(*args: str) -> subprocess.Popen:
+    """``train.py`` with ``args`` started, its output captured: :func:`_finish` waits for it."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env=env,
         cwd=ROOT,
     )
+
+
+def _finish(p: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``p``'s outputs and exit code, as ``subprocess.run`` gives them; past ``timeout`` it is
+    killed (``subprocess.TimeoutExpired``, as ``subprocess.run`` raises)."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def _flags_config(args: list[str], monkeypatch) -> tuple[trainer.Config, int]:
@@ -241,11 +258,26 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path, monke
     """2 ranks straight; 2 ranks to step 3, then 1 rank from its checkpoint: --grad_chunks
     keeps G = 2 (1 then 2 microbatches) and --deterministic the bits. The run to step 3 is
     on the pools' warm ranks (``_pool_train``: only its checkpoint and rows are read); the
-    straight run and the resumed one are the script's own processes (their logs are read)."""
+    straight run and the resumed one are the script's own processes (their logs are read).
+    The straight run goes on beside the split one (they share nothing; its processes spend
+    much of their time starting)."""
     whole, split = tmp_path / "whole", tmp_path / "split"
     common = ["--steps=6", "--save_every=3", "--grad_chunks=2", "--deterministic", *TINY]
 
-    a = _train(*common, "--nproc=2", f"--checkpoint_dir={whole / 'ckpt'}", f"--out_dir={whole}")
+    straight = _start_train(
+        *common, "--nproc=2", f"--checkpoint_dir={whole / 'ckpt'}", f"--out_dir={whole}"
+    )
+    try:
+        ckpt = f"--checkpoint_dir={split / 'ckpt'}"
+        b1 = _pool_train(
+            [*common, "--nproc=2", "--stop_at=3", ckpt, f"--out_dir={split}"], monkeypatch, pool_of
+        )
+        b2 = _train(*common, "--nproc=1", "--resume", ckpt, f"--out_dir={split}")
+    except BaseException:
+        straight.kill()  # the split run failed: its error, not a wait for this one
+        straight.communicate()
+        raise
+    a = _finish(straight)
     assert a.returncode == 0, a.stderr[-4000:]
     # The smoke test: the final line, the metrics and the plot.
     final = FINAL.search(a.stdout)
@@ -255,12 +287,7 @@ def test_train_runs_and_resumes_on_another_world_bit_identically(tmp_path, monke
     assert float(final.group(1)) == pytest.approx(summary["final_loss"], abs=1e-4)
     assert (whole / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    ckpt = f"--checkpoint_dir={split / 'ckpt'}"
-    b1 = _pool_train(
-        [*common, "--nproc=2", "--stop_at=3", ckpt, f"--out_dir={split}"], monkeypatch, pool_of
-    )
     assert b1["steps"] == 3, b1
-    b2 = _train(*common, "--nproc=1", "--resume", ckpt, f"--out_dir={split}")
     assert b2.returncode == 0, b2.stderr[-4000:]
     assert "1 ranks x 2 microbatches" in b2.stderr and "resumed at step 3" in b2.stderr
     assert re.search(r"step 4/6 .* world 1 ", b2.stderr), b2.stderr[-2000:]
