@@ -10,6 +10,7 @@ after the first step and break no graph. The backend is AOTAutograd with no-op c
 from __future__ import annotations
 
 import collections
+import functools
 import json
 
 import pytest
@@ -113,16 +114,15 @@ def _run(kind: str, strategy: str, shard: int, replicate: int, compile_when: str
     }
 
 
-# per rank process (the session pool's): the eager run of (kind, strategy, shard, replicate),
-# the same for every way of compiling in CASES (16 cases, 6 eager runs)
-_EAGER_RUNS: dict = {}
+@functools.cache
+def _eager_run(kind: str, strategy: str, shard: int, replicate: int) -> dict:
+    """The eager run, once per rank process of the session pool: the same for every way of
+    compiling in CASES (16 cases, 6 eager runs)."""
+    return _run(kind, strategy, shard, replicate, None)
 
 
 def compile_worker(kind: str, strategy: str, shard: int, replicate: int, when: str) -> dict:
-    key = (kind, strategy, shard, replicate)
-    if key not in _EAGER_RUNS:
-        _EAGER_RUNS[key] = _run(kind, strategy, shard, replicate, None)
-    eager = _EAGER_RUNS[key]
+    eager = _eager_run(kind, strategy, shard, replicate)
     compiled = _run(kind, strategy, shard, replicate, when)
     if dist.get_rank() != 0:
         return {}
