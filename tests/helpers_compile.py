@@ -419,6 +419,42 @@ class _InductorGraphs:
         )
 
 
+def zero2_order_worker(n_blocks: int) -> dict:
+    """Captured ZeRO-2 under inductor, overlap on and off, beside eager ZeRO-2 (one model,
+    8 rows, 2 steps of SGD momentum): per run, the last step's matmuls and reduces by sends
+    in run order (``m``: a matmul, ``R``: a reduce's start or a whole reduce) and the params'
+    largest relative difference from eager's."""
+    import funcshard as fs
+
+    import models
+
+    out: dict = {}
+    for overlap in (None, True, False):  # None: eager
+        torch._dynamo.reset()
+        model = models.make_model(n_blocks=n_blocks)
+        compiled = {"compile": "inductor", "overlap": overlap} if overlap is not None else {}
+        state = fs.init(
+            model,
+            fs.optim.sgd(0.1, momentum=0.9),
+            mesh=fs.make_mesh(device_type="cpu"),
+            strategy="optim_grads",
+            **compiled,
+        )
+        state = models.train(state, model, [0], rows=8)[0]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            state = models.train(state, model, [1], rows=8)[0]
+        events = sorted(prof.events(), key=lambda e: e.time_range.start)
+        reduces = ("reduce_scatter_sections_start", "reduce_scatter_sections")
+        kinds = {"aten::mm": "m", "aten::addmm": "m", **{f"funcshard::{r}": "R" for r in reduces}}
+        out[overlap] = {
+            "order": "".join(kinds[e.name] for e in events if e.name in kinds),
+            "params": fs.full_params(state),
+        }
+    for run in (True, False):
+        out[run]["err"] = models.max_rel_err(out[run].pop("params"), out[None]["params"])
+    return out
+
+
 def inductor_worker(rows: int, microbatches: int, steps: int) -> dict:
     """Captured ZeRO-3 under inductor by name (overlap by default) beside eager ZeRO-3, from
     one model, ``rows`` global rows a step split over the ranks (uneven when odd: each rank

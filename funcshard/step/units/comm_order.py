@@ -31,14 +31,16 @@ from torch._inductor import ir
 from torch._inductor.dependencies import WeakDep
 
 from funcshard.distributed.graph_ops import (
+    ALL_GATHER_SECTIONS,
     ALL_GATHER_SECTIONS_START,
     ALL_GATHER_SECTIONS_WAIT,
     GRAPH_COLLECTIVES,
+    REDUCE_SCATTER_SECTIONS,
     REDUCE_SCATTER_SECTIONS_START,
     REDUCE_SCATTER_SECTIONS_WAIT,
 )
 
-__all__ = ["place_comms", "place_mark", "place_starts"]
+__all__ = ["place_comms", "place_in_order", "place_mark", "place_starts"]
 
 
 def place_comms(snodes: list[Any]) -> list[Any]:
@@ -57,6 +59,24 @@ def place_mark(snodes: list[Any]) -> list[Any]:
         _remove(first, mark)
         first[0:0] = mark
     return first
+
+
+def place_in_order(snodes: list[Any]) -> list[Any]:
+    """``overlap=False``'s one reorder pass: :func:`place_mark`, then each whole reduce by
+    sends (``funcshard::reduce_scatter_sections``, chained after the collective before it)
+    just after its bucket's gradients, computed as soon as their inputs are
+    (:func:`_hoist_ancestors`); the mark first alone if that order were not valid."""
+    first = place_mark(snodes)
+    order = list(first)
+    reduces = _ops(order, REDUCE_SCATTER_SECTIONS)
+    collectives = (*reduces, *_ops(order, ALL_GATHER_SECTIONS))
+    fixed = {id(s) for group in collectives for s in group}
+    for k, group in enumerate(reduces):
+        _hoist_ancestors(order, group, reduces[k - 1] if k else [], fixed, set())
+        _remove(order, group)
+        to = _last_ancestor(order, group, set()) + 1
+        order[to:to] = group
+    return order if _valid(order) else first
 
 
 def place_starts(order: list[Any]) -> list[Any]:
@@ -78,8 +98,14 @@ def place_starts(order: list[Any]) -> list[Any]:
     turns = [(s, g_waits[j - 1], _place_gather) for j, s in enumerate(g_starts) if j]
     turns += [(s, r_waits[k - 1] if k else [], _place_reduce) for k, s in enumerate(r_starts)]
     turns.sort(key=lambda turn: order.index(turn[0][0]))
+    fixed = {id(s) for group in (*g_starts, *g_waits, *r_starts, *r_waits) for s in group}
+    before = {id(s[0]): r_starts[k - 1] if k else [] for k, s in enumerate(r_starts)}
+    placed: set[int] = set()
     for start, wait, place in turns:
+        if place is _place_reduce:
+            _hoist_ancestors(order, start, before[id(start[0])], fixed, placed)
         place(order, start, wait)
+        placed |= {id(s) for s in (*start, *wait)}
     if g_waits:  # no start after it
         _remove(order, g_waits[-1])
         to = _first_user(order, g_waits[-1])
@@ -109,6 +135,46 @@ def _place_reduce(order: list[Any], start: list[Any], wait: list[Any]) -> None:
     to_wait = min(to, _first_user(order, wait))
     order[to_wait:to_wait] = wait
     order[to + len(wait) : to + len(wait)] = start  # after both
+
+
+def _hoist_ancestors(
+    order: list[Any], start: list[Any], previous: list[Any], fixed: set[int], placed: set[int]
+) -> None:
+    """Each node a reduce's ``start`` depends on, after the ``previous`` reduce's start, moved
+    to just after the last node it depends on (not before that start), in order: the bucket's
+    gradients computed as soon as their inputs are, as eager's autograd computes a layer's
+    weight gradient beside its input gradient. inductor's peak-memory ordering defers them
+    (a gradient it computes early lives to the reduce, which it sees at the graph's tail),
+    so that without this each block's output gradient was held to the end of the backward
+    and every reduce came after the last block's. The collectives' own nodes (``fixed``)
+    stay where they are, each placed in its own turn, and a node moved goes after those at
+    its place that a turn ``placed`` already and that do not depend on it (a gather's start
+    placed one bucket ahead stays ahead of the compute)."""
+    floor = order.index(previous[-1]) + 1 if previous else _after_mark(order)
+    ancestors = set().union(*(s.ancestors for s in start)) - _names(start)
+    for snode in [s for s in order[floor:] if id(s) not in fixed and _names([s]) & ancestors]:
+        order.remove(snode)
+        to = max(floor, _last_ancestor(order, [snode], set()) + 1)
+        while _stays_ahead(order, to, snode, placed):
+            to += 1
+        order.insert(to, snode)
+
+
+def _stays_ahead(order: list[Any], at: int, snode: Any, placed: set[int]) -> bool:
+    """Whether the node at ``at`` is a collective's a turn placed that ``snode`` may follow
+    (it does not depend on ``snode``)."""
+    return (
+        at < len(order)
+        and id(order[at]) in placed
+        and not (snode.get_operation_names() & order[at].ancestors)
+    )
+
+
+def _after_mark(order: list[Any]) -> int:
+    """The index after the graph's record of its collectives where it leads ``order``
+    (:func:`place_mark`), else 0."""
+    marks = _ops(order[:2], GRAPH_COLLECTIVES)
+    return len(marks[0]) if marks and marks[0][0] is order[0] else 0
 
 
 def _remove(order: list[Any], group: list[Any]) -> None:

@@ -67,7 +67,7 @@ from funcshard.distributed.graph_ops import (
     REDUCE_SCATTER_SECTIONS_START,
     REDUCE_SCATTER_SECTIONS_WAIT,
 )
-from funcshard.step.units.comm_order import place_comms, place_mark
+from funcshard.step.units.comm_order import place_comms, place_in_order
 
 __all__ = [
     "PrefetchGathers",
@@ -234,7 +234,7 @@ def installed(overlap: bool = True) -> Iterator[None]:
     (one, or a list or tuple of them) after it, each as inductor runs and keys it alone (an
     inference-aware pass told ``is_inference``; one without a ``uuid`` bypasses the cache);
     with ``overlap``, comm_order last among inductor's reorder passes; without, comm_order's
-    :func:`~funcshard.step.units.comm_order.place_mark` as the only one."""
+    :func:`~funcshard.step.units.comm_order.place_in_order` as the only one."""
     import torch._inductor.config as config
     from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
@@ -246,8 +246,8 @@ def installed(overlap: bool = True) -> Iterator[None]:
     if overlap:
         passes = [*config.reorder_for_compute_comm_overlap_passes, place_comms]
         patch["reorder_for_compute_comm_overlap_passes"] = passes
-    else:  # the record first, nothing else moved
+    else:  # the record first, each whole reduce after its gradients
         patch["reorder_for_compute_comm_overlap"] = True
-        patch["reorder_for_compute_comm_overlap_passes"] = [place_mark]
+        patch["reorder_for_compute_comm_overlap_passes"] = [place_in_order]
     with config.patch(patch):
         yield
