@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import operator
 
 import torch
 
@@ -315,6 +316,59 @@ def overlap_worker() -> list:
         name = backend if isinstance(backend, str) else "callable"
         warned[name] = [str(w.message) for w in caught if "AOTAutograd" in str(w.message)]
     return [*out, warned]
+
+
+def wrapped_worker(steps: int = 3) -> dict:
+    """Captured ZeRO-3 (the 2-block MLP, 8 rows over the ranks, 2 microbatches, SGD momentum)
+    eagerly and under compile= "aot_eager", "eager" and a plain callable (no
+    ``aot_autograd``; it returns ``gm.forward``, unboxed): per run the params, the losses and
+    fs.comm_stats' bytes, calls and gathered peak, and for the callable each graph it got:
+    its kind (the backward's holds the reduce-scatters), whether every op is an aten op
+    (AOTAutograd's graph, not dynamo's) and the gathered params its forward saves."""
+    import funcshard as fs
+
+    import models
+
+    graphs: list = []
+
+    def my_backend(gm: torch.fx.GraphModule, example_inputs):  # noqa: ARG001
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        names = {getattr(n.target, "_opname", "") for n in calls}
+        kind = "backward" if "reduce_scatter_sections" in names else "forward"
+        ops = [n.target for n in calls if n.target is not operator.getitem]
+        aten = all(isinstance(t, torch._ops.OpOverload) for t in ops)
+        outputs = [a for a in list(gm.graph.nodes)[-1].args[0] if isinstance(a, torch.fx.Node)]
+        saved = sum(o in _from_gather(gm.graph) for o in outputs) if kind == "forward" else 0
+        graphs.append((kind, aten, saved))
+        return gm.forward
+
+    out: dict = {}
+    for name, compile in (
+        ("off", False),
+        ("aot_eager", "aot_eager"),
+        ("eager", "eager"),
+        ("callable", my_backend),
+    ):
+        torch._dynamo.reset()
+        model = models.make_model(n_blocks=2)
+        state = fs.init(
+            model,
+            fs.optim.sgd(0.1, momentum=0.9),
+            mesh=fs.make_mesh(device_type="cpu"),
+            strategy="optim_grads_params",
+            compile=compile,
+        )
+        with fs.comm_stats() as stats:
+            state, history = models.train(state, model, range(steps), rows=8, microbatches=2)
+        out[name] = {
+            "params": fs.full_params(state),
+            "losses": [m["loss"] for m in history],
+            "bytes": dict(stats.bytes),
+            "calls": dict(stats.calls),
+            "gathered_peak": stats.gathered_peak,
+        }
+    out["graphs"] = graphs
+    return out
 
 
 def _reduces_before_last_matmul(prof) -> int:

@@ -595,9 +595,9 @@ def test_overlap_switch(pool1):
     aborted; test_inductor_regathers_uneven_rows) and raising no graph's estimated peak
     (torch's budget of 20% a pass held 1.38x eager ZeRO-3's peak at 16 layers,
     experiments/bench_compile.py); overlap=False or a backend other than
-    inductor leaves inductor's defaults (off). A backend that never sees AOTAutograd's joint
-    graph ("eager", a plain callable) is warned of at fs.init: the re-gather and per-bucket
-    reduce-scatter pass does not run for it."""
+    inductor leaves inductor's defaults (off). No backend is warned of at fs.init as one the
+    joint-graph pass misses: funcshard hands "eager" and a plain callable AOTAutograd's
+    graphs (test_eager_and_a_plain_callable_get_the_joint_pass)."""
     from helpers_compile import overlap_worker
 
     on, off, default, other, warned = pool1.run(overlap_worker)[0]
@@ -605,8 +605,34 @@ def test_overlap_switch(pool1):
     assert on[2] == (False, False, 0.0, 0.0), on
     assert default == on, (default, on)
     assert off == other == (False, [], (True, True, 0.2, 0.2)), (off, other)
-    assert len(warned["eager"]) == len(warned["callable"]) == 1, warned
-    assert warned["aot_eager"] == warned["inductor"] == [], warned
+    assert warned == dict.fromkeys(("eager", "callable", "aot_eager", "inductor"), []), warned
+
+
+def test_eager_and_a_plain_callable_get_the_joint_pass(pool2):
+    """Captured ZeRO-3 under compile="eager" and under a plain backend callable (neither goes
+    through AOTAutograd): funcshard compiles AOTAutograd's graphs with them, so the joint-graph
+    pass runs as under aot_eager. The callable gets a forward and a backward graph of aten ops
+    (the reduce-scatters in the backward's), the forward saving no gathered param; both
+    re-gather every bucket in backward (fs.comm_stats' all-gather bytes and calls are eager's,
+    the gathered peak aot_eager's) and train as eager does (losses and params to aot_eager's
+    rounding). Fails without funcshard.step.compiling.joint_backend: each got dynamo's one
+    graph, whose forward kept the gathered params (half eager's all-gather bytes)."""
+    from helpers_compile import wrapped_worker
+
+    out = pool2.run(wrapped_worker, STEPS)[0]
+    eager, aot = out["off"], out["aot_eager"]
+    assert sorted(set(out["graphs"])) == [("backward", True, 0), ("forward", True, 0)], out
+    tol = _ulp_tolerance(eager["params"])
+    for name in ("eager", "callable"):
+        run = out[name]
+        for param, p in eager["params"].items():
+            err = float((run["params"][param] - p).abs().max())
+            assert err <= tol[param], (name, param, err, tol[param])
+        for a, b in zip(run["losses"], eager["losses"], strict=True):
+            assert abs(a - b) <= 4 * STEPS * torch.finfo(torch.float32).eps * abs(b), name
+        assert run["bytes"] == eager["bytes"] == aot["bytes"], (name, run["bytes"])
+        assert run["calls"] == eager["calls"], (name, run["calls"], eager["calls"])
+        assert run["gathered_peak"] == aot["gathered_peak"] > 0, (name, run["gathered_peak"])
 
 
 def test_key_bias_is_compared_by_rounding():

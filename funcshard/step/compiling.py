@@ -51,6 +51,7 @@ __all__ = [
     "compile_settings",
     "compiled_call",
     "compile_units",
+    "joint_backend",
     "model_of",
     "overlap_config",
     "overlaps",
@@ -185,7 +186,6 @@ def check_units(model: nn.Module, layout: Any, backend: Backend, *, overlap: boo
     if layout.strategy.runs_units:
         check_not_compiled_around_units(model, layout.units[1:], layout.strategy)
         warn_not_captured(layout, backend)
-        warn_not_joint(layout, backend)
         if backend is not None:
             entry = (weakref.ref(unwrapped(model)), overlap)
             for captured in {layout, layout.inner}:
@@ -270,20 +270,27 @@ def through_aot_autograd(backend: Backend) -> bool:
     )
 
 
-def warn_not_joint(layout: Any, backend: Backend) -> None:
-    """Warns (at ``fs.init``) where a captured ZeRO-2/3 step's backend never sees the joint
-    graph (``compile="eager"``, a plain callable): ZeRO-3's forward then keeps every gathered
-    param for the backward, and the reduce-scatters wait for the backward's end."""
-    if backend is None or capture_refusal(layout) is not None or through_aot_autograd(backend):
-        return
-    warnings.warn(
-        f"init: compile={backend!r} does not compile through AOTAutograd, so the captured "
-        "step's pass that re-gathers ZeRO-3's params in backward and reduce-scatters each "
-        "bucket as its gradients complete does not run: the forward keeps the gathered params "
-        "for the backward. Use inductor, an aot_* backend, or a callable made with "
-        "torch._dynamo.backends.common.aot_autograd",
-        stacklevel=4,
-    )
+def joint_backend(backend: Backend) -> Backend:
+    """The backend the captured step compiles with: ``backend`` itself where it goes through
+    AOTAutograd (:func:`through_aot_autograd`), else (``compile="eager"`` or another name
+    whose compiler takes dynamo's graph, a plain callable) ``aot_autograd`` with its compiler
+    as the forward's and the backward's, so that the joint-graph pass
+    (:mod:`funcshard.step.units.schedule`) runs for every backend: ZeRO-3's params re-gathered
+    in backward, not saved, and each bucket reduce-scattered as its backward ends. Such a
+    backend therefore gets AOTAutograd's graphs, as a compiler given to ``aot_autograd``
+    does: a forward and a backward graph of aten ops with the params as inputs (no modules,
+    no dynamo-level graph); "eager" through it runs them as traced, as ``aot_eager`` does
+    (with AOTAutograd's default partitioner). Named as ``backend`` (dynamo's errors name
+    the backend by its ``__name__``)."""
+    if backend is None or through_aot_autograd(backend):
+        return backend
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+    wrapped = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", None)
+    wrapped.__name__ = name or type(backend).__name__
+    return wrapped
 
 
 def warn_not_captured(layout: Any, backend: Backend) -> None:

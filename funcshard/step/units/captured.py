@@ -81,6 +81,7 @@ from funcshard.step.compiling import (
     CudaGraphs,
     by_inductor,
     compile_fn,
+    joint_backend,
     model_of,
     overlap_config,
     overlaps,
@@ -292,14 +293,16 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _compiled(layout: Layout, backend: Backend) -> tuple[Callable, Placed]:
     """The compiled step of ``layout`` and what the joint pass placed in its graphs, started
-    for a new call (:meth:`Placed.start`: no graph of it has run yet)."""
+    for a new call (:meth:`Placed.start`: no graph of it has run yet). Keyed by the user's
+    ``backend``; one that does not go through AOTAutograd compiles AOTAutograd's graphs
+    (:func:`~funcshard.step.compiling.joint_backend`), so that the joint pass runs for it."""
     by_backend = _CACHE.setdefault(layout, {})
     key = id(backend) if callable(backend) else backend
     if key not in by_backend:
         placed = Placed()
         compiled = compile_fn(
             _captured(layout),
-            backend,
+            joint_backend(backend),
             constants="plan",
             check=_model_reads(layout),
             # each graph, as it runs, says which compile of its frame ran (a frame compiled
