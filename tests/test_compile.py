@@ -635,6 +635,42 @@ def test_eager_and_a_plain_callable_get_the_joint_pass(pool2):
         assert run["gathered_peak"] == aot["gathered_peak"] > 0, (name, run["gathered_peak"])
 
 
+def test_joint_backend_wraps_the_backends_that_skip_aot_autograd():
+    """The captured step's backend: one through AOTAutograd (inductor and aot_* by name,
+    CudaGraphs, an ``aot_autograd`` callable) as given; "eager" and a plain callable wrapped
+    in ``aot_autograd``, named as given (dynamo's errors name it). A compiler that hands the
+    graph back as traced (its ``forward``, the graph: "eager"'s) runs boxed, as aot_eager's:
+    the graph's inputs (the backward's saved tensors) freed as it runs, the caller's list
+    emptied (unboxed, the backward held them all to its end: compile="eager" peaked 1.2x
+    eager ZeRO-3's peak at 8 layers, 0.9x boxed); one that compiles a
+    function of its own gets it back."""
+    from torch._dynamo.backends.common import AotAutograd, aot_autograd
+
+    from funcshard.step.compiling import CudaGraphs
+    from funcshard.step.units.backend import joint_backend
+
+    def my_backend(gm, example_inputs):  # noqa: ARG001
+        return gm.forward
+
+    def own(gm, example_inputs):  # noqa: ARG001
+        return lambda *args: gm(*args)
+
+    kept = aot_autograd(fw_compiler=my_backend)
+    for backend in (None, "inductor", "aot_eager", "cudagraphs", CudaGraphs(), kept):
+        assert joint_backend(backend) is backend, backend
+    for backend, name in (("eager", "eager"), (my_backend, "my_backend"), (own, "own")):
+        wrapped = joint_backend(backend)
+        assert isinstance(wrapped, AotAutograd) and wrapped.__name__ == name, wrapped
+        gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+        compiled = wrapped.kwargs["fw_compiler"](gm, [torch.ones(2)])
+        if backend is own:
+            assert not hasattr(compiled, "_boxed_call")
+            continue
+        args = [-torch.ones(2)]
+        assert compiled._boxed_call and torch.equal(compiled(args), torch.zeros(2))
+        assert args == [], args
+
+
 def test_key_bias_is_compared_by_rounding():
     """Issue #55's "captured ZeRO-3 under inductor trains the GPT wrong" (bench_compile's
     params 1.22 relative from eager) was its metric: an attention block's key bias gets a

@@ -4,8 +4,11 @@ Under ZeRO-2/3 the microbatch is captured whole (:mod:`funcshard.step.units.capt
 bucket's all-gather (torch's functional collectives), the forward of ``loss_fn`` (blocks the
 user compiled in place are inlined into it), and in backward each bucket's reduce-scatter, in
 one forward and one backward graph (param wires, narrow and 8-bit gradient wires and HFSDP
-included). A layout the capture cannot express (:func:`capture_refusal`: a tensor-parallel
-model) runs v4's regions instead, with a warning at ``fs.init`` naming why: each gather
+included); a backend that does not go through AOTAutograd (``"eager"``, a plain callable)
+compiles AOTAutograd's forward and backward graphs there, aten ops, not dynamo's graph
+(:mod:`funcshard.step.units.backend`), so that its joint pass runs. A layout the capture
+cannot express (:func:`capture_refusal`: a tensor-parallel model) runs v4's regions
+instead, with a warning at ``fs.init`` naming why: each gather
 unit's module call compiled (``torch.compile`` of ``nn.Module._call_impl``, as
 ``module.compile()`` would compile it), the unit's gather and release around the compiled
 call (:func:`funcshard.step.units.run._around`), one compiled call serving every unit. Under
@@ -51,7 +54,6 @@ __all__ = [
     "compile_settings",
     "compiled_call",
     "compile_units",
-    "joint_backend",
     "model_of",
     "overlap_config",
     "overlaps",
@@ -255,42 +257,6 @@ def overlap_config(layout: Any, backend: Backend) -> contextlib.AbstractContextM
     known = {k: v for k, v in OVERLAP_COMMS.items() if hasattr(comms, k)}  # torch's version
     stack.enter_context(comms.patch(known))
     return stack
-
-
-def through_aot_autograd(backend: Backend) -> bool:
-    """Whether ``backend`` compiles AOTAutograd's forward and backward graphs (inductor, the
-    ``aot_*`` and ``cudagraphs`` names, a callable made by ``aot_autograd``): only those run
-    the captured step's joint-graph pass (:mod:`funcshard.step.units.schedule`)."""
-    from torch._dynamo.backends.common import AotAutograd
-
-    if isinstance(backend, CudaGraphs | AotAutograd):
-        return True
-    return isinstance(backend, str) and (
-        backend in ("inductor", "cudagraphs") or backend.startswith("aot_")
-    )
-
-
-def joint_backend(backend: Backend) -> Backend:
-    """The backend the captured step compiles with: ``backend`` itself where it goes through
-    AOTAutograd (:func:`through_aot_autograd`), else (``compile="eager"`` or another name
-    whose compiler takes dynamo's graph, a plain callable) ``aot_autograd`` with its compiler
-    as the forward's and the backward's, so that the joint-graph pass
-    (:mod:`funcshard.step.units.schedule`) runs for every backend: ZeRO-3's params re-gathered
-    in backward, not saved, and each bucket reduce-scattered as its backward ends. Such a
-    backend therefore gets AOTAutograd's graphs, as a compiler given to ``aot_autograd``
-    does: a forward and a backward graph of aten ops with the params as inputs (no modules,
-    no dynamo-level graph); "eager" through it runs them as traced, as ``aot_eager`` does
-    (with AOTAutograd's default partitioner). Named as ``backend`` (dynamo's errors name
-    the backend by its ``__name__``)."""
-    if backend is None or through_aot_autograd(backend):
-        return backend
-    from torch._dynamo.backends.common import aot_autograd
-
-    compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-    wrapped = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
-    name = backend if isinstance(backend, str) else getattr(backend, "__name__", None)
-    wrapped.__name__ = name or type(backend).__name__
-    return wrapped
 
 
 def warn_not_captured(layout: Any, backend: Backend) -> None:

@@ -81,13 +81,13 @@ from funcshard.step.compiling import (
     CudaGraphs,
     by_inductor,
     compile_fn,
-    joint_backend,
     model_of,
     overlap_config,
     overlaps,
 )
 from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.units import prefetch
+from funcshard.step.units.backend import joint_backend
 from funcshard.step.units.losses import copied_out, dtensor_backward, loss_and_aux, reported
 from funcshard.step.units.mutation_order import mutation_renames_kept
 from funcshard.step.units.placeholders import read_in_capture
@@ -295,7 +295,7 @@ def _compiled(layout: Layout, backend: Backend) -> tuple[Callable, Placed]:
     """The compiled step of ``layout`` and what the joint pass placed in its graphs, started
     for a new call (:meth:`Placed.start`: no graph of it has run yet). Keyed by the user's
     ``backend``; one that does not go through AOTAutograd compiles AOTAutograd's graphs
-    (:func:`~funcshard.step.compiling.joint_backend`), so that the joint pass runs for it."""
+    (:func:`~funcshard.step.units.backend.joint_backend`), so that the joint pass runs for it."""
     by_backend = _CACHE.setdefault(layout, {})
     key = id(backend) if callable(backend) else backend
     if key not in by_backend:
