@@ -321,7 +321,7 @@ def overlap_worker() -> list:
 def wrapped_worker(steps: int = 3) -> dict:
     """Captured ZeRO-3 (the 2-block MLP, 8 rows over the ranks, 2 microbatches, SGD momentum)
     eagerly and under compile= "aot_eager", "eager" and a plain callable (no
-    ``aot_autograd``; it returns ``gm.forward``, unboxed): per run the params, the losses and
+    ``aot_autograd``; it returns ``gm.forward``): per run the params, the losses and
     fs.comm_stats' bytes, calls and gathered peak, and for the callable each graph it got:
     its kind (the backward's holds the reduce-scatters), whether every op is an aten op
     (AOTAutograd's graph, not dynamo's) and the gathered params its forward saves."""
