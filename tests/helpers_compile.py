@@ -175,6 +175,77 @@ def edges_worker() -> dict:
     return out if rank == 0 else {}
 
 
+def eager_reads_worker() -> dict:
+    """Captured ZeRO-3 and ZeRO-2 (aot_eager, 2 ranks, the 2-block MLP): a loss_fn whose
+    read of the model's own parameter runs eagerly, outside the graphs, per case:
+
+    * "after": a ``torch._dynamo.disable`` helper after the model call reads
+      ``model.head.weight`` and adds ``0.5 * w.square().sum()`` (the penalty the attack of
+      issue #55 added: it read the initial weights and dropped the penalty's gradient);
+    * "before": the same helper called before the model;
+    * "tied": the helper reads ``model.extra.weight``, ``head.weight`` tied into a second
+      module (one tensor under two names);
+    * "traced": a ``print`` (a graph break), then the read in the graph resumed after it.
+
+    Per (strategy, case): the first step's error (type, message, or None), whether the model
+    holds its own parameter again after it, and the loss of a plain step run next on the same
+    state (the placeholders gone)."""
+    import torch.distributed as dist
+
+    import funcshard as fs
+
+    import models
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = models.local_batch(models.global_batch(0, 8), rank, world)
+    out = {}
+    for strategy in ("optim_grads_params", "optim_grads"):
+        for case in ("after", "before", "tied", "traced")[
+            : 4 if strategy == "optim_grads_params" else 1
+        ]:
+            torch._dynamo.reset()
+            model = models.make_model(n_blocks=2)
+            model.extra = torch.nn.Linear(37, 11, bias=False)
+            model.extra.weight = model.head.weight
+            state = fs.init(
+                model,
+                fs.optim.sgd(0.1),
+                mesh=fs.make_mesh(device_type="cpu"),
+                strategy=strategy,
+                compile="aot_eager",
+            )
+            plain = models.make_loss_fn(model)
+            try:
+                fs.train_step(state, batch, _reading(model, plain, case))
+                error = None
+            except Exception as e:  # noqa: BLE001
+                error = (type(e).__name__, str(e))
+            own = type(model.head.weight) is torch.nn.Parameter
+            _, metrics = fs.train_step(state, batch, plain)
+            out[(strategy, case)] = (error, own, float(metrics["loss"]))
+    return out
+
+
+def _reading(model: torch.nn.Module, plain, case: str):
+    """``plain`` plus ``0.5 * w.square().sum()`` of the model's own ``head.weight``, read as
+    ``case`` says (:func:`eager_reads_worker`)."""
+
+    @torch._dynamo.disable
+    def penalty() -> torch.Tensor:
+        w = model.extra.weight if case == "tied" else model.head.weight
+        return w.square().sum()
+
+    def loss_fn(params, batch):
+        if case == "traced":
+            print(end="")  # a graph break
+            return plain(params, batch) + 0.5 * model.head.weight.square().sum()
+        first = penalty() if case == "before" else None
+        loss = plain(params, batch)
+        return loss + 0.5 * (first if first is not None else penalty())
+
+    return loss_fn
+
+
 def _two_losses_runs(mesh) -> list[tuple[str, int, int]]:
     """Captured ZeRO-3 (aot_eager), steps with loss A (a print before the model: the step's
     graph holds every gathered param to backward, re-gathers none), then B (no break: each

@@ -574,6 +574,27 @@ def test_captured_edges(pool2):
     assert a_again == a and a[1] < b[1] and a[2] > b[2] > 0, out["two_losses"]
 
 
+def test_captured_eager_reads_of_the_model_raise(pool2):
+    """A read of the model's own parameter that runs eagerly in a captured step (behind a
+    graph break: a ``torch._dynamo.disable`` helper after the model call or before it, a
+    tied name of the parameter; or traced, after a print) raises UnitParamsError naming it
+    at the first step, on both ranks alike (neither left waiting in a collective: the pool's
+    timeout), under ZeRO-3 and ZeRO-2 (before: the helper read the model's initial weights
+    and the penalty's gradient was dropped, silently). The model holds its own parameter
+    again after the error, and a plain step then runs on the same state."""
+    from helpers_compile import eager_reads_worker
+
+    ranks = pool2.run(eager_reads_worker)
+    assert ranks[0].keys() == ranks[1].keys() and len(ranks[0]) == 5, ranks[0].keys()
+    for out in ranks:
+        for case, (error, own, loss) in out.items():
+            assert error is not None, case
+            kind, message = error
+            assert kind == "UnitParamsError" and "'head.weight'" in message, (case, error)
+            assert "params['head.weight']" in message, (case, message)
+            assert own and 0 < loss < 10, (case, own, loss)
+
+
 def test_captured_aux_copied_out():
     """Under cuda_graphs=True the captured step copies aux out of the graphs' static outputs:
     every tensor leaf (an fs.summed's value too) is a new tensor of the same values."""

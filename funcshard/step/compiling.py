@@ -83,7 +83,7 @@ def compile_fn(
     *,
     constants: str | None = None,
     check: Callable[[Any, list], None] | None = None,
-    on_compiled: Callable[[], Callable[[], None]] | None = None,
+    on_compiled: Callable[[Any], Callable[[], None]] | None = None,
 ) -> Callable[..., Any]:
     """``torch.compile(fn)`` with ``backend`` (``CudaGraphs``: inductor's reduce-overhead).
 
@@ -135,7 +135,7 @@ _CODES = itertools.count()
 def _checked(
     backend: str | Callable[..., Any],
     check: Callable[[Any, list], None] | None,
-    on_compiled: Callable[[], Callable[[], None]] | None = None,
+    on_compiled: Callable[[Any], Callable[[], None]] | None = None,
 ) -> Callable:
     """``backend`` (a name or a callable) called after ``check(gm, example_inputs)``; inductor's
     options (``triton.cudagraphs``) reach it as torch.compile hands them to a callable. With
@@ -154,7 +154,7 @@ def _checked(
             compiled = inner(gm, example_inputs, **kwargs)
         if on_compiled is None:
             return compiled
-        ran = on_compiled()
+        ran = on_compiled(gm)
 
         @functools.wraps(compiled)  # its attributes too (what dynamo may read of it)
         def run(*args: Any) -> Any:

@@ -88,6 +88,7 @@ from funcshard.step.compiling import (
 from funcshard.step.reduction import AddInto, Grads, Sink
 from funcshard.step.units import prefetch
 from funcshard.step.units.backend import joint_backend
+from funcshard.step.units.eager_reads import EagerReads
 from funcshard.step.units.losses import copied_out, dtensor_backward, loss_and_aux, reported
 from funcshard.step.units.mutation_order import mutation_renames_kept
 from funcshard.step.units.placeholders import read_in_capture
@@ -291,15 +292,16 @@ def _grad_wire(layout: Layout, b: Bucket) -> GradWire:
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _compiled(layout: Layout, backend: Backend) -> tuple[Callable, Placed]:
-    """The compiled step of ``layout`` and what the joint pass placed in its graphs, started
-    for a new call (:meth:`Placed.start`: no graph of it has run yet). Keyed by the user's
+def _compiled(layout: Layout, backend: Backend) -> tuple[Callable, Placed, EagerReads]:
+    """The compiled step of ``layout``, what the joint pass placed in its graphs, started
+    for a new call (:meth:`Placed.start`: no graph of it has run yet), and its cover of the
+    model's own params (:mod:`funcshard.step.units.eager_reads`). Keyed by the user's
     ``backend``; one that does not go through AOTAutograd compiles AOTAutograd's graphs
     (:func:`~funcshard.step.units.backend.joint_backend`), so that the joint pass runs for it."""
     by_backend = _CACHE.setdefault(layout, {})
     key = id(backend) if callable(backend) else backend
     if key not in by_backend:
-        placed = Placed()
+        placed, reads = Placed(), EagerReads(layout)
         compiled = compile_fn(
             _captured(layout),
             joint_backend(backend),
@@ -307,9 +309,9 @@ def _compiled(layout: Layout, backend: Backend) -> tuple[Callable, Placed]:
             check=_model_reads(layout),
             # each graph, as it runs, says which compile of its frame ran (a frame compiled
             # again for another loss_fn keeps both: dynamo runs whichever one's guards pass)
-            on_compiled=lambda: functools.partial(placed.ran, compile_key()),
+            on_compiled=lambda gm: reads.on_run(gm, functools.partial(placed.ran, compile_key())),
         )
-        by_backend[key] = (compiled, placed)
+        by_backend[key] = (compiled, placed, reads)
     by_backend[key][1].start()
     return by_backend[key]
 
@@ -416,6 +418,34 @@ class CapturedGrads:
         except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on fake tensors
             raise traced_error(e, batch, self.backend) from None
 
+    def _grads(
+        self,
+        step: Callable,
+        placed: Placed,
+        loss_fn: Callable,
+        carriers: list[torch.Tensor],
+        batch: Any,
+        scale: float,
+    ) -> tuple[torch.Tensor, Any, tuple]:
+        """The microbatch's forward and backward through the compiled step: its loss, aux
+        and the carriers' gradients (each bucket's reduced shard, None where none reached)."""
+        layout = self.layout
+        buckets = list(range(len(layout.buckets)))
+        replayed = isinstance(self.backend, CudaGraphs)
+        if replayed:  # a new microbatch: the last replay's outputs may be overwritten now
+            torch.compiler.cudagraph_mark_step_begin()
+        breaks = dict(torch._dynamo.utils.counters["graph_break"])
+        loss, aux = self._call(step, placed, loss_fn, carriers, batch)
+        warn_graph_breaks(layout, breaks)
+        if layout.strategy.shards_params:
+            _count(layout, "all_gather", buckets)
+            _count_regathers(layout, placed)
+        if replayed:  # a replay's outputs live in the graph's static buffers: keep copies
+            loss, aux = loss.clone(), copied_out(aux)
+        with dtensor_backward(loss), _compiling(layout, self.backend):
+            grads = torch.autograd.grad(loss * scale, carriers, allow_unused=True)
+        return loss, aux, grads
+
     def microbatch(
         self,
         batch: Any,
@@ -434,20 +464,12 @@ class CapturedGrads:
             .requires_grad_()
             for b in layout.buckets
         ]
-        step, placed = _compiled(layout, self.backend)
+        step, placed, reads = _compiled(layout, self.backend)
+        try:  # the model's own params back where a graph ending at a break covered them
+            loss, aux, grads = self._grads(step, placed, loss_fn, carriers, batch, scale)
+        finally:
+            reads.uncover()
         replayed = isinstance(self.backend, CudaGraphs)
-        if replayed:  # a new microbatch: the last replay's outputs may be overwritten now
-            torch.compiler.cudagraph_mark_step_begin()
-        breaks = dict(torch._dynamo.utils.counters["graph_break"])
-        loss, aux = self._call(step, placed, loss_fn, carriers, batch)
-        warn_graph_breaks(layout, breaks)
-        if layout.strategy.shards_params:
-            _count(layout, "all_gather", buckets)
-            _count_regathers(layout, placed)
-        if replayed:  # a replay's outputs live in the graph's static buffers: keep copies
-            loss, aux = loss.clone(), copied_out(aux)
-        with dtensor_backward(loss), _compiling(layout, self.backend):
-            grads = torch.autograd.grad(loss * scale, carriers, allow_unused=True)
         reached = [i for i, g in enumerate(grads) if g is not None]
         _count(layout, "reduce_scatter", reached)
         acc = sink.acc if sink.acc is not None else [None] * len(buckets)

@@ -12,7 +12,7 @@ import torch
 
 from funcshard.layout.layout import ROOT_UNIT, Layout
 
-__all__ = ["UnitParamsError", "Absent", "absent", "read_in_capture"]
+__all__ = ["UnitParamsError", "Absent", "absent", "read_in_capture", "absent_in_capture"]
 
 
 class UnitParamsError(RuntimeError):
@@ -114,3 +114,32 @@ def read_in_capture(layout: Layout, name: str) -> UnitParamsError:
         "loss_fn the state's params, and the model's own tensor is not one of them (it holds "
         f"the initial weights); read params[{name!r}] instead"
     )
+
+
+_CAPTURED: weakref.WeakKeyDictionary[Layout, dict[str, Absent]] = weakref.WeakKeyDictionary()
+
+
+def absent_in_capture(layout: Layout) -> dict[str, Absent]:
+    """A placeholder per parameter of ``layout`` whose error is :func:`read_in_capture`'s:
+    what the model holds while a captured step's eager code runs (made once per layout)."""
+    if layout not in _CAPTURED:
+        _CAPTURED[layout] = {
+            s.name: _InCapture(s.shape, s.dtypes.compute, str(read_in_capture(layout, s.name)))
+            for s in layout.leaves
+        }
+    return _CAPTURED[layout]
+
+
+class _InCapture(Absent):
+    """:class:`Absent` for the captured step's model, which dynamo may trace while it holds
+    one (a graph resumed after a break that runs ``fs.functional_call`` reads the model's
+    slots to swap the state's params in): dynamo's own reads of it as it traces answer, so
+    that the swap traces as over the model's own param; a use that runs, eagerly or in the
+    code dynamo falls back to, raises as :class:`Absent` does."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if torch._guards.TracingContext.try_get() is not None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
