@@ -216,8 +216,8 @@ def eager_reads_worker() -> dict:
             )
             plain = models.make_loss_fn(model)
             try:
-                fs.train_step(state, batch, _reading(model, plain, case))
-                error = None
+                state, _ = fs.train_step(state, batch, _reading(model, plain, case))
+                error = None  # (before: no error, the initial weights read)
             except Exception as e:  # noqa: BLE001
                 error = (type(e).__name__, str(e))
             own = type(model.head.weight) is torch.nn.Parameter

@@ -48,7 +48,9 @@ gradient; ``gathered_peak`` is the graphs' most gathered bytes at once as placed
 A ``loss_fn`` that reads a parameter from the model itself, not from its params, would read
 the model's initial weights: each graph is checked before its backend gets it, and a model
 parameter among its inputs raises :class:`UnitParamsError` naming it (as eager ZeRO-3 raises
-for a param used outside its unit).
+for a param used outside its unit). Code that runs eagerly between the graphs of a step dynamo
+broke finds placeholders in the model's slots, which raise the same error on use
+(:mod:`funcshard.step.units.eager_reads`).
 
 A tensor-parallel model's gathered local params reach ``loss_fn`` as its DTensors
 (``layout.tensor.wrap``: ``DTensor.from_local`` traced in the graph), as eager hands them.
