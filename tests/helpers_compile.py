@@ -185,7 +185,10 @@ def eager_reads_worker() -> dict:
     * "before": the same helper called before the model;
     * "tied": the helper reads ``model.extra.weight``, ``head.weight`` tied into a second
       module (one tensor under two names);
-    * "traced": a ``print`` (a graph break), then the read in the graph resumed after it.
+    * "traced": a ``print`` (a graph break), then the read in the graph resumed after it;
+    * "device": behind the helper, only the parameter's device and ``requires_grad`` (the
+      placeholder's are ``meta`` and False: "Cannot copy out of meta tensor" and a count of 0
+      trained params before the review's fix).
 
     Per (strategy, case): the first step's error (type, message, or None), whether the model
     holds its own parameter again after it, and the loss of a plain step run next on the same
@@ -200,8 +203,8 @@ def eager_reads_worker() -> dict:
     batch = models.local_batch(models.global_batch(0, 8), rank, world)
     out = {}
     for strategy in ("optim_grads_params", "optim_grads"):
-        for case in ("after", "before", "tied", "traced")[
-            : 4 if strategy == "optim_grads_params" else 1
+        for case in ("after", "before", "tied", "traced", "device")[
+            : 5 if strategy == "optim_grads_params" else 1
         ]:
             torch._dynamo.reset()
             model = models.make_model(n_blocks=2)
@@ -233,6 +236,8 @@ def _reading(model: torch.nn.Module, plain, case: str):
     @torch._dynamo.disable
     def penalty() -> torch.Tensor:
         w = model.extra.weight if case == "tied" else model.head.weight
+        if case == "device":
+            return torch.ones((), device=w.device) * w.requires_grad
         return w.square().sum()
 
     def loss_fn(params, batch):

@@ -577,7 +577,8 @@ def test_captured_edges(pool2):
 def test_captured_eager_reads_of_the_model_raise(pool2):
     """A read of the model's own parameter that runs eagerly in a captured step (behind a
     graph break: a ``torch._dynamo.disable`` helper after the model call or before it, a
-    tied name of the parameter; or traced, after a print) raises UnitParamsError naming it
+    tied name of the parameter, its device and requires_grad alone; or traced, after a
+    print) raises UnitParamsError naming it
     at the first step, on both ranks alike (neither left waiting in a collective: the pool's
     timeout), under ZeRO-3 and ZeRO-2 (before: the helper read the model's initial weights
     and the penalty's gradient was dropped, silently). The model holds its own parameter
@@ -585,7 +586,7 @@ def test_captured_eager_reads_of_the_model_raise(pool2):
     from helpers_compile import eager_reads_worker
 
     ranks = pool2.run(eager_reads_worker)
-    assert ranks[0].keys() == ranks[1].keys() and len(ranks[0]) == 5, ranks[0].keys()
+    assert ranks[0].keys() == ranks[1].keys() and len(ranks[0]) == 6, ranks[0].keys()
     for out in ranks:
         for case, (error, own, loss) in out.items():
             assert error is not None, case

@@ -135,11 +135,23 @@ class _InCapture(Absent):
     one (a graph resumed after a break that runs ``fs.functional_call`` reads the model's
     slots to swap the state's params in): dynamo's own reads of it as it traces answer, so
     that the swap traces as over the model's own param; a use that runs, eagerly or in the
-    code dynamo falls back to, raises as :class:`Absent` does."""
+    code dynamo falls back to, raises as :class:`Absent` does. Of its attributes only those
+    it shares with the param (:data:`_AS_THE_PARAM`: its shape and dtype) answer: its device
+    is ``meta`` and it needs no grad, so that a loss_fn asking the model for its device
+    (``torch.zeros(..., device=p.device)``) or counting its trained params by
+    ``requires_grad`` would get a wrong answer; each such read raises instead (found by
+    review: "Cannot copy out of meta tensor", a count of 0 trained params)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if torch._guards.TracingContext.try_get() is not None:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+        if getattr(func, "__name__", None) == "__get__" and name not in _AS_THE_PARAM:
+            raise UnitParamsError(args[0]._why)
         return super().__torch_function__(func, types, args, kwargs)
+
+
+# the attributes a captured step's placeholder shares with the param it stands for
+_AS_THE_PARAM = frozenset({"shape", "dtype", "ndim", "layout", "names", "_why"})
