@@ -14,13 +14,16 @@ bucket's gradients would be held to the end and no reduce would overlap the back
 (after the peak-memory ordering), places the starts of both kinds one at a time in the
 graph's order (each start's inputs fix it: :func:`funcshard.step.units.prefetch.order_kinds`).
 Each reduce's start goes just after the last node it depends on (its bucket's gradients
-complete) and the previous reduce's wait just before it: the eager step's order, where a
+complete, each of them first moved to just after its own inputs: inductor's order deferred
+a block's weight gradient to the tail, holding every block's output gradient there) and
+the previous reduce's wait just before it: the eager step's order, where a
 bucket's reduce is waited for as the next one starts, one in flight while the backward
 computes. Each gather's previous wait goes just before the first node that reads the
 gathered params, and the gather's start as soon after that wait as its inputs allow (one
 bucket ahead). A start never goes before a node it depends on, and a wait never after a node
 that reads it; where the result were not valid all the same, inductor's order stays (the
 record first). Either way the starts' order is the graph's, the same on every rank.
+``overlap=False``'s pass (:func:`place_in_order`) places its whole reduces the same way.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def place_comms(snodes: list[Any]) -> list[Any]:
 
 def place_mark(snodes: list[Any]) -> list[Any]:
     """The graph's record of its collectives (``funcshard::graph_collectives``) first, so that
-    nothing can raise before it, the rest as it was: ``overlap=False``'s one reorder pass."""
+    nothing can raise before it, the rest as it was (the order both passes fall back to)."""
     first = list(snodes)
     for mark in _ops(first, GRAPH_COLLECTIVES):  # it reads nothing: first is valid
         _remove(first, mark)
